@@ -1,0 +1,39 @@
+# The README's commands: make demo, make test. Everything installs itself.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+APT_PKGS := openssh-server openssh-client rsync pdsh iproute2 procps
+
+.PHONY: install system-deps test demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip setuptools
+	$(VPY) -m pip install -q -c constraints.txt -e '.[worker,dev]'
+	touch $(STAMP)
+
+# sshd, rsync and pdsh are what the tests' fake cluster and the benchmarks' baselines use.
+system-deps:
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+test: install system-deps
+	$(VPY) -m pytest
+
+demo: install
+	$(VPY) -m worker.demo_data --out data/demo --seed 0
+	$(VENV)/bin/orch split-data -c cluster.yaml
+	$(VENV)/bin/orch up cluster.yaml
+
+bench: install system-deps
+	$(VPY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .orch build *.egg-info

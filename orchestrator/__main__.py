@@ -1,0 +1,3 @@
+from orchestrator.cli import cli
+
+raise SystemExit(cli())

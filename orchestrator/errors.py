@@ -1,0 +1,56 @@
+"""One error base class; `cli()` turns any of them into one message and an exit code."""
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_JOB_FAILED = 1
+EXIT_USAGE = 2
+EXIT_HOST = 3
+EXIT_INTERRUPTED = 130
+
+
+class OrchError(Exception):
+    """A problem the user can act on: printed as one message, never as a traceback."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, message: str, *, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message}\n  fix: {self.hint}" if self.hint else self.message
+
+
+class UsageError(OrchError):
+    exit_code = EXIT_USAGE
+
+
+class InventoryError(OrchError):
+    """A mistake in cluster.yaml, always with file and line."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, path: str, line: int | None, message: str, hint: str = "") -> None:
+        where = f"{path}:{line}" if line else path
+        super().__init__(f"{where}: {message}", hint=hint)
+        self.path = path
+        self.line = line
+
+
+class DataError(OrchError):
+    exit_code = EXIT_USAGE
+
+
+class HostError(OrchError):
+    """One or more hosts failed preflight or could not be reached."""
+
+    exit_code = EXIT_HOST
+
+
+class JobFailed(OrchError):
+    exit_code = EXIT_JOB_FAILED
+
+
+class Interrupted(OrchError):
+    exit_code = EXIT_INTERRUPTED
