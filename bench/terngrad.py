@@ -1,0 +1,156 @@
+"""Gradient bytes per step and step time for none / fp16 / terngrad (gloo, CPU).
+
+    .venv/bin/python bench/terngrad.py                 # W = 2 and 4, the demo model
+    .venv/bin/python bench/terngrad.py --workers 2 --steps 10 --json out.json
+
+For every world size W it starts W processes on 127.0.0.1 (gloo, one thread each) that
+train the demo model on random 32x32 images with each hook in turn, and prints per
+kind: the gradient bytes one rank handed to collectives per step, the ratio to
+``none``, and the mean step time (forward, backward with communication, SGD step).
+On a machine with fewer cores than W, step times include CPU contention.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from worker import compression  # noqa: E402
+
+KINDS = ("none", "fp16", "terngrad")
+IMAGE_SIZE = 32
+JOIN_TIMEOUT_S = 600
+
+
+def build_model(name: str, num_classes: int) -> nn.Module:
+    from worker import models  # the training program's models, so the numbers match it
+
+    return models.build_model(name, num_classes=num_classes)
+
+
+def _time_steps(ddp: nn.Module, opt: torch.optim.Optimizer, stats: compression.CommStats,
+                batch: tuple[torch.Tensor, torch.Tensor], warmup: int, steps: int
+                ) -> tuple[float, float]:
+    """(bytes per step, median seconds per step) after ``warmup`` untimed steps."""
+    times, start_bytes = [], 0
+    for i in range(warmup + steps):
+        if i == warmup:
+            start_bytes = stats.bytes_sent
+        dist.barrier()  # every step starts together: times are not skewed by stragglers
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(ddp(batch[0]), batch[1]).backward()
+        opt.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return (stats.bytes_sent - start_bytes) / steps, statistics.median(times)
+
+
+def _run_kind(args: argparse.Namespace, kind: str, rank: int) -> dict:
+    torch.manual_seed(0)  # same initial weights on every rank, as DDP would broadcast
+    model = build_model(args.model, args.classes)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    stats = compression.install_comm_hook(
+        ddp, kind, clip_factor=args.clip_factor, quantize_logits=args.quantize_logits)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(rank)
+    batch = (torch.randn(args.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen),
+             torch.randint(0, args.classes, (args.batch_size,), generator=gen))
+    per_step, seconds = _time_steps(ddp, opt, stats, batch, args.warmup, args.steps)
+    numel = sum(p.numel() for p in model.parameters())
+    return {"kind": kind, "bytes_per_step": per_step, "step_s": seconds, "params": numel}
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    try:
+        rows = [_run_kind(args, kind, rank) for kind in args.kinds]
+        if rank == 0:
+            Path(out).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_world(args: argparse.Namespace, world: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), args, out),
+                                 nprocs=world, join=False, start_method="spawn")
+        try:
+            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"W={world} did not finish in {JOIN_TIMEOUT_S} s")
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join(5)
+        rows = json.loads(Path(out).read_text())
+    for row in rows:
+        row["workers"] = world
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| kind | W | grad bytes/step (per rank) | vs none | step time (ms) |",
+             "|---|---|---|---|---|"]
+    base = {r["workers"]: r["bytes_per_step"] for r in rows if r["kind"] == "none"}
+    for r in rows:
+        ratio = base.get(r["workers"], float("nan")) / r["bytes_per_step"]
+        lines.append(f"| {r['kind']} | {r['workers']} | {r['bytes_per_step']:,.0f} | "
+                     f"{ratio:.1f}x fewer | {1000 * r['step_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="lenet", help="a model of worker.models (default lenet)")
+    p.add_argument("--classes", type=int, default=6, help="logits (the demo task has 6)")
+    p.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per kind")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (DDP rebuilds buckets)")
+    p.add_argument("--clip-factor", type=float, default=None)
+    p.add_argument("--quantize-logits", action="store_true")
+    p.add_argument("--json", help="also write the rows to this file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = [row for world in args.workers for row in run_world(args, world)]
+    print(f"model={args.model} batch={args.batch_size}/rank steps={args.steps} "
+          f"params={rows[0]['params']:,} quantize_logits={args.quantize_logits}")
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

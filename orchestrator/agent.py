@@ -1,0 +1,603 @@
+"""The host side of orch: a stdlib-only script that runs on every host.
+
+The controller never installs anything on a host. Each call sends this file's source on
+stdin to ``python -c BOOT <n> <command> ...`` (see ``remote.py``); whatever stdin carries
+after those n bytes belongs to the command (file streams, secrets). Python >= 3.8.
+
+Commands print one JSON object (or a line protocol for ``follow``) on stdout.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+CACHE_NAME = ".orch-digests.json"
+HEARTBEAT_S = 1.0
+
+
+def out(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def job_paths(job_dir: str) -> dict:
+    job = os.path.abspath(os.path.expanduser(job_dir))
+    names = ("code", "data", "logs", "run", "output")
+    return dict({"job": job}, **{n: os.path.join(job, n) for n in names})
+
+
+def read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
+    tmp = "%s.tmp-%d" % (path, os.getpid())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- processes
+
+def proc_start_time(pid: int):
+    """Field 22 of /proc/<pid>/stat: tells a live pid from a recycled one."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def has_marker(pid: int, marker: bytes) -> bool:
+    try:
+        if os.stat("/proc/%d" % pid).st_uid != os.getuid():
+            return False  # never another user's process, even as root
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            return marker in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def marked_pids(job_dir: str) -> list:
+    """Every process of this job: its environment carries ORCH_JOB_DIR=<abs job dir>.
+
+    torchrun puts each worker in a session of its own, so a process group alone misses
+    them; the marker is inherited by torchrun, the workers and their data-loader children.
+    """
+    marker = ("ORCH_JOB_DIR=" + job_dir).encode()
+    me = os.getpid()
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    return [p for p in pids if p != me and has_marker(p, marker)]
+
+
+def supervisor_alive(run_dir: str):
+    sup = read_json(os.path.join(run_dir, "supervisor.json"))
+    if not sup:
+        return None
+    if proc_start_time(sup["pid"]) != sup.get("start_ticks"):
+        return None
+    return sup
+
+
+def signal_all(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------- preflight
+
+def gpu_count() -> int:
+    try:
+        r = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, timeout=20)
+        return sum(1 for l in r.stdout.decode().splitlines() if l.startswith("GPU "))
+    except (OSError, subprocess.SubprocessError):
+        return 0
+
+
+def torch_version():
+    # importlib.metadata reads the dist-info: milliseconds, where `import torch` costs seconds.
+    try:
+        from importlib.metadata import version, PackageNotFoundError
+    except ImportError:
+        return None
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return None
+
+
+def port_free(port: int) -> bool:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def free_port() -> int:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def dir_writable(path: str):
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".orch-write-test-%d" % os.getpid())
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.unlink(probe)
+        return None
+    except OSError as e:
+        return "%s: %s" % (path, e.strerror or e)
+
+
+def cmd_preflight(job_dir: str, master_port: str, want_port: str) -> None:
+    p = job_paths(job_dir)
+    port = int(master_port)
+    report = {
+        "python": sys.version.split()[0], "executable": sys.executable,
+        "torch": torch_version(), "gpus": gpu_count(), "job_dir": p["job"],
+        "writable": dir_writable(p["job"]), "time": time.time(),
+        "hostname": socket.gethostname(),
+        "ssh_connection": os.environ.get("SSH_CONNECTION", ""),
+        "running": bool(supervisor_alive(p["run"])),
+    }
+    if want_port == "1":
+        report["port"] = port if port else free_port()
+        report["port_free"] = port_free(report["port"])
+    out(report)
+
+
+# ---------------------------------------------------------------- files
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_cache(root: str) -> dict:
+    return read_json(os.path.join(root, CACHE_NAME)) or {}
+
+
+def save_cache(root: str, cache: dict) -> None:
+    try:
+        write_atomic(os.path.join(root, CACHE_NAME), json.dumps(cache).encode(), 0o644)
+    except OSError:
+        pass
+
+
+def walk_files(root: str):
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        try:
+            entries = list(os.scandir(os.path.join(root, rel)))
+        except OSError:
+            continue
+        for e in entries:
+            r = rel + "/" + e.name if rel else e.name
+            if e.is_dir(follow_symlinks=False):
+                stack.append(r)
+            elif e.is_file(follow_symlinks=False) and e.name != CACHE_NAME \
+                    and ".orch-part-" not in e.name:
+                yield r, e.stat(follow_symlinks=False)
+
+
+def cmd_manifest(root: str) -> None:
+    """{relpath: [size, sha256]} of a folder; digests cached by (size, mtime, inode).
+
+    A file changed by hand gets a new mtime and is hashed again; the cache makes a
+    second `orch up` with nothing to send cost a stat per file, not a read.
+    """
+    root = os.path.abspath(os.path.expanduser(root))
+    cache, fresh, files = load_cache(root), {}, {}
+    for rel, st in walk_files(root):
+        key = "%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino)
+        digest = cache.get(rel, [None, None])
+        digest = digest[1] if digest[0] == key else sha256_file(os.path.join(root, rel))
+        fresh[rel] = [key, digest]
+        files[rel] = [st.st_size, digest]
+    if os.path.isdir(root):
+        save_cache(root, fresh)
+    out({"root": root, "files": files})
+
+
+def safe_join(root: str, rel: str) -> str:
+    """Refuse any path that would land outside root (absolute, .., links)."""
+    if not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:
+        raise ValueError("unsafe path %r" % rel)
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError("unsafe path %r" % rel)
+    path = os.path.join(root, *parts)
+    real_parent = os.path.realpath(os.path.dirname(path))
+    if real_parent != root and not real_parent.startswith(root + os.sep):
+        raise ValueError("path %r leaves %s" % (rel, root))
+    return path
+
+
+def receive_file(stream, root: str, head: dict, cache: dict) -> None:
+    """Write beside (.orch-part-), hash while writing, verify, then rename into place."""
+    path = safe_join(root, head["p"])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = "%s.orch-part-%d" % (path, os.getpid())
+    h, left = hashlib.sha256(), head["s"]
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    with open(tmp, "wb") as f:
+        while left:
+            n = stream.readinto(view[:min(left, len(buf))])
+            if not n:
+                raise EOFError("stream ended inside %s" % head["p"])
+            h.update(view[:n])
+            f.write(view[:n])
+            left -= n
+    if head.get("h") and h.hexdigest() != head["h"]:
+        os.unlink(tmp)
+        raise ValueError("digest mismatch for %s" % head["p"])
+    os.chmod(tmp, head.get("m", 0o644))
+    os.replace(tmp, path)
+    st = os.stat(path)
+    cache[head["p"]] = ["%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino), h.hexdigest()]
+
+
+def prune_empty_dirs(root: str) -> None:
+    for d, subdirs, files in os.walk(root, topdown=False):
+        if d != root and not os.listdir(d):
+            os.rmdir(d)
+
+
+def cmd_receive(root: str) -> None:
+    """Apply a stream: JSON header line + raw bytes per file, then {"end", "delete"}."""
+    root = os.path.abspath(os.path.expanduser(root))
+    os.makedirs(root, exist_ok=True)
+    stream, cache, count, nbytes = sys.stdin.buffer, load_cache(root), 0, 0
+    while True:
+        line = stream.readline()
+        if not line:
+            raise EOFError("stream ended without its end marker")
+        head = json.loads(line)
+        if "end" in head:
+            break
+        receive_file(stream, root, head, cache)
+        count, nbytes = count + 1, nbytes + head["s"]
+    for rel in head.get("delete", []):
+        path = safe_join(root, rel)
+        if os.path.lexists(path):
+            os.unlink(path)
+        cache.pop(rel, None)
+    if head.get("delete"):
+        prune_empty_dirs(root)
+    save_cache(root, cache)
+    out({"files": count, "bytes": nbytes, "deleted": len(head.get("delete", []))})
+
+
+def cmd_put(path: str, mode: str) -> None:
+    path = os.path.abspath(os.path.expanduser(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_atomic(path, sys.stdin.buffer.read(), int(mode, 8))
+    out({"path": path})
+
+
+# ---------------------------------------------------------------- launch
+
+def clean_run_dir(p: dict) -> None:
+    for d in (p["run"], p["logs"], p["output"]):
+        os.makedirs(d, exist_ok=True)
+    for name in os.listdir(p["run"]):
+        if name.endswith((".exit", ".pid")) or name == "host.exit":
+            os.unlink(os.path.join(p["run"], name))
+
+
+def cmd_launch(job_dir: str) -> None:
+    """Start the supervisor fully detached (double fork + setsid), report its pid."""
+    p = job_paths(job_dir)
+    if supervisor_alive(p["run"]):
+        out({"error": "already running"})
+        return
+    clean_run_dir(p)
+    # The spec (with the job's env: secrets) comes on stdin and is kept 0600.
+    spec = json.loads(sys.stdin.buffer.read())
+    rankexec = spec.pop("rankexec")
+    write_atomic(os.path.join(p["run"], "launch.json"), json.dumps(spec).encode(), 0o600)
+    write_atomic(os.path.join(p["run"], "rankexec.py"), rankexec.encode(), 0o644)
+    for r in spec["ranks"]:
+        open(os.path.join(p["logs"], "rank-%d.log" % r), "w").close()
+    rfd, wfd = os.pipe()
+    if os.fork() == 0:
+        os.close(rfd)
+        os.setsid()
+        if os.fork() == 0:
+            supervise(p, spec, wfd)
+        os._exit(0)
+    os.close(wfd)
+    with os.fdopen(rfd) as r:
+        reply = r.read()
+    out(json.loads(reply) if reply else {"error": "supervisor did not start"})
+
+
+def detach_stdio(log_path: str) -> None:
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+
+
+def supervise(p: dict, spec: dict, wfd: int) -> None:
+    """Runs torchrun, records its exit code in run/host.exit; never returns."""
+    detach_stdio(os.path.join(p["run"], "torchrun.log"))
+    env = dict(os.environ)
+    env.update(spec["env"])
+    code = 1
+    try:
+        proc = subprocess.Popen(spec["argv"], cwd=p["code"], env=env)
+        me = os.getpid()
+        info = {"pid": me, "pgid": os.getpgid(0), "start_ticks": proc_start_time(me),
+                "torchrun_pid": proc.pid, "run_id": spec["run_id"], "started": time.time()}
+        write_atomic(os.path.join(p["run"], "supervisor.json"), json.dumps(info).encode())
+        os.write(wfd, json.dumps(info).encode())
+        os.close(wfd)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda s, f: proc.send_signal(s))
+        code = proc.wait()
+    except BaseException as e:  # anything here must still leave host.exit behind
+        sys.stderr.write("orch supervisor: %r\n" % (e,))
+        try:
+            os.write(wfd, json.dumps({"error": repr(e)}).encode())
+        except OSError:
+            pass
+    write_atomic(os.path.join(p["run"], "host.exit"),
+                 json.dumps({"code": code, "time": time.time()}).encode(), 0o644)
+    os._exit(0)
+
+
+# ---------------------------------------------------------------- follow
+
+class RankLog:
+    """A growing log file read in place; yields whole lines only."""
+
+    def __init__(self, rank: int, path: str, offset: int) -> None:
+        self.rank, self.path, self.offset, self.f = rank, path, offset, None
+
+    def read_lines(self, limit: int = 4 << 20) -> list:
+        if self.f is None:
+            try:
+                self.f = open(self.path, "rb")
+            except OSError:
+                return []
+        self.f.seek(self.offset)
+        data = self.f.read(limit)
+        end = data.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        return data[:end].split(b"\n")
+
+    def rest(self) -> bytes:
+        """The final unterminated line, once the rank has ended."""
+        if self.f is None:
+            return b""
+        self.f.seek(self.offset)
+        data = self.f.read()
+        self.offset += len(data)
+        return data
+
+
+def tail_offset(path: str, n: int) -> int:
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return 0
+    with open(path, "rb") as f:
+        pos, found = size, 0
+        while pos > 0 and found <= n:
+            step = min(1 << 16, pos)
+            pos -= step
+            f.seek(pos)
+            chunk = f.read(step)
+            if pos + step == size and chunk.endswith(b"\n"):
+                found -= 1
+            found += chunk.count(b"\n")
+            if found > n:
+                idx = len(chunk)
+                for _ in range(found - n):
+                    idx = chunk.rfind(b"\n", 0, idx)
+                return pos + idx + 1
+    return 0
+
+
+def rank_exit(p: dict, rank: int):
+    return read_json(os.path.join(p["run"], "rank-%d.exit" % rank))
+
+
+def host_done(p: dict):
+    """host.exit once the supervisor finished; {"code": None} when it vanished."""
+    done = read_json(os.path.join(p["run"], "host.exit"))
+    if done is not None or supervisor_alive(p["run"]):
+        return done
+    return read_json(os.path.join(p["run"], "host.exit")) or {"code": None, "lost": True}
+
+
+def emit_lines(w, log: RankLog, raw: bool) -> int:
+    total = 0
+    while True:
+        lines = log.read_lines()
+        if not lines:
+            return total
+        total += len(lines)
+        if raw:
+            w.write(b"\n".join(lines) + b"\n")
+        else:
+            tag = b"L %d " % log.rank
+            w.write(b"".join(tag + l + b"\n" for l in lines))
+
+
+def cmd_follow(job_dir: str, ranks: str, tail: str, mode: str) -> None:
+    """Stream rank logs. mode: "events" (tagged lines, exits, heartbeats; until the
+    host is done), "tagged" (tagged lines there now, then X), "raw-follow" (raw bytes
+    until the ranks end), "raw" (the bytes there now)."""
+    p = job_paths(job_dir)
+    raw = mode.startswith("raw")
+    logs = []
+    for r in [int(x) for x in ranks.split(",")]:
+        path = os.path.join(p["logs"], "rank-%d.log" % r)
+        start = tail_offset(path, int(tail)) if int(tail) >= 0 else 0
+        logs.append(RankLog(r, path, start))
+    w, reported, beat = sys.stdout.buffer, set(), 0.0
+    while True:
+        busy = sum(emit_lines(w, log, raw) for log in logs)
+        done = mode in ("raw", "tagged") or follow_exits(w, p, logs, reported, raw)
+        if done:
+            for log in logs:
+                emit_lines(w, log, raw)
+                rest = log.rest()
+                if rest:
+                    w.write(rest + b"\n" if raw else b"L %d " % log.rank + rest + b"\n")
+            if mode == "tagged":
+                w.write(b'X {"code": null, "snapshot": true}\n')
+            w.flush()
+            return
+        if not raw and time.time() - beat >= HEARTBEAT_S:
+            w.write(b"T\n")
+            beat = time.time()
+        w.flush()
+        if not busy:
+            time.sleep(0.05)
+
+
+def follow_exits(w, p: dict, logs: list, reported: set, raw: bool) -> bool:
+    """Report rank exits as they land; True once nothing more will come."""
+    for log in logs:
+        if log.rank in reported:
+            continue
+        ex = rank_exit(p, log.rank)
+        if ex is not None:
+            reported.add(log.rank)
+            emit_lines(w, log, raw)
+            if not raw:
+                w.write(b"E %d %s %r\n" % (log.rank, str(ex["code"]).encode(), ex["time"]))
+    done = host_done(p)
+    if done is None:
+        return raw and len(reported) == len(logs)
+    if not raw:
+        w.write(("X %s\n" % json.dumps(done)).encode())
+    return True
+
+
+# ---------------------------------------------------------------- status / stop
+
+def last_line(path: str) -> str:
+    off = tail_offset(path, 1)
+    try:
+        with open(path, "rb") as f:
+            f.seek(off)
+            return f.read(4096).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def error_file(p: dict, local_rank: int) -> str:
+    """torchrun's error file of a rank (written when the script uses @record)."""
+    base = os.path.join(p["run"], "torchrun")
+    for d, _, files in os.walk(base):
+        if "error.json" in files and d.rstrip("/").endswith("/%d" % local_rank):
+            try:
+                with open(os.path.join(d, "error.json")) as f:
+                    return f.read()[-4000:]
+            except OSError:
+                return ""
+    return ""
+
+
+def rank_status(p: dict, rank: int, local_rank: int, sup) -> dict:
+    info = {"rank": rank, "last_line": last_line(os.path.join(p["logs"], "rank-%d.log" % rank))}
+    pid = read_json(os.path.join(p["run"], "rank-%d.pid" % rank)) or {}
+    info["pid"], info["started"] = pid.get("pid"), pid.get("time")
+    ex = rank_exit(p, rank)
+    if ex is not None:
+        info.update(state="exited", code=ex["code"], ended=ex["time"])
+        info["error_file"] = error_file(p, local_rank) if ex["code"] != 0 else ""
+    elif pid and proc_start_time(pid["pid"]) == pid.get("start_ticks"):
+        info["state"] = "running"
+    else:
+        info["state"] = "starting" if sup else "lost"
+    return info
+
+
+def cmd_status(job_dir: str, ranks: str) -> None:
+    p = job_paths(job_dir)
+    sup = supervisor_alive(p["run"])
+    out({"supervisor": sup, "host_exit": read_json(os.path.join(p["run"], "host.exit")),
+         "time": time.time(),
+         "ranks": [rank_status(p, int(r), i, sup) for i, r in enumerate(ranks.split(","))]})
+
+
+def wait_gone(job_dir: str, sup, deadline: float) -> list:
+    while True:
+        left = marked_pids(job_dir)
+        if sup and proc_start_time(sup["pid"]) == sup["start_ticks"]:
+            left.append(sup["pid"])
+        if not left or time.time() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+def cmd_stop(job_dir: str, grace: str) -> None:
+    """SIGTERM every process of the job, wait up to grace, SIGKILL the rest, verify."""
+    p = job_paths(job_dir)
+    sup = read_json(os.path.join(p["run"], "supervisor.json"))
+    if sup and proc_start_time(sup["pid"]) != sup.get("start_ticks"):
+        sup = None
+    found = marked_pids(p["job"]) + ([sup["pid"]] if sup else [])
+    signal_all(found, signal.SIGTERM)
+    left = wait_gone(p["job"], sup, time.time() + float(grace))
+    killed = list(left)
+    signal_all(left, signal.SIGKILL)
+    left = wait_gone(p["job"], sup, time.time() + 5)
+    out({"found": len(found), "killed": len(killed), "left": left})
+
+
+COMMANDS = {
+    "preflight": cmd_preflight, "manifest": cmd_manifest, "receive": cmd_receive,
+    "put": cmd_put, "launch": cmd_launch, "follow": cmd_follow, "status": cmd_status,
+    "stop": cmd_stop,
+}
+
+
+def main(argv) -> None:
+    try:
+        COMMANDS[argv[0]](*argv[1:])
+    except (BrokenPipeError, KeyboardInterrupt):
+        os._exit(1)
+    except Exception as e:  # the controller turns this into a message naming the host
+        out({"error": "%s: %s" % (type(e).__name__, e)})
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[2:] if sys.argv[1:2] and sys.argv[1].isdigit() else sys.argv[1:])

@@ -1,0 +1,56 @@
+"""`orch`: parse the command line, run one command, turn every OrchError into one
+message and its exit code (SPEC: 0 ok, 1 job failed, 2 usage/inventory, 3 host, 130 Ctrl-C)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from orchestrator import __version__
+from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, OrchError
+
+COMMANDS = ("up", "stop", "logs", "status", "split_data")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own exit code is 2, as SPEC's
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"orch: error: {message}\n")
+        sys.exit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from importlib import import_module
+    parser = Parser(prog="orch", description="SSH launcher for PyTorch distributed training")
+    parser.add_argument("--version", action="version", version=f"orch {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-c", "--config", default="cluster.yaml", metavar="FILE",
+                        help="inventory file (default: cluster.yaml)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+
+    class WithCommon:
+        """Every sub-command gets -c/--config."""
+
+        def add_parser(self, name: str, **kw):
+            return sub.add_parser(name, parents=[common], **kw)
+    for name in COMMANDS:
+        import_module(f"orchestrator.commands.{name}").add_parser(WithCommon())
+    return parser
+
+
+def cli(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except OrchError as e:
+        sys.stderr.write(f"orch: {e}\n")
+        return e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("orch: interrupted\n")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

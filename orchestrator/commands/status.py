@@ -1,0 +1,68 @@
+"""`orch status`: one row per rank: host, local rank, pid, state, runtime, last line."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from rich.table import Table
+
+from orchestrator import state as job_state
+from orchestrator.commands.common import connections, console, inventory
+from orchestrator.commands.monitor import signal_name
+from orchestrator.connect import fan_out
+from orchestrator.errors import EXIT_OK
+from orchestrator.remote import call
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("status", help="per-rank state of the job")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = inventory(args)
+    st = job_state.load(cluster)
+    dirs = job_state.job_dirs(cluster, st)
+    with connections(cluster, require_all=False) as transports:
+        result = fan_out(tuple(h for h in cluster.hosts if h.index in transports),
+                         lambda h: call(transports[h.index], "status", dirs[h.index],
+                                        ",".join(map(str, h.ranks)), timeout=30))
+    rows = []
+    for h in cluster.hosts:
+        reply = result.ok.get(h.index)
+        for local, rank in enumerate(h.ranks):
+            info = reply["ranks"][local] if reply else {"state": "lost", "last_line": ""}
+            offset = reply["time"] - time.time() if reply else 0.0
+            rows.append(row(rank, h.label, local, info, offset))
+    if args.json:
+        print(json.dumps({"job": cluster.name, "ranks": rows}, indent=1))
+    else:
+        console.print(table(cluster.name, rows), soft_wrap=False)
+    return EXIT_OK
+
+
+def row(rank: int, host: str, local: int, info: dict, offset: float) -> dict:
+    state = info["state"]
+    if state == "exited":
+        state = "exited 0" if info["code"] == 0 else f"failed ({signal_name(info['code'])})"
+    runtime = None
+    if info.get("started"):
+        end = info.get("ended") or (time.time() + offset)
+        runtime = round(end - info["started"], 1)
+    return {"rank": rank, "host": host, "local_rank": local, "pid": info.get("pid"),
+            "state": state, "code": info.get("code"), "runtime_s": runtime,
+            "last_line": info.get("last_line", "")}
+
+
+def table(name: str, rows: list[dict]) -> Table:
+    t = Table(title=f"job {name}")
+    for col in ("rank", "host", "local", "pid", "state", "runtime", "last line"):
+        t.add_column(col, overflow="fold" if col == "last line" else "ellipsis")
+    for r in rows:
+        runtime = "-" if r["runtime_s"] is None else f"{r['runtime_s']:.1f}s"
+        t.add_row(str(r["rank"]), r["host"], str(r["local_rank"]), str(r["pid"] or "-"),
+                  r["state"], runtime, r["last_line"][-80:])
+    return t

@@ -1,0 +1,111 @@
+"""`orch up`: preflight, push code and shards, start torchrun everywhere, follow the job."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from orchestrator import state as job_state
+from orchestrator.commands.common import connected, console, inventory
+from orchestrator.commands.monitor import attach
+from orchestrator.connect import close_all, fan_out
+from orchestrator.errors import EXIT_OK
+from orchestrator.inventory import Cluster
+from orchestrator.launch import dry_run_plan, launch_all, master_addr
+from orchestrator.preflight import Preflight, preflight
+from orchestrator.shards import host_files, load_split
+from orchestrator.sync import DigestCache, SyncReport, code_files, push
+from orchestrator.transport import Transport
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("up", help="preflight, sync, start the job on every host, follow it")
+    p.add_argument("file", nargs="?", help="inventory (default: -c, or cluster.yaml)")
+    p.add_argument("--detach", action="store_true", help="return once every host has started")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan and each host's command; touch no host")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = inventory(args)
+    if args.dry_run:
+        print(dry_run_plan(cluster))
+        return EXIT_OK
+    split = load_split(cluster) if cluster.data.shards else None  # before touching any host
+    with progress_bar() as bar:
+        task = bar.add_task("connect + preflight", total=len(cluster.hosts))
+        transports, failed = connected(cluster)
+        bar.update(task, completed=len(transports))
+    try:
+        pre = preflight(cluster, transports, failed)
+        console.print(f"preflight: {len(cluster.hosts)} hosts ok, world size {cluster.world_size}")
+        setup_hosts(cluster, transports, split)
+        run_id, sups = launch_all(cluster, transports, pre)
+        st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
+                                 pre.master_port, pre.hosts, sups)
+        job_state.save(cluster, st)
+        console.print(f"started job '{cluster.name}' on {len(cluster.hosts)} hosts "
+                      f"({cluster.world_size} ranks, MASTER_ADDR={st.master_addr}:{st.master_port})")
+        if args.detach:
+            console.print(f"detached: follow with `orch logs -f`, stop with `orch stop`")
+            return EXIT_OK
+        return attach(cluster, transports, st)
+    finally:
+        close_all(transports)
+
+
+def progress_bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), console=console, transient=True)
+
+
+def setup_hosts(cluster: Cluster, transports: dict[int, Transport], split: dict | None) -> None:
+    """Code to every host, each host its own shards: all hosts in parallel."""
+    cache = DigestCache(cluster.state_dir.parent / "digests.json")
+    code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude, cache)
+    data = {h.index: host_files(cluster, h, split, cache) for h in cluster.hosts} if split else {}
+    cache.save()
+    total = sum(f.size for f in code) * len(cluster.hosts) + sum(
+        f.size for files in data.values() for f in files)
+    with progress_bar() as bar:
+        task = bar.add_task(f"sync 0/{len(cluster.hosts)} hosts", total=total or 1)
+        done = []
+
+        def one(h) -> dict[str, SyncReport]:
+            t = transports[h.index]
+            tick = lambda nbytes, nfiles: bar.advance(task, nbytes)
+            out = {}
+            if cluster.code.paths:
+                out["code"] = push(t, f"{t_dir(t, cluster)}/code", code, tick)
+            if split:
+                out["data"] = push(t, f"{t_dir(t, cluster)}/data", data[h.index], tick)
+            done.append(h.index)
+            bar.update(task, description=f"sync {len(done)}/{len(cluster.hosts)} hosts")
+            return out
+        result = fan_out(cluster.hosts, one)
+    result.raise_failures(cluster.hosts, "to receive code or data")
+    report_sync(cluster, result.ok)
+
+
+def t_dir(t: Transport, cluster: Cluster) -> str:
+    return f"{t.host.remote_dir.rstrip('/')}/{cluster.name}"
+
+
+def report_sync(cluster: Cluster, reports: dict[int, dict[str, SyncReport]]) -> None:
+    """One line per host, and .orch/<name>/last_sync.json with what was sent where."""
+    record = {}
+    for i, parts in sorted(reports.items()):
+        label = cluster.hosts[i].label
+        bits = [f"{k} {r.files} files {r.bytes} B sent, {r.deleted} deleted" for k, r in parts.items()]
+        if len(cluster.hosts) <= 16 or any(r.files for r in parts.values()):
+            console.print(f"sync {label}: " + ("; ".join(bits) or "nothing to push"))
+        record[label] = {k: {"files": r.files, "bytes": r.bytes, "deleted": r.deleted,
+                             "sent": list(r.sent)} for k, r in parts.items()}
+    cluster.state_dir.mkdir(parents=True, exist_ok=True)
+    path = cluster.state_dir / "last_sync.json"
+    path.write_text(json.dumps(record, indent=1))
+    os.chmod(path, 0o600)

@@ -1,0 +1,541 @@
+"""cluster.yaml: read the inventory, check every field, and freeze it into a `Cluster`.
+
+`load(path)` / `parse(text, path)` raise `InventoryError` (exit code 2) for any
+mistake, always as one message `FILE:LINE: what is wrong` plus the fix. Nothing
+here touches a host: checks that need one (GPUs present, python runs) are preflight's.
+
+Defaults and decisions (the README states them):
+
+- `name`, `hosts` (at least one) and `job.entrypoint` are required; everything else
+  has a default. `name` is letters, digits, `-` and `_` (not starting with `-`), at
+  most 64 characters, because it names folders on every host and `.orch/<name>/`.
+- A host is a mapping, or just its address as a shorthand (`- 10.0.0.8`).
+  `procs` defaults to `gpus`, or 1 when `gpus` is 0; `procs` above a non-zero `gpus`
+  is refused (two ranks would share a GPU, which NCCL refuses).
+- Hosts with the same address, port and connection are refused as duplicates,
+  except `connection: local` hosts: several local hosts simulate several nodes on
+  one machine (the shipped demo). Their ssh fields are checked but unused.
+- If the first host (the master) has a loopback address (localhost, 127.x, ::1),
+  every host must: other machines could not reach MASTER_ADDR otherwise.
+- `code:` is optional. Without it (or with `paths: []`) nothing is pushed and the
+  entrypoint must already be in `<remote_dir>/<name>/code` on every host. Each path
+  must exist, be relative to the inventory's folder and stay inside it; it lands in
+  the code folder under its own name (`src/job` -> `code/job`), so two paths with
+  the same name are refused. Paths are stored normalized (`./worker/` -> `worker`).
+- A script entrypoint (`job/train.py`) must be inside one of code.paths when any are
+  given; a module entrypoint whose top package is pushed must exist in it.
+- `job.args` and `job.env` values are passed exactly as written in the file
+  (`5`, `1e-5`, `yes` stay as typed); `args` may also be one string, split like a shell.
+- `ssh.identity_file` / `known_hosts`: `~` is expanded and relative paths are taken
+  from the inventory's folder. `data.source` / `data.shards` likewise (absolute allowed).
+- A `null` value (`port:` with nothing after it) means "the default" only for fields
+  whose default is "unset" (user, port, identity_file, data paths, master_port);
+  elsewhere it is refused, so a half-deleted line is not silently ignored.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import shlex
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path, PurePosixPath
+from typing import Dict, List, Optional, Tuple
+
+from yaml.nodes import MappingNode, Node, ScalarNode
+
+from .errors import InventoryError, UsageError
+from .yamlnodes import TAG, Section, Source, scalar_text
+
+SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "connect_timeout")
+HOST_KEYS = ("address", "connection", "gpus", "procs", "remote_dir", "python") + SSH_KEYS
+TOP_KEYS = ("name", "ssh", "hosts", "remote_dir", "python", "code", "data", "job")
+CODE_KEYS = ("paths", "exclude")
+DATA_KEYS = ("source", "shards")
+JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts")
+HOST_KEY_POLICIES = ("strict", "accept-new")
+CONNECTIONS = ("ssh", "local")
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "GROUP_RANK")
+DEFAULT_EXCLUDE = ("*.pyc", "__pycache__", ".git")
+DEFAULT_REMOTE_DIR = "~/orch"
+DEFAULT_PYTHON = "python3"
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
+_MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
+_ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# Where a key that is unknown here belongs instead, for the error's hint.
+_BELONGS: Dict[str, str] = {k: "under `ssh:` or directly on a host" for k in SSH_KEYS}
+_BELONGS.update({k: "on a host, under `hosts:`" for k in ("address", "connection", "gpus", "procs")})
+_BELONGS.update({k: "under `code:`" for k in CODE_KEYS})
+_BELONGS.update({k: "under `data:`" for k in DATA_KEYS})
+_BELONGS.update({k: "under `job:`" for k in JOB_KEYS})
+_BELONGS.update({k: "at the top level" for k in ("name", "hosts", "code", "data", "job")})
+_BELONGS["ssh"] = "at the top level; on a host, write its ssh fields directly (e.g. `port: 2222`)"
+
+
+@dataclass(frozen=True)
+class SSHOptions:
+    """How to reach a host; None means 'ask ~/.ssh/config' (resolved by the transport)."""
+
+    user: Optional[str]          # None: ~/.ssh/config, then the local user
+    port: Optional[int]          # None: ~/.ssh/config, then 22
+    identity_file: Optional[str] # absolute, ~ expanded
+    known_hosts: str             # absolute, ~ expanded
+    host_key_policy: str         # "strict" | "accept-new"
+    connect_timeout: float       # seconds
+
+
+DEFAULT_SSH = SSHOptions(None, None, None, os.path.expanduser("~/.ssh/known_hosts"), "strict", 10.0)
+
+
+@dataclass(frozen=True)
+class Host:
+    """One machine (node) of the job, in inventory order; `index` is its node rank."""
+
+    index: int
+    address: str
+    connection: str              # "ssh" | "local"
+    gpus: int
+    procs: int                   # worker processes (nproc-per-node)
+    first_rank: int              # global rank of its local rank 0
+    remote_dir: str              # as written; ~ is resolved on the host
+    python: str
+    ssh: SSHOptions
+    line: int                    # 1-based line of its entry in the file
+    display: str = ""            # label when the address alone is ambiguous
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.procs)
+
+    @property
+    def label(self) -> str:
+        """Short name for output: the address, or `address:port` / `address#index` when shared."""
+        return self.display or self.address
+
+    @property
+    def is_local(self) -> bool:
+        return self.connection == "local"
+
+
+@dataclass(frozen=True)
+class CodeSpec:
+    """What `up` pushes: paths relative to the inventory's folder (empty: push nothing)."""
+
+    paths: Tuple[str, ...]
+    exclude: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """`split-data`'s source and output folders (absolute), or None when not given."""
+
+    source: Optional[Path]
+    shards: Optional[Path]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What torchrun runs on every host."""
+
+    entrypoint: str              # dotted module name, or a relative path ending in .py
+    args: Tuple[str, ...]
+    env: Tuple[Tuple[str, str], ...]  # sorted by key
+    master_port: Optional[int]   # None: a free port on the first host
+    max_restarts: int
+
+    @property
+    def is_module(self) -> bool:
+        return not self.entrypoint.endswith(".py")
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    rank: int
+    host_index: int
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The whole inventory, checked; `ranks[r]` says where global rank r runs."""
+
+    path: Path                   # absolute
+    name: str
+    hosts: Tuple[Host, ...]
+    code: CodeSpec
+    data: DataSpec
+    job: JobSpec
+    world_size: int
+    ranks: Tuple[RankSlot, ...]
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent
+
+    @property
+    def state_dir(self) -> Path:
+        return self.base_dir / ".orch" / self.name
+
+    @property
+    def master(self) -> Host:
+        return self.hosts[0]
+
+    def host_of(self, rank: int) -> Host:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            last = self.world_size - 1
+            raise UsageError(f"rank {rank} does not exist: this job has ranks 0 to {last}",
+                             hint=f"give a rank from 0 to {last}")
+        return self.hosts[self.ranks[rank].host_index]
+
+
+def load(path: str | Path) -> Cluster:
+    """Read and check an inventory file; raises InventoryError for any problem."""
+    shown = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise InventoryError(shown, None, "no such file",
+                             "create it (see the README's cluster.yaml) "
+                             "or name another with -c FILE") from None
+    except OSError as exc:
+        raise InventoryError(shown, None, f"cannot read the inventory: {exc.strerror}",
+                             "give the path of a readable YAML file") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise InventoryError(shown, line, "the file is not UTF-8 text",
+                             "save it as UTF-8 (plain text)") from None
+    return parse(text, path)
+
+
+def parse(text: str, path: str | Path) -> Cluster:
+    """Check an inventory given as text; `path` is used in messages and as the base folder."""
+    src = Source(str(path), text)
+    root = src.compose()
+    if root is None:
+        src.fail(1, "the file is empty",
+                 "start from the README's example: name:, hosts: and job: are required")
+    if not isinstance(root, MappingNode):
+        src.fail(root, f"the file must be a mapping of settings (name:, hosts:, job:, ...), "
+                       f"got {src.describe(root)}", "start from the README's example cluster.yaml")
+    top = Section(src, root, "", 1)
+    top.check_keys(TOP_KEYS, _BELONGS)
+    base_dir = Path(os.path.abspath(path)).parent
+    name = _name(top)
+    hosts = _hosts(top, base_dir)
+    code = _code(top, base_dir)
+    job = _job(top, code, base_dir)
+    data = _data(top, base_dir)
+    ranks = tuple(RankSlot(r, h.index, r - h.first_rank) for h in hosts for r in h.ranks)
+    return Cluster(Path(os.path.abspath(path)), name, hosts, code, data, job, len(ranks), ranks)
+
+
+def _name(top: Section) -> str:
+    name = top.text("name")
+    if not _NAME_RE.fullmatch(name):
+        fixed = re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-")[:64] or "my-job"
+        top.src.fail(top.node("name"), f"`name` {name!r} may only contain letters, digits, - and _ "
+                                       "(at most 64, not starting with -)",
+                     f"it names folders on every host; write e.g. `name: {fixed}`")
+    return name
+
+
+# ---- hosts -------------------------------------------------------------------------------
+
+def _hosts(top: Section, base_dir: Path) -> Tuple[Host, ...]:
+    src = top.src
+    node = top.node("hosts")
+    items = src.sequence(node, "hosts") if node is not None else []
+    if not items:
+        src.fail(top.key_line("hosts") if node is not None else 1, "no hosts: `hosts` lists none",
+                 "add at least one host, e.g. `hosts: [{address: localhost, connection: local}]`")
+    ssh_section = Section(src, top.node("ssh"), "ssh", top.key_line("ssh"))
+    ssh_section.check_keys(SSH_KEYS, _BELONGS)
+    ssh = _ssh_options(ssh_section, DEFAULT_SSH, base_dir)
+    remote_dir = _remote_dir(top, DEFAULT_REMOTE_DIR)
+    python = top.text("python", DEFAULT_PYTHON)
+    hosts: List[Host] = []
+    first_rank = 0
+    for index, item in enumerate(items):
+        host = _host(src, item, index, first_rank, (ssh, remote_dir, python), base_dir)
+        _check_duplicate(src, item, host, hosts)
+        hosts.append(host)
+        first_rank += host.procs
+    _check_master_reachable(src, items, hosts)
+    return tuple(replace(h, display=label) for h, label in zip(hosts, _labels(hosts)))
+
+
+def _host(src: Source, node: Node, index: int, first_rank: int,
+          defaults: Tuple[SSHOptions, str, str], base_dir: Path) -> Host:
+    ssh, remote_dir, python = defaults
+    sec, address = _host_section(src, node, f"hosts[{index}]")
+    gpus = sec.integer("gpus", 0, 0, example=1)
+    procs = sec.integer("procs", gpus or 1, 1, example=max(gpus, 1))
+    if gpus and procs > gpus:
+        src.fail(sec.node("procs"), f"`{sec.name}.procs` is {procs} but the host gives the job only "
+                                    f"{gpus} GPU(s): two ranks would share a GPU",
+                 f"set `procs: {gpus}`, or raise `gpus`, or set `gpus: 0` to run on CPU")
+    return Host(index=index, address=address, connection=sec.choice("connection", CONNECTIONS, "ssh"),
+                gpus=gpus, procs=procs, first_rank=first_rank, remote_dir=_remote_dir(sec, remote_dir),
+                python=sec.text("python", python), ssh=_ssh_options(sec, ssh, base_dir), line=sec.line)
+
+
+def _host_section(src: Source, node: Node, name: str) -> Tuple[Section, str]:
+    """A host's settings and address; `- 10.0.0.8` is short for `- address: 10.0.0.8`."""
+    line = node.start_mark.line + 1
+    if not isinstance(node, ScalarNode) or node.tag == TAG + "null":
+        sec = Section(src, node, name, line)
+        sec.check_keys(HOST_KEYS, _BELONGS)
+        address = sec.text("address")
+        _check_address(src, sec.node("address"), address, name)
+        return sec, address
+    address = src.value(node, f"{name}.address")
+    if not isinstance(address, str) or not address.strip():
+        src.fail(node, f"`{name}` must be a host's address or settings, got {src.describe(node)}",
+                 f'write `- address: "{node.value}"`')
+    _check_address(src, node, address, name)
+    return Section(src, None, name, line), address
+
+
+def _check_address(src: Source, node: Node, address: str, name: str) -> None:
+    what = f"`{name}.address` {address!r}"
+    if any(c.isspace() for c in address) or address.startswith("-"):
+        src.fail(node, f"{what} is not a host name", "write an IP, a DNS name or an ~/.ssh/config alias")
+    if "@" in address:
+        user, _, rest = address.rpartition("@")
+        src.fail(node, f"{what} contains a user name", f"write `address: {rest}` and `user: {user}`")
+    host, sep, port = address.rpartition(":")
+    if sep and port.isdigit() and ":" not in host:
+        src.fail(node, f"{what} contains a port", f"write `address: {host}` and `port: {port}`")
+
+
+def _ssh_options(sec: Section, base: SSHOptions, base_dir: Path) -> SSHOptions:
+    """`sec`'s ssh fields over `base` (top-level ssh: over the defaults, a host over ssh:)."""
+    user = sec.text("user", base.user)
+    if user is not None and (any(c.isspace() or c in "@:" for c in user) or user.startswith("-")):
+        sec.src.fail(sec.node("user"), f"`{sec.what('user')}` {user!r} is not a user name",
+                     "write just the login name, e.g. `user: ubuntu`")
+    return SSHOptions(
+        user=user,
+        port=sec.integer("port", base.port, 1, 65535, example=22),
+        identity_file=_local_file(sec, "identity_file", base.identity_file, base_dir),
+        known_hosts=_local_file(sec, "known_hosts", base.known_hosts, base_dir),
+        host_key_policy=sec.choice("host_key_policy", HOST_KEY_POLICIES, base.host_key_policy),
+        connect_timeout=sec.number("connect_timeout", base.connect_timeout),
+    )
+
+
+def _local_file(sec: Section, key: str, default: Optional[str], base_dir: Path) -> Optional[str]:
+    value = sec.text(key, default)
+    if value is None or key not in sec.items:
+        return value
+    return os.path.normpath(base_dir / os.path.expanduser(value))
+
+
+def _remote_dir(sec: Section, default: str) -> str:
+    value = sec.text("remote_dir", default)
+    if "\n" in value or "\0" in value:
+        sec.src.fail(sec.node("remote_dir"), f"`{sec.what('remote_dir')}` contains a line break",
+                     "write the folder on one line, e.g. `remote_dir: ~/orch`")
+    return value
+
+
+def _check_duplicate(src: Source, node: Node, host: Host, earlier: List[Host]) -> None:
+    if host.is_local:
+        return  # several local hosts stand for several nodes on this machine
+    for other in earlier:
+        if (other.address.lower(), other.ssh.port, other.connection) == \
+                (host.address.lower(), host.ssh.port, host.connection):
+            src.fail(node, f"`hosts[{host.index}]` is the same host as hosts[{other.index}] "
+                           f"(line {other.line}): {host.address}, port {host.ssh.port or 'default'}",
+                     "list each machine once and give it more `procs` to run more ranks there")
+
+
+def _is_loopback(address: str) -> bool:
+    if address.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_master_reachable(src: Source, nodes: List[Node], hosts: List[Host]) -> None:
+    if not _is_loopback(hosts[0].address):
+        return
+    for host, node in zip(hosts[1:], nodes[1:]):
+        if not _is_loopback(host.address):
+            src.fail(node, f"`hosts[{host.index}]` ({host.address}) could not reach the master: "
+                           f"hosts[0] is {hosts[0].address!r}, which is MASTER_ADDR for every host",
+                     "give hosts[0] an address the other hosts can reach "
+                     "(a `connection: local` host may use its network address)")
+
+
+def _labels(hosts: List[Host]) -> List[str]:
+    shared = Counter(h.address for h in hosts)
+    labels = [h.address if shared[h.address] == 1 or h.ssh.port is None or h.is_local
+              else f"{h.address}:{h.ssh.port}" for h in hosts]
+    taken = Counter(labels)
+    return [label if taken[label] == 1 else f"{label}#{h.index}" for label, h in zip(labels, hosts)]
+
+
+# ---- code, data ---------------------------------------------------------------------------
+
+def _text_items(sec: Section, key: str) -> Optional[List[Tuple[str, Node]]]:
+    """A list of non-empty strings (one string is a list of one), or None when absent."""
+    node = sec.node(key)
+    if node is None:
+        return None
+    one = isinstance(node, ScalarNode) and node.tag == TAG + "str"
+    nodes = [node] if one else sec.src.sequence(node, sec.what(key))
+    items = []
+    for i, item in enumerate(nodes):
+        what = f"{sec.what(key)}[{i}]"
+        value = sec.src.value(item, what)
+        if not isinstance(value, str) or not value.strip():
+            sec.src.fail(item, f"`{what}` must be non-empty text, got {sec.src.describe(item)}",
+                         f'put it in quotes: "{item.value}"' if item.value else "remove the empty entry")
+        items.append((value, item))
+    return items
+
+
+def _code(top: Section, base_dir: Path) -> CodeSpec:
+    sec = Section(top.src, top.node("code"), "code", top.key_line("code"))
+    sec.check_keys(CODE_KEYS, _BELONGS)
+    paths: Dict[str, str] = {}  # name on the host -> path
+    for value, node in _text_items(sec, "paths") or []:
+        path = _code_path(sec.src, node, value, base_dir)
+        name = PurePosixPath(path).name
+        if name in paths:
+            sec.src.fail(node, f"`code.paths` {path!r} and {paths[name]!r} would both land in the "
+                               f"code folder as {name!r}", "rename one, or push their common parent folder")
+        paths[name] = path
+    exclude = _text_items(sec, "exclude")
+    return CodeSpec(tuple(paths.values()),
+                    DEFAULT_EXCLUDE if exclude is None else tuple(v for v, _ in exclude))
+
+
+def _code_path(src: Source, node: Node, value: str, base_dir: Path) -> str:
+    pure = PurePosixPath(value)
+    if value.startswith("~") or pure.is_absolute() or os.path.isabs(value) or ".." in pure.parts:
+        src.fail(node, f"`code.paths` {value!r} is outside the inventory's folder ({base_dir})",
+                 "write paths relative to the folder of cluster.yaml, without `..` (move or link "
+                 "the code there)")
+    if str(pure) == ".":
+        src.fail(node, "`code.paths` '.' would push the inventory's whole folder (its .orch/ and data too)",
+                 "list the folders and files the job needs, e.g. `paths: [worker]`")
+    if not (base_dir / pure).exists():
+        src.fail(node, f"`code.paths` {value!r} does not exist (looked for {base_dir / pure})",
+                 "fix the path (relative to the folder of cluster.yaml) or remove the entry")
+    return str(pure)
+
+
+def _data(top: Section, base_dir: Path) -> DataSpec:
+    sec = Section(top.src, top.node("data"), "data", top.key_line("data"))
+    sec.check_keys(DATA_KEYS, _BELONGS)
+    source, shards = (_folder(sec.text(key, None), base_dir) for key in DATA_KEYS)
+    if source is not None and source == shards:
+        sec.src.fail(sec.node("shards"), "`data.shards` is the same folder as `data.source`",
+                     "write the shards to their own folder, e.g. `shards: data/shards`")
+    return DataSpec(source, shards)
+
+
+def _folder(value: Optional[str], base_dir: Path) -> Optional[Path]:
+    return None if value is None else Path(os.path.normpath(base_dir / os.path.expanduser(value)))
+
+
+# ---- job ----------------------------------------------------------------------------------
+
+def _job(top: Section, code: CodeSpec, base_dir: Path) -> JobSpec:
+    src = top.src
+    if top.node("job") is None:
+        src.fail(1, "missing `job:`", "add `job:` with at least `entrypoint: worker.train` "
+                                      "(a module) or `entrypoint: train.py` (a script)")
+    sec = Section(src, top.node("job"), "job", top.key_line("job"))
+    sec.check_keys(JOB_KEYS, _BELONGS)
+    entrypoint = _entrypoint(sec)
+    _check_entrypoint_pushed(sec, entrypoint, code, base_dir)
+    return JobSpec(entrypoint=entrypoint, args=_args(sec), env=_env(sec),
+                   master_port=sec.integer("master_port", None, 1, 65535, example=29500),
+                   max_restarts=sec.integer("max_restarts", 0, 0, example=0))
+
+
+def _entrypoint(sec: Section) -> str:
+    value = sec.text("entrypoint")
+    node = sec.node("entrypoint")
+    if value.endswith(".py"):
+        pure = PurePosixPath(value)
+        if value.startswith(("~", "-")) or pure.is_absolute() or ".." in pure.parts:
+            sec.src.fail(node, f"`job.entrypoint` {value!r} must be a path inside the synced code folder",
+                         "write it relative to the code folder, where code.paths keep their names "
+                         "(e.g. `job/train.py`), without `..`")
+        return str(pure)
+    if not _MODULE_RE.fullmatch(value):
+        sec.src.fail(node, f"`job.entrypoint` {value!r} is neither a module name nor a .py script",
+                     "write a module like `worker.train` (run with -m) or a script path like `job/train.py`")
+    return value
+
+
+def _check_entrypoint_pushed(sec: Section, entrypoint: str, code: CodeSpec, base_dir: Path) -> None:
+    """Catch a typo locally: the entrypoint must be in what is pushed, when it would come from there."""
+    pushed = {PurePosixPath(p).name: base_dir / p for p in code.paths}
+    if not pushed:
+        return  # nothing pushed: the entrypoint is already on the hosts
+    if entrypoint.endswith(".py"):
+        first, *rest = PurePosixPath(entrypoint).parts
+        where = "in code.paths"
+        found = first in pushed and pushed[first].joinpath(*rest).is_file()
+    else:
+        first, *rest = entrypoint.split(".")
+        where = f"in the pushed {first!r}"
+        if first + ".py" in pushed and not rest:
+            return
+        if first not in pushed:
+            return  # an installed package: preflight finds it, or the job fails on import
+        module = pushed[first].joinpath(*rest)
+        found = module.with_name(module.name + ".py").is_file() or module.is_dir()
+    if not found:
+        sec.src.fail(sec.node("entrypoint"), f"`job.entrypoint` {entrypoint!r} is not {where}",
+                     "paths are relative to the synced code folder, where each code.paths entry keeps "
+                     f"its name (pushed: {', '.join(sorted(pushed))})")
+
+
+def _args(sec: Section) -> Tuple[str, ...]:
+    node = sec.node("args")
+    if node is None or node.tag == TAG + "null":
+        return ()
+    hint = "args are passed as text: write each as one value, quoted if needed"
+    if isinstance(node, ScalarNode):
+        try:
+            return tuple(shlex.split(scalar_text(sec.src, node, "job.args", hint)))
+        except ValueError as exc:
+            sec.src.fail(node, f"`job.args` cannot be split like a shell line: {exc}",
+                         "close the quotes, or write args as a list: [--epochs, 5]")
+    items = sec.src.sequence(node, "job.args")
+    return tuple(scalar_text(sec.src, item, f"job.args[{i}]", hint) for i, item in enumerate(items))
+
+
+def _env(sec: Section) -> Tuple[Tuple[str, str], ...]:
+    node = sec.node("env")
+    src = sec.src
+    pairs = []
+    for key, (key_node, value_node) in src.mapping(node, "job.env").items() if node is not None else ():
+        if not _ENV_KEY_RE.fullmatch(key):
+            src.fail(key_node, f"`job.env` key {key!r} is not a valid variable name",
+                     "use letters, digits and _, not starting with a digit")
+        if key.startswith("ORCH_") or key in TORCHRUN_VARS:
+            src.fail(key_node, f"`job.env` may not set {key}: orch or torchrun sets it for every rank",
+                     "remove it (reserved: ORCH_*, " + ", ".join(TORCHRUN_VARS) + ")")
+        value = scalar_text(src, value_node, f"job.env.{key}",
+                            f'environment values are text: write `{key}: "..."`')
+        pairs.append((key, value))
+    return tuple(sorted(pairs))
+
+
+__all__ = ["SSHOptions", "Host", "CodeSpec", "DataSpec", "JobSpec", "RankSlot", "Cluster",
+           "load", "parse", "InventoryError"]

@@ -1,0 +1,107 @@
+"""What runs on each host: the torchrun command line and the environment of the ranks."""
+from __future__ import annotations
+
+import json
+import shlex
+import uuid
+
+from orchestrator.connect import fan_out, resolve_target, ssh_config
+from orchestrator.errors import HostError
+from orchestrator.inventory import Cluster, Host
+from orchestrator.preflight import HostInfo, Preflight
+from orchestrator.remote import RANKEXEC, call
+from orchestrator.transport import Transport
+
+
+def master_addr(cluster: Cluster, infos: dict[int, HostInfo] | None = None) -> str:
+    """Host 0's address as the other hosts reach it.
+
+    An ssh master: its resolved HostName (an ~/.ssh/config alias is not a DNS name).
+    A local master with only local hosts: loopback. A local master with ssh hosts: this
+    machine's address as the first ssh host sees it (SSH_CONNECTION's client field).
+    """
+    master = cluster.hosts[0]
+    if not master.is_local:
+        return resolve_target(master, ssh_config()).hostname
+    for h in cluster.hosts:
+        if not h.is_local and infos and infos.get(h.index) and infos[h.index].ssh_connection:
+            return infos[h.index].ssh_connection.split()[0]
+    return "127.0.0.1"
+
+
+def torchrun_argv(cluster: Cluster, host: Host, python: str, job_dir: str,
+                  addr: str, port: int | str) -> list[str]:
+    job = cluster.job
+    kind = "module" if job.is_module else "script"
+    return [
+        python, "-m", "torch.distributed.run",
+        "--nnodes", str(len(cluster.hosts)), "--node-rank", str(host.index),
+        "--nproc-per-node", str(host.procs),
+        "--master-addr", addr, "--master-port", str(port),
+        "--max-restarts", str(job.max_restarts),
+        "--log-dir", f"{job_dir}/run/torchrun",
+        f"{job_dir}/run/rankexec.py", job_dir, kind, job.entrypoint, *job.args,
+    ]
+
+
+def rank_env(cluster: Cluster, job_dir: str, run_id: str) -> dict[str, str]:
+    env = dict(cluster.job.env)
+    env.update(ORCH_JOB=cluster.name, ORCH_JOB_DIR=job_dir, ORCH_RUN_ID=run_id,
+               ORCH_DATA_DIR=f"{job_dir}/data", ORCH_OUTPUT_DIR=f"{job_dir}/output",
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def launch_host(cluster: Cluster, t: Transport, info: HostInfo, addr: str, port: int,
+                run_id: str) -> dict:
+    host = t.host
+    spec = {
+        "run_id": run_id, "ranks": list(host.ranks),
+        "argv": torchrun_argv(cluster, host, info.executable, info.job_dir, addr, port),
+        "env": rank_env(cluster, info.job_dir, run_id),
+        "rankexec": RANKEXEC.decode(),
+    }
+    reply = call(t, "launch", info.job_dir, stdin=json.dumps(spec).encode(), timeout=60)
+    return reply
+
+
+def launch_all(cluster: Cluster, transports: dict[int, Transport], pre: Preflight) -> tuple[str, dict]:
+    """Start torchrun on every host in parallel; raise naming every host that failed."""
+    run_id = uuid.uuid4().hex
+    addr = master_addr(cluster, pre.hosts)
+    result = fan_out(cluster.hosts, lambda h: launch_host(
+        cluster, transports[h.index], pre.hosts[h.index], addr, pre.master_port, run_id))
+    if result.failed:
+        result.raise_failures(cluster.hosts, "to start")
+    return run_id, result.ok
+
+
+def dry_run_plan(cluster: Cluster) -> str:
+    """The plan and the exact command per host, computed without touching any host."""
+    addr = master_addr(cluster)
+    port = cluster.job.master_port or "<free port on host 0>"
+    lines = [f"job {cluster.name}: {len(cluster.hosts)} hosts, world size {cluster.world_size}, "
+             f"MASTER_ADDR={addr} MASTER_PORT={port}",
+             "preflight on every host, in parallel: connect (host key checked), python runs, "
+             "torch version (same everywhere), GPUs, remote_dir writable, master port free"]
+    if cluster.code.paths:
+        lines.append(f"sync code: {', '.join(cluster.code.paths)} -> <job dir>/code/ (changed files only)")
+    if cluster.data.shards:
+        lines.append(f"push data: {cluster.data.shards}/worker_<r>_of_{cluster.world_size} -> "
+                     "<job dir>/data/ (each host only its own ranks)")
+    for h in cluster.hosts:
+        job_dir = f"{h.remote_dir.rstrip('/')}/{cluster.name}"
+        argv = torchrun_argv(cluster, h, h.python, job_dir, addr, port)
+        where = "local" if h.is_local else "ssh"
+        lines.append(f"host {h.index} {h.label} ({where}) ranks {h.ranks.start}-{h.ranks.stop - 1}:")
+        lines.append("  " + shlex.join(argv))
+    env_keys = ", ".join(k for k, _ in cluster.job.env) or "none"
+    lines.append(f"environment of every rank: ORCH_JOB, ORCH_JOB_DIR, ORCH_DATA_DIR, ORCH_OUTPUT_DIR, "
+                 f"job env ({env_keys}; values sent in a 0600 file, not shown)")
+    return "\n".join(lines)
+
+
+def require_started(replies: dict[int, dict], cluster: Cluster) -> None:
+    bad = [cluster.hosts[i].label for i, r in replies.items() if "pid" not in r]
+    if bad:
+        raise HostError(f"torchrun did not start on {', '.join(bad)}")

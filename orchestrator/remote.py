@@ -1,0 +1,64 @@
+"""Calling the host agent (agent.py) over a transport: the only way orch acts on a host."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from orchestrator.errors import HostError
+from orchestrator.transport import Channel, Transport
+
+AGENT = (Path(__file__).parent / "agent.py").read_bytes()
+RANKEXEC = (Path(__file__).parent / "rankexec.py").read_bytes()
+# Reads exactly the agent's source from stdin and runs it; what stdin carries after
+# that is the command's own input (file streams, secrets), never the command line.
+BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'orch-agent','exec'))"
+
+
+def agent_argv(python: str, command: str, *args: str) -> list[str]:
+    return [python, "-c", BOOT, str(len(AGENT)), command, *map(str, args)]
+
+
+def open_agent(t: Transport, command: str, *args: str, timeout: float | None = None) -> Channel:
+    """Start an agent command; the caller may write more stdin, then reads its output."""
+    chan = t.open(agent_argv(t.host.python, command, *args), timeout)
+    chan.write(AGENT)
+    return chan
+
+
+def parse_reply(t: Transport, command: str, code: int, out: bytes, err: bytes) -> dict:
+    lines = out.decode("utf-8", "replace").strip().splitlines()
+    reply = None
+    if lines:
+        try:
+            reply = json.loads(lines[-1])
+        except ValueError:
+            reply = None
+    if code == 127 or (code != 0 and b"not found" in err and not lines):
+        raise HostError(f"{t.host.label}: python interpreter `{t.host.python}` not found",
+                        hint="install python3 there or set `python:` (e.g. a venv's bin/python)")
+    if reply is None or code != 0 or "error" in reply:
+        why = reply.get("error") if reply else (err.decode("utf-8", "replace").strip()[-800:]
+                                                 or f"exit code {code}")
+        raise HostError(f"{t.host.label}: {command} failed: {why}")
+    return reply
+
+
+def call(t: Transport, command: str, *args: str, stdin: bytes = b"",
+         timeout: float | None = 120) -> dict:
+    chan = open_agent(t, command, *args, timeout=timeout)
+    try:
+        if stdin:
+            chan.write(stdin)
+        chan.close_stdin()
+        res = chan.finish()
+    except TimeoutError:
+        raise HostError(f"{t.host.label}: no answer to `{command}` within {timeout:g} s",
+                        hint="check that the host is still reachable") from None
+    finally:
+        chan.close()
+    return parse_reply(t, command, res.code, res.stdout, res.stderr)
+
+
+def put(t: Transport, path: str, data: bytes, mode: int = 0o600) -> None:
+    """A file written on the host with mode set before any byte lands (secrets)."""
+    call(t, "put", path, format(mode, "o"), stdin=data)

@@ -1,0 +1,70 @@
+"""Which shard files a host receives: only those of its own ranks, read from manifest.json."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path, PurePosixPath
+
+from orchestrator.errors import DataError
+from orchestrator.inventory import Cluster, Host
+from orchestrator.sync import DigestCache, LocalFile
+
+
+def load_split(cluster: Cluster) -> dict:
+    """The split made for this job's world size, or a message saying which split to make."""
+    shards = cluster.data.shards
+    fix = f"run `orch split-data --workers {cluster.world_size}`"
+    try:
+        manifest = json.loads((shards / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise DataError(f"{shards}/manifest.json not found: the data has not been split",
+                        hint=fix) from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{shards}/manifest.json cannot be read: {e}", hint=fix) from None
+    split = manifest.get("splits", {}).get(str(cluster.world_size))
+    if split is None:
+        have = ", ".join(sorted(manifest.get("splits", {}), key=int)) or "none"
+        raise DataError(f"{shards} has no split for world size {cluster.world_size} "
+                        f"(splits there: {have})", hint=fix)
+    return split
+
+
+def safe_rel(rel: str, where: str) -> str:
+    """A manifest path may not climb out of its shard: no absolute paths, no `..`."""
+    p = PurePosixPath(rel)
+    if not rel or p.is_absolute() or any(part in ("..", "") for part in p.parts) or "\\" in rel:
+        raise DataError(f"{where}: refusing unsafe path {rel!r} in manifest.json",
+                        hint="re-create the split with `orch split-data`")
+    return str(p)
+
+
+def resolve_inside(path: Path, roots: tuple[str, ...], where: str) -> str:
+    """Links are followed, but only to files inside the split's source folder (or the
+    shards folder itself, where `--pack` writes real files)."""
+    real = os.path.realpath(path)
+    if not any(real.startswith(os.path.realpath(r).rstrip("/") + "/") for r in roots):
+        raise DataError(f"{where}: {path} points outside the data source ({real})",
+                        hint="re-create the split with `orch split-data`")
+    return real
+
+
+def host_files(cluster: Cluster, host: Host, split: dict, cache: DigestCache) -> list[LocalFile]:
+    """The real bytes of the host's own shards, as `worker_<r>_of_<W>/<rel>` under data/."""
+    files = []
+    for rank in host.ranks:
+        shard = split["shards"][rank]
+        name = shard["name"]
+        if name != f"worker_{rank}_of_{cluster.world_size}":
+            raise DataError(f"manifest.json: shard {rank} is named {name}",
+                            hint=f"re-create the split with `orch split-data --workers {cluster.world_size}`")
+        for rel, _size in shard["files"]:
+            rel = safe_rel(rel, name)
+            link = cluster.data.shards / name / rel
+            real = resolve_inside(link, (split["source"], str(cluster.data.shards)), name)
+            try:
+                st = os.stat(real)
+            except FileNotFoundError:
+                raise DataError(f"{link}: file missing", hint="re-run `orch split-data`") from None
+            files.append(LocalFile(f"{name}/{rel}", real, st.st_size, 0o644,
+                                   cache.digest(real, st)))
+    return files

@@ -1,0 +1,495 @@
+"""Split a dataset into per-worker shards of symlinks, as split_dataset.sh did, plus manifest.json.
+
+Two kinds of source:
+  records      sharded record files (`train-00000-of-01024`): worker i gets a contiguous
+               run of each prefix group's sorted files; the first `total % N` get one more.
+  imagefolder  class sub-folders, optionally under split folders (TrainData/, ValidationData/):
+               every class is shuffled with the seed and dealt out evenly.
+
+Everything is validated before anything is written; the shards are built in a temporary
+folder beside the final ones and renamed into place, so a failure leaves the old split intact.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from orchestrator.errors import DataError
+
+RECORD_RE = re.compile(r"^(?P<prefix>.+?)[-.](?P<index>\d+)-of-(?P<total>\d+)(?P<suffix>\..*)?$")
+# Top-level folders that hold splits rather than classes; recognised only when every
+# top-level folder is one of them (a dataset with a class called "test" stays an ImageFolder).
+SPLIT_DIRS = frozenset({"TrainData", "ValidationData", "TestData", "train", "val", "validation", "test"})
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+LOCK = ".orch-split.lock"
+# Above this many files the manifest is written compactly: json's C encoder does not indent.
+INDENT_LIMIT = 20_000
+SHOWN_NAMES = 5
+
+FileList = list[tuple[str, int]]
+Packer = Callable[[Path], None]
+
+
+@dataclass
+class Shard:
+    """One worker's share: files as (path relative to the source, bytes), counts per class."""
+
+    name: str
+    files: FileList = field(default_factory=list)
+    classes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+    def digest(self) -> str:
+        lines = sorted(f"{rel}\t{size}\n" for rel, size in self.files)
+        return hashlib.sha256("".join(lines).encode("utf-8", "surrogateescape")).hexdigest()
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "bytes": self.bytes, "files": [list(f) for f in self.files],
+                "classes": self.classes, "digest": self.digest()}
+
+
+@dataclass
+class Plan:
+    """What a split will write; computed without touching the output folder."""
+
+    kind: str
+    source: Path
+    workers: int
+    seed: int
+    shards: list[Shard]
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"workers": self.workers, "kind": self.kind, "source": str(self.source),
+                "seed": self.seed, "shards": [s.to_json() for s in self.shards]}
+
+
+@dataclass
+class SplitResult:
+    plan: Plan
+    out: Path
+    manifest: Path
+    replaced: bool
+    seconds: dict[str, float]
+
+
+def shard_name(rank: int, workers: int) -> str:
+    return f"worker_{rank}_of_{workers}"
+
+
+# ---------------------------------------------------------------- validation
+
+
+def check_paths(source: Path, out: Path) -> tuple[Path, Path]:
+    """Resolve source and out, refusing every layout that would make the split unsafe."""
+    if not source.exists():
+        raise DataError(f"source folder {source} does not exist",
+                        hint="pass --source DIR, or set data.source in cluster.yaml")
+    if not source.is_dir():
+        raise DataError(f"source {source} is not a folder", hint="point --source at the dataset folder")
+    src, dst = source.resolve(), out.resolve()
+    if dst == src or dst.is_relative_to(src):
+        raise DataError(f"output folder {out} is inside the source {source}",
+                        hint=f"write the shards beside the source, e.g. --out {src.parent / (src.name + '-shards')}")
+    if src.is_relative_to(dst):
+        raise DataError(f"source {source} is inside the output folder {out}",
+                        hint="choose an output folder that does not contain the dataset")
+    if dst.exists() and not dst.is_dir():
+        raise DataError(f"output {out} exists and is not a folder", hint="remove it or choose another --out")
+    _check_writable(dst)
+    read_manifest(dst / MANIFEST)
+    return src, dst
+
+
+def _check_writable(dst: Path) -> None:
+    existing = dst
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise DataError(f"cannot write to {existing}", hint="choose an --out you may write to")
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest beside the shards, or an empty one; a damaged one is an error, not overwritten."""
+    if not path.exists():
+        return {"version": MANIFEST_VERSION, "splits": {}}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path} is not a readable manifest ({exc})",
+                        hint="remove it; it is rebuilt by re-running split-data for each worker count") from None
+    if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION or not isinstance(data.get("splits"), dict):
+        raise DataError(f"{path} is not an orch manifest (version {MANIFEST_VERSION})",
+                        hint="move it away, or choose another --out")
+    return data
+
+
+def _names(items: list[str]) -> str:
+    shown = ", ".join(items[:SHOWN_NAMES])
+    return shown + (f" and {len(items) - SHOWN_NAMES} more" if len(items) > SHOWN_NAMES else "")
+
+
+def check_counts(groups: dict[str, FileList], workers: int, kind: str) -> None:
+    """Every worker must get at least one file of every class / record group."""
+    what = "class" if kind == "imagefolder" else "record group"
+    empty = [key for key, files in groups.items() if not files]
+    if empty:
+        raise DataError(f"empty {what} in the source: {_names(empty)}",
+                        hint="remove the empty folders, or put files in them")
+    small = sorted((len(files), key) for key, files in groups.items() if len(files) < workers)
+    if small:
+        count, key = small[0]
+        raise DataError(f"{what} {key} has {count} file(s), fewer than the {workers} workers "
+                        f"({len(small)} {what}(es) too small: {_names([k for _, k in small])})",
+                        hint=f"use at most {count} workers, or add files; every worker needs "
+                             f"at least one file of every {what}")
+
+
+# ---------------------------------------------------------------- scanning
+
+
+class _Scanner:
+    """Walks the source with os.scandir: one stat per file (for its size), realpath only for links."""
+
+    def __init__(self, source: Path) -> None:
+        self.root = str(source)
+        self.ignored: list[str] = []
+
+    def entries(self, path: str) -> list[os.DirEntry]:
+        try:
+            with os.scandir(path) as it:
+                return sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+        except OSError as exc:
+            raise DataError(f"cannot read {path}: {exc.strerror}", hint="check the permissions of the source") from None
+
+    def check_link(self, path: str) -> str:
+        target = os.path.realpath(path)
+        if target != self.root and not target.startswith(self.root + os.sep):
+            raise DataError(f"{path} is a symlink pointing outside the source (to {target})",
+                            hint="copy what it points to into the source, or split that folder instead")
+        if not os.path.exists(target):
+            raise DataError(f"{path} is a broken symlink", hint="remove it or fix its target")
+        return target
+
+    def walk(self, path: str, rel: str, out: FileList, real: str | None = None) -> FileList:
+        """Every file under path, recursively, as (rel + its path below path, bytes)."""
+        try:
+            with os.scandir(path) as it:
+                for e in it:
+                    if e.name[0] == ".":
+                        continue
+                    target = self.check_link(e.path) if e.is_symlink() else None
+                    if e.is_dir():
+                        self._descend(e, rel, out, real or os.path.realpath(path), target)
+                    elif e.is_file():
+                        out.append((rel + e.name, e.stat().st_size))
+        except OSError as exc:
+            raise DataError(f"cannot read {exc.filename or path}: {exc.strerror}",
+                            hint="check the permissions of the source") from None
+        return out
+
+    def _descend(self, e: os.DirEntry, rel: str, out: FileList, real: str, target: str | None) -> None:
+        if target is not None and (real == target or real.startswith(target + os.sep)):
+            raise DataError(f"{e.path} is a symlink to one of its own parent folders (a loop)",
+                            hint="remove the link")
+        self.walk(e.path, rel + e.name + "/", out, target or real + os.sep + e.name)
+
+    def records(self, entries: list[os.DirEntry]) -> tuple[dict[str, FileList], list[str]]:
+        groups: dict[str, list[tuple[int, str, int]]] = {}
+        totals: dict[str, int] = {}
+        for e in entries:
+            m = RECORD_RE.match(e.name)
+            if m is None or not e.is_file():
+                self.ignored.append(e.name)
+                continue
+            if e.is_symlink():
+                self.check_link(e.path)
+            key = f"{m['prefix']}-*-of-{m['total']}{m['suffix'] or ''}"
+            groups.setdefault(key, []).append((int(m["index"]), e.name, e.stat().st_size))
+            totals[key] = int(m["total"])
+        notes = [f"{key}: {len(items)} files present, the names say {totals[key]}; splitting the "
+                 f"{len(items)} present" for key, items in groups.items() if len(items) != totals[key]]
+        return {key: [(name, size) for _, name, size in sorted(items)] for key, items in groups.items()}, notes
+
+    def classes(self, entries: list[os.DirEntry], prefix: str) -> dict[str, FileList]:
+        found: dict[str, FileList] = {}
+        for e in entries:
+            if not e.is_dir():
+                self.ignored.append(prefix + e.name)
+                continue
+            target = self.check_link(e.path) if e.is_symlink() else None
+            found[prefix + e.name] = self.walk(e.path, prefix + e.name + "/", [], target)
+        return found
+
+
+def scan(source: Path) -> tuple[str, dict[str, FileList], list[str]]:
+    """(kind, files per class or record group in sorted order, notes) for a resolved source."""
+    scanner = _Scanner(source)
+    top = scanner.entries(str(source))
+    if any(RECORD_RE.match(e.name) and e.is_file() for e in top):
+        groups, notes = scanner.records(top)
+        kind = "records"
+    else:
+        groups, notes, kind = _scan_imagefolder(scanner, source, top), [], "imagefolder"
+    if scanner.ignored:
+        notes.append(f"ignored {len(scanner.ignored)} entr{'y' if len(scanner.ignored) == 1 else 'ies'} "
+                     f"that {'is' if len(scanner.ignored) == 1 else 'are'} neither "
+                     f"{'record files' if kind == 'records' else 'class folders'}: {_names(scanner.ignored)}")
+    return kind, dict(sorted(groups.items())), notes
+
+
+def _scan_imagefolder(scanner: _Scanner, source: Path, top: list[os.DirEntry]) -> dict[str, FileList]:
+    dirs = [e for e in top if e.is_dir()]
+    if not dirs:
+        raise DataError(f"{source} holds neither record files (train-00000-of-01024) nor class folders",
+                        hint="point --source at a folder of sharded record files or of class sub-folders")
+    if not all(e.name in SPLIT_DIRS for e in dirs):
+        return scanner.classes(top, "")
+    groups: dict[str, FileList] = {}
+    for split in dirs:
+        if split.is_symlink():
+            scanner.check_link(split.path)
+        found = scanner.classes(scanner.entries(split.path), split.name + "/")
+        if not found:
+            raise DataError(f"{split.path} has no class folders", hint="remove it, or put class folders in it")
+        groups.update(found)
+    return groups
+
+
+# ---------------------------------------------------------------- planning
+
+
+def even_sizes(total: int, workers: int, offset: int = 0) -> list[int]:
+    """total split into workers counts differing by at most 1; the extras start at offset."""
+    base, extra = divmod(total, workers)
+    sizes = [base] * workers
+    for i in range(extra):
+        sizes[(offset + i) % workers] += 1
+    return sizes
+
+
+def _deal(shards: list[Shard], key: str, files: FileList, sizes: list[int]) -> None:
+    start = 0
+    for shard, size in zip(shards, sizes):
+        shard.files.extend(files[start:start + size])
+        shard.classes[key] = size
+        start += size
+
+
+def assign(kind: str, groups: dict[str, FileList], workers: int, seed: int) -> tuple[list[Shard], list[str]]:
+    shards = [Shard(shard_name(i, workers)) for i in range(workers)]
+    notes: list[str] = []
+    cursor = uneven = 0
+    for key, files in groups.items():
+        if kind == "records":
+            sizes = even_sizes(len(files), workers)
+            if len(files) % workers:
+                notes.append(_records_imbalance(key, len(files), sizes))
+        else:
+            files = list(files)
+            random.Random(f"{seed}/{key}").shuffle(files)
+            # Rotating where the extras go keeps per-worker totals within a file or two.
+            sizes = even_sizes(len(files), workers, cursor)
+            cursor = (cursor + len(files) % workers) % workers
+            uneven += bool(len(files) % workers)
+        _deal(shards, key, files, sizes)
+    for shard in shards:
+        shard.files.sort()
+    if uneven:
+        totals = [len(s.files) for s in shards]
+        notes.append(f"{uneven} of {len(groups)} classes do not divide by {workers}; their extra files "
+                     f"rotate across workers (files per worker: {min(totals)}..{max(totals)})")
+    return shards, notes
+
+
+def _records_imbalance(key: str, total: int, sizes: list[int]) -> str:
+    extra = total % len(sizes)
+    return (f"uneven split of {key}: {total} files over {len(sizes)} workers; workers 0-{extra - 1} get "
+            f"{sizes[0]} files, workers {extra}-{len(sizes) - 1} get {sizes[-1]} "
+            f"(split_dataset.sh would refuse this)")
+
+
+def plan(source: Path, out: Path, workers: int, seed: int = 0) -> Plan:
+    """Validate everything and compute the split; writes nothing."""
+    if workers < 1:
+        raise DataError(f"--workers must be at least 1 (got {workers})", hint="pass --workers N with N >= 1")
+    src, _ = check_paths(source, out)
+    kind, groups, notes = scan(src)
+    check_counts(groups, workers, kind)
+    shards, more = assign(kind, groups, workers, seed)
+    return Plan(kind, src, workers, seed, shards, notes + more)
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _link_shard(shard: Shard, src_prefix: str, dst: str) -> None:
+    os.mkdir(dst)
+    made: set[str] = set()
+    for rel, _ in shard.files:
+        parent = rel.rpartition("/")[0]
+        if parent and parent not in made:
+            os.makedirs(dst + "/" + parent, exist_ok=True)
+            made.add(parent)
+        os.symlink(src_prefix + rel, dst + "/" + rel)
+
+
+def link_all(p: Plan, tmp: Path, threads: int) -> None:
+    src_prefix = str(p.source) + "/"
+    jobs = [(s, src_prefix, str(tmp / s.name)) for s in p.shards]
+    if threads <= 1:
+        for job in jobs:
+            _link_shard(*job)
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        for f in [pool.submit(_link_shard, *job) for job in jobs]:
+            f.result()
+
+
+def _rescan_packed(shard: Shard, shard_dir: Path) -> None:
+    """After packing, the shard is what is on disk: links keep their source sizes, new files add theirs."""
+    sizes = dict(shard.files)
+    found: FileList = []
+    for dirpath, dirnames, filenames in os.walk(shard_dir):
+        rel_dir = os.path.relpath(dirpath, shard_dir)
+        prefix = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+        for name in filenames:
+            rel = prefix + name
+            path = os.path.join(dirpath, name)
+            found.append((rel, sizes[rel] if os.path.islink(path) and rel in sizes else os.path.getsize(path)))
+    shard.files = sorted(found)
+
+
+@contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """One split-data at a time per output folder: the manifest is read-modify-write."""
+    with open(out / LOCK, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _clear_leftovers(out: Path, workers: int) -> None:
+    for stale in out.glob(f".split-{workers}.*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _swap_in(out: Path, tmp: Path, old: Path, names: list[str]) -> bool:
+    """Rename the new folders over the old ones; on failure, put the old ones back."""
+    retired: list[str] = []
+    installed: list[str] = []
+    try:
+        for name in names:
+            if os.path.lexists(out / name):
+                os.rename(out / name, old / name)
+                retired.append(name)
+            os.rename(tmp / name, out / name)
+            installed.append(name)
+    except OSError:
+        for name in installed:
+            os.rename(out / name, tmp / name)
+        for name in retired:
+            os.rename(old / name, out / name)
+        raise
+    return bool(retired)
+
+
+def _dumps(data: dict, files: int) -> str:
+    """Readable (one file per line) when small; compact, by json's fast C encoder, when large."""
+    if files > INDENT_LIMIT:
+        return json.dumps(data, separators=(",", ":"))
+    lists: list[list] = []
+    for split in data["splits"].values():
+        for shard in split["shards"]:
+            lists.append(shard["files"])
+            shard["files"] = f"\0files{len(lists) - 1}"
+    text = json.dumps(data, indent=1)
+    for i, pairs in enumerate(lists):
+        body = ",\n".join(json.dumps(pair) for pair in pairs)
+        text = text.replace(json.dumps(f"\0files{i}"), f"[\n{body}\n]" if pairs else "[]", 1)
+    return text
+
+
+def write_manifest(out: Path, p: Plan) -> Path:
+    path = out / MANIFEST
+    data = read_manifest(path)
+    data["splits"][str(p.workers)] = p.to_json()
+    data["splits"] = dict(sorted(data["splits"].items(), key=lambda kv: int(kv[0])))
+    files = sum(len(s["files"]) for split in data["splits"].values() for s in split["shards"])
+    tmp = out / f".{MANIFEST}.tmp-{os.getpid()}"
+    tmp.write_text(_dumps(data, files) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def write(p: Plan, out: Path, *, pack: Packer | None = None, threads: int | None = None) -> SplitResult:
+    """Build the shards beside the old ones, swap them in, update the manifest."""
+    seconds: dict[str, float] = {}
+    out.mkdir(parents=True, exist_ok=True)
+    threads = default_threads(p.workers) if threads is None else threads
+    with _locked(out):
+        _clear_leftovers(out, p.workers)
+        tmp = out / f".split-{p.workers}.tmp-{os.getpid()}"
+        old = out / f".split-{p.workers}.old-{os.getpid()}"
+        try:
+            tmp.mkdir()
+            old.mkdir()
+            t = time.perf_counter()
+            link_all(p, tmp, threads)
+            seconds["link"] = time.perf_counter() - t
+            if pack is not None:
+                t = time.perf_counter()
+                for shard in p.shards:
+                    pack(tmp / shard.name)
+                    _rescan_packed(shard, tmp / shard.name)
+                seconds["pack"] = time.perf_counter() - t
+            t = time.perf_counter()
+            replaced = _swap_in(out, tmp, old, [s.name for s in p.shards])
+            manifest = write_manifest(out, p)
+            seconds["manifest"] = time.perf_counter() - t
+        except OSError as exc:
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise DataError(f"could not write the shards to {out}: {exc.strerror or exc}{where}",
+                            hint="check free space, inodes and permissions there; the previous split is unchanged") from None
+        finally:
+            t = time.perf_counter()
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
+            seconds["cleanup"] = time.perf_counter() - t
+    return SplitResult(p, out, manifest, replaced, seconds)
+
+
+def default_threads(workers: int) -> int:
+    # symlink() releases the GIL and each worker has its own folder, so shards link in parallel.
+    return max(1, min(workers, os.cpu_count() or 1, 8))
+
+
+def split(source: Path, out: Path, workers: int, *, seed: int = 0, pack: Packer | None = None,
+          threads: int | None = None) -> SplitResult:
+    """Plan (validate + scan + assign) then write; nothing is written if planning fails."""
+    t = time.perf_counter()
+    p = plan(Path(source), Path(out), workers, seed)
+    planned = time.perf_counter() - t
+    if pack is not None and p.kind != "imagefolder":
+        raise DataError(f"--pack works on ImageFolder sources; {p.source} holds record files",
+                        hint="drop --pack: record files are already packed")
+    result = write(p, Path(out).resolve(), pack=pack, threads=threads)
+    result.seconds = {"scan+plan": planned, **result.seconds}
+    return result

@@ -1,0 +1,250 @@
+"""One seam between orch and a host: run a command, stream bytes in and out.
+
+`SSHTransport` (paramiko) and `LocalTransport` (subprocess) implement `open()`; every
+higher layer (preflight, sync, launch, follow, stop) is written once against `Transport`.
+One transport per host is opened in parallel and reused for every step of a command.
+"""
+from __future__ import annotations
+
+import base64
+import os
+import shlex
+import socket
+import subprocess
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+
+from orchestrator.errors import HostError
+from orchestrator.inventory import Host
+
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Result:
+    code: int
+    stdout: bytes
+    stderr: bytes
+
+
+class Channel(ABC):
+    """A running command: bytes to its stdin, bytes from its stdout."""
+
+    @abstractmethod
+    def write(self, data: bytes | memoryview) -> None: ...
+
+    @abstractmethod
+    def close_stdin(self) -> None: ...
+
+    @abstractmethod
+    def read(self, n: int = CHUNK) -> bytes:
+        """Up to n bytes of stdout; b"" at the end. Raises TimeoutError after the timeout."""
+
+    @abstractmethod
+    def finish(self) -> Result:
+        """Drain what is left, wait for the exit code."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Transport(ABC):
+    def __init__(self, host: Host) -> None:
+        self.host = host
+
+    @abstractmethod
+    def open(self, argv: list[str], timeout: float | None = None) -> Channel: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def run(self, argv: list[str], stdin: bytes = b"", timeout: float | None = None) -> Result:
+        chan = self.open(argv, timeout)
+        try:
+            if stdin:
+                chan.write(stdin)
+            chan.close_stdin()
+            return chan.finish()
+        finally:
+            chan.close()
+
+
+# ---------------------------------------------------------------- local
+
+class LocalChannel(Channel):
+    def __init__(self, argv: list[str], cwd: str | None, timeout: float | None) -> None:
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, cwd=cwd)
+        self.timeout = timeout
+        self._err = bytearray()
+        # stderr is drained on the side so a chatty command can never block on it
+        self._err_thread = threading.Thread(target=self._drain_err, daemon=True)
+        self._err_thread.start()
+
+    def _drain_err(self) -> None:
+        for block in iter(lambda: self.proc.stderr.read1(CHUNK), b""):
+            self._err += block
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.proc.stdin.write(data)
+
+    def close_stdin(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+
+    def read(self, n: int = CHUNK) -> bytes:
+        return self.proc.stdout.read1(n)
+
+    def finish(self) -> Result:
+        out = self.proc.stdout.read()
+        code = self.proc.wait(self.timeout)
+        self._err_thread.join(5)
+        return Result(code, out, bytes(self._err))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+class LocalTransport(Transport):
+    """`connection: local`: the same commands, run as child processes of orch."""
+
+    def __init__(self, host: Host, cwd: str | None = None) -> None:
+        super().__init__(host)
+        self.cwd = cwd
+
+    def open(self, argv: list[str], timeout: float | None = None) -> Channel:
+        argv = [os.path.expanduser(argv[0])] + argv[1:]
+        return LocalChannel(argv, self.cwd, timeout)
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- ssh
+
+def remote_command(argv: list[str]) -> str:
+    """Quote every word for the remote shell; a leading ~/ stays unquoted so it expands."""
+    words = []
+    for arg in argv:
+        if arg.startswith("~/"):
+            words.append("~/" + shlex.quote(arg[2:]))
+        else:
+            words.append(shlex.quote(arg))
+    return " ".join(words)
+
+
+class SSHChannel(Channel):
+    def __init__(self, chan: paramiko.Channel, timeout: float | None) -> None:
+        self.chan = chan
+        chan.settimeout(timeout)
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        # memoryview slices: sendall of bytes would re-slice (copy) on every packet
+        for i in range(0, len(view), CHUNK):
+            self.chan.sendall(view[i:i + CHUNK])
+
+    def close_stdin(self) -> None:
+        self.chan.shutdown_write()
+
+    def read(self, n: int = CHUNK) -> bytes:
+        try:
+            return self.chan.recv(n)
+        except socket.timeout as e:
+            raise TimeoutError("no answer") from e
+
+    def finish(self) -> Result:
+        out = bytearray()
+        for block in iter(lambda: self.read(), b""):
+            out += block
+        code = self.chan.recv_exit_status()
+        err = bytearray()
+        # stderr arrives before the exit status on the channel, so it is all buffered now
+        while self.chan.recv_stderr_ready():
+            err += self.chan.recv_stderr(CHUNK)
+        return Result(code, bytes(out), bytes(err))
+
+    def close(self) -> None:
+        self.chan.close()
+
+
+class SSHTransport(Transport):
+    def __init__(self, host: Host, client: paramiko.SSHClient) -> None:
+        super().__init__(host)
+        self.client = client
+
+    def open(self, argv: list[str], timeout: float | None = None) -> Channel:
+        transport = self.client.get_transport()
+        if transport is None or not transport.is_active():
+            raise HostError(f"{self.host.label}: the SSH connection was lost")
+        chan = transport.open_session(timeout=timeout or 30)
+        chan.exec_command(remote_command(argv))
+        return SSHChannel(chan, timeout)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    """SHA256:... as `ssh-keygen -l` and OpenSSH's own prompts show it."""
+    import hashlib
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def known_hosts_name(address: str, port: int) -> str:
+    return address if port == 22 else f"[{address}]:{port}"
+
+
+class HostKeyRefused(Exception):
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+class StrictPolicy(paramiko.MissingHostKeyPolicy):
+    """Unknown keys are refused, showing what the user must check and how to trust it."""
+
+    def __init__(self, known_hosts: str, port: int) -> None:
+        self.known_hosts, self.port = known_hosts, port
+
+    def missing_host_key(self, client, hostname, key) -> None:
+        name = hostname if hostname.startswith("[") else known_hosts_name(hostname, self.port)
+        raise HostKeyRefused(
+            f"host key not trusted: {name} offers {key.get_name()} {fingerprint(key)}, "
+            f"which is not in {self.known_hosts}",
+            f"check the fingerprint on the host (ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub), then "
+            f"`ssh-keyscan -p {self.port} {hostname.strip('[]').split(']')[0]} >> {self.known_hosts}`"
+            f", or set `host_key_policy: accept-new` in cluster.yaml")
+
+
+class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
+    """Like OpenSSH's StrictHostKeyChecking=accept-new: record new keys, refuse changed ones
+    (a changed key never reaches this policy: paramiko raises BadHostKeyException)."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, known_hosts: str, port: int) -> None:
+        self.known_hosts, self.port = known_hosts, port
+
+    def missing_host_key(self, client, hostname, key) -> None:
+        name = hostname if hostname.startswith("[") else known_hosts_name(hostname, self.port)
+        line = f"{name} {key.get_name()} {key.get_base64()}\n"
+        with self._lock:
+            Path(self.known_hosts).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with open(self.known_hosts, "a") as f:
+                f.write(line)
+        client.get_host_keys().add(name, key.get_name(), key)

@@ -1,0 +1,1 @@
+"""Stand-in entrypoint for the broken-inventory corpus."""

@@ -1,0 +1,424 @@
+"""A fake SSH cluster on one machine: one real OpenSSH sshd per loopback address.
+
+Every "host" is its own `/usr/sbin/sshd -D` bound to 127.0.0.<k>:<port> with its own
+host key, so host-key checking, per-host failures (pause one sshd, drop one host key)
+and parallel fan-out are exercised for real, without containers or root-only tricks
+beyond running sshd itself. Used by tests/conftest.py and by bench/.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import yaml
+
+SSHD = "/usr/sbin/sshd"
+START_TIMEOUT_S = 10.0
+STOP_GRACE_S = 3.0
+_PR_SET_PDEATHSIG = 1
+
+
+class ClusterError(RuntimeError):
+    """The fake cluster could not be started or stopped as asked."""
+
+
+# ---------------------------------------------------------------- /proc helpers
+
+def _read_stat(pid: int) -> Optional[tuple[int, str]]:
+    """(ppid, state) of pid, or None when it is gone; comm may hold spaces and ')'."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    rest = data.rsplit(")", 1)[1].split()
+    return int(rest[1]), rest[0]
+
+
+def _all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def children_map() -> dict[int, list[int]]:
+    """ppid -> child pids, one snapshot of /proc."""
+    tree: dict[int, list[int]] = {}
+    for pid in _all_pids():
+        stat = _read_stat(pid)
+        if stat is not None:
+            tree.setdefault(stat[0], []).append(pid)
+    return tree
+
+
+def descendants_of(root: int) -> list[int]:
+    """Every pid below root (not root itself), parents before children."""
+    tree = children_map()
+    out: list[int] = []
+    todo = list(tree.get(root, []))
+    while todo:
+        pid = todo.pop(0)
+        out.append(pid)
+        todo.extend(tree.get(pid, []))
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    """True when pid exists and is not a zombie (a zombie has already exited)."""
+    stat = _read_stat(pid)
+    return stat is not None and stat[1] != "Z"
+
+
+def pids_with_env(marker: str) -> list[int]:
+    """Live pids whose environment holds exactly `marker` ("KEY=VALUE")."""
+    want = marker.encode()
+    found = []
+    for pid in _all_pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                entries = f.read().split(b"\0")
+        except OSError:  # vanished, or not ours to read
+            continue
+        if want in entries and pid_alive(pid):
+            found.append(pid)
+    return found
+
+
+def _signal(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+# ---------------------------------------------------------------- ports
+
+def port_free(address: str, port: int) -> bool:
+    """True when nothing listens on address:port and we could bind it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def accepts(address: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def free_port(addresses: Sequence[str], start: int = 2222, stop: int = 2400) -> int:
+    """A port free on every address, so that concurrent clusters (other test runs,
+    benchmarks) on the same addresses do not collide."""
+    for port in range(start, stop):
+        if all(port_free(a, port) for a in addresses):
+            return port
+    raise ClusterError(f"no port in {start}..{stop} is free on {', '.join(addresses)}")
+
+
+# ---------------------------------------------------------------- hosts
+
+def _die_with_parent() -> None:
+    # If the test process is SIGKILLed, its sshds must not outlive it holding ports.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class FakeHost:
+    address: str
+    port: int
+    remote_dir: Path
+    host_key_pub: str
+    proc: subprocess.Popen
+    index: int = 0
+    home: Path = field(default_factory=Path)  # <root>/host<i>: config, keys, pid, log
+    _paused: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def log_file(self) -> Path:
+        return self.home / "sshd.log"
+
+    def descendants(self) -> list[int]:
+        return descendants_of(self.proc.pid)
+
+    def pause(self) -> None:
+        """SIGSTOP sshd and everything under it: the host stops answering, but the
+        kernel still completes TCP handshakes, like a hung machine."""
+        stopped = [self.proc.pid]
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        while True:  # a process forked between snapshot and signal is caught next pass
+            new = [p for p in self.descendants() if p not in stopped]
+            if not new:
+                break
+            _signal(new, signal.SIGSTOP)
+            stopped.extend(new)
+        self._paused = stopped
+
+    @property
+    def paused(self) -> bool:
+        return bool(self._paused)
+
+    def resume(self) -> None:
+        _signal(reversed(self._paused + self.descendants()), signal.SIGCONT)
+        self._paused = []
+
+    def known_hosts_line(self) -> str:
+        name = self.address if self.port == 22 else f"[{self.address}]:{self.port}"
+        return f"{name} {self.host_key_pub}"
+
+
+def _keygen(path: Path, comment: str) -> str:
+    if not path.exists():
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment,
+                        "-f", str(path)], check=True, stdin=subprocess.DEVNULL)
+    return " ".join(path.with_name(path.name + ".pub").read_text().split()[:2])
+
+
+def _sshd_config(home: Path, address: str, port: int, authorized_keys: Path) -> str:
+    return "\n".join([
+        f"ListenAddress {address}:{port}",
+        f"HostKey {home / 'ssh_host_ed25519_key'}",
+        f"AuthorizedKeysFile {authorized_keys}",
+        "PermitRootLogin prohibit-password",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "StrictModes no",
+        f"PidFile {home / 'sshd.pid'}",
+        "MaxSessions 64",
+        "MaxStartups 200:30:400",
+        "LogLevel ERROR",
+        "Subsystem sftp internal-sftp",
+        "AllowTcpForwarding no",
+        "",
+    ])
+
+
+# ---------------------------------------------------------------- the cluster
+
+class SshdCluster:
+    """n sshd "hosts" on 127.0.0.<first_octet>.. sharing one port, one client key and
+    one known_hosts file that trusts exactly the trusted hosts."""
+
+    def __init__(self, root: Path, n: int, *, port: int = 2222, first_octet: int = 2) -> None:
+        self.root = Path(root).resolve()
+        self.n = n
+        self.port = port
+        self.first_octet = first_octet
+        self.hosts: list[FakeHost] = []            # trusted hosts, inventory order
+        self.untrusted_hosts: list[FakeHost] = []  # running, but not in known_hosts
+        self.client_key = self.root / "client" / "id_ed25519"
+        self.known_hosts = self.root / "client" / "known_hosts"
+        self.ssh_config = self.root / "client" / "ssh_config"
+        self.authorized_keys = self.root / "client" / "authorized_keys"
+        self._next_octet = first_octet
+        self._started = False
+
+    # -- lifecycle
+    def start(self) -> "SshdCluster":
+        if self._started:
+            return self
+        Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privsep dir
+        self.client_key.parent.mkdir(parents=True, exist_ok=True)
+        pub = _keygen(self.client_key, "orch-test-client")
+        self.authorized_keys.write_text(pub + "\n")
+        self._write_ssh_config()
+        self._started = True
+        atexit.register(self.stop)
+        try:
+            for _ in range(self.n):
+                self.add_host(trusted=True)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def all_hosts(self) -> list[FakeHost]:
+        return self.hosts + self.untrusted_hosts
+
+    def stop(self) -> None:
+        """Stop every sshd and every session under it; raise if anything survives."""
+        hosts = self.all_hosts()
+        if not hosts:
+            return
+        pids = self._tree_pids(hosts)
+        _signal(pids, signal.SIGCONT)  # a paused sshd must be able to act on SIGTERM
+        _signal(pids, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline:
+            self._reap(hosts)
+            pids = [p for p in pids + self._tree_pids(hosts) if pid_alive(p)]
+            if not pids:
+                break
+            time.sleep(0.05)
+        _signal(pids + self._tree_pids(hosts), signal.SIGKILL)
+        self._reap(hosts, wait=True)
+        survivors = [p for p in pids if pid_alive(p)]
+        self.hosts, self.untrusted_hosts = [], []
+        if survivors:
+            raise ClusterError(f"processes of the fake cluster survived SIGKILL: {survivors}")
+
+    @staticmethod
+    def _tree_pids(hosts: list[FakeHost]) -> list[int]:
+        pids: list[int] = []
+        for h in hosts:
+            if h.proc.poll() is None:
+                pids.append(h.proc.pid)
+            pids.extend(h.descendants())
+        return pids
+
+    @staticmethod
+    def _reap(hosts: list[FakeHost], wait: bool = False) -> None:
+        for h in hosts:
+            if wait:
+                try:
+                    h.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                h.proc.poll()
+
+    def __enter__(self) -> "SshdCluster":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- hosts
+    def add_host(self, trusted: bool = True) -> FakeHost:
+        """One more sshd on the next free address. trusted=False keeps its host key out
+        of known_hosts (and the host out of `hosts`, so inventories skip it)."""
+        if not self._started:
+            raise ClusterError("start() the cluster before adding hosts")
+        index = len(self.all_hosts())
+        address = f"127.0.0.{self._next_octet}"
+        self._next_octet += 1
+        host = self._spawn(index, address)
+        (self.hosts if trusted else self.untrusted_hosts).append(host)
+        self._write_known_hosts()
+        return host
+
+    def _spawn(self, index: int, address: str) -> FakeHost:
+        home = self.root / f"host{index}"
+        home.mkdir(parents=True, exist_ok=True)
+        host_pub = _keygen(home / "ssh_host_ed25519_key", f"orch-test-host{index}")
+        config = home / "sshd_config"
+        config.write_text(_sshd_config(home, address, self.port, self.authorized_keys))
+        if not port_free(address, self.port):
+            raise ClusterError(f"{address}:{self.port} is already in use; pick another port "
+                               f"(sshd_cluster.free_port) or first_octet")
+        log = open(home / "sshd.log", "ab")
+        with log:
+            proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)],
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+        host = FakeHost(address=address, port=self.port, remote_dir=home / "orch",
+                        host_key_pub=host_pub, proc=proc, index=index, home=home)
+        self._wait_listening(host)
+        return host
+
+    @staticmethod
+    def _wait_listening(host: FakeHost) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if host.proc.poll() is not None:
+                raise ClusterError(f"sshd for {host.address}:{host.port} exited with "
+                                   f"{host.proc.returncode}: {host.log_file.read_text()[-2000:]}")
+            if accepts(host.address, host.port, timeout=0.5):
+                return
+            time.sleep(0.02)
+        host.proc.kill()
+        host.proc.wait()
+        raise ClusterError(f"sshd on {host.address}:{host.port} did not listen within "
+                           f"{START_TIMEOUT_S:.0f} s")
+
+    @staticmethod
+    def unreachable() -> tuple[str, int]:
+        """An address:port where nothing listens (connections are refused)."""
+        for octet in range(250, 200, -1):
+            address = f"127.0.0.{octet}"
+            if not accepts(address, 2222, timeout=0.3):
+                return address, 2222
+        raise ClusterError("no unused loopback address found for unreachable()")
+
+    # -- client-side files
+    def _write_known_hosts(self) -> None:
+        lines = [h.known_hosts_line() for h in self.hosts]
+        self.known_hosts.write_text("".join(line + "\n" for line in lines))
+
+    def _write_ssh_config(self) -> None:
+        self.ssh_config.write_text("\n".join([
+            "Host 127.0.0.*",
+            "  User root",
+            f"  Port {self.port}",
+            f"  IdentityFile {self.client_key}",
+            "  IdentitiesOnly yes",
+            f"  UserKnownHostsFile {self.known_hosts}",
+            "  GlobalKnownHostsFile /dev/null",
+            "  StrictHostKeyChecking yes",
+            "  BatchMode yes",
+            "  LogLevel ERROR",
+            "",
+        ]))
+
+    def write_inventory(self, path: Path, *, hosts: Optional[list[FakeHost]] = None,
+                        procs: Union[int, list[int]] = 1, name: str = "job",
+                        entrypoint: str = "job.py", args: Sequence[str] = (),
+                        env: Optional[dict] = None, code_paths: Sequence[str] = ("job.py",),
+                        extra_hosts: Sequence[dict] = (), top: Optional[dict] = None) -> Path:
+        """Write a cluster.yaml (SPEC format) for these hosts (default: every trusted host).
+        `top` is merged last: a dict value updates the section of that name, key by key
+        (top={"ssh": {"host_key_policy": "accept-new"}}); anything else replaces it."""
+        hosts = self.hosts if hosts is None else hosts
+        counts = procs if isinstance(procs, list) else [procs] * len(hosts)
+        if len(counts) != len(hosts):
+            raise ValueError(f"procs has {len(counts)} entries for {len(hosts)} hosts")
+        doc: dict[str, Any] = {
+            "name": name,
+            "ssh": {"user": "root", "identity_file": str(self.client_key),
+                    "known_hosts": str(self.known_hosts), "host_key_policy": "strict",
+                    "connect_timeout": 5, "port": self.port},
+            "hosts": [self._host_entry(h, c) for h, c in zip(hosts, counts)] + list(extra_hosts),
+            "python": sys.executable,
+            "code": {"paths": list(code_paths)},
+            "job": {"entrypoint": entrypoint, "args": list(args), "env": dict(env or {})},
+        }
+        for key, value in (top or {}).items():  # dicts merge one level: top={"ssh": {...}}
+            if isinstance(value, dict) and isinstance(doc.get(key), dict):
+                doc[key] = {**doc[key], **value}
+            else:
+                doc[key] = value
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return path
+
+    def _host_entry(self, host: FakeHost, procs: int) -> dict:
+        entry: dict[str, Any] = {"address": host.address, "procs": procs,
+                                 "remote_dir": str(host.remote_dir)}
+        if host.port != self.port:
+            entry["port"] = host.port
+        return entry
+
+
+def ssh_cmd(cluster: SshdCluster) -> list[str]:
+    """OpenSSH client argv prefix for this cluster: `ssh_cmd(c) + [addr, "true"]`."""
+    return ["ssh", "-F", str(cluster.ssh_config)]

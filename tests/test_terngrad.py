@@ -1,0 +1,243 @@
+"""TernGrad: 2-bit codec, unbiasedness, and the DDP hooks in real 2- and 3-process gloo runs."""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from worker import compression as C
+
+SIZE_TO_BINARIZE = 100
+SPAWN_TIMEOUT_S = 90
+
+
+# ---------------------------------------------------------------------------
+# Codec (single process)
+
+
+@pytest.mark.parametrize("numel", [1, 2, 3, 5, 7, 13, 1001])
+def test_pack_unpack_round_trip_odd_sizes(numel: int) -> None:
+    gen = torch.Generator().manual_seed(numel)
+    codes = torch.randint(0, 3, (numel,), generator=gen, dtype=torch.uint8)
+    packed = C.pack_ternary(codes)
+    assert packed.dtype == torch.uint8
+    assert packed.numel() == math.ceil(numel / 4)
+    assert torch.equal(C.unpack_ternary(packed, numel), codes)
+
+
+@pytest.mark.parametrize("numel", [1, 3, 6, 999])
+def test_encode_decode_values(numel: int) -> None:
+    # |g| == s everywhere: ternarisation is deterministic, so decode(encode(g)) == g.
+    scaler = 0.37
+    signs = torch.tensor([1.0, -1.0, 0.0]).repeat(numel)[:numel]
+    grad = signs * scaler
+    packed = C.encode(grad, scaler, torch.Generator().manual_seed(0))
+    assert torch.equal(C.decode(packed, scaler, numel), grad)
+
+
+def test_packing_layout_is_four_codes_per_byte() -> None:
+    codes = torch.tensor([2, 0, 1, 2, 1], dtype=torch.uint8)
+    packed = C.pack_ternary(codes)
+    assert packed.tolist() == [2 | 0 << 2 | 1 << 4 | 2 << 6, 1 | 1 << 2 | 1 << 4 | 1 << 6]
+
+
+def _mean_of_ternarisations(grad: torch.Tensor, scaler: float, reps: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1234)
+    codes = C.ternarize(grad.repeat(reps), scaler, gen).view(reps, -1)
+    return C.decode_ternary(codes, scaler).mean(dim=0)
+
+
+def test_ternarisation_is_unbiased() -> None:
+    grad = torch.randn(999, generator=torch.Generator().manual_seed(7))
+    scaler = C.local_scaler(grad).item()
+    reps = 3000
+    mean = _mean_of_ternarisations(grad, scaler, reps)
+    # Per element the std of the mean is at most s / (2 sqrt(reps)); allow 5 of them.
+    tolerance = 5 * scaler / (2 * math.sqrt(reps))
+    assert (mean - grad).abs().max().item() < tolerance
+    # and the draws are really random: a single ternarisation is far from g
+    single = C.decode_ternary(C.ternarize(grad, scaler), scaler)
+    assert (single - grad).abs().max().item() > tolerance
+
+
+def test_clip_factor_scaler_and_clipping() -> None:
+    grad = torch.randn(2000, generator=torch.Generator().manual_seed(3))
+    grad[0] = 40.0  # an outlier far beyond 2.5 std
+    scaler = C.local_scaler(grad, clip_factor=2.5)
+    assert scaler.item() == pytest.approx(2.5 * grad.std(correction=0).item(), rel=1e-6)
+    assert C.local_scaler(grad).item() == 40.0
+    reps = 2000
+    mean = _mean_of_ternarisations(grad, scaler.item(), reps)
+    expected = grad.clamp(-scaler.item(), scaler.item())  # larger values are clipped to s
+    assert (mean - expected).abs().max().item() < 5 * scaler.item() / (2 * math.sqrt(reps))
+
+
+def test_zero_gradient_and_constant_gradient() -> None:
+    zeros = torch.zeros(10)
+    assert torch.equal(C.ternarize(zeros, 0.0), torch.ones(10, dtype=torch.uint8))
+    constant = torch.full((10,), -0.5)
+    # std is 0: the clip-factor scaler falls back to max|g| instead of zeroing the gradient
+    assert C.local_scaler(constant, clip_factor=2.5).item() == 0.5
+
+
+def test_same_generator_seed_gives_same_codes() -> None:
+    grad = torch.randn(500)
+    first = C.ternarize(grad, 3.0, torch.Generator().manual_seed(5))
+    again = C.ternarize(grad, 3.0, torch.Generator().manual_seed(5))
+    other = C.ternarize(grad, 3.0, torch.Generator().manual_seed(6))
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+def test_unknown_kind_is_a_clear_value_error() -> None:
+    with pytest.raises(ValueError, match="unknown gradient compression 'int8'.*none, fp16, terngrad"):
+        C.install_comm_hook(None, "int8")
+
+
+# ---------------------------------------------------------------------------
+# DDP hooks in real multi-process gloo runs
+
+
+def _model() -> nn.Module:
+    # Odd sizes; weights >= SIZE_TO_BINARIZE are quantised, biases and logits stay float.
+    return nn.Sequential(nn.Linear(17, 39), nn.ReLU(), nn.Linear(39, 29), nn.ReLU(),
+                         nn.Linear(29, 5))
+
+
+FLOAT_NAMES = {"0.bias", "2.bias", "4.weight", "4.bias"}
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    # Scale differs per rank so that local scalers differ and the MAX matters.
+    return torch.randn(8, 17, generator=gen) * (1 + rank), torch.randint(0, 5, (8,), generator=gen)
+
+
+def _all_gather(t: torch.Tensor) -> torch.Tensor:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.stack(out)
+
+
+def _raw_mean_grads(base: nn.Module, rank: int, step: int) -> dict[str, torch.Tensor]:
+    """What DDP's fp32 average would be: the mean over ranks of the local gradients."""
+    local = copy.deepcopy(base)
+    local.zero_grad(set_to_none=True)
+    x, y = _batch(rank, step)
+    nn.functional.cross_entropy(local(x), y).backward()
+    return {n: _all_gather(p.grad).mean(dim=0) for n, p in local.named_parameters()}
+
+
+def _ddp_step(ddp: nn.Module, rank: int, step: int) -> dict[str, torch.Tensor]:
+    ddp.zero_grad(set_to_none=True)
+    x, y = _batch(rank, step)
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    return {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+
+
+def _check_terngrad_records(state: C.TernGradState) -> None:
+    assert state.records, "the TernGrad hook recorded no bucket"
+    for index in sorted(state.records):
+        rec = state.records[index]
+        # The hook's result is the average of every rank's decoded ternary gradient.
+        everyone = _all_gather(rec.local_decoded)
+        torch.testing.assert_close(rec.result, everyone.mean(dim=0), rtol=1e-5, atol=1e-7)
+        # The scaler is shared: every rank uses the max over ranks of the local scalers.
+        locals_ = _all_gather(rec.local_scalers)
+        assert torch.equal(rec.shared_scalers, locals_.max(dim=0).values)
+        assert torch.equal(_all_gather(rec.shared_scalers).min(dim=0).values, rec.shared_scalers)
+        assert not torch.equal(locals_[0], locals_[1]), "test data should give different scalers"
+    state.records.clear()
+
+
+def _check_terngrad_grads(grads: dict[str, torch.Tensor], raw: dict[str, torch.Tensor],
+                          world: int) -> None:
+    for name, grad in grads.items():
+        assert torch.equal(_all_gather(grad).min(dim=0).values, grad), f"{name} differs across ranks"
+        if name in FLOAT_NAMES:
+            torch.testing.assert_close(grad, raw[name], rtol=1e-5, atol=1e-7)
+        else:
+            # Mean of W ternaries {-s, 0, s}: at most 2W + 1 distinct values.
+            assert grad.unique().numel() <= 2 * world + 1, name
+            assert not torch.allclose(grad, raw[name]), f"{name} was not quantised"
+
+
+def _expected_terngrad_bytes(model: nn.Module) -> tuple[int, int]:
+    """Bounds on one step's bytes: codes + scalers + floats, plus padding per bucket."""
+    quant = [p.numel() for n, p in model.named_parameters() if n not in FLOAT_NAMES]
+    floats = sum(p.numel() for n, p in model.named_parameters() if n in FLOAT_NAMES)
+    low = math.ceil(sum(quant) / 4) + 4 * len(quant) + 4 * floats
+    return low, low + 3 * len(quant)
+
+
+def _run_terngrad(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    base = _model()
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.004)
+    stats = C.install_comm_hook(ddp, "terngrad", size_to_binarize=SIZE_TO_BINARIZE,
+                                logits_param_names={"4.weight", "4.bias"})
+    stats.hook_state.record = True
+    low, high = _expected_terngrad_bytes(base)
+    for step in range(2):  # step 0 uses DDP's initial buckets, step 1 the rebuilt ones
+        before = stats.bytes_sent
+        grads = _ddp_step(ddp, rank, step)
+        _check_terngrad_records(stats.hook_state)
+        _check_terngrad_grads(grads, _raw_mean_grads(base, rank, step), world)
+        assert low <= stats.bytes_sent - before <= high
+
+
+def _run_none_and_fp16(rank: int) -> None:
+    torch.manual_seed(0)
+    base = _model()
+    numel = sum(p.numel() for p in base.parameters())
+    raw = _raw_mean_grads(base, rank, 0)
+    for kind, nbytes, tol in (("none", 4, 1e-6), ("fp16", 2, 2e-3)):
+        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.004)
+        stats = C.install_comm_hook(ddp, kind)
+        grads = _ddp_step(ddp, rank, 0)
+        assert stats.bytes_sent == nbytes * numel, kind
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, raw[name], rtol=tol, atol=tol)
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    try:
+        _run_terngrad(rank, world)
+        _run_none_and_fp16(rank)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_hooks_in_multiprocess_gloo_run(world: int) -> None:
+    ctx = mp.start_processes(_worker, args=(world, _free_port()), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{world}-process run did not finish in {SPAWN_TIMEOUT_S} s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+        assert not any(p.is_alive() for p in ctx.processes), "a worker process survived"

@@ -1,0 +1,373 @@
+"""Gradient compression for DDP: plain allreduce, fp16, and TernGrad (2 bits per value).
+
+TernGrad (Wen et al., NIPS 2017) sends every gradient tensor as {-1, 0, +1} times one
+scaler per layer. The reference implementation only simulates it (ternary values stay
+32-bit floats); here the ternary codes really travel packed, 4 values per byte.
+
+Per DDP bucket the TernGrad hook does:
+
+1. split the flat bucket into its parameters ("per layer inside the bucket"); tensors
+   with fewer than ``size_to_binarize`` elements and the logits layer stay float;
+2. compute one scaler per quantised tensor (``max|g|``, or ``clip_factor * std(g)``)
+   and share them with one ``all_reduce(MAX)`` per bucket, so every rank uses the
+   same scaler;
+3. ternarise stochastically: each element becomes ``sign(g) * s`` with probability
+   ``min(|g| / s, 1)``, else 0 (unbiased where ``|g| <= s``);
+4. pack the codes ``t + 1`` in {0, 1, 2} into 2 bits, append the float tensors' raw
+   bytes and ``all_gather`` that one byte buffer (a sum of ternaries does not fit
+   in 2 bits, so the codes cannot be allreduced);
+5. decode every rank's codes (``(code - 1) * s``), average, and write the result
+   back into the bucket.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+KINDS = ("none", "fp16", "terngrad")
+_SHIFTS = (0, 2, 4, 6)  # bit offset of the 4 codes inside one byte
+_ZERO_CODE = 1  # code of a ternary 0; also used for padding
+_SEED_BASE = 0x7E2  # keeps TernGrad's draws apart from seeds the training script uses
+
+
+@dataclass
+class CommStats:
+    """What this rank handed to collectives for gradient communication.
+
+    ``bytes_sent`` counts, per rank and cumulatively, the payload bytes passed to the
+    collectives of the communication hook: the bucket for ``none`` (fp32), the
+    half-precision bucket for ``fp16``, and for ``terngrad`` the packed 2-bit codes,
+    the per-layer scalers and the tensors kept as floats. It does not count what a
+    ring or tree algorithm relays on behalf of other ranks, nor what this rank receives.
+    """
+
+    kind: str
+    bytes_sent: int = 0
+    buckets: int = 0  # hook calls, i.e. buckets communicated
+    hook_state: Any = field(default=None, repr=False)  # for tests and debugging
+
+    def add(self, nbytes: int) -> None:
+        self.bytes_sent += int(nbytes)
+
+
+# ---------------------------------------------------------------------------
+# Encoding: pure tensor functions, usable without torch.distributed.
+
+
+def local_scaler(grad: torch.Tensor, clip_factor: float | None = None) -> torch.Tensor:
+    """This rank's scaler for one tensor: ``max|g|`` or ``clip_factor * std(g)``.
+
+    With a clip factor, a constant tensor has std 0; it then falls back to ``max|g|``
+    so that its gradient is not silently zeroed (the reference would send zeros).
+    """
+    g = grad.detach().reshape(-1).float()
+    max_abs = g.abs().max()
+    if clip_factor is None:
+        return max_abs
+    # Population std, as the reference computes it (sqrt(mean((g - mean)^2))).
+    clipped = (clip_factor * g.std(correction=0)).nan_to_num(0.0)
+    return torch.where(clipped > 0, clipped, max_abs)
+
+
+def ternarize(grad: torch.Tensor, scaler: torch.Tensor | float,
+              generator: torch.Generator | None = None) -> torch.Tensor:
+    """Stochastic ternary codes of ``grad`` (flattened) as uint8 in {0, 1, 2}.
+
+    Code ``c`` stands for ``(c - 1) * scaler``. ``scaler`` is a number or a tensor
+    broadcastable to the flattened gradient (one value per element).
+    """
+    g = grad.detach().reshape(-1)
+    draw = torch.rand(g.shape, generator=generator, device=g.device, dtype=torch.float32)
+    # draw * s < |g| has probability min(|g|/s, 1) and never fires for g == 0, even if s == 0.
+    fire = draw * scaler < g.abs().float()
+    return (torch.sign(g).to(torch.int8) * fire + _ZERO_CODE).to(torch.uint8)
+
+
+def pack_ternary(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes in {0, 1, 2} into bytes, 4 per byte (element 4j+k at bits 2k of byte j)."""
+    codes = codes.reshape(-1).to(torch.uint8)
+    pad = (-codes.numel()) % 4
+    if pad:
+        codes = torch.cat([codes, codes.new_full((pad,), _ZERO_CODE)])
+    quads = codes.view(-1, 4)
+    return quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
+
+
+def unpack_ternary(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_ternary`; works on a leading batch dimension too.
+
+    ``packed`` of shape (..., B) gives codes of shape (..., numel).
+    """
+    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & 3
+    return codes.flatten(-2)[..., :numel]
+
+
+def decode_ternary(codes: torch.Tensor, scaler: torch.Tensor | float,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values of ternary codes: ``(code - 1) * scaler``."""
+    return (codes.to(dtype) - _ZERO_CODE) * scaler
+
+
+def encode(grad: torch.Tensor, scaler: torch.Tensor | float,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Ternarise and pack: ``ceil(numel / 4)`` bytes."""
+    return pack_ternary(ternarize(grad, scaler, generator))
+
+
+def decode(packed: torch.Tensor, scaler: torch.Tensor | float, numel: int,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unpack and decode ``numel`` values (flat)."""
+    return decode_ternary(unpack_ternary(packed, numel), scaler, dtype)
+
+
+# ---------------------------------------------------------------------------
+# Hook states and hooks.
+
+
+@dataclass
+class _CountingState:
+    process_group: Any
+    stats: CommStats
+
+    @property
+    def group(self) -> Any:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+
+@dataclass
+class _Layout:
+    """Where the quantised and float tensors sit inside one flat bucket."""
+
+    quant: list[tuple[int, int]]  # (offset, numel) per quantised tensor
+    floats: list[tuple[int, int]]
+
+    @property
+    def quant_numel(self) -> int:
+        return sum(n for _, n in self.quant)
+
+
+@dataclass
+class BucketRecord:
+    """Debug record of one bucket (kept only with ``TernGradState.record``)."""
+
+    local_scalers: torch.Tensor
+    shared_scalers: torch.Tensor
+    local_decoded: torch.Tensor  # this rank's contribution, decoded, bucket-shaped
+    result: torch.Tensor  # the averaged bucket the hook returned
+
+
+@dataclass
+class TernGradState(_CountingState):
+    clip_factor: float | None = None
+    size_to_binarize: int = 256
+    float_params: frozenset[int] = frozenset()  # data_ptr of parameters kept float
+    seed: int = 0
+    record: bool = False
+    records: dict[int, BucketRecord] = field(default_factory=dict)
+    _generators: dict[str, torch.Generator] = field(default_factory=dict)
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """One generator per device, seeded by rank: reproducible, independent per rank."""
+        key = str(device)
+        if key not in self._generators:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(_SEED_BASE + 1_000_003 * self.seed + dist.get_rank())
+            self._generators[key] = gen
+        return self._generators[key]
+
+    def layout(self, bucket: dist.GradBucket) -> _Layout:
+        # Gradients lie back to back in the bucket in the order of bucket.parameters().
+        out = _Layout(quant=[], floats=[])
+        offset = 0
+        for param in bucket.parameters():
+            n = param.numel()
+            keep_float = n < self.size_to_binarize or param.data_ptr() in self.float_params
+            (out.floats if keep_float else out.quant).append((offset, n))
+            offset += n
+        return out
+
+
+def _comm_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a hook real (not string) annotations: DDP compares them to the classes,
+    and ``from __future__ import annotations`` turns them into strings."""
+    fn.__annotations__.update(bucket=dist.GradBucket, state=Any,
+                              **{"return": torch.futures.Future[torch.Tensor]})
+    return fn
+
+
+@_comm_hook
+def _allreduce_hook(state: _CountingState, bucket: dist.GradBucket
+                    ) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default semantics (sum, divided by world size), with the bytes counted."""
+    buf = bucket.buffer()
+    state.stats.add(buf.numel() * buf.element_size())
+    state.stats.buckets += 1
+    buf.div_(state.world_size)
+    work = dist.all_reduce(buf, group=state.group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+@_comm_hook
+def _fp16_hook(state: _CountingState, bucket: dist.GradBucket
+                    ) -> torch.futures.Future[torch.Tensor]:
+    state.stats.add(bucket.buffer().numel() * 2)
+    state.stats.buckets += 1
+    return default_hooks.fp16_compress_hook(state.process_group, bucket)
+
+
+def _gather_segments(buf: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+    if not segments:
+        return buf.new_empty(0)
+    return torch.cat([buf[o:o + n] for o, n in segments])
+
+
+def _scatter_segments(buf: torch.Tensor, segments: list[tuple[int, int]],
+                      flat: torch.Tensor) -> None:
+    pos = 0
+    for o, n in segments:
+        buf[o:o + n].copy_(flat[pos:pos + n])
+        pos += n
+
+
+def _shared_scalers(state: TernGradState, buf: torch.Tensor,
+                    layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local, shared) scalers: one all_reduce(MAX) for the whole bucket."""
+    local = torch.stack([local_scaler(buf[o:o + n], state.clip_factor)
+                         for o, n in layout.quant])
+    shared = local.clone()
+    dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=state.group)
+    state.stats.add(shared.numel() * shared.element_size())
+    return local, shared
+
+
+def _per_element(scalers: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    lengths = torch.tensor([n for _, n in layout.quant], device=scalers.device)
+    return torch.repeat_interleave(scalers, lengths)
+
+
+@_comm_hook
+def _terngrad_hook(state: TernGradState, bucket: dist.GradBucket
+                    ) -> torch.futures.Future[torch.Tensor]:
+    buf = bucket.buffer()
+    layout = state.layout(bucket)
+    if not layout.quant:
+        return _allreduce_hook(state, bucket)
+    state.stats.buckets += 1
+    local, shared = _shared_scalers(state, buf, layout)
+    scale = _per_element(shared, layout)
+    codes = ternarize(_gather_segments(buf, layout.quant), scale,
+                      state.generator(buf.device))
+    floats = _gather_segments(buf, layout.floats)
+    # One message per rank: the packed codes, then the float tensors' raw bytes.
+    payload = torch.cat([pack_ternary(codes), floats.contiguous().view(torch.uint8)])
+    state.stats.add(payload.numel())
+    gathered = [torch.empty_like(payload) for _ in range(state.world_size)]
+    work = dist.all_gather(gathered, payload, group=state.group, async_op=True)
+
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        _average_into(buf, torch.stack(gathered), layout, scale)
+        if state.record:
+            _record(state, bucket.index(), buf, layout, codes, floats, scale, local, shared)
+        return buf
+
+    return work.get_future().then(finish)
+
+
+def _average_into(buf: torch.Tensor, gathered: torch.Tensor, layout: _Layout,
+                  scale: torch.Tensor) -> None:
+    """Decode every rank's message and write the mean into the bucket."""
+    world, n_quant = gathered.shape[0], layout.quant_numel
+    n_packed = (n_quant + 3) // 4
+    codes = unpack_ternary(gathered[:, :n_packed], n_quant)
+    # Sum the codes first (small integers), then scale once: (sum - W) * s / W.
+    summed = codes.sum(dim=0, dtype=torch.int32) - world * _ZERO_CODE
+    _scatter_segments(buf, layout.quant, summed.to(buf.dtype) * (scale / world))
+    if layout.floats:
+        floats = gathered[:, n_packed:].contiguous().view(buf.dtype)
+        _scatter_segments(buf, layout.floats, floats.sum(dim=0) / world)
+
+
+def _record(state: TernGradState, index: int, buf: torch.Tensor, layout: _Layout,
+            codes: torch.Tensor, floats: torch.Tensor, scale: torch.Tensor,
+            local: torch.Tensor, shared: torch.Tensor) -> None:
+    mine = torch.empty_like(buf)
+    _scatter_segments(mine, layout.quant, decode_ternary(codes, scale, buf.dtype))
+    _scatter_segments(mine, layout.floats, floats)
+    state.records[index] = BucketRecord(local, shared, mine, buf.clone())
+
+
+# ---------------------------------------------------------------------------
+# Installation.
+
+
+def _logits_params(module: torch.nn.Module, names: set[str] | frozenset[str]
+                   ) -> list[torch.nn.Parameter]:
+    """Parameters of the logits layer: the named ones, else the last module owning any."""
+    named = dict(module.named_parameters())
+    if names:
+        unknown = sorted(set(names) - set(named))
+        if unknown:
+            raise ValueError(f"logits_param_names not in the model: {', '.join(unknown)}; "
+                             f"the model has: {', '.join(named)}")
+        return [named[n] for n in names]
+    owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
+    return list(owners[-1].parameters(recurse=False)) if owners else []
+
+
+def _terngrad_state(ddp_model: Any, stats: CommStats, process_group: Any,
+                    clip_factor: float | None, size_to_binarize: int,
+                    quantize_logits: bool, logits_param_names: set[str] | frozenset[str],
+                    seed: int) -> TernGradState:
+    if clip_factor is not None and not clip_factor > 0:
+        raise ValueError(f"clip_factor must be > 0 (the paper uses 2.5), got {clip_factor}")
+    if size_to_binarize < 1:
+        raise ValueError(f"size_to_binarize must be >= 1, got {size_to_binarize}")
+    logits = [] if quantize_logits else _logits_params(ddp_model.module, logits_param_names)
+    return TernGradState(process_group, stats, clip_factor=clip_factor,
+                         size_to_binarize=size_to_binarize,
+                         float_params=frozenset(p.data_ptr() for p in logits), seed=seed)
+
+
+def install_comm_hook(ddp_model: Any, kind: str, *, clip_factor: float | None = None,
+                      size_to_binarize: int = 256, quantize_logits: bool = False,
+                      logits_param_names: set[str] | frozenset[str] = frozenset(),
+                      process_group: Any = None, seed: int = 0) -> CommStats:
+    """Register the gradient communication hook ``kind`` on a DDP model.
+
+    ``kind``: ``none`` (fp32 allreduce, DDP's default semantics), ``fp16`` (torch's
+    ``fp16_compress_hook``) or ``terngrad``. Returns the :class:`CommStats` whose
+    ``bytes_sent`` grows by the payload this rank hands to the collectives (per rank,
+    not counting the relaying done by ring/tree algorithms).
+
+    TernGrad options: ``clip_factor`` (scaler ``c * std(g)`` instead of ``max|g|``),
+    ``size_to_binarize`` (smaller tensors stay float), ``quantize_logits`` (otherwise
+    the logits layer stays float: the parameters named in ``logits_param_names``, or,
+    if none are named, those of the last module that owns parameters), ``seed`` (the
+    random draws of rank r are seeded from ``seed`` and r).
+
+    Call it once, after wrapping the model in DDP and before the first backward.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown gradient compression {kind!r}; choose one of: "
+                         f"{', '.join(KINDS)}")
+    stats = CommStats(kind=kind)
+    hooks: dict[str, Callable[..., torch.futures.Future]] = {
+        "none": _allreduce_hook, "fp16": _fp16_hook, "terngrad": _terngrad_hook}
+    if kind == "terngrad":
+        state: _CountingState = _terngrad_state(
+            ddp_model, stats, process_group, clip_factor, size_to_binarize,
+            quantize_logits, logits_param_names, seed)
+    else:
+        state = _CountingState(process_group, stats)
+    stats.hook_state = state
+    ddp_model.register_comm_hook(state, hooks[kind])
+    return stats

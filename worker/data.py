@@ -1,0 +1,147 @@
+"""A rank's shard: finding its images, reading them as uint8 batches, and sampling epochs.
+
+A shard is ``TrainData/<class>/*`` + ``ValidationData/<class>/*`` (what ``orch split-data``
+writes), or a plain ImageFolder (``<class>/*``), from which every 10th image per class is
+held out for validation. Datasets here return whole batches (NHWC uint8 + labels), so a
+DataLoader with ``batch_size=None`` moves one tensor per batch between processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from worker.errors import WorkerError
+
+IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".webp"}
+TRAIN_DIR, VAL_DIR, PACKED_DIR = "TrainData", "ValidationData", "packed"
+HOLD_OUT_EVERY = 10  # plain ImageFolder shards: file i of a class is validation when i % 10 == 9
+
+
+@dataclass
+class ShardFiles:
+    """The image files of one shard, with labels indexing ``classes``."""
+
+    classes: list[str]
+    train: list[tuple[str, int]] = field(default_factory=list)
+    val: list[tuple[str, int]] = field(default_factory=list)
+    layout: str = "TrainData/ValidationData"
+
+
+def _class_dirs(root: Path) -> dict[str, list[str]]:
+    out = {}
+    for d in sorted(root.iterdir()):
+        if d.is_dir() and not d.name.startswith(".") and d.name != PACKED_DIR:
+            out[d.name] = sorted(str(f) for f in d.iterdir() if f.suffix.lower() in IMAGE_EXTS)
+    return out
+
+
+def _hold_out(per_class: dict[str, list[str]]) -> tuple[dict, dict]:
+    train = {c: [f for i, f in enumerate(fs) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1]
+             for c, fs in per_class.items()}
+    val = {c: [f for i, f in enumerate(fs) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
+           for c, fs in per_class.items()}
+    return train, val
+
+
+def _labelled(per_class: dict[str, list[str]], index: dict[str, int]) -> list[tuple[str, int]]:
+    return [(f, index[c]) for c, fs in per_class.items() for f in fs]
+
+
+def scan_shard(shard: Path) -> ShardFiles:
+    """List a shard's images. Classes are the class folders with at least one training image."""
+    if not shard.is_dir():
+        raise WorkerError(f"shard folder {shard} does not exist",
+                          hint="run `orch split-data` for this world size, then `orch up`")
+    if (shard / TRAIN_DIR).is_dir():
+        train = _class_dirs(shard / TRAIN_DIR)
+        val = _class_dirs(shard / VAL_DIR) if (shard / VAL_DIR).is_dir() else None
+        layout = "TrainData/ValidationData" if val is not None else "TrainData (10% held out)"
+    else:
+        train, val, layout = _class_dirs(shard), None, "ImageFolder (10% held out)"
+    if val is None:
+        train, val = _hold_out(train)
+    classes = [c for c, fs in train.items() if fs]
+    if not classes:
+        raise WorkerError(f"shard folder {shard} holds no training images",
+                          hint=f"put images in {shard}/{TRAIN_DIR}/<class>/ (png or jpg)")
+    strays = sorted(c for c, fs in val.items() if fs and c not in classes)
+    if strays:
+        raise WorkerError(f"{shard}: validation classes {strays} have no training images",
+                          hint="every validation class needs training images on every rank")
+    index = {c: i for i, c in enumerate(classes)}
+    return ShardFiles(classes, _labelled({c: train[c] for c in classes}, index),
+                      _labelled(val, index), layout)
+
+
+def load_image(path: str, size: int) -> np.ndarray:
+    """Decode to RGB uint8 HWC at size x size (shorter side scaled, centre crop)."""
+    try:
+        with Image.open(path) as img:
+            img.draft("RGB", (size, size))  # JPEG: decode at reduced scale when it can
+            img = img.convert("RGB")
+            if img.size != (size, size):
+                img = ImageOps.fit(img, (size, size), Image.BILINEAR)
+            return np.asarray(img, dtype=np.uint8)
+    except OSError as e:  # unreadable or not an image: name the file, not a traceback
+        raise WorkerError(f"cannot read image {path}: {e}") from None
+
+
+class ImageFolderBatches(torch.utils.data.Dataset):
+    """dataset[list of indices] -> (uint8 NHWC tensor, int64 labels), decoding with PIL."""
+
+    def __init__(self, items: Sequence[tuple[str, int]], image_size: int) -> None:
+        self.files = [f for f, _ in items]
+        self.labels = np.array([label for _, label in items], dtype=np.int64)
+        self.image_size = image_size
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        images = np.stack([load_image(self.files[i], self.image_size) for i in indices])
+        return torch.from_numpy(images), torch.from_numpy(self.labels[list(indices)])
+
+
+class EpochSampler:
+    """Yields sorted index batches of a fresh permutation per epoch (``set_epoch``).
+
+    Every rank must run the same number of steps, or DDP's allreduce waits forever on the
+    rank with fewer; ``total`` (the largest shard over all ranks) pads a smaller shard by
+    going round its permutation again, as DistributedSampler pads.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int, total: int | None = None,
+                 shuffle: bool = True) -> None:
+        self.n, self.batch_size, self.seed, self.rank = n, batch_size, seed, rank
+        self.total = total if total is not None else n
+        self.shuffle = shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return -(-self.total // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.rank, self.epoch]).permutation(self.n)
+        else:
+            order = np.arange(self.n)
+        order = np.resize(order, self.total)  # wraps around: the padding
+        for start in range(0, self.total, self.batch_size):
+            # Sorted: sequential reads from disk or memory map; order inside a batch is moot.
+            yield sorted(order[start:start + self.batch_size].tolist())
+
+
+def make_loader(dataset: torch.utils.data.Dataset, sampler: EpochSampler, workers: int,
+                pin_memory: bool = False) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(
+        dataset, sampler=sampler, batch_size=None, num_workers=workers,
+        persistent_workers=workers > 0, pin_memory=pin_memory,
+        prefetch_factor=4 if workers > 0 else None)

@@ -1,0 +1,89 @@
+"""Process-group set-up from torchrun's environment, and agreeing on errors across ranks."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from worker.errors import WorkerError
+
+
+@dataclass
+class Ctx:
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def cpu_threads(local_world: int) -> int:
+    """Cores per process on this host, so N processes on N cores do not oversubscribe."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, local_world))
+
+
+def setup() -> Ctx:
+    """init_process_group from torchrun's variables; without them, a 1-process group.
+
+    Backend nccl when CUDA is available, else gloo: the same program runs on laptops,
+    CPU clusters and GPU boxes.
+    """
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, device_id=device if cuda else None)
+    else:  # plain `python -m worker.train`: no rendezvous needed for one process
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    torch.set_num_threads(cpu_threads(local_world))
+    return Ctx(dist.get_rank(), dist.get_world_size(), local_rank, local_world, device, backend)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def agree(error: WorkerError | None) -> None:
+    """Collective: raise on every rank if any rank had an error, naming the ranks.
+
+    Each rank checks locally first and then calls this, so a mistake on one rank stops
+    all of them with the same message instead of leaving the others blocked in a
+    collective that the failed rank never reaches.
+    """
+    mine = None if error is None else error.one_line()
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    failed = [f"rank {r}: {msg}" for r, msg in enumerate(everyone) if msg is not None]
+    if failed:
+        raise WorkerError("; ".join(failed))
+
+
+def gather_all(obj: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """all_reduce(SUM) of a few numbers in one call (float64, exact for counts)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()

@@ -1,0 +1,89 @@
+"""Optimisers and the learning-rate schedule: scaling with the world size and warm-up."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+
+class NovoGrad(Optimizer):
+    """NovoGrad (Ginsburg et al., 2019): Adam-like, with one second moment per layer.
+
+    Per parameter tensor: v = beta2 * v + (1 - beta2) * ||g||^2 (v = ||g||^2 at the first
+    step); m = beta1 * m + (g / (sqrt(v) + eps) + weight_decay * w); w -= lr * m.
+    Defaults are the paper's (betas 0.95, 0.98), as in the DDP tutorial.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-2, betas: tuple[float, float] = (0.95, 0.98),
+                 eps: float = 1e-8, weight_decay: float = 0.0, grad_averaging: bool = False) -> None:
+        if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"invalid NovoGrad settings lr={lr} betas={betas} eps={eps}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      grad_averaging=grad_averaging))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group, beta1, beta2)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict, beta1: float, beta2: float) -> None:
+        state = self.state[p]
+        norm_sq = p.grad.float().pow(2).sum()
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = norm_sq.clone()
+        else:
+            state["exp_avg_sq"].mul_(beta2).add_(norm_sq, alpha=1 - beta2)
+        state["step"] += 1
+        update = p.grad / (state["exp_avg_sq"].sqrt() + group["eps"])
+        if group["weight_decay"]:
+            update = update.add(p, alpha=group["weight_decay"])
+        if group["grad_averaging"]:
+            update = update.mul(1 - beta1)
+        state["exp_avg"].mul_(beta1).add_(update)
+        p.add_(state["exp_avg"], alpha=-group["lr"])
+
+
+def scaled_lr(base_lr: float, world_size: int, scaling: str) -> float:
+    """The learning rate for ``world_size`` processes: linear (Goyal et al.), sqrt or none."""
+    factor = {"linear": world_size, "sqrt": math.sqrt(world_size), "none": 1.0}[scaling]
+    return base_lr * factor
+
+
+def warmup_factor(step: int, steps_per_epoch: int, warmup_epochs: float, world_size: int) -> float:
+    """Multiplier of the scaled lr at ``step``: linear from 1/world_size to 1 over the warm-up.
+
+    The tutorial's (Horovod's) formula, with the epoch counted fractionally per step:
+    lr = target / W * (epoch * (W - 1) / warmup_epochs + 1).
+    """
+    epoch = step / max(1, steps_per_epoch)
+    if warmup_epochs <= 0 or epoch >= warmup_epochs:
+        return 1.0
+    return (epoch * (world_size - 1) / warmup_epochs + 1) / world_size
+
+
+def make_optimizer(name: str, params: Iterable, lr: float, momentum: float,
+                   weight_decay: float) -> Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    return NovoGrad(params, lr=lr, weight_decay=weight_decay)
+
+
+def make_scheduler(optimizer: Optimizer, steps_per_epoch: int, warmup_epochs: float,
+                   world_size: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Stepped once per batch; its state (the step count) goes into checkpoints."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_factor(step, steps_per_epoch, warmup_epochs, world_size))

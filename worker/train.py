@@ -1,0 +1,412 @@
+"""DDP training on each rank's own shard: ``torchrun ... -m worker.train [options]``.
+
+Rank r reads ``$ORCH_DATA_DIR/worker_<r>_of_<W>/`` (packed arrays when the shard has
+them, else the image files) and writes nothing but its log; rank 0 writes metrics.csv,
+metrics.png and checkpoints under ``$ORCH_OUTPUT_DIR`` (default ./output). Without
+torchrun's variables it runs as one process. ``--help`` lists the options.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from worker import checkpoint, distrib, metrics
+from worker.augment import augment, normalize
+from worker.data import EpochSampler, ImageFolderBatches, make_loader, scan_shard
+from worker.distrib import Ctx
+from worker.errors import WorkerError
+from worker.models import (AUGMENTATION, DEFAULT_IMAGE_SIZE, MODELS, build_model,
+                           load_pretrained, logits_param_names)
+from worker.optim import make_optimizer, make_scheduler, scaled_lr
+from worker.packed import PackedBatches, find_packed, read_index
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # Every rank parses the same argv: each exits here, before any rendezvous.
+        rank = os.environ.get("RANK", "0")
+        self.exit(2, f"error: rank {rank}: {message} (fix: python -m worker.train --help)\n")
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction in (0, 1], e.g. 0.95")
+    return value
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m worker.train", description=__doc__.split("\n")[0],
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--model", choices=MODELS, default="lenet")
+    a("--pretrained", type=Path, help="weights file to start from (rank 0 reads it)")
+    a("--epochs", type=_positive(int), default=10)
+    a("--batch-size", type=_positive(int), default=64, help="per process")
+    a("--lr", type=_positive(float), default=0.01, help="base learning rate (1 process)")
+    a("--lr-scaling", choices=("linear", "sqrt", "none"), default="linear",
+      help="lr = base x world size | x sqrt(world size) | x 1")
+    a("--momentum", type=float, default=0.9, help="SGD momentum")
+    a("--weight-decay", type=float, default=0.0)
+    a("--optimizer", choices=("sgd", "adam", "novograd"), default="sgd")
+    a("--warmup-epochs", type=float, default=0.0, help="linear warm-up from lr/world size")
+    a("--sync-bn", action="store_true", help="SyncBatchNorm across ranks")
+    a("--amp", action="store_true", help="mixed precision (CUDA only)")
+    a("--channels-last", action="store_true", help="NHWC memory format (CUDA only)")
+    a("--target-accuracy", type=_fraction, help="stop once validation accuracy reaches it ...")
+    a("--patience", type=_positive(int), default=1, help="... for this many epochs in a row")
+    a("--seed", type=int, default=0)
+    a("--image-size", type=_positive(int), help="default: 224 for vggf/resnet18, 32 otherwise")
+    a("--workers", type=int, default=2, help="data-loader processes per rank (0: in-process)")
+    a("--data-format", choices=("auto", "packed", "imagefolder"), default="auto",
+      help="auto: the shard's packed/ arrays when they match --image-size, else image files")
+    a("--checkpoint-every", type=int, default=1, help="epochs between checkpoints (0: never)")
+    a("--resume", action="store_true", help="continue from the newest checkpoint, if any")
+    a("--data-dir", type=Path, default=os.environ.get("ORCH_DATA_DIR"),
+      help="folder of worker_<r>_of_<W> shards (default: $ORCH_DATA_DIR)")
+    a("--output-dir", type=Path, default=Path(os.environ.get("ORCH_OUTPUT_DIR") or "output"),
+      help="metrics and checkpoints (default: $ORCH_OUTPUT_DIR, else ./output)")
+    a("--grad-compression", choices=("none", "fp16", "terngrad"), default="none")
+    a("--clip-factor", type=_positive(float), help="TernGrad: scaler = c x std(g)")
+    a("--size-to-binarize", type=_positive(int), default=256,
+      help="TernGrad: tensors smaller than this stay float")
+    a("--quantize-logits", action="store_true", help="TernGrad: quantise the last layer too")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.image_size = args.image_size or DEFAULT_IMAGE_SIZE[args.model]
+    return args
+
+
+def say(ctx: Ctx, text: str) -> None:
+    if ctx.is_main:
+        print(text, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Data: every rank checks its shard, then all ranks agree before any training collective.
+
+
+@dataclass
+class Data:
+    train: torch.utils.data.Dataset
+    val: torch.utils.data.Dataset
+    classes: list[str]
+    source: str
+    train_total: int  # the largest training shard over all ranks: steps per epoch
+
+
+def _open_local(args: argparse.Namespace, ctx: Ctx) -> tuple[Any, Any, list[str], str]:
+    if args.data_dir is None:
+        raise WorkerError("no data folder: ORCH_DATA_DIR is not set",
+                          hint="run under `orch up`, or pass --data-dir DIR")
+    shard = args.data_dir / f"worker_{ctx.rank}_of_{ctx.world}"
+    packed, note = (None, "") if args.data_format == "imagefolder" else find_packed(shard, args.image_size)
+    if note and ctx.is_main:
+        print(f"note: {note}", flush=True)
+    if packed is not None:
+        return (PackedBatches(packed, "train"), PackedBatches(packed, "val"),
+                read_index(packed)["classes"], f"{packed} (packed)")
+    if args.data_format == "packed":
+        raise WorkerError(f"{shard} has no packed data at {args.image_size}px",
+                          hint=f"python -m worker.pack --src {shard} --image-size {args.image_size}")
+    files = scan_shard(shard)
+    return (ImageFolderBatches(files.train, args.image_size),
+            ImageFolderBatches(files.val, args.image_size), files.classes,
+            f"{shard} ({files.layout})")
+
+
+def _check_classes(everyone: list[tuple[list[str], int, int]]) -> list[str]:
+    union = sorted(set().union(*(set(c) for c, _, _ in everyone)))
+    missing = [(r, sorted(set(union) - set(c))) for r, (c, _, _) in enumerate(everyone)]
+    missing = [f"rank {r} has no images of class {', '.join(m)}" for r, m in missing if m]
+    if missing:
+        raise WorkerError("; ".join(missing), hint="split the data so that every class is on every rank "
+                          "(orch split-data splits every class across all workers)")
+    if sum(nv for _, _, nv in everyone) == 0:
+        raise WorkerError("no validation images on any rank",
+                          hint="add ValidationData/<class>/ images to the shards")
+    return union
+
+
+def open_data(args: argparse.Namespace, ctx: Ctx) -> Data:
+    error, opened = None, None
+    try:
+        opened = _open_local(args, ctx)
+        if ctx.is_main:
+            args.output_dir.mkdir(parents=True, exist_ok=True)
+    except (WorkerError, OSError) as e:
+        error = e if isinstance(e, WorkerError) else WorkerError(f"{args.output_dir}: {e}")
+    distrib.agree(error)
+    train, val, classes, source = opened
+    everyone = distrib.gather_all((classes, len(train), len(val)))
+    classes = _check_classes(everyone)
+    print(f"rank {ctx.rank}: {len(train)} train / {len(val)} validation images, "
+          f"{len(classes)} classes, from {source}", flush=True)
+    return Data(train, val, classes, source, max(n for _, n, _ in everyone))
+
+
+# ---------------------------------------------------------------------------
+# Model, optimiser, resume.
+
+
+@dataclass
+class State:
+    model: nn.Module  # the DDP wrapper
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    comm: Any  # worker.compression's stats, or None
+    start_epoch: int = 1
+    elapsed: float = 0.0  # training seconds before this run (resume)
+    hits: int = 0  # epochs in a row at or above --target-accuracy
+
+
+def _cuda_only_notes(args: argparse.Namespace, ctx: Ctx) -> None:
+    if ctx.device.type != "cuda":
+        for flag in ("amp", "channels_last"):
+            if getattr(args, flag):
+                say(ctx, f"note: --{flag.replace('_', '-')} has no effect on CPU; ignored")
+        args.amp = args.channels_last = False
+
+
+def _local_model(args: argparse.Namespace, ctx: Ctx, num_classes: int) -> nn.Module:
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, num_classes)
+    if args.pretrained and ctx.is_main:  # DDP copies rank 0's weights to every rank
+        say(ctx, load_pretrained(model, args.pretrained))
+    return model
+
+
+def _install_comm_hook(ddp: DDP, args: argparse.Namespace, logits: set[str]) -> Any:
+    try:
+        from worker.compression import install_comm_hook
+    except ImportError:
+        if args.grad_compression != "none":
+            raise WorkerError(f"--grad-compression {args.grad_compression} needs "
+                              "worker/compression.py", hint="sync the whole worker/ folder") from None
+        return None
+    return install_comm_hook(ddp, args.grad_compression, clip_factor=args.clip_factor,
+                             size_to_binarize=args.size_to_binarize,
+                             quantize_logits=args.quantize_logits,
+                             logits_param_names=logits, seed=args.seed)
+
+
+def _restore(args: argparse.Namespace, ctx: Ctx, model: nn.Module,
+             classes: list[str]) -> dict[str, Any] | None:
+    """Load rank 0's newest checkpoint into ``model`` (rank 0) and return the rest."""
+    model_state, ckpt = checkpoint.load_for_resume(args.output_dir, ctx.is_main)
+    if ckpt is None:
+        say(ctx, f"--resume: no checkpoint in {args.output_dir / checkpoint.SUBDIR}; starting at epoch 1")
+        return None
+    if ckpt["model_name"] != args.model or ckpt["classes"] != classes:
+        raise WorkerError(f"the checkpoint of epoch {ckpt['epoch']} is for --model "
+                          f"{ckpt['model_name']} with {len(ckpt['classes'])} classes",
+                          hint="use the same --model and data, or another --output-dir")
+    if model_state is not None:
+        model.load_state_dict(model_state)
+    return ckpt
+
+
+def build_state(args: argparse.Namespace, ctx: Ctx, data: Data) -> State:
+    _cuda_only_notes(args, ctx)
+    error, model = None, None
+    try:
+        model = _local_model(args, ctx, len(data.classes))
+    except WorkerError as e:
+        error = e
+    distrib.agree(error)
+    logits = logits_param_names(model)
+    ckpt = _restore(args, ctx, model, data.classes) if args.resume else None
+    if args.sync_bn and ctx.world > 1:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(ctx.device)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    lr = scaled_lr(args.lr, ctx.world, args.lr_scaling)
+    optimizer = make_optimizer(args.optimizer, model.parameters(), lr, args.momentum, args.weight_decay)
+    steps = -(-data.train_total // args.batch_size)
+    scheduler = make_scheduler(optimizer, steps, args.warmup_epochs, ctx.world)
+    ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    st = State(ddp, optimizer, scheduler, torch.amp.GradScaler(ctx.device.type, enabled=args.amp),
+               _install_comm_hook(ddp, args, logits))
+    # Ranks draw different augmentations and dropout masks; a resume restores the draws.
+    torch.manual_seed(args.seed + 1000 * ctx.rank)
+    if ckpt is not None:
+        _apply(st, ckpt, ctx, args.seed)
+    return st
+
+
+def _apply(st: State, ckpt: dict[str, Any], ctx: Ctx, seed: int) -> None:
+    st.optimizer.load_state_dict(ckpt["optimizer"])
+    st.scheduler.load_state_dict(ckpt["scheduler"])
+    st.scaler.load_state_dict(ckpt["scaler"])
+    st.start_epoch, st.elapsed, st.hits = ckpt["epoch"] + 1, ckpt["elapsed"], ckpt["hits"]
+    if len(ckpt["rng"]) == ctx.world:
+        checkpoint.set_rng_state(ckpt["rng"][ctx.rank])
+    else:  # another world size: fresh draws rather than a replay of epoch 1's
+        torch.manual_seed(seed + 1000 * ctx.rank + st.start_epoch)
+    print(f"rank {ctx.rank}: resumed from the checkpoint of epoch {ckpt['epoch']}", flush=True)
+
+
+def checkpoint_state(args: argparse.Namespace, st: State, classes: list[str],
+                     elapsed: float) -> dict[str, Any]:
+    return {"model": st.model.module.state_dict(), "optimizer": st.optimizer.state_dict(),
+            "scheduler": st.scheduler.state_dict(), "scaler": st.scaler.state_dict(),
+            "model_name": args.model, "classes": classes, "elapsed": elapsed, "hits": st.hits}
+
+
+# ---------------------------------------------------------------------------
+# Epochs.
+
+
+def prepare(x: torch.Tensor, args: argparse.Namespace, ctx: Ctx, train: bool) -> torch.Tensor:
+    """NHWC uint8 from the loader -> augmented, normalised NCHW float on the device."""
+    x = x.to(ctx.device, non_blocking=True).permute(0, 3, 1, 2)
+    if train:
+        x = augment(x, AUGMENTATION[args.model])
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+    return normalize(x).contiguous(memory_format=fmt)
+
+
+def _param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def train_epoch(args: argparse.Namespace, ctx: Ctx, st: State, loader: Any) -> dict[str, float]:
+    st.model.train()
+    loss_fn = nn.CrossEntropyLoss()
+    loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
+    correct = torch.zeros((), device=ctx.device, dtype=torch.int64)
+    seen, steps, t0 = 0, 0, time.perf_counter()
+    for x, y in loader:
+        x, y = prepare(x, args, ctx, train=True), y.to(ctx.device, non_blocking=True)
+        with torch.autocast(ctx.device.type, dtype=torch.float16, enabled=args.amp):
+            out = st.model(x)
+            loss = loss_fn(out, y)
+        st.optimizer.zero_grad(set_to_none=True)
+        st.scaler.scale(loss).backward()
+        st.scaler.step(st.optimizer)
+        st.scaler.update()
+        st.scheduler.step()
+        loss_sum += loss.detach().double() * len(y)
+        correct += (out.argmax(1) == y).sum()
+        seen, steps = seen + len(y), steps + 1
+    seconds = time.perf_counter() - t0
+    return {"loss_sum": loss_sum.item(), "correct": correct.item(), "seen": seen,
+            "images_per_s": seen / max(seconds, 1e-9), "steps": steps}
+
+
+@torch.no_grad()
+def validate(args: argparse.Namespace, ctx: Ctx, st: State, loader: Any) -> tuple[float, float, float]:
+    # The plain module, not DDP: no buffer broadcast, and ranks may have unequal slices.
+    model = st.model.module
+    model.eval()
+    loss_sum, correct, seen = 0.0, 0, 0
+    for x, y in loader:
+        x, y = prepare(x, args, ctx, train=False), y.to(ctx.device, non_blocking=True)
+        with torch.autocast(ctx.device.type, dtype=torch.float16, enabled=args.amp):
+            out = model(x)
+        loss_sum += nn.functional.cross_entropy(out.float(), y, reduction="sum").item()
+        correct += (out.argmax(1) == y).sum().item()
+        seen += len(y)
+    return loss_sum, correct, seen
+
+
+def run_epoch(args: argparse.Namespace, ctx: Ctx, st: State, epoch: int, loaders: tuple,
+              started: float) -> dict[str, float]:
+    """One epoch on every rank; returns the row rank 0 logs (averaged/summed over ranks)."""
+    t0 = time.perf_counter()
+    loaders[0].sampler.set_epoch(epoch)
+    sent_before = st.comm.bytes_sent if st.comm is not None else 0
+    tr = train_epoch(args, ctx, st, loaders[0])
+    v_loss, v_correct, v_seen = validate(args, ctx, st, loaders[1])
+    loss, corr, seen, ips, vl, vc, vs = distrib.sum_over_ranks(
+        [tr["loss_sum"], tr["correct"], tr["seen"], tr["images_per_s"], v_loss, v_correct, v_seen],
+        ctx.device)
+    sent = (st.comm.bytes_sent - sent_before if st.comm is not None
+            else _param_bytes(st.model) * tr["steps"])
+    now = time.perf_counter()
+    return {"epoch": epoch, "time_s": st.elapsed + now - started, "epoch_time_s": now - t0,
+            "train_loss": loss / seen, "train_acc": corr / seen, "val_loss": vl / vs,
+            "val_acc": vc / vs, "images_per_s": ips,
+            "lr": st.optimizer.param_groups[0]["lr"], "grad_bytes": int(sent)}
+
+
+def _loaders(args: argparse.Namespace, ctx: Ctx, data: Data) -> tuple:
+    pin = ctx.device.type == "cuda"
+    train = EpochSampler(len(data.train), args.batch_size, args.seed, ctx.rank, data.train_total)
+    val = EpochSampler(len(data.val), 2 * args.batch_size, args.seed, ctx.rank, shuffle=False)
+    return (make_loader(data.train, train, args.workers, pin),
+            make_loader(data.val, val, min(args.workers, 1), pin))
+
+
+def fit(args: argparse.Namespace, ctx: Ctx, data: Data, st: State) -> None:
+    csv_path = args.output_dir / "metrics.csv"
+    if ctx.is_main:
+        metrics.start(csv_path, st.start_epoch - 1 if args.resume else None)
+    loaders, started = _loaders(args, ctx, data), time.perf_counter()
+    for epoch in range(st.start_epoch, args.epochs + 1):
+        row = run_epoch(args, ctx, st, epoch, loaders, started)
+        st.hits = st.hits + 1 if args.target_accuracy and row["val_acc"] >= args.target_accuracy else 0
+        stop = bool(args.target_accuracy) and st.hits >= args.patience
+        if ctx.is_main:
+            print(metrics.line(row, args.epochs), flush=True)
+            metrics.append(csv_path, row)
+        last = stop or epoch == args.epochs
+        if args.checkpoint_every > 0 and (epoch % args.checkpoint_every == 0 or last):
+            state = checkpoint_state(args, st, data.classes, row["time_s"])
+            checkpoint.save(args.output_dir, epoch, state, ctx.is_main)
+        if stop:
+            say(ctx, f"reached validation accuracy {row['val_acc']:.4f} >= {args.target_accuracy} "
+                     f"for {args.patience} epoch(s): stopping after epoch {epoch}")
+            break
+    if ctx.is_main and metrics.read_rows(csv_path):
+        metrics.plot(csv_path, args.output_dir / "metrics.png")
+        say(ctx, f"wrote {csv_path} and {args.output_dir / 'metrics.png'}")
+
+
+def run(args: argparse.Namespace, ctx: Ctx) -> None:
+    say(ctx, f"worker.train: {ctx.world} process(es), backend {ctx.backend}, model {args.model}, "
+             f"{torch.get_num_threads()} thread(s) per process, "
+             f"lr {scaled_lr(args.lr, ctx.world, args.lr_scaling):g} ({args.lr_scaling} scaling)")
+    data = open_data(args, ctx)
+    st = build_state(args, ctx, data)
+    fit(args, ctx, data, st)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ctx = distrib.setup()
+    try:
+        run(args, ctx)
+        return 0
+    except WorkerError as e:
+        print(f"error: {e.one_line()}", file=sys.stderr, flush=True)
+        return e.exit_code
+    finally:
+        distrib.teardown()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
