@@ -3,7 +3,7 @@
     python bench/split.py                      # 1000 classes x 1000 files, N=16, baseline on 100k files
     python bench/split.py --classes 100 --baseline-files 10000   # a quick run
 
-Everything is generated under a temporary folder in /tmp and removed at the end.
+Everything is generated under a temporary folder in /tmp (--dir) and removed at the end.
 The baseline forks one `ln -s` per file (as split_dataset.sh does), so it is timed on a
 smaller tree (--baseline-files) and orch is timed on that same tree too for the ratio;
 the per-file rate is then extrapolated to the full tree.
@@ -84,9 +84,10 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--baseline-files", type=int, default=100_000,
                     help="size of the tree the shell baseline is timed on (0: skip it)")
+    ap.add_argument("--dir", default="/tmp", help="where the temporary tree goes (default: /tmp)")
     ap.add_argument("--no-thread-compare", action="store_true", help="skip the single-thread orch run")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="orch-split-bench-", dir="/tmp"))
+    tmp = Path(tempfile.mkdtemp(prefix="orch-split-bench-", dir=args.dir))
     try:
         run(args, tmp)
     finally:

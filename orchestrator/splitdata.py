@@ -146,7 +146,7 @@ def _names(items: list[str]) -> str:
 
 def check_counts(groups: dict[str, FileList], workers: int, kind: str) -> None:
     """Every worker must get at least one file of every class / record group."""
-    what = "class" if kind == "imagefolder" else "record group"
+    what, whats = ("class", "classes") if kind == "imagefolder" else ("record group", "record groups")
     empty = [key for key, files in groups.items() if not files]
     if empty:
         raise DataError(f"empty {what} in the source: {_names(empty)}",
@@ -155,7 +155,7 @@ def check_counts(groups: dict[str, FileList], workers: int, kind: str) -> None:
     if small:
         count, key = small[0]
         raise DataError(f"{what} {key} has {count} file(s), fewer than the {workers} workers "
-                        f"({len(small)} {what}(es) too small: {_names([k for _, k in small])})",
+                        f"({len(small)} {what if len(small) == 1 else whats} too small: {_names([k for _, k in small])})",
                         hint=f"use at most {count} workers, or add files; every worker needs "
                              f"at least one file of every {what}")
 
@@ -233,7 +233,8 @@ class _Scanner:
                 self.ignored.append(prefix + e.name)
                 continue
             target = self.check_link(e.path) if e.is_symlink() else None
-            found[prefix + e.name] = self.walk(e.path, prefix + e.name + "/", [], target)
+            # Sorted before the seeded shuffle: scandir order differs between copies of a dataset.
+            found[prefix + e.name] = sorted(self.walk(e.path, prefix + e.name + "/", [], target))
         return found
 
 
@@ -247,9 +248,9 @@ def scan(source: Path) -> tuple[str, dict[str, FileList], list[str]]:
     else:
         groups, notes, kind = _scan_imagefolder(scanner, source, top), [], "imagefolder"
     if scanner.ignored:
-        notes.append(f"ignored {len(scanner.ignored)} entr{'y' if len(scanner.ignored) == 1 else 'ies'} "
-                     f"that {'is' if len(scanner.ignored) == 1 else 'are'} neither "
-                     f"{'record files' if kind == 'records' else 'class folders'}: {_names(scanner.ignored)}")
+        what = "record files" if kind == "records" else "class folders"
+        notes.append(f"ignored {len(scanner.ignored)} top-level entr{'y' if len(scanner.ignored) == 1 else 'ies'} "
+                     f"that are not {what}: {_names(scanner.ignored)}")
     return kind, dict(sorted(groups.items())), notes
 
 

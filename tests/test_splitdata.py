@@ -157,6 +157,32 @@ def test_deterministic_seed(tmp_path: Path) -> None:
     assert [s["classes"] for s in a["shards"]] == [s["classes"] for s in c["shards"]]
 
 
+class _ReversedScandir:
+    """os.scandir listing in reverse: another filesystem, or another copy, lists in another order."""
+
+    def __init__(self, path: str) -> None:
+        with _real_scandir(path) as it:
+            self.entries = list(it)[::-1]
+
+    def __enter__(self) -> list:
+        return self.entries
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_real_scandir = os.scandir
+
+
+def test_same_split_whatever_the_listing_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    make_imagefolder(src, {"TrainData/cat": 30, "TrainData/dog": 30})
+    splitdata.split(src, tmp_path / "a", 4)
+    monkeypatch.setattr(splitdata.os, "scandir", _ReversedScandir)
+    splitdata.split(src, tmp_path / "b", 4)
+    assert manifest(tmp_path / "a")["splits"] == manifest(tmp_path / "b")["splits"]
+
+
 def test_digest_is_sha256_of_sorted_lines(tmp_path: Path) -> None:
     import hashlib
 
