@@ -31,7 +31,9 @@ sys.path.insert(0, str(REPO))
 
 from worker import compression  # noqa: E402
 
-KINDS = ("none", "fp16", "terngrad")
+# Bench variant -> (hook kind, quantize_logits). "terngrad+logits" is --quantize-logits.
+VARIANTS = {"none": ("none", False), "fp16": ("fp16", False),
+            "terngrad": ("terngrad", False), "terngrad+logits": ("terngrad", True)}
 IMAGE_SIZE = 32
 JOIN_TIMEOUT_S = 600
 
@@ -60,19 +62,20 @@ def _time_steps(ddp: nn.Module, opt: torch.optim.Optimizer, stats: compression.C
     return (stats.bytes_sent - start_bytes) / steps, statistics.median(times)
 
 
-def _run_kind(args: argparse.Namespace, kind: str, rank: int) -> dict:
+def _run_variant(args: argparse.Namespace, variant: str, rank: int) -> dict:
     torch.manual_seed(0)  # same initial weights on every rank, as DDP would broadcast
     model = build_model(args.model, args.classes)
     ddp = nn.parallel.DistributedDataParallel(model)
+    kind, quantize_logits = VARIANTS[variant]
     stats = compression.install_comm_hook(
-        ddp, kind, clip_factor=args.clip_factor, quantize_logits=args.quantize_logits)
+        ddp, kind, clip_factor=args.clip_factor, quantize_logits=quantize_logits)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(rank)
     batch = (torch.randn(args.batch_size, 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen),
              torch.randint(0, args.classes, (args.batch_size,), generator=gen))
     per_step, seconds = _time_steps(ddp, opt, stats, batch, args.warmup, args.steps)
     numel = sum(p.numel() for p in model.parameters())
-    return {"kind": kind, "bytes_per_step": per_step, "step_s": seconds, "params": numel}
+    return {"kind": variant, "bytes_per_step": per_step, "step_s": seconds, "params": numel}
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -81,7 +84,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
     try:
-        rows = [_run_kind(args, kind, rank) for kind in args.kinds]
+        rows = [_run_variant(args, variant, rank) for variant in args.kinds]
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
     finally:
@@ -115,14 +118,30 @@ def run_world(args: argparse.Namespace, world: int) -> list[dict]:
     return rows
 
 
+def ring_traffic(kind: str, world: int, sent: float) -> float:
+    """Bytes one rank puts on the wire with ring algorithms (estimate).
+
+    A ring allreduce sends 2 (W-1)/W of the payload per rank; a ring all_gather relays
+    everyone's payload, W-1 of them (TernGrad's scalers, a tiny allreduce, are
+    counted as gathered too).
+    """
+    if kind.startswith("terngrad"):
+        return (world - 1) * sent
+    return 2 * (world - 1) / world * sent
+
+
 def format_table(rows: list[dict]) -> str:
-    lines = ["| kind | W | grad bytes/step (per rank) | vs none | step time (ms) |",
-             "|---|---|---|---|---|"]
+    lines = ["| kind | W | grad bytes/step (per rank) | vs none | ring traffic/step "
+             "(per rank, est.) | vs none | step time (ms) |",
+             "|---|---|---|---|---|---|---|"]
     base = {r["workers"]: r["bytes_per_step"] for r in rows if r["kind"] == "none"}
     for r in rows:
-        ratio = base.get(r["workers"], float("nan")) / r["bytes_per_step"]
-        lines.append(f"| {r['kind']} | {r['workers']} | {r['bytes_per_step']:,.0f} | "
-                     f"{ratio:.1f}x fewer | {1000 * r['step_s']:.1f} |")
+        world, sent = r["workers"], r["bytes_per_step"]
+        ratio = base.get(world, float("nan")) / sent
+        wire = ring_traffic(r["kind"], world, sent)
+        wire_ratio = ring_traffic("none", world, base.get(world, float("nan"))) / wire
+        lines.append(f"| {r['kind']} | {world} | {sent:,.0f} | {ratio:.1f}x fewer | "
+                     f"{wire:,.0f} | {wire_ratio:.1f}x fewer | {1000 * r['step_s']:.1f} |")
     return "\n".join(lines)
 
 
@@ -131,12 +150,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="lenet", help="a model of worker.models (default lenet)")
     p.add_argument("--classes", type=int, default=6, help="logits (the demo task has 6)")
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    p.add_argument("--kinds", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                   help="terngrad+logits: terngrad with --quantize-logits")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--steps", type=int, default=20, help="timed steps per kind")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (DDP rebuilds buckets)")
-    p.add_argument("--clip-factor", type=float, default=None)
-    p.add_argument("--quantize-logits", action="store_true")
+    p.add_argument("--clip-factor", type=float, default=None, help="TernGrad: scaler c x std(g)")
     p.add_argument("--json", help="also write the rows to this file")
     return p.parse_args(argv)
 
@@ -145,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rows = [row for world in args.workers for row in run_world(args, world)]
     print(f"model={args.model} batch={args.batch_size}/rank steps={args.steps} "
-          f"params={rows[0]['params']:,} quantize_logits={args.quantize_logits}")
+          f"params={rows[0]['params']:,} clip_factor={args.clip_factor}")
     print(format_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -347,7 +347,14 @@ def _remote_dir(sec: Section, default: str) -> str:
 
 def _check_duplicate(src: Source, node: Node, host: Host, earlier: List[Host]) -> None:
     if host.is_local:
-        return  # several local hosts stand for several nodes on this machine
+        # several local hosts stand for several nodes on this machine, but each needs a
+        # job folder of its own (run/, logs/ hold per-node state)
+        for other in earlier:
+            if other.is_local and other.remote_dir == host.remote_dir:
+                src.fail(node, f"`hosts[{host.index}]` and hosts[{other.index}] (line {other.line}) "
+                               f"are both local with remote_dir {host.remote_dir}",
+                         "give each local host its own `remote_dir` (e.g. .orch/nodes/a and .orch/nodes/b)")
+        return
     for other in earlier:
         if (other.address.lower(), other.ssh.port, other.connection) == \
                 (host.address.lower(), host.ssh.port, host.connection):

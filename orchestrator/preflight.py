@@ -22,6 +22,7 @@ class HostInfo:
     clock_offset: float   # host clock minus ours: corrects exit times for root cause
     running: bool
     ssh_connection: str
+    manifests: dict       # {"code"|"data": {rel: [size, sha256]}} of what the host has
 
 
 def job_dir(cluster: Cluster, host: Host) -> str:
@@ -32,11 +33,13 @@ def check_host(cluster: Cluster, t: Transport) -> tuple[HostInfo, dict]:
     host = t.host
     master = host.index == 0
     sent = time.time()
+    folders = ",".join(f for f, want in (("code", cluster.code.paths),
+                                         ("data", cluster.data.shards)) if want)
     r = call(t, "preflight", job_dir(cluster, host), cluster.job.master_port or 0,
-             "1" if master else "0", timeout=max(30.0, host.ssh.connect_timeout * 3))
+             "1" if master else "0", folders, timeout=max(60.0, host.ssh.connect_timeout * 3))
     offset = r["time"] - (sent + time.time()) / 2
     info = HostInfo(r["job_dir"], r["executable"], r["torch"], r["gpus"], offset,
-                    r["running"], r["ssh_connection"])
+                    r["running"], r["ssh_connection"], r["manifests"])
     problems = host_problems(host, info, r)
     if problems:
         raise HostError(f"{host.label}: " + "; ".join(p for p, _ in problems),

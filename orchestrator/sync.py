@@ -160,11 +160,15 @@ def stream_files(chan, files: list[LocalFile], progress: Progress | None) -> Non
         progress(len(batch), pending)
 
 
-def push(t: Transport, dest: str, local: list[LocalFile],
-         progress: Progress | None = None) -> SyncReport:
-    """Make `dest` on the host hold exactly `local` (by content); send only differences."""
-    remote = call(t, "manifest", dest, timeout=600)["files"]
+def push(t: Transport, dest: str, local: list[LocalFile], progress: Progress | None = None,
+         remote: dict[str, list] | None = None) -> SyncReport:
+    """Make `dest` on the host hold exactly `local` (by content); send only differences.
+    `remote` is the host's manifest of dest when the caller has it already."""
+    if remote is None:
+        remote = call(t, "manifest", dest, timeout=600)["files"]
     send, delete = plan(local, remote)
+    if not send and not delete:
+        return SyncReport(0, 0, 0, ())
     chan = open_agent(t, "receive", dest, timeout=600)
     try:
         stream_files(chan, send, progress)

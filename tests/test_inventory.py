@@ -152,7 +152,8 @@ def test_gpus_set_procs(tmp_path: Path) -> None:
 def test_labels_when_addresses_are_shared(tmp_path: Path) -> None:
     text = MINIMAL.replace("hosts:\n", "hosts:\n  - {address: box, port: 22}\n"
                            "  - {address: box, port: 2222}\n  - other\n"
-                           "  - {address: localhost, connection: local}\n")
+                           "  - {address: localhost, connection: local, remote_dir: /tmp/a}\n")
+    text = text.replace("hosts:\n", "hosts:\n", 1)
     cluster = load(write(tmp_path, text))
     assert [h.label for h in cluster.hosts] == \
         ["box:22", "box:2222", "other", "localhost#3", "localhost#4"]

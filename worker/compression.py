@@ -218,7 +218,7 @@ def _allreduce_hook(state: _CountingState, bucket: dist.GradBucket
 
 @_comm_hook
 def _fp16_hook(state: _CountingState, bucket: dist.GradBucket
-                    ) -> torch.futures.Future[torch.Tensor]:
+               ) -> torch.futures.Future[torch.Tensor]:
     state.stats.add(bucket.buffer().numel() * 2)
     state.stats.buckets += 1
     return default_hooks.fp16_compress_hook(state.process_group, bucket)
@@ -251,12 +251,13 @@ def _shared_scalers(state: TernGradState, buf: torch.Tensor,
 
 def _per_element(scalers: torch.Tensor, layout: _Layout) -> torch.Tensor:
     lengths = torch.tensor([n for _, n in layout.quant], device=scalers.device)
-    return torch.repeat_interleave(scalers, lengths)
+    # output_size spares a device-to-host sync on CUDA
+    return torch.repeat_interleave(scalers, lengths, output_size=layout.quant_numel)
 
 
 @_comm_hook
 def _terngrad_hook(state: TernGradState, bucket: dist.GradBucket
-                    ) -> torch.futures.Future[torch.Tensor]:
+                   ) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
     layout = state.layout(bucket)
     if not layout.quant:
@@ -274,6 +275,7 @@ def _terngrad_hook(state: TernGradState, bucket: dist.GradBucket
     work = dist.all_gather(gathered, payload, group=state.group, async_op=True)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
+        fut.wait()  # re-raises a failed all_gather instead of averaging garbage
         _average_into(buf, torch.stack(gathered), layout, scale)
         if state.record:
             _record(state, bucket.index(), buf, layout, codes, floats, scale, local, shared)

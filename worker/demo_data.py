@@ -1,9 +1,9 @@
 """A deterministic synthetic image-classification set, written as image files.
 
-Each class is one kind of drawn shape (circle, square, triangle, ...). Every image gets
-a random background, a random fill colour, a random size and position, and pixel noise,
-so the model has to learn the shapes. Image i of class k in a split depends only on
-(seed, split, k, i): a bigger set starts with the images of a smaller one.
+Each class is a drawn shape (circle, square, triangle, ...) in its own range of hues.
+Every image gets a random background, a jittered fill colour, a random size, position
+and rotation, and pixel noise. Image i of class k in a split depends only on (seed,
+number of classes, split, k, i): more images per class extend a smaller set.
 
     python -m worker.demo_data --out data/demo --seed 0
 
@@ -13,6 +13,7 @@ No torch import: generating the demo data costs about a second.
 from __future__ import annotations
 
 import argparse
+import colorsys
 import math
 import sys
 from pathlib import Path
@@ -86,22 +87,22 @@ def class_names(classes: int) -> list[str]:
             for k in range(classes)]
 
 
-def _colour(rng: np.random.Generator, family: int) -> tuple[int, int, int]:
-    if family == 0:  # the first ten classes: any colour, only the shape tells them apart
-        return tuple(int(v) for v in rng.integers(0, 256, 3))
-    base = np.array([(family * 97) % 256, (family * 57) % 256, (family * 151) % 256])
-    return tuple(int(v) for v in np.clip(base + rng.integers(-30, 31, 3), 0, 255))
+def _colour(rng: np.random.Generator, k: int, classes: int) -> tuple[int, int, int]:
+    """Class k's hue (evenly spaced round the wheel) with jitter; random saturation, value."""
+    hue = (k / classes + rng.uniform(-0.25, 0.25) / classes) % 1.0
+    rgb = colorsys.hsv_to_rgb(hue, rng.uniform(0.5, 1.0), rng.uniform(0.55, 1.0))
+    return tuple(int(255 * v) for v in rgb)
 
 
-def draw_image(seed: int, split: int, k: int, i: int, size: int) -> Image.Image:
+def draw_image(seed: int, classes: int, split: int, k: int, i: int, size: int) -> Image.Image:
     """Image i of class k: depends on nothing else, so any subset is reproducible."""
-    rng = np.random.default_rng([seed, split, k, i])
+    rng = np.random.default_rng([seed, classes, split, k, i])
     big = size * SUPERSAMPLE
+    fill = _colour(rng, k, classes)
     background = tuple(int(v) for v in rng.integers(0, 256, 3))
-    img = Image.new("RGB", (big, big), background)
-    fill = _colour(rng, k // len(SHAPES))
     while sum(abs(a - b) for a, b in zip(fill, background)) < 150:  # keep the shape visible
-        fill = _colour(rng, k // len(SHAPES))
+        background = tuple(int(v) for v in rng.integers(0, 256, 3))
+    img = Image.new("RGB", (big, big), background)
     r = big * rng.uniform(0.22, 0.4)
     cx, cy = rng.uniform(r, big - r, 2)
     shape = list(SHAPES.values())[k % len(SHAPES)]
@@ -123,7 +124,7 @@ def generate(out: Path, classes: int = DEFAULT_CLASSES,
             folder = out / split / name
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(counts[split]):
-                draw_image(seed, split_id, k, i, image_size).save(folder / f"{name}_{i:05d}.png")
+                draw_image(seed, classes, split_id, k, i, image_size).save(folder / f"{name}_{i:05d}.png")
     return out
 
 

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         pre = preflight(cluster, transports, failed)
         console.print(f"preflight: {len(cluster.hosts)} hosts ok, world size {cluster.world_size}")
-        setup_hosts(cluster, transports, split)
+        setup_hosts(cluster, transports, split, pre)
         run_id, sups = launch_all(cluster, transports, pre)
         st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
                                  pre.master_port, pre.hosts, sups)
@@ -63,7 +63,8 @@ def progress_bar() -> Progress:
                     TransferSpeedColumn(), console=console, transient=True)
 
 
-def setup_hosts(cluster: Cluster, transports: dict[int, Transport], split: dict | None) -> None:
+def setup_hosts(cluster: Cluster, transports: dict[int, Transport], split: dict | None,
+                pre: Preflight) -> None:
     """Code to every host, each host its own shards: all hosts in parallel."""
     cache = DigestCache(cluster.state_dir.parent / "digests.json")
     code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude, cache)
@@ -78,21 +79,18 @@ def setup_hosts(cluster: Cluster, transports: dict[int, Transport], split: dict 
         def one(h) -> dict[str, SyncReport]:
             t = transports[h.index]
             tick = lambda nbytes, nfiles: bar.advance(task, nbytes)
-            out = {}
+            out, info = {}, pre.hosts[h.index]
             if cluster.code.paths:
-                out["code"] = push(t, f"{t_dir(t, cluster)}/code", code, tick)
+                out["code"] = push(t, f"{info.job_dir}/code", code, tick, info.manifests["code"])
             if split:
-                out["data"] = push(t, f"{t_dir(t, cluster)}/data", data[h.index], tick)
+                out["data"] = push(t, f"{info.job_dir}/data", data[h.index], tick,
+                                   info.manifests["data"])
             done.append(h.index)
             bar.update(task, description=f"sync {len(done)}/{len(cluster.hosts)} hosts")
             return out
         result = fan_out(cluster.hosts, one)
     result.raise_failures(cluster.hosts, "to receive code or data")
     report_sync(cluster, result.ok)
-
-
-def t_dir(t: Transport, cluster: Cluster) -> str:
-    return f"{t.host.remote_dir.rstrip('/')}/{cluster.name}"
 
 
 def report_sync(cluster: Cluster, reports: dict[int, dict[str, SyncReport]]) -> None:

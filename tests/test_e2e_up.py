@@ -1,0 +1,470 @@
+"""`orch up` over real SSH (the fake sshd cluster): placement, environment, secrets,
+output, incremental sync, preflight, host keys, --dry-run, broken inventories.
+
+The helpers at the top (running orch as a subprocess, proving that nothing of a job is
+left) are shared with test_e2e_lifecycle.py. Jobs are plain Python except the one test
+that is about collectives: every rank that imports torch costs seconds of CPU here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import pytest
+
+from conftest import write_job
+from sshd_cluster import FakeHost, SshdCluster, pid_alive, pids_with_env
+
+pytestmark = pytest.mark.ssh
+
+ORCH = [sys.executable, "-m", "orchestrator"]
+PREFIXED = re.compile(r"^\[r(\d+) (\S+)\] (.*)$")
+CORPUS = Path(__file__).parent / "inventories"
+
+
+# ---------------------------------------------------------------- helpers (shared)
+
+def orch(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """One orch command to its end, as a user runs it (a new process, cwd = inventory folder)."""
+    return subprocess.run(ORCH + list(args), cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ), stdin=subprocess.DEVNULL)
+
+
+class Running:
+    """An orch command in the background; its stdout and stderr lines are collected as
+    they come, so a test can wait for a line, signal the process, then collect the rest."""
+
+    def __init__(self, cwd: Path, *args: str) -> None:
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(ORCH + list(args), cwd=cwd, env=dict(os.environ),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.ended: Optional[float] = None
+        self._readers = [threading.Thread(target=self._read, args=(s, l), daemon=True)
+                         for s, l in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for th in self._readers:
+            th.start()
+
+    @staticmethod
+    def _read(stream, into: list[str]) -> None:
+        for raw in iter(stream.readline, b""):
+            into.append(raw.decode("utf-8", "replace").rstrip("\n"))
+
+    def text(self) -> str:
+        return f"--- stdout:\n" + "\n".join(self.out[-50:]) + "\n--- stderr:\n" + "\n".join(self.err)
+
+    def wait_for(self, pattern: str, count: int = 1, timeout: float = 90) -> list[str]:
+        """Wait until `count` stdout lines match `pattern`; fail if orch ends first."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [line for line in list(self.out) if regex.search(line)]
+            if len(found) >= count:
+                return found
+            if self.proc.poll() is not None:
+                time.sleep(0.2)  # let the readers take the last lines
+                found = [line for line in list(self.out) if regex.search(line)]
+                if len(found) >= count:
+                    return found
+                raise AssertionError(f"orch ended ({self.proc.returncode}) before {count} lines "
+                                     f"matched {pattern!r}\n{self.text()}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {count} lines matched {pattern!r} in {timeout} s\n{self.text()}")
+
+    def finish(self, timeout: float = 60) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"orch still running after {timeout} s\n{self.text()}")
+        self.ended = time.monotonic()
+        for th in self._readers:
+            th.join(10)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def job_dir(host: FakeHost, name: str) -> str:
+    return str(host.remote_dir / name)
+
+
+def marker(host: FakeHost, name: str) -> str:
+    return "ORCH_JOB_DIR=" + job_dir(host, name)
+
+
+def job_pids(hosts: Sequence[FakeHost], name: str) -> dict[str, list[int]]:
+    """Live processes of the job, per host; empty lists when nothing is left."""
+    return {h.address: pids_with_env(marker(h, name)) for h in hosts}
+
+
+def assert_nothing_left(hosts: Sequence[FakeHost], name: str) -> None:
+    left = {a: p for a, p in job_pids(hosts, name).items() if p}
+    assert not left, f"processes of job {name} are left: {left}"
+
+
+class Jobs:
+    """Teardown for every test that starts a job: if anything of it is still alive,
+    `orch stop` it (then SIGKILL what even that left, so later tests are not disturbed),
+    and fail. Background orch processes are killed too."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[Path, Sequence[FakeHost], str]] = []
+        self.running: list[Running] = []
+
+    def add(self, inventory: Path, hosts: Sequence[FakeHost], name: str) -> None:
+        self.jobs.append((inventory, hosts, name))
+
+    def start(self, cwd: Path, *args: str) -> Running:
+        run = Running(cwd, *args)
+        self.running.append(run)
+        return run
+
+    def cleanup(self) -> list[str]:
+        for run in self.running:
+            run.kill()
+        problems = []
+        for inventory, hosts, name in self.jobs:
+            if not any(job_pids(hosts, name).values()):
+                continue
+            stop = orch(inventory.parent, "stop", str(inventory), "--grace", "1")
+            left = {a: p for a, p in job_pids(hosts, name).items() if p}
+            problems.append(f"job {name} was still running at teardown (orch stop: "
+                            f"{stop.returncode}; still left after it: {left})")
+            for pids in left.values():
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        return problems
+
+
+@pytest.fixture
+def jobs() -> Iterator[Jobs]:
+    registry = Jobs()
+    yield registry
+    problems = registry.cleanup()
+    assert not problems, "\n".join(problems)
+
+
+def prefixed(lines: Sequence[str]) -> list[tuple[int, str, str]]:
+    """(rank, host label, text) of every `[r<rank> <host>] text` line; others fail."""
+    parsed = []
+    for line in lines:
+        m = PREFIXED.match(line)
+        assert m, f"stdout line without a rank prefix: {line!r}"
+        parsed.append((int(m[1]), m[2], m[3]))
+    return parsed
+
+
+def wait_until(predicate, timeout: float, what: str, step: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+# ---------------------------------------------------------------- the whole path
+
+ALLREDUCE_JOB = """\
+import hashlib, json, os, sys, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+total = torch.tensor([float(rank + 1)])
+dist.all_reduce(total)
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+        "MASTER_PORT", "ORCH_JOB", "ORCH_JOB_DIR", "ORCH_DATA_DIR", "ORCH_OUTPUT_DIR")
+info = {k: os.environ.get(k) for k in keys}
+info.update(cwd=os.getcwd(), allreduce=total.item(),
+            secret_sha=hashlib.sha256(os.environ.get("SECRET", "").encode()).hexdigest())
+print("INFO " + json.dumps(info), flush=True)
+for i in range(200):
+    print("line %d %03d" % (rank, i))
+print("to stderr %d" % rank, file=sys.stderr, flush=True)
+sys.stdout.flush()
+time.sleep(3)  # the test scans every command line while the ranks are alive
+dist.destroy_process_group()
+"""
+
+
+def scan_cmdlines(needle: bytes, markers: Sequence[bytes]) -> tuple[list[int], int]:
+    """Pids whose command line holds `needle`, and how many live processes carry one of
+    `markers` in their environment (proves the scan saw the job running)."""
+    hits, alive = [], 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if needle in f.read():
+                    hits.append(int(name))
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        alive += any(m in env for m in markers)
+    return hits, alive
+
+
+def test_allreduce_three_hosts_two_procs(sshd_cluster: SshdCluster, tmp_path: Path,
+                                         jobs: Jobs) -> None:
+    hosts, name = sshd_cluster.hosts[:3], "e2e-allreduce"
+    secret = "S3CR3T-" + secrets.token_hex(16)
+    write_job(tmp_path, ALLREDUCE_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, procs=2,
+                                       name=name, env={"SECRET": secret})
+    jobs.add(inv, hosts, name)
+    run = jobs.start(tmp_path, "up", str(inv))
+    markers = [marker(h, name).encode() for h in hosts]
+    scans_while_running, leaks = 0, set()
+    while run.proc.poll() is None:
+        hits, alive = scan_cmdlines(secret.encode(), markers)
+        leaks.update(hits)
+        scans_while_running += alive >= 6  # at least every rank alive
+        time.sleep(0.2)
+    code = run.finish()
+    assert code == 0, run.text()
+    assert not leaks, f"the secret is on the command line of pids {sorted(leaks)}"
+    assert scans_while_running >= 3, "the scan never saw the ranks running"
+    assert secret not in "\n".join(run.out + run.err)
+    check_allreduce_output(run.out, hosts, name, secret)
+    assert_nothing_left(hosts, name)
+
+
+def check_allreduce_output(out: list[str], hosts: Sequence[FakeHost], name: str,
+                           secret: str) -> None:
+    by_rank: dict[int, list[str]] = {r: [] for r in range(6)}
+    for rank, label, text in prefixed(out):
+        host = hosts[rank // 2]   # ranks 0,1 on host 0, 2,3 on host 1, 4,5 on host 2
+        assert label == host.address, f"rank {rank} printed as {label}"
+        by_rank[rank].append(text)
+    for rank, texts in by_rank.items():
+        info = json.loads(next(t for t in texts if t.startswith("INFO "))[5:])
+        host, local = hosts[rank // 2], rank % 2
+        jd = job_dir(host, name)
+        assert info == {
+            "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": "6",
+            "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2),
+            "MASTER_ADDR": hosts[0].address, "MASTER_PORT": info["MASTER_PORT"],
+            "ORCH_JOB": name, "ORCH_JOB_DIR": jd, "ORCH_DATA_DIR": jd + "/data",
+            "ORCH_OUTPUT_DIR": jd + "/output", "cwd": jd + "/code", "allreduce": 21.0,
+            "secret_sha": hashlib.sha256(secret.encode()).hexdigest()}, info
+        numbered = [t for t in texts if t.startswith("line ")]
+        assert numbered == [f"line {rank} {i:03d}" for i in range(200)], \
+            f"rank {rank}: {len(numbered)} numbered lines, not 200 in order once each"
+        assert f"to stderr {rank}" in texts
+    ports = {json.loads(t[5:])["MASTER_PORT"] for r in by_rank.values() for t in r
+             if t.startswith("INFO ")}
+    assert len(ports) == 1 and ports.pop().isdigit()
+
+
+# ---------------------------------------------------------------- incremental sync
+
+QUICK_JOB = "import os\nprint('rank', os.environ['RANK'], 'ok', flush=True)\n"
+
+
+def make_code_tree(base: Path) -> None:
+    files = {
+        "pkg/main.py": QUICK_JOB, "pkg/a.py": "A = 1\n", "pkg/b.py": "B = 1\n",
+        "pkg/notes.txt": "notes\n", "pkg/sub/c.py": "C = 1\n", "pkg/sub/d.txt": "d\n",
+        "pkg/__pycache__/a.cpython-311.pyc": "x", "pkg/sub/e.pyc": "x",  # code.exclude
+        "pkg/run.log": "log\n", "pkg/scratch/big.bin": "0" * 4096,   # .gitignore
+    }
+    for rel, text in files.items():
+        write_job(base, text, rel)
+    (base / ".gitignore").write_text("*.log\nscratch/\n")
+
+
+def remote_files(host: FakeHost, name: str) -> set[str]:
+    root = Path(job_dir(host, name)) / "code"
+    return {str(p.relative_to(root)) for p in root.rglob("*")
+            if p.is_file() and not p.name.startswith(".orch")}
+
+
+def test_second_up_sends_only_changed_files(sshd_cluster: SshdCluster, tmp_path: Path,
+                                            jobs: Jobs) -> None:
+    hosts, name = sshd_cluster.hosts[1:3], "e2e-sync"
+    make_code_tree(tmp_path)
+    inv = sshd_cluster.write_inventory(
+        tmp_path / "cluster.yaml", hosts=hosts, name=name, entrypoint="pkg/main.py",
+        code_paths=["pkg"], top={"code": {"paths": ["pkg"], "exclude": ["*.pyc", "__pycache__"]}})
+    jobs.add(inv, hosts, name)
+    kept = {"pkg/main.py", "pkg/a.py", "pkg/b.py", "pkg/notes.txt", "pkg/sub/c.py", "pkg/sub/d.txt"}
+    first = orch(tmp_path, "up", str(inv))
+    assert first.returncode == 0, first.stderr
+    report = json.loads((tmp_path / ".orch" / name / "last_sync.json").read_text())
+    assert set(report) == {h.address for h in hosts}
+    for h in hosts:
+        assert sorted(report[h.address]["code"]["sent"]) == sorted(kept)
+        assert remote_files(h, name) == kept, "code.exclude or .gitignore not honoured"
+
+    (tmp_path / "pkg/b.py").write_text("B = 2  # changed\n")
+    (tmp_path / "pkg/sub/d.txt").unlink()
+    second = orch(tmp_path, "up", str(inv))
+    assert second.returncode == 0, second.stderr
+    report = json.loads((tmp_path / ".orch" / name / "last_sync.json").read_text())
+    for h in hosts:
+        code = report[h.address]["code"]
+        assert code["sent"] == ["pkg/b.py"] and code["files"] == 1, code
+        assert code["deleted"] == 1, code
+        assert remote_files(h, name) == kept - {"pkg/sub/d.txt"}
+        remote_b = Path(job_dir(h, name)) / "code/pkg/b.py"
+        assert remote_b.read_text() == "B = 2  # changed\n"
+    assert_nothing_left(hosts, name)
+
+
+# ---------------------------------------------------------------- preflight
+
+def test_preflight_names_unreachable_and_untrusted_hosts(
+        sshd_cluster: SshdCluster, untrusted_host: FakeHost, tmp_path: Path, jobs: Jobs) -> None:
+    healthy, name = sshd_cluster.hosts[0], "e2e-preflight"
+    address, port = sshd_cluster.unreachable()
+    write_job(tmp_path, QUICK_JOB)
+    inv = sshd_cluster.write_inventory(
+        tmp_path / "cluster.yaml", hosts=[healthy], name=name, extra_hosts=[
+            {"address": address, "port": port, "remote_dir": str(tmp_path / "r1")},
+            {"address": untrusted_host.address, "remote_dir": str(untrusted_host.remote_dir)}])
+    jobs.add(inv, [healthy, untrusted_host], name)
+    result = orch(tmp_path, "up", str(inv))
+    assert result.returncode == 3, result.stderr
+    assert address in result.stderr
+    untrusted_lines = [l for l in result.stderr.splitlines() if untrusted_host.address in l]
+    assert any("SHA256:" in l for l in untrusted_lines), result.stderr
+    assert "Traceback" not in result.stderr
+    fixes = [l.strip() for l in result.stderr.splitlines() if l.strip().startswith("fix:")]
+    assert len(fixes) == len(set(fixes)) == 2, f"each host's fix once:\n{result.stderr}"
+    for host in (healthy, untrusted_host):
+        jd = Path(job_dir(host, name))
+        assert not (jd / "run").exists() and not (jd / "logs").exists()
+        assert not (jd / "code").exists()
+    assert not (tmp_path / ".orch" / name / "state.json").exists()
+    assert_nothing_left([healthy, untrusted_host], name)
+
+
+def test_torch_missing_on_one_host(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    no_torch = shutil.which("python3", path="/usr/bin")
+    if no_torch is None or subprocess.run([no_torch, "-c", "import torch"],
+                                          capture_output=True).returncode == 0:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")],
+                       check=True)
+        no_torch = str(tmp_path / "venv/bin/python")
+    hosts, name = sshd_cluster.hosts[:2], "e2e-notorch"
+    write_job(tmp_path, QUICK_JOB)
+    inv = sshd_cluster.write_inventory(
+        tmp_path / "cluster.yaml", hosts=hosts[:1], name=name,
+        extra_hosts=[{"address": hosts[1].address, "procs": 1, "python": no_torch,
+                      "remote_dir": str(hosts[1].remote_dir)}])
+    jobs.add(inv, hosts, name)
+    result = orch(tmp_path, "up", str(inv))
+    assert result.returncode == 3, result.stderr
+    bad = [l for l in result.stderr.splitlines() if hosts[1].address in l]
+    assert any("torch" in l for l in bad), result.stderr
+    assert "1 of 2 hosts failed" in result.stderr, result.stderr
+    assert not (Path(job_dir(hosts[0], name)) / "run").exists()
+    assert_nothing_left(hosts, name)
+
+
+# ---------------------------------------------------------------- host keys
+
+def test_accept_new_records_key_and_refuses_changed_key(
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    host, other, name = sshd_cluster.hosts[3], sshd_cluster.hosts[0], "e2e-acceptnew"
+    known = tmp_path / "known_hosts"
+    lines = sshd_cluster.known_hosts.read_text().splitlines()
+    known.write_text("".join(l + "\n" for l in lines if l != host.known_hosts_line()))
+    write_job(tmp_path, QUICK_JOB)
+    inv = sshd_cluster.write_inventory(
+        tmp_path / "cluster.yaml", hosts=[host], name=name,
+        top={"ssh": {"host_key_policy": "accept-new", "known_hosts": str(known)}})
+    jobs.add(inv, [host], name)
+    result = orch(tmp_path, "up", str(inv))
+    assert result.returncode == 0, result.stderr
+    assert "[r0 %s] rank 0 ok" % host.address in result.stdout.splitlines()
+    recorded = known.read_text().splitlines()
+    assert recorded.count(host.known_hosts_line()) == 1, recorded
+
+    # The same name now offers another key: refused, whatever the policy.
+    wrong = f"[{host.address}]:{host.port} {other.host_key_pub}"
+    known.write_text("".join(l + "\n" for l in lines if l != host.known_hosts_line()) + wrong + "\n")
+    result = orch(tmp_path, "up", str(inv))
+    assert result.returncode == 3, result.stderr
+    assert "HOST KEY CHANGED" in result.stderr and host.address in result.stderr
+    assert known.read_text().splitlines()[-1] == wrong, "the changed key must not be replaced"
+    assert_nothing_left([host], name)
+
+
+# ---------------------------------------------------------------- --dry-run
+
+def test_dry_run_prints_commands_and_touches_no_host(sshd_cluster: SshdCluster,
+                                                     tmp_path: Path) -> None:
+    real, name = sshd_cluster.hosts[0], "e2e-dryrun"
+    address, port = sshd_cluster.unreachable()
+    write_job(tmp_path, QUICK_JOB)
+    inv = sshd_cluster.write_inventory(
+        tmp_path / "cluster.yaml", hosts=[real], procs=2, name=name, args=["--epochs", "3"],
+        env={"SECRET": "dry-run-secret-value"},
+        extra_hosts=[{"address": address, "port": port, "procs": 3,
+                      "remote_dir": str(tmp_path / "r1")}],
+        top={"job": {"entrypoint": "job.py", "args": ["--epochs", "3"],
+                     "env": {"SECRET": "dry-run-secret-value"}, "master_port": 29555}})
+    started = time.monotonic()
+    result = orch(tmp_path, "up", str(inv), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - started < 15
+    commands = [shlex.split(l) for l in result.stdout.splitlines()
+                if "torch.distributed.run" in l]
+    assert len(commands) == 2, result.stdout
+    for node, (argv, procs) in enumerate(zip(commands, (2, 3))):
+        assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+        opts = dict(zip(argv[3:13:2], argv[4:14:2]))
+        assert opts == {"--nnodes": "2", "--node-rank": str(node), "--nproc-per-node": str(procs),
+                        "--master-addr": real.address, "--master-port": "29555",
+                        }, opts
+        assert argv[-3:] == ["job.py", "--epochs", "3"]
+    assert "dry-run-secret-value" not in result.stdout + result.stderr
+    assert not Path(job_dir(real, name)).exists(), "--dry-run created the job dir"
+    assert not (tmp_path / ".orch" / name / "state.json").exists()
+
+
+# ---------------------------------------------------------------- broken inventories
+
+BROKEN = ["yaml_syntax", "unknown_top_key", "port_too_big", "duplicate_top_key", "procs_zero"]
+
+
+@pytest.mark.parametrize("stem", BROKEN)
+def test_broken_inventory_through_cli(stem: str, tmp_path: Path) -> None:
+    path = CORPUS / f"{stem}.yaml"
+    expect = re.fullmatch(r"# expect: (\d+) (.+)", path.read_text().splitlines()[0])
+    assert expect, path
+    result = orch(tmp_path, "up", str(path), timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.startswith(f"orch: {path}:{expect[1]}: "), result.stderr
+    assert expect[2].strip() in result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("orch:") == 1
+    assert not (tmp_path / ".orch").exists() and not (CORPUS / ".orch").exists()
