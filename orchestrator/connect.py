@@ -11,7 +11,7 @@ from typing import Callable, Generic, TypeVar
 
 import paramiko
 
-from orchestrator.errors import HostError
+from orchestrator.errors import HostError, OrchError
 from orchestrator.inventory import Host
 from orchestrator.transport import (AcceptNewPolicy, HostKeyRefused, LocalTransport,
                                     SSHTransport, StrictPolicy, Transport, fingerprint,
@@ -140,14 +140,14 @@ class GroupResult(Generic[T]):
         if not self.failed:
             return
         lines = [f"{len(self.failed)} of {len(hosts)} hosts failed {what}:"]
-        hints = []
         for i in sorted(self.failed):
             exc = self.failed[i]
-            lines.append(f"  - {exc if isinstance(exc, HostError) else f'{hosts[i].label}: {exc}'}")
+            text = exc.message if isinstance(exc, OrchError) else f"{hosts[i].label}: {exc}"
+            lines.append(f"  - {text}")
             hint = getattr(exc, "hint", "")
             if hint:
                 lines.append(f"      fix: {hint}")
-        raise HostError("\n".join(lines), hint="; ".join(hints))
+        raise HostError("\n".join(lines))
 
 
 def fan_out(hosts: tuple[Host, ...], fn: Callable[[Host], T], limit: int = 64) -> GroupResult[T]:

@@ -1,0 +1,323 @@
+"""The job lifecycle over real SSH: fail-fast, stop (whole process trees, nothing
+else), reattach after the controller died, Ctrl-C, logs, name reuse, host loss.
+
+Every job is plain Python (no torch in the ranks) and every test proves at the end that
+no process of its job is left on any host (`pids_with_env`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import write_job
+from sshd_cluster import SshdCluster, pid_alive, pids_with_env
+from test_e2e_up import (ORCH, Jobs, assert_nothing_left, job_dir, job_pids, jobs,  # noqa: F401
+                         marker, orch, prefixed, wait_until)
+
+pytestmark = pytest.mark.ssh
+
+
+def rank_log(host, name: str, rank: int) -> Path:
+    return Path(job_dir(host, name)) / "logs" / f"rank-{rank}.log"
+
+
+def log_has(path: Path, *needles: str) -> bool:
+    try:
+        text = path.read_text()
+    except OSError:
+        return False
+    return all(n in text for n in needles)
+
+
+# ---------------------------------------------------------------- fail-fast
+
+FAILFAST_JOB = """\
+import os, sys, time
+rank = int(os.environ["RANK"])
+print("rank %d started" % rank, flush=True)
+if rank == 3:
+    time.sleep(1)
+    print("CRASH_AT %r" % time.time(), flush=True)
+    print("boom: disk on fire", file=sys.stderr, flush=True)
+    sys.exit(7)
+time.sleep(600)
+"""
+
+
+def test_fail_fast_stops_every_rank(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    hosts, name = sshd_cluster.hosts[:3], "e2e-failfast"
+    write_job(tmp_path, FAILFAST_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, procs=2, name=name)
+    jobs.add(inv, hosts, name)
+    run = jobs.start(tmp_path, "up", str(inv))
+    code = run.finish(timeout=120)
+    ended = time.time()
+    assert code == 1, run.text()
+    crash = [float(l.split()[-1]) for l in run.out if "CRASH_AT" in l]
+    assert len(crash) == 1, run.text()
+    assert ended - crash[0] <= 5.0, f"orch up returned {ended - crash[0]:.1f} s after the crash"
+    report = "\n".join(run.err)
+    assert re.search(rf"rank 3 on host {re.escape(hosts[1].address)}\b.*exit code 7", report), report
+    assert "boom: disk on fire" in report
+    assert_nothing_left(hosts, name)
+
+
+# ---------------------------------------------------------------- orch stop
+
+STOP_JOB = """\
+import multiprocessing as mp, os, subprocess, sys, time
+
+def loader():
+    time.sleep(600)
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["other"]:   # the unrelated job: same script, its own ORCH_JOB_DIR
+        time.sleep(600)
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('IGN ready', flush=True); time.sleep(600)")
+    kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]),
+            subprocess.Popen([sys.executable, "-c", stubborn], start_new_session=True)]
+    loaders = [mp.Process(target=loader) for _ in range(2)]  # data-loader-like workers
+    for p in loaders:
+        p.start()
+    pids = [k.pid for k in kids] + [p.pid for p in loaders]
+    print("CHILDREN " + " ".join(map(str, pids)), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_stop_ends_process_trees_and_nothing_else(sshd_cluster: SshdCluster, tmp_path: Path,
+                                                  jobs: Jobs) -> None:
+    hosts, name = sshd_cluster.hosts[:2], "e2e-stop"
+    write_job(tmp_path, STOP_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
+    jobs.add(inv, hosts, name)
+    up = orch(tmp_path, "up", str(inv), "--detach")
+    assert up.returncode == 0, up.stderr
+    logs = [rank_log(h, name, r) for r, h in enumerate(hosts)]
+    wait_until(lambda: all(log_has(p, "CHILDREN", "IGN ready") for p in logs), 60,
+               "every rank to start its children")
+    children = {}
+    for path in logs:
+        text = path.read_text()
+        children[path] = [int(p) for p in text.split("CHILDREN ", 1)[1].split("\n")[0].split()]
+    for host, path in zip(hosts, logs):
+        marked = pids_with_env(marker(host, name))
+        assert set(children[path]) <= set(marked), "children must carry the job's marker"
+
+    other = subprocess.Popen(
+        [sys.executable, "-u", f"{job_dir(hosts[0], name)}/code/job.py", "other"],
+        env={**os.environ, "ORCH_JOB_DIR": job_dir(hosts[0], name) + "-other", "ORCH_JOB": name},
+        stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        stop = orch(tmp_path, "stop", str(inv), "--grace", "2")
+        assert stop.returncode == 0, stop.stderr
+        assert "SIGKILL" in stop.stderr, stop.stderr   # the child that ignores SIGTERM
+        assert_nothing_left(hosts, name)
+        assert not [p for pids in children.values() for p in pids if pid_alive(p)]
+        assert other.poll() is None, "orch stop ended another job's process"
+        again = orch(tmp_path, "stop", str(inv))
+        assert again.returncode == 0, again.stderr
+        assert "nothing was running" in again.stderr
+    finally:
+        other.kill()
+        other.wait(10)
+
+
+# ---------------------------------------------------------------- reattach
+
+REATTACH_JOB = """\
+import os, sys, time
+rank = int(os.environ["RANK"])
+print("rank %d waiting" % rank, flush=True)
+if rank != 4:
+    time.sleep(600)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.1)
+for i in range(3):
+    print("rank 4 done %d" % i, flush=True)
+"""
+
+
+def status(cwd: Path, inv: Path) -> dict:
+    result = orch(cwd, "status", "--json", "-c", str(inv))
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_reattach_after_controller_killed(sshd_cluster: SshdCluster, tmp_path: Path,
+                                          jobs: Jobs) -> None:
+    hosts, name, go = sshd_cluster.hosts[:2], "e2e-reattach", tmp_path / "go"
+    write_job(tmp_path, REATTACH_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, procs=3, name=name,
+                                       args=[str(go)])
+    jobs.add(inv, hosts, name)
+    up = jobs.start(tmp_path, "up", str(inv))
+    up.wait_for(r"^\[r\d \S+\] rank \d waiting$", count=6)
+    up.proc.send_signal(signal.SIGKILL)
+    up.proc.wait(10)
+    time.sleep(1)  # the workers must not notice that their controller is gone
+    assert all(job_pids(hosts, name).values()), "the job died with its controller"
+
+    st = status(tmp_path, inv)
+    assert [(r["rank"], r["host"], r["local_rank"], r["state"]) for r in st["ranks"]] == [
+        (rank, hosts[rank // 3].address, rank % 3, "running") for rank in range(6)], st
+    for r in st["ranks"]:
+        assert r["pid"] in pids_with_env(marker(hosts[r["rank"] // 3], name)), r
+
+    logs = jobs.start(tmp_path, "logs", "--rank", "4", "-f", "-c", str(inv))
+    logs.wait_for(r"^rank 4 waiting$")
+    go.touch()
+    assert logs.finish(timeout=30) == 0, logs.text()
+    assert logs.out == ["rank 4 waiting"] + [f"rank 4 done {i}" for i in range(3)], logs.text()
+
+    states = [r["state"] for r in status(tmp_path, inv)["ranks"]]
+    assert states == ["running"] * 4 + ["exited 0", "running"], states
+    stop = orch(tmp_path, "stop", str(inv), "--grace", "2")
+    assert stop.returncode == 0, stop.stderr
+    assert_nothing_left(hosts, name)
+
+
+# ---------------------------------------------------------------- Ctrl-C
+
+SLEEP_JOB = """\
+import os, time
+print("rank %s ready" % os.environ["RANK"], flush=True)
+time.sleep(600)
+"""
+
+
+def test_ctrl_c_stops_the_job_everywhere(sshd_cluster: SshdCluster, tmp_path: Path,
+                                         jobs: Jobs) -> None:
+    hosts, name = sshd_cluster.hosts[2:4], "e2e-ctrlc"
+    write_job(tmp_path, SLEEP_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
+    jobs.add(inv, hosts, name)
+    up = jobs.start(tmp_path, "up", str(inv))
+    up.wait_for(r"\] rank \d ready$", count=2)
+    up.proc.send_signal(signal.SIGINT)
+    assert up.finish(timeout=40) == 130, up.text()
+    assert "interrupted" in "\n".join(up.err)
+    assert_nothing_left(hosts, name)
+
+
+# ---------------------------------------------------------------- logs
+
+LINES = 100_000
+CHATTY_JOB = f"""\
+import os, sys
+if os.environ["RANK"] == "0":
+    sys.stdout.write("".join("line %06d\\n" % i for i in range({LINES})))
+else:
+    for i in range(3):
+        print("other %d" % i)
+"""
+
+
+def test_logs_of_a_rank_that_printed_100k_lines(sshd_cluster: SshdCluster, tmp_path: Path,
+                                                jobs: Jobs) -> None:
+    host, name = sshd_cluster.hosts[0], "e2e-logs"
+    write_job(tmp_path, CHATTY_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=[host], procs=2, name=name)
+    jobs.add(inv, [host], name)
+    up = orch(tmp_path, "up", str(inv))
+    assert up.returncode == 0, up.stderr
+    lines = prefixed(up.stdout.splitlines())
+    assert [t for r, _, t in lines if r == 0] == ["line %06d" % i for i in range(LINES)]
+
+    cmd = " ".join(map(str, ORCH)) + f" logs --rank 0 -c {inv} | wc -l"
+    counted = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60, env=dict(os.environ))
+    assert counted.stdout.strip() == str(LINES), counted.stderr
+    one = orch(tmp_path, "logs", "--rank", "1", "-c", str(inv))
+    assert one.returncode == 0 and one.stdout == "other 0\nother 1\nother 2\n", one
+    tail = orch(tmp_path, "logs", "--rank", "0", "--tail", "2", "-c", str(inv))
+    assert tail.stdout == "line 099998\nline 099999\n", tail
+
+    every = orch(tmp_path, "logs", "-c", str(inv))
+    assert every.returncode == 0, every.stderr
+    lines = prefixed(every.stdout.splitlines())   # fails on any line without a prefix
+    assert {label for _, label, _ in lines} == {host.address}
+    assert [t for r, _, t in lines if r == 1] == [f"other {i}" for i in range(3)]
+    assert sum(1 for r, _, _ in lines if r == 0) == LINES
+    assert_nothing_left([host], name)
+
+
+def test_logs_unknown_rank(sshd_cluster: SshdCluster, tmp_path: Path) -> None:
+    write_job(tmp_path, SLEEP_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=sshd_cluster.hosts[:3],
+                                       procs=2, name="e2e-logs99")
+    result = orch(tmp_path, "logs", "--rank", "99", "-c", str(inv))
+    assert result.returncode == 2, result.stderr
+    assert "rank 99" in result.stderr and "0 to 5" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- job names
+
+WAIT_JOB = """\
+import os, sys, time
+print("waiting", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.1)
+print("done", flush=True)
+"""
+
+
+def test_running_name_refused_finished_name_reused(sshd_cluster: SshdCluster, tmp_path: Path,
+                                                   jobs: Jobs) -> None:
+    host, name, go = sshd_cluster.hosts[3], "e2e-names", tmp_path / "go"
+    write_job(tmp_path, WAIT_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=[host], name=name,
+                                       args=[str(go)])
+    jobs.add(inv, [host], name)
+    first = orch(tmp_path, "up", str(inv), "--detach")
+    assert first.returncode == 0, first.stderr
+    wait_until(lambda: log_has(rank_log(host, name, 0), "waiting"), 60, "the job to start")
+    running = set(pids_with_env(marker(host, name)))
+
+    again = orch(tmp_path, "up", str(inv))
+    assert again.returncode != 0, again.stderr
+    assert "already running" in again.stderr and "orch stop" in again.stderr, again.stderr
+    assert running <= set(pids_with_env(marker(host, name))), "the refused up touched the job"
+
+    go.touch()
+    wait_until(lambda: not pids_with_env(marker(host, name)), 30, "the job to finish")
+    reuse = orch(tmp_path, "up", str(inv))
+    assert reuse.returncode == 0, reuse.stderr
+    assert f"[r0 {host.address}] done" in reuse.stdout.splitlines()
+    assert_nothing_left([host], name)
+
+
+# ---------------------------------------------------------------- host loss
+
+def test_lost_host_fails_the_job(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    hosts, name = sshd_cluster.hosts[1:3], "e2e-hostloss"
+    lost = hosts[1]
+    write_job(tmp_path, SLEEP_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
+    jobs.add(inv, hosts, name)
+    up = jobs.start(tmp_path, "up", str(inv))
+    up.wait_for(r"\] rank \d ready$", count=2)
+    lost.pause()
+    paused_at = time.monotonic()
+    try:
+        code = up.finish(timeout=45)
+        took = time.monotonic() - paused_at
+    finally:
+        lost.resume()
+    assert code == 1, up.text()
+    assert took <= 30, f"orch up noticed the lost host after {took:.0f} s"
+    report = "\n".join(up.err)
+    assert re.search(rf"{re.escape(lost.address)}\b.*lost", report), report
+    stop = orch(tmp_path, "stop", str(inv), "--grace", "2")
+    assert stop.returncode == 0, stop.stderr
+    assert_nothing_left(hosts, name)
