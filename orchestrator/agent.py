@@ -580,6 +580,9 @@ def wait_gone(job_dir: str, sup, deadline: float) -> list:
 
 def cmd_stop(job_dir: str, grace: str) -> None:
     """SIGTERM every process of the job, wait up to grace, SIGKILL the rest, verify."""
+    # A stop runs to the end even if the controller (and so the SSH session) goes away.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     p = job_paths(job_dir)
     sup = read_json(os.path.join(p["run"], "supervisor.json"))
     if sup and proc_start_time(sup["pid"]) != sup.get("start_ticks"):

@@ -3,6 +3,7 @@ message and its exit code (SPEC: 0 ok, 1 job failed, 2 usage/inventory, 3 host, 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from orchestrator import __version__
@@ -38,8 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupt_on_termination() -> None:
+    """SIGTERM and SIGHUP (a closed terminal) act like Ctrl-C: the job is stopped, not orphaned."""
+    def handler(signum, frame) -> None:
+        raise KeyboardInterrupt
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
 def cli(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    interrupt_on_termination()
     try:
         return args.func(args)
     except OrchError as e:

@@ -65,8 +65,11 @@ def test_fail_fast_stops_every_rank(sshd_cluster: SshdCluster, tmp_path: Path, j
     assert len(crash) == 1, run.text()
     assert ended - crash[0] <= 5.0, f"orch up returned {ended - crash[0]:.1f} s after the crash"
     report = "\n".join(run.err)
-    assert re.search(rf"rank 3 on host {re.escape(hosts[1].address)}\b.*exit code 7", report), report
+    cause = rf"rank 3 on host {re.escape(hosts[1].address)}\b.*exit code 7"
+    assert re.search(cause, " ".join(report.split())), report
     assert "boom: disk on fire" in report
+    # One line a user can grep for in a CI log (stderr is not a terminal here).
+    assert any(re.search(cause, line) for line in run.err), f"root cause split over lines:\n{report}"
     assert_nothing_left(hosts, name)
 
 

@@ -110,13 +110,14 @@ def interrupt_stop(cluster: Cluster, transports: dict[int, Transport], state: Jo
                               daemon=True)
         stops.append(th)
         th.start()
-    previous = signal.signal(signal.SIGINT, force)
+    previous = {sig: signal.signal(sig, force) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         stops[0].start()
         while any(th.is_alive() for th in stops):
             time.sleep(0.05)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print_stop_results(cluster, results)
 
 

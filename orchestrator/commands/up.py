@@ -17,6 +17,7 @@ from orchestrator.inventory import Cluster
 from orchestrator.launch import dry_run_plan, launch_all, master_addr
 from orchestrator.preflight import Preflight, preflight
 from orchestrator.shards import host_files, load_split
+from orchestrator.stopper import stop_all
 from orchestrator.sync import DigestCache, SyncReport, code_files, push
 from orchestrator.transport import Transport
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         pre = preflight(cluster, transports, failed)
         console.print(f"preflight: {len(cluster.hosts)} hosts ok, world size {cluster.world_size}")
         setup_hosts(cluster, transports, split, pre)
-        run_id, sups = launch_all(cluster, transports, pre)
+        run_id, sups = start(cluster, transports, pre)
         st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
                                  pre.master_port, pre.hosts, sups)
         job_state.save(cluster, st)
@@ -56,6 +57,17 @@ def run(args: argparse.Namespace) -> int:
         return attach(cluster, transports, st)
     finally:
         close_all(transports)
+
+
+def start(cluster: Cluster, transports: dict[int, Transport], pre: Preflight) -> tuple[str, dict]:
+    """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts
+    that did start are stopped again before the error is reported."""
+    try:
+        return launch_all(cluster, transports, pre)
+    except BaseException:
+        dirs = {i: info.job_dir for i, info in pre.hosts.items()}
+        stop_all(cluster, transports, dirs, 0)
+        raise
 
 
 def progress_bar() -> Progress:
