@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -60,17 +61,24 @@ def count_links(root: Path) -> int:
     return sum(1 for d, _, files in os.walk(root) for f in files if os.path.islink(os.path.join(d, f)))
 
 
-def time_orch(src: Path, out: Path, workers: int, threads: int | None) -> tuple[float, dict[str, float]]:
-    t = time.perf_counter()
+def time_orch(src: Path, out: Path, workers: int, threads: int) -> tuple[float, float, dict[str, float]]:
+    """(wall seconds, CPU seconds of this process, phases)."""
+    t, c = time.perf_counter(), time.process_time()
     result = splitdata.split(src, out, workers, threads=threads)
-    return time.perf_counter() - t, result.seconds
+    return time.perf_counter() - t, time.process_time() - c, result.seconds
 
 
-def time_baseline(src: Path, out: Path, workers: int) -> float:
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def time_baseline(src: Path, out: Path, workers: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the shell and everything it forked)."""
     out.mkdir()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), children_cpu()
     subprocess.run(["bash", "-c", BASELINE_SH, "baseline", str(src), str(out), str(workers)], check=True)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, children_cpu() - c
 
 
 def phases(seconds: dict[str, float]) -> str:
@@ -99,29 +107,35 @@ def main() -> int:
 
 def run(args: argparse.Namespace, tmp: Path) -> None:
     n = args.workers
-    print(f"machine: {os.cpu_count()} cpus, python {sys.version.split()[0]}, tmp {tmp}")
+    print(f"machine: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, python {sys.version.split()[0]}, "
+          f"tmp {tmp}")
     t = time.perf_counter()
     total = generate(tmp / "big", args.classes, args.per_class)
     print(f"generate: {total} files ({args.classes} classes) in {time.perf_counter() - t:.1f}s")
 
-    wall, secs = time_orch(tmp / "big", tmp / "out", n, None)
+    wall, cpu, secs = time_orch(tmp / "big", tmp / "out", n, 1)
     links = count_links(tmp / "out")
-    assert links == total, (links, total)
-    print(f"orch split-data N={n} ({splitdata.default_threads(n)} threads): {wall:.2f}s "
-          f"[{phases(secs)}] -> {links} links, {total / wall:,.0f} files/s")
+    if links != total:
+        raise SystemExit(f"orch made {links} links for {total} files")
+    print(f"orch split-data N={n}: {wall:.2f}s wall, {cpu:.2f}s cpu [{phases(secs)}] "
+          f"-> {links} links, {total / wall:,.0f} files/s")
+    shutil.rmtree(tmp / "out")  # tmpfs has few inodes to spare
     if not args.no_thread_compare:
-        wall1, secs1 = time_orch(tmp / "big", tmp / "out1", n, 1)
-        print(f"orch split-data N={n} (1 thread):  {wall1:.2f}s [{phases(secs1)}]")
+        wall4, cpu4, secs4 = time_orch(tmp / "big", tmp / "out4", n, 4)
+        print(f"orch split-data N={n}, 4 link threads: {wall4:.2f}s wall, {cpu4:.2f}s cpu [{phases(secs4)}]")
+        shutil.rmtree(tmp / "out4")
     if args.baseline_files <= 0:
         return
     classes = max(1, args.baseline_files // args.per_class)
     small = generate(tmp / "small", classes, args.per_class)
-    small_orch, _ = time_orch(tmp / "small", tmp / "small-orch", n, None)
-    shell = time_baseline(tmp / "small", tmp / "small-shell", n)
-    print(f"on {small} files: orch {small_orch:.2f}s, shell loop (ls|sort, ln -s per file) {shell:.1f}s "
-          f"-> orch is {shell / small_orch:.0f}x faster ({count_links(tmp / 'small-shell')} links by the shell)")
-    projected = shell * total / small
-    print(f"projected shell loop on {total} files: {projected:.0f}s vs orch {wall:.2f}s measured "
+    small_wall, small_cpu, _ = time_orch(tmp / "small", tmp / "small-orch", n, 1)
+    shell_wall, shell_cpu = time_baseline(tmp / "small", tmp / "small-shell", n)
+    print(f"on {small} files: orch {small_wall:.2f}s wall / {small_cpu:.2f}s cpu; shell loop (ls|sort, "
+          f"ln -s per file) {shell_wall:.1f}s wall / {shell_cpu:.1f}s cpu "
+          f"({count_links(tmp / 'small-shell')} links) -> orch {shell_wall / small_wall:.0f}x faster "
+          f"(wall), {shell_cpu / small_cpu:.0f}x less cpu")
+    projected = shell_wall * total / small
+    print(f"shell loop projected to {total} files: {projected:.0f}s vs orch {wall:.2f}s measured "
           f"-> {projected / wall:.0f}x")
 
 

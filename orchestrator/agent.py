@@ -237,42 +237,52 @@ def manifest(root: str) -> dict:
     return {"root": root, "files": files}
 
 
-def safe_join(root: str, rel: str) -> str:
-    """Refuse any path that would land outside root (absolute, .., links)."""
+def safe_join(root: str, rel: str, checked: set) -> str:
+    """Refuse any path that would land outside root (absolute, .., links). `checked`
+    holds parent folders already verified, so a stream of many files in few folders
+    resolves each folder once."""
     if not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:
         raise ValueError("unsafe path %r" % rel)
     parts = rel.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise ValueError("unsafe path %r" % rel)
     path = os.path.join(root, *parts)
-    real_parent = os.path.realpath(os.path.dirname(path))
-    if real_parent != root and not real_parent.startswith(root + os.sep):
-        raise ValueError("path %r leaves %s" % (rel, root))
+    parent = os.path.dirname(path)
+    if parent not in checked:
+        # resolve before creating: makedirs through a planted link would escape
+        real_parent = os.path.realpath(parent)
+        if real_parent != root and not real_parent.startswith(root + os.sep):
+            raise ValueError("path %r leaves %s" % (rel, root))
+        os.makedirs(parent, exist_ok=True)
+        checked.add(parent)
     return path
 
 
-def receive_file(stream, root: str, head: dict, cache: dict) -> None:
+def receive_file(stream, root: str, head: dict, cache: dict, checked: set, buf) -> None:
     """Write beside (.orch-part-), hash while writing, verify, then rename into place."""
-    path = safe_join(root, head["p"])
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    path = safe_join(root, head["p"], checked)
     tmp = "%s.orch-part-%d" % (path, os.getpid())
     h, left = hashlib.sha256(), head["s"]
-    buf = bytearray(1 << 20)
     view = memoryview(buf)
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
         while left:
             n = stream.readinto(view[:min(left, len(buf))])
             if not n:
                 raise EOFError("stream ended inside %s" % head["p"])
-            h.update(view[:n])
-            f.write(view[:n])
+            chunk = view[:n]
+            h.update(chunk)
+            while chunk:
+                chunk = chunk[os.write(fd, chunk):]
             left -= n
+        os.fchmod(fd, head.get("m", 0o644))
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
     if head.get("h") and h.hexdigest() != head["h"]:
         os.unlink(tmp)
         raise ValueError("digest mismatch for %s" % head["p"])
-    os.chmod(tmp, head.get("m", 0o644))
     os.replace(tmp, path)
-    st = os.stat(path)
     cache[head["p"]] = ["%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino), h.hexdigest()]
 
 
@@ -287,6 +297,7 @@ def cmd_receive(root: str) -> None:
     root = os.path.abspath(os.path.expanduser(root))
     os.makedirs(root, exist_ok=True)
     stream, cache, count, nbytes = sys.stdin.buffer, load_cache(root), 0, 0
+    checked, buf = set(), bytearray(1 << 20)
     while True:
         line = stream.readline()
         if not line:
@@ -294,10 +305,10 @@ def cmd_receive(root: str) -> None:
         head = json.loads(line)
         if "end" in head:
             break
-        receive_file(stream, root, head, cache)
+        receive_file(stream, root, head, cache, checked, buf)
         count, nbytes = count + 1, nbytes + head["s"]
     for rel in head.get("delete", []):
-        path = safe_join(root, rel)
+        path = safe_join(root, rel, checked)
         if os.path.lexists(path):
             os.unlink(path)
         cache.pop(rel, None)

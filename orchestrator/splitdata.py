@@ -442,11 +442,14 @@ def write_manifest(out: Path, p: Plan) -> Path:
     return path
 
 
-def write(p: Plan, out: Path, *, pack: Packer | None = None, threads: int | None = None) -> SplitResult:
-    """Build the shards beside the old ones, swap them in, update the manifest."""
+def write(p: Plan, out: Path, *, pack: Packer | None = None, threads: int = 1) -> SplitResult:
+    """Build the shards beside the old ones, swap them in, update the manifest.
+
+    threads > 1 links shards in parallel (symlink() releases the GIL, each shard has its own
+    folder); bench/split.py found no measurable gain on tmpfs or ext4, hence the default of 1.
+    """
     seconds: dict[str, float] = {}
     out.mkdir(parents=True, exist_ok=True)
-    threads = default_threads(p.workers) if threads is None else threads
     with _locked(out):
         _clear_leftovers(out, p.workers)
         tmp = out / f".split-{p.workers}.tmp-{os.getpid()}"
@@ -479,14 +482,8 @@ def write(p: Plan, out: Path, *, pack: Packer | None = None, threads: int | None
     return SplitResult(p, out, manifest, replaced, seconds)
 
 
-def default_threads(workers: int) -> int:
-    # A pool (symlink() releases the GIL; each shard has its own folder) did not measurably
-    # help in bench/split.py on tmpfs or ext4, so one thread unless a caller asks for more.
-    return 1
-
-
 def split(source: Path, out: Path, workers: int, *, seed: int = 0, pack: Packer | None = None,
-          threads: int | None = None) -> SplitResult:
+          threads: int = 1) -> SplitResult:
     """Plan (validate + scan + assign) then write; nothing is written if planning fails."""
     t = time.perf_counter()
     p = plan(Path(source), Path(out), workers, seed)

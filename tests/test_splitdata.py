@@ -411,3 +411,13 @@ def test_image_size_without_pack_is_usage_error(tmp_path: Path) -> None:
     args = parse(["split-data", "-n", "2", "--source", "s", "--out", "o", "--image-size", "64"])
     with pytest.raises(UsageError):
         split_data.run(args)
+
+
+def test_thread_pool_links_the_same(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    make_imagefolder(src, VGGF)
+    splitdata.split(src, tmp_path / "one", 3, threads=1)
+    splitdata.split(src, tmp_path / "four", 3, threads=4)
+    assert manifest(tmp_path / "one") == manifest(tmp_path / "four")
+    for i in range(3):
+        assert shard_files(tmp_path / "one", f"worker_{i}_of_3") == shard_files(tmp_path / "four", f"worker_{i}_of_3")

@@ -1,0 +1,76 @@
+"""Unit tests of controller pieces that need no host: quoting, planning, parsing, ordering."""
+from __future__ import annotations
+
+import shlex
+
+from orchestrator.commands.monitor import Monitor, first_failure, signal_name
+from orchestrator.follow import HostStream, parse_chunk
+from orchestrator.sync import LocalFile, plan
+from orchestrator.transport import remote_command
+
+
+def test_remote_command_quotes_every_word_but_keeps_tilde() -> None:
+    cmd = remote_command(["~/venv/bin/python", "-c", "print('a b'); $(rm -rf /)", "x;y"])
+    assert cmd.startswith("~/")
+    words = shlex.split(cmd)
+    assert words[2] == "print('a b'); $(rm -rf /)"
+    assert words[3] == "x;y"
+
+
+def lf(rel: str, digest: str) -> LocalFile:
+    return LocalFile(rel, "/nowhere/" + rel, 1, 0o644, digest)
+
+
+def test_plan_sends_new_and_changed_deletes_extra() -> None:
+    local = [lf("a", "1"), lf("b", "2"), lf("c", "3")]
+    remote = {"a": [1, "1"], "b": [1, "old"], "gone": [1, "9"]}
+    send, delete = plan(local, remote)
+    assert [f.rel for f in send] == ["b", "c"]
+    assert delete == ["gone"]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def lines(self, host, rank, texts):
+        self.calls.append(("L", rank, list(texts)))
+
+    def rank_exit(self, host, rank, code, when):
+        self.calls.append(("E", rank, code, when))
+
+    def host_done(self, host, info):
+        self.calls.append(("X", info))
+
+    def host_lost(self, host, why):
+        self.calls.append(("lost", why))
+
+
+def test_parse_chunk_groups_lines_per_rank_and_keeps_order() -> None:
+    rec = Recorder()
+    stream = HostStream(transport=None, job_dir="/j", ranks=[0, 1])
+    data = b"L 0 a\nL 0 b c\nL 1 x\nT\nL 0 \nE 1 7 12.5\nX {\"code\": 1}"
+    parse_chunk(stream, 0, data, rec)
+    assert rec.calls == [("L", 0, [b"a", b"b c"]), ("L", 1, [b"x"]), ("L", 0, [b""]),
+                         ("E", 1, 7, 12.5), ("X", {"code": 1})]
+    assert stream.done
+
+
+def test_root_cause_is_earliest_failure_after_clock_correction() -> None:
+    from types import SimpleNamespace
+    offsets = {0: 0.0, 1: 10.0}   # host 1's clock runs 10 s ahead of ours
+    state = SimpleNamespace(host=lambda i: SimpleNamespace(clock_offset=offsets[i]))
+    mon = Monitor(cluster=None, state=state, printer=None)
+    mon.rank_exit(0, 3, 7, 100.0)    # host 0: rank 3 failed at 100
+    mon.rank_exit(1, 5, 1, 105.0)    # host 1 says 105, which is 95 here: the earliest
+    mon.rank_exit(0, 0, 0, 90.0)     # a clean exit is never the cause
+    assert first_failure(mon) == (5, 1)
+    assert mon.failed()
+
+
+def test_signal_kill_loses_ties_to_real_exit_codes() -> None:
+    mon = Monitor.__new__(Monitor)
+    mon.exits = {1: (-15, 50.0), 2: (3, 50.0)}
+    assert first_failure(mon) == (2, 3)
+    assert signal_name(-9) == "killed by SIGKILL"
+    assert signal_name(7) == "exit code 7"
