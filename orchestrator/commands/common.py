@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Iterator
 
 from rich.console import Console
+from rich.markup import escape
 
 from orchestrator import state as job_state
 from orchestrator.connect import close_all, connect_all
@@ -15,7 +16,7 @@ from orchestrator.inventory import Cluster, load
 from orchestrator.transport import Transport
 
 # Messages and progress go to stderr; stdout carries only the job's output (it pipes).
-console = Console(stderr=True, highlight=False)
+console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def inventory(args: argparse.Namespace) -> Cluster:
@@ -40,7 +41,7 @@ def connections(cluster: Cluster, require_all: bool = True) -> Iterator[dict[int
             from orchestrator.connect import GroupResult
             GroupResult(failed=failed).raise_failures(cluster.hosts, "to connect")
         for i, exc in failed.items():
-            console.print(f"[yellow]warning:[/] {exc}")
+            console.print(f"[yellow]warning:[/] {escape(str(exc))}")
         yield transports
     finally:
         close_all(transports)

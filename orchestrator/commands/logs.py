@@ -6,6 +6,8 @@ import sys
 import time
 from typing import Any
 
+from rich.markup import escape
+
 from orchestrator import state as job_state
 from orchestrator.commands.common import connections, console, inventory
 from orchestrator.errors import EXIT_OK, HostError
@@ -65,7 +67,7 @@ class LogSink:
         pass
 
     def host_lost(self, host: int, why: str) -> None:
-        console.print(f"[yellow]host {host}: {why}[/]")
+        console.print(f"[yellow]host {host}:[/] {escape(why)}")
 
 
 def all_logs(cluster, transports, dirs, args: argparse.Namespace) -> int:

@@ -6,6 +6,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from rich.markup import escape
+
 from orchestrator.commands.common import console
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.follow import HostStream, PrefixPrinter, follow
@@ -87,7 +89,7 @@ def fail_fast(cluster: Cluster, transports: dict[int, Transport], state: JobStat
     while not finished() and time.monotonic() < deadline:
         time.sleep(0.05)  # let the last lines and exit codes arrive
     for i, exc in result.failed.items():
-        console.print(f"[red]could not stop {cluster.hosts[i].label}:[/] {exc}")
+        console.print(f"[red]could not stop {cluster.hosts[i].label}:[/] {escape(str(exc))}")
     console.print(root_cause(cluster, transports, state, mon))
     console.print(f"stopped the job on every host in {time.monotonic() - started:.1f} s")
 
@@ -128,7 +130,7 @@ def print_stop_results(cluster: Cluster, results: list) -> None:
     for i, reply in sorted(last.ok.items()):
         console.print(f"  {cluster.hosts[i].label}: {describe(reply)}")
     for i, exc in sorted(last.failed.items()):
-        console.print(f"  [red]{cluster.hosts[i].label}: {exc}[/]")
+        console.print(f"  [red]{cluster.hosts[i].label}:[/] {escape(str(exc))}")
 
 
 def signal_name(code: int) -> str:
@@ -163,10 +165,10 @@ def root_cause(cluster: Cluster, transports: dict[int, Transport], state: JobSta
     tail = mon.printer.tail(rank)
     if tail:
         lines.append(f"last lines of rank {rank}:")
-        lines += [f"  {l}" for l in tail[-10:]]
+        lines += [f"  {escape(l)}" for l in tail[-10:]]
     err = error_file(transports.get(host.index), state.host(host.index).job_dir, rank)
     if err:
-        lines.append(f"torchrun error file:\n  {err}")
+        lines.append(f"torchrun error file:\n  {escape(err)}")
     lines.append(f"full log: `orch logs --rank {rank}`")
     return "\n".join(lines)
 
