@@ -5,9 +5,13 @@
 
 For every world size W it starts W processes on 127.0.0.1 (gloo, one thread each) that
 train the demo model on random 32x32 images with each hook in turn, and prints per
-kind: the gradient bytes one rank handed to collectives per step, the ratio to
-``none``, and the mean step time (forward, backward with communication, SGD step).
-On a machine with fewer cores than W, step times include CPU contention.
+kind: the gradient bytes one rank handed to collectives per step (CommStats.bytes_sent),
+the ratio to ``none``, an estimate of what a ring algorithm puts on the wire per rank
+(allreduce: 2 (W-1)/W x payload; TernGrad's all_gather: (W-1) x payload), and the
+median step time (forward, backward with communication, SGD step). ``terngrad+logits``
+is TernGrad with --quantize-logits. Loopback is far faster than a real network, and
+with fewer cores than W the step times include CPU contention: they show the cost of
+encoding, not the saving on a slow link.
 """
 from __future__ import annotations
 

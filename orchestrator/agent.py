@@ -598,13 +598,19 @@ def cmd_stop(job_dir: str, grace: str) -> None:
     sup = read_json(os.path.join(p["run"], "supervisor.json"))
     if sup and proc_start_time(sup["pid"]) != sup.get("start_ticks"):
         sup = None
+    t0 = time.time()
     found = marked_pids(p["job"]) + ([sup["pid"]] if sup else [])
-    signal_all(found, signal.SIGTERM)
+    # torchrun itself has nothing to save, and its own SIGTERM shutdown takes seconds;
+    # the ranks (the user's code) get SIGTERM from us directly and the full grace.
+    torchrun = sup.get("torchrun_pid") if sup else None
+    signal_all([torchrun] if torchrun in found else [], signal.SIGKILL)
+    signal_all([x for x in found if x != torchrun], signal.SIGTERM)
     left = wait_gone(p["job"], sup, time.time() + float(grace))
     killed = list(left)
     signal_all(left, signal.SIGKILL)
     left = wait_gone(p["job"], sup, time.time() + 5)
-    out({"found": len(found), "killed": len(killed), "left": left})
+    out({"found": len(found), "killed": len(killed), "left": left,
+         "seconds": round(time.time() - t0, 3)})
 
 
 COMMANDS = {

@@ -390,8 +390,11 @@ def _locked(out: Path) -> Iterator[None]:
 
 
 def _clear_leftovers(out: Path, workers: int) -> None:
+    """What a killed run left behind; safe to remove under the lock."""
     for stale in out.glob(f".split-{workers}.*"):
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in out.glob(f".{MANIFEST}.tmp-*"):
+        stale.unlink(missing_ok=True)
 
 
 def _swap_in(out: Path, tmp: Path, old: Path, names: list[str]) -> bool:
@@ -430,56 +433,70 @@ def _dumps(data: dict, files: int) -> str:
     return text
 
 
-def write_manifest(out: Path, p: Plan) -> Path:
-    path = out / MANIFEST
-    data = read_manifest(path)
+def stage_manifest(out: Path, p: Plan) -> Path:
+    """Write the updated manifest (other worker counts kept) to a temp file; os.replace() it later."""
+    data = read_manifest(out / MANIFEST)
     data["splits"][str(p.workers)] = p.to_json()
     data["splits"] = dict(sorted(data["splits"].items(), key=lambda kv: int(kv[0])))
     files = sum(len(s["files"]) for split in data["splits"].values() for s in split["shards"])
-    tmp = out / f".{MANIFEST}.tmp-{os.getpid()}"
-    tmp.write_text(_dumps(data, files) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    staged = out / f".{MANIFEST}.tmp-{os.getpid()}"
+    staged.write_text(_dumps(data, files) + "\n", encoding="utf-8")
+    return staged
+
+
+@contextmanager
+def _timed(seconds: dict[str, float], phase: str) -> Iterator[None]:
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t
+
+
+def _build(p: Plan, tmp: Path, pack: Packer | None, threads: int, seconds: dict[str, float]) -> None:
+    with _timed(seconds, "link"):
+        link_all(p, tmp, threads)
+    if pack is None:
+        return
+    with _timed(seconds, "pack"):
+        for shard in p.shards:
+            pack(tmp / shard.name)
+            _rescan_packed(shard, tmp / shard.name)
 
 
 def write(p: Plan, out: Path, *, pack: Packer | None = None, threads: int = 1) -> SplitResult:
-    """Build the shards beside the old ones, swap them in, update the manifest.
+    """Build the shards in a temp folder beside the old ones, swap them in, replace the manifest.
 
     threads > 1 links shards in parallel (symlink() releases the GIL, each shard has its own
     folder); bench/split.py found no measurable gain on tmpfs or ext4, hence the default of 1.
     """
     seconds: dict[str, float] = {}
     out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".split-{p.workers}.tmp-{os.getpid()}"
+    old = out / f".split-{p.workers}.old-{os.getpid()}"
+    staged = out / f".{MANIFEST}.tmp-{os.getpid()}"
     with _locked(out):
         _clear_leftovers(out, p.workers)
-        tmp = out / f".split-{p.workers}.tmp-{os.getpid()}"
-        old = out / f".split-{p.workers}.old-{os.getpid()}"
         try:
             tmp.mkdir()
             old.mkdir()
-            t = time.perf_counter()
-            link_all(p, tmp, threads)
-            seconds["link"] = time.perf_counter() - t
-            if pack is not None:
-                t = time.perf_counter()
-                for shard in p.shards:
-                    pack(tmp / shard.name)
-                    _rescan_packed(shard, tmp / shard.name)
-                seconds["pack"] = time.perf_counter() - t
-            t = time.perf_counter()
-            replaced = _swap_in(out, tmp, old, [s.name for s in p.shards])
-            manifest = write_manifest(out, p)
-            seconds["manifest"] = time.perf_counter() - t
+            _build(p, tmp, pack, threads, seconds)
+            with _timed(seconds, "manifest"):
+                stage_manifest(out, p)
+                replaced = _swap_in(out, tmp, old, [s.name for s in p.shards])
+                os.replace(staged, out / MANIFEST)
         except OSError as exc:
             where = f" ({exc.filename})" if exc.filename else ""
             raise DataError(f"could not write the shards to {out}: {exc.strerror or exc}{where}",
-                            hint="check free space, inodes and permissions there; the previous split is unchanged") from None
+                            hint="check free space, inodes and permissions there; "
+                                 "the previous split is unchanged") from None
         finally:
-            t = time.perf_counter()
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(old, ignore_errors=True)
-            seconds["cleanup"] = time.perf_counter() - t
-    return SplitResult(p, out, manifest, replaced, seconds)
+            with _timed(seconds, "cleanup"):
+                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(old, ignore_errors=True)
+                if staged.exists():
+                    staged.unlink()
+    return SplitResult(p, out, out / MANIFEST, replaced, seconds)
 
 
 def split(source: Path, out: Path, workers: int, *, seed: int = 0, pack: Packer | None = None,

@@ -140,6 +140,8 @@ def test_stop_ends_process_trees_and_nothing_else(sshd_cluster: SshdCluster, tmp
 REATTACH_JOB = """\
 import os, sys, time
 rank = int(os.environ["RANK"])
+print("rank %d starting" % rank)
+print("rank %d set up" % rank)
 print("rank %d waiting" % rank, flush=True)
 if rank != 4:
     time.sleep(600)
@@ -175,15 +177,18 @@ def test_reattach_after_controller_killed(sshd_cluster: SshdCluster, tmp_path: P
         (rank, hosts[rank // 3].address, rank % 3, "running") for rank in range(6)], st
     for r in st["ranks"]:
         assert r["pid"] in pids_with_env(marker(hosts[r["rank"] // 3], name)), r
+        assert r["last_line"] == f"rank {r['rank']} waiting", r
 
     logs = jobs.start(tmp_path, "logs", "--rank", "4", "-f", "-c", str(inv))
     logs.wait_for(r"^rank 4 waiting$")
     go.touch()
     assert logs.finish(timeout=30) == 0, logs.text()
-    assert logs.out == ["rank 4 waiting"] + [f"rank 4 done {i}" for i in range(3)], logs.text()
+    assert logs.out == ["rank 4 starting", "rank 4 set up", "rank 4 waiting"] + [
+        f"rank 4 done {i}" for i in range(3)], logs.text()
 
-    states = [r["state"] for r in status(tmp_path, inv)["ranks"]]
-    assert states == ["running"] * 4 + ["exited 0", "running"], states
+    rows = status(tmp_path, inv)["ranks"]
+    assert [r["state"] for r in rows] == ["running"] * 4 + ["exited 0", "running"], rows
+    assert rows[4]["last_line"] == "rank 4 done 2" and rows[4]["code"] == 0, rows[4]
     stop = orch(tmp_path, "stop", str(inv), "--grace", "2")
     assert stop.returncode == 0, stop.stderr
     assert_nothing_left(hosts, name)
@@ -243,7 +248,9 @@ def test_logs_of_a_rank_that_printed_100k_lines(sshd_cluster: SshdCluster, tmp_p
     one = orch(tmp_path, "logs", "--rank", "1", "-c", str(inv))
     assert one.returncode == 0 and one.stdout == "other 0\nother 1\nother 2\n", one
     tail = orch(tmp_path, "logs", "--rank", "0", "--tail", "2", "-c", str(inv))
-    assert tail.stdout == "line 099998\nline 099999\n", tail
+    assert tail.stdout == "line 099998\nline 099999\n", tail.stdout[:300]
+    tail = orch(tmp_path, "logs", "--rank", "1", "--tail", "2", "-c", str(inv))
+    assert tail.stdout == "other 1\nother 2\n", tail.stdout
 
     every = orch(tmp_path, "logs", "-c", str(inv))
     assert every.returncode == 0, every.stderr

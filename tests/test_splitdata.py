@@ -5,14 +5,28 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import types
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from orchestrator import splitdata
 from orchestrator.commands import split_data
 from orchestrator.errors import DataError, OrchError, UsageError
+
+
+@pytest.fixture
+def tmp_path(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs folder where there is one: these tests are thousands of tiny creates and links,
+    which a busy disk makes 10-30x slower. Falls back to pytest's own tmp_path."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        yield tmp_path
+        return
+    with tempfile.TemporaryDirectory(prefix="orch-test-split-", dir=shm) as fast:
+        yield Path(fast)
 
 
 def make_records(root: Path, prefix: str, count: int, total: int | None = None) -> list[str]:
@@ -421,3 +435,37 @@ def test_thread_pool_links_the_same(tmp_path: Path) -> None:
     assert manifest(tmp_path / "one") == manifest(tmp_path / "four")
     for i in range(3):
         assert shard_files(tmp_path / "one", f"worker_{i}_of_3") == shard_files(tmp_path / "four", f"worker_{i}_of_3")
+
+
+def test_failure_while_writing_keeps_previous_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_imagefolder(src, VGGF)
+    splitdata.split(src, out, 2, seed=0)
+    before = listing(out)
+    real_rename, calls = os.rename, []
+
+    def flaky_rename(a: object, b: object) -> None:
+        calls.append(b)
+        if len(calls) == 3:  # worker_0 retired and installed, then worker_1 fails midway
+            raise OSError(28, "No space left on device", str(a))
+        real_rename(a, b)
+
+    monkeypatch.setattr(splitdata.os, "rename", flaky_rename)
+    with pytest.raises(DataError, match="No space left"):
+        splitdata.split(src, out, 2, seed=1)
+    assert len(calls) > 3  # the rollback ran
+    assert listing(out) == before
+
+
+def test_pack_failure_keeps_previous_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_imagefolder(src, VGGF)
+    splitdata.split(src, out, 2)
+    before = listing(out)
+
+    def broken(shard_dir: Path) -> None:
+        raise OSError(5, "cannot identify image file", str(shard_dir / "TrainData/cat/img000.png"))
+
+    with pytest.raises(DataError, match="cannot identify image"):
+        splitdata.split(src, out, 2, pack=broken)
+    assert listing(out) == before

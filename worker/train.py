@@ -121,6 +121,8 @@ def _open_local(args: argparse.Namespace, ctx: Ctx) -> tuple[Any, Any, list[str]
         raise WorkerError("no data folder: ORCH_DATA_DIR is not set",
                           hint="run under `orch up`, or pass --data-dir DIR")
     shard = args.data_dir / f"worker_{ctx.rank}_of_{ctx.world}"
+    if not shard.is_dir():
+        raise _missing_shard(args.data_dir, shard, ctx.world)
     packed, note = (None, "") if args.data_format == "imagefolder" else find_packed(shard, args.image_size)
     if note and ctx.is_main:
         print(f"note: {note}", flush=True)
@@ -134,6 +136,13 @@ def _open_local(args: argparse.Namespace, ctx: Ctx) -> tuple[Any, Any, list[str]
     return (ImageFolderBatches(files.train, args.image_size),
             ImageFolderBatches(files.val, args.image_size), files.classes,
             f"{shard} ({files.layout})")
+
+
+def _missing_shard(data_dir: Path, shard: Path, world: int) -> WorkerError:
+    others = sorted(p.name for p in data_dir.glob("worker_*_of_*")) if data_dir.is_dir() else []
+    found = f"; {data_dir} has {', '.join(others[:4])}" if others else ""
+    return WorkerError(f"shard folder {shard} does not exist{found}",
+                       hint=f"split the data for {world} workers (`orch split-data`), then `orch up`")
 
 
 def _check_classes(everyone: list[tuple[list[str], int, int]]) -> list[str]:
@@ -402,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         run(args, ctx)
         return 0
     except WorkerError as e:
-        print(f"error: {e.one_line()}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {e.one_line()}\n")  # one write: lines of ranks do not mix
+        sys.stderr.flush()
         return e.exit_code
     finally:
         distrib.teardown()

@@ -1,0 +1,508 @@
+"""Data push throughput: orch's push engine against `tar -cf - | ssh host tar -xf -`.
+
+One fake sshd host (SshdCluster(n=1)); the same data in the same run; the methods are
+interleaved rep by rep (rotating which goes first) so that the noise of this shared
+machine hits them alike; figures are medians. Two data sets:
+  big    one 1 GiB random file
+  small  10,000 files of 10 KiB (100 folders of 100)
+
+Methods, each into a fresh destination folder every rep:
+  tar        tar -cf - -C src . | ssh -F <ssh_config> host 'mkdir -p dst && tar -xf - -C dst'
+             (OpenSSH's default cipher; the target figure is orch / this)
+  tar-gcm    the same with -c aes128-gcm@openssh.com (the cipher orch asks for)
+  orch       orchestrator.sync.push() over a connection opened by connect_all, the file
+             list (with sha256) built beforehand; `push` includes the manifest round trip,
+             `+connect` adds opening the connection (tar pays for its ssh handshake too)
+  orch-e2e   (--e2e) `orch up` of a 1-worker split to a fresh job, minus an `orch up` of
+             the same job with nothing to send (digests already cached locally)
+
+    .venv/bin/python bench/push.py                 # both data sets, 3 reps
+    .venv/bin/python bench/push.py --only small --reps 5 --profile
+    .venv/bin/python bench/push.py --e2e
+
+--profile adds, for the small set: cProfile of the controller side of one push, the
+stream built without a network (controller CPU), and the agent's `receive` fed that stream
+from a file, timed and profiled (host CPU). Temporary data (over 2 GiB) is removed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from common import (REPO, SshdCluster, clean_env, fake_cluster, median, print_table,
+                    save_json, timed_run)
+from sshd_cluster import descendants_of
+
+sys.path.insert(0, str(REPO))
+
+from orchestrator import splitdata  # noqa: E402
+from orchestrator.connect import connect_all  # noqa: E402
+from orchestrator.inventory import load  # noqa: E402
+from orchestrator.sync import DigestCache, LocalFile, push, stream_files  # noqa: E402
+from orchestrator.transport import Transport  # noqa: E402
+
+MB = 1e6
+TICK = os.sysconf("SC_CLK_TCK")
+AGENT = REPO / "orchestrator" / "agent.py"
+TARGET = 0.80
+
+
+# ---------------------------------------------------------------- data
+
+def make_big(root: Path, mib: int) -> None:
+    """One random file; the name is a record name so that `orch split-data` takes it."""
+    root.mkdir(parents=True)
+    block = 64 << 20
+    with open(root / "train-00000-of-00001", "wb") as f:
+        left = mib << 20
+        while left:
+            n = min(block, left)
+            f.write(os.urandom(n))
+            left -= n
+
+
+def make_small(root: Path, count: int, kib: int) -> None:
+    """count files of kib KiB in folders of 100 (an ImageFolder, for `orch split-data`)."""
+    payload = os.urandom(count * kib * 1024)
+    per = kib * 1024
+    for i in range(count):
+        d = root / f"class{i // 100:03d}"
+        if i % 100 == 0:
+            d.mkdir(parents=True)
+        (d / f"img_{i:05d}.bin").write_bytes(payload[i * per:(i + 1) * per])
+
+
+def local_files(src: Path, cache: DigestCache) -> list[LocalFile]:
+    """What sync.push sends: every file under src with its size, mode and sha256."""
+    files = []
+    for top, dirs, names in os.walk(src):
+        dirs.sort()
+        for n in sorted(names):
+            path = os.path.join(top, n)
+            st = os.stat(path)
+            rel = os.path.relpath(path, src)
+            files.append(LocalFile(rel, path, st.st_size, 0o644, cache.digest(path, st)))
+    return files
+
+
+def tree_size(root: Path) -> tuple[int, int]:
+    count = total = 0
+    for top, dirs, names in os.walk(root):
+        for n in names:
+            if not n.startswith(".orch"):
+                count += 1
+                total += os.path.getsize(os.path.join(top, n))
+    return count, total
+
+
+@dataclass
+class DataSet:
+    name: str
+    src: Path
+    files: int
+    bytes: int
+    local: list[LocalFile] = field(default_factory=list)
+    hash_s: float = float("nan")     # building the file list with a cold digest cache
+    cached_s: float = float("nan")   # the same with the digests cached (a second orch up)
+
+
+def prepare(name: str, src: Path, work: Path) -> DataSet:
+    files, total = tree_size(src)
+    ds = DataSet(name, src, files, total)
+    cache_path = work / f"digests-{name}.json"
+    t = time.perf_counter()
+    cache = DigestCache(cache_path)
+    ds.local = local_files(src, cache)
+    ds.hash_s = time.perf_counter() - t
+    cache.save()
+    t = time.perf_counter()
+    local_files(src, DigestCache(cache_path))
+    ds.cached_s = time.perf_counter() - t
+    return ds
+
+
+# ---------------------------------------------------------------- CPU accounting
+
+def proc_cpu(pid: int) -> float:
+    """utime + stime + reaped children's, of one process (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / TICK
+
+
+def host_cpu(cluster: SshdCluster) -> float:
+    """CPU seconds the fake host has spent so far: its sshd and every session under it
+    (sshd, shell, tar or the agent), alive or already reaped into a parent's counters."""
+    root = cluster.hosts[0].pid
+    return sum(proc_cpu(p) for p in [root] + descendants_of(root))
+
+
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+@dataclass
+class Sample:
+    wall: float
+    cpu: float      # controller + host CPU seconds (nan where not measured)
+
+
+# ---------------------------------------------------------------- methods
+
+@dataclass
+class Bench:
+    cluster: SshdCluster
+    work: Path
+    dest_root: Path                 # on the fake host
+    transport: Optional[Transport] = None
+    connect_s: list[float] = field(default_factory=list)
+    counter: int = 0
+
+    def fresh(self, tag: str) -> Path:
+        self.counter += 1
+        return self.dest_root / f"{tag}-{self.counter}"
+
+    @property
+    def host(self):
+        return self.cluster.hosts[0]
+
+
+def tar_once(b: Bench, ds: DataSet, cipher: Optional[str]) -> Sample:
+    dst = b.fresh("tar")
+    opt = f"-c {cipher} " if cipher else ""
+    cmd = (f"set -o pipefail; tar -cf - -C {ds.src} . | ssh -F {b.cluster.ssh_config} {opt}"
+           f"{b.host.address} 'mkdir -p {dst} && tar -xf - -C {dst}'")
+    host0, local0 = host_cpu(b.cluster), children_cpu()
+    run = timed_run(["bash", "-c", cmd], env=clean_env(), timeout=900)
+    if not run.ok:
+        raise SystemExit(f"tar baseline failed: {run.tail()}")
+    time.sleep(0.2)  # let sshd reap the session, so its CPU is counted
+    cpu = children_cpu() - local0 + host_cpu(b.cluster) - host0
+    check_dest(dst, ds)
+    return Sample(run.seconds, cpu)
+
+
+def connect(b: Bench) -> Transport:
+    """A fresh connection for every orch rep, timed (tar pays for its ssh handshake too)."""
+    if b.transport is not None:
+        b.transport.close()
+    (b.work / "job.py").write_text(E2E_JOB)
+    inv = b.cluster.write_inventory(b.work / "bench-cluster.yaml", name="bench-push")
+    cluster = load(inv)
+    t = time.perf_counter()
+    res = connect_all(cluster.hosts, cluster.base_dir)
+    b.connect_s.append(time.perf_counter() - t)
+    if res.failed:
+        raise SystemExit(f"connect failed: {res.failed}")
+    b.transport = res.ok[0]
+    return b.transport
+
+
+def orch_once(b: Bench, ds: DataSet) -> Sample:
+    t_conn = connect(b)
+    dst = b.fresh("orch")
+    host0, local0 = host_cpu(b.cluster), time.process_time()
+    t = time.perf_counter()
+    report = push(t_conn, str(dst), ds.local)
+    seconds = time.perf_counter() - t
+    cpu = time.process_time() - local0 + host_cpu(b.cluster) - host0
+    if report.files != ds.files or report.bytes != ds.bytes:
+        raise SystemExit(f"orch push reported {report.files} files {report.bytes} B, "
+                         f"expected {ds.files} / {ds.bytes}")
+    check_dest(dst, ds)
+    return Sample(seconds, cpu)
+
+
+def check_dest(dst: Path, ds: DataSet) -> None:
+    got = tree_size(dst)
+    if got != (ds.files, ds.bytes):
+        raise SystemExit(f"{dst}: {got[0]} files {got[1]} B, expected {ds.files} / {ds.bytes}")
+    shutil.rmtree(dst)
+    os.sync()  # the next method must not pay for this one's dirty pages
+
+
+# ---------------------------------------------------------------- end to end (orch up)
+
+E2E_JOB = "import os\nprint('rank', os.environ['RANK'], 'ok', flush=True)\n"
+
+
+@dataclass
+class E2E:
+    inventory: Path
+    base: Path
+    runs: int = 0
+
+
+def e2e_setup(b: Bench, ds: DataSet) -> E2E:
+    """A 1-worker split of the data set; one untimed `orch up` warms the digest cache."""
+    base = b.work / f"e2e-{ds.name}"
+    base.mkdir()
+    splitdata.split(ds.src, base / "shards", 1)
+    (base / "job.py").write_text(E2E_JOB)
+    e = E2E(base / "cluster.yaml", base)
+    up_fresh(b, ds, e)
+    return e
+
+
+def write_e2e_inventory(b: Bench, ds: DataSet, e: E2E, name: str) -> None:
+    b.cluster.write_inventory(e.inventory, name=name, entrypoint="job.py", code_paths=["job.py"],
+                              top={"data": {"source": str(ds.src), "shards": str(e.base / "shards")}})
+
+
+def orch_up(b: Bench, e: E2E) -> float:
+    run = timed_run([sys.executable, "-m", "orchestrator", "up", str(e.inventory)],
+                    cwd=e.base, env=clean_env(), timeout=900)
+    if not run.ok:
+        raise SystemExit(f"orch up failed: {run.tail()}")
+    return run.seconds
+
+
+def up_fresh(b: Bench, ds: DataSet, e: E2E) -> Sample:
+    """`orch up` to a new job (everything pushed) minus `orch up` again (nothing pushed)."""
+    e.runs += 1
+    name = f"e2e-{ds.name}-{e.runs}"
+    write_e2e_inventory(b, ds, e, name)
+    full = orch_up(b, e)
+    again = orch_up(b, e)
+    check_dest_job(b.host.remote_dir / name / "data", ds)
+    shutil.rmtree(b.host.remote_dir / name)
+    os.sync()
+    return Sample(max(full - again, 1e-3), float("nan"))
+
+
+def check_dest_job(data: Path, ds: DataSet) -> None:
+    got = tree_size(data)
+    if got != (ds.files, ds.bytes):
+        raise SystemExit(f"{data}: {got[0]} files {got[1]} B, expected {ds.files} / {ds.bytes}")
+
+
+# ---------------------------------------------------------------- the run
+
+Method = Callable[[], Sample]
+
+
+def methods_for(b: Bench, ds: DataSet, args: argparse.Namespace) -> dict[str, Method]:
+    out: dict[str, Method] = {
+        "tar": lambda: tar_once(b, ds, None),
+        "orch": lambda: orch_once(b, ds),
+    }
+    if not args.no_gcm:
+        out["tar-gcm"] = lambda: tar_once(b, ds, "aes128-gcm@openssh.com")
+    if args.e2e:
+        e = e2e_setup(b, ds)
+        out["orch-e2e"] = lambda: up_fresh(b, ds, e)
+    return out
+
+
+def interleave(methods: dict[str, Method], reps: int) -> dict[str, list[Sample]]:
+    """Rep by rep, every method once, rotating which goes first."""
+    names = list(methods)
+    samples: dict[str, list[Sample]] = {n: [] for n in names}
+    for rep in range(reps):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for n in order:
+            s = methods[n]()
+            samples[n].append(s)
+            print(f"  rep {rep + 1}/{reps} {n:9s} {s.wall:7.2f} s wall {s.cpu:6.2f} s CPU "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    return samples
+
+
+def run_set(b: Bench, ds: DataSet, args: argparse.Namespace) -> dict:
+    print(f"{ds.name}: {ds.files} files, {ds.bytes / MB:.0f} MB; file list with sha256 "
+          f"{ds.hash_s:.2f} s cold, {ds.cached_s:.2f} s cached", flush=True)
+    b.connect_s.clear()
+    load_before = os.getloadavg()
+    samples = interleave(methods_for(b, ds, args), args.reps)
+    med = {n: median([x.wall for x in v]) for n, v in samples.items()}
+    cpu = {n: median([x.cpu for x in v]) for n, v in samples.items()}
+    conn = median(b.connect_s)
+    return {"set": ds.name, "files": ds.files, "bytes": ds.bytes,
+            "samples": {n: [[x.wall, x.cpu] for x in v] for n, v in samples.items()},
+            "median_s": med, "median_cpu_s": cpu, "connect_s": conn, "hash_s": ds.hash_s, "cached_s": ds.cached_s,
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+
+
+def rows_for(res: dict) -> list[list]:
+    mb = res["bytes"] / MB
+    med, tar = res["median_s"], res["median_s"]["tar"]
+    cpu = res["median_cpu_s"]
+    rows = []
+    for name, s in med.items():
+        rows.append([res["set"], name, s, mb / s, tar / s, cpu[name]])
+    plus = med["orch"] + res["connect_s"]
+    rows.append([res["set"], "orch+connect", plus, mb / plus, tar / plus, float("nan")])
+    hashed = plus + res["hash_s"]
+    rows.append([res["set"], "orch+connect+hash", hashed, mb / hashed, tar / hashed,
+                 float("nan")])
+    return rows
+
+
+# ---------------------------------------------------------------- profile
+
+class Sink:
+    """A channel that keeps nothing: the stream built with no network behind it."""
+
+    def __init__(self, keep: Optional[io.BufferedWriter] = None) -> None:
+        self.keep, self.bytes = keep, 0
+
+    def write(self, data) -> None:
+        self.bytes += len(data)
+        if self.keep:
+            self.keep.write(data)
+
+
+def profile(b: Bench, ds: DataSet) -> dict:
+    """Where the CPU of one push goes: the controller's stream with no network behind it,
+    the agent's receive fed that stream from a file, and the controller over SSH."""
+    out: dict = {}
+    t = time.process_time()
+    stream_files(Sink(), ds.local, None)
+    out["controller_stream_cpu_s"] = time.process_time() - t
+    stream = b.work / f"stream-{ds.name}.bin"
+    with open(stream, "wb") as f:
+        stream_files(Sink(f), ds.local, None)
+        f.write(b'{"end": true, "delete": []}\n')
+    out["receiver_wall_s"], out["receiver_cpu_s"] = agent_receive(stream, b.work / "recv", False)
+    print("\n--- agent receive (host side), fed from a file; CPU profile by tottime:")
+    agent_receive(stream, b.work / "recv", True)
+    stream.unlink()
+    print("\n--- controller side of one push over SSH; CPU profile by tottime:")
+    out.update(profile_push(b, ds))
+    return out
+
+
+def profile_push(b: Bench, ds: DataSet) -> dict:
+    prof = cProfile.Profile(time.process_time)
+    t_conn = connect(b)
+    dst = b.fresh("prof")
+    host0, cpu0, t = host_cpu(b.cluster), time.process_time(), time.perf_counter()
+    prof.enable()
+    push(t_conn, str(dst), ds.local)
+    prof.disable()
+    out = {"push_wall_s": time.perf_counter() - t, "push_controller_cpu_s": time.process_time() - cpu0,
+           "push_host_cpu_s": host_cpu(b.cluster) - host0}
+    check_dest(dst, ds)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+    return out
+
+
+# Runs the agent as `python agent.py receive DEST` does, under a CPU-time profiler.
+PROFILED_AGENT = """
+import cProfile, pstats, runpy, sys, time
+agent, dest = sys.argv[1], sys.argv[2]
+sys.argv = [agent, "receive", dest]
+p = cProfile.Profile(time.process_time)
+p.enable()
+runpy.run_path(agent, run_name="__main__")
+p.disable()
+pstats.Stats(p, stream=sys.stderr).sort_stats("tottime").print_stats(14)
+"""
+
+
+def agent_receive(stream: Path, dest: Path, profile: bool) -> tuple[float, float]:
+    shutil.rmtree(dest, ignore_errors=True)
+    argv = ([sys.executable, "-c", PROFILED_AGENT, str(AGENT), str(dest)] if profile
+            else [sys.executable, str(AGENT), "receive", str(dest)])
+    cpu0 = children_cpu()
+    with open(stream, "rb") as f:
+        t = time.perf_counter()
+        p = subprocess.run(argv, stdin=f, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+    if p.returncode != 0 or '"error"' in p.stdout:
+        raise SystemExit(f"agent receive failed: {p.stdout[-500:]} {p.stderr[-500:]}")
+    if profile:
+        print("\n".join(p.stderr.splitlines()[:26]))
+    shutil.rmtree(dest)
+    return wall, children_cpu() - cpu0
+
+
+# ---------------------------------------------------------------- main
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--only", choices=("big", "small"), help="one data set only")
+    p.add_argument("--big-mib", type=int, default=1024)
+    p.add_argument("--small-count", type=int, default=10_000)
+    p.add_argument("--small-kib", type=int, default=10)
+    p.add_argument("--no-gcm", action="store_true", help="skip the tar + aes128-gcm run")
+    p.add_argument("--e2e", action="store_true", help="also time `orch up` end to end")
+    p.add_argument("--profile", action="store_true", help="profile one small-file push")
+    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
+                   help="where the temporary data goes (default: %(default)s)")
+    return p.parse_args()
+
+
+def build_sets(work: Path, args: argparse.Namespace) -> list[DataSet]:
+    sets = []
+    if args.only in (None, "big"):
+        make_big(work / "big", args.big_mib)
+        sets.append(prepare("big", work / "big", work))
+    if args.only in (None, "small"):
+        make_small(work / "small", args.small_count, args.small_kib)
+        sets.append(prepare("small", work / "small", work))
+    return sets
+
+
+def main() -> int:
+    args = parse_args()
+    os.environ.update(ORCH_SSH_CONFIG=os.devnull, ORCH_NO_COLOR="1")
+    work = Path(tempfile.mkdtemp(prefix="orch-bench-push-", dir=args.dir))
+    results, profiled = [], {}
+    try:
+        sets = build_sets(work, args)
+        with fake_cluster(1, root=work / "cluster-root") as cluster:
+            b = Bench(cluster, work, cluster.hosts[0].remote_dir / "bench")
+            for ds in sets:
+                results.append(run_set(b, ds, args))
+            small = [ds for ds in sets if ds.name == "small"]
+            if args.profile and small:
+                profiled = profile(b, small[0])
+            if b.transport is not None:
+                b.transport.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(results, profiled, args)
+    return 0
+
+
+def report(results: list[dict], profiled: dict, args: argparse.Namespace) -> None:
+    rows = [r for res in results for r in rows_for(res)]
+    print_table(f"data push, 1 fake sshd host, median of {args.reps} interleaved reps",
+                ["data", "method", "wall s", "MB/s", "vs tar", "CPU s"], rows)
+    for res in results:
+        ratio = res["median_s"]["tar"] / res["median_s"]["orch"]
+        verdict = "meets" if ratio >= TARGET else "BELOW"
+        print(f"{res['set']}: orch/tar throughput {ratio:.2f} ({verdict} target {TARGET}); "
+              f"connect {res['connect_s']:.2f} s; sha256 list {res['hash_s']:.2f} s cold, "
+              f"{res['cached_s']:.2f} s cached; load average {fmt_load(res['loadavg_before'])}"
+              f" -> {fmt_load(res['loadavg_after'])} ({os.cpu_count()} cores)")
+    if profiled:
+        print("profile (small set): " + ", ".join(f"{k} {v:.2f}" for k, v in profiled.items()))
+    path = save_json("push.json", {"results": results, "profile": profiled, "argv": sys.argv[1:]})
+    print(f"raw samples: {path}")
+
+
+def fmt_load(load: tuple) -> str:
+    return "/".join(f"{x:.1f}" for x in load)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The `orch` command line itself: help, usage errors, a missing inventory, both entry
+points (the `orch` console script and `python -m orchestrator`). No host is contacted."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONSOLE_SCRIPT = Path(sys.executable).parent / "orch"
+SUBCOMMANDS = ("up", "stop", "logs", "status", "split-data")
+
+
+def run(cwd: Path, *args: str, entry: str = "module") -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "orchestrator"] if entry == "module" else [str(CONSOLE_SCRIPT)]
+    return subprocess.run(argv + list(args), cwd=cwd, capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ), stdin=subprocess.DEVNULL)
+
+
+def test_help_lists_every_command(tmp_path: Path) -> None:
+    result = run(tmp_path, "--help")
+    assert result.returncode == 0, result.stderr
+    for name in SUBCOMMANDS:
+        assert name in result.stdout
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_subcommand_help(command: str, tmp_path: Path) -> None:
+    result = run(tmp_path, command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: orch {command}"), result.stdout
+    assert "-c FILE, --config FILE" in result.stdout
+
+
+def test_unknown_command_is_a_usage_error(tmp_path: Path) -> None:
+    result = run(tmp_path, "launch")
+    assert result.returncode == 2
+    assert "launch" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_no_command_is_a_usage_error(tmp_path: Path) -> None:
+    result = run(tmp_path)
+    assert result.returncode == 2
+    assert "usage: orch" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unknown_option_is_a_usage_error(tmp_path: Path) -> None:
+    result = run(tmp_path, "up", "--detatch")
+    assert result.returncode == 2
+    assert "--detatch" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args", [("up", "nothere.yaml"), ("stop", "nothere.yaml"),
+                                  ("logs", "-c", "nothere.yaml")])
+def test_missing_inventory_is_named(args: tuple[str, ...], tmp_path: Path) -> None:
+    result = run(tmp_path, *args)
+    assert result.returncode == 2, result.stderr
+    assert "nothere.yaml" in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_default_inventory_is_cluster_yaml(tmp_path: Path) -> None:
+    result = run(tmp_path, "status")
+    assert result.returncode == 2, result.stderr
+    assert "cluster.yaml" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_console_script_and_module_agree(tmp_path: Path) -> None:
+    assert CONSOLE_SCRIPT.exists(), f"{CONSOLE_SCRIPT}: run `make install`"
+    script, module = run(tmp_path, "--version", entry="script"), run(tmp_path, "--version")
+    assert script.returncode == module.returncode == 0, script.stderr + module.stderr
+    assert script.stdout == module.stdout and script.stdout.startswith("orch ")
+    helped = run(tmp_path, "--help", entry="script")
+    assert helped.returncode == 0 and helped.stdout == run(tmp_path, "--help").stdout
