@@ -115,6 +115,9 @@ def gpu_count() -> int:
 
 def torch_version():
     # importlib.metadata reads the dist-info: milliseconds, where `import torch` costs seconds.
+    # The agent runs with -S; site-packages (of a venv too) are added here, where needed.
+    import site
+    site.main()
     try:
         from importlib.metadata import version, PackageNotFoundError
     except ImportError:

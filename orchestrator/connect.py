@@ -150,13 +150,22 @@ class GroupResult(Generic[T]):
         raise HostError("\n".join(lines))
 
 
-def fan_out(hosts: tuple[Host, ...], fn: Callable[[Host], T], limit: int = 64) -> GroupResult[T]:
-    """Run fn for every host in parallel threads; collect each result or exception."""
+def fan_out(hosts: tuple[Host, ...], fn: Callable[[Host], T], limit: int = 64,
+            done: Callable[[], None] | None = None) -> GroupResult[T]:
+    """Run fn for every host in parallel threads; collect each result or exception.
+    `done` is called as each host finishes (progress displays)."""
     result: GroupResult[T] = GroupResult()
     if not hosts:
         return result
+
+    def one(h: Host) -> T:
+        try:
+            return fn(h)
+        finally:
+            if done:
+                done()
     with ThreadPoolExecutor(max_workers=min(limit, len(hosts))) as pool:
-        futures = {h.index: pool.submit(fn, h) for h in hosts}
+        futures = {h.index: pool.submit(one, h) for h in hosts}
         for index, fut in futures.items():
             try:
                 result.ok[index] = fut.result()
@@ -165,9 +174,10 @@ def fan_out(hosts: tuple[Host, ...], fn: Callable[[Host], T], limit: int = 64) -
     return result
 
 
-def connect_all(hosts: tuple[Host, ...], base_dir: Path) -> GroupResult[Transport]:
+def connect_all(hosts: tuple[Host, ...], base_dir: Path,
+                done: Callable[[], None] | None = None) -> GroupResult[Transport]:
     config = ssh_config()
-    return fan_out(hosts, lambda h: connect(h, config, base_dir))
+    return fan_out(hosts, lambda h: connect(h, config, base_dir), done=done)
 
 
 def close_all(transports: dict[int, Transport]) -> None:

@@ -82,11 +82,11 @@ class Preflight:
 
 
 def preflight(cluster: Cluster, transports: dict[int, Transport],
-              failed: dict[int, BaseException]) -> Preflight:
+              failed: dict[int, BaseException], done=None) -> Preflight:
     """Check every connected host; report every failing host together (connection
     failures included), so that one bad host never hides another."""
     result: GroupResult = fan_out(tuple(cluster.hosts[i] for i in transports),
-                                  lambda h: check_host(cluster, transports[h.index]))
+                                  lambda h: check_host(cluster, transports[h.index]), done=done)
     failures = dict(failed)
     failures.update(result.failed)
     infos = {i: v[0] for i, v in result.ok.items()}

@@ -15,7 +15,9 @@ BOOT = "import sys;n=int(sys.argv[1]);exec(compile(sys.stdin.buffer.read(n),'orc
 
 
 def agent_argv(python: str, command: str, *args: str) -> list[str]:
-    return [python, "-c", BOOT, str(len(AGENT)), command, *map(str, args)]
+    # -S: the agent is stdlib only, and a venv's site set-up (.pth files) costs more than
+    # the agent itself; preflight loads site on its own to find torch.
+    return [python, "-S", "-c", BOOT, str(len(AGENT)), command, *map(str, args)]
 
 
 def open_agent(t: Transport, command: str, *args: str, timeout: float | None = None) -> Channel:

@@ -469,3 +469,19 @@ def test_pack_failure_keeps_previous_split(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(DataError, match="cannot identify image"):
         splitdata.split(src, out, 2, pack=broken)
     assert listing(out) == before
+
+
+def test_command_with_real_inventory_and_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture) -> None:
+    cli = pytest.importorskip("orchestrator.cli")
+    make_imagefolder(tmp_path / "proj" / "data" / "src", {"TrainData/cat": 6, "ValidationData/cat": 3})
+    (tmp_path / "proj" / "c.yaml").write_text(
+        "name: t\nhosts:\n  - address: localhost\n    connection: local\n    procs: 3\n"
+        "data:\n  source: data/src\n  shards: data/shards\njob:\n  entrypoint: worker.train\n")
+    monkeypatch.chdir(tmp_path)  # relative data paths resolve against the inventory's folder
+    assert cli.cli(["split-data", "-c", "proj/c.yaml"]) == 0
+    split = manifest(tmp_path / "proj" / "data" / "shards")["splits"]["3"]
+    assert split["source"] == str((tmp_path / "proj" / "data" / "src").resolve())
+    assert [s["classes"] for s in split["shards"]] == [{"TrainData/cat": 2, "ValidationData/cat": 1}] * 3
+    assert cli.cli(["split-data", "-c", "proj/c.yaml", "--workers", "4"]) == 2
+    assert "fewer than the 4 workers" in capsys.readouterr().err

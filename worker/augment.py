@@ -19,19 +19,20 @@ POLICIES = ("none", "crop_flip", "resized_crop_flip")
 def crop_flip(x: torch.Tensor, pad: int, gen: torch.Generator | None = None) -> torch.Tensor:
     """Random crop of the zero-padded image plus a horizontal flip with p=0.5 (uint8 in, out).
 
-    This is torchvision's RandomCrop(size, padding=pad) + RandomHorizontalFlip, in one gather.
+    torchvision's RandomCrop(size, padding=pad) + RandomHorizontalFlip as one torch.gather
+    over flattened pixels (several times faster than 4-D advanced indexing).
     """
     n, c, h, w = x.shape
     padded = F.pad(x, (pad, pad, pad, pad))
-    oy = torch.randint(0, 2 * pad + 1, (n, 1), generator=gen).to(x.device)
-    ox = torch.randint(0, 2 * pad + 1, (n, 1), generator=gen).to(x.device)
-    flip = (torch.rand(n, 1, generator=gen) < 0.5).to(x.device)
-    rows = oy + torch.arange(h, device=x.device)
-    cols = ox + torch.arange(w, device=x.device)
-    cols = torch.where(flip, cols.flip(1), cols)
-    batch = torch.arange(n, device=x.device)[:, None, None, None]
-    chans = torch.arange(c, device=x.device)[None, :, None, None]
-    return padded[batch, chans, rows[:, None, :, None], cols[:, None, None, :]]
+    hp, wp = h + 2 * pad, w + 2 * pad
+    oy = torch.randint(0, 2 * pad + 1, (n, 1, 1), generator=gen).to(x.device)
+    ox = torch.randint(0, 2 * pad + 1, (n, 1, 1), generator=gen).to(x.device)
+    flip = (torch.rand(n, 1, 1, generator=gen) < 0.5).to(x.device)
+    cols = torch.arange(w, device=x.device).view(1, 1, w)
+    cols = torch.where(flip, w - 1 - cols, cols) + ox
+    rows = torch.arange(h, device=x.device).view(1, h, 1) + oy
+    index = (rows * wp + cols).view(n, 1, h * w).expand(n, c, h * w)
+    return torch.gather(padded.reshape(n, c, hp * wp), 2, index).view(n, c, h, w)
 
 
 def resized_crop_flip(x: torch.Tensor, gen: torch.Generator | None = None,

@@ -27,8 +27,8 @@ def inventory(args: argparse.Namespace) -> Cluster:
     return load(path)
 
 
-def connected(cluster: Cluster) -> tuple[dict[int, Transport], dict[int, BaseException]]:
-    result = connect_all(cluster.hosts, cluster.base_dir)
+def connected(cluster: Cluster, done=None) -> tuple[dict[int, Transport], dict[int, BaseException]]:
+    result = connect_all(cluster.hosts, cluster.base_dir, done)
     return result.ok, result.failed
 
 

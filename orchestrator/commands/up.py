@@ -6,7 +6,8 @@ import json
 import os
 from typing import Any
 
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TransferSpeedColumn)
 
 from orchestrator import state as job_state
 from orchestrator.commands.common import connected, console, inventory
@@ -37,12 +38,8 @@ def run(args: argparse.Namespace) -> int:
         print(dry_run_plan(cluster))
         return EXIT_OK
     split = load_split(cluster) if cluster.data.shards else None  # before touching any host
-    with progress_bar() as bar:
-        task = bar.add_task("connect + preflight", total=len(cluster.hosts))
-        transports, failed = connected(cluster)
-        bar.update(task, completed=len(transports))
+    transports, pre = connect_and_check(cluster)
     try:
-        pre = preflight(cluster, transports, failed)
         console.print(f"preflight: {len(cluster.hosts)} hosts ok, world size {cluster.world_size}")
         setup_hosts(cluster, transports, split, pre)
         run_id, sups = start(cluster, transports, pre)
@@ -52,11 +49,26 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"started job '{cluster.name}' on {len(cluster.hosts)} hosts "
                       f"({cluster.world_size} ranks, MASTER_ADDR={st.master_addr}:{st.master_port})")
         if args.detach:
-            console.print(f"detached: follow with `orch logs -f`, stop with `orch stop`")
+            console.print("detached: follow with `orch logs -f`, stop with `orch stop`")
             return EXIT_OK
         return attach(cluster, transports, st)
     finally:
         close_all(transports)
+
+
+def connect_and_check(cluster: Cluster) -> tuple[dict[int, Transport], Preflight]:
+    """Connect to every host and preflight it, all in parallel, with a hosts-done display."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("hosts"), console=console, transient=True) as bar:
+        task = bar.add_task("connect", total=len(cluster.hosts))
+        tick = lambda: bar.advance(task)
+        transports, failed = connected(cluster, tick)
+        bar.reset(task, description="preflight", total=len(cluster.hosts), completed=len(failed))
+        try:
+            return transports, preflight(cluster, transports, failed, tick)
+        except BaseException:
+            close_all(transports)
+            raise
 
 
 def start(cluster: Cluster, transports: dict[int, Transport], pre: Preflight) -> tuple[str, dict]:
