@@ -212,8 +212,11 @@ def walk_files(root: str):
             r = rel + "/" + e.name if rel else e.name
             if e.is_dir(follow_symlinks=False):
                 stack.append(r)
-            elif e.is_file(follow_symlinks=False) and e.name != CACHE_NAME \
-                    and ".orch-part-" not in e.name:
+            elif ".orch-part-" in e.name:
+                # left by a receiver that was killed (SIGKILL, host crash); manifests are
+                # made before a push, when no receiver writes here
+                os.unlink(e.path)
+            elif e.is_file(follow_symlinks=False) and e.name != CACHE_NAME:
                 yield r, e.stat(follow_symlinks=False)
 
 
@@ -266,27 +269,34 @@ def receive_file(stream, root: str, head: dict, cache: dict, checked: set, buf) 
     path = safe_join(root, head["p"], checked)
     tmp = "%s.orch-part-%d" % (path, os.getpid())
     h, left = hashlib.sha256(), head["s"]
-    view = memoryview(buf)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        while left:
-            n = stream.readinto(view[:min(left, len(buf))])
-            if not n:
-                raise EOFError("stream ended inside %s" % head["p"])
-            chunk = view[:n]
-            h.update(chunk)
-            while chunk:
-                chunk = chunk[os.write(fd, chunk):]
-            left -= n
+        receive_bytes(stream, fd, h, left, head["p"], buf)
         os.fchmod(fd, head.get("m", 0o644))
         st = os.fstat(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        os.unlink(tmp)   # a broken stream never leaves a half-written file behind
+        raise
+    os.close(fd)
     if head.get("h") and h.hexdigest() != head["h"]:
         os.unlink(tmp)
         raise ValueError("digest mismatch for %s" % head["p"])
     os.replace(tmp, path)
     cache[head["p"]] = ["%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino), h.hexdigest()]
+
+
+def receive_bytes(stream, fd: int, h, left: int, name: str, buf) -> None:
+    view = memoryview(buf)
+    while left:
+        n = stream.readinto(view[:min(left, len(buf))])
+        if not n:
+            raise EOFError("stream ended inside %s" % name)
+        chunk = view[:n]
+        h.update(chunk)
+        while chunk:
+            chunk = chunk[os.write(fd, chunk):]
+        left -= n
 
 
 def prune_empty_dirs(root: str) -> None:
@@ -297,8 +307,9 @@ def prune_empty_dirs(root: str) -> None:
 
 def cmd_receive(root: str) -> None:
     """Apply a stream: JSON header line + raw bytes per file, then {"end", "delete"}."""
-    root = os.path.abspath(os.path.expanduser(root))
+    root = os.path.expanduser(root)
     os.makedirs(root, exist_ok=True)
+    root = os.path.realpath(root)   # a remote_dir under a linked folder is fine
     stream, cache, count, nbytes = sys.stdin.buffer, load_cache(root), 0, 0
     checked, buf = set(), bytearray(1 << 20)
     while True:
@@ -434,25 +445,33 @@ class RankLog:
 
 
 def tail_offset(path: str, n: int) -> int:
+    """Byte offset where the last n lines start (a final newline ends the last line)."""
     try:
         size = os.path.getsize(path)
     except OSError:
         return 0
+    if n == 0:
+        return size
     with open(path, "rb") as f:
-        pos, found = size, 0
-        while pos > 0 and found <= n:
+        end = size
+        if size:
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                end = size - 1
+        pos, seen = end, 0
+        while pos > 0:
             step = min(1 << 16, pos)
             pos -= step
             f.seek(pos)
             chunk = f.read(step)
-            if pos + step == size and chunk.endswith(b"\n"):
-                found -= 1
-            found += chunk.count(b"\n")
-            if found > n:
-                idx = len(chunk)
-                for _ in range(found - n):
-                    idx = chunk.rfind(b"\n", 0, idx)
-                return pos + idx + 1
+            idx = len(chunk)
+            while True:
+                idx = chunk.rfind(b"\n", 0, idx)
+                if idx < 0:
+                    break
+                seen += 1
+                if seen == n:
+                    return pos + idx + 1
     return 0
 
 

@@ -164,13 +164,20 @@ def fan_out(hosts: tuple[Host, ...], fn: Callable[[Host], T], limit: int = 64,
         finally:
             if done:
                 done()
-    with ThreadPoolExecutor(max_workers=min(limit, len(hosts))) as pool:
+    pool = ThreadPoolExecutor(max_workers=min(limit, len(hosts)))
+    try:
         futures = {h.index: pool.submit(one, h) for h in hosts}
         for index, fut in futures.items():
             try:
                 result.ok[index] = fut.result()
             except Exception as exc:  # collected: reported together, per host
                 result.failed[index] = exc
+    except BaseException:
+        # Ctrl-C: do not wait for the hosts' threads; the caller closes the connections,
+        # which ends their blocked sends and reads at once
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return result
 
 

@@ -33,6 +33,7 @@ class Monitor:
     host_exits: dict[int, dict] = field(default_factory=dict)
     lost: dict[int, str] = field(default_factory=dict)
     wake: threading.Event = field(default_factory=threading.Event)
+    stop_started: float | None = None   # exits after this are our own stop's doing
 
     def lines(self, host: int, rank: int, texts: list[bytes]) -> None:
         self.printer.lines(host, rank, texts)
@@ -83,6 +84,7 @@ def fail_fast(cluster: Cluster, transports: dict[int, Transport], state: JobStat
               mon: Monitor, finished) -> None:
     """Stop every other rank on every host at once, then report the earliest failure."""
     started = time.monotonic()
+    mon.stop_started = time.time()
     dirs = {h.index: h.job_dir for h in state.hosts}
     result = stop_all(cluster, reachable(transports, mon), dirs, FAILFAST_GRACE_S)
     deadline = time.monotonic() + DRAIN_S
@@ -145,7 +147,9 @@ def signal_name(code: int) -> str:
 def first_failure(mon: Monitor) -> tuple[int, int] | None:
     """The earliest non-zero exit (host clocks corrected); at equal times a real exit
     code wins over a rank killed by a signal as a consequence."""
-    failures = [(t, code < 0, rank, code) for rank, (code, t) in mon.exits.items() if code != 0]
+    cutoff = mon.stop_started if mon.stop_started is not None else float("inf")
+    failures = [(t, code < 0, rank, code) for rank, (code, t) in mon.exits.items()
+                if code != 0 and t < cutoff]
     if not failures:
         return None
     _, _, rank, code = min(failures)
@@ -170,6 +174,8 @@ def root_cause(cluster: Cluster, transports: dict[int, Transport], state: JobSta
     if err:
         lines.append(f"torchrun error file:\n  {escape(err)}")
     lines.append(f"full log: `orch logs --rank {rank}`")
+    for i, why in sorted(mon.lost.items()):
+        lines.append(f"also: host {cluster.hosts[i].label} was lost ({escape(why)})")
     return "\n".join(lines)
 
 
