@@ -74,3 +74,21 @@ def test_signal_kill_loses_ties_to_real_exit_codes() -> None:
     assert first_failure(mon) == (2, 3)
     assert signal_name(-9) == "killed by SIGKILL"
     assert signal_name(7) == "exit code 7"
+
+
+def test_exits_caused_by_our_own_stop_are_never_the_root_cause() -> None:
+    mon = Monitor.__new__(Monitor)
+    mon.exits = {0: (-15, 20.0), 1: (-15, 20.1)}
+    mon.stop_started = 19.5          # a host was lost; then we stopped the others
+    assert first_failure(mon) is None
+
+
+def test_tail_offset_counts_lines_from_the_end(tmp_path) -> None:
+    from orchestrator.agent import tail_offset
+    f = tmp_path / "log"
+    for content, want in ((b"a\nb\nc\n", [b"", b"c\n", b"b\nc\n", b"a\nb\nc\n", b"a\nb\nc\n"]),
+                          (b"a\nb", [b"", b"b", b"a\nb", b"a\nb", b"a\nb"])):
+        f.write_bytes(content)
+        assert [content[tail_offset(str(f), n):] for n in range(5)] == want
+    f.write_bytes(b"".join(b"%d\n" % i for i in range(200_000)))
+    assert f.read_bytes()[tail_offset(str(f), 3):] == b"199997\n199998\n199999\n"
