@@ -1,0 +1,30 @@
+"""Run every benchmark in bench/ one after the other (`make bench`); each prints its table.
+
+Each compares orch with the baseline a user would reach for, in the same run, as a ratio.
+They take minutes and load both cores: run them on a quiet machine.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BENCHES = ["launch.py", "lifecycle.py", "push.py", "split.py", "loader.py", "terngrad.py"]
+
+
+def main() -> int:
+    failed = []
+    for name in BENCHES:
+        if not (HERE / name).exists():
+            continue
+        print(f"\n=== bench/{name} ===", flush=True)
+        if subprocess.run([sys.executable, str(HERE / name)], cwd=HERE.parent).returncode:
+            failed.append(name)
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
