@@ -13,6 +13,10 @@ Methods, each into a fresh destination folder every rep:
   orch       orchestrator.sync.push() over a connection opened by connect_all, the file
              list (with sha256) built beforehand; `push` includes the manifest round trip,
              `+connect` adds opening the connection (tar pays for its ssh handshake too)
+  orch-nomf  (--floor) push(..., remote={}): the manifest already known, as in `orch up`
+             (preflight brings it), so one remote command instead of two
+  floor      (--floor) the same number of bytes through orch's transport into
+             `cat > /dev/null`: no files, headers or hashing (the engine's ceiling)
   orch-e2e   (--e2e) `orch up` of a 1-worker split to a fresh job, minus an `orch up` of
              the same job with nothing to send (digests already cached locally)
 
@@ -55,6 +59,7 @@ from orchestrator.transport import Transport  # noqa: E402
 
 MB = 1e6
 TICK = os.sysconf("SC_CLK_TCK")
+NAN = float("nan")
 AGENT = REPO / "orchestrator" / "agent.py"
 TARGET = 0.80
 
@@ -160,7 +165,12 @@ def children_cpu() -> float:
 @dataclass
 class Sample:
     wall: float
-    cpu: float      # controller + host CPU seconds (nan where not measured)
+    ctl_cpu: float   # CPU seconds on the controller side (tar + ssh, or orch's process)
+    host_cpu: float  # on the host: sshd and what runs under it (tar -x, or the agent)
+
+    @property
+    def cpu(self) -> float:
+        return self.ctl_cpu + self.host_cpu
 
 
 # ---------------------------------------------------------------- methods
@@ -193,9 +203,9 @@ def tar_once(b: Bench, ds: DataSet, cipher: Optional[str]) -> Sample:
     if not run.ok:
         raise SystemExit(f"tar baseline failed: {run.tail()}")
     time.sleep(0.2)  # let sshd reap the session, so its CPU is counted
-    cpu = children_cpu() - local0 + host_cpu(b.cluster) - host0
+    ctl, host = children_cpu() - local0, host_cpu(b.cluster) - host0
     check_dest(dst, ds)
-    return Sample(run.seconds, cpu)
+    return Sample(run.seconds, ctl, host)
 
 
 def connect(b: Bench) -> Transport:
@@ -214,27 +224,52 @@ def connect(b: Bench) -> Transport:
     return b.transport
 
 
-def orch_once(b: Bench, ds: DataSet) -> Sample:
+def orch_once(b: Bench, ds: DataSet, remote: Optional[dict] = None) -> Sample:
+    """push() as the brief's library call (remote=None: it asks the host for its manifest
+    first), or with remote={} as `orch up` calls it (preflight brought the manifest)."""
     t_conn = connect(b)
     dst = b.fresh("orch")
     host0, local0 = host_cpu(b.cluster), time.process_time()
     t = time.perf_counter()
-    report = push(t_conn, str(dst), ds.local)
+    report = push(t_conn, str(dst), ds.local, remote=remote)
     seconds = time.perf_counter() - t
-    cpu = time.process_time() - local0 + host_cpu(b.cluster) - host0
+    ctl, host = time.process_time() - local0, host_cpu(b.cluster) - host0
     if report.files != ds.files or report.bytes != ds.bytes:
         raise SystemExit(f"orch push reported {report.files} files {report.bytes} B, "
                          f"expected {ds.files} / {ds.bytes}")
     check_dest(dst, ds)
-    return Sample(seconds, cpu)
+    return Sample(seconds, ctl, host)
+
+
+def floor_once(b: Bench, ds: DataSet) -> Sample:
+    """The transport alone: as many bytes through the same kind of channel into
+    `cat > /dev/null` (no files, no headers, no hashing): orch's ceiling."""
+    t_conn = connect(b)
+    view = memoryview(bytes(1 << 20))
+    host0, local0 = host_cpu(b.cluster), time.process_time()
+    t = time.perf_counter()
+    chan = t_conn.open(["sh", "-c", "cat > /dev/null"], timeout=600)
+    left = ds.bytes
+    while left:
+        n = min(left, len(view))
+        chan.write(view[:n])
+        left -= n
+    chan.close_stdin()
+    res = chan.finish()
+    chan.close()
+    seconds = time.perf_counter() - t
+    if res.code != 0:
+        raise SystemExit(f"cat > /dev/null failed: {res.stderr[-300:]!r}")
+    return Sample(seconds, time.process_time() - local0, host_cpu(b.cluster) - host0)
 
 
 def check_dest(dst: Path, ds: DataSet) -> None:
     got = tree_size(dst)
     if got != (ds.files, ds.bytes):
         raise SystemExit(f"{dst}: {got[0]} files {got[1]} B, expected {ds.files} / {ds.bytes}")
+    if ds.files > 100:
+        return  # removing 10,000 files slows the next run's creates: done after the set
     shutil.rmtree(dst)
-    os.sync()  # the next method must not pay for this one's dirty pages
 
 
 # ---------------------------------------------------------------- end to end (orch up)
@@ -281,9 +316,9 @@ def up_fresh(b: Bench, ds: DataSet, e: E2E) -> Sample:
     full = orch_up(b, e)
     again = orch_up(b, e)
     check_dest_job(b.host.remote_dir / name / "data", ds)
-    shutil.rmtree(b.host.remote_dir / name)
-    os.sync()
-    return Sample(max(full - again, 1e-3), float("nan"))
+    if ds.files <= 100:
+        shutil.rmtree(b.host.remote_dir / name)
+    return Sample(max(full - again, 1e-3), float("nan"), float("nan"))
 
 
 def check_dest_job(data: Path, ds: DataSet) -> None:
@@ -304,6 +339,9 @@ def methods_for(b: Bench, ds: DataSet, args: argparse.Namespace) -> dict[str, Me
     }
     if not args.no_gcm:
         out["tar-gcm"] = lambda: tar_once(b, ds, "aes128-gcm@openssh.com")
+    if args.floor:
+        out["orch-nomf"] = lambda: orch_once(b, ds, remote={})
+        out["floor"] = lambda: floor_once(b, ds)
     if args.e2e:
         e = e2e_setup(b, ds)
         out["orch-e2e"] = lambda: up_fresh(b, ds, e)
@@ -319,8 +357,9 @@ def interleave(methods: dict[str, Method], reps: int) -> dict[str, list[Sample]]
         for n in order:
             s = methods[n]()
             samples[n].append(s)
-            print(f"  rep {rep + 1}/{reps} {n:9s} {s.wall:7.2f} s wall {s.cpu:6.2f} s CPU "
-                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+            print(f"  rep {rep + 1}/{reps} {n:9s} {s.wall:7.2f} s wall, CPU {s.ctl_cpu:5.2f} s here "
+                  f"+ {s.host_cpu:5.2f} s on the host"
+                  f" (load {os.getloadavg()[0]:.1f})", flush=True)
     return samples
 
 
@@ -330,11 +369,14 @@ def run_set(b: Bench, ds: DataSet, args: argparse.Namespace) -> dict:
     b.connect_s.clear()
     load_before = os.getloadavg()
     samples = interleave(methods_for(b, ds, args), args.reps)
+    shutil.rmtree(b.dest_root, ignore_errors=True)
     med = {n: median([x.wall for x in v]) for n, v in samples.items()}
-    cpu = {n: median([x.cpu for x in v]) for n, v in samples.items()}
+    cpu = {n: [median([x.ctl_cpu for x in v]), median([x.host_cpu for x in v])]
+           for n, v in samples.items()}
     conn = median(b.connect_s)
     return {"set": ds.name, "files": ds.files, "bytes": ds.bytes,
-            "samples": {n: [[x.wall, x.cpu] for x in v] for n, v in samples.items()},
+            "samples": {n: [[x.wall, x.ctl_cpu, x.host_cpu] for x in v]
+                        for n, v in samples.items()},
             "median_s": med, "median_cpu_s": cpu, "connect_s": conn, "hash_s": ds.hash_s, "cached_s": ds.cached_s,
             "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
 
@@ -345,12 +387,11 @@ def rows_for(res: dict) -> list[list]:
     cpu = res["median_cpu_s"]
     rows = []
     for name, s in med.items():
-        rows.append([res["set"], name, s, mb / s, tar / s, cpu[name]])
+        rows.append([res["set"], name, s, mb / s, tar / s, *cpu[name]])
     plus = med["orch"] + res["connect_s"]
-    rows.append([res["set"], "orch+connect", plus, mb / plus, tar / plus, float("nan")])
+    rows.append([res["set"], "orch+connect", plus, mb / plus, tar / plus, NAN, NAN])
     hashed = plus + res["hash_s"]
-    rows.append([res["set"], "orch+connect+hash", hashed, mb / hashed, tar / hashed,
-                 float("nan")])
+    rows.append([res["set"], "orch+connect+hash", hashed, mb / hashed, tar / hashed, NAN, NAN])
     return rows
 
 
@@ -444,6 +485,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--small-kib", type=int, default=10)
     p.add_argument("--no-gcm", action="store_true", help="skip the tar + aes128-gcm run")
     p.add_argument("--e2e", action="store_true", help="also time `orch up` end to end")
+    p.add_argument("--floor", action="store_true",
+                   help="also time orch's transport alone (bytes into `cat > /dev/null`)")
     p.add_argument("--profile", action="store_true", help="profile one small-file push")
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
                    help="where the temporary data goes (default: %(default)s)")
@@ -486,7 +529,7 @@ def main() -> int:
 def report(results: list[dict], profiled: dict, args: argparse.Namespace) -> None:
     rows = [r for res in results for r in rows_for(res)]
     print_table(f"data push, 1 fake sshd host, median of {args.reps} interleaved reps",
-                ["data", "method", "wall s", "MB/s", "vs tar", "CPU s"], rows)
+                ["data", "method", "wall s", "MB/s", "vs tar", "CPU here", "CPU host"], rows)
     for res in results:
         ratio = res["median_s"]["tar"] / res["median_s"]["orch"]
         verdict = "meets" if ratio >= TARGET else "BELOW"

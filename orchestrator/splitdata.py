@@ -262,6 +262,7 @@ def _scan_imagefolder(scanner: _Scanner, source: Path, top: list[os.DirEntry]) -
                         hint="point --source at a folder of sharded record files or of class sub-folders")
     if not all(e.name in SPLIT_DIRS for e in dirs):
         return scanner.classes(top, "")
+    scanner.ignored.extend(e.name for e in top if not e.is_dir())
     groups: dict[str, FileList] = {}
     for split in dirs:
         if split.is_symlink():
@@ -320,10 +321,14 @@ def assign(kind: str, groups: dict[str, FileList], workers: int, seed: int) -> t
     return shards, notes
 
 
+def _span(first: int, last: int) -> str:
+    return f"worker {first}" if first == last else f"workers {first}-{last}"
+
+
 def _records_imbalance(key: str, total: int, sizes: list[int]) -> str:
     extra = total % len(sizes)
-    return (f"uneven split of {key}: {total} files over {len(sizes)} workers; workers 0-{extra - 1} get "
-            f"{sizes[0]} files, workers {extra}-{len(sizes) - 1} get {sizes[-1]} "
+    return (f"uneven split of {key}: {total} files over {len(sizes)} workers; {_span(0, extra - 1)} get "
+            f"{sizes[0]} files, {_span(extra, len(sizes) - 1)} get {sizes[-1]} "
             f"(split_dataset.sh would refuse this)")
 
 

@@ -76,10 +76,16 @@ def test_fail_fast_stops_every_rank(sshd_cluster: SshdCluster, tmp_path: Path, j
 # ---------------------------------------------------------------- orch stop
 
 STOP_JOB = """\
-import multiprocessing as mp, os, subprocess, sys, time
+import multiprocessing as mp, os, signal, subprocess, sys, time
 
 def loader():
     time.sleep(600)
+
+def graceful(signum, frame):  # a worker saving its checkpoint on SIGTERM
+    print("SIGTERM: saving", flush=True)
+    time.sleep(0.5)
+    print("saved", flush=True)
+    sys.exit(0)
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["other"]:   # the unrelated job: same script, its own ORCH_JOB_DIR
@@ -92,9 +98,29 @@ if __name__ == "__main__":
     for p in loaders:
         p.start()
     pids = [k.pid for k in kids] + [p.pid for p in loaders]
+    signal.signal(signal.SIGTERM, graceful)
     print("CHILDREN " + " ".join(map(str, pids)), flush=True)
     time.sleep(600)
 """
+
+
+def spawned_children(logs: list[Path]) -> list[int]:
+    """The pids each rank printed after starting its children."""
+    wait_until(lambda: all(log_has(p, "CHILDREN", "IGN ready") for p in logs), 60,
+               "every rank to start its children")
+    return [int(pid) for path in logs
+            for pid in path.read_text().split("CHILDREN ", 1)[1].split("\n")[0].split()]
+
+
+def start_other_job(script: str, other_dir: str, name: str) -> subprocess.Popen:
+    """Another job's process on the same host: the same command line, the same ORCH_JOB,
+    only its ORCH_JOB_DIR differs (and shares our job dir as a prefix)."""
+    proc = subprocess.Popen([sys.executable, "-u", script, "other"],
+                            env={**os.environ, "ORCH_JOB_DIR": other_dir, "ORCH_JOB": name},
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    wait_until(lambda: proc.pid in pids_with_env("ORCH_JOB_DIR=" + other_dir), 10,
+               "the other job to start")
+    return proc
 
 
 def test_stop_ends_process_trees_and_nothing_else(sshd_cluster: SshdCluster, tmp_path: Path,
@@ -106,26 +132,19 @@ def test_stop_ends_process_trees_and_nothing_else(sshd_cluster: SshdCluster, tmp
     up = orch(tmp_path, "up", str(inv), "--detach")
     assert up.returncode == 0, up.stderr
     logs = [rank_log(h, name, r) for r, h in enumerate(hosts)]
-    wait_until(lambda: all(log_has(p, "CHILDREN", "IGN ready") for p in logs), 60,
-               "every rank to start its children")
-    children = {}
-    for path in logs:
-        text = path.read_text()
-        children[path] = [int(p) for p in text.split("CHILDREN ", 1)[1].split("\n")[0].split()]
-    for host, path in zip(hosts, logs):
-        marked = pids_with_env(marker(host, name))
-        assert set(children[path]) <= set(marked), "children must carry the job's marker"
-
-    other = subprocess.Popen(
-        [sys.executable, "-u", f"{job_dir(hosts[0], name)}/code/job.py", "other"],
-        env={**os.environ, "ORCH_JOB_DIR": job_dir(hosts[0], name) + "-other", "ORCH_JOB": name},
-        stdin=subprocess.DEVNULL, start_new_session=True)
+    children = spawned_children(logs)
+    marked = {p for pids in job_pids(hosts, name).values() for p in pids}
+    assert len(children) == 8 and set(children) <= marked, "children carry the job's marker"
+    jd = job_dir(hosts[0], name)
+    other = start_other_job(f"{jd}/code/job.py", jd + "-other", name)
     try:
         stop = orch(tmp_path, "stop", str(inv), "--grace", "2")
         assert stop.returncode == 0, stop.stderr
         assert "SIGKILL" in stop.stderr, stop.stderr   # the child that ignores SIGTERM
         assert_nothing_left(hosts, name)
-        assert not [p for pids in children.values() for p in pids if pid_alive(p)]
+        assert not [p for p in children if pid_alive(p)]
+        for path in logs:   # SIGTERM and the grace period came before any SIGKILL
+            assert log_has(path, "SIGTERM: saving\nsaved\n"), path.read_text()
         assert other.poll() is None, "orch stop ended another job's process"
         again = orch(tmp_path, "stop", str(inv))
         assert again.returncode == 0, again.stderr
@@ -303,7 +322,9 @@ def test_running_name_refused_finished_name_reused(sshd_cluster: SshdCluster, tm
     wait_until(lambda: not pids_with_env(marker(host, name)), 30, "the job to finish")
     reuse = orch(tmp_path, "up", str(inv))
     assert reuse.returncode == 0, reuse.stderr
-    assert f"[r0 {host.address}] done" in reuse.stdout.splitlines()
+    # the new run's output only: the finished run's log lines are not replayed
+    assert reuse.stdout.splitlines() == [f"[r0 {host.address}] waiting",
+                                         f"[r0 {host.address}] done"], reuse.stdout
     assert_nothing_left([host], name)
 
 

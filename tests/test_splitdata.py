@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -198,8 +199,6 @@ def test_same_split_whatever_the_listing_order(tmp_path: Path, monkeypatch: pyte
 
 
 def test_digest_is_sha256_of_sorted_lines(tmp_path: Path) -> None:
-    import hashlib
-
     src, out = tmp_path / "src", tmp_path / "out"
     make_imagefolder(src, {"cat": 5, "dog": 3})
     splitdata.split(src, out, 2)
@@ -302,7 +301,7 @@ def test_bad_input_messages(tmp_path: Path) -> None:
               "out inside source": "is inside the source"}
     for case, words in expect.items():
         source, out, workers = cases[case]
-        with pytest.raises(DataError, match=None) as err:
+        with pytest.raises(DataError) as err:
             splitdata.split(source, out, workers)
         assert words in err.value.message, (case, err.value.message)
 

@@ -105,6 +105,17 @@ def test_missing_data_dir_is_one_line_error(single, tmp_path: Path, capsys) -> N
                                "(fix: run under `orch up`, or pass --data-dir DIR)\n")
 
 
+def test_unreadable_image_in_a_loader_worker_is_one_line(single, tmp_path: Path, capsys) -> None:
+    data = make_data(tmp_path / "d", classes=2, train=4, val=2)
+    shard_root = split(data, tmp_path / "shards", 1)
+    bad = shard_root / "worker_0_of_1" / "TrainData" / "circle" / "broken.png"
+    bad.write_bytes(b"not a png")
+    rc = run_main([*FAST, "--workers", "1", "--epochs", "1", "--data-dir", str(shard_root),
+                   "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"error: cannot read image {bad}") and err.count("\n") == 1, err
+
+
 def test_class_missing_on_one_rank_names_the_rank() -> None:
     with pytest.raises(train.WorkerError, match="rank 1 has no images of class b"):
         train._check_classes([(["a", "b"], 5, 1), (["a"], 5, 1)])

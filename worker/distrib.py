@@ -31,7 +31,10 @@ def _env_int(name: str, default: int) -> int:
 
 
 def cpu_threads(local_world: int) -> int:
-    """Cores per process on this host, so N processes on N cores do not oversubscribe."""
+    """OMP_NUM_THREADS when set (by the user, the job's env, or torchrun), else the cores
+    per process on this host, so N processes on N cores do not oversubscribe."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // max(1, local_world))
 

@@ -20,4 +20,9 @@ class WorkerError(_Base):
     exit_code = 2
 
     def one_line(self) -> str:
-        return f"{self.message} (fix: {self.hint})" if self.hint else self.message
+        message = self.message
+        if "\nOriginal Traceback" in message:
+            # Raised in a DataLoader worker: torch re-raises it with the worker's traceback
+            # folded into the message; the user needs only the last line.
+            message = message.rstrip().splitlines()[-1].split("WorkerError: ", 1)[-1]
+        return f"{message} (fix: {self.hint})" if self.hint else message

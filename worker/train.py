@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--weight-decay", type=float, default=0.0)
     a("--optimizer", choices=("sgd", "adam", "novograd"), default="sgd")
     a("--warmup-epochs", type=float, default=0.0, help="linear warm-up from lr/world size")
-    a("--sync-bn", action="store_true", help="SyncBatchNorm across ranks")
+    a("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA only)")
     a("--amp", action="store_true", help="mixed precision (CUDA only)")
     a("--channels-last", action="store_true", help="NHWC memory format (CUDA only)")
     a("--target-accuracy", type=_fraction, help="stop once validation accuracy reaches it ...")
@@ -192,11 +192,12 @@ class State:
 
 
 def _cuda_only_notes(args: argparse.Namespace, ctx: Ctx) -> None:
+    """--amp, --channels-last and --sync-bn are GPU features (SyncBatchNorm refuses CPU)."""
     if ctx.device.type != "cuda":
-        for flag in ("amp", "channels_last"):
+        for flag in ("amp", "channels_last", "sync_bn"):
             if getattr(args, flag):
                 say(ctx, f"note: --{flag.replace('_', '-')} has no effect on CPU; ignored")
-        args.amp = args.channels_last = False
+        args.amp = args.channels_last = args.sync_bn = False
 
 
 def _local_model(args: argparse.Namespace, ctx: Ctx, num_classes: int) -> nn.Module:
@@ -307,7 +308,7 @@ def train_epoch(args: argparse.Namespace, ctx: Ctx, st: State, loader: Any) -> d
     loss_fn = nn.CrossEntropyLoss()
     loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
     correct = torch.zeros((), device=ctx.device, dtype=torch.int64)
-    seen, steps, t0 = 0, 0, time.perf_counter()
+    seen, steps, lr, t0 = 0, 0, 0.0, time.perf_counter()
     for x, y in loader:
         x, y = prepare(x, args, ctx, train=True), y.to(ctx.device, non_blocking=True)
         with torch.autocast(ctx.device.type, dtype=torch.float16, enabled=args.amp):
@@ -317,13 +318,14 @@ def train_epoch(args: argparse.Namespace, ctx: Ctx, st: State, loader: Any) -> d
         st.scaler.scale(loss).backward()
         st.scaler.step(st.optimizer)
         st.scaler.update()
+        lr = st.optimizer.param_groups[0]["lr"]  # the rate this step used
         st.scheduler.step()
         loss_sum += loss.detach().double() * len(y)
         correct += (out.argmax(1) == y).sum()
         seen, steps = seen + len(y), steps + 1
     seconds = time.perf_counter() - t0
     return {"loss_sum": loss_sum.item(), "correct": correct.item(), "seen": seen,
-            "images_per_s": seen / max(seconds, 1e-9), "steps": steps}
+            "images_per_s": seen / max(seconds, 1e-9), "steps": steps, "lr": lr}
 
 
 @torch.no_grad()
@@ -359,7 +361,7 @@ def run_epoch(args: argparse.Namespace, ctx: Ctx, st: State, epoch: int, loaders
     return {"epoch": epoch, "time_s": st.elapsed + now - started, "epoch_time_s": now - t0,
             "train_loss": loss / seen, "train_acc": corr / seen, "val_loss": vl / vs,
             "val_acc": vc / vs, "images_per_s": ips,
-            "lr": st.optimizer.param_groups[0]["lr"], "grad_bytes": int(sent)}
+            "lr": tr["lr"], "grad_bytes": int(sent)}
 
 
 def _loaders(args: argparse.Namespace, ctx: Ctx, data: Data) -> tuple:
