@@ -26,7 +26,23 @@ def load_split(cluster: Cluster) -> dict:
         have = ", ".join(sorted(manifest.get("splits", {}), key=int)) or "none"
         raise DataError(f"{shards} has no split for world size {cluster.world_size} "
                         f"(splits there: {have})", hint=fix)
+    check_split(split, cluster.world_size, f"{shards}/manifest.json", fix)
     return split
+
+
+def check_split(split: dict, world: int, where: str, fix: str) -> None:
+    """One shard per rank, named as the ranks read them, each a list of [path, bytes]."""
+    shards = split.get("shards")
+    if not isinstance(shards, list) or len(shards) != world:
+        n = len(shards) if isinstance(shards, list) else 0
+        raise DataError(f"{where}: the split for world size {world} lists {n} shards", hint=fix)
+    for rank, shard in enumerate(shards):
+        want = f"worker_{rank}_of_{world}"
+        files = shard.get("files") if isinstance(shard, dict) else None
+        if not isinstance(shard, dict) or shard.get("name") != want or not isinstance(files, list) \
+                or not all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str)
+                           for f in files):
+            raise DataError(f"{where}: shard {rank} is not a valid `{want}` entry", hint=fix)
 
 
 def safe_rel(rel: str, where: str) -> str:
@@ -54,9 +70,6 @@ def host_files(cluster: Cluster, host: Host, split: dict, cache: DigestCache) ->
     for rank in host.ranks:
         shard = split["shards"][rank]
         name = shard["name"]
-        if name != f"worker_{rank}_of_{cluster.world_size}":
-            raise DataError(f"manifest.json: shard {rank} is named {name}",
-                            hint=f"re-create the split with `orch split-data --workers {cluster.world_size}`")
         for rel, _size in shard["files"]:
             rel = safe_rel(rel, name)
             link = cluster.data.shards / name / rel

@@ -9,7 +9,7 @@ from typing import Any
 from rich.table import Table
 
 from orchestrator import state as job_state
-from orchestrator.commands.common import connections, console, inventory
+from orchestrator.commands.common import connections, console, inventory, require_state
 from orchestrator.commands.monitor import signal_name
 from orchestrator.connect import fan_out
 from orchestrator.errors import EXIT_OK
@@ -24,7 +24,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
-    st = job_state.load(cluster)
+    st = require_state(cluster)
     dirs = job_state.job_dirs(cluster, st)
     with connections(cluster, require_all=False) as transports:
         result = fan_out(tuple(h for h in cluster.hosts if h.index in transports),

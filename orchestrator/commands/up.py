@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
@@ -19,7 +20,7 @@ from orchestrator.launch import dry_run_plan, launch_all, master_addr
 from orchestrator.preflight import Preflight, preflight
 from orchestrator.shards import host_files, load_split
 from orchestrator.stopper import stop_all
-from orchestrator.sync import DigestCache, SyncReport, code_files, push
+from orchestrator.sync import DigestCache, LocalFile, SyncReport, code_files, push
 from orchestrator.transport import Transport
 
 
@@ -37,11 +38,11 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(dry_run_plan(cluster))
         return EXIT_OK
-    split = load_split(cluster) if cluster.data.shards else None  # before touching any host
+    files = local_files(cluster)   # bad data is refused before any host is touched
     transports, pre = connect_and_check(cluster)
     try:
         console.print(f"preflight: {len(cluster.hosts)} hosts ok, world size {cluster.world_size}")
-        setup_hosts(cluster, transports, split, pre)
+        setup_hosts(cluster, transports, files, pre)
         run_id, sups = start(cluster, transports, pre)
         st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
                                  pre.master_port, pre.hosts, sups)
@@ -87,13 +88,26 @@ def progress_bar() -> Progress:
                     TransferSpeedColumn(), console=console, transient=True)
 
 
-def setup_hosts(cluster: Cluster, transports: dict[int, Transport], split: dict | None,
-                pre: Preflight) -> None:
-    """Code to every host, each host its own shards: all hosts in parallel."""
+@dataclass(frozen=True)
+class LocalFiles:
+    code: list[LocalFile]
+    data: dict[int, list[LocalFile]] | None   # per host index; None: no data section
+
+
+def local_files(cluster: Cluster) -> LocalFiles:
+    """What each host must hold, hashed (cached) and checked here, before connecting."""
+    split = load_split(cluster) if cluster.data.shards else None
     cache = DigestCache(cluster.state_dir.parent / "digests.json")
     code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude, cache)
-    data = {h.index: host_files(cluster, h, split, cache) for h in cluster.hosts} if split else {}
+    data = {h.index: host_files(cluster, h, split, cache) for h in cluster.hosts} if split else None
     cache.save()
+    return LocalFiles(code, data)
+
+
+def setup_hosts(cluster: Cluster, transports: dict[int, Transport], files: LocalFiles,
+                pre: Preflight) -> None:
+    """Code to every host, each host its own shards: all hosts in parallel."""
+    code, data = files.code, files.data or {}
     total = sum(f.size for f in code) * len(cluster.hosts) + sum(
         f.size for files in data.values() for f in files)
     with progress_bar() as bar:
@@ -106,7 +120,7 @@ def setup_hosts(cluster: Cluster, transports: dict[int, Transport], split: dict 
             out, info = {}, pre.hosts[h.index]
             if cluster.code.paths:
                 out["code"] = push(t, f"{info.job_dir}/code", code, tick, info.manifests["code"])
-            if split:
+            if files.data is not None:
                 out["data"] = push(t, f"{info.job_dir}/data", data[h.index], tick,
                                    info.manifests["data"])
             done.append(h.index)
