@@ -114,17 +114,23 @@ def gpu_count() -> int:
 
 
 def torch_version():
-    # importlib.metadata reads the dist-info: milliseconds, where `import torch` costs seconds.
-    # The agent runs with -S; site-packages (of a venv too) are added here, where needed.
+    """torch's version from its dist-info folder name: no import (seconds), no
+    importlib.metadata scan. The agent runs with -S, so the site folders are computed."""
+    import glob
     import site
-    site.main()
+    dirs = site.getsitepackages() + [site.getusersitepackages()] + sys.path
+    venv = os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))
+    if os.path.exists(os.path.join(venv, "pyvenv.cfg")):   # -S skipped site's venv set-up
+        dirs.insert(0, os.path.join(venv, "lib", "python%d.%d" % sys.version_info[:2],
+                                    "site-packages"))
+    for d in dirs:
+        for info in sorted(glob.glob(os.path.join(d, "torch-*.dist-info"))):
+            return os.path.basename(info)[len("torch-"):-len(".dist-info")]
+    site.main()   # unusual layouts (eggs, .pth paths): let importlib.metadata search
     try:
         from importlib.metadata import version, PackageNotFoundError
-    except ImportError:
-        return None
-    try:
         return version("torch")
-    except PackageNotFoundError:
+    except (ImportError, Exception):
         return None
 
 
@@ -159,14 +165,16 @@ def dir_writable(path: str):
         return "%s: %s" % (path, e.strerror or e)
 
 
-def cmd_preflight(job_dir: str, master_port: str, want_port: str, folders: str = "") -> None:
+def cmd_preflight(job_dir: str, master_port: str, want_port: str, folders: str = "",
+                  want_gpus: str = "0") -> None:
     """Everything preflight checks, plus the manifests of the job's code/ and data/
     folders (named in `folders`), which saves the push a round trip per host."""
     p = job_paths(job_dir)
     port = int(master_port)
     report = {
         "python": sys.version.split()[0], "executable": sys.executable,
-        "torch": torch_version(), "gpus": gpu_count(), "job_dir": p["job"],
+        "torch": torch_version(), "job_dir": p["job"],
+        "gpus": gpu_count() if want_gpus != "0" else 0,   # nvidia-smi costs 0.1-0.5 s
         "writable": dir_writable(p["job"]), "time": time.time(),
         "hostname": socket.gethostname(),
         "ssh_connection": os.environ.get("SSH_CONNECTION", ""),

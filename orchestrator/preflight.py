@@ -36,7 +36,8 @@ def check_host(cluster: Cluster, t: Transport) -> tuple[HostInfo, dict]:
     folders = ",".join(f for f, want in (("code", cluster.code.paths),
                                          ("data", cluster.data.shards)) if want)
     r = call(t, "preflight", job_dir(cluster, host), cluster.job.master_port or 0,
-             "1" if master else "0", folders, timeout=max(60.0, host.ssh.connect_timeout * 3))
+             "1" if master else "0", folders, host.gpus,
+             timeout=max(60.0, host.ssh.connect_timeout * 3))
     offset = r["time"] - (sent + time.time()) / 2
     info = HostInfo(r["job_dir"], r["executable"], r["torch"], r["gpus"], offset,
                     r["running"], r["ssh_connection"], r["manifests"])
