@@ -290,6 +290,20 @@ def test_logs_unknown_rank(sshd_cluster: SshdCluster, tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_status_of_a_job_never_started(sshd_cluster: SshdCluster, tmp_path: Path) -> None:
+    write_job(tmp_path, SLEEP_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=sshd_cluster.hosts[:2],
+                                       name="e2e-neverstarted")
+    result = orch(tmp_path, "status", "--json", "-c", str(inv))
+    assert "Traceback" not in result.stderr
+    if result.returncode == 2:   # refused: there is no job to report on
+        assert "orch up" in result.stderr, result.stderr
+        return
+    assert result.returncode == 0, result.stderr
+    states = [r["state"] for r in json.loads(result.stdout)["ranks"]]
+    assert "lost" not in states, f"every host is reachable and nothing ran: {states}"
+
+
 # ---------------------------------------------------------------- job names
 
 WAIT_JOB = """\

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import pytest
 
@@ -173,7 +173,8 @@ def prefixed(lines: Sequence[str]) -> list[tuple[int, str, str]]:
     return parsed
 
 
-def wait_until(predicate, timeout: float, what: str, step: float = 0.1):
+def wait_until(predicate: Callable[[], object], timeout: float, what: str,
+               step: float = 0.1) -> object:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -241,10 +242,10 @@ def test_allreduce_three_hosts_two_procs(sshd_cluster: SshdCluster, tmp_path: Pa
     markers = [marker(h, name).encode() for h in hosts]
     scans_while_sleeping, leaks = 0, set()
     while run.proc.poll() is None:
-        hits, alive = scan_cmdlines(secret.encode(), markers)
-        leaks.update(hits)
         # every rank has printed its last line and sleeps: the whole job is up
         done = sum(1 for line in list(run.out) if re.search(r"\] line \d 199$", line))
+        hits, alive = scan_cmdlines(secret.encode(), markers)
+        leaks.update(hits)
         scans_while_sleeping += alive >= 6 and done == 6
         time.sleep(0.2)
     code = run.finish()

@@ -283,7 +283,7 @@ def test_second_up_sends_no_data(pushed: Pushed) -> None:
 
 def test_file_changed_on_host_is_sent_again(pushed: Pushed) -> None:
     """Same size, new bytes, new mtime: the host's digest cache must not hide it; a file
-    that does not belong there is deleted."""
+    that does not belong there is deleted, and so is a stale half-written one."""
     host = pushed.hosts[1]
     victim_rel = sorted(pushed.data.expected[2])[0]
     victim = job_dir(host, pushed.name) / "data" / "worker_2_of_4" / victim_rel
@@ -293,6 +293,9 @@ def test_file_changed_on_host_is_sent_again(pushed: Pushed) -> None:
     os.utime(victim, (later, later))
     stray = job_dir(host, pushed.name) / "data" / "worker_1_of_4" / "stray.bin"
     stray.write_bytes(b"not part of the split")
+    # what a receiver killed by SIGKILL (or a host crash) leaves beside a shard file
+    stale = victim.with_name(victim.name + ".orch-part-999999")
+    stale.write_bytes(b"half")
 
     again = orch(pushed.data.base, "up", str(pushed.inventory))
     assert again.returncode == 0, again.stderr
@@ -477,14 +480,14 @@ def test_safe_join_rejects_paths_leaving_the_root(tmp_path: Path) -> None:
     assert not (tmp_path / "elsewhere" / "deeper").exists()
 
 
-def test_safe_join_accepts_a_root_reached_through_a_link(tmp_path: Path) -> None:
+def test_receive_into_a_root_reached_through_a_link(tmp_path: Path) -> None:
     """remote_dir under a symlinked folder (/home -> /data/home, /tmp -> /private/tmp)."""
     real = tmp_path / "real"
-    (real / "data").mkdir(parents=True)
+    real.mkdir()
     (tmp_path / "home").symlink_to(real)
-    root = str(tmp_path / "home" / "data")
-    path = agent.safe_join(root, "worker_0_of_1/x.bin", set())
-    assert os.path.realpath(path) == str(real / "data" / "worker_0_of_1" / "x.bin")
+    res = receive(tmp_path / "home" / "data", frame("worker_0_of_1/x.bin", b"x" * 10) + end())
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (real / "data" / "worker_0_of_1" / "x.bin").read_bytes() == b"x" * 10
 
 
 def frame(rel: str, payload: bytes, digest: Optional[str] = None) -> bytes:

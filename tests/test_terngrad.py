@@ -43,6 +43,17 @@ def test_encode_decode_values(numel: int) -> None:
     assert torch.equal(C.decode(packed, scaler, numel), grad)
 
 
+@pytest.mark.parametrize("world", [1, 2, 5])
+def test_sum_codes_equals_sum_of_unpacked_codes(world: int) -> None:
+    numel = 1001
+    gen = torch.Generator().manual_seed(world)
+    codes = [torch.randint(0, 3, (numel,), generator=gen, dtype=torch.uint8) for _ in range(world)]
+    sums = C.sum_codes([C.pack_ternary(c) for c in codes])
+    assert sums.dtype == torch.int16 and sums.numel() == 4 * math.ceil(numel / 4)
+    assert torch.equal(sums[:numel], torch.stack(codes).sum(dim=0).to(torch.int16))
+    assert torch.equal(sums[numel:], torch.full((sums.numel() - numel,), world, dtype=torch.int16))
+
+
 def test_packing_layout_is_four_codes_per_byte() -> None:
     codes = torch.tensor([2, 0, 1, 2, 1], dtype=torch.uint8)
     packed = C.pack_ternary(codes)
@@ -169,12 +180,13 @@ def _check_terngrad_grads(grads: dict[str, torch.Tensor], raw: dict[str, torch.T
             assert not torch.allclose(grad, raw[name]), f"{name} was not quantised"
 
 
-def _expected_terngrad_bytes(model: nn.Module) -> tuple[int, int]:
-    """Bounds on one step's bytes: codes + scalers + floats, plus padding per bucket."""
+def _check_terngrad_bytes(model: nn.Module, sent: int, buckets: int) -> None:
+    """Per bucket: the codes (padded to whole bytes), the scalers plus one non-finite
+    flag, and the float tensors, 4 bytes each."""
     quant = [p.numel() for n, p in model.named_parameters() if n not in FLOAT_NAMES]
     floats = sum(p.numel() for n, p in model.named_parameters() if n in FLOAT_NAMES)
-    low = math.ceil(sum(quant) / 4) + 4 * len(quant) + 4 * floats
-    return low, low + 3 * len(quant)
+    low = math.ceil(sum(quant) / 4) + 4 * (len(quant) + buckets) + 4 * floats
+    assert low <= sent <= low + 3 * buckets
 
 
 def _run_terngrad(rank: int, world: int) -> None:
@@ -184,13 +196,25 @@ def _run_terngrad(rank: int, world: int) -> None:
     stats = C.install_comm_hook(ddp, "terngrad", size_to_binarize=SIZE_TO_BINARIZE,
                                 logits_param_names={"4.weight", "4.bias"})
     stats.hook_state.record = True
-    low, high = _expected_terngrad_bytes(base)
     for step in range(2):  # step 0 uses DDP's initial buckets, step 1 the rebuilt ones
         before = stats.bytes_sent
         grads = _ddp_step(ddp, rank, step)
+        _check_terngrad_bytes(base, stats.bytes_sent - before, len(stats.hook_state.records))
         _check_terngrad_records(stats.hook_state)
         _check_terngrad_grads(grads, _raw_mean_grads(base, rank, step), world)
-        assert low <= stats.bytes_sent - before <= high
+    _check_non_finite_propagates(ddp, rank)
+
+
+def _check_non_finite_propagates(ddp: nn.Module, rank: int) -> None:
+    """A NaN gradient on one rank must reach every rank as NaN, not as zeros."""
+    x, y = _batch(rank, 2)
+    if rank == 1:
+        x[0, 0] = float("inf")
+    ddp.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    for name, param in ddp.module.named_parameters():
+        if name not in FLOAT_NAMES:
+            assert torch.isnan(param.grad).all(), name
 
 
 def _run_none_and_fp16(rank: int) -> None:

@@ -224,11 +224,6 @@ def test_augment_policies_shapes_and_normalize() -> None:
     full = resized_crop_flip(x, torch.Generator().manual_seed(0), scale=(1.0, 1.0), ratio=(1.0, 1.0))
     for i in range(4):
         assert torch.equal(full[i], x[i]) or torch.equal(full[i], x[i].flip(-1))
-    # A crop of a 2x2 checkerboard of flat quarters is made of the same 4 values, resized.
-    board = torch.zeros(1, 3, 16, 16, dtype=torch.uint8)
-    board[..., :8, 8:] = board[..., 8:, :8] = 200
-    crop = resized_crop_flip(board, torch.Generator().manual_seed(2), scale=(0.25, 0.25))
-    assert set(crop.unique().tolist()) <= set(range(0, 201)) and crop.dtype == torch.uint8
     norm = normalize(torch.full((1, 3, 1, 1), 255, dtype=torch.uint8))
     assert torch.allclose(norm.view(3), torch.tensor([(1 - m) / s for m, s in
                                                       zip((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]))

@@ -6,11 +6,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_worker_common import make_data, split, torchrun  # noqa: F401 (torchrun: fixture)
 from worker import checkpoint, train
 from worker.data import EpochSampler
 from worker.metrics import COLUMNS
+from worker.models import LeNet
 
 # Adam on the demo's colour+shape classes learns in a few epochs even at 16x16.
 FAST = ["--model", "lenet", "--image-size", "16", "--batch-size", "16", "--optimizer", "adam",
@@ -40,6 +42,10 @@ def run_main(args: list[str]) -> int:
     return train.main(args)
 
 
+def lenet_params(classes: int = 3) -> int:
+    return sum(p.numel() for p in LeNet(classes).parameters())
+
+
 # ---------------------------------------------------------------- one process
 
 
@@ -53,7 +59,8 @@ def test_single_process_learns_and_writes_metrics(single, shards, tmp_path: Path
     assert float(table[-1]["train_loss"]) < float(table[0]["train_loss"])
     for r in table:
         assert 0 <= float(r["train_acc"]) <= 1 and 0 <= float(r["val_acc"]) <= 1
-        assert float(r["images_per_s"]) > 0 and int(r["grad_bytes"]) > 0
+        assert float(r["images_per_s"]) > 0
+        assert int(r["grad_bytes"]) == 8 * 4 * lenet_params()  # 120 images / 16: 8 fp32 allreduces
     assert float(table[-1]["time_s"]) > float(table[0]["time_s"])
     assert (out / "metrics.png").stat().st_size > 0
     assert [e for e, _ in checkpoint.list_checkpoints(out)] == [3, 4]  # the newest two kept
@@ -129,12 +136,14 @@ def test_unequal_shards_run_the_same_number_of_steps() -> None:
 # ---------------------------------------------------------------- two processes (torchrun)
 
 
-def test_two_processes_learn_and_sum_images_per_second(torchrun, shards, tmp_path: Path) -> None:
+def test_two_processes_learn_with_fp16_gradients(torchrun, shards, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    rc, output = torchrun.run(2, [*FAST, "--epochs", "3", "--lr-scaling", "none"], shards[2], out)
+    rc, output = torchrun.run(2, [*FAST, "--epochs", "3", "--lr-scaling", "none",
+                                  "--grad-compression", "fp16"], shards[2], out)
     assert rc == 0, output
     table = rows(out)
     assert [int(r["epoch"]) for r in table] == [1, 2, 3]
+    assert {int(r["grad_bytes"]) for r in table} == {4 * 2 * lenet_params()}  # 60 / 16: 4 fp16 steps
     assert float(table[-1]["train_loss"]) < float(table[0]["train_loss"])
     assert "2 process(es), backend gloo" in torchrun.rank_log(0, "stdout")
     for rank in (0, 1):
@@ -156,8 +165,10 @@ def test_kill_then_resume_continues_on_both_ranks(torchrun, shards, tmp_path: Pa
     while torchrun.alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not torchrun.alive()
-    saved = checkpoint.list_checkpoints(out)[-1][0]
+    saved, newest = checkpoint.list_checkpoints(out)[-1]
     assert 2 <= saved < 200
+    held = torch.load(newest, weights_only=True)  # a kill never leaves a broken file
+    assert {"model", "optimizer", "scheduler", "epoch", "rng"} <= set(held) and len(held["rng"]) == 2
     rc, output = torchrun.run(2, [*FAST, "--epochs", str(saved + 2), "--resume"], shards[2], out)
     assert rc == 0, output
     for rank in (0, 1):

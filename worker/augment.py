@@ -73,10 +73,15 @@ def augment(x: torch.Tensor, policy: str, gen: torch.Generator | None = None) ->
     return x
 
 
-def normalize(x: torch.Tensor, mean: tuple[float, ...] = IMAGENET_MEAN,
+def normalize(x: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format,
+              mean: tuple[float, ...] = IMAGENET_MEAN,
               std: tuple[float, ...] = IMAGENET_STD) -> torch.Tensor:
-    """0..255 pixels to ImageNet-normalised float: one conversion, then in-place (x*a + b)."""
+    """0..255 pixels to ImageNet-normalised float32 in ``memory_format``.
+
+    Layout and dtype change in one copy, then x * a + b in place: broadcasting the
+    per-channel constants over a strided view is several times slower.
+    """
     scale = torch.tensor([1 / (255 * s) for s in std], device=x.device).view(1, -1, 1, 1)
     shift = torch.tensor([-m / s for m, s in zip(mean, std)], device=x.device).view(1, -1, 1, 1)
-    out = x.float() if x.dtype != torch.float32 else x.clone()
+    out = x.to(dtype=torch.float32, memory_format=memory_format, copy=True)
     return out.mul_(scale).add_(shift)

@@ -10,14 +10,16 @@ Per DDP bucket the TernGrad hook does:
    with fewer than ``size_to_binarize`` elements and the logits layer stay float;
 2. compute one scaler per quantised tensor (``max|g|``, or ``clip_factor * std(g)``)
    and share them with one ``all_reduce(MAX)`` per bucket, so every rank uses the
-   same scaler;
+   same scaler (the vector carries one more value, a flag for non-finite gradients);
 3. ternarise stochastically: each element becomes ``sign(g) * s`` with probability
    ``min(|g| / s, 1)``, else 0 (unbiased where ``|g| <= s``);
 4. pack the codes ``t + 1`` in {0, 1, 2} into 2 bits, append the float tensors' raw
    bytes and ``all_gather`` that one byte buffer (a sum of ternaries does not fit
    in 2 bits, so the codes cannot be allreduced);
 5. decode every rank's codes (``(code - 1) * s``), average, and write the result
-   back into the bucket.
+   back into the bucket. The codes of all ranks are summed in the packed domain
+   (a byte -> 4 int16 lanes table), so decoding costs one gather per rank on a
+   quarter of the elements.
 """
 from __future__ import annotations
 
@@ -41,8 +43,9 @@ class CommStats:
     ``bytes_sent`` counts, per rank and cumulatively, the payload bytes passed to the
     collectives of the communication hook: the bucket for ``none`` (fp32), the
     half-precision bucket for ``fp16``, and for ``terngrad`` the packed 2-bit codes,
-    the per-layer scalers and the tensors kept as floats. It does not count what a
-    ring or tree algorithm relays on behalf of other ranks, nor what this rank receives.
+    the per-layer scalers (plus one 4-byte flag per bucket) and the tensors kept as
+    floats. It does not count what a ring or tree algorithm relays on behalf of other
+    ranks, nor what this rank receives.
     """
 
     kind: str
@@ -65,7 +68,8 @@ def local_scaler(grad: torch.Tensor, clip_factor: float | None = None) -> torch.
     so that its gradient is not silently zeroed (the reference would send zeros).
     """
     g = grad.detach().reshape(-1).float()
-    max_abs = g.abs().max()
+    low, high = torch.aminmax(g)  # no |g| temporary; NaN and inf propagate
+    max_abs = torch.maximum(-low, high)
     if clip_factor is None:
         return max_abs
     # Population std, as the reference computes it (sqrt(mean((g - mean)^2))).
@@ -77,14 +81,17 @@ def ternarize(grad: torch.Tensor, scaler: torch.Tensor | float,
               generator: torch.Generator | None = None) -> torch.Tensor:
     """Stochastic ternary codes of ``grad`` (flattened) as uint8 in {0, 1, 2}.
 
-    Code ``c`` stands for ``(c - 1) * scaler``. ``scaler`` is a number or a tensor
-    broadcastable to the flattened gradient (one value per element).
+    Code ``c`` stands for ``(c - 1) * scaler``: +s with probability min(g/s, 1) where
+    g > 0, -s with probability min(-g/s, 1) where g < 0, else 0. ``scaler`` is a
+    number or a tensor broadcastable to the flattened gradient.
     """
     g = grad.detach().reshape(-1)
-    draw = torch.rand(g.shape, generator=generator, device=g.device, dtype=torch.float32)
-    # draw * s < |g| has probability min(|g|/s, 1) and never fires for g == 0, even if s == 0.
-    fire = draw * scaler < g.abs().float()
-    return (torch.sign(g).to(torch.int8) * fire + _ZERO_CODE).to(torch.uint8)
+    threshold = torch.rand(g.shape, generator=generator, device=g.device,
+                           dtype=torch.float32).mul_(scaler)  # uniform in [0, s)
+    # Never fires for g == 0; a NaN scaler gives all-zero codes (the decode then gives NaN).
+    up = torch.gt(g, threshold)
+    down = torch.lt(g, threshold.neg_())
+    return up.to(torch.uint8).add_(_ZERO_CODE).sub_(down.to(torch.uint8))
 
 
 def pack_ternary(codes: torch.Tensor) -> torch.Tensor:
@@ -105,6 +112,37 @@ def unpack_ternary(packed: torch.Tensor, numel: int) -> torch.Tensor:
     shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=packed.device)
     codes = (packed.unsqueeze(-1) >> shifts) & 3
     return codes.flatten(-2)[..., :numel]
+
+
+def _lane_table(device: torch.device) -> torch.Tensor:
+    """Byte -> its 4 codes as int16 lanes of one int64 (native byte order).
+
+    Adding table[byte] over ranks adds the 4 codes lane by lane without carries
+    (each lane holds at most 2 W), so W ranks' codes are summed with one gather
+    and one add per rank on a quarter of the elements.
+    """
+    key = str(device)
+    if key not in _LANE_TABLES:
+        byte = torch.arange(256, dtype=torch.int16, device=device).unsqueeze(1)
+        shifts = torch.tensor(_SHIFTS, dtype=torch.int16, device=device)
+        _LANE_TABLES[key] = ((byte >> shifts) & 3).contiguous().view(torch.int64).reshape(256)
+    return _LANE_TABLES[key]
+
+
+_LANE_TABLES: dict[str, torch.Tensor] = {}
+
+
+def sum_codes(packed: list[torch.Tensor]) -> torch.Tensor:
+    """Element-wise sum of the codes of several packed tensors (one per rank), as int16.
+
+    Returns 4 values per byte (padding included); the sum of the ternaries is
+    ``result - len(packed)``. Exact for up to 16383 ranks.
+    """
+    table = _lane_table(packed[0].device)
+    acc = torch.index_select(table, 0, packed[0].int())
+    for more in packed[1:]:
+        acc += torch.index_select(table, 0, more.int())
+    return acc.view(torch.int16)
 
 
 def decode_ternary(codes: torch.Tensor, scaler: torch.Tensor | float,
@@ -240,19 +278,26 @@ def _scatter_segments(buf: torch.Tensor, segments: list[tuple[int, int]],
 
 def _shared_scalers(state: TernGradState, buf: torch.Tensor,
                     layout: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(local, shared) scalers: one all_reduce(MAX) for the whole bucket."""
+    """(local, shared) scalers: one all_reduce(MAX) for the whole bucket.
+
+    One more element flags a non-finite gradient on any rank. The shared scalers are
+    then NaN, so the layers decode to NaN as they would without compression (AMP's
+    GradScaler sees it and skips the step) instead of silently becoming zeros.
+    """
     local = torch.stack([local_scaler(buf[o:o + n], state.clip_factor)
                          for o, n in layout.quant])
-    shared = local.clone()
-    dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=state.group)
-    state.stats.add(shared.numel() * shared.element_size())
-    return local, shared
+    flag = (~torch.isfinite(local)).any().to(local.dtype).reshape(1)
+    reduced = torch.cat([local, flag])
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=state.group)
+    state.stats.add(reduced.numel() * reduced.element_size())
+    return local, torch.where(reduced[-1] > 0, float("nan"), reduced[:-1])
 
 
-def _per_element(scalers: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    lengths = torch.tensor([n for _, n in layout.quant], device=scalers.device)
-    # output_size spares a device-to-host sync on CUDA
-    return torch.repeat_interleave(scalers, lengths, output_size=layout.quant_numel)
+def _ternarize_layers(state: TernGradState, buf: torch.Tensor, layout: _Layout,
+                      shared: torch.Tensor) -> torch.Tensor:
+    gen = state.generator(buf.device)
+    return torch.cat([ternarize(buf[o:o + n], shared[k], gen)
+                      for k, (o, n) in enumerate(layout.quant)])
 
 
 @_comm_hook
@@ -264,9 +309,7 @@ def _terngrad_hook(state: TernGradState, bucket: dist.GradBucket
         return _allreduce_hook(state, bucket)
     state.stats.buckets += 1
     local, shared = _shared_scalers(state, buf, layout)
-    scale = _per_element(shared, layout)
-    codes = ternarize(_gather_segments(buf, layout.quant), scale,
-                      state.generator(buf.device))
+    codes = _ternarize_layers(state, buf, layout, shared)
     floats = _gather_segments(buf, layout.floats)
     # One message per rank: the packed codes, then the float tensors' raw bytes.
     payload = torch.cat([pack_ternary(codes), floats.contiguous().view(torch.uint8)])
@@ -276,33 +319,37 @@ def _terngrad_hook(state: TernGradState, bucket: dist.GradBucket
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()  # re-raises a failed all_gather instead of averaging garbage
-        _average_into(buf, torch.stack(gathered), layout, scale)
+        _average_into(buf, gathered, layout, shared)
         if state.record:
-            _record(state, bucket.index(), buf, layout, codes, floats, scale, local, shared)
+            _record(state, bucket.index(), buf, layout, codes, floats, local, shared)
         return buf
 
     return work.get_future().then(finish)
 
 
-def _average_into(buf: torch.Tensor, gathered: torch.Tensor, layout: _Layout,
-                  scale: torch.Tensor) -> None:
+def _average_into(buf: torch.Tensor, gathered: list[torch.Tensor], layout: _Layout,
+                  shared: torch.Tensor) -> None:
     """Decode every rank's message and write the mean into the bucket."""
-    world, n_quant = gathered.shape[0], layout.quant_numel
-    n_packed = (n_quant + 3) // 4
-    codes = unpack_ternary(gathered[:, :n_packed], n_quant)
-    # Sum the codes first (small integers), then scale once: (sum - W) * s / W.
-    summed = codes.sum(dim=0, dtype=torch.int32) - world * _ZERO_CODE
-    _scatter_segments(buf, layout.quant, summed.to(buf.dtype) * (scale / world))
+    world, n_packed = len(gathered), (layout.quant_numel + 3) // 4
+    sums = sum_codes([g[:n_packed] for g in gathered])
+    pos = 0
+    for k, (o, n) in enumerate(layout.quant):
+        # mean of the ternaries = (sum of codes - W) * s / W
+        factor = (shared[k] / world).to(buf.dtype)
+        torch.mul(sums[pos:pos + n] - world * _ZERO_CODE, factor, out=buf[o:o + n])
+        pos += n
     if layout.floats:
-        floats = gathered[:, n_packed:].contiguous().view(buf.dtype)
+        floats = torch.stack([g[n_packed:] for g in gathered]).view(buf.dtype)
         _scatter_segments(buf, layout.floats, floats.sum(dim=0) / world)
 
 
 def _record(state: TernGradState, index: int, buf: torch.Tensor, layout: _Layout,
-            codes: torch.Tensor, floats: torch.Tensor, scale: torch.Tensor,
-            local: torch.Tensor, shared: torch.Tensor) -> None:
-    mine = torch.empty_like(buf)
-    _scatter_segments(mine, layout.quant, decode_ternary(codes, scale, buf.dtype))
+            codes: torch.Tensor, floats: torch.Tensor, local: torch.Tensor,
+            shared: torch.Tensor) -> None:
+    mine, pos = torch.empty_like(buf), 0
+    for k, (o, n) in enumerate(layout.quant):
+        mine[o:o + n] = decode_ternary(codes[pos:pos + n], shared[k], buf.dtype)
+        pos += n
     _scatter_segments(mine, layout.floats, floats)
     state.records[index] = BucketRecord(local, shared, mine, buf.clone())
 

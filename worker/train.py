@@ -44,50 +44,64 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _positive(kind: type) -> Any:
+def _positive(kind: type, zero_ok: bool = False) -> Any:
     def parse(text: str) -> Any:
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero_ok else '> 0'}, got {text}")
         return value
     return parse
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str:
+        # Show a default only where it says something (not None/False, not already in the help).
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m worker.train", description=__doc__.split("\n")[0],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(prog="python -m worker.train", formatter_class=_Help,
+                description="DDP training on each rank's own data shard; run it under torchrun "
+                            "(orch up does), or alone as one process.")
     a = p.add_argument
-    a("--model", choices=MODELS, default="lenet")
-    a("--pretrained", type=Path, help="weights file to start from (rank 0 reads it)")
-    a("--epochs", type=_positive(int), default=10)
-    a("--batch-size", type=_positive(int), default=64, help="per process")
-    a("--lr", type=_positive(float), default=0.01, help="base learning rate (1 process)")
+    a("--model", choices=MODELS, default="lenet", help="network to train")
+    a("--pretrained", type=Path, metavar="PATH",
+      help="weights file to start from (rank 0 reads it; nothing is downloaded)")
+    a("--epochs", type=_positive(int), default=10, help="epochs to train at most")
+    a("--batch-size", type=_positive(int), default=64, help="images per step and process")
+    a("--lr", type=_positive(float), default=0.01, help="base learning rate (for 1 process)")
     a("--lr-scaling", choices=("linear", "sqrt", "none"), default="linear",
       help="lr = base x world size | x sqrt(world size) | x 1")
-    a("--momentum", type=float, default=0.9, help="SGD momentum")
-    a("--weight-decay", type=float, default=0.0)
-    a("--optimizer", choices=("sgd", "adam", "novograd"), default="sgd")
-    a("--warmup-epochs", type=float, default=0.0, help="linear warm-up from lr/world size")
+    a("--momentum", type=_positive(float, zero_ok=True), default=0.9, help="SGD momentum")
+    a("--weight-decay", type=_positive(float, zero_ok=True), default=0.0, help="L2 penalty")
+    a("--optimizer", choices=("sgd", "adam", "novograd"), default="sgd", help="optimiser")
+    a("--warmup-epochs", type=_positive(float, zero_ok=True), default=0.0,
+      help="linear warm-up from lr/world size to lr over this many epochs")
     a("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA only)")
     a("--amp", action="store_true", help="mixed precision (CUDA only)")
     a("--channels-last", action="store_true", help="NHWC memory format (CUDA only)")
-    a("--target-accuracy", type=_fraction, help="stop once validation accuracy reaches it ...")
+    a("--target-accuracy", type=_fraction, metavar="FRACTION",
+      help="stop once validation accuracy reaches it (e.g. 0.95) ...")
     a("--patience", type=_positive(int), default=1, help="... for this many epochs in a row")
-    a("--seed", type=int, default=0)
-    a("--image-size", type=_positive(int), help="default: 224 for vggf/resnet18, 32 otherwise")
-    a("--workers", type=int, default=2, help="data-loader processes per rank (0: in-process)")
+    a("--seed", type=_positive(int, zero_ok=True), default=0, help="seed of weights, shuffling and augmentation")
+    a("--image-size", type=_positive(int), metavar="PIXELS",
+      help="training image side (default: 224 for vggf and resnet18, 32 otherwise)")
+    a("--workers", type=_positive(int, zero_ok=True), default=2, help="data-loader processes per rank (0: in-process)")
     a("--data-format", choices=("auto", "packed", "imagefolder"), default="auto",
       help="auto: the shard's packed/ arrays when they match --image-size, else image files")
-    a("--checkpoint-every", type=int, default=1, help="epochs between checkpoints (0: never)")
+    a("--checkpoint-every", type=_positive(int, zero_ok=True), default=1, help="epochs between checkpoints (0: never)")
     a("--resume", action="store_true", help="continue from the newest checkpoint, if any")
-    a("--data-dir", type=Path, default=os.environ.get("ORCH_DATA_DIR"),
+    a("--data-dir", type=Path, default=os.environ.get("ORCH_DATA_DIR"), metavar="DIR",
       help="folder of worker_<r>_of_<W> shards (default: $ORCH_DATA_DIR)")
     a("--output-dir", type=Path, default=Path(os.environ.get("ORCH_OUTPUT_DIR") or "output"),
-      help="metrics and checkpoints (default: $ORCH_OUTPUT_DIR, else ./output)")
-    a("--grad-compression", choices=("none", "fp16", "terngrad"), default="none")
-    a("--clip-factor", type=_positive(float), help="TernGrad: scaler = c x std(g)")
+      metavar="DIR", help="metrics and checkpoints (default: $ORCH_OUTPUT_DIR, else ./output)")
+    a("--grad-compression", choices=("none", "fp16", "terngrad"), default="none",
+      help="gradient communication (worker/compression.py)")
+    a("--clip-factor", type=_positive(float), help="TernGrad: scaler = c x std(g) (paper: 2.5)")
     a("--size-to-binarize", type=_positive(int), default=256,
-      help="TernGrad: tensors smaller than this stay float")
+      help="TernGrad: tensors with fewer elements stay float")
     a("--quantize-logits", action="store_true", help="TernGrad: quantise the last layer too")
     return p
 
@@ -142,7 +156,7 @@ def _missing_shard(data_dir: Path, shard: Path, world: int) -> WorkerError:
     others = sorted(p.name for p in data_dir.glob("worker_*_of_*")) if data_dir.is_dir() else []
     found = f"; {data_dir} has {', '.join(others[:4])}" if others else ""
     return WorkerError(f"shard folder {shard} does not exist{found}",
-                       hint=f"split the data for {world} workers (`orch split-data`), then `orch up`")
+                       hint=f"split the data for {world} worker(s) (`orch split-data`), then `orch up`")
 
 
 def _check_classes(everyone: list[tuple[list[str], int, int]]) -> list[str]:
@@ -295,8 +309,7 @@ def prepare(x: torch.Tensor, args: argparse.Namespace, ctx: Ctx, train: bool) ->
     x = x.to(ctx.device, non_blocking=True).permute(0, 3, 1, 2)
     if train:
         x = augment(x, AUGMENTATION[args.model])
-    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
-    return normalize(x).contiguous(memory_format=fmt)
+    return normalize(x, torch.channels_last if args.channels_last else torch.contiguous_format)
 
 
 def _param_bytes(model: nn.Module) -> int:
