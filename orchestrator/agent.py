@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 
-CACHE_NAME = ".orch-digests.json"
 HEARTBEAT_S = 1.0
 
 
@@ -197,13 +196,22 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def cache_path(root: str) -> str:
+    """<job>/run/<folder>-digests.json: beside, not inside, the folder it describes
+    (data/ holds the shards and nothing else)."""
+    root = root.rstrip("/")
+    return os.path.join(os.path.dirname(root), "run", os.path.basename(root) + "-digests.json")
+
+
 def load_cache(root: str) -> dict:
-    return read_json(os.path.join(root, CACHE_NAME)) or {}
+    return read_json(cache_path(root)) or {}
 
 
 def save_cache(root: str, cache: dict) -> None:
+    path = cache_path(root)
     try:
-        write_atomic(os.path.join(root, CACHE_NAME), json.dumps(cache).encode(), 0o644)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_atomic(path, json.dumps(cache).encode(), 0o644)
     except OSError:
         pass
 
@@ -224,7 +232,7 @@ def walk_files(root: str):
                 # left by a receiver that was killed (SIGKILL, host crash); manifests are
                 # made before a push, when no receiver writes here
                 os.unlink(e.path)
-            elif e.is_file(follow_symlinks=False) and e.name != CACHE_NAME:
+            elif e.is_file(follow_symlinks=False):
                 yield r, e.stat(follow_symlinks=False)
 
 
