@@ -7,7 +7,9 @@ from pathlib import Path
 from orchestrator.errors import HostError
 from orchestrator.transport import Channel, Transport
 
-AGENT = (Path(__file__).parent / "agent.py").read_bytes()
+# One script: agent_jobs.py's functions first, then agent.py, whose main() runs last.
+AGENT = (Path(__file__).parent / "agent_jobs.py").read_bytes() + b"\n" + \
+    (Path(__file__).parent / "agent.py").read_bytes()
 RANKEXEC = (Path(__file__).parent / "rankexec.py").read_bytes()
 # Reads exactly the agent's source from stdin and runs it; what stdin carries after
 # that is the command's own input (file streams, secrets), never the command line.

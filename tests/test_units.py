@@ -84,7 +84,7 @@ def test_exits_caused_by_our_own_stop_are_never_the_root_cause() -> None:
 
 
 def test_tail_offset_counts_lines_from_the_end(tmp_path) -> None:
-    from orchestrator.agent import tail_offset
+    from orchestrator.agent_jobs import tail_offset
     f = tmp_path / "log"
     for content, want in ((b"a\nb\nc\n", [b"", b"c\n", b"b\nc\n", b"a\nb\nc\n", b"a\nb\nc\n"]),
                           (b"a\nb", [b"", b"b", b"a\nb", b"a\nb", b"a\nb"])):
