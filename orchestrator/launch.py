@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shlex
 import uuid
 
 from orchestrator.connect import fan_out, resolve_target, ssh_config
@@ -10,7 +9,7 @@ from orchestrator.errors import HostError
 from orchestrator.inventory import Cluster, Host
 from orchestrator.preflight import HostInfo, Preflight
 from orchestrator.remote import RANKEXEC, call
-from orchestrator.transport import Transport
+from orchestrator.transport import Transport, remote_command
 
 
 def master_addr(cluster: Cluster, infos: dict[int, HostInfo] | None = None) -> str:
@@ -94,7 +93,7 @@ def dry_run_plan(cluster: Cluster) -> str:
         argv = torchrun_argv(cluster, h, h.python, job_dir, addr, port)
         where = "local" if h.is_local else "ssh"
         lines.append(f"host {h.index} {h.label} ({where}) ranks {h.ranks.start}-{h.ranks.stop - 1}:")
-        lines.append("  " + shlex.join(argv))
+        lines.append("  " + remote_command(argv))   # as the host's shell gets it
     env_keys = ", ".join(k for k, _ in cluster.job.env) or "none"
     lines.append(f"environment of every rank: ORCH_JOB, ORCH_JOB_DIR, ORCH_DATA_DIR, ORCH_OUTPUT_DIR, "
                  f"job env ({env_keys}; values sent in a 0600 file, not shown)")

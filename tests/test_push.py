@@ -26,13 +26,12 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import pytest
 
-from orchestrator import agent, splitdata
+from orchestrator import agent, remote, splitdata
 from sshd_cluster import FakeHost, SshdCluster, pids_with_env
 
 pytestmark = pytest.mark.ssh
 
 ORCH = [sys.executable, "-m", "orchestrator"]
-AGENT = Path(agent.__file__)
 PROCS = [1, 2, 1]   # host 0: rank 0, host 1: ranks 1 and 2, host 2: rank 3
 WORLD = sum(PROCS)
 
@@ -130,13 +129,12 @@ def tree(root: Path) -> dict[str, tuple[str, Optional[str]]]:
 
 
 def remote_data(host: FakeHost, name: str) -> dict[str, str]:
-    """The files of the host's data/ folder (rel -> sha256), orch's own digest cache
-    excepted; anything that is not a plain file or folder fails the test."""
+    """The files of the host's data/ folder (rel -> sha256); anything that is not a
+    plain file or folder fails the test."""
     entries = tree(job_dir(host, name) / "data")
     odd = {rel: kind for rel, (kind, _) in entries.items() if kind not in ("file", "dir")}
     assert not odd, f"{host.address}: data/ holds links or special files: {odd}"
-    return {rel: digest for rel, (kind, digest) in entries.items()
-            if kind == "file" and rel != agent.CACHE_NAME}
+    return {rel: digest for rel, (kind, digest) in entries.items() if kind == "file"}
 
 
 def last_sync(base: Path, name: str) -> dict:
@@ -216,7 +214,7 @@ def check_hosts(data: Dataset, hosts: Sequence[FakeHost], procs: Sequence[int],
             f"unexpected {sorted(set(got) - set(want))[:5]}")
         wrong = [rel for rel in want if got[rel] != want[rel]]
         assert not wrong, f"{host.address}: content differs from the source: {wrong[:5]}"
-        tops = {e for e in os.listdir(job_dir(host, name) / "data") if e != agent.CACHE_NAME}
+        tops = set(os.listdir(job_dir(host, name) / "data"))
         assert tops == {f"worker_{r}_of_{world}" for r in ranks}, f"{host.address}: {tops}"
 
 
@@ -501,21 +499,23 @@ def end(delete: Sequence[str] = ()) -> bytes:
 
 
 def receive(root: Path, stream: bytes) -> subprocess.CompletedProcess:
-    """The agent's `receive` command, run as the controller runs it but without SSH."""
-    return subprocess.run([sys.executable, str(AGENT), "receive", str(root)], input=stream,
-                          capture_output=True, timeout=30)
+    """The agent's `receive` command, started as the controller starts it, without SSH."""
+    return subprocess.run(remote.agent_argv(sys.executable, "receive", str(root)),
+                          input=remote.AGENT + stream, capture_output=True, timeout=30)
 
 
 def test_receive_refuses_a_stream_that_escapes(tmp_path: Path) -> None:
     root, victim = tmp_path / "job" / "data", tmp_path / "job" / "victim"
     victim.parent.mkdir()
     victim.write_text("keep me")
-    for stream in (frame("../evil", b"x"), frame("/tmp/evil", b"x"),
-                   frame("w0/ok.bin", b"ok") + end(["../victim"])):
+    absolute = tmp_path / "abs-evil"
+    for stream in (frame("../evil", b"x"), frame(str(absolute), b"x"),
+                   frame("w0/../../evil", b"x"), frame("w0/ok.bin", b"ok") + end(["../victim"])):
         res = receive(root, stream + end())
         assert res.returncode != 0 and b"unsafe" in res.stdout, res.stdout + res.stderr
     assert victim.read_text() == "keep me"
-    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["data", "victim"]
+    assert not absolute.exists()
+    assert not [p for p in tmp_path.rglob("*evil*")], "a file landed outside data/"
 
 
 def test_receive_never_shows_a_half_written_or_corrupt_file(tmp_path: Path) -> None:
