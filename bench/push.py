@@ -19,7 +19,8 @@ Methods, each into a fresh destination folder every rep:
              `cat > /dev/null`: no files, headers or hashing (the engine's ceiling)
   orch-e2e   (--e2e) `orch up` of a 1-worker split to a fresh job name (digests already
              cached locally, as on any second run): the time from its "preflight: ok" line
-             to its "sync <host>:" report, i.e. its whole push phase
+             to its "sync <host>:" report, i.e. its code + data push (the local file list
+             is built before connecting: see the sha256 list figures)
 
     .venv/bin/python bench/push.py                 # both data sets, 3 reps
     .venv/bin/python bench/push.py --only small --reps 5 --profile
@@ -55,13 +56,13 @@ sys.path.insert(0, str(REPO))
 from orchestrator import splitdata  # noqa: E402
 from orchestrator.connect import connect_all  # noqa: E402
 from orchestrator.inventory import load  # noqa: E402
+from orchestrator.remote import AGENT  # noqa: E402
 from orchestrator.sync import DigestCache, LocalFile, push, stream_files  # noqa: E402
 from orchestrator.transport import Transport  # noqa: E402
 
 MB = 1e6
 TICK = os.sysconf("SC_CLK_TCK")
 NAN = float("nan")
-AGENT = REPO / "orchestrator" / "agent.py"
 TARGET = 0.80
 
 
@@ -476,9 +477,12 @@ pstats.Stats(p, stream=sys.stderr).sort_stats("tottime").print_stats(14)
 
 
 def agent_receive(stream: Path, dest: Path, profile: bool) -> tuple[float, float]:
+    """The agent's `receive` (the same script the hosts get) fed a stream from a file."""
     shutil.rmtree(dest, ignore_errors=True)
-    argv = ([sys.executable, "-c", PROFILED_AGENT, str(AGENT), str(dest)] if profile
-            else [sys.executable, str(AGENT), "receive", str(dest)])
+    script = stream.with_name("agent-script.py")
+    script.write_bytes(AGENT)
+    argv = ([sys.executable, "-S", "-c", PROFILED_AGENT, str(script), str(dest)] if profile
+            else [sys.executable, "-S", str(script), "receive", str(dest)])
     cpu0 = children_cpu()
     with open(stream, "rb") as f:
         t = time.perf_counter()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path, PurePosixPath
 
 from orchestrator.errors import DataError
 from orchestrator.inventory import Cluster, Host
@@ -47,18 +46,19 @@ def check_split(split: dict, world: int, where: str, fix: str) -> None:
 
 def safe_rel(rel: str, where: str) -> str:
     """A manifest path may not climb out of its shard: no absolute paths, no `..`."""
-    p = PurePosixPath(rel)
-    if not rel or p.is_absolute() or any(part in ("..", "") for part in p.parts) or "\\" in rel:
+    if not rel or rel[0] == "/" or "\\" in rel or \
+            any(part in ("", ".", "..") for part in rel.split("/")):
         raise DataError(f"{where}: refusing unsafe path {rel!r} in manifest.json",
                         hint="re-create the split with `orch split-data`")
-    return str(p)
+    return rel
 
 
-def resolve_inside(path: Path, roots: tuple[str, ...], where: str) -> str:
+def resolve_inside(path: str, roots: tuple[str, ...], where: str) -> str:
     """Links are followed, but only to files inside the split's source folder (or the
-    shards folder itself, where `--pack` writes real files)."""
+    shards folder itself, where `--pack` writes real files). `roots` are resolved and end
+    with a slash."""
     real = os.path.realpath(path)
-    if not any(real.startswith(os.path.realpath(r).rstrip("/") + "/") for r in roots):
+    if not real.startswith(roots):
         raise DataError(f"{where}: {path} points outside the data source ({real})",
                         hint="re-create the split with `orch split-data`")
     return real
@@ -66,18 +66,19 @@ def resolve_inside(path: Path, roots: tuple[str, ...], where: str) -> str:
 
 def host_files(cluster: Cluster, host: Host, split: dict, cache: DigestCache) -> list[LocalFile]:
     """The real bytes of the host's own shards, as `worker_<r>_of_<W>/<rel>` under data/."""
+    roots = tuple(os.path.realpath(r).rstrip("/") + "/"
+                  for r in (split["source"], str(cluster.data.shards)))
     files = []
     for rank in host.ranks:
-        shard = split["shards"][rank]
-        name = shard["name"]
-        for rel, _size in shard["files"]:
+        name = split["shards"][rank]["name"]
+        base = f"{cluster.data.shards}/{name}/"
+        for rel, _size in split["shards"][rank]["files"]:
             rel = safe_rel(rel, name)
-            link = cluster.data.shards / name / rel
-            real = resolve_inside(link, (split["source"], str(cluster.data.shards)), name)
+            real = resolve_inside(base + rel, roots, name)
             try:
                 st = os.stat(real)
             except FileNotFoundError:
-                raise DataError(f"{link}: file missing", hint="re-run `orch split-data`") from None
+                raise DataError(f"{base + rel}: file missing", hint="re-run `orch split-data`") from None
             files.append(LocalFile(f"{name}/{rel}", real, st.st_size, 0o644,
                                    cache.digest(real, st)))
     return files
