@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from orchestrator import state as job_state
-from orchestrator.connect import close_all, connect_all
+from orchestrator.connect import GroupResult, close_all, connect_all
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Cluster, load
 from orchestrator.transport import Transport
@@ -27,18 +27,20 @@ def inventory(args: argparse.Namespace) -> Cluster:
     return load(path)
 
 
-def connected(cluster: Cluster, done=None) -> tuple[dict[int, Transport], dict[int, BaseException]]:
-    result = connect_all(cluster.hosts, cluster.base_dir, done)
+def connected(cluster: Cluster, done=None,
+              hosts=None) -> tuple[dict[int, Transport], dict[int, BaseException]]:
+    result = connect_all(cluster.hosts if hosts is None else hosts, cluster.base_dir, done)
     return result.ok, result.failed
 
 
 @contextmanager
-def connections(cluster: Cluster, require_all: bool = True) -> Iterator[dict[int, Transport]]:
-    """Open every host's connection once for the whole command; close them at the end."""
-    transports, failed = connected(cluster)
+def connections(cluster: Cluster, require_all: bool = True,
+                hosts=None) -> Iterator[dict[int, Transport]]:
+    """Open each host's connection (every host, or `hosts`) once for the whole command;
+    close them at the end."""
+    transports, failed = connected(cluster, hosts=hosts)
     try:
         if failed and require_all:
-            from orchestrator.connect import GroupResult
             GroupResult(failed=failed).raise_failures(cluster.hosts, "to connect")
         for i, exc in failed.items():
             console.print(f"[yellow]warning:[/] {escape(str(exc))}")

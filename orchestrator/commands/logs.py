@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from orchestrator import state as job_state
 from orchestrator.commands.common import connections, console, inventory
-from orchestrator.errors import EXIT_OK, HostError
+from orchestrator.errors import EXIT_OK
 from orchestrator.follow import HostStream, PrefixPrinter, follow
 from orchestrator.remote import open_agent
 
@@ -28,9 +28,7 @@ def run(args: argparse.Namespace) -> int:
     dirs = job_state.job_dirs(cluster, job_state.load(cluster))
     if args.rank is not None:
         host = cluster.host_of(args.rank)
-        with connections(cluster, require_all=False) as transports:
-            if host.index not in transports:
-                raise HostError(f"rank {args.rank} ran on {host.label}, which cannot be reached")
+        with connections(cluster, hosts=(host,)) as transports:
             return raw_log(transports[host.index], dirs[host.index], args)
     with connections(cluster, require_all=False) as transports:
         return all_logs(cluster, transports, dirs, args)
