@@ -31,8 +31,10 @@ def clean_run_dir(p: dict) -> None:
             os.unlink(os.path.join(p["run"], name))
 
 
-def cmd_launch(job_dir: str) -> None:
-    """Start the supervisor fully detached (double fork + setsid), report its pid."""
+def cmd_launch(job_dir: str, then: str = "") -> None:
+    """Start the supervisor fully detached (double fork + setsid), report its pid.
+    then="follow": go on as `follow ... events` in this process (saves `orch up` a
+    remote command per host)."""
     p = job_paths(job_dir)
     if supervisor_alive(p["run"]):
         out({"error": "already running"})
@@ -56,6 +58,8 @@ def cmd_launch(job_dir: str) -> None:
     with os.fdopen(rfd) as r:
         reply = r.read()
     out(json.loads(reply) if reply else {"error": "supervisor did not start"})
+    if then == "follow" and reply:
+        cmd_follow(job_dir, ",".join(map(str, spec["ranks"])), "-1", "events")
 
 
 def detach_stdio(log_path: str) -> None:

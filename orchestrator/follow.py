@@ -11,6 +11,7 @@ The agent's protocol, one item per line:
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from orchestrator.remote import open_agent
-from orchestrator.transport import Transport
+from orchestrator.transport import Channel, Transport
 
 HOST_LOST_S = 15.0
 TAIL_KEEP = 20
@@ -41,6 +42,8 @@ class HostStream:
     ranks: list[int]
     last_seen: float = field(default_factory=time.monotonic)
     done: bool = False
+    chan: Channel | None = None   # an agent already streaming (launch ... follow)
+    pending: bytes = b""          # what it sent after its first reply line
 
 
 def parse_chunk(stream: HostStream, index: int, data: bytes, sink: Sink) -> None:
@@ -73,11 +76,13 @@ def parse_chunk(stream: HostStream, index: int, data: bytes, sink: Sink) -> None
 def read_host(index: int, stream: HostStream, sink: Sink, tail: int, mode: str) -> None:
     t = stream.transport
     try:
-        chan = open_agent(t, "follow", stream.job_dir, ",".join(map(str, stream.ranks)),
-                          str(tail), mode)
-        chan.close_stdin()
-        pending = b""
-        for data in iter(chan.read, b""):
+        chan, pending = stream.chan, b""
+        if chan is None:
+            chan = open_agent(t, "follow", stream.job_dir, ",".join(map(str, stream.ranks)),
+                              str(tail), mode)
+            chan.close_stdin()
+        first = [stream.pending] if stream.pending else []
+        for data in itertools.chain(first, iter(chan.read, b"")):
             stream.last_seen = time.monotonic()
             data = pending + data
             cut = data.rfind(b"\n")

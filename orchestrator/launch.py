@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 
 from orchestrator.connect import fan_out, resolve_target, ssh_config
-from orchestrator.errors import HostError
 from orchestrator.inventory import Cluster, Host
 from orchestrator.preflight import HostInfo, Preflight
-from orchestrator.remote import RANKEXEC, call
-from orchestrator.transport import Transport, remote_command
+from orchestrator.remote import RANKEXEC, call, open_agent, parse_reply
+from orchestrator.transport import Channel, Transport, remote_command
 
 
 def master_addr(cluster: Cluster, infos: dict[int, HostInfo] | None = None) -> str:
@@ -51,26 +51,63 @@ def rank_env(cluster: Cluster, job_dir: str, run_id: str) -> dict[str, str]:
     return env
 
 
-def launch_host(cluster: Cluster, t: Transport, info: HostInfo, addr: str, port: int,
-                run_id: str) -> dict:
-    host = t.host
-    spec = {
+def launch_spec(cluster: Cluster, host: Host, info: HostInfo, addr: str, port: int,
+                run_id: str) -> bytes:
+    return json.dumps({
         "run_id": run_id, "ranks": list(host.ranks),
         "argv": torchrun_argv(cluster, host, info.executable, info.job_dir, addr, port),
         "env": rank_env(cluster, info.job_dir, run_id),
         "rankexec": RANKEXEC.decode(),
-    }
-    reply = call(t, "launch", info.job_dir, stdin=json.dumps(spec).encode(), timeout=60)
-    return reply
+    }).encode()
 
 
-def launch_all(cluster: Cluster, transports: dict[int, Transport], pre: Preflight) -> tuple[str, dict]:
+def launch_host(t: Transport, spec: bytes, job_dir: str, follow: bool) -> Started:
+    """Start the host's supervisor. With follow, the same agent goes on streaming the
+    job's events over that channel (returned), which saves a remote command per host."""
+    if not follow:
+        return Started(call(t, "launch", job_dir, stdin=spec, timeout=60), None, b"")
+    chan = open_agent(t, "launch", job_dir, "follow", timeout=60)
+    try:
+        chan.write(spec)
+        chan.close_stdin()
+        head = b""
+        while b"\n" not in head:
+            block = chan.read()
+            if not block:
+                break
+            head += block
+        line, _, rest = head.partition(b"\n")
+        if b"\n" not in head:   # no reply line: let parse_reply say what went wrong
+            res = chan.finish()
+            parse_reply(t, "launch", res.code, head + res.stdout, res.stderr)
+        reply = parse_reply(t, "launch", 0, line, b"")
+    except BaseException:
+        chan.close()
+        raise
+    chan.settimeout(None)
+    return Started(reply, chan, rest)
+
+
+@dataclass(frozen=True)
+class Started:
+    supervisor: dict              # pid, pgid, torchrun_pid, run_id, started
+    chan: Channel | None          # the agent streaming events, when asked to follow
+    pending: bytes                # what it streamed after its reply line
+
+
+def launch_all(cluster: Cluster, transports: dict[int, Transport], pre: Preflight,
+               follow: bool = False) -> tuple[str, dict[int, Started]]:
     """Start torchrun on every host in parallel; raise naming every host that failed."""
     run_id = uuid.uuid4().hex
     addr = master_addr(cluster, pre.hosts)
+    specs = {h.index: launch_spec(cluster, h, pre.hosts[h.index], addr, pre.master_port, run_id)
+             for h in cluster.hosts}
     result = fan_out(cluster.hosts, lambda h: launch_host(
-        cluster, transports[h.index], pre.hosts[h.index], addr, pre.master_port, run_id))
+        transports[h.index], specs[h.index], pre.hosts[h.index].job_dir, follow))
     if result.failed:
+        for started in result.ok.values():
+            if started.chan:
+                started.chan.close()
         result.raise_failures(cluster.hosts, "to start")
     return run_id, result.ok
 
@@ -100,7 +137,3 @@ def dry_run_plan(cluster: Cluster) -> str:
     return "\n".join(lines)
 
 
-def require_started(replies: dict[int, dict], cluster: Cluster) -> None:
-    bad = [cluster.hosts[i].label for i, r in replies.items() if "pid" not in r]
-    if bad:
-        raise HostError(f"torchrun did not start on {', '.join(bad)}")

@@ -51,6 +51,9 @@ class Channel(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def settimeout(self, timeout: float | None) -> None:
+        """How long read() may wait; None: forever (a follow that heartbeats)."""
+
 
 class Transport(ABC):
     def __init__(self, host: Host) -> None:
@@ -159,6 +162,9 @@ class SSHChannel(Channel):
 
     def close_stdin(self) -> None:
         self.chan.shutdown_write()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.chan.settimeout(timeout)
 
     def read(self, n: int = CHUNK) -> bytes:
         try:

@@ -57,10 +57,17 @@ class Monitor:
             i.get("code") != 0 for i in self.host_exits.values())
 
 
-def attach(cluster: Cluster, transports: dict[int, Transport], state: JobState) -> int:
+def attach(cluster: Cluster, transports: dict[int, Transport], state: JobState,
+           open_streams: dict[int, tuple] | None = None) -> int:
+    """Follow the job to its end. `open_streams`: per host, an agent already streaming
+    events (launch ... follow) and the bytes it sent so far."""
     printer = PrefixPrinter({h.index: h.label for h in cluster.hosts})
     mon = Monitor(cluster, state, printer)
-    streams = {h.index: HostStream(transports[h.index], h.job_dir, h.ranks) for h in state.hosts}
+    open_streams = open_streams or {}
+    streams = {h.index: HostStream(transports[h.index], h.job_dir, h.ranks,
+                                   chan=open_streams.get(h.index, (None, b""))[0],
+                                   pending=open_streams.get(h.index, (None, b""))[1])
+               for h in state.hosts}
     finished = follow(streams, mon)
     try:
         while not finished() and not mon.failed():

@@ -16,7 +16,7 @@ from orchestrator.commands.monitor import attach
 from orchestrator.connect import close_all, fan_out
 from orchestrator.errors import EXIT_OK
 from orchestrator.inventory import Cluster
-from orchestrator.launch import dry_run_plan, launch_all, master_addr
+from orchestrator.launch import Started, dry_run_plan, launch_all, master_addr
 from orchestrator.preflight import Preflight, preflight
 from orchestrator.shards import host_files, load_split
 from orchestrator.stopper import stop_all
@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         console.print(f"preflight: {len(cluster.hosts)} hosts ok, world size {cluster.world_size}")
         setup_hosts(cluster, transports, files, pre)
-        run_id, sups = start(cluster, transports, pre)
+        run_id, started = start(cluster, transports, pre, follow=not args.detach)
+        sups = {i: s.supervisor for i, s in started.items()}
         st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
                                  pre.master_port, pre.hosts, sups)
         job_state.save(cluster, st)
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         if args.detach:
             console.print("detached: follow with `orch logs -f`, stop with `orch stop`")
             return EXIT_OK
-        return attach(cluster, transports, st)
+        return attach(cluster, transports, st, {i: (s.chan, s.pending) for i, s in started.items()})
     finally:
         close_all(transports)
 
@@ -72,11 +73,12 @@ def connect_and_check(cluster: Cluster) -> tuple[dict[int, Transport], Preflight
             raise
 
 
-def start(cluster: Cluster, transports: dict[int, Transport], pre: Preflight) -> tuple[str, dict]:
+def start(cluster: Cluster, transports: dict[int, Transport], pre: Preflight,
+          follow: bool) -> tuple[str, dict[int, Started]]:
     """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts
     that did start are stopped again before the error is reported."""
     try:
-        return launch_all(cluster, transports, pre)
+        return launch_all(cluster, transports, pre, follow)
     except BaseException:
         dirs = {i: info.job_dir for i, info in pre.hosts.items()}
         stop_all(cluster, transports, dirs, 0)
