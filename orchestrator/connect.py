@@ -109,6 +109,10 @@ def explain(host: Host, target: Target, exc: BaseException) -> HostError:
         return HostError(f"{where}: authentication failed (keys and agent tried)",
                          hint="set ssh.identity_file or add the key to ssh-agent, and check "
                               "that its public key is in ~/.ssh/authorized_keys on the host")
+    if "No authentication methods available" in str(exc):
+        return HostError(f"{where}: authentication failed: no key to offer (no "
+                         "identity_file, no ~/.ssh/id_* key, no ssh-agent)",
+                         hint="set ssh.identity_file, or start ssh-agent and `ssh-add` your key")
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return HostError(f"{where}: no answer within {target.timeout:g} s",
                          hint="check that the host is up and the address and port are right; "
