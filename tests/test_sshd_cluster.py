@@ -92,7 +92,11 @@ def test_pause_makes_host_hang_and_resume_restores(sshd_cluster: SshdCluster) ->
 
 
 def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    """The process state letter, or "gone" once it has ended and been reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
 
 
 def test_unreachable_refuses_connections() -> None:
