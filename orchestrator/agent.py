@@ -13,7 +13,6 @@ No ``from __future__`` import here: this file is the second part of the script.
 import hashlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -132,9 +131,9 @@ def torch_version():
             return os.path.basename(info)[len("torch-"):-len(".dist-info")]
     site.main()   # unusual layouts (eggs, .pth paths): let importlib.metadata search
     try:
-        from importlib.metadata import version, PackageNotFoundError
+        from importlib.metadata import version
         return version("torch")
-    except (ImportError, Exception):
+    except Exception:  # not installed, or no importlib.metadata (Python < 3.8)
         return None
 
 

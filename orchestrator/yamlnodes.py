@@ -183,7 +183,7 @@ class Section:
         if node is not None and _is_null(node):
             if default is None:
                 return None
-            hint = (f"give it a value" if default is REQUIRED
+            hint = ("give it a value" if default is REQUIRED
                     else f"give it a value, or delete the line to use the default ({default})")
             self.src.fail(node, f"`{self.what(key)}` has no value", hint)
         return node

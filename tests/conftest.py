@@ -3,8 +3,9 @@ to prove that no process of a job is left behind."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -71,3 +72,15 @@ def write_job(tmp_path: Path, source: str, name: str = "job.py") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(source)
     return path
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str,
+               step: float = 0.05) -> object:
+    """Poll until predicate() is truthy; its value, or AssertionError after timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

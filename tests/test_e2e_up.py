@@ -20,11 +20,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import pytest
 
-from conftest import write_job
+from conftest import wait_until, write_job  # noqa: F401  (wait_until: shared with lifecycle)
 from sshd_cluster import FakeHost, SshdCluster, pids_with_env
 
 ORCH = [sys.executable, "-m", "orchestrator"]
@@ -61,7 +61,7 @@ class Running:
             into.append(raw.decode("utf-8", "replace").rstrip("\n"))
 
     def text(self) -> str:
-        return f"--- stdout:\n" + "\n".join(self.out[-50:]) + "\n--- stderr:\n" + "\n".join(self.err)
+        return "--- stdout:\n" + "\n".join(self.out[-50:]) + "\n--- stderr:\n" + "\n".join(self.err)
 
     def wait_for(self, pattern: str, count: int = 1, timeout: float = 90) -> list[str]:
         """Wait until `count` stdout lines match `pattern`; fail if orch ends first."""
@@ -173,15 +173,6 @@ def prefixed(lines: Sequence[str]) -> list[tuple[int, str, str]]:
     return parsed
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str,
-               step: float = 0.1) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 # ---------------------------------------------------------------- the whole path

@@ -26,6 +26,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import pytest
 
+from conftest import wait_until
+
 from orchestrator import agent, remote, splitdata
 from sshd_cluster import FakeHost, SshdCluster, pids_with_env
 
@@ -65,15 +67,6 @@ def job_dir(host: FakeHost, name: str) -> Path:
     return host.remote_dir / name
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str,
-               step: float = 0.05) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def assert_no_job_left(hosts: Sequence[FakeHost], name: str) -> None:
