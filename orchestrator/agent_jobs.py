@@ -24,7 +24,9 @@ HEARTBEAT_S = 1.0
 # ---------------------------------------------------------------- launch
 
 def clean_run_dir(p: dict) -> None:
-    for d in (p["run"], p["logs"], p["output"]):
+    # code/ too: without `code:` in the inventory nothing was pushed, and a missing
+    # entrypoint should fail as the rank's own error, not as a missing folder
+    for d in (p["run"], p["logs"], p["output"], p["code"]):
         os.makedirs(d, exist_ok=True)
     for name in os.listdir(p["run"]):
         if name.endswith((".exit", ".pid")) or name == "host.exit":
