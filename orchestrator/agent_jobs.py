@@ -37,13 +37,17 @@ def cmd_launch(job_dir: str, then: str = "") -> None:
     """Start the supervisor fully detached (double fork + setsid), report its pid.
     then="follow": go on as `follow ... events` in this process (saves `orch up` a
     remote command per host)."""
+    # The spec (with the job's env: secrets) comes on stdin and is kept 0600. orch starts
+    # this agent while preflight still runs; no spec (stdin closed) means: do nothing.
+    data = sys.stdin.buffer.read()
+    if not data:
+        return
+    spec = json.loads(data)
     p = job_paths(job_dir)
     if supervisor_alive(p["run"]):
         out({"error": "already running"})
         return
     clean_run_dir(p)
-    # The spec (with the job's env: secrets) comes on stdin and is kept 0600.
-    spec = json.loads(sys.stdin.buffer.read())
     rankexec = spec.pop("rankexec")
     write_atomic(os.path.join(p["run"], "launch.json"), json.dumps(spec).encode(), 0o600)
     write_atomic(os.path.join(p["run"], "rankexec.py"), rankexec.encode(), 0o644)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from orchestrator.connect import fan_out, resolve_target, ssh_config
 from orchestrator.inventory import Cluster, Host
 from orchestrator.preflight import HostInfo, Preflight
-from orchestrator.remote import RANKEXEC, call, open_agent, parse_reply
+from orchestrator.remote import RANKEXEC, open_agent, parse_reply
 from orchestrator.transport import Channel, Transport, remote_command
 
 
@@ -61,12 +61,15 @@ def launch_spec(cluster: Cluster, host: Host, info: HostInfo, addr: str, port: i
     }).encode()
 
 
-def launch_host(t: Transport, spec: bytes, job_dir: str, follow: bool) -> Started:
-    """Start the host's supervisor. With follow, the same agent goes on streaming the
-    job's events over that channel (returned), which saves a remote command per host."""
-    if not follow:
-        return Started(call(t, "launch", job_dir, stdin=spec, timeout=60), None, b"")
-    chan = open_agent(t, "launch", job_dir, "follow", timeout=60)
+def open_launcher(t: Transport, job_dir: str, follow: bool) -> Channel:
+    """Start the host's launch agent now; it waits for its spec on stdin. Opened while
+    preflight runs, its start-up (login shell, python) is off the critical path."""
+    return open_agent(t, "launch", job_dir, "follow" if follow else "", timeout=60)
+
+
+def launch_host(t: Transport, chan: Channel, spec: bytes) -> Started:
+    """Hand the waiting agent its spec. It starts the supervisor, replies with its pid
+    and, when it was opened to follow, goes on streaming the job's events (returned)."""
     try:
         chan.write(spec)
         chan.close_stdin()
@@ -91,23 +94,22 @@ def launch_host(t: Transport, spec: bytes, job_dir: str, follow: bool) -> Starte
 @dataclass(frozen=True)
 class Started:
     supervisor: dict              # pid, pgid, torchrun_pid, run_id, started
-    chan: Channel | None          # the agent streaming events, when asked to follow
+    chan: Channel                 # the agent; streaming events when opened to follow
     pending: bytes                # what it streamed after its reply line
 
 
 def launch_all(cluster: Cluster, transports: dict[int, Transport], pre: Preflight,
-               follow: bool = False) -> tuple[str, dict[int, Started]]:
+               launchers: dict[int, Channel]) -> tuple[str, dict[int, Started]]:
     """Start torchrun on every host in parallel; raise naming every host that failed."""
     run_id = uuid.uuid4().hex
     addr = master_addr(cluster, pre.hosts)
     specs = {h.index: launch_spec(cluster, h, pre.hosts[h.index], addr, pre.master_port, run_id)
              for h in cluster.hosts}
     result = fan_out(cluster.hosts, lambda h: launch_host(
-        transports[h.index], specs[h.index], pre.hosts[h.index].job_dir, follow))
+        transports[h.index], launchers[h.index], specs[h.index]))
     if result.failed:
         for started in result.ok.values():
-            if started.chan:
-                started.chan.close()
+            started.chan.close()
         result.raise_failures(cluster.hosts, "to start")
     return run_id, result.ok
 

@@ -16,12 +16,12 @@ from orchestrator.commands.monitor import attach
 from orchestrator.connect import close_all, fan_out
 from orchestrator.errors import EXIT_OK
 from orchestrator.inventory import Cluster
-from orchestrator.launch import Started, dry_run_plan, launch_all, master_addr
-from orchestrator.preflight import Preflight, preflight
+from orchestrator.launch import Started, dry_run_plan, launch_all, master_addr, open_launcher
+from orchestrator.preflight import Preflight, job_dir, preflight
 from orchestrator.shards import host_files, load_split
 from orchestrator.stopper import stop_all
 from orchestrator.sync import DigestCache, LocalFile, SyncReport, code_files, push
-from orchestrator.transport import Transport
+from orchestrator.transport import Channel, Transport
 
 
 def add_parser(sub: Any) -> None:
@@ -39,11 +39,11 @@ def run(args: argparse.Namespace) -> int:
         print(dry_run_plan(cluster))
         return EXIT_OK
     files = local_files(cluster)   # bad data is refused before any host is touched
-    transports, pre = connect_and_check(cluster)
+    transports, launchers, pre = connect_and_check(cluster, follow=not args.detach)
     try:
         console.print(f"preflight: {len(cluster.hosts)} hosts ok, world size {cluster.world_size}")
         setup_hosts(cluster, transports, files, pre)
-        run_id, started = start(cluster, transports, pre, follow=not args.detach)
+        run_id, started = start(cluster, transports, pre, launchers)
         sups = {i: s.supervisor for i, s in started.items()}
         st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
                                  pre.master_port, pre.hosts, sups)
@@ -55,30 +55,43 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_OK
         return attach(cluster, transports, st, {i: (s.chan, s.pending) for i, s in started.items()})
     finally:
-        close_all(transports)
+        close_everything(transports, launchers)
 
 
-def connect_and_check(cluster: Cluster) -> tuple[dict[int, Transport], Preflight]:
-    """Connect to every host and preflight it, all in parallel, with a hosts-done display."""
+def close_everything(transports: dict[int, Transport], launchers: dict[int, Channel]) -> None:
+    for chan in launchers.values():
+        chan.close()   # a launcher that got no spec sees EOF and exits, touching nothing
+    close_all(transports)
+
+
+def connect_and_check(cluster: Cluster, follow: bool
+                      ) -> tuple[dict[int, Transport], dict[int, Channel], Preflight]:
+    """Connect to every host and preflight it, all in parallel, with a hosts-done display.
+    Each host's launch agent is started alongside and waits for its spec."""
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("hosts"), console=console, transient=True) as bar:
         task = bar.add_task("connect", total=len(cluster.hosts))
         tick = lambda: bar.advance(task)
         transports, failed = connected(cluster, tick)
         bar.reset(task, description="preflight", total=len(cluster.hosts), completed=len(failed))
+        launchers: dict[int, Channel] = {}
         try:
-            return transports, preflight(cluster, transports, failed, tick)
+            opened = fan_out(tuple(cluster.hosts[i] for i in transports), lambda h: open_launcher(
+                transports[h.index], job_dir(cluster, h), follow))
+            launchers = opened.ok
+            failed.update(opened.failed)
+            return transports, launchers, preflight(cluster, transports, failed, tick)
         except BaseException:
-            close_all(transports)
+            close_everything(transports, launchers)
             raise
 
 
 def start(cluster: Cluster, transports: dict[int, Transport], pre: Preflight,
-          follow: bool) -> tuple[str, dict[int, Started]]:
+          launchers: dict[int, Channel]) -> tuple[str, dict[int, Started]]:
     """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts
     that did start are stopped again before the error is reported."""
     try:
-        return launch_all(cluster, transports, pre, follow)
+        return launch_all(cluster, transports, pre, launchers)
     except BaseException:
         dirs = {i: info.job_dir for i, info in pre.hosts.items()}
         stop_all(cluster, transports, dirs, 0)
