@@ -5,7 +5,7 @@ The controller never installs anything on a host. Each call sends the agent's so
 <command> ...`` (see ``remote.py``); whatever stdin carries after those n bytes belongs
 to the command (file streams, secrets). Python >= 3.8.
 
-This file: common helpers, preflight, files (manifest, receive, put) and the dispatcher.
+This file: common helpers, preflight, files (manifest, receive) and the dispatcher.
 Commands print one JSON object (or a line protocol for ``follow``) on stdout.
 No ``from __future__`` import here: this file is the second part of the script.
 """
@@ -363,13 +363,6 @@ def cmd_receive(root: str) -> None:
         prune_empty_dirs(root)
     save_cache(root, cache)
     out({"files": count, "bytes": nbytes, "deleted": len(head.get("delete", []))})
-
-
-def cmd_put(path: str, mode: str) -> None:
-    path = os.path.abspath(os.path.expanduser(path))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_atomic(path, sys.stdin.buffer.read(), int(mode, 8))
-    out({"path": path})
 
 
 def main(argv) -> None:

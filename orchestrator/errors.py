@@ -47,10 +47,3 @@ class HostError(OrchError):
 
     exit_code = EXIT_HOST
 
-
-class JobFailed(OrchError):
-    exit_code = EXIT_JOB_FAILED
-
-
-class Interrupted(OrchError):
-    exit_code = EXIT_INTERRUPTED

@@ -61,8 +61,3 @@ def call(t: Transport, command: str, *args: str, stdin: bytes = b"",
     finally:
         chan.close()
     return parse_reply(t, command, res.code, res.stdout, res.stderr)
-
-
-def put(t: Transport, path: str, data: bytes, mode: int = 0o600) -> None:
-    """A file written on the host with mode set before any byte lands (secrets)."""
-    call(t, "put", path, format(mode, "o"), stdin=data)
