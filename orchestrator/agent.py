@@ -230,7 +230,10 @@ def walk_files(root: str):
             continue
         for e in entries:
             r = rel + "/" + e.name if rel else e.name
-            if e.is_dir(follow_symlinks=False):
+            if e.is_dir(follow_symlinks=False) and e.name.startswith(STAGING):
+                import shutil   # a killed receiver's staging folder: never promoted
+                shutil.rmtree(e.path, ignore_errors=True)
+            elif e.is_dir(follow_symlinks=False):
                 stack.append(r)
             elif ".orch-part-" in e.name:
                 # left by a receiver that was killed (SIGKILL, host crash); manifests are
@@ -285,10 +288,12 @@ def safe_join(root: str, rel: str, checked: set) -> str:
     return root + "/" + rel
 
 
-def receive_file(stream, root: str, head: dict, cache: dict, checked: set, buf) -> None:
-    """Write beside (.orch-part-), hash while writing, verify, then rename into place."""
+def receive_file(stream, root: str, head: dict, cache: dict, checked: set, buf,
+                 staged: bool = False) -> None:
+    """Write beside (.orch-part-), hash while writing, verify, then rename into place.
+    A staged file (inside a staging folder no one reads) is written under its name."""
     path = safe_join(root, head["p"], checked)
-    tmp = "%s.orch-part-%d" % (path, os.getpid())
+    tmp = path if staged else "%s.orch-part-%d" % (path, os.getpid())
     h, mode = hashlib.sha256(), head.get("m", 0o644)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
@@ -304,7 +309,8 @@ def receive_file(stream, root: str, head: dict, cache: dict, checked: set, buf) 
     if head.get("h") and h.hexdigest() != head["h"]:
         os.unlink(tmp)
         raise ValueError("digest mismatch for %s" % head["p"])
-    os.replace(tmp, path)
+    if not staged:
+        os.replace(tmp, path)
     cache[head["p"]] = ["%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino), h.hexdigest()]
 
 
@@ -337,23 +343,70 @@ def grow_stdin_pipe() -> None:
         pass
 
 
-def cmd_receive(root: str) -> None:
-    """Apply a stream: JSON header line + raw bytes per file, then {"end", "delete"}."""
-    root = os.path.expanduser(root)
-    os.makedirs(root, exist_ok=True)
-    root = os.path.realpath(root)   # a remote_dir under a linked folder is fine
-    grow_stdin_pipe()
-    stream, cache, count, nbytes = sys.stdin.buffer, load_cache(root), 0, 0
-    checked, buf, decode = set(), bytearray(1 << 20), json.JSONDecoder().decode
+STAGING = ".orch-staging-"
+
+
+class Staging:
+    """A top-level folder (a shard, a code package) that the host does not have yet is
+    written into a staging folder under its final names and renamed into place as a
+    whole at the end: one rename per folder instead of one per file. Folders the host
+    has are updated file by file (write beside, rename)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.dir = "%s/%s%d" % (root, STAGING, os.getpid())
+        self.tops: dict = {}
+        self.checked: set = set()
+
+    def wants(self, rel: str) -> bool:
+        top = rel.split("/", 1)[0]
+        if top not in self.tops:
+            self.tops[top] = "/" in rel and not os.path.lexists(self.root + "/" + top)
+            if self.tops[top]:
+                os.makedirs(self.dir, exist_ok=True)
+        return self.tops[top]
+
+    def promote(self) -> None:
+        """Every staged file was verified when written: move the folders into place
+        (also after a broken stream, so that a resumed push sends only the rest)."""
+        for top, staged in self.tops.items():
+            if staged and os.path.lexists(self.dir + "/" + top):
+                os.rename(self.dir + "/" + top, self.root + "/" + top)
+        if os.path.isdir(self.dir):
+            import shutil
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def receive_stream(stream, root: str, cache: dict, checked: set, staging: Staging) -> tuple:
+    buf, decode, count, nbytes = bytearray(1 << 20), json.JSONDecoder().decode, 0, 0
     while True:
         line = stream.readline()
         if not line:
             raise EOFError("stream ended without its end marker")
         head = decode(line.decode())
         if "end" in head:
-            break
-        receive_file(stream, root, head, cache, checked, buf)
+            return head, count, nbytes
+        if staging.wants(head["p"]):
+            receive_file(stream, staging.dir, head, cache, staging.checked, buf, staged=True)
+        else:
+            receive_file(stream, root, head, cache, checked, buf)
         count, nbytes = count + 1, nbytes + head["s"]
+
+
+def cmd_receive(root: str) -> None:
+    """Apply a stream: JSON header line + raw bytes per file, then {"end", "delete"}."""
+    root = os.path.expanduser(root)
+    os.makedirs(root, exist_ok=True)
+    root = os.path.realpath(root)   # a remote_dir under a linked folder is fine
+    grow_stdin_pipe()
+    cache, checked, staging = load_cache(root), set(), Staging(root)
+    try:
+        head, count, nbytes = receive_stream(sys.stdin.buffer, root, cache, checked, staging)
+    except BaseException:
+        staging.promote()
+        save_cache(root, cache)   # what did land is known next time
+        raise
+    staging.promote()
     for rel in head.get("delete", []):
         path = safe_join(root, rel, checked)
         if os.path.lexists(path):
