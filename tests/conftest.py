@@ -3,6 +3,7 @@ to prove that no process of a job is left behind."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -84,3 +85,13 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str,
             return value
         time.sleep(step)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def kill_all(pids_by_host: dict) -> None:
+    """SIGKILL every pid of {host: [pids]} (a test's own leftovers, after it failed)."""
+    for pids in pids_by_host.values():
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -14,7 +14,6 @@ import re
 import secrets
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -24,7 +23,7 @@ from typing import Iterator, Sequence
 
 import pytest
 
-from conftest import wait_until, write_job  # noqa: F401  (wait_until: shared with lifecycle)
+from conftest import kill_all, wait_until, write_job  # noqa: F401  (wait_until: shared with lifecycle)
 from sshd_cluster import FakeHost, SshdCluster, pids_with_env
 
 ORCH = [sys.executable, "-m", "orchestrator"]
@@ -143,12 +142,7 @@ class Jobs:
             left = {a: p for a, p in job_pids(hosts, name).items() if p}
             problems.append(f"job {name} was still running at teardown (orch stop: "
                             f"{stop.returncode}; still left after it: {left})")
-            for pids in left.values():
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            kill_all(left)
         return problems
 
 

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import pytest
 
-from conftest import wait_until
+from conftest import kill_all, wait_until
 
 from orchestrator import agent, remote, splitdata
 from sshd_cluster import FakeHost, SshdCluster, pids_with_env
@@ -79,12 +79,7 @@ def assert_no_job_left(hosts: Sequence[FakeHost], name: str) -> None:
     while left() and time.monotonic() < deadline:
         time.sleep(0.1)
     stray = left()
-    for pids in stray.values():
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    kill_all(stray)
     assert not stray, f"processes of job {name} are left: {stray}"
 
 
