@@ -95,8 +95,8 @@ def sha256_of(path: str) -> str:
 
 @dataclass(frozen=True)
 class Resolved:
-    real: str            # where the link leads, fully resolved
-    target: str | None   # relative link text to push; None: push the content of `real`
+    to: str              # a link: what it names (one hop); content: the file, fully resolved
+    target: str | None   # relative link text to push; None: push the content of `to`
 
 
 def inside(real: str, root: str) -> bool:
@@ -105,22 +105,34 @@ def inside(real: str, root: str) -> bool:
 
 def resolve_link(path: str, tree: str, fix: str, content_root: str | None = None) -> Resolved:
     """What a symlink at `path` is pushed as. `tree` is the resolved folder being pushed:
-    a target inside it is kept as a link (relative). A target inside `content_root`
-    (shards: the data source) is pushed as content. Anything else is refused."""
+    a link naming something inside it stays a link (made relative; what it names is
+    pushed and judged on its own). A target resolving inside `content_root` (shards: the
+    data source) is pushed as content. Anything else is refused."""
     try:
         real = os.path.realpath(path, strict=True)
     except OSError as e:
         raise DataError(f"{path}: {link_problem(path, e)}", hint=fix) from None
-    if inside(real, tree):
+    hop = link_hop(path)
+    if inside(hop, tree):
         folder = os.path.realpath(os.path.dirname(path))
         if inside(folder, real):
             raise DataError(f"{path}: symlink to its own folder or one above it ({real}), "
                             "a loop on the hosts", hint=fix)
-        return Resolved(real, os.path.relpath(real, folder))
+        return Resolved(hop, os.path.relpath(hop, folder))
     if content_root is not None and inside(real, content_root):
         return Resolved(real, None)
     raise DataError(f"{path}: symlink pointing outside {tree} (to {real}); orch pushes a link "
                     "only when its target is pushed with it", hint=fix)
+
+
+def link_hop(path: str) -> str:
+    """Where a link points, one hop: its target's folder resolved, its last name kept
+    (a link to a link inside the tree stays a link to that link)."""
+    hop = os.path.join(os.path.dirname(path), os.readlink(path))   # an absolute target wins
+    head, tail = os.path.split(hop)
+    if tail in ("", ".", ".."):
+        return os.path.realpath(hop)
+    return os.path.join(os.path.realpath(head), tail)
 
 
 def link_problem(path: str, e: OSError) -> str:
@@ -286,10 +298,10 @@ def code_entry(dest: str, path: str, root: str, top: str, rules: IgnoreRules, fi
 def code_link(dest: str, path: str, root: str, top: str, rules: IgnoreRules, fix: str) -> LocalFile:
     res = resolve_link(path, root, fix)
     assert res.target is not None   # no content_root: outside links were refused
-    sub = os.path.relpath(res.real, root).replace(os.sep, "/")
-    reason = rules.why_path(f"{top}/{sub}", os.path.isdir(res.real))
+    sub = os.path.relpath(res.to, root).replace(os.sep, "/")
+    reason = rules.why_path(f"{top}/{sub}", os.path.isdir(res.to))
     if reason:
-        raise DataError(f"{path}: symlink to {res.real}, which {reason} leaves out: it would "
+        raise DataError(f"{path}: symlink to {res.to}, which {reason} leaves out: it would "
                         "dangle on the hosts", hint=fix)
     return link_file(dest, path, res.target)
 

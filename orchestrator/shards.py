@@ -182,8 +182,8 @@ def shard_file(cluster: Cluster, folder: str, name: str, rel: str, listed: set[s
     if stat.S_ISLNK(st.st_mode):
         res = resolve_link(folder + "/" + rel, folder, fix, content_root=source)
         if res.target is not None:
-            return shard_link(f"{name}/{rel}", path, res.real, res.target, folder, listed, fix)
-        real = res.real
+            return shard_link(f"{name}/{rel}", path, res.to, res.target, folder, listed, fix)
+        real = res.to
     else:
         real = os.path.realpath(folder + "/" + rel)
         if not inside(real, folder) and not (source and inside(real, source)):
