@@ -103,18 +103,52 @@ def inside(real: str, root: str) -> bool:
     return real == root or real.startswith(root.rstrip("/") + "/")
 
 
-def resolve_link(path: str, tree: str, fix: str, content_root: str | None = None) -> Resolved:
+class Resolver:
+    """realpath with the folders' answers remembered: a split is many links into few
+    folders, so each file costs a readlink and an lstat, not a walk of its whole path."""
+
+    def __init__(self) -> None:
+        self.folders: dict[str, str] = {}
+
+    def folder(self, path: str) -> str:
+        hit = self.folders.get(path)
+        if hit is None:
+            hit = self.folders[path] = os.path.realpath(path)
+        return hit
+
+    def hop(self, path: str) -> str:
+        """Where a link points, one hop: its target's folder resolved, its last name kept
+        (a link to a link inside the tree stays a link to that link)."""
+        hop = os.path.join(os.path.dirname(path), os.readlink(path))   # an absolute target wins
+        head, tail = os.path.split(hop)
+        if tail in ("", ".", ".."):
+            return os.path.realpath(hop)
+        return os.path.join(self.folder(head), tail)
+
+    def real(self, path: str, hop: str) -> str:
+        """The link's final target; OSError when it dangles or loops."""
+        try:
+            if not stat.S_ISLNK(os.lstat(hop).st_mode):
+                return hop   # the usual case: one hop to a file or folder
+        except OSError:
+            pass
+        return os.path.realpath(path, strict=True)
+
+
+def resolve_link(path: str, tree: str, fix: str, content_root: str | None = None,
+                 resolver: Resolver | None = None) -> Resolved:
     """What a symlink at `path` is pushed as. `tree` is the resolved folder being pushed:
     a link naming something inside it stays a link (made relative; what it names is
     pushed and judged on its own). A target resolving inside `content_root` (shards: the
     data source) is pushed as content. Anything else is refused."""
+    r = resolver or Resolver()
     try:
-        real = os.path.realpath(path, strict=True)
+        hop = r.hop(path)
+        real = r.real(path, hop)
     except OSError as e:
         raise DataError(f"{path}: {link_problem(path, e)}", hint=fix) from None
-    hop = link_hop(path)
     if inside(hop, tree):
-        folder = os.path.realpath(os.path.dirname(path))
+        folder = r.folder(os.path.dirname(path))
         if inside(folder, real):
             raise DataError(f"{path}: symlink to its own folder or one above it ({real}), "
                             "a loop on the hosts", hint=fix)
@@ -123,16 +157,6 @@ def resolve_link(path: str, tree: str, fix: str, content_root: str | None = None
         return Resolved(real, None)
     raise DataError(f"{path}: symlink pointing outside {tree} (to {real}); orch pushes a link "
                     "only when its target is pushed with it", hint=fix)
-
-
-def link_hop(path: str) -> str:
-    """Where a link points, one hop: its target's folder resolved, its last name kept
-    (a link to a link inside the tree stays a link to that link)."""
-    hop = os.path.join(os.path.dirname(path), os.readlink(path))   # an absolute target wins
-    head, tail = os.path.split(hop)
-    if tail in ("", ".", ".."):
-        return os.path.realpath(hop)
-    return os.path.join(os.path.realpath(head), tail)
 
 
 def link_problem(path: str, e: OSError) -> str:
@@ -265,6 +289,7 @@ def tree_files(base: Path, top: str, rules: IgnoreRules, cache: DigestCache) -> 
         return
     fix = (f"make the link point inside {top}, replace it with a copy of what it points to, "
            "or leave it out with code.exclude or .gitignore")
+    resolver = Resolver()
     for d, dirs, names in os.walk(root, onerror=unreadable):
         sub = os.path.relpath(d, root).replace(os.sep, "/")
         prefix = "" if sub == "." else sub + "/"
@@ -274,29 +299,35 @@ def tree_files(base: Path, top: str, rules: IgnoreRules, cache: DigestCache) -> 
             if rules.why(rel, is_dir=True):
                 continue   # not walked: git does not look inside an ignored folder either
             if os.path.islink(os.path.join(d, n)):
-                yield code_link(f"{name}/{prefix}{n}", os.path.join(d, n), root, top, rules, fix)
+                yield code_link(f"{name}/{prefix}{n}", os.path.join(d, n), root, top, rules, fix,
+                                resolver)
             else:
                 kept.append(n)
         dirs[:] = kept
         for n in sorted(names):
             if not rules.why(f"{top}/{prefix}{n}"):
-                f = code_entry(f"{name}/{prefix}{n}", os.path.join(d, n), root, top, rules, fix, cache)
+                f = code_entry(f"{name}/{prefix}{n}", os.path.join(d, n), (root, top), rules, fix,
+                               cache, resolver)
                 if f is not None:
                     yield f
 
 
-def code_entry(dest: str, path: str, root: str, top: str, rules: IgnoreRules, fix: str,
-               cache: DigestCache) -> LocalFile | None:
-    st = os.lstat(path)
+def code_entry(dest: str, path: str, tree: tuple[str, str], rules: IgnoreRules, fix: str,
+               cache: DigestCache, resolver: Resolver) -> LocalFile | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None   # removed while we walked
     if stat.S_ISLNK(st.st_mode):
-        return code_link(dest, path, root, top, rules, fix)
+        return code_link(dest, path, *tree, rules, fix, resolver)
     if stat.S_ISREG(st.st_mode):
         return regular_file(dest, path, st, cache)
     return None   # a socket, fifo or device file is not code
 
 
-def code_link(dest: str, path: str, root: str, top: str, rules: IgnoreRules, fix: str) -> LocalFile:
-    res = resolve_link(path, root, fix)
+def code_link(dest: str, path: str, root: str, top: str, rules: IgnoreRules, fix: str,
+              resolver: Resolver) -> LocalFile:
+    res = resolve_link(path, root, fix, resolver=resolver)
     assert res.target is not None   # no content_root: outside links were refused
     sub = os.path.relpath(res.to, root).replace(os.sep, "/")
     reason = rules.why_path(f"{top}/{sub}", os.path.isdir(res.to))

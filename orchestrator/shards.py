@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 
 from orchestrator.errors import DataError
 from orchestrator.inventory import Cluster, Host
-from orchestrator.localfiles import DigestCache, LocalFile, inside, link_file, resolve_link
+from orchestrator.localfiles import (DigestCache, LocalFile, Resolver, inside, link_file,
+                                     resolve_link)
 
 MAX_MANIFEST = 256 << 20       # bytes; orch split-data writes about 50 bytes per file
 MAX_FILES = 5_000_000          # entries in one split
@@ -113,8 +115,8 @@ def check_shard(shard: object, rank: int, m: Manifest) -> int:
         raise m.fail(f"shard {want} lists more than {MAX_FILES} files")
     seen: set[str] = set()
     for i, entry in enumerate(files):
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
-                and is_count(entry[1])):
+        if not (type(entry) is list and len(entry) == 2 and type(entry[0]) is str
+                and type(entry[1]) is int and entry[1] >= 0):   # type(): a bool is no count
             raise m.fail(f"shard {want}, file {i}: not a [path, bytes] pair")
         rel = safe_rel(entry[0], f"{m.path}: shard {want}, file {i}", m.fix)
         if rel in seen:
@@ -127,17 +129,22 @@ def is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+# an empty, `.` or `..` part (also a leading or trailing slash), a backslash or a NUL
+UNSAFE = re.compile(r"(?:^|/)\.{0,2}(?:/|$)|[\\\0]")
+
+
 def safe_rel(rel: str, where: str, fix: str = "re-create the split with `orch split-data`") -> str:
     """A manifest path may not climb out of its shard: no absolute paths, no `..`."""
-    try:   # names split-data could not decode are written as surrogate escapes
-        size = len(rel.encode("utf-8", "surrogateescape"))
-    except UnicodeEncodeError:
-        size = -1
-    if not 0 < size <= MAX_PATH or rel[0] == "/" or "\\" in rel or "\0" in rel \
-            or any(part in ("", ".", "..") for part in rel.split("/")):
+    if rel.isascii():
+        size = len(rel)
+    else:
+        try:   # names split-data could not decode are written as surrogate escapes
+            size = len(rel.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:
+            size = MAX_PATH + 1
+    if size > MAX_PATH or UNSAFE.search(rel):
         raise DataError(f"{where}: refusing unsafe path {rel[:200]!r} in manifest.json "
-                        "(absolute, `..`, empty, overlong or not a file name)",
-                        hint=fix)
+                        "(absolute, `..`, empty, overlong or not a file name)", hint=fix)
     return rel
 
 
@@ -147,13 +154,14 @@ def host_files(cluster: Cluster, host: Host, split: dict, cache: DigestCache) ->
     """The host's own shards, as `worker_<r>_of_<W>/<rel>` under data/: the bytes of files
     and of links into data.source; links inside a shard stay links."""
     source = os.path.realpath(cluster.data.source) if cluster.data.source else None
-    files = []
+    files, resolver = [], Resolver()
     for rank in host.ranks:
         shard = split["shards"][rank]
         folder = shard_folder(cluster, shard["name"])
         listed = {rel for rel, _size in shard["files"]}
         for rel, _size in shard["files"]:
-            files.append(shard_file(cluster, folder, shard["name"], rel, listed, source, cache))
+            files.append(shard_file(cluster, (folder, shard["name"], rel), listed, source, cache,
+                                    resolver))
     return files
 
 
@@ -169,23 +177,27 @@ def shard_folder(cluster: Cluster, name: str) -> str:
     return real
 
 
-def shard_file(cluster: Cluster, folder: str, name: str, rel: str, listed: set[str],
-               source: str | None, cache: DigestCache) -> LocalFile:
+def shard_file(cluster: Cluster, where: tuple[str, str, str], listed: set[str],
+               source: str | None, cache: DigestCache, resolver: Resolver) -> LocalFile:
+    """One listed file: content when it is (or links to) a file in the shard or the data
+    source; a link when it links to a listed path of the same shard; else refused."""
+    folder, name, rel = where
     path = f"{cluster.data.shards}/{name}/{rel}"
     fix = f"re-run `orch split-data --workers {cluster.world_size} -c {cluster.path}`"
     if source is None:
         fix += "; links into the dataset need data.source in cluster.yaml, the folder that was split"
     try:
-        st = os.lstat(folder + "/" + rel)
+        st = os.lstat(path)
     except OSError:
         raise DataError(f"{path}: file missing", hint=fix) from None
     if stat.S_ISLNK(st.st_mode):
-        res = resolve_link(folder + "/" + rel, folder, fix, content_root=source)
+        res = resolve_link(path, folder, fix, content_root=source, resolver=resolver)
         if res.target is not None:
             return shard_link(f"{name}/{rel}", path, res.to, res.target, folder, listed, fix)
         real = res.to
     else:
-        real = os.path.realpath(folder + "/" + rel)
+        head, _, tail = path.rpartition("/")
+        real = resolver.folder(head) + "/" + tail   # not a link itself: only its folders can be
         if not inside(real, folder) and not (source and inside(real, source)):
             raise DataError(f"{path}: reached through a linked folder, outside {folder} and the "
                             f"data source (to {real})", hint=fix)

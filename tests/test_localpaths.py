@@ -321,6 +321,21 @@ def test_shard_link_outside_the_source_is_refused_even_with_a_rewritten_source(
     assert_refused(orch_up(inv), tmp_path, str(link), "outside")
 
 
+def test_shard_file_through_a_linked_folder_or_a_linked_shard_is_refused(tmp_path: Path) -> None:
+    _, shards, inv = make_split(tmp_path, workers=1)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("no\n")
+    (shards / "worker_0_of_1" / "extra").symlink_to(outside, target_is_directory=True)
+    edit_manifest(shards, lambda m: m["splits"]["1"]["shards"][0]["files"].append(
+        ["extra/secret.txt", 3]))
+    refused(lambda: all_host_files(inv), "extra/secret.txt", "linked folder", str(outside))
+    shard = shards / "worker_0_of_1"
+    shard.rename(tmp_path / "moved")
+    shard.symlink_to(tmp_path / "moved", target_is_directory=True)
+    refused(lambda: all_host_files(inv), str(shard), "shard folder is a symlink")
+
+
 def test_shard_links_need_data_source(tmp_path: Path) -> None:
     _, shards, inv = make_split(tmp_path, workers=1)
     doc = yaml.safe_load(inv.read_text())
