@@ -288,7 +288,7 @@ def all_host_files(inv: Path) -> dict[str, LocalFile]:
 
 
 def test_split_data_shards_are_pushed_as_content(tmp_path: Path) -> None:
-    source, shards, inv = make_split(tmp_path, workers=1)
+    source, _, inv = make_split(tmp_path, workers=1)
     got = all_host_files(inv)
     assert len(got) == 8 and all(f.link is None for f in got.values())
     f = got["worker_0_of_1/class0/img_0.bin"]
@@ -337,7 +337,7 @@ def test_shard_file_through_a_linked_folder_or_a_linked_shard_is_refused(tmp_pat
 
 
 def test_shard_links_need_data_source(tmp_path: Path) -> None:
-    _, shards, inv = make_split(tmp_path, workers=1)
+    _, _, inv = make_split(tmp_path, workers=1)
     doc = yaml.safe_load(inv.read_text())
     del doc["data"]["source"]
     inv.write_text(yaml.safe_dump(doc))
@@ -412,7 +412,7 @@ def test_damaged_manifest_exits_2_without_traceback(tmp_path: Path, kind: str) -
 
 def test_too_many_manifest_entries_are_refused(tmp_path: Path, monkeypatch) -> None:
     from orchestrator import shards as shards_mod
-    _, shards, inv = make_split(tmp_path)
+    _, _, inv = make_split(tmp_path)
     monkeypatch.setattr(shards_mod, "MAX_FILES", 5)
     refused(lambda: all_host_files(inv), "manifest.json", "more than 5 files")
 

@@ -16,8 +16,8 @@ from orchestrator.commands.monitor import attach
 from orchestrator.connect import close_all, fan_out
 from orchestrator.errors import EXIT_OK
 from orchestrator.inventory import Cluster
-from orchestrator.localfiles import Pushable, check_entrypoint
 from orchestrator.launch import Started, dry_run_plan, launch_all, master_addr, open_launcher
+from orchestrator.localfiles import Pushable, check_entrypoint
 from orchestrator.preflight import Preflight, job_dir, preflight
 from orchestrator.shards import host_files, load_split
 from orchestrator.stopper import stop_all
