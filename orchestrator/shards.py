@@ -1,84 +1,220 @@
-"""Which shard files a host receives: only those of its own ranks, read from manifest.json."""
+"""Which shard files a host receives: only those of its own ranks, read from manifest.json.
+
+Nothing in manifest.json is trusted: it is checked for shape, types, NUL bytes, sizes and
+paths, and every file must resolve inside its shard folder or inside the inventory's
+`data.source` (never the manifest's own `source` field, which anyone can rewrite).
+"""
 from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 
 from orchestrator.errors import DataError
 from orchestrator.inventory import Cluster, Host
-from orchestrator.sync import DigestCache, LocalFile
+from orchestrator.localfiles import (DigestCache, LocalFile, Resolver, inside, link_file,
+                                     resolve_link)
+
+MAX_MANIFEST = 256 << 20       # bytes; orch split-data writes about 50 bytes per file
+MAX_FILES = 5_000_000          # entries in one split
+MAX_PATH = 4096                # bytes in one manifest path (PATH_MAX)
+
+
+class Manifest:
+    """Where manifest.json is and what to tell the user when it is wrong."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.path = f"{cluster.data.shards}/manifest.json"
+        self.world = cluster.world_size
+        split = f"orch split-data --workers {self.world} -c {cluster.path}"
+        self.fix = f"run `{split}`"
+        self.fix_whole = f"move {self.path} away, then run `{split}`"
+
+    def fail(self, what: str, whole: bool = False) -> DataError:
+        return DataError(f"{self.path}: {what}", hint=self.fix_whole if whole else self.fix)
 
 
 def load_split(cluster: Cluster) -> dict:
-    """The split made for this job's world size, or a message saying which split to make."""
-    shards = cluster.data.shards
-    fix = f"run `orch split-data --workers {cluster.world_size}`"
-    try:
-        manifest = json.loads((shards / "manifest.json").read_text())
-    except FileNotFoundError:
-        raise DataError(f"{shards}/manifest.json not found: the data has not been split",
-                        hint=fix) from None
-    except (OSError, ValueError) as e:
-        raise DataError(f"{shards}/manifest.json cannot be read: {e}", hint=fix) from None
-    split = manifest.get("splits", {}).get(str(cluster.world_size))
+    """The split made for this job's world size, checked, or a message saying what to do."""
+    m = Manifest(cluster)
+    manifest = read(m)
+    splits = manifest["splits"]
+    split = splits.get(str(m.world))
     if split is None:
-        have = ", ".join(sorted(manifest.get("splits", {}), key=int)) or "none"
-        raise DataError(f"{shards} has no split for world size {cluster.world_size} "
-                        f"(splits there: {have})", hint=fix)
-    check_split(split, cluster.world_size, f"{shards}/manifest.json", fix)
+        have = ", ".join(sorted(splits, key=int)) or "none"
+        raise DataError(f"{cluster.data.shards} has no split for world size {m.world} "
+                        f"(splits there: {have})", hint=m.fix)
+    check_split(split, m)
     return split
 
 
-def check_split(split: dict, world: int, where: str, fix: str) -> None:
-    """One shard per rank, named as the ranks read them, each a list of [path, bytes]."""
-    shards = split.get("shards")
-    if not isinstance(shards, list) or len(shards) != world:
-        n = len(shards) if isinstance(shards, list) else 0
-        raise DataError(f"{where}: the split for world size {world} lists {n} shards", hint=fix)
+def read(m: Manifest) -> dict:
+    """The parsed manifest, its top level checked: {"version": 1, "splits": {"<N>": ...}}."""
+    try:
+        size = os.stat(m.path).st_size
+        if size > MAX_MANIFEST:
+            raise m.fail(f"{size} bytes, more than the {MAX_MANIFEST >> 20} MiB a manifest may have",
+                         whole=True)
+        with open(m.path, "rb") as f:
+            data = f.read(MAX_MANIFEST + 1)
+    except FileNotFoundError:
+        raise DataError(f"{m.path} not found: the data has not been split", hint=m.fix) from None
+    except OSError as e:
+        raise m.fail(f"cannot be read ({e.strerror})", whole=True) from None
+    return parse(data, m)
+
+
+def parse(data: bytes, m: Manifest) -> dict:
+    if b"\0" in data:
+        line = data.count(b"\n", 0, data.index(b"\0")) + 1
+        raise m.fail(f"line {line} holds a NUL byte: not a manifest written by orch", whole=True)
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise m.fail(f"line {line} is not UTF-8", whole=True) from None
+    except json.JSONDecodeError as e:
+        raise m.fail(f"line {e.lineno}: not valid JSON ({e.msg})", whole=True) from None
+    except RecursionError:
+        raise m.fail("nested too deeply: not a manifest written by orch", whole=True) from None
+    if not isinstance(manifest, dict) or manifest.get("version") != 1:
+        raise m.fail("not an orch manifest (version 1)", whole=True)
+    splits = manifest.get("splits")
+    if not isinstance(splits, dict) or not all(k.isdigit() and k.isascii() for k in splits):
+        raise m.fail("`splits` must map worker counts to splits", whole=True)
+    return manifest
+
+
+def check_split(split: object, m: Manifest) -> None:
+    """kind, source, seed, and one shard per rank named as the ranks read them, each
+    listing its files as [path, bytes] with safe, distinct paths."""
+    where = f"split for world size {m.world}"
+    if not isinstance(split, dict):
+        raise m.fail(f"the {where} is not an object")
+    for key, kind in (("kind", str), ("source", str), ("seed", int), ("shards", list)):
+        if not isinstance(split.get(key), kind) or isinstance(split.get(key), bool):
+            raise m.fail(f"the {where} has no valid `{key}` ({kind.__name__})")
+    shards = split["shards"]
+    if len(shards) != m.world:
+        raise m.fail(f"the {where} lists {len(shards)} shards")
+    total = 0
     for rank, shard in enumerate(shards):
-        want = f"worker_{rank}_of_{world}"
-        files = shard.get("files") if isinstance(shard, dict) else None
-        if not isinstance(shard, dict) or shard.get("name") != want or not isinstance(files, list) \
-                or not all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str)
-                           for f in files):
-            raise DataError(f"{where}: shard {rank} is not a valid `{want}` entry", hint=fix)
+        total += check_shard(shard, rank, m)
+        if total > MAX_FILES:
+            raise m.fail(f"the {where} lists more than {MAX_FILES} files")
 
 
-def safe_rel(rel: str, where: str) -> str:
+def check_shard(shard: object, rank: int, m: Manifest) -> int:
+    want = f"worker_{rank}_of_{m.world}"
+    files = shard.get("files") if isinstance(shard, dict) else None
+    if not isinstance(shard, dict) or shard.get("name") != want or not isinstance(files, list) \
+            or not is_count(shard.get("bytes")):
+        raise m.fail(f"shard {rank} is not a valid `{want}` entry (name, bytes, files)")
+    if len(files) > MAX_FILES:
+        raise m.fail(f"shard {want} lists more than {MAX_FILES} files")
+    seen: set[str] = set()
+    for i, entry in enumerate(files):
+        if not (type(entry) is list and len(entry) == 2 and type(entry[0]) is str
+                and type(entry[1]) is int and entry[1] >= 0):   # type(): a bool is no count
+            raise m.fail(f"shard {want}, file {i}: not a [path, bytes] pair")
+        rel = safe_rel(entry[0], f"{m.path}: shard {want}, file {i}", m.fix)
+        if rel in seen:
+            raise m.fail(f"shard {want}, file {i}: {rel!r} is listed twice")
+        seen.add(rel)
+    return len(files)
+
+
+def is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# an empty, `.` or `..` part (also a leading or trailing slash), a backslash or a NUL
+UNSAFE = re.compile(r"(?:^|/)\.{0,2}(?:/|$)|[\\\0]")
+
+
+def safe_rel(rel: str, where: str, fix: str = "re-create the split with `orch split-data`") -> str:
     """A manifest path may not climb out of its shard: no absolute paths, no `..`."""
-    if not rel or rel[0] == "/" or "\\" in rel or \
-            any(part in ("", ".", "..") for part in rel.split("/")):
-        raise DataError(f"{where}: refusing unsafe path {rel!r} in manifest.json",
-                        hint="re-create the split with `orch split-data`")
+    if rel.isascii():
+        size = len(rel)
+    else:
+        try:   # names split-data could not decode are written as surrogate escapes
+            size = len(rel.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError:
+            size = MAX_PATH + 1
+    if size > MAX_PATH or UNSAFE.search(rel):
+        raise DataError(f"{where}: refusing unsafe path {rel[:200]!r} in manifest.json "
+                        "(absolute, `..`, empty, overlong or not a file name)", hint=fix)
     return rel
 
 
-def resolve_inside(path: str, roots: tuple[str, ...], where: str) -> str:
-    """Links are followed, but only to files inside the split's source folder (or the
-    shards folder itself, where `--pack` writes real files). `roots` are resolved and end
-    with a slash."""
+# ---------------------------------------------------------------- the host's files
+
+def host_files(cluster: Cluster, host: Host, split: dict, cache: DigestCache) -> list[LocalFile]:
+    """The host's own shards, as `worker_<r>_of_<W>/<rel>` under data/: the bytes of files
+    and of links into data.source; links inside a shard stay links."""
+    source = os.path.realpath(cluster.data.source) if cluster.data.source else None
+    files, resolver = [], Resolver()
+    for rank in host.ranks:
+        shard = split["shards"][rank]
+        folder = shard_folder(cluster, shard["name"])
+        listed = {rel for rel, _size in shard["files"]}
+        for rel, _size in shard["files"]:
+            files.append(shard_file(cluster, (folder, shard["name"], rel), listed, source, cache,
+                                    resolver))
+    return files
+
+
+def shard_folder(cluster: Cluster, name: str) -> str:
+    """The shard's folder, resolved; it must be a real folder where split-data puts it."""
+    path = f"{cluster.data.shards}/{name}"
     real = os.path.realpath(path)
-    if not real.startswith(roots):
-        raise DataError(f"{where}: {path} points outside the data source ({real})",
-                        hint="re-create the split with `orch split-data`")
+    fix = f"run `orch split-data --workers {cluster.world_size} -c {cluster.path}`"
+    if os.path.islink(path) or real != os.path.join(os.path.realpath(str(cluster.data.shards)), name):
+        raise DataError(f"{path}: the shard folder is a symlink (to {real})", hint=fix)
+    if not os.path.isdir(real):
+        raise DataError(f"{path}: shard folder missing", hint=fix)
     return real
 
 
-def host_files(cluster: Cluster, host: Host, split: dict, cache: DigestCache) -> list[LocalFile]:
-    """The real bytes of the host's own shards, as `worker_<r>_of_<W>/<rel>` under data/."""
-    roots = tuple(os.path.realpath(r).rstrip("/") + "/"
-                  for r in (split["source"], str(cluster.data.shards)))
-    files = []
-    for rank in host.ranks:
-        name = split["shards"][rank]["name"]
-        base = f"{cluster.data.shards}/{name}/"
-        for rel, _size in split["shards"][rank]["files"]:
-            rel = safe_rel(rel, name)
-            real = resolve_inside(base + rel, roots, name)
-            try:
-                st = os.stat(real)
-            except FileNotFoundError:
-                raise DataError(f"{base + rel}: file missing", hint="re-run `orch split-data`") from None
-            files.append(LocalFile(f"{name}/{rel}", real, st.st_size, 0o644,
-                                   cache.digest(real, st)))
-    return files
+def shard_file(cluster: Cluster, where: tuple[str, str, str], listed: set[str],
+               source: str | None, cache: DigestCache, resolver: Resolver) -> LocalFile:
+    """One listed file: content when it is (or links to) a file in the shard or the data
+    source; a link when it links to a listed path of the same shard; else refused."""
+    folder, name, rel = where
+    path = f"{cluster.data.shards}/{name}/{rel}"
+    fix = f"re-run `orch split-data --workers {cluster.world_size} -c {cluster.path}`"
+    if source is None:
+        fix += "; links into the dataset need data.source in cluster.yaml, the folder that was split"
+    try:
+        st = os.lstat(path)
+    except OSError:
+        raise DataError(f"{path}: file missing", hint=fix) from None
+    if stat.S_ISLNK(st.st_mode):
+        res = resolve_link(path, folder, fix, content_root=source, resolver=resolver)
+        if res.target is not None:
+            return shard_link(f"{name}/{rel}", path, res.to, res.target, folder, listed, fix)
+        real = res.to
+    else:
+        head, _, tail = path.rpartition("/")
+        real = resolver.folder(head) + "/" + tail   # not a link itself: only its folders can be
+        if not inside(real, folder) and not (source and inside(real, source)):
+            raise DataError(f"{path}: reached through a linked folder, outside {folder} and the "
+                            f"data source (to {real})", hint=fix)
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror})", hint=fix) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise DataError(f"{path}: not a regular file ({real})", hint=fix)
+    return LocalFile(f"{name}/{rel}", real, st.st_size, 0o644, cache.digest(real, st))
+
+
+def shard_link(dest: str, path: str, real: str, target: str, folder: str, listed: set[str],
+               fix: str) -> LocalFile:
+    """A link inside the shard stays a link, if what it points to is pushed with it."""
+    sub = os.path.relpath(real, folder)
+    if sub not in listed and not any(r.startswith(sub + "/") for r in listed):
+        raise DataError(f"{path}: symlink to {real}, which the manifest does not list for this "
+                        "shard: it would dangle on the host", hint=fix)
+    return link_file(dest, path, target)

@@ -7,18 +7,12 @@ host writes each file beside its final name, checks the digest, then renames.
 """
 from __future__ import annotations
 
-import fnmatch
-import hashlib
 import json
-import os
-import threading
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterable
-
-import pathspec
+from typing import Callable
 
 from orchestrator.errors import HostError
+from orchestrator.localfiles import DigestCache, LocalFile, code_files  # noqa: F401 (re-exported)
 from orchestrator.remote import call, open_agent, parse_reply
 from orchestrator.transport import Transport
 
@@ -27,97 +21,11 @@ Progress = Callable[[int, int], None]   # (bytes, files) just sent
 
 
 @dataclass(frozen=True)
-class LocalFile:
-    rel: str        # path on the host, relative to the destination folder
-    path: str       # where the bytes are here (links already resolved)
-    size: int
-    mode: int
-    digest: str
-
-
-@dataclass(frozen=True)
 class SyncReport:
     files: int
     bytes: int
     deleted: int
     sent: tuple[str, ...]
-
-
-class DigestCache:
-    """sha256 of local files, remembered by (size, mtime, inode) across runs."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.lock = threading.Lock()
-        try:
-            self.entries: dict = json.loads(path.read_text())
-        except (OSError, ValueError):
-            self.entries = {}
-        self.dirty = False
-
-    def digest(self, path: str, st: os.stat_result) -> str:
-        key = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-        with self.lock:
-            hit = self.entries.get(path)
-        if hit and hit[0] == key:
-            return hit[1]
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(BATCH), b""):
-                h.update(block)
-        with self.lock:
-            self.entries[path] = [key, h.hexdigest()]
-            self.dirty = True
-        return h.hexdigest()
-
-    def save(self) -> None:
-        if not self.dirty:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.entries))
-        os.replace(tmp, self.path)
-
-
-# ---------------------------------------------------------------- code files
-
-def ignore_spec(base: Path, exclude: Iterable[str]) -> pathspec.PathSpec:
-    lines = list(exclude)
-    gitignore = base / ".gitignore"
-    if gitignore.is_file():
-        lines += gitignore.read_text().splitlines()
-    return pathspec.PathSpec.from_lines("gitwildmatch", lines)
-
-
-def code_files(base: Path, paths: Iterable[str], exclude: Iterable[str],
-               cache: DigestCache) -> list[LocalFile]:
-    """code.paths keep their names under code/; .gitignore and code.exclude apply."""
-    spec, files = ignore_spec(base, exclude), {}
-    for top in paths:
-        name = Path(top).name   # src/job lands as code/job
-        for rel in walk(base, top):
-            if spec.match_file(rel) or any(fnmatch.fnmatch(part, pat) for part in rel.split("/")
-                                           for pat in exclude):
-                continue
-            full = str(base / rel)
-            st = os.stat(full)
-            dest = name + rel[len(top):]
-            files[dest] = LocalFile(dest, full, st.st_size, st.st_mode & 0o777,
-                                    cache.digest(full, st))
-    return [files[k] for k in sorted(files)]
-
-
-def walk(base: Path, top: str) -> Iterable[str]:
-    root = base / top
-    if root.is_file():
-        yield top
-        return
-    for d, dirs, names in os.walk(root):
-        dirs.sort()
-        rel_dir = os.path.relpath(d, base).replace(os.sep, "/")
-        for n in sorted(names):
-            if os.path.isfile(os.path.join(d, n)):
-                yield f"{rel_dir}/{n}"
 
 
 # ---------------------------------------------------------------- the stream
@@ -135,6 +43,10 @@ def stream_files(chan, files: list[LocalFile], progress: Progress | None) -> Non
     batch, pending, buf = bytearray(), 0, bytearray(BATCH)
     view = memoryview(buf)
     for f in files:
+        if f.link is not None:   # a symlink: its header carries the target, no bytes follow
+            batch += json.dumps({"p": f.rel, "link": f.link}).encode() + b"\n"
+            pending += 1
+            continue
         head = {"p": f.rel, "s": f.size, "h": f.digest, "m": f.mode}
         batch += json.dumps(head).encode() + b"\n"
         with open(f.path, "rb") as src:

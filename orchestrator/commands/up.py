@@ -17,6 +17,7 @@ from orchestrator.connect import close_all, fan_out
 from orchestrator.errors import EXIT_OK
 from orchestrator.inventory import Cluster
 from orchestrator.launch import Started, dry_run_plan, launch_all, master_addr, open_launcher
+from orchestrator.localfiles import Pushable, check_entrypoint
 from orchestrator.preflight import Preflight, job_dir, preflight
 from orchestrator.shards import host_files, load_split
 from orchestrator.stopper import stop_all
@@ -113,7 +114,10 @@ def local_files(cluster: Cluster) -> LocalFiles:
     """What each host must hold, hashed (cached) and checked here, before connecting."""
     split = load_split(cluster) if cluster.data.shards else None
     cache = DigestCache(cluster.state_dir.parent / "digests.json")
-    code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude, cache)
+    check_entrypoint(cluster.base_dir, cluster.code.paths, cluster.code.exclude,
+                     cluster.job.entrypoint, str(cluster.path))
+    code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude, cache,
+                      str(cluster.path))
     data = {h.index: host_files(cluster, h, split, cache) for h in cluster.hosts} if split else None
     cache.save()
     return LocalFiles(code, data)
@@ -123,6 +127,8 @@ def setup_hosts(cluster: Cluster, transports: dict[int, Transport], files: Local
                 pre: Preflight) -> None:
     """Code to every host, each host its own shards: all hosts in parallel."""
     code, data = files.code, files.data or {}
+    # what the ignore rules leave out (a host's __pycache__) is never proposed for deletion
+    pushable = Pushable(cluster.base_dir, cluster.code.paths, cluster.code.exclude)
     total = sum(f.size for f in code) * len(cluster.hosts) + sum(
         f.size for files in data.values() for f in files)
     with progress_bar() as bar:
@@ -134,7 +140,8 @@ def setup_hosts(cluster: Cluster, transports: dict[int, Transport], files: Local
             tick = lambda nbytes, nfiles: bar.advance(task, nbytes)
             out, info = {}, pre.hosts[h.index]
             if cluster.code.paths:
-                out["code"] = push(t, f"{info.job_dir}/code", code, tick, info.manifests["code"])
+                out["code"] = push(t, f"{info.job_dir}/code", code, tick,
+                                   pushable(info.manifests["code"]))
             if files.data is not None:
                 out["data"] = push(t, f"{info.job_dir}/data", data[h.index], tick,
                                    info.manifests["data"])

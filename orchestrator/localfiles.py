@@ -1,0 +1,413 @@
+"""The local half of a push: which files of this machine go to the hosts, and as what.
+
+Code (`code.paths`, minus `code.exclude` and `.gitignore`) and data shards follow one
+rule for symlinks (`resolve_link`): a link whose target stays inside the tree being
+pushed (the code path, the shard folder) is pushed as a link, never as the content it
+points to; any other link is refused with its path and a fix, before a host is touched.
+The one exception, for shards made by `orch split-data` (absolute links into the data
+source), lives in shards.py and passes `content_root` here.
+"""
+from __future__ import annotations
+
+import errno
+import fnmatch
+import hashlib
+import json
+import os
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Iterable, Iterator
+
+import pathspec
+
+from orchestrator.errors import DataError
+
+BATCH = 1 << 20
+MAX_GITIGNORE = 16 << 20   # bytes: a .gitignore larger than this is not a .gitignore
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    rel: str        # path on the host, relative to the destination folder
+    path: str       # where the bytes are here (links already resolved)
+    size: int
+    mode: int
+    digest: str
+    link: str | None = None   # set: push a symlink with this (relative) target, no bytes
+
+
+def link_file(rel: str, path: str, target: str) -> LocalFile:
+    """A link to push as a link; its digest is that of "link:<target>", so an unchanged
+    link on the host is not sent again."""
+    digest = hashlib.sha256(("link:" + target).encode("utf-8", "surrogateescape")).hexdigest()
+    return LocalFile(rel, path, 0, 0o777, digest, link=target)
+
+
+class DigestCache:
+    """sha256 of local files, remembered by (size, mtime, inode) across runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        try:
+            entries = json.loads(path.read_text())
+        except (OSError, ValueError):
+            entries = {}
+        self.entries: dict = entries if isinstance(entries, dict) else {}
+        self.dirty = False
+
+    def digest(self, path: str, st: os.stat_result) -> str:
+        key = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+        with self.lock:
+            hit = self.entries.get(path)
+        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key:
+            return hit[1]
+        digest = sha256_of(path)
+        with self.lock:
+            self.entries[path] = [key, digest]
+            self.dirty = True
+        return digest
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.entries))
+        os.replace(tmp, self.path)
+
+
+def sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(BATCH), b""):
+                h.update(block)
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror})",
+                        hint="fix its permissions, or leave it out of what is pushed") from None
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- the one link rule
+
+@dataclass(frozen=True)
+class Resolved:
+    to: str              # a link: what it names (one hop); content: the file, fully resolved
+    target: str | None   # relative link text to push; None: push the content of `to`
+
+
+def inside(real: str, root: str) -> bool:
+    return real == root or real.startswith(root.rstrip("/") + "/")
+
+
+class Resolver:
+    """realpath with the folders' answers remembered: a split is many links into few
+    folders, so each file costs a readlink and an lstat, not a walk of its whole path."""
+
+    def __init__(self) -> None:
+        self.folders: dict[str, str] = {}
+
+    def folder(self, path: str) -> str:
+        hit = self.folders.get(path)
+        if hit is None:
+            hit = self.folders[path] = os.path.realpath(path)
+        return hit
+
+    def hop(self, path: str) -> str:
+        """Where a link points, one hop: its target's folder resolved, its last name kept
+        (a link to a link inside the tree stays a link to that link)."""
+        hop = os.path.join(os.path.dirname(path), os.readlink(path))   # an absolute target wins
+        head, tail = os.path.split(hop)
+        if tail in ("", ".", ".."):
+            return os.path.realpath(hop)
+        return os.path.join(self.folder(head), tail)
+
+    def real(self, path: str, hop: str) -> str:
+        """The link's final target; OSError when it dangles or loops."""
+        try:
+            if not stat.S_ISLNK(os.lstat(hop).st_mode):
+                return hop   # the usual case: one hop to a file or folder
+        except OSError:
+            pass
+        return os.path.realpath(path, strict=True)
+
+
+def resolve_link(path: str, tree: str, fix: str, content_root: str | None = None,
+                 resolver: Resolver | None = None) -> Resolved:
+    """What a symlink at `path` is pushed as. `tree` is the resolved folder being pushed:
+    a link naming something inside it stays a link (made relative; what it names is
+    pushed and judged on its own). A target resolving inside `content_root` (shards: the
+    data source) is pushed as content. Anything else is refused."""
+    r = resolver or Resolver()
+    try:
+        hop = r.hop(path)
+        real = r.real(path, hop)
+    except OSError as e:
+        raise DataError(f"{path}: {link_problem(path, e)}", hint=fix) from None
+    if inside(hop, tree):
+        folder = r.folder(os.path.dirname(path))
+        if inside(folder, real):
+            raise DataError(f"{path}: symlink to its own folder or one above it ({real}), "
+                            "a loop on the hosts", hint=fix)
+        return Resolved(hop, os.path.relpath(hop, folder))
+    if content_root is not None and inside(real, content_root):
+        return Resolved(real, None)
+    raise DataError(f"{path}: symlink pointing outside {tree} (to {real}); orch pushes a link "
+                    "only when its target is pushed with it", hint=fix)
+
+
+def link_problem(path: str, e: OSError) -> str:
+    if e.errno == errno.ELOOP:
+        return "symlink loop (it leads back to itself)"
+    try:
+        text = os.readlink(path)
+    except OSError:
+        text = "?"
+    if isinstance(e, FileNotFoundError):
+        return f"dangling symlink (its target {text!r} does not exist)"
+    return f"symlink that cannot be followed ({e.strerror})"
+
+
+# ---------------------------------------------------------------- ignore rules
+
+@dataclass(frozen=True)
+class Rule:
+    where: str       # "code.exclude" or "<path>/.gitignore:<line>"
+    text: str        # the pattern as written
+    pattern: pathspec.Pattern
+
+    def __str__(self) -> str:
+        return f"{self.where} `{self.text}`"
+
+
+def compile_rule(where: str, text: str) -> Rule | None:
+    """One gitignore line; None for blank lines and comments."""
+    try:
+        patterns = pathspec.GitIgnoreSpec.from_lines([text]).patterns
+    except ValueError as e:
+        raise DataError(f"{where}: invalid pattern {text!r} ({e})",
+                        hint="fix or remove that pattern (gitignore syntax)") from None
+    pattern = next(iter(patterns), None)
+    if pattern is None or pattern.include is None:
+        return None
+    return Rule(where, text, pattern)
+
+
+class IgnoreRules:
+    """`code.exclude` and the `.gitignore` beside the inventory, as git reads them:
+    paths are relative to the inventory's folder. code.exclude always wins (its patterns
+    also match any single path component); in .gitignore the last matching line wins."""
+
+    def __init__(self, base: Path, exclude: Iterable[str], inventory: str = "") -> None:
+        label = f"{inventory}: code.exclude" if inventory else "code.exclude"
+        self.exclude = tuple(exclude)
+        self.exclude_rules = [r for r in (compile_rule(label, p) for p in self.exclude) if r]
+        self.label = label
+        self.git_rules = read_gitignore(base / ".gitignore")
+
+    def why(self, rel: str, is_dir: bool = False) -> str | None:
+        """The rule that leaves `rel` itself out, or None."""
+        path = rel + "/" if is_dir else rel
+        for rule in self.exclude_rules:
+            if rule.pattern.match_file(path) is not None:
+                return str(rule)
+        for part in rel.split("/"):
+            for pat in self.exclude:
+                if fnmatch.fnmatch(part, pat):
+                    return f"{self.label} `{pat}`"
+        found = None
+        for rule in self.git_rules:
+            if rule.pattern.match_file(path) is not None:
+                found = rule if rule.pattern.include else None
+        return str(found) if found else None
+
+    def why_path(self, rel: str, is_dir: bool = False) -> str | None:
+        """Like why(), but a path inside a left-out folder is left out too (as in git)."""
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            reason = self.why("/".join(parts[:i]), is_dir=True)
+            if reason:
+                return reason
+        return self.why(rel, is_dir)
+
+
+def read_gitignore(path: Path) -> list[Rule]:
+    try:
+        if not path.is_file():
+            return []
+        if path.stat().st_size > MAX_GITIGNORE:
+            raise DataError(f"{path}: larger than {MAX_GITIGNORE >> 20} MiB, not a .gitignore",
+                            hint="shorten it")
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror})", hint="fix its permissions") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x})",
+                        hint="save the file as UTF-8") from None
+    if "\0" in text:
+        line = text.count("\n", 0, text.index("\0")) + 1
+        raise DataError(f"{path}:{line}: holds a NUL byte, not a .gitignore", hint="remove that byte")
+    rules = (compile_rule(f"{path}:{n}", line) for n, line in enumerate(text.splitlines(), 1))
+    return [r for r in rules if r]
+
+
+# ---------------------------------------------------------------- code files
+
+def code_files(base: Path, paths: Iterable[str], exclude: Iterable[str],
+               cache: DigestCache, inventory: str = "") -> list[LocalFile]:
+    """code.paths keep their names under code/; .gitignore and code.exclude apply."""
+    rules, files = IgnoreRules(base, exclude, inventory), {}
+    for top in paths:
+        for f in tree_files(base, top, rules, cache):
+            files[f.rel] = f
+    return [files[k] for k in sorted(files)]
+
+
+def code_root(base: Path, top: str) -> str:
+    """The resolved code path. A code path that is itself a link is followed: it was named
+    in cluster.yaml. Links below it are what the link rule is about."""
+    try:
+        return os.path.realpath(base / top, strict=True)
+    except OSError as e:
+        raise DataError(f"{base / top}: code path {top!r} is a {link_problem(str(base / top), e)}",
+                        hint="fix the link or the entry in code.paths") from None
+
+
+def tree_files(base: Path, top: str, rules: IgnoreRules, cache: DigestCache) -> Iterator[LocalFile]:
+    """One code path's files and links, as `<its name>/...` on the host."""
+    name, root = PurePosixPath(top).name, code_root(base, top)
+    if rules.why(top, os.path.isdir(root)):
+        return
+    if not os.path.isdir(root):
+        yield regular_file(name, root, os.stat(root), cache)
+        return
+    fix = (f"make the link point inside {top}, replace it with a copy of what it points to, "
+           "or leave it out with code.exclude or .gitignore")
+    resolver = Resolver()
+    for d, dirs, names in os.walk(root, onerror=unreadable):
+        sub = os.path.relpath(d, root).replace(os.sep, "/")
+        prefix = "" if sub == "." else sub + "/"
+        kept = []
+        for n in sorted(dirs):
+            rel = f"{top}/{prefix}{n}"
+            if rules.why(rel, is_dir=True):
+                continue   # not walked: git does not look inside an ignored folder either
+            if os.path.islink(os.path.join(d, n)):
+                yield code_link(f"{name}/{prefix}{n}", os.path.join(d, n), root, top, rules, fix,
+                                resolver)
+            else:
+                kept.append(n)
+        dirs[:] = kept
+        for n in sorted(names):
+            if not rules.why(f"{top}/{prefix}{n}"):
+                f = code_entry(f"{name}/{prefix}{n}", os.path.join(d, n), (root, top), rules, fix,
+                               cache, resolver)
+                if f is not None:
+                    yield f
+
+
+def code_entry(dest: str, path: str, tree: tuple[str, str], rules: IgnoreRules, fix: str,
+               cache: DigestCache, resolver: Resolver) -> LocalFile | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None   # removed while we walked
+    if stat.S_ISLNK(st.st_mode):
+        return code_link(dest, path, *tree, rules, fix, resolver)
+    if stat.S_ISREG(st.st_mode):
+        return regular_file(dest, path, st, cache)
+    return None   # a socket, fifo or device file is not code
+
+
+def code_link(dest: str, path: str, root: str, top: str, rules: IgnoreRules, fix: str,
+              resolver: Resolver) -> LocalFile:
+    res = resolve_link(path, root, fix, resolver=resolver)
+    assert res.target is not None   # no content_root: outside links were refused
+    sub = os.path.relpath(res.to, root).replace(os.sep, "/")
+    reason = rules.why_path(f"{top}/{sub}", os.path.isdir(res.to))
+    if reason:
+        raise DataError(f"{path}: symlink to {res.to}, which {reason} leaves out: it would "
+                        "dangle on the hosts", hint=fix)
+    return link_file(dest, path, res.target)
+
+
+def regular_file(dest: str, path: str, st: os.stat_result, cache: DigestCache) -> LocalFile:
+    return LocalFile(dest, path, st.st_size, st.st_mode & 0o777, cache.digest(path, st))
+
+
+def unreadable(e: OSError) -> None:
+    raise DataError(f"{e.filename}: cannot be read ({e.strerror})",
+                    hint="fix its permissions, or leave it out with code.exclude") from None
+
+
+# ---------------------------------------------------------------- checks before connecting
+
+def source_rel(dest: str, paths: Iterable[str]) -> str:
+    """A path under code/ on the host, as a path relative to the inventory's folder."""
+    names = {PurePosixPath(top).name: top for top in paths}
+    first, sep, rest = dest.partition("/")
+    return names[first] + sep + rest if first in names else dest
+
+
+class Pushable:
+    """Filters a host's code manifest down to what the ignore rules keep: the rest (a
+    __pycache__ written on the host) is never proposed for deletion. One per `orch up`,
+    shared by all hosts: each path is judged once."""
+
+    def __init__(self, base: Path, paths: Iterable[str], exclude: Iterable[str]) -> None:
+        self.rules, self.paths = IgnoreRules(base, exclude), tuple(paths)
+        self.seen: dict[str, bool] = {}
+        self.lock = threading.Lock()
+
+    def keeps(self, rel: object) -> bool:
+        if not isinstance(rel, str):
+            return True   # not ours to judge: the push refuses a malformed manifest
+        with self.lock:
+            hit = self.seen.get(rel)
+        if hit is None:
+            hit = not self.rules.why_path(source_rel(rel, self.paths))
+            with self.lock:
+                self.seen[rel] = hit
+        return hit
+
+    def __call__(self, remote: dict) -> dict:
+        if not isinstance(remote, dict):
+            return remote
+        return {rel: v for rel, v in remote.items() if self.keeps(rel)}
+
+
+def entrypoint_file(base: Path, paths: Iterable[str], entrypoint: str) -> str | None:
+    """The file (relative to the inventory's folder) that the entrypoint runs, when it
+    comes from code.paths; None for an installed module."""
+    names = {PurePosixPath(top).name: top for top in paths}
+    if entrypoint.endswith(".py"):
+        first, _, rest = entrypoint.partition("/")
+        return names[first] + ("/" + rest if rest else "") if first in names else None
+    first, _, rest = entrypoint.partition(".")
+    if not rest:
+        return names.get(first + ".py") or (names[first] + "/__main__.py" if first in names else None)
+    if first not in names:
+        return None
+    module = names[first] + "/" + rest.replace(".", "/")
+    return module + "/__main__.py" if (base / module).is_dir() else module + ".py"
+
+
+def check_entrypoint(base: Path, paths: Iterable[str], exclude: Iterable[str], entrypoint: str,
+                     inventory: str) -> None:
+    """Refuse a job whose entrypoint the ignore rules would keep off the hosts."""
+    paths = tuple(paths)
+    rel = entrypoint_file(base, paths, entrypoint)
+    if rel is None:
+        return
+    reason = IgnoreRules(base, exclude, inventory).why_path(rel)
+    if reason:
+        raise DataError(f"{inventory}: job.entrypoint {entrypoint!r} ({rel}) would not be pushed: "
+                        f"{reason} leaves it out",
+                        hint=f"change that rule so that it keeps {rel} (in .gitignore a later "
+                             f"line `!{rel}` re-includes a file), or run another entrypoint")
