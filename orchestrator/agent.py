@@ -23,7 +23,7 @@ import time
 try:  # on a host the modules below are parts of this one script; there is no package there
     from orchestrator.host.ledger import Ledger
     from orchestrator.host.paths import (PART, Dirs, JobDir, UnsafePath, create_excl,
-                                         lstat_at, not_a, split_parent, split_rel)
+                                         lstat_at, not_a, split_parent)
 except ImportError:
     pass
 
@@ -237,6 +237,8 @@ def manifest(jd, folder: str) -> dict:
     ledger = Ledger(jd, folder)
     if ledger.interrupted or not ledger.found:
         jd.sweep(folder, is_leftover)
+    if not ledger.found:   # the cache of orch before the ledger: every file, the job's too
+        jd.unlink("run/%s-digests.json" % folder)
     files = ledger.manifest()
     ledger.save()
     return {"root": jd.show(folder), "files": files}
@@ -250,6 +252,8 @@ def receive_file(stream, dirs, base: str, head: dict, ledger, buf, staged: bool 
     pfd = dirs.fd(parent)
     tmp = name if staged else "%s%s%d" % (name, PART, os.getpid())
     h, mode = hashlib.sha256(), head.get("m", 0o644) & 0o777
+    if not isinstance(head["s"], int) or head["s"] < 0:
+        raise ValueError("bad size %r for %s" % (head["s"], head["p"]))
     fd = create_excl(pfd, tmp, mode)
     try:
         receive_bytes(stream, fd, h, head["s"], head["p"], buf)
@@ -354,9 +358,8 @@ class Staging:
             if staged and self.jd.lstat(self.dir + "/" + top) is not None:
                 self.jd.replace(self.dir + "/" + top, self.base + "/" + top)
                 moved.add(top)
-        for rel, st, digest in self.landed:
-            if rel.split("/", 1)[0] in moved:
-                ledger.record(rel, st, digest)
+        ledger.record_many([(rel, st, digest) for rel, st, digest in self.landed
+                            if rel.split("/", 1)[0] in moved])
         if any(self.tops.values()):
             self.dirs.close()
             self.jd.rmtree(self.dir)
@@ -371,8 +374,7 @@ def receive_stream(stream, dirs, base: str, ledger, staging: Staging) -> tuple:
         head = decode(line.decode())
         if "end" in head:
             return head, count, nbytes
-        split_rel(head["p"])
-        staged = staging.wants(head["p"])
+        staged = staging.wants(head["p"])   # the path is checked where it is opened
         where = staging.dir if staged else base
         if "link" in head:
             st, digest = receive_link(dirs, where, head)

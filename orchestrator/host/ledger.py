@@ -119,11 +119,20 @@ class Ledger:
 
     def record(self, rel: str, st, digest: str) -> None:
         """rel was placed by orch (st: its stat at that moment)."""
-        entry = [st.st_size, digest, stat_key(st)]
-        self.files[rel] = entry
-        self.dirty = True
-        if self.journal_fd is not None:
-            os.write(self.journal_fd, (json.dumps([rel, entry]) + "\n").encode())
+        self.record_many([(rel, st, digest)])
+
+    def record_many(self, placed: list) -> None:
+        """[(rel, stat, digest)] placed by orch: one journal write for all of them."""
+        lines, dumps = [], json.dumps
+        for rel, st, digest in placed:
+            entry = [st.st_size, digest, stat_key(st)]
+            self.files[rel] = entry
+            lines.append('[%s,[%d,%s,"%s"]]' % (dumps(rel), entry[0], dumps(digest), entry[2]))
+        self.dirty = self.dirty or bool(placed)
+        if self.journal_fd is not None and lines:
+            data = ("\n".join(lines) + "\n").encode()
+            while data:
+                data = data[os.write(self.journal_fd, data):]
 
     def owns(self, rel: str) -> bool:
         return rel in self.files

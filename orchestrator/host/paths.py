@@ -56,7 +56,7 @@ def split_rel(rel: str) -> list:
     if rel == "":
         return []
     parts = rel.split("/")
-    if rel[0] == "/" or "\\" in rel or "\0" in rel or any(p in ("", ".", "..") for p in parts):
+    if "\\" in rel or "\0" in rel or "" in parts or "." in parts or ".." in parts:
         raise UnsafePath("unsafe path %r: only plain relative paths are accepted" % rel)
     return parts
 
