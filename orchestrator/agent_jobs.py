@@ -15,7 +15,6 @@ import time
 try:  # on a host this file is concatenated with agent.py; there is no package there
     from orchestrator.agent import (job_paths, marked_pids, out, proc_start_time, read_json,
                                     signal_all, supervisor_alive, write_atomic)
-    from orchestrator.host.paths import UnsafePath
 except ImportError:
     pass
 
