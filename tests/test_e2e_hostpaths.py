@@ -28,7 +28,7 @@ import yaml
 from conftest import kill_all
 
 from orchestrator import splitdata
-from sshd_cluster import FakeHost, SshdCluster, pids_with_env
+from sshd_cluster import SshdCluster, pids_with_env
 
 pytestmark = pytest.mark.ssh
 
