@@ -399,8 +399,7 @@ class JobDir:
             fd = self.open_dir(rel)
         except FileNotFoundError:
             return
-        for item in walk_fd(fd, rel):
-            yield item
+        yield from walk_fd(fd, rel)
 
     def sweep(self, rel: str, is_leftover) -> int:
         """Remove every entry under rel whose name is_leftover(name) says orch left
@@ -424,8 +423,7 @@ def walk_fd(fd: int, rel: str):
                     child = os.open(e.name, DIR_FLAGS, dir_fd=fd)
                 except OSError:
                     continue   # replaced or removed meanwhile
-                for item in walk_fd(child, path):
-                    yield item
+                yield from walk_fd(child, path)
             elif e.is_file(follow_symlinks=False):
                 yield path, e.stat(follow_symlinks=False)
     finally:
