@@ -1,27 +1,35 @@
 """The host side of orch: a stdlib-only script that runs on every host.
 
 The controller never installs anything on a host. Each call sends the agent's source
-(agent_jobs.py, then this file, as one script) on stdin to ``python -S -c BOOT <n>
-<command> ...`` (see ``remote.py``); whatever stdin carries after those n bytes belongs
-to the command (file streams, secrets). Python >= 3.8.
+(host/paths.py, host/ledger.py, agent_jobs.py, then this file, as one script) on stdin
+to ``python -S -c BOOT <n> <command> ...`` (see ``remote.py``); whatever stdin carries
+after those n bytes belongs to the command (file streams, secrets). Python >= 3.8.
 
 This file: common helpers, preflight, files (manifest, receive) and the dispatcher.
+Every path inside a job folder goes through host/paths.py's JobDir (no link followed).
 Commands print one JSON object (or a line protocol for ``follow``) on stdout.
-No ``from __future__`` import here: this file is the second part of the script.
+No ``from __future__`` import here: this file is the last part of the script.
 """
 
 import hashlib
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
 
-
+try:  # on a host the modules below are parts of this one script; there is no package there
+    from orchestrator.host.ledger import Ledger
+    from orchestrator.host.paths import (PART, Dirs, JobDir, UnsafePath, create_excl,
+                                         lstat_at, not_a, split_parent)
+except ImportError:
+    pass
 
 UMASK = os.umask(0)
 os.umask(UMASK)
+STATE_CAP = 1 << 20   # supervisor.json, host.exit, rank-<r>.exit/.pid: tiny when orch wrote them
 
 
 def out(obj) -> None:
@@ -30,25 +38,30 @@ def out(obj) -> None:
 
 
 def job_paths(job_dir: str) -> dict:
-    job = os.path.abspath(os.path.expanduser(job_dir))
+    """The job folder (remote_dir resolved once: it may be a link) and its JobDir ("jd"),
+    through which every read, write and delete inside it goes."""
+    jd = JobDir(job_dir)
     names = ("code", "data", "logs", "run", "output")
-    return dict({"job": job}, **{n: os.path.join(job, n) for n in names})
+    return dict({"job": jd.path, "jd": jd}, **{n: os.path.join(jd.path, n) for n in names})
 
 
-def read_json(path: str):
+def folder_of(root: str) -> tuple:
+    """(JobDir, folder name) of a pushed folder given as <job dir>/<folder>."""
+    root = os.path.abspath(os.path.expanduser(root)).rstrip("/")
+    return JobDir(os.path.dirname(root)), os.path.basename(root)
+
+
+def read_json(jd, rel: str):
+    """A JSON state file of the job, None when missing, unreadable, a link or too big."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        data = jd.read(rel, STATE_CAP)
+        return json.loads(data.decode()) if data is not None else None
     except (OSError, ValueError):
         return None
 
 
-def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def write_atomic(jd, rel: str, data: bytes, mode: int = 0o600) -> None:
+    jd.write_file(rel, data, mode)
 
 
 # ---------------------------------------------------------------- processes
@@ -88,11 +101,11 @@ def marked_pids(job_dir: str) -> list:
     return [p for p in pids if p != me and has_marker(p, marker)]
 
 
-def supervisor_alive(run_dir: str):
-    sup = read_json(os.path.join(run_dir, "supervisor.json"))
+def supervisor_alive(p: dict):
+    sup = read_json(p["jd"], "run/supervisor.json")
     if not sup:
         return None
-    if proc_start_time(sup["pid"]) != sup.get("start_ticks"):
+    if not isinstance(sup.get("pid"), int) or proc_start_time(sup["pid"]) != sup.get("start_ticks"):
         return None
     return sup
 
@@ -156,16 +169,21 @@ def free_port() -> int:
     return port
 
 
-def dir_writable(path: str):
+def dir_writable(p: dict):
+    """None when the job folder can be made and written; else why not. A link at the job
+    folder or at one of orch's folders or files in it is refused (UnsafePath) instead."""
+    jd = p["jd"]
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".orch-write-test-%d" % os.getpid())
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.unlink(probe)
+        jd.fd(create=True)
+        jd.check_layout()
+        probe = ".orch-write-test-%d" % os.getpid()
+        os.close(jd.open_for_write(probe))
+        jd.unlink(probe)
         return None
+    except UnsafePath:
+        raise
     except OSError as e:
-        return "%s: %s" % (path, e.strerror or e)
+        return "%s: %s" % (jd.path, e.strerror or e)
 
 
 def cmd_preflight(job_dir: str, master_port: str, want_port: str, folders: str = "",
@@ -178,11 +196,11 @@ def cmd_preflight(job_dir: str, master_port: str, want_port: str, folders: str =
         "python": sys.version.split()[0], "executable": sys.executable,
         "torch": torch_version(), "job_dir": p["job"],
         "gpus": gpu_count() if want_gpus != "0" else 0,   # nvidia-smi costs 0.1-0.5 s
-        "writable": dir_writable(p["job"]), "time": time.time(),
+        "writable": dir_writable(p), "time": time.time(),
         "hostname": socket.gethostname(),
         "ssh_connection": os.environ.get("SSH_CONNECTION", ""),
-        "running": bool(supervisor_alive(p["run"])),
-        "manifests": {f: manifest(p[f])["files"] for f in folders.split(",") if f},
+        "running": bool(supervisor_alive(p)),
+        "manifests": {f: manifest(p["jd"], f)["files"] for f in folders.split(",") if f},
     }
     if want_port == "1":
         report["port"] = port if port else free_port()
@@ -192,110 +210,51 @@ def cmd_preflight(job_dir: str, master_port: str, want_port: str, folders: str =
 
 # ---------------------------------------------------------------- files
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+STAGING = ".orch-staging-"
 
 
-def cache_path(root: str) -> str:
-    """<job>/run/<folder>-digests.json: beside, not inside, the folder it describes
-    (data/ holds the shards and nothing else)."""
-    root = root.rstrip("/")
-    return os.path.join(os.path.dirname(root), "run", os.path.basename(root) + "-digests.json")
-
-
-def load_cache(root: str) -> dict:
-    return read_json(cache_path(root)) or {}
-
-
-def save_cache(root: str, cache: dict) -> None:
-    path = cache_path(root)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_atomic(path, json.dumps(cache).encode(), 0o644)
-    except OSError:
-        pass
-
-
-def walk_files(root: str):
-    stack = [""]
-    while stack:
-        rel = stack.pop()
-        try:
-            entries = list(os.scandir(os.path.join(root, rel)))
-        except OSError:
-            continue
-        for e in entries:
-            r = rel + "/" + e.name if rel else e.name
-            if e.is_dir(follow_symlinks=False) and e.name.startswith(STAGING):
-                import shutil   # a killed receiver's staging folder: never promoted
-                shutil.rmtree(e.path, ignore_errors=True)
-            elif e.is_dir(follow_symlinks=False):
-                stack.append(r)
-            elif ".orch-part-" in e.name:
-                # left by a receiver that was killed (SIGKILL, host crash); manifests are
-                # made before a push, when no receiver writes here
-                os.unlink(e.path)
-            elif e.is_file(follow_symlinks=False):
-                yield r, e.stat(follow_symlinks=False)
+def is_leftover(name: str) -> bool:
+    """Names only orch gives: a killed receiver's staging folder or half-written file."""
+    return name.startswith(STAGING) or PART in name
 
 
 def cmd_manifest(root: str) -> None:
-    out(manifest(root))
+    jd, folder = folder_of(root)
+    out(manifest(jd, folder))
 
 
-def manifest(root: str) -> dict:
-    """{relpath: [size, sha256]} of a folder; digests cached by (size, mtime, inode).
+def manifest(jd, folder: str) -> dict:
+    """{relpath: [size, sha256 or "link:<target>"]} of what orch pushed into the folder
+    and is still there (host/ledger.py); digests kept by (size, mtime, inode).
 
-    A file changed by hand gets a new mtime and is hashed again; the cache makes a
-    second `orch up` with nothing to send cost a stat per file, not a read.
+    Files the job wrote there are not listed, so the controller never deletes them. A
+    receiver that did not finish (its journal is there), or a host upgraded from the old
+    digest cache, gets its staging folders and .orch-part- files removed first;
+    manifests are made before a push, when no receiver writes here.
     """
-    root = os.path.realpath(os.path.expanduser(root))   # the same cache as receive's
-    cache, fresh, files = load_cache(root), {}, {}
-    for rel, st in walk_files(root):
-        key = "%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino)
-        digest = cache.get(rel, [None, None])
-        digest = digest[1] if digest[0] == key else sha256_file(os.path.join(root, rel))
-        fresh[rel] = [key, digest]
-        files[rel] = [st.st_size, digest]
-    if os.path.isdir(root):
-        save_cache(root, fresh)
-    return {"root": root, "files": files}
+    if jd.lstat(folder) is None:
+        return {"root": jd.show(folder), "files": {}}
+    ledger = Ledger(jd, folder)
+    if ledger.interrupted or not ledger.found:
+        jd.sweep(folder, is_leftover)
+    if not ledger.found:   # the cache of orch before the ledger: every file, the job's too
+        jd.unlink("run/%s-digests.json" % folder)
+    files = ledger.manifest()
+    ledger.save()
+    return {"root": jd.show(folder), "files": files}
 
 
-def safe_join(root: str, rel: str, checked: set) -> str:
-    """Refuse any path that would land outside root (absolute, .., links). `checked`
-    holds the parent folders (relative) already verified, so a stream of many files in
-    few folders checks and resolves each folder once."""
-    if not rel or rel[0] == "/" or "\\" in rel or "\0" in rel:
-        raise ValueError("unsafe path %r" % rel)
-    parent_rel, _, name = rel.rpartition("/")
-    if name in ("", ".", ".."):
-        raise ValueError("unsafe path %r" % rel)
-    if parent_rel not in checked:
-        if parent_rel and any(p in ("", ".", "..") for p in parent_rel.split("/")):
-            raise ValueError("unsafe path %r" % rel)
-        parent = root + "/" + parent_rel if parent_rel else root
-        # resolve before creating: makedirs through a planted link would escape
-        real_parent = os.path.realpath(parent)
-        if real_parent != root and not real_parent.startswith(root + os.sep):
-            raise ValueError("path %r leaves %s" % (rel, root))
-        os.makedirs(parent, exist_ok=True)
-        checked.add(parent_rel)
-    return root + "/" + rel
-
-
-def receive_file(stream, root: str, head: dict, cache: dict, checked: set, buf,
-                 staged: bool = False) -> None:
-    """Write beside (.orch-part-), hash while writing, verify, then rename into place.
-    A staged file (inside a staging folder no one reads) is written under its name."""
-    path = safe_join(root, head["p"], checked)
-    tmp = path if staged else "%s.orch-part-%d" % (path, os.getpid())
-    h, mode = hashlib.sha256(), head.get("m", 0o644)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+def receive_file(stream, dirs, base: str, head: dict, ledger, buf, staged: bool = False):
+    """Write beside (.orch-part-, O_EXCL, no link followed), hash while writing, verify,
+    then rename into place in the same folder descriptor. A staged file (inside a
+    staging folder no one reads) is written under its name. Returns (stat, digest)."""
+    parent, name = split_parent(base + "/" + head["p"])
+    pfd = dirs.fd(parent)
+    tmp = name if staged else "%s%s%d" % (name, PART, os.getpid())
+    h, mode = hashlib.sha256(), head.get("m", 0o644) & 0o777
+    if not isinstance(head["s"], int) or head["s"] < 0:
+        raise ValueError("bad size %r for %s" % (head["s"], head["p"]))
+    fd = create_excl(pfd, tmp, mode)
     try:
         receive_bytes(stream, fd, h, head["s"], head["p"], buf)
         if mode & UMASK:
@@ -303,15 +262,38 @@ def receive_file(stream, root: str, head: dict, cache: dict, checked: set, buf,
         st = os.fstat(fd)
     except BaseException:
         os.close(fd)
-        os.unlink(tmp)   # a broken stream never leaves a half-written file behind
+        os.unlink(tmp, dir_fd=pfd)   # a broken stream never leaves a half-written file behind
         raise
     os.close(fd)
     if head.get("h") and h.hexdigest() != head["h"]:
-        os.unlink(tmp)
+        os.unlink(tmp, dir_fd=pfd)
         raise ValueError("digest mismatch for %s" % head["p"])
     if not staged:
-        os.replace(tmp, path)
-    cache[head["p"]] = ["%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino), h.hexdigest()]
+        place(dirs.jd, pfd, tmp, name, base + "/" + head["p"])
+    return st, h.hexdigest()
+
+
+def place(jd, pfd: int, tmp: str, name: str, rel: str) -> None:
+    """Rename tmp over name (a file or link there is replaced, never followed); a folder
+    there (the job's) is refused with a fix."""
+    try:
+        os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+    except OSError:
+        os.unlink(tmp, dir_fd=pfd)
+        st = lstat_at(pfd, name)
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise not_a("file", jd.show(rel)) from None
+        raise
+
+
+def receive_link(dirs, base: str, head: dict):
+    """{"p": rel, "link": target}: rel becomes a link to target (inside the folder only,
+    checked by JobDir.symlink). Returns (stat of the link, "link:<target>")."""
+    target = head["link"]
+    if not isinstance(target, str):
+        raise UnsafePath("unsafe link %r: its target is not a path" % head["p"])
+    st = dirs.jd.symlink(base + "/" + head["p"], target)
+    return st, "link:" + target
 
 
 def receive_bytes(stream, fd: int, h, left: int, name: str, buf) -> None:
@@ -327,10 +309,15 @@ def receive_bytes(stream, fd: int, h, left: int, name: str, buf) -> None:
         left -= n
 
 
-def prune_empty_dirs(root: str) -> None:
-    for d, subdirs, files in os.walk(root, topdown=False):
-        if d != root and not os.listdir(d):
-            os.rmdir(d)
+def prune_empty_dirs(jd, base: str, removed: list) -> None:
+    """Remove the folders that deleting `removed` left empty (never base itself, never a
+    folder that still holds anything, such as the job's own files)."""
+    parents = set()
+    for rel in removed:
+        parts = rel.split("/")[:-1]
+        parents.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for d in sorted(parents, key=lambda r: -r.count("/")):
+        jd.rmdir(base + "/" + d)
 
 
 def grow_stdin_pipe() -> None:
@@ -343,41 +330,42 @@ def grow_stdin_pipe() -> None:
         pass
 
 
-STAGING = ".orch-staging-"
-
-
 class Staging:
     """A top-level folder (a shard, a code package) that the host does not have yet is
     written into a staging folder under its final names and renamed into place as a
     whole at the end: one rename per folder instead of one per file. Folders the host
     has are updated file by file (write beside, rename)."""
 
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.dir = "%s/%s%d" % (root, STAGING, os.getpid())
+    def __init__(self, dirs, base: str) -> None:
+        self.dirs, self.jd, self.base = dirs, dirs.jd, base
+        self.dir = "%s/%s%d" % (base, STAGING, os.getpid())
         self.tops: dict = {}
-        self.checked: set = set()
+        self.landed: list = []   # (rel, stat, digest) of staged files: recorded once in place
 
     def wants(self, rel: str) -> bool:
         top = rel.split("/", 1)[0]
         if top not in self.tops:
-            self.tops[top] = "/" in rel and not os.path.lexists(self.root + "/" + top)
+            self.tops[top] = "/" in rel and self.jd.lstat(self.base + "/" + top) is None
             if self.tops[top]:
-                os.makedirs(self.dir, exist_ok=True)
+                self.dirs.fd(self.dir)
         return self.tops[top]
 
-    def promote(self) -> None:
+    def promote(self, ledger) -> None:
         """Every staged file was verified when written: move the folders into place
         (also after a broken stream, so that a resumed push sends only the rest)."""
+        moved = set()
         for top, staged in self.tops.items():
-            if staged and os.path.lexists(self.dir + "/" + top):
-                os.rename(self.dir + "/" + top, self.root + "/" + top)
-        if os.path.isdir(self.dir):
-            import shutil
-            shutil.rmtree(self.dir, ignore_errors=True)
+            if staged and self.jd.lstat(self.dir + "/" + top) is not None:
+                self.jd.replace(self.dir + "/" + top, self.base + "/" + top)
+                moved.add(top)
+        ledger.record_many([(rel, st, digest) for rel, st, digest in self.landed
+                            if rel.split("/", 1)[0] in moved])
+        if any(self.tops.values()):
+            self.dirs.close()
+            self.jd.rmtree(self.dir)
 
 
-def receive_stream(stream, root: str, cache: dict, checked: set, staging: Staging) -> tuple:
+def receive_stream(stream, dirs, base: str, ledger, staging: Staging) -> tuple:
     buf, decode, count, nbytes = bytearray(1 << 20), json.JSONDecoder().decode, 0, 0
     while True:
         line = stream.readline()
@@ -386,45 +374,64 @@ def receive_stream(stream, root: str, cache: dict, checked: set, staging: Stagin
         head = decode(line.decode())
         if "end" in head:
             return head, count, nbytes
-        if staging.wants(head["p"]):
-            receive_file(stream, staging.dir, head, cache, staging.checked, buf, staged=True)
+        staged = staging.wants(head["p"])   # the path is checked where it is opened
+        where = staging.dir if staged else base
+        if "link" in head:
+            st, digest = receive_link(dirs, where, head)
         else:
-            receive_file(stream, root, head, cache, checked, buf)
-        count, nbytes = count + 1, nbytes + head["s"]
+            st, digest = receive_file(stream, dirs, where, head, ledger, buf, staged)
+        if staged:
+            staging.landed.append((head["p"], st, digest))
+        else:
+            ledger.record(head["p"], st, digest)
+        count, nbytes = count + 1, nbytes + head.get("s", 0)
+
+
+def apply_deletes(jd, base: str, ledger, delete: list) -> int:
+    """Delete only what orch pushed (in the ledger): a file or link the job made, or an
+    excluded path, stays whatever the controller asks."""
+    removed = []
+    for rel in delete:
+        split_parent(rel)   # an unsafe path is an error, even when unknown here
+        if ledger.owns(rel):
+            if jd.unlink(base + "/" + rel):
+                removed.append(rel)
+            ledger.forget(rel)
+    prune_empty_dirs(jd, base, removed)
+    return len(removed)
 
 
 def cmd_receive(root: str) -> None:
-    """Apply a stream: JSON header line + raw bytes per file, then {"end", "delete"}."""
-    root = os.path.expanduser(root)
-    os.makedirs(root, exist_ok=True)
-    root = os.path.realpath(root)   # a remote_dir under a linked folder is fine
+    """Apply a stream: JSON header line + raw bytes per file ({"p", "link"} for a link,
+    no bytes), then {"end", "delete"}."""
+    jd, base = folder_of(root)
+    os.close(jd.open_dir(base, create=True))   # a remote_dir under a linked folder is fine
     grow_stdin_pipe()
-    cache, checked, staging = load_cache(root), set(), Staging(root)
+    ledger, dirs = Ledger(jd, base), Dirs(jd, create=True)
+    ledger.begin()
+    staging = Staging(dirs, base)
     try:
-        head, count, nbytes = receive_stream(sys.stdin.buffer, root, cache, checked, staging)
-    except BaseException:
-        staging.promote()
-        save_cache(root, cache)   # what did land is known next time
-        raise
-    staging.promote()
-    for rel in head.get("delete", []):
-        path = safe_join(root, rel, checked)
-        if os.path.lexists(path):
-            os.unlink(path)
-        cache.pop(rel, None)
-    if head.get("delete"):
-        prune_empty_dirs(root)
-    save_cache(root, cache)
-    out({"files": count, "bytes": nbytes, "deleted": len(head.get("delete", []))})
+        try:
+            head, count, nbytes = receive_stream(sys.stdin.buffer, dirs, base, ledger, staging)
+        finally:
+            staging.promote(ledger)   # also after a broken stream: a resumed push sends the rest
+        deleted = apply_deletes(jd, base, ledger, head.get("delete", []))
+    finally:
+        dirs.close()
+        ledger.save()   # what did land is known next time
+    out({"files": count, "bytes": nbytes, "deleted": deleted})
 
 
 def main(argv) -> None:
-    # on a host the agent is one script (agent_jobs.py's source, then this file's)
+    # on a host the agent is one script (host/paths.py, host/ledger.py, agent_jobs.py, this file)
     commands = {n[4:]: f for n, f in globals().items() if n.startswith("cmd_")}
     try:
         commands[argv[0]](*argv[1:])
     except (BrokenPipeError, KeyboardInterrupt):
         os._exit(1)
+    except UnsafePath as e:   # a path orch refuses: the message names it, `fix` says how
+        out({"error": str(e), "fix": e.fix})
+        sys.exit(1)
     except Exception as e:  # the controller turns this into a message naming the host
         out({"error": "%s: %s" % (type(e).__name__, e)})
         sys.exit(1)

@@ -1,10 +1,10 @@
 """The host side of orch, part two: launch, follow, status and stop of a job.
 
 Sent to the host together with agent.py as one script (see agent.py); imported from
-there when run locally (tests), hence the guarded import below.
+there when run locally (tests), hence the guarded import below. Every file of the job
+folder is reached through its JobDir (p["jd"], host/paths.py): no link is followed.
+No ``from __future__`` import: this file is not the first part of that script.
 """
-from __future__ import annotations
-
 import json
 import os
 import signal
@@ -18,6 +18,9 @@ try:  # on a host this file is concatenated with agent.py; there is no package t
 except ImportError:
     pass
 
+LOG_CAP = 4 << 20     # one read of a log file
+ERROR_FILE_CAP = 1 << 20
+
 HEARTBEAT_S = 1.0
 
 
@@ -26,11 +29,15 @@ HEARTBEAT_S = 1.0
 def clean_run_dir(p: dict) -> None:
     # code/ too: without `code:` in the inventory nothing was pushed, and a missing
     # entrypoint should fail as the rank's own error, not as a missing folder
-    for d in (p["run"], p["logs"], p["output"], p["code"]):
-        os.makedirs(d, exist_ok=True)
-    for name in os.listdir(p["run"]):
+    jd = p["jd"]
+    for d in ("run", "logs", "output", "code"):
+        os.close(jd.open_dir(d, create=True))   # a link at any of them is refused
+    jd.check_layout()
+    with jd.dirfd("run") as fd:
+        names = os.listdir(fd)
+    for name in names:
         if name.endswith((".exit", ".pid")) or name == "host.exit":
-            os.unlink(os.path.join(p["run"], name))
+            jd.unlink("run/" + name)
 
 
 def cmd_launch(job_dir: str, then: str = "") -> None:
@@ -44,15 +51,16 @@ def cmd_launch(job_dir: str, then: str = "") -> None:
         return
     spec = json.loads(data)
     p = job_paths(job_dir)
-    if supervisor_alive(p["run"]):
+    if supervisor_alive(p):
         out({"error": "already running"})
         return
     clean_run_dir(p)
+    jd = p["jd"]
     rankexec = spec.pop("rankexec")
-    write_atomic(os.path.join(p["run"], "launch.json"), json.dumps(spec).encode(), 0o600)
-    write_atomic(os.path.join(p["run"], "rankexec.py"), rankexec.encode(), 0o644)
+    write_atomic(jd, "run/launch.json", json.dumps(spec).encode(), 0o600)
+    write_atomic(jd, "run/rankexec.py", rankexec.encode(), 0o644)
     for r in spec["ranks"]:
-        open(os.path.join(p["logs"], "rank-%d.log" % r), "w").close()
+        os.close(jd.open_for_write("logs/rank-%d.log" % r))   # emptied; a link is refused
     rfd, wfd = os.pipe()
     if os.fork() == 0:
         os.close(rfd)
@@ -68,9 +76,9 @@ def cmd_launch(job_dir: str, then: str = "") -> None:
         cmd_follow(job_dir, ",".join(map(str, spec["ranks"])), "-1", "events")
 
 
-def detach_stdio(log_path: str) -> None:
+def detach_stdio(jd, log_rel: str) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log = jd.open_for_write(log_rel, 0o644, append=True)
     os.dup2(devnull, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -78,16 +86,19 @@ def detach_stdio(log_path: str) -> None:
 
 def supervise(p: dict, spec: dict, wfd: int) -> None:
     """Runs torchrun, records its exit code in run/host.exit; never returns."""
-    detach_stdio(os.path.join(p["run"], "torchrun.log"))
+    jd = p["jd"]
+    detach_stdio(jd, "run/torchrun.log")
     env = dict(os.environ)
     env.update(spec["env"])
     code = 1
     try:
-        proc = subprocess.Popen(spec["argv"], cwd=p["code"], env=env)
+        with jd.dirfd("code") as code_fd:
+            os.fchdir(code_fd)   # the cwd of torchrun and the ranks, reached without a link
+        proc = subprocess.Popen(spec["argv"], env=env)
         me = os.getpid()
         info = {"pid": me, "pgid": os.getpgid(0), "start_ticks": proc_start_time(me),
                 "torchrun_pid": proc.pid, "run_id": spec["run_id"], "started": time.time()}
-        write_atomic(os.path.join(p["run"], "supervisor.json"), json.dumps(info).encode())
+        write_atomic(jd, "run/supervisor.json", json.dumps(info).encode())
         os.write(wfd, json.dumps(info).encode())
         os.close(wfd)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -99,24 +110,34 @@ def supervise(p: dict, spec: dict, wfd: int) -> None:
             os.write(wfd, json.dumps({"error": repr(e)}).encode())
         except OSError:
             pass
-    write_atomic(os.path.join(p["run"], "host.exit"),
-                 json.dumps({"code": code, "time": time.time()}).encode(), 0o644)
+    try:
+        write_atomic(jd, "run/host.exit", json.dumps({"code": code, "time": time.time()}).encode(),
+                     0o644)
+    except OSError as e:
+        sys.stderr.write("orch supervisor: cannot write host.exit: %s\n" % e)
     os._exit(0)
 
 
 # ---------------------------------------------------------------- follow
 
+def open_log(jd, rel: str):
+    """A log file opened for reading without following a link; None if it cannot be."""
+    try:
+        return os.fdopen(jd.open_for_read(rel), "rb")
+    except OSError:
+        return None
+
+
 class RankLog:
     """A growing log file read in place; yields whole lines only."""
 
-    def __init__(self, rank: int, path: str, offset: int) -> None:
-        self.rank, self.path, self.offset, self.f = rank, path, offset, None
+    def __init__(self, rank: int, jd, rel: str, offset: int) -> None:
+        self.rank, self.jd, self.rel, self.offset, self.f = rank, jd, rel, offset, None
 
-    def read_lines(self, limit: int = 4 << 20) -> list:
+    def read_lines(self, limit: int = LOG_CAP) -> list:
         if self.f is None:
-            try:
-                self.f = open(self.path, "rb")
-            except OSError:
+            self.f = open_log(self.jd, self.rel)
+            if self.f is None:
                 return []
         self.f.seek(self.offset)
         data = self.f.read(limit)
@@ -131,52 +152,52 @@ class RankLog:
         if self.f is None:
             return b""
         self.f.seek(self.offset)
-        data = self.f.read()
+        data = self.f.read(LOG_CAP)
         self.offset += len(data)
         return data
 
 
-def tail_offset(path: str, n: int) -> int:
-    """Byte offset where the last n lines start (a final newline ends the last line)."""
-    try:
-        size = os.path.getsize(path)
-    except OSError:
+def tail_offset(f, n: int) -> int:
+    """Byte offset where the last n lines of open file f start (a final newline ends
+    the last line); 0 when f is None."""
+    if f is None:
         return 0
+    size = os.fstat(f.fileno()).st_size
     if n == 0:
         return size
-    with open(path, "rb") as f:
-        end = size
-        if size:
-            f.seek(size - 1)
-            if f.read(1) == b"\n":
-                end = size - 1
-        pos, seen = end, 0
-        while pos > 0:
-            step = min(1 << 16, pos)
-            pos -= step
-            f.seek(pos)
-            chunk = f.read(step)
-            idx = len(chunk)
-            while True:
-                idx = chunk.rfind(b"\n", 0, idx)
-                if idx < 0:
-                    break
-                seen += 1
-                if seen == n:
-                    return pos + idx + 1
+    end = size
+    if size:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            end = size - 1
+    pos, seen = end, 0
+    while pos > 0:
+        step = min(1 << 16, pos)
+        pos -= step
+        f.seek(pos)
+        chunk = f.read(step)
+        idx = len(chunk)
+        while True:
+            idx = chunk.rfind(b"\n", 0, idx)
+            if idx < 0:
+                break
+            seen += 1
+            if seen == n:
+                return pos + idx + 1
     return 0
 
 
 def rank_exit(p: dict, rank: int):
-    return read_json(os.path.join(p["run"], "rank-%d.exit" % rank))
+    ex = read_json(p["jd"], "run/rank-%d.exit" % rank)
+    return ex if isinstance(ex, dict) and "code" in ex and "time" in ex else None
 
 
 def host_done(p: dict):
     """host.exit once the supervisor finished; {"code": None} when it vanished."""
-    done = read_json(os.path.join(p["run"], "host.exit"))
-    if done is not None or supervisor_alive(p["run"]):
+    done = read_json(p["jd"], "run/host.exit")
+    if done is not None or supervisor_alive(p):
         return done
-    return read_json(os.path.join(p["run"], "host.exit")) or {"code": None, "lost": True}
+    return read_json(p["jd"], "run/host.exit") or {"code": None, "lost": True}
 
 
 def emit_lines(w, log: RankLog, raw: bool) -> int:
@@ -201,9 +222,12 @@ def cmd_follow(job_dir: str, ranks: str, tail: str, mode: str) -> None:
     raw = mode.startswith("raw")
     logs = []
     for r in [int(x) for x in ranks.split(",")]:
-        path = os.path.join(p["logs"], "rank-%d.log" % r)
-        start = tail_offset(path, int(tail)) if int(tail) >= 0 else 0
-        logs.append(RankLog(r, path, start))
+        rel = "logs/rank-%d.log" % r
+        log = RankLog(r, p["jd"], rel, 0)
+        if int(tail) >= 0:
+            log.f = open_log(p["jd"], rel)
+            log.offset = tail_offset(log.f, int(tail))
+        logs.append(log)
     w, reported, beat, idle = sys.stdout.buffer, set(), 0.0, 0
     while True:
         busy = sum(emit_lines(w, log, raw) for log in logs)
@@ -250,32 +274,31 @@ def follow_exits(w, p: dict, logs: list, reported: set, raw: bool) -> bool:
 
 # ---------------------------------------------------------------- status / stop
 
-def last_line(path: str) -> str:
-    off = tail_offset(path, 1)
-    try:
-        with open(path, "rb") as f:
-            f.seek(off)
-            return f.read(4096).decode("utf-8", "replace").strip()
-    except OSError:
+def last_line(jd, rel: str) -> str:
+    f = open_log(jd, rel)
+    if f is None:
         return ""
+    with f:
+        f.seek(tail_offset(f, 1))
+        return f.read(4096).decode("utf-8", "replace").strip()
 
 
 def error_file(p: dict, local_rank: int) -> str:
     """torchrun's error file of a rank (written when the script uses @record)."""
-    base = os.path.join(p["run"], "torchrun")
-    for d, _, files in os.walk(base):
-        if "error.json" in files and d.rstrip("/").endswith("/%d" % local_rank):
+    for rel, _ in p["jd"].walk("run/torchrun"):
+        if rel.endswith("/%d/error.json" % local_rank):
             try:
-                with open(os.path.join(d, "error.json")) as f:
-                    return f.read()[-4000:]
+                data = p["jd"].read(rel, ERROR_FILE_CAP) or b""
             except OSError:
                 return ""
+            return data.decode("utf-8", "replace")[-4000:]
     return ""
 
 
 def rank_status(p: dict, rank: int, local_rank: int, sup) -> dict:
-    info = {"rank": rank, "last_line": last_line(os.path.join(p["logs"], "rank-%d.log" % rank))}
-    pid = read_json(os.path.join(p["run"], "rank-%d.pid" % rank)) or {}
+    info = {"rank": rank, "last_line": last_line(p["jd"], "logs/rank-%d.log" % rank)}
+    pid = read_json(p["jd"], "run/rank-%d.pid" % rank)
+    pid = pid if isinstance(pid, dict) and isinstance(pid.get("pid"), int) else {}
     info["pid"], info["started"] = pid.get("pid"), pid.get("time")
     ex = rank_exit(p, rank)
     if ex is not None:
@@ -292,8 +315,8 @@ def rank_status(p: dict, rank: int, local_rank: int, sup) -> dict:
 
 def cmd_status(job_dir: str, ranks: str) -> None:
     p = job_paths(job_dir)
-    sup = supervisor_alive(p["run"])
-    out({"supervisor": sup, "host_exit": read_json(os.path.join(p["run"], "host.exit")),
+    sup = supervisor_alive(p)
+    out({"supervisor": sup, "host_exit": read_json(p["jd"], "run/host.exit"),
          "time": time.time(),
          "ranks": [rank_status(p, int(r), i, sup) for i, r in enumerate(ranks.split(","))]})
 
@@ -301,7 +324,7 @@ def cmd_status(job_dir: str, ranks: str) -> None:
 def wait_gone(job_dir: str, sup, deadline: float) -> list:
     while True:
         left = marked_pids(job_dir)
-        if sup and proc_start_time(sup["pid"]) == sup["start_ticks"]:
+        if sup and proc_start_time(sup["pid"]) == sup.get("start_ticks"):
             left.append(sup["pid"])
         if not left or time.time() >= deadline:
             return left
@@ -314,9 +337,7 @@ def cmd_stop(job_dir: str, grace: str) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     p = job_paths(job_dir)
-    sup = read_json(os.path.join(p["run"], "supervisor.json"))
-    if sup and proc_start_time(sup["pid"]) != sup.get("start_ticks"):
-        sup = None
+    sup = supervisor_alive(p)
     t0 = time.time()
     found = marked_pids(p["job"]) + ([sup["pid"]] if sup else [])
     # torchrun itself has nothing to save, and its own SIGTERM shutdown takes seconds;

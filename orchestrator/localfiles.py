@@ -39,10 +39,9 @@ class LocalFile:
 
 
 def link_file(rel: str, path: str, target: str) -> LocalFile:
-    """A link to push as a link; its digest is that of "link:<target>", so an unchanged
-    link on the host is not sent again."""
-    digest = hashlib.sha256(("link:" + target).encode("utf-8", "surrogateescape")).hexdigest()
-    return LocalFile(rel, path, 0, 0o777, digest, link=target)
+    """A link to push as a link; its digest is "link:<target>", as the host's ledger
+    records it, so an unchanged link on the host is not sent again."""
+    return LocalFile(rel, path, 0, 0o777, "link:" + target, link=target)
 
 
 class DigestCache:

@@ -7,9 +7,10 @@ from pathlib import Path
 from orchestrator.errors import HostError
 from orchestrator.transport import Channel, Transport
 
-# One script: agent_jobs.py's functions first, then agent.py, whose main() runs last.
-AGENT = (Path(__file__).parent / "agent_jobs.py").read_bytes() + b"\n" + \
-    (Path(__file__).parent / "agent.py").read_bytes()
+# One script: the path module first (every file access in the job folder goes through
+# it), the push ledger, agent_jobs.py's functions, then agent.py, whose main() runs last.
+AGENT_PARTS = ("host/paths.py", "host/ledger.py", "agent_jobs.py", "agent.py")
+AGENT = b"\n".join((Path(__file__).parent / part).read_bytes() for part in AGENT_PARTS)
 RANKEXEC = (Path(__file__).parent / "rankexec.py").read_bytes()
 # Reads exactly the agent's source from stdin and runs it; what stdin carries after
 # that is the command's own input (file streams, secrets), never the command line.
@@ -37,13 +38,16 @@ def parse_reply(t: Transport, command: str, code: int, out: bytes, err: bytes) -
             reply = json.loads(lines[-1])
         except ValueError:
             reply = None
+    if not isinstance(reply, dict):
+        reply = None
     if code == 127 or (code != 0 and b"not found" in err and not lines):
         raise HostError(f"{t.host.label}: python interpreter `{t.host.python}` not found",
                         hint="install python3 there or set `python:` (e.g. a venv's bin/python)")
     if reply is None or code != 0 or "error" in reply:
         why = reply.get("error") if reply else (err.decode("utf-8", "replace").strip()[-800:]
                                                  or f"exit code {code}")
-        raise HostError(f"{t.host.label}: {command} failed: {why}")
+        raise HostError(f"{t.host.label}: {command} failed: {why}",
+                        hint=str((reply or {}).get("fix") or "")[:800])
     return reply
 
 
