@@ -3,6 +3,7 @@ message and its exit code (SPEC: 0 ok, 1 job failed, 2 usage/inventory, 3 host, 
 from __future__ import annotations
 
 import argparse
+import difflib
 import signal
 import sys
 
@@ -13,10 +14,24 @@ COMMANDS = ("up", "stop", "logs", "status", "split_data")
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own exit code is 2, as SPEC's
+    def error(self, message: str) -> None:  # type: ignore[override]  # argparse's own exit code is 2, as SPEC's
         self.print_usage(sys.stderr)
-        sys.stderr.write(f"orch: error: {message}\n")
+        sys.stderr.write(f"orch: error: {message}{self.suggestion(message)}\n")
         sys.exit(EXIT_USAGE)
+
+    def suggestion(self, message: str) -> str:
+        """`orch stauts` -> did you mean `status`; `up --detatch` -> `--detach`."""
+        if "invalid choice: " in message:
+            word, choices = message.split("invalid choice: ", 1)[1].split("'")[1], []
+            for action in self._actions:
+                choices += list(getattr(action, "choices", None) or [])
+        elif message.startswith("unrecognized arguments: "):
+            word = message.split(": ", 1)[1].split()[0]
+            choices = [o for a in self._actions for o in a.option_strings]
+        else:
+            return ""
+        close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+        return f"\n  did you mean `{close[0]}`?" if close else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Like parse_args, but an unknown option is reported with its own command's usage
+    (`orch up --detatch` shows `usage: orch up ...`), not the top-level one."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def interrupt_on_termination() -> None:
     """SIGTERM and SIGHUP (a closed terminal) act like Ctrl-C: the job is stopped, not orphaned."""
     def handler(signum, frame) -> None:
@@ -48,7 +74,7 @@ def interrupt_on_termination() -> None:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     interrupt_on_termination()
     try:
         return args.func(args)

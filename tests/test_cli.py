@@ -74,3 +74,16 @@ def test_console_script_and_module_agree(tmp_path: Path) -> None:
     assert script.stdout == module.stdout and script.stdout.startswith("orch ")
     helped = run(tmp_path, "--help", entry="script")
     assert helped.returncode == 0 and helped.stdout == run(tmp_path, "--help").stdout
+
+
+def test_mistyped_command_suggests_the_right_one(tmp_path: Path) -> None:
+    result = run(tmp_path, "stauts")
+    assert result.returncode == 2
+    assert "did you mean `status`?" in result.stderr
+
+
+def test_unknown_option_shows_its_commands_usage(tmp_path: Path) -> None:
+    result = run(tmp_path, "up", "--detatch")
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: orch up"), result.stderr
+    assert "did you mean `--detach`?" in result.stderr
