@@ -25,9 +25,10 @@ def crop_flip(x: torch.Tensor, pad: int, gen: torch.Generator | None = None) -> 
     n, c, h, w = x.shape
     padded = F.pad(x, (pad, pad, pad, pad))
     hp, wp = h + 2 * pad, w + 2 * pad
-    oy = torch.randint(0, 2 * pad + 1, (n, 1, 1), generator=gen).to(x.device)
-    ox = torch.randint(0, 2 * pad + 1, (n, 1, 1), generator=gen).to(x.device)
-    flip = (torch.rand(n, 1, 1, generator=gen) < 0.5).to(x.device)
+    # Drawn on the CPU (same draws on every device); non_blocking: no wait for the GPU.
+    oy = torch.randint(0, 2 * pad + 1, (n, 1, 1), generator=gen).to(x.device, non_blocking=True)
+    ox = torch.randint(0, 2 * pad + 1, (n, 1, 1), generator=gen).to(x.device, non_blocking=True)
+    flip = (torch.rand(n, 1, 1, generator=gen) < 0.5).to(x.device, non_blocking=True)
     cols = torch.arange(w, device=x.device).view(1, 1, w)
     cols = torch.where(flip, w - 1 - cols, cols) + ox
     rows = torch.arange(h, device=x.device).view(1, h, 1) + oy
@@ -150,5 +151,6 @@ def _constants(mean: tuple[float, ...], std: tuple[float, ...],
     if key not in _CONSTANTS:
         scale = torch.tensor([1 / (255 * s) for s in std]).view(1, -1, 1, 1)
         shift = torch.tensor([-m / s for m, s in zip(mean, std)]).view(1, -1, 1, 1)
-        _CONSTANTS[key] = (scale.to(device), shift.to(device))
+        # non_blocking: a pageable source is staged at once; the GPU is not waited for
+        _CONSTANTS[key] = (scale.to(device, non_blocking=True), shift.to(device, non_blocking=True))
     return _CONSTANTS[key]
