@@ -175,7 +175,9 @@ job:
 
 
 def _orch(tmp: Path, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), ORCH_NO_COLOR="1")
+    # extends PYTHONPATH: offline, paramiko may come from carried wheels (README, "GPU check")
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, ORCH_NO_COLOR="1")
     return subprocess.run([sys.executable, "-m", "orchestrator", *argv], cwd=tmp, env=env,
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
