@@ -119,7 +119,8 @@ def test_augmentation_on_the_gpu_matches_the_cpu_and_does_not_sync() -> None:
         small = normalize(augment(on_device, "crop_flip"))
     for t in (on_gpu, out, small):
         assert t.device.type == "cuda" and t.dtype == torch.float32
-    torch.testing.assert_close(on_gpu.cpu(), crops_by_interpolate(x.float(), boxes), atol=1e-2, rtol=0)
+    # pixels 0..255: float rounding of the sample points on the GPU stays far below 0.05
+    torch.testing.assert_close(on_gpu.cpu(), crops_by_interpolate(x.float(), boxes), atol=5e-2, rtol=0)
 
 
 class _Batches(torch.utils.data.Dataset):
@@ -322,11 +323,11 @@ def _syncbn_worker(rank: int, world: int, port: int) -> None:
         out.square().mean().backward()  # DDP averages: the mean over the whole batch
         want.square().mean().backward()
         for (name, p), q in zip(ddp.module.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
         for (name, b), c in zip(ddp.module.named_buffers(), ref.buffers()):
             assert b.device == device
             if b.is_floating_point():  # running mean and variance
-                torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)
+                torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5, msg=name)
             else:  # batches tracked
                 assert torch.equal(b, c), name
     finally:
@@ -348,7 +349,8 @@ LOGITS = {"4.weight", "4.bias"}
 
 def _check_records(state: C.TernGradState, device: torch.device) -> None:
     assert state.records, "the TernGrad hook recorded no bucket"
-    for rec in state.records.values():
+    for index in sorted(state.records):  # the same order on every rank: collectives inside
+        rec = state.records[index]
         for t in (rec.local_scalers, rec.shared_scalers, rec.local_decoded, rec.result):
             assert t.device == device
         # result = mean of every rank's decoded ternaries; the scaler = max over ranks
