@@ -375,8 +375,44 @@ def _terngrad_worker(rank: int, world: int, port: int) -> None:
             if name not in LOGITS and p.numel() >= 64:
                 assert p.grad.unique().numel() <= 2 * world + 1, name
         assert stats.bytes_sent > 0
+        _check_hook_makes_no_host_sync(ddp, device, rank)
     finally:
         dist.destroy_process_group()
+
+
+class _Bucket:
+    """What the hook reads of DDP's GradBucket."""
+
+    def __init__(self, buf: torch.Tensor, params: list[nn.Parameter]) -> None:
+        self.buf, self.params = buf, params
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.params
+
+    def index(self) -> int:
+        return 0
+
+
+def _check_hook_makes_no_host_sync(ddp: nn.Module, device: torch.device, rank: int) -> None:
+    """The whole TernGrad hook (scalers' all_reduce, encode, all_gather, decode) on one
+    bucket, with any synchronising CUDA call an error (after a first call that builds the
+    lookup table and the generator)."""
+    state = C._terngrad_state(ddp, C.CommStats("terngrad"), None, 2.5, 64, False, LOGITS, 0)
+    params = list(ddp.module.parameters())
+    flat = torch.cat([torch.randn(p.numel(), device=device) * (1 + rank) for p in params])
+    for mode in ("default", "error"):
+        buf = flat.clone()
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            out = C._terngrad_hook(state, _Bucket(buf, params)).wait()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert out.device == device and out.data_ptr() == buf.data_ptr()
+        assert not torch.equal(out, flat), "the hook did not write the averaged bucket"
 
 
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=two_gpus)])
