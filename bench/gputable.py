@@ -131,6 +131,31 @@ def efficiency_table(results: Sequence[dict[str, Any]], target: float = TARGET) 
                           efficiency_rows(results, target))
 
 
+def _span(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}" if len(values) > 1 else f"{values[0]:.2f}"
+
+
+def efficiency_summary(results: Sequence[dict[str, Any]], target: float = TARGET) -> str:
+    """One sentence: where packed and ImageFolder land against synthetic, over all configs."""
+    base = synthetic_rates(results)
+    fractions: dict[str, list[float]] = {PACKED: [], FOLDER: []}
+    for r in results:
+        rate = _rate(r)
+        if r["input"] in fractions and rate is not None and base.get(_key(r)):
+            fractions[r["input"]].append(rate / base[_key(r)])
+    packed, folder = fractions[PACKED], fractions[FOLDER]
+    if not packed and not folder:
+        return "No loader was measured against synthetic."
+    parts = []
+    if packed:
+        met = sum(f >= target for f in packed)
+        parts.append(f"Packed loader: {_span(packed)} of synthetic (target >= {target}: "
+                     f"met in {met} of {len(packed)}).")
+    if folder:
+        parts.append(f"ImageFolder + PIL: {_span(folder)} of synthetic.")
+    return " ".join(parts)
+
+
 def bench_markdown(report: dict[str, Any]) -> str:
     """The whole bench/gpu.py section: set-up line, throughput, loader efficiency."""
     env, cfg = report.get("env", {}), report.get("config", {})
@@ -140,7 +165,8 @@ def bench_markdown(report: dict[str, Any]) -> str:
         "Images/s of training steps (forward, backward, SGD step) at the given batch per step.",
         throughput_table(report["results"]),
         f"Loader efficiency (target: packed >= {TARGET} of synthetic):",
-        efficiency_table(report["results"])])
+        efficiency_table(report["results"]),
+        efficiency_summary(report["results"])])
 
 
 def write_markdown(path: Path, title: str, sections: Sequence[tuple[str, str]]) -> str:

@@ -137,6 +137,13 @@ def test_efficiency_is_packed_over_synthetic_per_configuration() -> None:
     ]
 
 
+def test_efficiency_summary_says_where_each_loader_lands() -> None:
+    assert gputable.efficiency_summary(RESULTS) == (
+        "Packed loader: 0.80-0.95 of synthetic (target >= 0.9: met in 1 of 2). "
+        "ImageFolder + PIL: 0.40 of synthetic.")
+    assert gputable.efficiency_summary(RESULTS[:1]) == "No loader was measured against synthetic."
+
+
 def test_throughput_table_is_markdown_with_ratios_and_errors() -> None:
     lines = gputable.throughput_table(RESULTS).splitlines()
     assert lines[0] == "| model | batch | precision | input | images/s | / synthetic |"
@@ -198,7 +205,8 @@ def test_report_sections(tmp_path: Path) -> None:
     assert (tmp_path / "gpu.md").read_text() == text
     for part in ("# GPU check (make gpu-check)", "## Machine", "## Checks: pytest -m gpu",
                  "## Training throughput: bench/gpu.py", "bench/gpu.py exited 1",
-                 "Set-up: gpu H100, device cuda.", "| resnet50 | 64 | amp | 1000 | 0.95 | met | 0.40 |"):
+                 "Set-up: gpu H100, device cuda.", "| resnet50 | 64 | amp | 1000 | 0.95 | met | 0.40 |",
+                 "met in 1 of 2"):
         assert part in text
     assert gpu_check.bench_section(None, bench) == "not run (--skip-bench)"
     assert gpu_check.bench_section(3, tmp_path / "none.json") == "bench/gpu.py exited 3 before writing results"
