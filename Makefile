@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 APT_PKGS := openssh-server openssh-client rsync pdsh iproute2 procps
 
-.PHONY: install system-deps test demo bench clean
+.PHONY: install system-deps test demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -34,6 +34,12 @@ demo: install
 
 bench: install system-deps
 	$(VPY) bench/run_all.py
+
+# The GPU proof: pytest -m gpu and bench/gpu.py, report in bench/out/gpu.md. It installs
+# nothing (a GPU machine may be offline): it uses .venv when its torch sees CUDA, else
+# python3. Without CUDA it says so and exits 0. Extra bench options: GPU_BENCH_ARGS="...".
+gpu-check:
+	$(PY) bench/gpu_check.py --bench-args "$(GPU_BENCH_ARGS)"
 
 clean:
 	rm -rf $(VENV) .orch build *.egg-info

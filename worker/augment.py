@@ -25,9 +25,10 @@ def crop_flip(x: torch.Tensor, pad: int, gen: torch.Generator | None = None) -> 
     n, c, h, w = x.shape
     padded = F.pad(x, (pad, pad, pad, pad))
     hp, wp = h + 2 * pad, w + 2 * pad
-    oy = torch.randint(0, 2 * pad + 1, (n, 1, 1), generator=gen).to(x.device)
-    ox = torch.randint(0, 2 * pad + 1, (n, 1, 1), generator=gen).to(x.device)
-    flip = (torch.rand(n, 1, 1, generator=gen) < 0.5).to(x.device)
+    # Drawn on the CPU (same draws on every device); non_blocking: no wait for the GPU.
+    oy = torch.randint(0, 2 * pad + 1, (n, 1, 1), generator=gen).to(x.device, non_blocking=True)
+    ox = torch.randint(0, 2 * pad + 1, (n, 1, 1), generator=gen).to(x.device, non_blocking=True)
+    flip = (torch.rand(n, 1, 1, generator=gen) < 0.5).to(x.device, non_blocking=True)
     cols = torch.arange(w, device=x.device).view(1, 1, w)
     cols = torch.where(flip, w - 1 - cols, cols) + ox
     rows = torch.arange(h, device=x.device).view(1, h, 1) + oy
@@ -35,33 +36,86 @@ def crop_flip(x: torch.Tensor, pad: int, gen: torch.Generator | None = None) -> 
     return torch.gather(padded.reshape(n, c, hp * wp), 2, index).view(n, c, h, w)
 
 
-def resized_crop_flip(x: torch.Tensor, gen: torch.Generator | None = None,
-                      scale: tuple[float, float] = (0.08, 1.0),
-                      ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> torch.Tensor:
-    """RandomResizedCrop(size, scale, ratio) + RandomHorizontalFlip, bilinear with antialias.
+Boxes = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
-    The boxes are drawn for the whole batch at once (torchvision retries a box that does
-    not fit 10 times; here its sides are clipped to the image). Each crop is resized by
-    torch's uint8 bilinear kernel, which is fastest on the channels-last view the loaders
-    hand over (3x faster than one float grid_sample over the batch). Off the CPU the
-    crops are resized as float, and the result is float 0..255.
+
+def draw_boxes(n: int, h: int, w: int, gen: torch.Generator | None = None,
+               scale: tuple[float, float] = (0.08, 1.0),
+               ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> Boxes:
+    """RandomResizedCrop's boxes for a batch, on the CPU: (top, left, height, width, flip).
+
+    Drawn for the whole batch at once (torchvision retries a box that does not fit 10
+    times; here its sides are clipped to the image), so a crop is never larger than the
+    image: resizing it to the image size only ever enlarges.
     """
-    n, _, h, w = x.shape
     area = torch.empty(n).uniform_(*scale, generator=gen) * (h * w)
     aspect = torch.exp(torch.empty(n).uniform_(math.log(ratio[0]), math.log(ratio[1]), generator=gen))
     cw = torch.sqrt(area * aspect).round().clamp(1, w).long()
     ch = torch.sqrt(area / aspect).round().clamp(1, h).long()
     top = (torch.rand(n, generator=gen) * (h - ch + 1)).long()
     left = (torch.rand(n, generator=gen) * (w - cw + 1)).long()
-    flip = (torch.rand(n, generator=gen) < 0.5).tolist()
-    work = x if x.device.type == "cpu" else x.float()
-    out = torch.empty_like(work)
-    for i, (t, l, hh, ww) in enumerate(zip(top.tolist(), left.tolist(), ch.tolist(), cw.tolist())):
-        crop = work[i:i + 1, :, t:t + hh, l:l + ww]
+    flip = torch.rand(n, generator=gen) < 0.5
+    return top, left, ch, cw, flip
+
+
+def crops_by_interpolate(x: torch.Tensor, boxes: Boxes) -> torch.Tensor:
+    """Each crop resized by torch's bilinear kernel, one call per image.
+
+    On the CPU, uint8 in and out: torch's uint8 bilinear kernel is fastest on the
+    channels-last view the loaders hand over (3x faster than one float grid_sample).
+    """
+    n, _, h, w = x.shape
+    top, left, ch, cw, flip = (b.tolist() for b in boxes)
+    out = torch.empty_like(x)
+    for i in range(n):
+        crop = x[i:i + 1, :, top[i]:top[i] + ch[i], left[i]:left[i] + cw[i]]
         crop = crop.flip(-1) if flip[i] else crop
         out[i:i + 1] = F.interpolate(crop, size=(h, w), mode="bilinear", align_corners=False,
                                      antialias=True)
     return out
+
+
+def _source_coords(start: torch.Tensor, length: torch.Tensor, size: int) -> torch.Tensor:
+    """(n, size) source pixel centres that bilinear resizing of [start, start+length) to
+    ``size`` samples (align_corners=False), clamped to the crop as F.interpolate clamps."""
+    j = torch.arange(size, device=start.device, dtype=torch.float32)
+    length = length.float().unsqueeze(1)
+    src = (j + 0.5) * (length / size) - 0.5
+    return start.float().unsqueeze(1) + torch.minimum(src.clamp(min=0), length - 1)
+
+
+def crops_by_grid(x: torch.Tensor, boxes: Boxes) -> torch.Tensor:
+    """Every crop resized in one grid_sample over the batch (float 0..255 out).
+
+    On a GPU one kernel for the batch instead of one interpolate per image. Equal to
+    :func:`crops_by_interpolate` on float input: crops only ever get enlarged, where
+    antialiasing changes nothing, and the sample points are clamped to the crop.
+    """
+    n, _, h, w = x.shape
+    top, left, ch, cw, flip = (b.to(x.device, non_blocking=True) for b in boxes)
+    xs = _source_coords(left, cw, w)
+    xs = torch.where(flip.unsqueeze(1), xs.flip(1), xs)
+    ys = _source_coords(top, ch, h)
+    # grid_sample (align_corners=False) reads pixel p at normalised (2p + 1) / size - 1.
+    gx = ((2 * xs + 1) / w - 1).unsqueeze(1).expand(n, h, w)
+    gy = ((2 * ys + 1) / h - 1).unsqueeze(2).expand(n, h, w)
+    grid = torch.stack([gx, gy], dim=-1)
+    return F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+def resized_crop_flip(x: torch.Tensor, gen: torch.Generator | None = None,
+                      scale: tuple[float, float] = (0.08, 1.0),
+                      ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> torch.Tensor:
+    """RandomResizedCrop(size, scale, ratio) + RandomHorizontalFlip, bilinear.
+
+    uint8 out on the CPU (one resize per image); off the CPU one grid_sample for the
+    whole batch, float 0..255 out.
+    """
+    n, _, h, w = x.shape
+    boxes = draw_boxes(n, h, w, gen, scale, ratio)
+    if x.device.type == "cpu":
+        return crops_by_interpolate(x, boxes)
+    return crops_by_grid(x, boxes)
 
 
 def augment(x: torch.Tensor, policy: str, gen: torch.Generator | None = None) -> torch.Tensor:
@@ -81,7 +135,22 @@ def normalize(x: torch.Tensor, memory_format: torch.memory_format = torch.contig
     Layout and dtype change in one copy, then x * a + b in place: broadcasting the
     per-channel constants over a strided view is several times slower.
     """
-    scale = torch.tensor([1 / (255 * s) for s in std], device=x.device).view(1, -1, 1, 1)
-    shift = torch.tensor([-m / s for m, s in zip(mean, std)], device=x.device).view(1, -1, 1, 1)
+    scale, shift = _constants(mean, std, x.device)
     out = x.to(dtype=torch.float32, memory_format=memory_format, copy=True)
     return out.mul_(scale).add_(shift)
+
+
+_CONSTANTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _constants(mean: tuple[float, ...], std: tuple[float, ...],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel (scale, shift), made once per device: a tensor built from a list
+    on a GPU is a blocking copy from the host, which would stall every step."""
+    key = (mean, std, str(device))
+    if key not in _CONSTANTS:
+        scale = torch.tensor([1 / (255 * s) for s in std]).view(1, -1, 1, 1)
+        shift = torch.tensor([-m / s for m, s in zip(mean, std)]).view(1, -1, 1, 1)
+        # non_blocking: a pageable source is staged at once; the GPU is not waited for
+        _CONSTANTS[key] = (scale.to(device, non_blocking=True), shift.to(device, non_blocking=True))
+    return _CONSTANTS[key]

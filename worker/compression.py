@@ -109,8 +109,8 @@ def unpack_ternary(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
     ``packed`` of shape (..., B) gives codes of shape (..., numel).
     """
-    shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & 3
+    # Python-int shifts: no small tensor copied from the host (a sync on CUDA) per call.
+    codes = torch.stack([(packed >> s) & 3 for s in _SHIFTS], dim=-1)
     return codes.flatten(-2)[..., :numel]
 
 
@@ -123,9 +123,9 @@ def _lane_table(device: torch.device) -> torch.Tensor:
     """
     key = str(device)
     if key not in _LANE_TABLES:
-        byte = torch.arange(256, dtype=torch.int16, device=device).unsqueeze(1)
-        shifts = torch.tensor(_SHIFTS, dtype=torch.int16, device=device)
-        _LANE_TABLES[key] = ((byte >> shifts) & 3).contiguous().view(torch.int64).reshape(256)
+        byte = torch.arange(256, dtype=torch.int16, device=device)
+        lanes = torch.stack([(byte >> s) & 3 for s in _SHIFTS], dim=1)
+        _LANE_TABLES[key] = lanes.contiguous().view(torch.int64).reshape(256)
     return _LANE_TABLES[key]
 
 

@@ -145,3 +145,41 @@ def make_loader(dataset: torch.utils.data.Dataset, sampler: EpochSampler, worker
         dataset, sampler=sampler, batch_size=None, num_workers=workers,
         persistent_workers=workers > 0, pin_memory=pin_memory,
         prefetch_factor=4 if workers > 0 else None)
+
+
+class DevicePrefetcher:
+    """A loader whose batches arrive already on a CUDA device, copied one batch ahead.
+
+    The copy of batch k+1 (from pinned memory, non_blocking) runs on a side stream while
+    the model computes on batch k, so the transfer never sits between two steps.
+    ``sampler`` and ``len`` are the wrapped loader's.
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device) -> None:
+        self.loader, self.device = loader, device
+
+    @property
+    def sampler(self) -> EpochSampler:
+        return self.loader.sampler
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        stream = torch.cuda.Stream(self.device)
+        compute = torch.cuda.current_stream(self.device)
+        batches = iter(self.loader)
+        ahead = self._send(next(batches, None), stream)
+        while ahead is not None:
+            compute.wait_stream(stream)
+            for t in ahead:  # allocated on the side stream, used on the compute stream
+                t.record_stream(compute)
+            batch, ahead = ahead, self._send(next(batches, None), stream)
+            yield batch
+
+    def _send(self, batch: tuple[torch.Tensor, ...] | None,
+              stream: torch.cuda.Stream) -> tuple[torch.Tensor, ...] | None:
+        if batch is None:
+            return None
+        with torch.cuda.stream(stream):
+            return tuple(t.to(self.device, non_blocking=True) for t in batch)

@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from worker import checkpoint, distrib, metrics
 from worker.augment import augment, normalize
-from worker.data import EpochSampler, ImageFolderBatches, make_loader, scan_shard
+from worker.data import (DevicePrefetcher, EpochSampler, ImageFolderBatches, make_loader,
+                         scan_shard)
 from worker.distrib import Ctx
 from worker.errors import WorkerError
 from worker.models import (AUGMENTATION, DEFAULT_IMAGE_SIZE, MODELS, build_model,
@@ -382,8 +383,11 @@ def _loaders(args: argparse.Namespace, ctx: Ctx, data: Data) -> tuple:
     pin = ctx.device.type == "cuda"
     train = EpochSampler(len(data.train), args.batch_size, args.seed, ctx.rank, data.train_total)
     val = EpochSampler(len(data.val), 2 * args.batch_size, args.seed, ctx.rank, shuffle=False)
-    return (make_loader(data.train, train, args.workers, pin),
-            make_loader(data.val, val, min(args.workers, 1), pin))
+    loaders = (make_loader(data.train, train, args.workers, pin),
+               make_loader(data.val, val, min(args.workers, 1), pin))
+    if pin:  # CUDA: batches are copied to the GPU one step ahead, on a side stream
+        return tuple(DevicePrefetcher(loader, ctx.device) for loader in loaders)
+    return loaders
 
 
 def fit(args: argparse.Namespace, ctx: Ctx, data: Data, st: State) -> None:

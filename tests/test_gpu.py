@@ -1,0 +1,420 @@
+"""GPU checks, `pytest -m gpu` (run by `make gpu-check`). Every test here needs CUDA and is
+skipped with "no CUDA" without it; the multi-GPU ones need 2 GPUs.
+
+- orch up on a `connection: local` host with `gpus: 1` (2 where there are 2): NCCL, demo
+  to target;
+  preflight reads nvidia-smi and refuses one GPU more than it lists;
+- --amp, --channels-last, --sync-bn, --grad-compression fp16|terngrad: demo to target;
+- checkpoint on CPU -> --resume on GPU -> --resume on CPU again;
+- the TernGrad codec and the input path stay on the GPU, with no host synchronisation;
+- 2+ GPUs: SyncBatchNorm over 2 NCCL ranks = BatchNorm on the concatenated batch;
+  TernGrad's hook over NCCL all_gather.
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from sshd_cluster import pids_with_env
+from test_worker_common import Torchrun, split, torchrun  # noqa: F401 (torchrun: fixture)
+from worker import compression as C
+from worker import demo_data
+from worker.augment import augment, crops_by_grid, crops_by_interpolate, draw_boxes, normalize
+from worker.data import DevicePrefetcher, EpochSampler, make_loader
+
+REPO = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+GPUS = torch.cuda.device_count() if CUDA else 0
+RANKS = min(GPUS, 2)  # ranks of the training runs: 2 where there are 2 GPUs
+SPAWN_TIMEOUT_S = 180
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="no CUDA")]
+two_gpus = pytest.mark.skipif(GPUS < 2, reason="no CUDA" if not CUDA else
+                              f"needs 2 CUDA GPUs, found {GPUS}")
+
+# The shipped demo's job (cluster.yaml), 32 px LeNet with Adam, stopping at 0.95.
+DEMO = ["--model", "lenet", "--image-size", "32", "--batch-size", "32", "--optimizer", "adam",
+        "--lr", "0.001", "--workers", "0", "--target-accuracy", "0.95", "--patience", "1"]
+TARGET = 0.95
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The demo data set (6 classes x 300 + 50 images, 32 px) split for 1 and RANKS ranks."""
+    root = tmp_path_factory.mktemp("gpu-demo")
+    data = demo_data.generate(root / "demo", seed=0)
+    return {w: split(data, root / f"shards{w}", w) for w in {1, RANKS}}
+
+
+def metrics(out: Path) -> list[dict[str, str]]:
+    with open(out / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def train(runner: Torchrun, nproc: int, args: list[str], data: Path, out: Path) -> str:
+    rc, output = runner.run(nproc, args, data, out, timeout=400)
+    log = runner.rank_log(0, "stdout") + runner.rank_log(0, "stderr")
+    assert rc == 0, output[-3000:] + log[-3000:]
+    return log
+
+
+# ---------------------------------------------------------------- in-process: no host sync
+
+
+@contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Any synchronising CUDA call inside (.item(), .cpu(), a blocking copy) raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_terngrad_codec_stays_on_the_gpu_without_host_sync() -> None:
+    cuda = torch.device("cuda")
+    gen = torch.Generator(device=cuda).manual_seed(0)
+    grad = torch.randn(10_001, device=cuda)
+    with no_host_sync():
+        scaler = C.local_scaler(grad, clip_factor=2.5)
+        packed = C.encode(grad, scaler, gen)
+        decoded = C.decode(packed, scaler, grad.numel())
+        sums = C.sum_codes([packed, packed])
+        layout = C._Layout(quant=[(0, 6000), (6000, 4001)], floats=[])
+        buf, shared = grad.clone(), torch.stack([scaler, scaler])
+        C._average_into(buf, [packed, packed], layout, shared)
+    for t in (scaler, packed, decoded, sums, buf):
+        assert t.device.type == "cuda"
+    assert packed.numel() == 2501 and packed.dtype == torch.uint8
+    values = set(torch.unique(decoded / scaler).tolist())
+    assert values <= {-1.0, 0.0, 1.0} and len(values) == 3
+    # two identical ranks: the average is the decoded ternary itself
+    torch.testing.assert_close(buf, decoded)
+    torch.testing.assert_close(C.decode(packed.cpu(), scaler.cpu(), grad.numel()), decoded.cpu())
+
+
+def test_augmentation_on_the_gpu_matches_the_cpu_and_does_not_sync() -> None:
+    x = torch.randint(0, 256, (16, 3, 64, 48), dtype=torch.uint8)
+    boxes = draw_boxes(16, 64, 48, torch.Generator().manual_seed(0))
+    on_device = x.cuda()
+    with no_host_sync():
+        on_gpu = crops_by_grid(on_device, boxes)
+        out = augment(on_device, "resized_crop_flip")
+        small = normalize(augment(on_device, "crop_flip"))
+    for t in (on_gpu, out, small):
+        assert t.device.type == "cuda" and t.dtype == torch.float32
+    # pixels 0..255: float rounding of the sample points on the GPU stays far below 0.05
+    torch.testing.assert_close(on_gpu.cpu(), crops_by_interpolate(x.float(), boxes), atol=5e-2, rtol=0)
+
+
+class _Batches(torch.utils.data.Dataset):
+    """dataset[indices] -> (uint8 NHWC, labels) whose pixels encode the indices."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor(indices)
+        return idx.view(-1, 1, 1, 1).expand(-1, 4, 4, 3).to(torch.uint8).contiguous(), idx
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_prefetcher_delivers_every_batch_pinned_and_on_the_gpu(workers: int) -> None:
+    sampler = EpochSampler(100, 16, seed=0, rank=0)
+    loader = make_loader(_Batches(), sampler, workers, pin_memory=True)
+    expected = [y.clone() for _, y in loader]
+    assert all(x.is_pinned() for x, _ in loader)
+    got = list(DevicePrefetcher(loader, torch.device("cuda")))
+    assert len(got) == len(expected) == 7
+    for (x, y), want in zip(got, expected):
+        assert x.device.type == "cuda" and y.device.type == "cuda"
+        assert torch.equal(y.cpu(), want) and torch.equal(x[:, 0, 0, 0].long().cpu(), want)
+    assert DevicePrefetcher(loader, torch.device("cuda")).sampler is sampler
+
+
+# ---------------------------------------------------------------- orch up on a local GPU host
+
+
+def _inventory(tmp: Path, gpus: int) -> Path:
+    (tmp / "worker").symlink_to(REPO / "worker")
+    job_args = ", ".join(f'"{a}"' for a in [*DEMO, "--epochs", "30"])
+    (tmp / "cluster.yaml").write_text(f"""\
+name: gpu-check
+hosts:
+  - address: localhost
+    connection: local
+    gpus: {gpus}
+    remote_dir: node0
+python: {sys.executable}
+code:
+  paths: [worker]
+  exclude: ["*.pyc", "__pycache__"]
+data:
+  source: data/demo
+  shards: data/demo-shards
+job:
+  entrypoint: worker.train
+  args: [{job_args}]
+""")
+    return tmp / "cluster.yaml"
+
+
+def _orch(tmp: Path, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    # extends PYTHONPATH: offline, paramiko may come from carried wheels (README, "GPU check")
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, ORCH_NO_COLOR="1")
+    return subprocess.run([sys.executable, "-m", "orchestrator", *argv], cwd=tmp, env=env,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def gpu_cluster(tmp_path: Path, demo: dict[int, Path]) -> Iterator[Callable[[int], Path]]:
+    """cluster.yaml for one local host with ``gpus`` GPUs; afterwards no process of it is left."""
+    shutil.copytree(demo[1].parent / "demo", tmp_path / "data" / "demo")
+    yield lambda gpus: _inventory(tmp_path, gpus)
+    marker = f"ORCH_JOB_DIR={tmp_path / 'node0' / 'gpu-check'}"
+    assert pids_with_env(marker) == [], "a process of the job was left behind"
+
+
+@pytest.mark.slow
+def test_orch_up_on_a_local_gpu_host_trains_with_nccl(gpu_cluster: Callable, tmp_path: Path) -> None:
+    gpu_cluster(RANKS)  # 1 GPU, or 2 ranks where there are 2 (the demo's lr is for 1-2)
+    split_run = _orch(tmp_path, "split-data")
+    assert split_run.returncode == 0, split_run.stdout + split_run.stderr
+    up = _orch(tmp_path, "up", "cluster.yaml")
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    assert f"worker.train: {RANKS} process(es), backend nccl" in up.stdout
+    for rank in range(RANKS):
+        assert f"[r{rank} " in up.stdout
+    rows = metrics(tmp_path / "node0" / "gpu-check" / "output")
+    assert float(rows[-1]["val_acc"]) >= TARGET
+
+
+def test_preflight_refuses_more_gpus_than_nvidia_smi_lists(gpu_cluster: Callable,
+                                                           tmp_path: Path) -> None:
+    assert shutil.which("nvidia-smi"), "preflight counts GPUs with nvidia-smi -L: it must be on PATH"
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    assert sum(line.startswith("GPU ") for line in listed.splitlines()) == GPUS
+    gpu_cluster(GPUS + 1)
+    assert _orch(tmp_path, "split-data", "--workers", str(GPUS + 1)).returncode == 0
+    up = _orch(tmp_path, "up", "cluster.yaml", timeout=120)
+    text = up.stdout + up.stderr
+    assert up.returncode == 3, text
+    assert f"{GPUS + 1} GPUs asked for, {GPUS} found (nvidia-smi -L)" in text
+    assert f"set gpus: {GPUS} for this host" in text
+    assert "Traceback" not in text
+
+
+# ---------------------------------------------------------------- worker.train options on GPU
+
+OPTIONS = {
+    "amp": ["--amp"],
+    "channels-last": ["--channels-last"],
+    "amp+channels-last": ["--amp", "--channels-last"],
+    # LeNet has no BatchNorm: ResNet-18 at 32 px does (converted on 2+ ranks)
+    "sync-bn": ["--sync-bn", "--model", "resnet18"],
+    "fp16-gradients": ["--grad-compression", "fp16"],
+    "terngrad": ["--grad-compression", "terngrad"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_option_trains_the_demo_to_target_on_gpu(name: str, torchrun: Torchrun,  # noqa: F811
+                                                 demo: dict[int, Path], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    log = train(torchrun, RANKS, [*DEMO, "--epochs", "30", *OPTIONS[name]], demo[RANKS], out)
+    assert f"{RANKS} process(es), backend nccl" in log
+    assert "has no effect on CPU" not in log
+    assert float(metrics(out)[-1]["val_acc"]) >= TARGET, metrics(out)[-1]
+
+
+@pytest.mark.slow
+def test_checkpoint_moves_between_cpu_and_gpu(torchrun: Torchrun, demo: dict[int, Path],  # noqa: F811
+                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, args = tmp_path / "out", [*DEMO[:-4], "--checkpoint-every", "1"]  # no early stop
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # first on the CPU
+    log = train(torchrun, 1, [*args, "--epochs", "2"], demo[1], out)
+    assert "backend gloo" in log
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # CPU checkpoint -> GPU
+    log = train(torchrun, 1, [*args, "--epochs", "4", "--resume"], demo[1], out)
+    assert "backend nccl" in log and "resumed from the checkpoint of epoch 2" in log
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # GPU checkpoint -> CPU
+    log = train(torchrun, 1, [*args, "--epochs", "5", "--resume"], demo[1], out)
+    assert "backend gloo" in log and "resumed from the checkpoint of epoch 4" in log
+    rows = metrics(out)
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4, 5]
+    assert float(rows[-1]["val_acc"]) > float(rows[0]["val_acc"])
+
+
+# ---------------------------------------------------------------- 2 ranks, NCCL, spawned
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(fn: Callable[..., None], world: int) -> None:
+    """Run fn(rank, world, port) in ``world`` spawned processes; fail on any error or hang."""
+    ctx = mp.start_processes(fn, args=(world, _free_port()), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{world}-process NCCL run did not finish in {SPAWN_TIMEOUT_S} s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+        assert not any(p.is_alive() for p in ctx.processes), "a worker process survived"
+
+
+def _init_nccl(rank: int, world: int, port: int) -> torch.device:
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=device)
+    return device
+
+
+def _gather(t: torch.Tensor) -> torch.Tensor:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.stack(out)
+
+
+def _bn_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4))
+
+
+def _syncbn_worker(rank: int, world: int, port: int) -> None:
+    device = _init_nccl(rank, world, port)
+    try:
+        torch.manual_seed(0)
+        ref = _bn_net().to(device)
+        ddp = nn.parallel.DistributedDataParallel(
+            nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref)), device_ids=[rank])
+        whole = torch.randn(8 * world, 3, 10, 10, generator=torch.Generator().manual_seed(1)).to(device)
+        mine = whole[8 * rank:8 * (rank + 1)]
+        out, want = ddp(mine), ref(whole)  # ref: one process, the concatenated batch
+        torch.testing.assert_close(out, want[8 * rank:8 * (rank + 1)], rtol=1e-4, atol=1e-5)
+        out.square().mean().backward()  # DDP averages: the mean over the whole batch
+        want.square().mean().backward()
+        for (name, p), q in zip(ddp.module.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+        for (name, b), c in zip(ddp.module.named_buffers(), ref.buffers()):
+            assert b.device == device
+            if b.is_floating_point():  # running mean and variance
+                torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5, msg=name)
+            else:  # batches tracked
+                assert torch.equal(b, c), name
+    finally:
+        dist.destroy_process_group()
+
+
+@two_gpus
+def test_syncbn_on_two_ranks_equals_one_process_on_the_whole_batch() -> None:
+    _spawn(_syncbn_worker, 2)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(17, 39), nn.ReLU(), nn.Linear(39, 29), nn.ReLU(),
+                         nn.Linear(29, 5))
+
+
+LOGITS = {"4.weight", "4.bias"}
+
+
+def _check_records(state: C.TernGradState, device: torch.device) -> None:
+    assert state.records, "the TernGrad hook recorded no bucket"
+    for index in sorted(state.records):  # the same order on every rank: collectives inside
+        rec = state.records[index]
+        for t in (rec.local_scalers, rec.shared_scalers, rec.local_decoded, rec.result):
+            assert t.device == device
+        # result = mean of every rank's decoded ternaries; the scaler = max over ranks
+        torch.testing.assert_close(rec.result, _gather(rec.local_decoded).mean(0), rtol=1e-5, atol=1e-7)
+        assert torch.equal(rec.shared_scalers, _gather(rec.local_scalers).max(0).values)
+
+
+def _terngrad_worker(rank: int, world: int, port: int) -> None:
+    device = _init_nccl(rank, world, port)
+    try:
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(_mlp().to(device), device_ids=[rank],
+                                                  bucket_cap_mb=0.004)
+        stats = C.install_comm_hook(ddp, "terngrad", size_to_binarize=64, logits_param_names=LOGITS)
+        stats.hook_state.record = True
+        gen = torch.Generator().manual_seed(100 + rank)
+        x, y = torch.randn(8, 17, generator=gen) * (1 + rank), torch.randint(0, 5, (8,), generator=gen)
+        nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
+        _check_records(stats.hook_state, device)
+        for name, p in ddp.module.named_parameters():
+            assert torch.equal(_gather(p.grad).min(0).values, p.grad), f"{name} differs across ranks"
+            if name not in LOGITS and p.numel() >= 64:
+                assert p.grad.unique().numel() <= 2 * world + 1, name
+        assert stats.bytes_sent > 0
+        _check_hook_makes_no_host_sync(ddp, device, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Bucket:
+    """What the hook reads of DDP's GradBucket."""
+
+    def __init__(self, buf: torch.Tensor, params: list[nn.Parameter]) -> None:
+        self.buf, self.params = buf, params
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.params
+
+    def index(self) -> int:
+        return 0
+
+
+def _check_hook_makes_no_host_sync(ddp: nn.Module, device: torch.device, rank: int) -> None:
+    """The whole TernGrad hook (scalers' all_reduce, encode, all_gather, decode) on one
+    bucket, with any synchronising CUDA call an error (after a first call that builds the
+    lookup table and the generator)."""
+    state = C._terngrad_state(ddp, C.CommStats("terngrad"), None, 2.5, 64, False, LOGITS, 0)
+    params = list(ddp.module.parameters())
+    flat = torch.cat([torch.randn(p.numel(), device=device) * (1 + rank) for p in params])
+    for mode in ("default", "error"):
+        buf = flat.clone()
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            out = C._terngrad_hook(state, _Bucket(buf, params)).wait()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert out.device == device and out.data_ptr() == buf.data_ptr()
+        assert not torch.equal(out, flat), "the hook did not write the averaged bucket"
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=two_gpus)])
+def test_terngrad_hook_over_nccl_all_gather(world: int) -> None:
+    _spawn(_terngrad_worker, world)
