@@ -39,7 +39,7 @@ import os
 import re
 import shlex
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Dict, List, Optional, Tuple
 
@@ -90,7 +90,8 @@ class SSHOptions:
     connect_timeout: float       # seconds
     # bastions, first hop first (`[user@]host[:port]`); None: ~/.ssh/config's ProxyJump
     proxy_jump: Optional[Tuple[str, ...]] = None
-    identity_file_at: Optional[Tuple[str, int]] = None  # (inventory, line) that set it
+    # (inventory, line) that set identity_file, for messages; not part of the options' value
+    identity_file_at: Optional[Tuple[str, int]] = field(default=None, compare=False)
 
 
 DEFAULT_SSH = SSHOptions(None, None, None, os.path.expanduser("~/.ssh/known_hosts"), "strict", 10.0)
