@@ -126,14 +126,14 @@ def test_chain_of_bastions_and_their_host_keys(netns: NetnsCluster, tmp_path: Pa
 
     lines = netns.known_hosts.read_text().splitlines()
     known = tmp_path / "known_hosts"   # everything but the second bastion's key
-    known.write_text("".join(l + "\n" for l in lines if not l.startswith(second.address + " ")))
+    known.write_text("".join(line + "\n" for line in lines if not line.startswith(second.address + " ")))
     strict = inventory(netns, tmp_path / "strict.yaml", "chain", proxy_jump=",".join(chain),
                        known_hosts=str(known))
     refused = orch(netns, tmp_path, "stop", "-c", str(strict))
     assert refused.returncode == 3, refused.stderr
     assert "Traceback" not in refused.stderr
     for h in netns.hosts:
-        line = next(l for l in refused.stderr.splitlines() if h.address in l and "fix:" not in l)
+        line = next(x for x in refused.stderr.splitlines() if h.address in x and "fix:" not in x)
         assert f"via bastion root@{second.address}" in line and "host key not trusted" in line
         assert "SHA256:" in line
     accept = inventory(netns, tmp_path / "accept.yaml", "chain", proxy_jump=chain,

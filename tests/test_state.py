@@ -4,7 +4,6 @@ of its processes under the inventory's job folders)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
