@@ -1,21 +1,34 @@
-"""Opening one connection per host, in parallel, with the SSH options in one place."""
+"""Opening one connection per host, in parallel, with the SSH options in one place.
+
+Whatever the network does, a failed connection becomes one `HostError` per host that
+says what happened (by the step that failed: name lookup, TCP, SSH banner, key exchange,
+host key, authentication) and what to do; mistakes on this machine (a missing key file,
+an unreadable ~/.ssh/config, a known_hosts that cannot be written) are exit 2 instead.
+Hosts behind bastions (`proxy_jump`) are reached through one shared connection per
+bastion (`Bastions`), each hop's host key checked under the host's policy.
+"""
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 import socket
+import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Optional, TypeVar
 
 import paramiko
 
-from orchestrator.errors import HostError, OrchError
+from orchestrator.errors import EXIT_USAGE, HostError, InventoryError, OrchError, UsageError
+from orchestrator.faults import (BastionError, ConnectFailed, ForwardFailed, describe,
+                                 explain_lost)
 from orchestrator.inventory import Host
-from orchestrator.transport import (AcceptNewPolicy, HostKeyRefused, LocalTransport,
-                                    SSHTransport, StrictPolicy, Transport, fingerprint,
-                                    known_hosts_name)
+from orchestrator.jumps import parse_chain
+from orchestrator.transport import (AcceptNewPolicy, LocalTransport, SSHTransport,
+                                    StrictPolicy, Transport)
 
 T = TypeVar("T")
 KEEPALIVE_S = 5
@@ -24,6 +37,40 @@ KEEPALIVE_S = 5
 CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "aes128-ctr",
            "aes192-ctr", "aes256-ctr")
 
+
+# ---------------------------------------------------------------- paramiko's own output
+
+def quiet_paramiko() -> None:
+    """paramiko logs every failure of its transport thread (with a traceback) through the
+    `paramiko` logger, which Python prints to stderr when nobody configured it. orch says
+    the same thing in one line per host, so that output is only shown with ORCH_DEBUG=1."""
+    log = logging.getLogger("paramiko")
+    if os.environ.get("ORCH_DEBUG"):
+        if not log.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("paramiko %(name)s: %(message)s"))
+            log.addHandler(handler)
+        log.setLevel(logging.DEBUG)
+        return
+    log.addHandler(logging.NullHandler())
+    log.setLevel(logging.CRITICAL + 1)
+    log.propagate = False
+    previous = threading.excepthook
+
+    def hook(args: Any) -> None:
+        # a transport thread that dies while the interpreter exits would print a traceback
+        if isinstance(args.thread, paramiko.Transport):
+            return
+        previous(args)
+    if not getattr(threading.excepthook, "_orch", False):
+        hook._orch = True  # type: ignore[attr-defined]
+        threading.excepthook = hook
+
+
+quiet_paramiko()
+
+
+# ---------------------------------------------------------------- where to connect
 
 @dataclass(frozen=True)
 class Target:
@@ -36,22 +83,68 @@ class Target:
     known_hosts: str
     policy: str
     timeout: float
+    jumps: tuple["Target", ...] = ()   # bastions, first hop first
+    name: str = ""                     # as written (a bastion's `user@host:port`)
+
+    @property
+    def address(self) -> str:
+        return f"{self.user}@{self.hostname}:{self.port}"
+
+
+def ssh_config_path() -> str:
+    return os.environ.get("ORCH_SSH_CONFIG", os.path.expanduser("~/.ssh/config"))
 
 
 def ssh_config() -> paramiko.SSHConfig:
-    path = os.environ.get("ORCH_SSH_CONFIG", os.path.expanduser("~/.ssh/config"))
-    if path and os.path.isfile(path):
+    """~/.ssh/config (or ORCH_SSH_CONFIG); a file that exists but cannot be used is exit 2."""
+    path = ssh_config_path()
+    if not path or not os.path.exists(path) or path == os.devnull:
+        return paramiko.SSHConfig()
+    try:
         return paramiko.SSHConfig.from_path(path)
-    return paramiko.SSHConfig()
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read the SSH config: {exc.strerror or exc}",
+                         hint=f"make it readable (chmod 600 {path}), or point ORCH_SSH_CONFIG "
+                              "at another file") from None
+    except Exception as exc:  # paramiko.ConfigParseError and what its parser trips on
+        raise _config_error(path, exc) from None
+
+
+def _config_error(path: str, exc: BaseException) -> UsageError:
+    where = path
+    text = str(exc)
+    if text.startswith("Unparsable line "):  # paramiko does not say which line: find it
+        bad = text[len("Unparsable line "):].strip()
+        try:
+            lines = Path(path).read_text(errors="replace").splitlines()
+            found = [n for n, line in enumerate(lines, 1) if line.strip() == bad]
+            where += f":{found[0]}" if found else ""
+        except OSError:
+            pass
+    return UsageError(f"{where}: the SSH config cannot be used: {text}",
+                      hint=f"fix that line of {path} (`ssh -G HOST -F {path}` shows what OpenSSH "
+                           "makes of it), or point ORCH_SSH_CONFIG at another file")
+
+
+def _lookup(config: paramiko.SSHConfig, name: str) -> dict:
+    try:
+        return config.lookup(name)
+    except Exception as exc:  # a Match block paramiko cannot evaluate, and the like
+        raise _config_error(ssh_config_path(), exc) from None
+
+
+def _config_keys(entry: dict) -> tuple[str, ...]:
+    # OpenSSH skips an IdentityFile that does not exist; so do we
+    paths = (os.path.expanduser(p) for p in entry.get("identityfile", []))
+    return tuple(p for p in paths if os.path.exists(p))
 
 
 def resolve_target(host: Host, config: paramiko.SSHConfig) -> Target:
     """The inventory wins over ~/.ssh/config, which wins over the defaults (as `ssh -o`)."""
-    entry = config.lookup(host.address)
+    entry = _lookup(config, host.address)
     opts = host.ssh
-    identities = (opts.identity_file,) if opts.identity_file else tuple(
-        os.path.expanduser(p) for p in entry.get("identityfile", []))
-    return Target(
+    identities = (opts.identity_file,) if opts.identity_file else _config_keys(entry)
+    target = Target(
         hostname=entry.get("hostname", host.address),
         port=opts.port or int(entry.get("port", 22)),
         user=opts.user or entry.get("user") or getpass.getuser(),
@@ -59,78 +152,310 @@ def resolve_target(host: Host, config: paramiko.SSHConfig) -> Target:
         known_hosts=opts.known_hosts,
         policy=opts.host_key_policy,
         timeout=opts.connect_timeout,
+        name=host.label,
     )
+    chain = opts.proxy_jump if opts.proxy_jump is not None else entry.get("proxyjump", "none")
+    return replace(target, jumps=_resolve_jumps(host, chain, config, target))
 
 
-def _transport_factory(sock, **kwargs) -> paramiko.Transport:
-    t = paramiko.Transport(sock, **kwargs)
-    opts = t.get_security_options()
-    opts.ciphers = [c for c in CIPHERS if c in opts.ciphers]
-    return t
+def _resolve_jumps(host: Host, chain: Any, config: paramiko.SSHConfig,
+                   base: Target) -> tuple[Target, ...]:
+    """Each bastion: what `proxy_jump` says, then its own ~/.ssh/config entry, then the
+    host's user and keys; known_hosts, policy and timeout are always the host's."""
+    try:
+        jumps = parse_chain(chain)
+    except ValueError as exc:  # only ~/.ssh/config's ProxyJump gets here: the inventory checks
+        raise UsageError(f"{host.label}: ProxyJump in the SSH config: {exc}",
+                         hint="write ProxyJump as [user@]host[:port], several separated by commas")
+    targets = []
+    for jump in jumps:
+        entry = _lookup(config, jump.host)
+        targets.append(replace(
+            base, hostname=entry.get("hostname", jump.host),
+            port=jump.port or int(entry.get("port", 22)),
+            user=jump.user or entry.get("user") or base.user,
+            identity_files=_config_keys(entry) or base.identity_files, name=str(jump)))
+    return tuple(targets)
+
+
+# ---------------------------------------------------------------- local checks
+
+def check_local_files(hosts: tuple[Host, ...]) -> None:
+    """What would fail on this machine, before any host is contacted (exit 2)."""
+    seen: set[str] = set()
+    for host in hosts:
+        if host.is_local:
+            continue
+        opts = host.ssh
+        if opts.identity_file and opts.identity_file not in seen:
+            seen.add(opts.identity_file)
+            _check_identity(opts.identity_file, opts.identity_file_at)
+        if opts.known_hosts not in seen:
+            seen.add(opts.known_hosts)
+            _check_known_hosts(opts.known_hosts)
+
+
+def _check_identity(path: str, at: Optional[tuple[str, int]]) -> None:
+    file, line = at or ("the inventory", None)
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except FileNotFoundError:
+        raise InventoryError(file, line, f"`identity_file` {path}: no such file",
+                             "fix the path (relative paths start at the folder of the inventory), "
+                             "or remove the line to use ssh-agent and ~/.ssh/config") from None
+    except OSError as exc:
+        raise InventoryError(file, line, f"`identity_file` {path} cannot be read: {exc.strerror}",
+                             f"give it to this user with mode 600 (chmod 600 {path}), or "
+                             "point identity_file at a readable private key") from None
+
+
+def _check_known_hosts(path: str) -> None:
+    if not os.path.exists(path):
+        return  # strict: every key will be reported unknown; accept-new: created on first use
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read known_hosts: {exc.strerror}",
+                         hint=f"make it a readable file (chmod 600 {path}), or set "
+                              "`ssh.known_hosts` to another file") from None
+
+
+# ---------------------------------------------------------------- opening one connection
+
+class _Client(paramiko.SSHClient):
+    """An SSHClient that also releases what it was tunnelled through when it closes."""
+
+    on_close: Optional[Callable[[], None]] = None
+
+    def close(self) -> None:
+        t = self._transport
+        if t is not None and not hasattr(t, "orch_lost"):
+            # remember whether it had died on its own before we closed it
+            lost = None if t.is_active() else (t.saved_exception or EOFError())
+            setattr(t, "orch_lost", lost)
+        super().close()
+        release, self.on_close = self.on_close, None
+        if release is not None:
+            release()
+
+
+def _step(t: Optional[paramiko.Transport]) -> str:
+    if t is None:
+        return "tcp"
+    if not t.remote_version:
+        return "banner"
+    if not t.initial_kex_done:
+        return "kex"
+    return "auth"
+
+
+def _transport_factory(made: list) -> Callable[..., paramiko.Transport]:
+    def factory(sock: Any, **kwargs: Any) -> paramiko.Transport:
+        t = paramiko.Transport(sock, **kwargs)
+        opts = t.get_security_options()
+        opts.ciphers = [c for c in CIPHERS if c in opts.ciphers]
+        made.append(t)
+        return t
+    return factory
 
 
 def open_socket(target: Target) -> socket.socket:
-    sock = socket.create_connection((target.hostname, target.port), timeout=target.timeout)
+    try:
+        sock = socket.create_connection((target.hostname, target.port), timeout=target.timeout)
+    except OSError as exc:
+        raise ConnectFailed(exc, "tcp") from None
     # Nagle + delayed ACK cost ~40 ms on every small request/response (BENCH-ANCHORS)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
 
-def connect_ssh(host: Host, target: Target) -> SSHTransport:
-    """Keys or agent only (never a password); the host key is checked per `policy`."""
-    client = paramiko.SSHClient()
-    if os.path.isfile(target.known_hosts):
-        client.load_host_keys(target.known_hosts)
-    policy = StrictPolicy if target.policy == "strict" else AcceptNewPolicy
-    client.set_missing_host_key_policy(policy(target.known_hosts, target.port))
-    client.connect(
-        target.hostname, port=target.port, username=target.user,
-        key_filename=list(target.identity_files) or None,
-        look_for_keys=not target.identity_files, allow_agent=True,
-        timeout=target.timeout, banner_timeout=target.timeout, auth_timeout=target.timeout,
-        sock=open_socket(target), transport_factory=_transport_factory)
-    client.get_transport().set_keepalive(KEEPALIVE_S)
+def _load_known_hosts(client: paramiko.SSHClient, path: str) -> None:
+    if not os.path.isfile(path):
+        return
+    try:
+        client.load_host_keys(path)
+    except Exception as exc:  # paramiko skips most bad lines; what it raises is fatal
+        raise UsageError(f"{path}: cannot read known_hosts: {exc}",
+                         hint=f"fix or remove the damaged line (`ssh-keygen -l -f {path}` "
+                              "names it), or set `ssh.known_hosts` to another file") from None
+
+
+def open_client(target: Target, sock: Any) -> _Client:
+    """Keys or agent only (never a password); the host key is checked per `policy`.
+    Raises ConnectFailed (or an OrchError for a mistake on this machine)."""
+    client = _Client()
+    made: list[paramiko.Transport] = []
+    try:
+        _load_known_hosts(client, target.known_hosts)
+        policy = StrictPolicy if target.policy == "strict" else AcceptNewPolicy
+        client.set_missing_host_key_policy(policy(target.known_hosts, target.port))
+        client.connect(
+            target.hostname, port=target.port, username=target.user,
+            key_filename=list(target.identity_files) or None,
+            look_for_keys=not target.identity_files, allow_agent=True,
+            timeout=target.timeout, banner_timeout=target.timeout, auth_timeout=target.timeout,
+            sock=sock, transport_factory=_transport_factory(made))
+        client.get_transport().set_keepalive(KEEPALIVE_S)
+        return client
+    except BaseException as exc:
+        step = _step(made[0] if made else None)
+        client.close()
+        sock.close()
+        if isinstance(exc, (OrchError, KeyboardInterrupt)):
+            raise
+        raise ConnectFailed(exc, step) from None
+
+
+def connect_ssh(host: Host, target: Target, bastions: "Bastions") -> SSHTransport:
+    if target.jumps:
+        sock, release = bastions.tunnel(target)
+        try:
+            client = open_client(target, sock)
+        except BaseException:
+            release()
+            raise
+        client.on_close = release
+    else:
+        client = open_client(target, open_socket(target))
+    _opened[_key(host)] = weakref.ref(client.get_transport())
     return SSHTransport(host, client)
 
 
+# host index -> its paramiko transport: a command that fails on a host whose connection
+# died with an error is reported as the lost connection it is (the channel only sees EOF)
+_opened: dict[tuple, "weakref.ref[paramiko.Transport]"] = {}
+
+
+def _key(host: Host) -> tuple:
+    return host.index, host.address, host.ssh.port
+
+
+def connection_error(host: Host) -> Optional[BaseException]:
+    """Why the host's connection died (reset, closed, keepalive timeout), or None."""
+    ref = _opened.get(_key(host))
+    t = ref() if ref is not None else None
+    if t is None:
+        return None
+    if hasattr(t, "orch_lost"):
+        return t.orch_lost
+    return None if t.is_active() else (t.saved_exception or EOFError())
+
+
+# ---------------------------------------------------------------- what went wrong
+
 def explain(host: Host, target: Target, exc: BaseException) -> HostError:
     """Turn what paramiko and the socket layer raise into one message with the fix."""
-    where = f"{host.label} ({target.user}@{target.hostname}:{target.port})"
-    if isinstance(exc, HostKeyRefused):
-        return HostError(f"{where}: {exc}", hint=exc.hint)
-    if isinstance(exc, paramiko.BadHostKeyException):
-        return HostError(
-            f"{where}: HOST KEY CHANGED: it now offers {fingerprint(exc.key)}, "
-            f"{target.known_hosts} has {fingerprint(exc.expected_key)}",
-            hint="someone may be intercepting the connection; if the host was reinstalled, "
-                 f"remove the old key with `ssh-keygen -R '{known_hosts_name(target.hostname, target.port)}' "
-                 f"-f {target.known_hosts}` and trust the new one")
-    if isinstance(exc, paramiko.AuthenticationException):
-        return HostError(f"{where}: authentication failed (keys and agent tried)",
-                         hint="set ssh.identity_file or add the key to ssh-agent, and check "
-                              "that its public key is in ~/.ssh/authorized_keys on the host")
-    if "No authentication methods available" in str(exc):
-        return HostError(f"{where}: authentication failed: no key to offer (no "
-                         "identity_file, no ~/.ssh/id_* key, no ssh-agent)",
-                         hint="set ssh.identity_file, or start ssh-agent and `ssh-add` your key")
-    if isinstance(exc, (socket.timeout, TimeoutError)):
-        return HostError(f"{where}: no answer within {target.timeout:g} s",
-                         hint="check that the host is up and the address and port are right; "
-                              "raise ssh.connect_timeout for slow links")
-    if isinstance(exc, (OSError, paramiko.SSHException)):
-        return HostError(f"{where}: cannot connect: {exc}",
-                         hint="check the address, the port and that sshd runs on the host")
-    return HostError(f"{where}: {type(exc).__name__}: {exc}")
+    what, hint = describe(target, exc)
+    return HostError(f"{host.label} ({target.address}): {what}", hint=hint)
 
 
-def connect(host: Host, config: paramiko.SSHConfig, base_dir: Path) -> Transport:
+# ---------------------------------------------------------------- bastions
+
+@dataclass
+class _Hop:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    client: Optional[_Client] = None
+    error: Optional[HostError] = None
+    users: int = 0
+
+
+class Bastions:
+    """One connection per bastion, shared by every host behind it: opened by the first
+    host that needs it (the others wait on its lock), closed when the last host closes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hops: dict[tuple, _Hop] = {}
+        self._sealed = False
+
+    def tunnel(self, target: Target) -> tuple[paramiko.Channel, Callable[[], None]]:
+        """A direct-tcpip channel to target through its last bastion, and its release."""
+        key = tuple((j.user, j.hostname, j.port) for j in target.jumps)
+        hop = self._open(key, target.jumps)
+        try:
+            chan = hop.client.get_transport().open_channel(  # type: ignore[union-attr]
+                "direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0),
+                timeout=target.timeout)
+        except Exception as exc:
+            raise ConnectFailed(ForwardFailed(target.jumps[-1], exc), "tcp") from None
+        with self._lock:
+            hop.users += 1
+        return chan, lambda: self._release(key)
+
+    def _open(self, key: tuple, chain: tuple[Target, ...]) -> _Hop:
+        with self._lock:
+            hop = self._hops.setdefault(key, _Hop())
+        with hop.lock:
+            if hop.error is not None:  # a copy per host: each is raised in its own thread
+                raise BastionError(hop.error.message, hint=hop.error.hint)
+            if hop.client is None:
+                try:
+                    hop.client = self._connect(chain)
+                except HostError as exc:
+                    hop.error = exc
+                    raise
+        return hop
+
+    def _connect(self, chain: tuple[Target, ...]) -> _Client:
+        bastion = replace(chain[-1], jumps=chain[:-1])
+        try:
+            if bastion.jumps:
+                sock, release = self.tunnel(bastion)
+            else:
+                sock, release = open_socket(bastion), (lambda: None)
+            try:
+                client = open_client(bastion, sock)
+            except BaseException:
+                release()
+                raise
+        except ConnectFailed as exc:
+            what, hint = describe(bastion, exc)
+            raise BastionError(f"bastion {bastion.name} ({bastion.address}): {what}",
+                               hint=hint) from None
+        client.on_close = release
+        return client
+
+    def _release(self, key: tuple) -> None:
+        with self._lock:
+            hop = self._hops[key]
+            hop.users -= 1
+            idle = self._sealed and hop.users == 0
+        if idle and hop.client is not None:
+            hop.client.close()
+
+    def seal(self) -> None:
+        """No more hosts will come: close the bastions that no host uses."""
+        with self._lock:
+            self._sealed = True
+            idle = [h for h in self._hops.values() if h.users == 0 and h.client is not None]
+        for hop in reversed(idle):  # a later hop may ride on an earlier one
+            if hop.client is not None:
+                hop.client.close()
+
+
+# ---------------------------------------------------------------- every host
+
+def connect(host: Host, config: paramiko.SSHConfig, base_dir: Path,
+            bastions: Optional[Bastions] = None) -> Transport:
+    """One host's connection; `bastions` shares bastion connections between hosts."""
     if host.connection == "local":
         return LocalTransport(host, cwd=str(base_dir))
     target = resolve_target(host, config)
+    own = bastions is None
+    hops = Bastions() if bastions is None else bastions
     try:
-        return connect_ssh(host, target)
+        return connect_ssh(host, target, hops)
+    except BastionError as exc:
+        raise HostError(f"{host.label}: via {exc.message}", hint=exc.hint) from None
+    except OrchError:
+        raise
     except Exception as exc:  # every failure becomes a per-host message
         raise explain(host, target, exc) from None
+    finally:
+        if own:
+            hops.seal()
 
 
 @dataclass
@@ -143,10 +468,14 @@ class GroupResult(Generic[T]):
     def raise_failures(self, hosts: tuple[Host, ...], what: str) -> None:
         if not self.failed:
             return
+        by_index = {h.index: h for h in hosts}
         lines = [f"{len(self.failed)} of {len(hosts)} hosts failed {what}:"]
         for i in sorted(self.failed):
             exc = self.failed[i]
-            text = exc.message if isinstance(exc, OrchError) else f"{hosts[i].label}: {exc}"
+            lost = connection_error(by_index[i]) if i in by_index else None
+            if i in by_index and (lost is not None or not isinstance(exc, OrchError)):
+                exc = explain_lost(by_index[i], lost or exc)
+            text = exc.message if isinstance(exc, OrchError) else f"host {i}: {exc}"
             lines.append(f"  - {text}")
             hint = getattr(exc, "hint", "")
             if hint:
@@ -187,8 +516,21 @@ def fan_out(hosts: tuple[Host, ...], fn: Callable[[Host], T], limit: int = 64,
 
 def connect_all(hosts: tuple[Host, ...], base_dir: Path,
                 done: Callable[[], None] | None = None) -> GroupResult[Transport]:
+    """Every host in parallel. A mistake on this machine (exit 2) is raised, not collected:
+    it is the same for every host and no host is at fault."""
     config = ssh_config()
-    return fan_out(hosts, lambda h: connect(h, config, base_dir), done=done)
+    check_local_files(hosts)
+    bastions = Bastions()
+    try:
+        result = fan_out(hosts, lambda h: connect(h, config, base_dir, bastions), done=done)
+    finally:
+        bastions.seal()
+    local = [e for e in result.failed.values()
+             if isinstance(e, OrchError) and e.exit_code == EXIT_USAGE]
+    if local:
+        close_all(result.ok)
+        raise local[0]
+    return result
 
 
 def close_all(transports: dict[int, Transport]) -> None:

@@ -39,16 +39,18 @@ import os
 import re
 import shlex
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Dict, List, Optional, Tuple
 
 from yaml.nodes import MappingNode, Node, ScalarNode
 
 from .errors import InventoryError, UsageError
+from .jumps import parse_jump
 from .yamlnodes import TAG, Section, Source, scalar_text
 
-SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "connect_timeout")
+SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "connect_timeout",
+            "proxy_jump")
 HOST_KEYS = ("address", "connection", "gpus", "procs", "remote_dir", "python") + SSH_KEYS
 TOP_KEYS = ("name", "ssh", "hosts", "remote_dir", "python", "code", "data", "job")
 CODE_KEYS = ("paths", "exclude")
@@ -86,6 +88,10 @@ class SSHOptions:
     known_hosts: str             # absolute, ~ expanded
     host_key_policy: str         # "strict" | "accept-new"
     connect_timeout: float       # seconds
+    # bastions, first hop first (`[user@]host[:port]`); None: ~/.ssh/config's ProxyJump
+    proxy_jump: Optional[Tuple[str, ...]] = None
+    # (inventory, line) that set identity_file, for messages; not part of the options' value
+    identity_file_at: Optional[Tuple[str, int]] = field(default=None, compare=False)
 
 
 DEFAULT_SSH = SSHOptions(None, None, None, os.path.expanduser("~/.ssh/known_hosts"), "strict", 10.0)
@@ -327,7 +333,29 @@ def _ssh_options(sec: Section, base: SSHOptions, base_dir: Path) -> SSHOptions:
         known_hosts=_local_file(sec, "known_hosts", base.known_hosts, base_dir),
         host_key_policy=sec.choice("host_key_policy", HOST_KEY_POLICIES, base.host_key_policy),
         connect_timeout=sec.number("connect_timeout", base.connect_timeout),
+        proxy_jump=_proxy_jump(sec, base.proxy_jump),
+        identity_file_at=((sec.src.path, sec.key_line("identity_file"))
+                          if "identity_file" in sec.items else base.identity_file_at),
     )
+
+
+def _proxy_jump(sec: Section, default: Optional[Tuple[str, ...]]) -> Optional[Tuple[str, ...]]:
+    """`a`, `a,b` or a list [a, b]: a chain of bastions; `none` or []: direct."""
+    node = sec.node("proxy_jump")
+    if node is None or node.tag == TAG + "null":
+        return default
+    hops = [(hop, item) for value, item in _text_items(sec, "proxy_jump") or []
+            for hop in value.split(",")]
+    if len(hops) == 1 and hops[0][0].strip().lower() == "none":
+        return ()
+    for hop, item in hops:
+        try:
+            parse_jump(hop)
+        except ValueError as exc:
+            sec.src.fail(item, f"`{sec.what('proxy_jump')}`: {exc}",
+                         "write the bastion as `proxy_jump: user@bastion:22` "
+                         "(several: `a,b` or a list, first hop first; `none`: direct)")
+    return tuple(str(parse_jump(hop)) for hop, _ in hops)
 
 
 def _local_file(sec: Section, key: str, default: Optional[str], base_dir: Path) -> Optional[str]:

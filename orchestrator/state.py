@@ -8,10 +8,16 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any, Callable
 
+from orchestrator.errors import UsageError
 from orchestrator.inventory import Cluster
+
+
+class StateDamaged(UsageError):
+    """state.json exists but cannot be used (truncated, not JSON, wrong shape): exit 2."""
 
 
 @dataclass(frozen=True)
@@ -54,12 +60,71 @@ def save(cluster: Cluster, state: JobState) -> None:
 
 
 def load(cluster: Cluster) -> JobState | None:
+    """The job's state; None before the first `up`. StateDamaged when it cannot be used."""
+    path = state_path(cluster)
     try:
-        raw = json.loads(state_path(cluster).read_text())
-    except (OSError, ValueError):
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
         return None
-    raw["hosts"] = [HostState(**h) for h in raw["hosts"]]
-    return JobState(**raw)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise damaged(cluster, f"cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        return _from_json(json.loads(text))
+    except ValueError as exc:
+        raise damaged(cluster, str(exc)) from None
+
+
+def load_or_warn(cluster: Cluster, warn: Callable[[str], None]) -> JobState | None:
+    """For `orch stop`, which must work without a usable state: None (and a warning)."""
+    try:
+        return load(cluster)
+    except StateDamaged as exc:
+        warn(f"{exc.message}; stopping by the inventory's job folders instead")
+        return None
+
+
+def damaged(cluster: Cluster, why: str) -> StateDamaged:
+    path = state_path(cluster)
+    inv = cluster.path.name if Path.cwd() == cluster.base_dir else str(cluster.path)
+    return StateDamaged(
+        f"{path}: the job state is damaged: {why}",
+        hint=f"`orch stop -c {inv}` still stops the job (it finds its processes on every host "
+             f"without the state); then remove {path} and start again with `orch up -c {inv}`")
+
+
+def _check(raw: Any, cls: type, what: str) -> dict:
+    """Every field of cls present with the type it is saved with; ValueError otherwise."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} is {type(raw).__name__}, not an object")
+    for f in fields(cls):
+        if f.name not in raw:
+            raise ValueError(f"{what} has no `{f.name}`")
+        kinds = _TYPES[f.name]
+        value = raw[f.name]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise ValueError(f"{what}.{f.name} is {type(value).__name__} {value!r:.40}")
+    return {f.name: raw[f.name] for f in fields(cls)}
+
+
+_NUMBER = (int, float)
+_TYPES: dict[str, Any] = {
+    "name": str, "run_id": str, "inventory": str, "started": _NUMBER, "world_size": int,
+    "master_addr": str, "master_port": int, "hosts": list, "index": int, "label": str,
+    "job_dir": str, "ranks": list, "clock_offset": _NUMBER, "supervisor": dict,
+}
+
+
+def _from_json(raw: Any) -> JobState:
+    top = _check(raw, JobState, "the state")
+    hosts = []
+    for i, h in enumerate(top["hosts"]):
+        item = _check(h, HostState, f"hosts[{i}]")
+        if item["index"] != i or not all(isinstance(r, int) and not isinstance(r, bool)
+                                         for r in item["ranks"]):
+            raise ValueError(f"hosts[{i}] has a wrong index or ranks")
+        hosts.append(HostState(**item))
+    top["hosts"] = hosts
+    return JobState(**top)
 
 
 def job_dirs(cluster: Cluster, state: JobState | None) -> dict[int, str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import paramiko
 
-from orchestrator.errors import HostError
+from orchestrator.errors import HostError, UsageError
 from orchestrator.inventory import Host
 
 CHUNK = 1 << 20
@@ -249,8 +249,16 @@ class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
     def missing_host_key(self, client, hostname, key) -> None:
         name = hostname if hostname.startswith("[") else known_hosts_name(hostname, self.port)
         line = f"{name} {key.get_name()} {key.get_base64()}\n"
-        with self._lock:
-            Path(self.known_hosts).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            with open(self.known_hosts, "a") as f:
-                f.write(line)
+        try:
+            with self._lock:
+                Path(self.known_hosts).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                with open(self.known_hosts, "a") as f:
+                    f.write(line)
+        except OSError as exc:
+            # a mistake on this machine, not the host's: exit 2, and the key is not trusted
+            raise UsageError(
+                f"{self.known_hosts}: cannot record the new host key of {name} "
+                f"({key.get_name()} {fingerprint(key)}): {exc.strerror or exc}",
+                hint=f"make {self.known_hosts} (and its folder) writable, or set "
+                     "`ssh.known_hosts` to a writable file") from None
         client.get_host_keys().add(name, key.get_name(), key)

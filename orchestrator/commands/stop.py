@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from rich.markup import escape
+
 from orchestrator import state as job_state
 from orchestrator.commands.common import connected, console, inventory
 from orchestrator.connect import GroupResult, close_all
@@ -23,7 +25,10 @@ def run(args: argparse.Namespace) -> int:
     """Idempotent: a stopped job stops again with success. Unreachable hosts are named
     (exit 3) after every reachable one has been stopped."""
     cluster = inventory(args)
-    dirs = job_state.job_dirs(cluster, job_state.load(cluster))
+    # a damaged state.json must not keep a job from being stopped: the processes are
+    # found by their marker under the inventory's job folders
+    st = job_state.load_or_warn(cluster, lambda m: console.print(f"[yellow]warning:[/] {escape(m)}"))
+    dirs = job_state.job_dirs(cluster, st)
     transports, failed = connected(cluster)
     try:
         result = stop_all(cluster, transports, dirs, max(0.0, args.grace))

@@ -1,0 +1,197 @@
+"""Misbehaving "hosts" on loopback addresses, for the connection-fault tests.
+
+Each `FaultServer` is a real TCP listener on 127.0.0.<k> (port chosen by the kernel)
+served by threads of the test process: it accepts and says nothing, answers too late,
+resets the connection, sends an SSH banner and stalls, or (with paramiko's server side)
+completes the key exchange and stalls at authentication. `ResetProxy` relays to a real
+sshd and resets the connection once the client has sent a given number of bytes.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from typing import Callable
+
+import paramiko
+
+BANNER = b"SSH-2.0-OpenSSH_9.6 fault-test\r\n"
+
+
+def reset(conn: socket.socket) -> None:
+    """Close with SO_LINGER 0: the peer gets a TCP RST, not a FIN."""
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    conn.close()
+
+
+class FaultServer:
+    """A listener whose `behaviour(conn, stop_event)` runs in a thread per connection."""
+
+    def __init__(self, address: str, behaviour: Callable[[socket.socket, threading.Event], None]):
+        self.address = address
+        self.behaviour = behaviour
+        self.stopping = threading.Event()
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind((address, 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        self.threads: list[threading.Thread] = []
+        self.conns: list[socket.socket] = []
+        self.accepted = 0
+        self._accept = threading.Thread(target=self._loop, daemon=True)
+        self._accept.start()
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            self.conns.append(conn)
+            th = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self.threads.append(th)
+            th.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            self.behaviour(conn, self.stopping)
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.listener.close()
+        for conn in self.conns:
+            try:
+                conn.close()
+            except OSError:
+                pass
+        for th in [self._accept] + self.threads:
+            th.join(10)
+        assert not any(th.is_alive() for th in self.threads), "a fault-server thread is stuck"
+
+
+# ---------------------------------------------------------------- behaviours
+
+def silent(conn: socket.socket, stop: threading.Event) -> None:
+    """Accepts TCP, never says anything (a hung sshd, or a port that is not sshd's)."""
+    stop.wait()
+
+
+def late_banner(delay: float) -> Callable[[socket.socket, threading.Event], None]:
+    def behaviour(conn: socket.socket, stop: threading.Event) -> None:
+        if not stop.wait(delay):
+            conn.sendall(BANNER)
+            stop.wait()
+    return behaviour
+
+
+def reset_at_once(conn: socket.socket, stop: threading.Event) -> None:
+    reset(conn)
+
+
+def banner_then_stall(conn: socket.socket, stop: threading.Event) -> None:
+    """Sends an SSH banner, reads what the client sends, never answers the key exchange."""
+    conn.sendall(BANNER)
+    conn.settimeout(0.2)
+    while not stop.is_set():
+        try:
+            if not conn.recv(65536):
+                return
+        except socket.timeout:
+            continue
+
+
+class _StallAuth(paramiko.ServerInterface):
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+
+    def get_allowed_auths(self, username: str) -> str:
+        return "publickey"
+
+    def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
+        self.stop.wait()  # the login never completes
+        return paramiko.AUTH_FAILED
+
+
+def auth_stall(host_key: paramiko.PKey) -> Callable[[socket.socket, threading.Event], None]:
+    """A real SSH server (paramiko's) whose authentication never answers."""
+    def behaviour(conn: socket.socket, stop: threading.Event) -> None:
+        t = paramiko.Transport(conn)
+        t.add_server_key(host_key)
+        try:
+            t.start_server(server=_StallAuth(stop))
+            stop.wait()
+        finally:
+            t.close()
+    return behaviour
+
+
+def refuse_auth(host_key: paramiko.PKey) -> Callable[[socket.socket, threading.Event], None]:
+    """A real SSH server (paramiko's) that refuses every key."""
+    class Refuse(_StallAuth):
+        def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
+            return paramiko.AUTH_FAILED
+
+    def behaviour(conn: socket.socket, stop: threading.Event) -> None:
+        t = paramiko.Transport(conn)
+        t.add_server_key(host_key)
+        try:
+            t.start_server(server=Refuse(stop))
+            stop.wait()
+        finally:
+            t.close()
+    return behaviour
+
+
+def reset_proxy(upstream: tuple[str, int], after_bytes: int):
+    """Relays to a real sshd; resets both sides once the client sent `after_bytes`
+    (past the login, while a command's input is being sent)."""
+    def behaviour(conn: socket.socket, stop: threading.Event) -> None:
+        up = socket.create_connection(upstream, timeout=5)
+        sent = [0]
+        done = threading.Event()
+
+        def pump(src: socket.socket, dst: socket.socket, count: bool) -> None:
+            src.settimeout(0.2)
+            while not (stop.is_set() or done.is_set()):
+                try:
+                    data = src.recv(65536)
+                except socket.timeout:
+                    continue
+                except OSError:
+                    break
+                if not data:
+                    break
+                if count:
+                    sent[0] += len(data)
+                    if sent[0] > after_bytes:
+                        break
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    break
+            done.set()
+        back = threading.Thread(target=pump, args=(up, conn, False), daemon=True)
+        back.start()
+        pump(conn, up, True)
+        back.join(5)
+        reset(conn)
+        reset(up)
+    return behaviour
+
+
+def free_refused_port(address: str) -> int:
+    """A port on address where nothing listens (bound once by us, then released)."""
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def known_hosts_line(address: str, port: int, key: paramiko.PKey) -> str:
+    return f"[{address}]:{port} {key.get_name()} {key.get_base64()}\n"
