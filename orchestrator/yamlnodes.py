@@ -106,6 +106,7 @@ class Source:
         self.text = text
         self._constructor = SafeConstructor()
         self._breaks: Optional[List[int]] = None
+        self._last = 1
         self._merge_work = 0
         self.checked: Set[int] = set()  # ids of nodes check_text() passed
 
@@ -116,12 +117,18 @@ class Source:
 
     def line_at(self, index: int) -> int:
         """1-based line of a character, counting only '\\n' as editors do (YAML also counts
-        U+0085, U+2028, U+2029), and never past the last line: an error at the end of the
-        file belongs to its last written line."""
-        index = max(min(index, len(self.text.rstrip()) - 1), 0)
+        U+0085, U+2028, U+2029), and never past the last line that holds YAML: an error
+        at the end of the file (an unclosed `[`) belongs there, not to a trailing comment."""
         if self._breaks is None:
             self._breaks = [m.start() for m in re.finditer("\n", self.text)]
-        return bisect.bisect_left(self._breaks, index) + 1
+            self._last = self._last_content()
+        return min(bisect.bisect_left(self._breaks, max(index, 0)) + 1, self._last)
+
+    def _last_content(self) -> int:
+        lines = self.text.split("\n")
+        while len(lines) > 1 and (not lines[-1].strip() or lines[-1].lstrip().startswith("#")):
+            lines.pop()
+        return len(lines)
 
     def fail(self, where: Union[Node, Mark, int, None], message: str, hint: str = "") -> NoReturn:
         line = where if isinstance(where, int) or where is None else self.line(where)
@@ -209,26 +216,28 @@ class Source:
                           "keep only one of them: YAML would silently use the last one")
             items[key] = (key_node, value_node)
         for key_node, merged in merges:
-            self._merge_into(items, key_node, merged, what, merging + (node,))
+            self._merge_into(items, merged, what, merging + ((node, key_node),))
         return items
 
-    def _merge_into(self, items: Items, key_node: Node, node: Node, what: str,
-                    merging: Tuple[Node, ...]) -> None:
+    def _merge_into(self, items: Items, node: Node, what: str, merging: Tuple[Tuple[Node, Node], ...]) -> None:
         # YAML merge keys (`<<: *defaults`): keys given explicitly win, earlier sources win.
-        # `merging` holds the mappings being merged into, to refuse a mapping merging itself.
+        # `merging` holds (mapping, its `<<` key) for each mapping being merged into, from
+        # the outermost: to refuse a mapping merging itself, and to name the `<<` written
+        # where the settings are used when a limit is hit deeper down.
+        outer_key, key_node = merging[0][1], merging[-1][1]
         sources = node.value if isinstance(node, SequenceNode) else [node]
         for source in sources:
             if not isinstance(source, MappingNode):
                 self.fail(source, f"`{what}`: `<<` must merge a mapping, got {self.describe(source)}",
                           "write `<<: *anchor` where `&anchor` names a mapping")
-            if any(source is outer for outer in merging):
+            if any(source is mapping for mapping, _ in merging):
                 self.fail(key_node, f"`{what}`: `<<` merges a mapping into itself (a recursive merge key)",
                           "merge only other mappings: an anchor cannot be merged inside itself")
             if len(merging) >= MAX_MERGE_DEPTH:
-                self.fail(key_node, f"`{what}`: merge keys (`<<`) are nested more than "
-                                    f"{MAX_MERGE_DEPTH} deep", "merge fewer levels of anchors")
+                self.fail(outer_key, f"`{what}`: merge keys (`<<`) are nested more than "
+                                     f"{MAX_MERGE_DEPTH} deep", "merge fewer levels of anchors")
             merged = self._mapping(source, what, merging)
-            self._spend_merge_work(key_node, 1 + len(merged))
+            self._spend_merge_work(outer_key, 1 + len(merged))
             for key, pair in merged.items():
                 items.setdefault(key, pair)
 
@@ -236,7 +245,8 @@ class Source:
         """Merges of merges can copy keys exponentially often: the whole file gets a budget."""
         self._merge_work += amount
         if self._merge_work > MAX_MERGE_WORK:
-            self.fail(key_node, f"merge keys (`<<`) copy more than {MAX_MERGE_WORK} keys in all",
+            self.fail(key_node, f"merge keys (`<<`) copy more than {MAX_MERGE_WORK} keys in all "
+                                "(anchors that merge anchors, many times over)",
                       "merge each anchor fewer times, or write the settings out")
 
     def _key(self, node: Node, what: str) -> str:
