@@ -23,7 +23,7 @@ _NUMERIC_RE = re.compile(r"[0-9.]+", re.ASCII)
 # A range: name characters (and `:` for IPv6) outside brackets, numbers inside.
 _RANGE_RE = re.compile(r"(?:[A-Za-z0-9._:-]|\[[0-9,/-]*\])+", re.ASCII)
 _BRACKETS_RE = re.compile(r"\[([^\]]*)\]")
-_PIECE_RE = re.compile(r"([0-9]{1,18})(?:-([0-9]{1,18}))?(?:/([0-9]{1,18}))?", re.ASCII)
+_PIECE_RE = re.compile(r"([0-9]{1,18})(?:-([0-9]{1,18})(?:/([0-9]{1,18}))?)?", re.ASCII)
 RANGE_HINT = ("write a range as a name with numbers in brackets, e.g. `gpu[01-16]`, "
               "`10.0.0.[1-8]` or `node[1,3,5-7]`")
 

@@ -41,7 +41,7 @@ import shlex
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 from yaml.nodes import MappingNode, Node, ScalarNode
 
@@ -572,15 +572,15 @@ def _args(sec: Section) -> Tuple[str, ...]:
     for i, item in enumerate(sec.src.sequence(node, "job.args")):
         args.append(scalar_text(sec.src, item, f"job.args[{i}]", hint))
         used += len(args[-1].encode()) + 1
-        _check_job_bytes(sec.src, item, used)
+        _check_job_bytes(sec.src, sec.key_line("args"), used)  # an item may be an alias
     return tuple(args)
 
 
-def _check_job_bytes(src: Source, node: Node, used: int) -> None:
+def _check_job_bytes(src: Source, where: Union[Node, int], used: int) -> None:
     """args and env travel to every host and onto torchrun's command line or environment:
     their total is capped (checked item by item, as aliases can repeat a long value)."""
     if used > MAX_JOB_BYTES:
-        src.fail(node, f"`job.args` and `job.env` hold more than {MAX_JOB_BYTES} bytes in all (the limit)",
+        src.fail(where, f"`job.args` and `job.env` hold more than {MAX_JOB_BYTES} bytes in all (the limit)",
                  "pass fewer or shorter values: put long contents in a file that the job reads")
 
 
