@@ -16,6 +16,8 @@ from typing import List
 
 from ClusterShell.NodeSet import RESOLVER_NOGROUP, NodeSet, NodeSetException
 
+from .yamlnodes import short
+
 MAX_HOST_NAME = 253  # DNS's limit for a whole name
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*", re.ASCII)
@@ -49,15 +51,15 @@ def expand(address: str, room: int) -> List[str]:
         return [address]
     if not _RANGE_RE.fullmatch(address):
         hint = RANGE_HINT + (" (an IPv6 address is written without brackets)" if ":" in address else "")
-        raise BadAddress(f"{address!r} is not a host range", hint)
+        raise BadAddress(f"{short(address)!r} is not a host range", hint)
     count = range_size(address)
     if count > room:
-        raise BadAddress(f"the range {address!r} expands to {count} hosts, more than the "
+        raise BadAddress(f"the range {short(address)!r} expands to {count} hosts, more than the "
                          f"{room} that the limit of hosts leaves", "split the job, or list fewer hosts")
     try:
         names = list(NodeSet(address, resolver=RESOLVER_NOGROUP))
     except NodeSetException as exc:
-        raise BadAddress(f"the range {address!r} is not valid: {exc}", RANGE_HINT) from None
+        raise BadAddress(f"the range {short(address)!r} is not valid: {short(str(exc), 120)}", RANGE_HINT) from None
     for name in names:
         check(name)
     return names
@@ -78,14 +80,14 @@ def range_size(address: str) -> int:
 def _piece_size(address: str, piece: str) -> int:
     match = _PIECE_RE.fullmatch(piece)
     if not match:
-        raise BadAddress(f"the range {address!r} has {piece!r} in brackets, which is not "
+        raise BadAddress(f"the range {short(address)!r} has {short(piece)!r} in brackets, which is not "
                          "`a`, `a-b` or `a-b/step`", RANGE_HINT)
     first, last, step = int(match[1]), int(match[2] or match[1]), int(match[3] or 1)
     if last < first:
-        raise BadAddress(f"the range {address!r} goes backwards ({piece})",
+        raise BadAddress(f"the range {short(address)!r} goes backwards ({short(piece)})",
                          f"write it in ascending order: [{match[2]}-{match[1]}]")
     if step == 0:
-        raise BadAddress(f"the range {address!r} has a step of 0 ({piece})", "write a step of 1 or more")
+        raise BadAddress(f"the range {short(address)!r} has a step of 0 ({short(piece)})", "write a step of 1 or more")
     return (last - first) // step + 1
 
 
@@ -93,23 +95,23 @@ def check(address: str) -> None:
     """Refuse anything but an ASCII host name, an IP address or an ~/.ssh/config alias."""
     _check_ascii(address)
     if not address.strip() or any(c.isspace() for c in address) or address.startswith("-"):
-        raise BadAddress(f"{address!r} is not a host name",
+        raise BadAddress(f"{short(address)!r} is not a host name",
                          "write an IP, a DNS name or an ~/.ssh/config alias")
     if "@" in address:
         user, _, rest = address.rpartition("@")
-        raise BadAddress(f"{address!r} contains a user name", f"write `address: {rest}` and `user: {user}`")
+        raise BadAddress(f"{short(address)!r} contains a user name", f"write `address: {short(rest)}` and `user: {short(user)}`")
     host, sep, port = address.rpartition(":")
     if sep and port.isdigit() and ":" not in host:
-        raise BadAddress(f"{address!r} contains a port", f"write `address: {host}` and `port: {port}`")
+        raise BadAddress(f"{short(address)!r} contains a port", f"write `address: {short(host)}` and `port: {short(port)}`")
     if _is_ip(address):
         return
     if ":" in address or _NUMERIC_RE.fullmatch(address):
-        raise BadAddress(f"{address!r} is not a valid IP address", "write an IPv4 (10.0.0.8) or IPv6 address")
+        raise BadAddress(f"{short(address)!r} is not a valid IP address", "write an IPv4 (10.0.0.8) or IPv6 address")
     bad = next((c for c in address if not (c.isalnum() or c in "._-")), None)
     if bad is not None or not _NAME_RE.fullmatch(address) or len(address) > MAX_HOST_NAME:
         why = f"{bad!r} cannot be in a host name" if bad else \
             f"at most {MAX_HOST_NAME} characters" if len(address) > MAX_HOST_NAME else "it starts with '.'"
-        raise BadAddress(f"{address!r} is not a host name ({why})",
+        raise BadAddress(f"{short(address)!r} is not a host name ({why})",
                          "use letters, digits, '.', '-' and '_' (an IP, a DNS name or an ~/.ssh/config alias)")
 
 
@@ -117,7 +119,7 @@ def _check_ascii(address: str) -> None:
     odd = next((c for c in address if not c.isascii()), None)
     if odd is not None:
         name = unicodedata.name(odd, "no name")
-        raise BadAddress(f"{address!r} contains the non-ASCII character U+{ord(odd):04X} ({name})",
+        raise BadAddress(f"{short(address)!r} contains the non-ASCII character U+{ord(odd):04X} ({name})",
                          "type the address in plain ASCII: a look-alike character would reach "
                          "another machine, or none")
 

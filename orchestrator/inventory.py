@@ -256,7 +256,7 @@ def _name(top: Section) -> str:
     name = top.text("name")
     if not _NAME_RE.fullmatch(name):
         fixed = re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-")[:64] or "my-job"
-        top.src.fail(top.node("name"), f"`name` {name!r} may only contain letters, digits, - and _ "
+        top.src.fail(top.node("name"), f"`name` {short(name)!r} may only contain letters, digits, - and _ "
                                        "(at most 64, not starting with -)",
                      f"it names folders on every host; write e.g. `name: {fixed}`")
     return name
@@ -330,7 +330,7 @@ def _host_section(src: Source, node: Node, name: str) -> Tuple[Section, Node, st
     address = src.value(node, f"{name}.address")
     if not isinstance(address, str) or not address.strip():
         src.fail(node, f"`{name}` must be a host's address or settings, got {src.describe(node)}",
-                 f'write `- address: "{node.value}"`')
+                 f'write `- address: "{short(node.value)}"`')
     check_text(src, node, f"{name}.address", address)
     return Section(src, None, name, line), node, address
 
@@ -345,7 +345,7 @@ def _ssh_options(sec: Section, base: SSHOptions, base_dir: Path) -> SSHOptions:
     """`sec`'s ssh fields over `base` (top-level ssh: over the defaults, a host over ssh:)."""
     user = sec.text("user", base.user)
     if user is not None and (any(c.isspace() or c in "@:" for c in user) or user.startswith("-")):
-        sec.src.fail(sec.node("user"), f"`{sec.what('user')}` {user!r} is not a user name",
+        sec.src.fail(sec.node("user"), f"`{sec.what('user')}` {short(user)!r} is not a user name",
                      "write just the login name, e.g. `user: ubuntu`")
     return SSHOptions(
         user=user,
@@ -434,7 +434,7 @@ def _text_items(sec: Section, key: str) -> Optional[List[Tuple[str, Node]]]:
         value = sec.src.value(item, what)
         if not isinstance(value, str) or not value.strip():
             sec.src.fail(item, f"`{what}` must be non-empty text, got {sec.src.describe(item)}",
-                         f'put it in quotes: "{item.value}"' if item.value else "remove the empty entry")
+                         f'put it in quotes: "{short(item.value)}"' if item.value else "remove the empty entry")
         check_text(sec.src, item, what, value)
         items.append((value, item))
     return items
@@ -448,8 +448,8 @@ def _code(top: Section, base_dir: Path) -> CodeSpec:
         path = _code_path(sec.src, node, value, base_dir)
         name = PurePosixPath(path).name
         if name in paths:
-            sec.src.fail(node, f"`code.paths` {path!r} and {paths[name]!r} would both land in the "
-                               f"code folder as {name!r}", "rename one, or push their common parent folder")
+            sec.src.fail(node, f"`code.paths` {short(path)!r} and {short(paths[name])!r} would both land in the "
+                               f"code folder as {short(name)!r}", "rename one, or push their common parent folder")
         paths[name] = path
     exclude = _text_items(sec, "exclude")
     return CodeSpec(tuple(paths.values()),
@@ -459,14 +459,14 @@ def _code(top: Section, base_dir: Path) -> CodeSpec:
 def _code_path(src: Source, node: Node, value: str, base_dir: Path) -> str:
     pure = PurePosixPath(value)
     if value.startswith("~") or pure.is_absolute() or os.path.isabs(value) or ".." in pure.parts:
-        src.fail(node, f"`code.paths` {value!r} is outside the inventory's folder ({base_dir})",
+        src.fail(node, f"`code.paths` {short(value)!r} is outside the inventory's folder ({base_dir})",
                  "write paths relative to the folder of cluster.yaml, without `..` (move or link "
                  "the code there)")
     if str(pure) == ".":
         src.fail(node, "`code.paths` '.' would push the inventory's whole folder (its .orch/ and data too)",
                  "list the folders and files the job needs, e.g. `paths: [worker]`")
     if not _exists(src, node, base_dir / pure):
-        src.fail(node, f"`code.paths` {value!r} does not exist (looked for {base_dir / pure})",
+        src.fail(node, f"`code.paths` {short(value)!r} does not exist (looked for {short(str(base_dir / pure))})",
                  "fix the path (relative to the folder of cluster.yaml) or remove the entry")
     return str(pure)
 
@@ -519,12 +519,12 @@ def _entrypoint(sec: Section) -> str:
     if value.endswith(".py"):
         pure = PurePosixPath(value)
         if value.startswith(("~", "-")) or pure.is_absolute() or ".." in pure.parts:
-            sec.src.fail(node, f"`job.entrypoint` {value!r} must be a path inside the synced code folder",
+            sec.src.fail(node, f"`job.entrypoint` {short(value)!r} must be a path inside the synced code folder",
                          "write it relative to the code folder, where code.paths keep their names "
                          "(e.g. `job/train.py`), without `..`")
         return str(pure)
     if not _MODULE_RE.fullmatch(value):
-        sec.src.fail(node, f"`job.entrypoint` {value!r} is neither a module name nor a .py script",
+        sec.src.fail(node, f"`job.entrypoint` {short(value)!r} is neither a module name nor a .py script",
                      "write a module like `worker.train` (run with -m) or a script path like `job/train.py`")
     return value
 
@@ -551,7 +551,7 @@ def _check_entrypoint_pushed(sec: Section, entrypoint: str, code: CodeSpec, base
         found = _exists(sec.src, node, module.with_name(module.name + ".py"), file=True) or \
             (_exists(sec.src, node, module) and module.is_dir())
     if not found:
-        sec.src.fail(sec.node("entrypoint"), f"`job.entrypoint` {entrypoint!r} is not {where}",
+        sec.src.fail(sec.node("entrypoint"), f"`job.entrypoint` {short(entrypoint)!r} is not {where}",
                      "paths are relative to the synced code folder, where each code.paths entry keeps "
                      f"its name (pushed: {', '.join(sorted(pushed))})")
 
@@ -590,7 +590,7 @@ def _env(sec: Section, used: int) -> Tuple[Tuple[str, str], ...]:
     pairs = []
     for key, (key_node, value_node) in src.mapping(node, "job.env").items() if node is not None else ():
         if not _ENV_KEY_RE.fullmatch(key):
-            src.fail(key_node, f"`job.env` key {key!r} is not a valid variable name",
+            src.fail(key_node, f"`job.env` key {short(key)!r} is not a valid variable name",
                      "use letters, digits and _, not starting with a digit")
         if key.startswith("ORCH_") or key in TORCHRUN_VARS:
             src.fail(key_node, f"`job.env` may not set {key}: orch or torchrun sets it for every rank",

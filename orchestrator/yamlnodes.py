@@ -168,7 +168,8 @@ class Source:
     def value(self, node: Node, what: str) -> Any:
         """A scalar's value as yaml.safe_load would give it."""
         if not isinstance(node, ScalarNode):
-            self.fail(node, f"`{what}` must be a single value, not {self.describe(node)}")
+            self.fail(node, f"`{what}` must be a single value, not {self.describe(node)}",
+                      "write one value here, e.g. `key: value`")
         try:
             return self._constructor.construct_object(node)
         except yaml.YAMLError:
@@ -322,7 +323,7 @@ class Section:
         value = self.src.value(node, self.what(key))
         if not isinstance(value, str):
             self.src.fail(node, f"`{self.what(key)}` must be text, got {self.src.describe(node)}",
-                          f'put the value in quotes: {key}: "{node.value}"')
+                          f'put the value in quotes: {key}: "{short(node.value)}"')
         if not value.strip():
             self.src.fail(node, f"`{self.what(key)}` is empty", f"give `{key}` a value")
         check_text(self.src, node, self.what(key), value)
@@ -362,7 +363,7 @@ class Section:
             close = difflib.get_close_matches(value, options, n=1, cutoff=0.5)
             valid = " or ".join(options)
             hint = f"did you mean `{close[0]}`? (valid: {valid})" if close else f"use {valid}"
-            self.src.fail(self.node(key), f"`{self.what(key)}` is {value!r}, must be {valid}", hint)
+            self.src.fail(self.node(key), f"`{self.what(key)}` is {short(value)!r}, must be {valid}", hint)
         return value
 
 
@@ -406,4 +407,5 @@ def _is_null(node: Node) -> bool:
 
 
 def _join(section: str, key: str) -> str:
+    key = short(key, 40) if key.isprintable() else repr(short(key, 40))  # any text: keep messages one line
     return f"{section}.{key}" if section and section != "the top level" else key
