@@ -9,7 +9,9 @@ Defaults and decisions (the README states them):
 - `name`, `hosts` (at least one) and `job.entrypoint` are required; everything else
   has a default. `name` is letters, digits, `-` and `_` (not starting with `-`), at
   most 64 characters, because it names folders on every host and `.orch/<name>/`.
-- A host is a mapping, or just its address as a shorthand (`- 10.0.0.8`).
+- A host is a mapping, or just its address as a shorthand (`- 10.0.0.8`). An address may
+  be a range (`gpu[01-16]`, hostnames.py): one host per name, each with the entry's fields.
+- Everything is bounded (file, YAML, hosts, procs, ranks, values): see the MAX_* limits.
   `procs` defaults to `gpus`, or 1 when `gpus` is 0; `procs` above a non-zero `gpus`
   is refused (two ranks would share a GPU, which NCCL refuses).
 - Hosts with the same address, port and connection are refused as duplicates,
