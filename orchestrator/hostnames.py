@@ -99,10 +99,12 @@ def check(address: str) -> None:
                          "write an IP, a DNS name or an ~/.ssh/config alias")
     if "@" in address:
         user, _, rest = address.rpartition("@")
-        raise BadAddress(f"{short(address)!r} contains a user name", f"write `address: {short(rest)}` and `user: {short(user)}`")
+        raise BadAddress(f"{short(address)!r} contains a user name",
+                         f"write `address: {short(rest)}` and `user: {short(user)}`")
     host, sep, port = address.rpartition(":")
     if sep and port.isdigit() and ":" not in host:
-        raise BadAddress(f"{short(address)!r} contains a port", f"write `address: {short(host)}` and `port: {short(port)}`")
+        raise BadAddress(f"{short(address)!r} contains a port",
+                         f"write `address: {short(host)}` and `port: {short(port)}`")
     if _is_ip(address):
         return
     if ":" in address or _NUMERIC_RE.fullmatch(address):

@@ -473,7 +473,7 @@ def _code_path(src: Source, node: Node, value: str, base_dir: Path) -> str:
     return str(pure)
 
 
-def _exists(src: Source, node: Node, path: Path, file: bool = False) -> bool:
+def _exists(src: Source, node: Optional[Node], path: Path, file: bool = False) -> bool:
     """path.exists() (or is_file()), with what the OS refuses (a name too long, ...) as the
     inventory's error rather than a traceback."""
     try:

@@ -198,7 +198,7 @@ class Source:
         """The keys of a mapping node, in order; null means empty (a section all commented out)."""
         return self._mapping(node, what, ())
 
-    def _mapping(self, node: Node, what: str, merging: Tuple[Node, ...]) -> Items:
+    def _mapping(self, node: Node, what: str, merging: Tuple[Tuple[Node, Node], ...]) -> Items:
         if _is_null(node):
             return {}
         if not isinstance(node, MappingNode) or node.tag != TAG + "map":
@@ -363,7 +363,7 @@ class Section:
             close = difflib.get_close_matches(value, options, n=1, cutoff=0.5)
             valid = " or ".join(options)
             hint = f"did you mean `{close[0]}`? (valid: {valid})" if close else f"use {valid}"
-            self.src.fail(self.node(key), f"`{self.what(key)}` is {short(value)!r}, must be {valid}", hint)
+            self.src.fail(self.node(key), f"`{self.what(key)}` is {short(str(value))!r}, must be {valid}", hint)
         return value
 
 
