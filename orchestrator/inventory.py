@@ -9,7 +9,9 @@ Defaults and decisions (the README states them):
 - `name`, `hosts` (at least one) and `job.entrypoint` are required; everything else
   has a default. `name` is letters, digits, `-` and `_` (not starting with `-`), at
   most 64 characters, because it names folders on every host and `.orch/<name>/`.
-- A host is a mapping, or just its address as a shorthand (`- 10.0.0.8`).
+- A host is a mapping, or just its address as a shorthand (`- 10.0.0.8`). An address may
+  be a range (`gpu[01-16]`, hostnames.py): one host per name, each with the entry's fields.
+- Everything is bounded (file, YAML, hosts, procs, ranks, values): see the MAX_* limits.
   `procs` defaults to `gpus`, or 1 when `gpus` is 0; `procs` above a non-zero `gpus`
   is refused (two ranks would share a GPU, which NCCL refuses).
 - Hosts with the same address, port and connection are refused as duplicates,
@@ -41,13 +43,15 @@ import shlex
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 from yaml.nodes import MappingNode, Node, ScalarNode
 
 from .errors import InventoryError, UsageError
+from . import hostnames
 from .jumps import parse_jump
-from .yamlnodes import TAG, Section, Source, scalar_text
+from .safefile import FileRefused, read_regular
+from .yamlnodes import TAG, Section, Source, check_text, scalar_text, short
 
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "connect_timeout",
             "proxy_jump")
@@ -63,6 +67,14 @@ TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 DEFAULT_EXCLUDE = ("*.pyc", "__pycache__", ".git")
 DEFAULT_REMOTE_DIR = "~/orch"
 DEFAULT_PYTHON = "python3"
+
+# Limits: far above real clusters, low enough that no inventory makes orch slow or big.
+MAX_FILE_BYTES = 1 << 20  # the inventory file itself
+MAX_HOSTS = 4096          # hosts, after ranges are expanded
+MAX_PROCS = 1024          # procs (and gpus) on one host
+MAX_WORLD_SIZE = 65536    # ranks in all
+MAX_JOB_BYTES = 256 << 10  # job.args and job.env together (a command line holds ~2 MiB)
+_SPLIT_HINT = "split the job into several inventories, or list fewer hosts"
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
 _MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
@@ -202,11 +214,15 @@ def load(path: str | Path) -> Cluster:
     """Read and check an inventory file; raises InventoryError for any problem."""
     shown = str(path)
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(Path(path), MAX_FILE_BYTES)
     except FileNotFoundError:
         raise InventoryError(shown, None, "no such file",
                              "create it (see the README's cluster.yaml) "
                              "or name another with -c FILE") from None
+    except FileRefused as exc:
+        hint = ("many hosts fit in a few lines with ranges such as gpu[001-512]" if exc.too_big
+                else "give the path of a cluster.yaml file")
+        raise InventoryError(shown, None, exc.message, hint) from None
     except OSError as exc:
         raise InventoryError(shown, None, f"cannot read the inventory: {exc.strerror}",
                              "give the path of a readable YAML file") from None
@@ -222,6 +238,9 @@ def load(path: str | Path) -> Cluster:
 def parse(text: str, path: str | Path) -> Cluster:
     """Check an inventory given as text; `path` is used in messages and as the base folder."""
     src = Source(str(path), text)
+    if len(text) > MAX_FILE_BYTES:
+        src.fail(None, f"the inventory is longer than {MAX_FILE_BYTES} characters (the limit)",
+                 "list many hosts with ranges such as gpu[001-512]")
     root = src.compose()
     if root is None:
         src.fail(1, "the file is empty",
@@ -245,7 +264,7 @@ def _name(top: Section) -> str:
     name = top.text("name")
     if not _NAME_RE.fullmatch(name):
         fixed = re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-")[:64] or "my-job"
-        top.src.fail(top.node("name"), f"`name` {name!r} may only contain letters, digits, - and _ "
+        top.src.fail(top.node("name"), f"`name` {short(name)!r} may only contain letters, digits, - and _ "
                                        "(at most 64, not starting with -)",
                      f"it names folders on every host; write e.g. `name: {fixed}`")
     return name
@@ -260,71 +279,81 @@ def _hosts(top: Section, base_dir: Path) -> Tuple[Host, ...]:
     if not items:
         src.fail(top.key_line("hosts") if node is not None else 1, "no hosts: `hosts` lists none",
                  "add at least one host, e.g. `hosts: [{address: localhost, connection: local}]`")
+    if len(items) > MAX_HOSTS:
+        src.fail(items[MAX_HOSTS], f"`hosts` lists more than {MAX_HOSTS} hosts (the limit)", _SPLIT_HINT)
     ssh_section = Section(src, top.node("ssh"), "ssh", top.key_line("ssh"))
     ssh_section.check_keys(SSH_KEYS, _BELONGS)
-    ssh = _ssh_options(ssh_section, DEFAULT_SSH, base_dir)
-    remote_dir = _remote_dir(top, DEFAULT_REMOTE_DIR)
-    python = top.text("python", DEFAULT_PYTHON)
+    defaults = (_ssh_options(ssh_section, DEFAULT_SSH, base_dir), _remote_dir(top, DEFAULT_REMOTE_DIR),
+                top.text("python", DEFAULT_PYTHON))
     hosts: List[Host] = []
-    first_rank = 0
-    for index, item in enumerate(items):
-        host = _host(src, item, index, first_rank, (ssh, remote_dir, python), base_dir)
-        _check_duplicate(src, item, host, hosts)
-        hosts.append(host)
-        first_rank += host.procs
-    _check_master_reachable(src, items, hosts)
+    names: List[str] = []  # each host as messages name it: `hosts[3]`, or `hosts[3] (gpu02)`
+    nodes: List[Node] = []
+    seen: Dict[tuple, int] = {}
+    for entry, item in enumerate(items):
+        template, addresses = _entry(src, item, entry, MAX_HOSTS - len(hosts), defaults, base_dir)
+        for address in addresses:
+            first_rank = hosts[-1].ranks.stop if hosts else 0
+            host = replace(template, index=len(hosts), address=address, first_rank=first_rank)
+            name = f"hosts[{entry}]" + (f" ({address})" if len(addresses) > 1 else "")
+            _check_world_size(src, item, host, name)
+            _check_duplicate(src, item, host, name, seen, names, hosts)
+            hosts.append(host)
+            names.append(name)
+            nodes.append(item)
+    _check_master_reachable(src, nodes, hosts, names)
     return tuple(replace(h, display=label) for h, label in zip(hosts, _labels(hosts)))
 
 
-def _host(src: Source, node: Node, index: int, first_rank: int,
-          defaults: Tuple[SSHOptions, str, str], base_dir: Path) -> Host:
+def _entry(src: Source, node: Node, entry: int, room: int,
+           defaults: Tuple[SSHOptions, str, str], base_dir: Path) -> Tuple[Host, List[str]]:
+    """One `hosts:` entry: its settings (as a Host for its first address) and its addresses."""
     ssh, remote_dir, python = defaults
-    sec, address = _host_section(src, node, f"hosts[{index}]")
-    gpus = sec.integer("gpus", 0, 0, example=1)
-    procs = sec.integer("procs", gpus or 1, 1, example=max(gpus, 1))
+    sec, address_node, address = _host_section(src, node, f"hosts[{entry}]")
+    if room <= 0:
+        src.fail(node, f"`{sec.name}` is past the limit of {MAX_HOSTS} hosts", _SPLIT_HINT)
+    try:
+        addresses = hostnames.expand(address, room)
+    except hostnames.BadAddress as exc:
+        src.fail(address_node, f"`{sec.what('address')}` {exc.message}", exc.hint)
+    gpus = sec.integer("gpus", 0, 0, MAX_PROCS, example=1)
+    procs = sec.integer("procs", gpus or 1, 1, MAX_PROCS, example=max(gpus, 1))
     if gpus and procs > gpus:
         src.fail(sec.node("procs"), f"`{sec.name}.procs` is {procs} but the host gives the job only "
                                     f"{gpus} GPU(s): two ranks would share a GPU",
                  f"set `procs: {gpus}`, or raise `gpus`, or set `gpus: 0` to run on CPU")
-    return Host(index=index, address=address, connection=sec.choice("connection", CONNECTIONS, "ssh"),
-                gpus=gpus, procs=procs, first_rank=first_rank, remote_dir=_remote_dir(sec, remote_dir),
+    host = Host(index=entry, address=addresses[0], connection=sec.choice("connection", CONNECTIONS, "ssh"),
+                gpus=gpus, procs=procs, first_rank=0, remote_dir=_remote_dir(sec, remote_dir),
                 python=sec.text("python", python), ssh=_ssh_options(sec, ssh, base_dir), line=sec.line)
+    return host, addresses
 
 
-def _host_section(src: Source, node: Node, name: str) -> Tuple[Section, str]:
-    """A host's settings and address; `- 10.0.0.8` is short for `- address: 10.0.0.8`."""
-    line = node.start_mark.line + 1
+def _host_section(src: Source, node: Node, name: str) -> Tuple[Section, Node, str]:
+    """A host's settings, its address node and address; `- 10.0.0.8` is short for
+    `- address: 10.0.0.8`."""
+    line = src.line(node)
     if not isinstance(node, ScalarNode) or node.tag == TAG + "null":
         sec = Section(src, node, name, line)
         sec.check_keys(HOST_KEYS, _BELONGS)
-        address = sec.text("address")
-        _check_address(src, sec.node("address"), address, name)
-        return sec, address
+        return sec, sec.node("address") or node, sec.text("address")
     address = src.value(node, f"{name}.address")
     if not isinstance(address, str) or not address.strip():
         src.fail(node, f"`{name}` must be a host's address or settings, got {src.describe(node)}",
-                 f'write `- address: "{node.value}"`')
-    _check_address(src, node, address, name)
-    return Section(src, None, name, line), address
+                 f'write `- address: "{short(node.value)}"`')
+    check_text(src, node, f"{name}.address", address)
+    return Section(src, None, name, line), node, address
 
 
-def _check_address(src: Source, node: Node, address: str, name: str) -> None:
-    what = f"`{name}.address` {address!r}"
-    if any(c.isspace() for c in address) or address.startswith("-"):
-        src.fail(node, f"{what} is not a host name", "write an IP, a DNS name or an ~/.ssh/config alias")
-    if "@" in address:
-        user, _, rest = address.rpartition("@")
-        src.fail(node, f"{what} contains a user name", f"write `address: {rest}` and `user: {user}`")
-    host, sep, port = address.rpartition(":")
-    if sep and port.isdigit() and ":" not in host:
-        src.fail(node, f"{what} contains a port", f"write `address: {host}` and `port: {port}`")
+def _check_world_size(src: Source, node: Node, host: Host, name: str) -> None:
+    if host.ranks.stop > MAX_WORLD_SIZE:
+        src.fail(node, f"`{name}` brings the job past {MAX_WORLD_SIZE} ranks in all (the limit)",
+                 "give the hosts fewer `procs`, or list fewer hosts")
 
 
 def _ssh_options(sec: Section, base: SSHOptions, base_dir: Path) -> SSHOptions:
     """`sec`'s ssh fields over `base` (top-level ssh: over the defaults, a host over ssh:)."""
     user = sec.text("user", base.user)
     if user is not None and (any(c.isspace() or c in "@:" for c in user) or user.startswith("-")):
-        sec.src.fail(sec.node("user"), f"`{sec.what('user')}` {user!r} is not a user name",
+        sec.src.fail(sec.node("user"), f"`{sec.what('user')}` {short(user)!r} is not a user name",
                      "write just the login name, e.g. `user: ubuntu`")
     return SSHOptions(
         user=user,
@@ -366,29 +395,30 @@ def _local_file(sec: Section, key: str, default: Optional[str], base_dir: Path) 
 
 
 def _remote_dir(sec: Section, default: str) -> str:
-    value = sec.text("remote_dir", default)
-    if "\n" in value or "\0" in value:
-        sec.src.fail(sec.node("remote_dir"), f"`{sec.what('remote_dir')}` contains a line break",
-                     "write the folder on one line, e.g. `remote_dir: ~/orch`")
-    return value
+    return sec.text("remote_dir", default)  # text() refuses line breaks and NULs
 
 
-def _check_duplicate(src: Source, node: Node, host: Host, earlier: List[Host]) -> None:
+def _check_duplicate(src: Source, node: Node, host: Host, name: str, seen: Dict[tuple, int],
+                     names: List[str], hosts: List[Host]) -> None:
+    """Refuse a host listed twice; `seen` maps each earlier host's identity to its index
+    (a dict, not a scan of every earlier host: thousands of hosts stay fast)."""
     if host.is_local:
         # several local hosts stand for several nodes on this machine, but each needs a
         # job folder of its own (run/, logs/ hold per-node state)
-        for other in earlier:
-            if other.is_local and other.remote_dir == host.remote_dir:
-                src.fail(node, f"`hosts[{host.index}]` and hosts[{other.index}] (line {other.line}) "
-                               f"are both local with remote_dir {host.remote_dir}",
-                         "give each local host its own `remote_dir` (e.g. .orch/nodes/a and .orch/nodes/b)")
-        return
-    for other in earlier:
-        if (other.address.lower(), other.ssh.port, other.connection) == \
-                (host.address.lower(), host.ssh.port, host.connection):
-            src.fail(node, f"`hosts[{host.index}]` is the same host as hosts[{other.index}] "
+        key: tuple = ("local", host.remote_dir)
+        if key in seen:
+            other = hosts[seen[key]]
+            src.fail(node, f"`{name}` and {names[other.index]} (line {other.line}) "
+                           f"are both local with remote_dir {host.remote_dir}",
+                     "give each local host its own `remote_dir` (e.g. .orch/nodes/a and .orch/nodes/b)")
+    else:
+        key = (host.address.lower(), host.ssh.port, host.connection)
+        if key in seen:
+            other = hosts[seen[key]]
+            src.fail(node, f"`{name}` is the same host as {names[other.index]} "
                            f"(line {other.line}): {host.address}, port {host.ssh.port or 'default'}",
                      "list each machine once and give it more `procs` to run more ranks there")
+    seen[key] = host.index
 
 
 def _is_loopback(address: str) -> bool:
@@ -400,12 +430,12 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-def _check_master_reachable(src: Source, nodes: List[Node], hosts: List[Host]) -> None:
+def _check_master_reachable(src: Source, nodes: List[Node], hosts: List[Host], names: List[str]) -> None:
     if not _is_loopback(hosts[0].address):
         return
-    for host, node in zip(hosts[1:], nodes[1:]):
+    for host, node, name in zip(hosts[1:], nodes[1:], names[1:]):
         if not _is_loopback(host.address):
-            src.fail(node, f"`hosts[{host.index}]` ({host.address}) could not reach the master: "
+            src.fail(node, f"`{name}` ({host.address}) could not reach the master: "
                            f"hosts[0] is {hosts[0].address!r}, which is MASTER_ADDR for every host",
                      "give hosts[0] an address the other hosts can reach "
                      "(a `connection: local` host may use its network address)")
@@ -434,7 +464,8 @@ def _text_items(sec: Section, key: str) -> Optional[List[Tuple[str, Node]]]:
         value = sec.src.value(item, what)
         if not isinstance(value, str) or not value.strip():
             sec.src.fail(item, f"`{what}` must be non-empty text, got {sec.src.describe(item)}",
-                         f'put it in quotes: "{item.value}"' if item.value else "remove the empty entry")
+                         f'put it in quotes: "{short(item.value)}"' if item.value else "remove the empty entry")
+        check_text(sec.src, item, what, value)
         items.append((value, item))
     return items
 
@@ -447,8 +478,8 @@ def _code(top: Section, base_dir: Path) -> CodeSpec:
         path = _code_path(sec.src, node, value, base_dir)
         name = PurePosixPath(path).name
         if name in paths:
-            sec.src.fail(node, f"`code.paths` {path!r} and {paths[name]!r} would both land in the "
-                               f"code folder as {name!r}", "rename one, or push their common parent folder")
+            sec.src.fail(node, f"`code.paths` {short(path)!r} and {short(paths[name])!r} would both land in the "
+                               f"code folder as {short(name)!r}", "rename one, or push their common parent folder")
         paths[name] = path
     exclude = _text_items(sec, "exclude")
     return CodeSpec(tuple(paths.values()),
@@ -458,16 +489,26 @@ def _code(top: Section, base_dir: Path) -> CodeSpec:
 def _code_path(src: Source, node: Node, value: str, base_dir: Path) -> str:
     pure = PurePosixPath(value)
     if value.startswith("~") or pure.is_absolute() or os.path.isabs(value) or ".." in pure.parts:
-        src.fail(node, f"`code.paths` {value!r} is outside the inventory's folder ({base_dir})",
+        src.fail(node, f"`code.paths` {short(value)!r} is outside the inventory's folder ({base_dir})",
                  "write paths relative to the folder of cluster.yaml, without `..` (move or link "
                  "the code there)")
     if str(pure) == ".":
         src.fail(node, "`code.paths` '.' would push the inventory's whole folder (its .orch/ and data too)",
                  "list the folders and files the job needs, e.g. `paths: [worker]`")
-    if not (base_dir / pure).exists():
-        src.fail(node, f"`code.paths` {value!r} does not exist (looked for {base_dir / pure})",
+    if not _exists(src, node, base_dir / pure):
+        src.fail(node, f"`code.paths` {short(value)!r} does not exist (looked for {short(str(base_dir / pure))})",
                  "fix the path (relative to the folder of cluster.yaml) or remove the entry")
     return str(pure)
+
+
+def _exists(src: Source, node: Optional[Node], path: Path, file: bool = False) -> bool:
+    """path.exists() (or is_file()), with what the OS refuses (a name too long, ...) as the
+    inventory's error rather than a traceback."""
+    try:
+        return path.is_file() if file else path.exists()
+    except OSError as exc:
+        src.fail(node, f"{short(str(path))!r} cannot be looked up: {exc.strerror}",
+                 "shorten the path (relative to the folder of cluster.yaml)")
 
 
 def _data(top: Section, base_dir: Path) -> DataSpec:
@@ -495,7 +536,9 @@ def _job(top: Section, code: CodeSpec, base_dir: Path) -> JobSpec:
     sec.check_keys(JOB_KEYS, _BELONGS)
     entrypoint = _entrypoint(sec)
     _check_entrypoint_pushed(sec, entrypoint, code, base_dir)
-    return JobSpec(entrypoint=entrypoint, args=_args(sec), env=_env(sec),
+    args = _args(sec)
+    env = _env(sec, sum(len(a.encode()) + 1 for a in args))
+    return JobSpec(entrypoint=entrypoint, args=args, env=env,
                    master_port=sec.integer("master_port", None, 1, 65535, example=29500),
                    max_restarts=sec.integer("max_restarts", 0, 0, example=0))
 
@@ -506,12 +549,12 @@ def _entrypoint(sec: Section) -> str:
     if value.endswith(".py"):
         pure = PurePosixPath(value)
         if value.startswith(("~", "-")) or pure.is_absolute() or ".." in pure.parts:
-            sec.src.fail(node, f"`job.entrypoint` {value!r} must be a path inside the synced code folder",
+            sec.src.fail(node, f"`job.entrypoint` {short(value)!r} must be a path inside the synced code folder",
                          "write it relative to the code folder, where code.paths keep their names "
                          "(e.g. `job/train.py`), without `..`")
         return str(pure)
     if not _MODULE_RE.fullmatch(value):
-        sec.src.fail(node, f"`job.entrypoint` {value!r} is neither a module name nor a .py script",
+        sec.src.fail(node, f"`job.entrypoint` {short(value)!r} is neither a module name nor a .py script",
                      "write a module like `worker.train` (run with -m) or a script path like `job/train.py`")
     return value
 
@@ -524,7 +567,8 @@ def _check_entrypoint_pushed(sec: Section, entrypoint: str, code: CodeSpec, base
     if entrypoint.endswith(".py"):
         first, *rest = PurePosixPath(entrypoint).parts
         where = "in code.paths"
-        found = first in pushed and pushed[first].joinpath(*rest).is_file()
+        found = first in pushed and _exists(sec.src, sec.node("entrypoint"),
+                                            pushed[first].joinpath(*rest), file=True)
     else:
         first, *rest = entrypoint.split(".")
         where = f"in the pushed {first!r}"
@@ -533,9 +577,11 @@ def _check_entrypoint_pushed(sec: Section, entrypoint: str, code: CodeSpec, base
         if first not in pushed:
             return  # an installed package: preflight finds it, or the job fails on import
         module = pushed[first].joinpath(*rest)
-        found = module.with_name(module.name + ".py").is_file() or module.is_dir()
+        node = sec.node("entrypoint")
+        found = _exists(sec.src, node, module.with_name(module.name + ".py"), file=True) or \
+            (_exists(sec.src, node, module) and module.is_dir())
     if not found:
-        sec.src.fail(sec.node("entrypoint"), f"`job.entrypoint` {entrypoint!r} is not {where}",
+        sec.src.fail(sec.node("entrypoint"), f"`job.entrypoint` {short(entrypoint)!r} is not {where}",
                      "paths are relative to the synced code folder, where each code.paths entry keeps "
                      f"its name (pushed: {', '.join(sorted(pushed))})")
 
@@ -551,17 +597,30 @@ def _args(sec: Section) -> Tuple[str, ...]:
         except ValueError as exc:
             sec.src.fail(node, f"`job.args` cannot be split like a shell line: {exc}",
                          "close the quotes, or write args as a list: [--epochs, 5]")
-    items = sec.src.sequence(node, "job.args")
-    return tuple(scalar_text(sec.src, item, f"job.args[{i}]", hint) for i, item in enumerate(items))
+    args: List[str] = []
+    used = 0
+    for i, item in enumerate(sec.src.sequence(node, "job.args")):
+        args.append(scalar_text(sec.src, item, f"job.args[{i}]", hint))
+        used += len(args[-1].encode()) + 1
+        _check_job_bytes(sec.src, sec.key_line("args"), used)  # an item may be an alias
+    return tuple(args)
 
 
-def _env(sec: Section) -> Tuple[Tuple[str, str], ...]:
+def _check_job_bytes(src: Source, where: Union[Node, int], used: int) -> None:
+    """args and env travel to every host and onto torchrun's command line or environment:
+    their total is capped (checked item by item, as aliases can repeat a long value)."""
+    if used > MAX_JOB_BYTES:
+        src.fail(where, f"`job.args` and `job.env` hold more than {MAX_JOB_BYTES} bytes in all (the limit)",
+                 "pass fewer or shorter values: put long contents in a file that the job reads")
+
+
+def _env(sec: Section, used: int) -> Tuple[Tuple[str, str], ...]:
     node = sec.node("env")
     src = sec.src
     pairs = []
     for key, (key_node, value_node) in src.mapping(node, "job.env").items() if node is not None else ():
         if not _ENV_KEY_RE.fullmatch(key):
-            src.fail(key_node, f"`job.env` key {key!r} is not a valid variable name",
+            src.fail(key_node, f"`job.env` key {short(key)!r} is not a valid variable name",
                      "use letters, digits and _, not starting with a digit")
         if key.startswith("ORCH_") or key in TORCHRUN_VARS:
             src.fail(key_node, f"`job.env` may not set {key}: orch or torchrun sets it for every rank",
@@ -569,6 +628,8 @@ def _env(sec: Section) -> Tuple[Tuple[str, str], ...]:
         value = scalar_text(src, value_node, f"job.env.{key}",
                             f'environment values are text: write `{key}: "..."`')
         pairs.append((key, value))
+        used += len(key) + len(value.encode()) + 2
+        _check_job_bytes(src, key_node, used)
     return tuple(sorted(pairs))
 
 
