@@ -100,7 +100,8 @@ def assert_host_failed(result: subprocess.CompletedProcess, elapsed: float, addr
 CASES = {
     "silent": (lambda key: fs.silent, "no SSH banner came within 2 s"),
     "answer-after-timeout": (lambda key: fs.late_banner(TIMEOUT + 1.5), "no SSH banner came"),
-    "reset-after-connect": (lambda key: fs.reset_at_once, "reset before sshd sent its SSH banner"),
+    # a reset can reach the client as a reset or, under load, as a plain close
+    "reset-after-connect": (lambda key: fs.reset_at_once, "before sshd sent its SSH banner"),
     "banner-then-stall": (lambda key: fs.banner_then_stall,
                           "the SSH key exchange did not finish within 2 s"),
     "auth-hangs": (fs.auth_stall, "authentication did not finish within 2 s"),
