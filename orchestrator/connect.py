@@ -11,6 +11,7 @@ from typing import Callable, Generic, TypeVar
 
 import paramiko
 
+from orchestrator import timeouts
 from orchestrator.errors import HostError, OrchError
 from orchestrator.inventory import Host
 from orchestrator.transport import (AcceptNewPolicy, HostKeyRefused, LocalTransport,
@@ -18,7 +19,6 @@ from orchestrator.transport import (AcceptNewPolicy, HostKeyRefused, LocalTransp
                                     known_hosts_name)
 
 T = TypeVar("T")
-KEEPALIVE_S = 5
 # aes128-gcm first: on a CPU-bound link it is 1.4-1.6x faster than the alternatives
 # (BENCH-ANCHORS); the others stay allowed for servers that lack it.
 CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "aes128-ctr",
@@ -89,7 +89,7 @@ def connect_ssh(host: Host, target: Target) -> SSHTransport:
         look_for_keys=not target.identity_files, allow_agent=True,
         timeout=target.timeout, banner_timeout=target.timeout, auth_timeout=target.timeout,
         sock=open_socket(target), transport_factory=_transport_factory)
-    client.get_transport().set_keepalive(KEEPALIVE_S)
+    client.get_transport().set_keepalive(int(timeouts.KEEPALIVE))
     return SSHTransport(host, client)
 
 
@@ -97,7 +97,7 @@ def explain(host: Host, target: Target, exc: BaseException) -> HostError:
     """Turn what paramiko and the socket layer raise into one message with the fix."""
     where = f"{host.label} ({target.user}@{target.hostname}:{target.port})"
     if isinstance(exc, HostKeyRefused):
-        return HostError(f"{where}: {exc}", hint=exc.hint)
+        return HostError(f"{where}: {exc.message}", hint=exc.hint)
     if isinstance(exc, paramiko.BadHostKeyException):
         return HostError(
             f"{where}: HOST KEY CHANGED: it now offers {fingerprint(exc.key)}, "
