@@ -111,6 +111,7 @@ class LocalChannel(Channel):
 
     def write(self, data: bytes | memoryview) -> None:
         self.proc.stdin.write(data)
+        self.proc.stdin.flush()   # a request must reach the agent now, not at close
 
     def close_stdin(self) -> None:
         try:
