@@ -23,6 +23,7 @@ from orchestrator.link import Link
 from orchestrator.preflight import PreflightReport, preflight
 from orchestrator.stopper import StopReport, stop_all
 from orchestrator.sync import LocalFile, SyncReport, push
+from orchestrator.transport import Transport
 
 
 @dataclass
@@ -45,8 +46,11 @@ class HostFiles:
 
 
 class Session:
-    def __init__(self, cluster: Cluster, state: job_state.JobState | None = None) -> None:
-        self.cluster = cluster
+    def __init__(self, cluster: Cluster, state: job_state.JobState | None = None,
+                 connector: Callable[[Host], Transport] | None = None) -> None:
+        """`connector` opens one host's transport (default: SSH or local, per the
+        inventory); unit tests pass an in-process fake."""
+        self.cluster, self.connector = cluster, connector
         dirs = job_state.job_dirs(cluster, state)
         self.records = {h.index: HostRecord(h, dirs[h.index]) for h in cluster.hosts}
 
@@ -73,7 +77,8 @@ class Session:
         return self
 
     def _open(self, host: Host, config: paramiko.SSHConfig) -> Link:
-        transport = connect(host, config, self.cluster.base_dir)
+        transport = (self.connector(host) if self.connector
+                     else connect(host, config, self.cluster.base_dir))
         link = Link(transport, self.records[host.index].job_dir)
         try:
             link.start()

@@ -18,5 +18,5 @@ FAILFAST_GRACE = 3.0        # SIGTERM -> SIGKILL when a rank failed
 INTERRUPT_GRACE = 10.0      # SIGTERM -> SIGKILL after Ctrl-C
 STOP_GRACE = 10.0           # `orch stop`'s default --grace
 DRAIN = 5.0                 # after a stop: how long the last lines and exit codes may take
-CLOSE = 5.0                 # waiting for an agent to end after its stdin was closed
+CLOSE = 1.0             # waiting for an agent to end after its stdin was closed
 OPEN_SESSION = 30.0          # opening one SSH session (exec channel)
