@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 import threading
-import traceback
 
 from orchestrator import protocol
 from orchestrator.host import files, follow, launch, preflight, procs, status
@@ -63,7 +62,10 @@ def serve(req: Request) -> None:
     except Exception as e:  # every failure becomes an error reply naming its command
         category = e.category if isinstance(e, AgentError) else protocol.HOST
         text = str(e) if isinstance(e, AgentError) else "%s: %s" % (type(e).__name__, e)
-        tb = traceback.format_exc() if req.debug else ""
+        tb = ""
+        if req.debug:
+            import traceback   # its imports (tokenize...) cost 20 ms at every start
+            tb = traceback.format_exc()
         try:
             req.out.send(protocol.error(req.id, category, text, tb))
         except BrokenPipeError:
