@@ -30,8 +30,8 @@ MAX_JSON = 8 << 20                   # one JSON frame
 MAX_DATA = 1 << 20                   # one file-data frame
 MAX_OUTPUT = 64 << 10                # the bytes of one output frame
 MAX_GARBAGE = 64 << 10               # what may come before the agent's hello
-MAX_PARTS = 10_000                   # parts before one reply (manifests: 20k entries each)
-MANIFEST_PART = 20_000               # manifest entries per part
+MANIFEST_PART = 20_000               # manifest entries per part, at most
+MAX_PARTS = 100                      # parts before one reply: 2 million files per folder
 CAPS = {JSON: MAX_JSON, DATA: MAX_DATA, OUTPUT: MAX_OUTPUT + RANK.size}
 
 # Error categories of an error reply, and the exit code the controller gives them.
@@ -171,6 +171,8 @@ OPT_STR = (str, type(None))
 def manifest_files(value) -> str:
     if not isinstance(value, dict):
         return "must be an object"
+    if len(value) > MANIFEST_PART:
+        return "has %d entries, more than %d" % (len(value), MANIFEST_PART)
     for rel, entry in value.items():
         if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
                 and isinstance(entry[1], str)):
@@ -199,7 +201,7 @@ REPLIES = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
                   "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool},
-    "manifest": {"root": str, "files": manifest_files},
+    "manifest": {"root": str},                            # the files come as parts
     "receive": {"files": int, "bytes": int, "deleted": int},
     "launch": {"supervisor": SUPERVISOR},
     "follow": {},

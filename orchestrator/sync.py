@@ -172,7 +172,9 @@ def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | Non
     """Make `dest` on the host hold exactly `local` (by content); send only differences.
     `remote` is the host's manifest of dest when the caller has it already."""
     if remote is None:
-        remote = link.request("manifest", timeouts.SYNC, root=dest)["files"]
+        _, asked = link.submit("manifest", root=dest)
+        link.wait(asked, timeouts.SYNC)
+        remote = {rel: entry for part in asked.parts for rel, entry in part["files"].items()}
     send, delete = plan(local, remote)
     if not send and not delete:
         return SyncReport(0, 0, 0, ())

@@ -97,8 +97,12 @@ def test_schemas_name_the_field_and_refuse_wrong_types() -> None:
                        ({**ok, "found": True}, "found")):
         with pytest.raises(protocol.ProtocolError, match=f"'{field}'"):
             protocol.check(bad, stop, "the reply to `stop`")
+    manifest = protocol.PARTS["manifest"]
     with pytest.raises(protocol.ProtocolError, match="entry 'a' must be"):
-        protocol.check({"root": "/", "files": {"a": [1]}}, protocol.REPLIES["manifest"], "m")
+        protocol.check({"folder": "data", "files": {"a": [1]}}, manifest, "m")
+    too_many = {str(i): [0, ""] for i in range(protocol.MANIFEST_PART + 1)}
+    with pytest.raises(protocol.ProtocolError, match="more than"):
+        protocol.check({"folder": "data", "files": too_many}, manifest, "m")
 
 
 def test_bundle_is_deterministic_and_holds_the_host_package() -> None:
@@ -316,3 +320,19 @@ def test_agent_argv_holds_no_secret_and_the_bundle_is_the_version(tmp_path: Path
     assert r.skip_to_magic() == 0
     assert r.read_json("hello")["version"] == bundle()[1]
     assert json.loads(json.dumps(argv)) == argv
+
+
+def test_parts_beyond_the_cap_are_refused(tmp_path: Path) -> None:
+    """A host that sends manifest parts without end: refused after MAX_PARTS, by name."""
+    from fake_agent import FakeTransport
+
+    def manifest(chan, msg: dict) -> None:
+        for i in range(protocol.MAX_PARTS + 1):
+            chan.push(protocol.part(msg["id"], "manifest", {"folder": "", "files": {str(i): [1, "x"]}}))
+        chan.push(protocol.reply(msg["id"], {"root": "/"}))
+    link = Link(FakeTransport(local_host(tmp_path), {"manifest": manifest}))
+    link.start(timeout=10)
+    with pytest.raises(HostError) as err:
+        link.request("manifest", 10, root="/data")
+    assert str(err.value).startswith("localhost:") and "`manifest`" in str(err.value)
+    link.close(0)

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-from orchestrator import protocol
 from orchestrator.host import files
 from orchestrator.host.common import job_paths
 from orchestrator.host.procs import supervisor_alive
@@ -77,15 +76,6 @@ def dir_writable(path: str):
         return "%s: %s" % (path, e.strerror or e)
 
 
-def send_manifest(req, folder: str, root: str) -> None:
-    """A folder's manifest as parts of MANIFEST_PART entries: a big data/ never makes
-    one frame larger than the controller accepts."""
-    items = list(files.manifest(root)["files"].items())
-    step = protocol.MANIFEST_PART
-    for i in range(0, max(len(items), 1), step):
-        req.part("manifest", {"folder": folder, "files": dict(items[i:i + step])})
-
-
 def run(req) -> dict:
     """Everything preflight checks, plus the manifests of the job's folders named in
     `folders` (code, data), which saves the push a round trip per host."""
@@ -103,7 +93,7 @@ def run(req) -> dict:
     for folder in a["folders"]:
         if folder not in ("code", "data"):
             raise ValueError("unknown folder %r" % folder)
-        send_manifest(req, folder, p[folder])
+        files.send_manifest(req, folder, p[folder])
     if a["want_port"]:
         port = a["master_port"] or free_port()
         report["port"], report["port_free"] = port, port_free(port)
