@@ -1,5 +1,5 @@
-"""The agent as the controller sends it: one zip of orchestrator/host/*.py and
-orchestrator/protocol.py, built deterministically; its sha256 is the agent's version.
+"""The agent as the controller sends it: one zip of orchestrator/host/*.py,
+orchestrator/protocol.py and orchestrator/timeouts.py, built deterministically; its sha256 is the agent's version.
 
 On the host, BOOT (on the command line) runs the loader (host/boot.py, the first bytes
 on stdin), which reads the zip (the next bytes) and imports it from memory. What stdin
@@ -25,7 +25,8 @@ def bundle_files() -> list[tuple[str, bytes]]:
     """(name in the zip, content), sorted; the package's __init__ is an empty stand-in
     (the real one belongs to the controller)."""
     files = [("orchestrator/__init__.py", b""),
-             ("orchestrator/protocol.py", (PACKAGE / "protocol.py").read_bytes())]
+             ("orchestrator/protocol.py", (PACKAGE / "protocol.py").read_bytes()),
+             ("orchestrator/timeouts.py", (PACKAGE / "timeouts.py").read_bytes())]
     for path in sorted((PACKAGE / "host").glob("*.py")):
         files.append((f"orchestrator/host/{path.name}", path.read_bytes()))
     return sorted(files)

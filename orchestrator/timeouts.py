@@ -1,7 +1,6 @@
-"""Every timeout and grace period of the controller, in one place (seconds).
+"""Every timeout and grace period of orch, controller and agent, in one place (seconds).
 
-The host side has its own few (heartbeat, stop's verification), next to the code that
-uses them in orchestrator/host/, since the agent carries only that package.
+The agent's bundle carries this module too (stdlib only, Python 3.8).
 """
 from __future__ import annotations
 
@@ -20,3 +19,8 @@ STOP_GRACE = 10.0           # `orch stop`'s default --grace
 DRAIN = 5.0                 # after a stop: how long the last lines and exit codes may take
 CLOSE = 1.0             # waiting for an agent to end after its stdin was closed
 OPEN_SESSION = 30.0          # opening one SSH session (exec channel)
+
+# on the host (the agent)
+HEARTBEAT = 1.0             # a follow sends a heartbeat this often; HOST_LOST relies on it
+STOP_VERIFY = 5.0           # after SIGKILL: how long a stop waits for the kernel to reap
+NVIDIA_SMI = 20.0           # preflight's `nvidia-smi -L`

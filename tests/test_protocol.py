@@ -120,7 +120,7 @@ def test_host_code_parses_as_python_38() -> None:
     """The hosts need only Python 3.8: no newer syntax in what the bundle carries."""
     import ast
     root = Path(__file__).parent.parent / "orchestrator"
-    for path in [root / "protocol.py", *sorted((root / "host").glob("*.py"))]:
+    for path in [root / "protocol.py", root / "timeouts.py", *sorted((root / "host").glob("*.py"))]:
         tree = ast.parse(path.read_text(), str(path), feature_version=(3, 8))
         future = any(isinstance(n, ast.ImportFrom) and n.module == "__future__"
                      for n in tree.body)

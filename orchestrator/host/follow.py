@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 import time
 
-from orchestrator import protocol
+from orchestrator import protocol, timeouts
 from orchestrator.host.common import AgentError, job_paths, read_json
 from orchestrator.host.procs import supervisor_alive
 
-HEARTBEAT_S = 1.0
 READ = 1 << 20          # bytes read from a log per pass
 CHUNK = protocol.MAX_OUTPUT
 
@@ -159,7 +158,7 @@ def run(req) -> None:
         idle = 0 if busy else idle + 1
         if mode in ("raw", "snapshot") or send_exits(send, p, logs, reported, mode == "events"):
             return finish(send, p, logs, mode)
-        if mode == "events" and time.time() - beat >= HEARTBEAT_S:
+        if mode == "events" and time.time() - beat >= timeouts.HEARTBEAT:
             send(protocol.event("beat"))
             beat = time.time()
         if not busy:

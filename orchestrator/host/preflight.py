@@ -8,17 +8,16 @@ import subprocess
 import sys
 import time
 
+from orchestrator import timeouts
 from orchestrator.host import files
 from orchestrator.host.common import job_paths
 from orchestrator.host.procs import supervisor_alive
-
-NVIDIA_SMI_S = 20
 
 
 def gpu_count() -> int:
     try:
         r = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, timeout=NVIDIA_SMI_S)
+                           stderr=subprocess.DEVNULL, timeout=timeouts.NVIDIA_SMI)
         return sum(1 for l in r.stdout.decode().splitlines() if l.startswith("GPU "))
     except (OSError, subprocess.SubprocessError):
         return 0

@@ -6,9 +6,9 @@ import os
 import signal
 import time
 
+from orchestrator import timeouts
 from orchestrator.host.common import job_paths, read_json
 
-VERIFY_S = 5.0   # after SIGKILL: how long to wait for the kernel to reap
 
 
 def proc_start_time(pid: int):
@@ -89,7 +89,7 @@ def stop(job_dir: str, grace: float) -> dict:
     left = wait_gone(p["job"], sup, time.time() + grace)
     killed = list(left)
     signal_all(left, signal.SIGKILL)
-    left = wait_gone(p["job"], sup, time.time() + VERIFY_S)
+    left = wait_gone(p["job"], sup, time.time() + timeouts.STOP_VERIFY)
     return {"found": len(found), "killed": len(killed), "left": left,
             "seconds": round(time.time() - t0, 3)}
 
