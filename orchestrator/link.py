@@ -184,7 +184,7 @@ class Link:
         text = f"{self.name}: {p.command} failed: {msg['message']}"
         if os.environ.get("ORCH_DEBUG") == "1" and msg.get("traceback"):
             text += "\n  host traceback:\n    " + msg["traceback"].strip().replace("\n", "\n    ")
-        p.error = for_category(msg["category"])(text)
+        p.error = for_category(msg["category"])(text, hint=msg.get("fix", ""))
         if p.command == "follow" and self.sink is not None:
             self.follow_id = None
             self.sink.host_lost(self.host.index, f"follow failed: {msg['message']}")

@@ -216,7 +216,7 @@ EVENTS = {
     "done": {"code": OPT_INT, "?time": OPT_NUM, "?lost": bool, "?snapshot": bool},
     "beat": {},                                           # once a second while following
 }
-ERROR = {"category": str, "message": str, "?traceback": str}
+ERROR = {"category": str, "message": str, "?traceback": str, "?fix": str}
 # The receive stream, after the receive request.
 STREAM = {"file": {"p": str, "s": int, "h": str, "m": int},
           "link": {"p": str, "link": str},
@@ -276,8 +276,10 @@ def part(id: int, kind: str, body: dict) -> bytes:
     return message("part", id=id, kind=kind, body=body)
 
 
-def error(id, category: str, text: str, traceback: str = "") -> bytes:
+def error(id, category: str, text: str, traceback: str = "", fix: str = "") -> bytes:
     fields = {"category": category, "message": text}
+    if fix:
+        fields["fix"] = fix[:800]
     if traceback:
         fields["traceback"] = traceback[-8000:]
     return message("error", id=id, **fields)

@@ -308,7 +308,8 @@ def test_error_replies_carry_a_category_and_a_traceback_only_for_debug(tmp_path:
         assert usage.value.exit_code == 2 and host.value.exit_code == 3
         text = str(usage.value)
         assert text.startswith("localhost: follow failed:") and "bogus" in text
-        assert str(host.value).startswith("localhost: receive failed: NotADirectoryError")
+        assert str(host.value).startswith("localhost: receive failed: ")
+        assert "is not a folder" in str(host.value) and "fix: " in str(host.value)
         assert ("Traceback" in str(host.value)) == (debug == "1"), str(host.value)
 
 

@@ -4,7 +4,7 @@ End to end over real SSH (the fake sshd cluster): each host gets exactly its ran
 shards as real files, byte for byte; a second push sends nothing; a push killed half way
 resumes with only what is missing; a file corrupted on the host is sent again; a split
 for the wrong world size and unsafe manifests are refused before anything lands. The
-agent's own guards (safe_join, a crafted receive stream) are tested without SSH.
+agent's own guards (crafted receive streams) are tested without SSH.
 
 Jobs are plain Python (no torch import): each rank hashes its own shard through
 $ORCH_DATA_DIR and prints the result, which proves where ORCH_DATA_DIR points.
@@ -30,7 +30,6 @@ import pytest
 from conftest import kill_all, wait_until
 
 from orchestrator import bundle, protocol, splitdata
-from orchestrator.host import files as host_files
 from sshd_cluster import FakeHost, SshdCluster, pid_alive, pids_with_env
 
 pytestmark = pytest.mark.ssh
@@ -270,8 +269,8 @@ def test_second_up_sends_no_data(pushed: Pushed) -> None:
 
 
 def test_file_changed_on_host_is_sent_again(pushed: Pushed) -> None:
-    """Same size, new bytes, new mtime: the host's digest cache must not hide it; a file
-    that does not belong there is deleted, and so is a stale half-written one."""
+    """Same size, new bytes, new mtime: the host's digest cache must not hide it. A file
+    orch did not push (the job's, a setup step's) stays where it is."""
     host = pushed.hosts[1]
     victim_rel = sorted(pushed.data.expected[2])[0]
     victim = job_dir(host, pushed.name) / "data" / "worker_2_of_4" / victim_rel
@@ -279,20 +278,19 @@ def test_file_changed_on_host_is_sent_again(pushed: Pushed) -> None:
     victim.write_bytes(b"\0" * size)
     later = time.time() + 5
     os.utime(victim, (later, later))
-    stray = job_dir(host, pushed.name) / "data" / "worker_1_of_4" / "stray.bin"
+    stray = job_dir(host, pushed.name) / "data" / "notes-from-setup.txt"
     stray.write_bytes(b"not part of the split")
-    # what a receiver killed by SIGKILL (or a host crash) leaves beside a shard file
-    stale = victim.with_name(victim.name + ".orch-part-999999")
-    stale.write_bytes(b"half")
 
     again = orch(pushed.data.base, "up", str(pushed.inventory))
     assert again.returncode == 0, again.stderr
     report = last_sync(pushed.data.base, pushed.name)
     assert report[host.address]["data"]["sent"] == [f"worker_2_of_4/{victim_rel}"]
-    assert report[host.address]["data"]["deleted"] == 1
+    assert report[host.address]["data"]["deleted"] == 0
     for other in (pushed.hosts[0], pushed.hosts[2]):
         assert report[other.address]["data"]["files"] == 0
     assert sha(victim) == pushed.data.expected[2][victim_rel]
+    assert stray.read_bytes() == b"not part of the split"
+    stray.unlink()
     check_hosts(pushed.data, pushed.hosts, PROCS, pushed.name)
     check_job_output(again.stdout, pushed.data, pushed.hosts, pushed.name)
     assert_no_job_left(pushed.hosts, pushed.name)
@@ -454,18 +452,17 @@ def test_shard_link_leaving_the_source_is_refused(sshd_cluster: SshdCluster,
 
 # ---------------------------------------------------------------- the agent's own guards
 
-def test_safe_join_rejects_paths_leaving_the_root(tmp_path: Path) -> None:
-    root = tmp_path / "data"
+def test_receive_refuses_a_stream_through_a_link(tmp_path: Path) -> None:
+    """A shard folder on the host that is a link (planted, or left by hand) is refused:
+    nothing lands where it points."""
+    root = tmp_path / "job" / "data"
     (root / "w0").mkdir(parents=True)
     (tmp_path / "elsewhere").mkdir()
     (root / "w0" / "escape").symlink_to(tmp_path / "elsewhere")
-    checked: set = set()
-    assert host_files.safe_join(str(root), "w0/a/b.bin", checked) == str(root / "w0/a/b.bin")
-    for rel in ("../evil", "w0/../../evil", "w0/./x", "/etc/passwd", "//x", "w0//x", "",
-                "w0\\..\\x", "w0/escape/x.bin", "w0/escape/deeper/x.bin"):
-        with pytest.raises(ValueError):
-            host_files.safe_join(str(root), rel, set())
-    assert not (tmp_path / "elsewhere" / "deeper").exists()
+    for rel in ("w0/escape/x.bin", "w0/escape/deeper/x.bin"):
+        res = receive(root, frame(rel, b"x") + end())
+        assert res.returncode != 0 and b"is a symbolic link" in res.stdout, res.stdout + res.stderr
+    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 def test_receive_into_a_root_reached_through_a_link(tmp_path: Path) -> None:
@@ -473,9 +470,10 @@ def test_receive_into_a_root_reached_through_a_link(tmp_path: Path) -> None:
     real = tmp_path / "real"
     real.mkdir()
     (tmp_path / "home").symlink_to(real)
-    res = receive(tmp_path / "home" / "data", frame("worker_0_of_1/x.bin", b"x" * 10) + end())
+    res = receive(tmp_path / "home" / "job" / "data",
+                  frame("worker_0_of_1/x.bin", b"x" * 10) + end())
     assert res.returncode == 0, res.stdout + res.stderr
-    assert (real / "data" / "worker_0_of_1" / "x.bin").read_bytes() == b"x" * 10
+    assert (real / "job" / "data" / "worker_0_of_1" / "x.bin").read_bytes() == b"x" * 10
 
 
 def frame(rel: str, payload: bytes, digest: Optional[str] = None) -> bytes:
@@ -508,7 +506,8 @@ def test_receive_refuses_a_stream_that_escapes(tmp_path: Path) -> None:
     victim.parent.mkdir()
     victim.write_text("keep me")
     absolute = tmp_path / "abs-evil"
-    for stream in (frame("../evil", b"x"), frame(str(absolute), b"x"),
+    for stream in (frame("../evil", b"x"), frame(str(absolute), b"x"), frame("w0//x", b"x"),
+                   frame("w0/./x", b"x"), frame("w0\\..\\x", b"x"), frame("", b"x"),
                    frame("w0/../../evil", b"x"), frame("w0/ok.bin", b"ok") + end(["../victim"])):
         res = receive(root, stream + end())
         assert res.returncode != 0 and b"unsafe" in res.stdout, res.stdout + res.stderr

@@ -116,6 +116,9 @@ def test_tail_offset_counts_lines_from_the_end(tmp_path) -> None:
     for content, want in ((b"a\nb\nc\n", [b"", b"c\n", b"b\nc\n", b"a\nb\nc\n", b"a\nb\nc\n"]),
                           (b"a\nb", [b"", b"b", b"a\nb", b"a\nb", b"a\nb"])):
         f.write_bytes(content)
-        assert [content[tail_offset(str(f), n):] for n in range(5)] == want
+        with open(f, "rb") as log:
+            assert [content[tail_offset(log, n):] for n in range(5)] == want
     f.write_bytes(b"".join(b"%d\n" % i for i in range(200_000)))
-    assert f.read_bytes()[tail_offset(str(f), 3):] == b"199997\n199998\n199999\n"
+    with open(f, "rb") as log:
+        assert f.read_bytes()[tail_offset(log, 3):] == b"199997\n199998\n199999\n"
+    assert tail_offset(None, 3) == 0

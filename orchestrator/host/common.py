@@ -1,10 +1,14 @@
-"""Small helpers every host module uses: the job's folders, JSON files, atomic writes."""
+"""Small helpers every host module uses: the job's folder (through its JobDir: no link
+followed inside it, host/paths.py), its JSON state files, atomic writes, AgentError."""
 from __future__ import annotations
 
 import json
 import os
 
 from orchestrator import protocol
+from orchestrator.host.paths import JobDir
+
+STATE_CAP = 1 << 20   # supervisor.json, host.exit, rank-<r>.exit/.pid: tiny when orch wrote them
 
 
 class AgentError(Exception):
@@ -17,22 +21,27 @@ class AgentError(Exception):
 
 
 def job_paths(job_dir: str) -> dict:
-    job = os.path.abspath(os.path.expanduser(job_dir))
+    """The job folder (remote_dir resolved once: it may be a link) and its JobDir ("jd"),
+    through which every read, write and delete inside it goes."""
+    jd = JobDir(job_dir)
     names = ("code", "data", "logs", "run", "output")
-    return dict({"job": job}, **{n: os.path.join(job, n) for n in names})
+    return dict({"job": jd.path, "jd": jd}, **{n: os.path.join(jd.path, n) for n in names})
 
 
-def read_json(path: str):
+def folder_of(root: str) -> tuple:
+    """(JobDir, folder name) of a pushed folder given as <job dir>/<folder>."""
+    root = os.path.abspath(os.path.expanduser(root)).rstrip("/")
+    return JobDir(os.path.dirname(root)), os.path.basename(root)
+
+
+def read_json(jd, rel: str):
+    """A JSON state file of the job, None when missing, unreadable, a link or too big."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        data = jd.read(rel, STATE_CAP)
+        return json.loads(data.decode()) if data is not None else None
     except (OSError, ValueError):
         return None
 
 
-def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def write_atomic(jd, rel: str, data: bytes, mode: int = 0o600) -> None:
+    jd.write_file(rel, data, mode)

@@ -1,138 +1,74 @@
-"""Files on the host: manifests (what a folder holds, digests cached) and the receive
-stream (write beside, verify, rename; new top folders staged and renamed whole)."""
+"""Files on the host: manifests (what orch pushed and is still there, host/ledger.py) and
+the receive stream (write beside, verify, rename; new top folders staged and renamed
+whole). Every path goes through the job's JobDir (host/paths.py): no link followed."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import shutil
+import stat
 
 from orchestrator import protocol
-from orchestrator.host.common import read_json, write_atomic
+from orchestrator.host.common import folder_of
+from orchestrator.host.ledger import Ledger
+from orchestrator.host.paths import PART, Dirs, create_excl, lstat_at, not_a, split_parent
 
 UMASK = os.umask(0)
 os.umask(UMASK)
 STAGING = ".orch-staging-"
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def is_leftover(name: str) -> bool:
+    """Names only orch gives: a killed receiver's staging folder or half-written file."""
+    return name.startswith(STAGING) or PART in name
 
 
-def cache_path(root: str) -> str:
-    """<job>/run/<folder>-digests.json: beside, not inside, the folder it describes
-    (data/ holds the shards and nothing else)."""
-    root = root.rstrip("/")
-    return os.path.join(os.path.dirname(root), "run", os.path.basename(root) + "-digests.json")
+def manifest(jd, folder: str) -> dict:
+    """{relpath: [size, sha256 or "link:<target>"]} of what orch pushed into the folder
+    and is still there (host/ledger.py); digests kept by (size, mtime, inode).
 
-
-def load_cache(root: str) -> dict:
-    cache = read_json(cache_path(root))
-    return cache if isinstance(cache, dict) else {}
-
-
-def save_cache(root: str, cache: dict) -> None:
-    path = cache_path(root)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_atomic(path, json.dumps(cache).encode(), 0o644)
-    except OSError:
-        pass
-
-
-def walk_files(root: str):
-    stack = [""]
-    while stack:
-        rel = stack.pop()
-        try:
-            entries = list(os.scandir(os.path.join(root, rel)))
-        except OSError:
-            continue
-        for e in entries:
-            r = rel + "/" + e.name if rel else e.name
-            if e.is_dir(follow_symlinks=False) and e.name.startswith(STAGING):
-                # a killed receiver's staging folder: never promoted
-                shutil.rmtree(e.path, ignore_errors=True)
-            elif e.is_dir(follow_symlinks=False):
-                stack.append(r)
-            elif ".orch-part-" in e.name:
-                # left by a receiver that was killed (SIGKILL, host crash); manifests are
-                # made before a push, when no receiver writes here
-                os.unlink(e.path)
-            elif e.is_file(follow_symlinks=False):
-                yield r, e.stat(follow_symlinks=False)
-
-
-def manifest(root: str) -> dict:
-    """{relpath: [size, sha256]} of a folder; digests cached by (size, mtime, inode).
-
-    A file changed by hand gets a new mtime and is hashed again; the cache makes a
-    second `orch up` with nothing to send cost a stat per file, not a read.
+    Files the job wrote there are not listed, so the controller never deletes them. A
+    receiver that did not finish (its journal is there), or a host upgraded from the old
+    digest cache, gets its staging folders and .orch-part- files removed first;
+    manifests are made before a push, when no receiver writes here.
     """
-    root = os.path.realpath(os.path.expanduser(root))   # the same cache as receive's
-    cache, fresh, files = load_cache(root), {}, {}
-    for rel, st in walk_files(root):
-        key = "%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino)
-        digest = cache.get(rel)
-        if isinstance(digest, list) and len(digest) == 2 and digest[0] == key:
-            digest = digest[1]
-        else:
-            digest = sha256_file(os.path.join(root, rel))
-        fresh[rel] = [key, digest]
-        files[rel] = [st.st_size, digest]
-    if os.path.isdir(root):
-        save_cache(root, fresh)
-    return {"root": root, "files": files}
+    if jd.lstat(folder) is None:
+        return {"root": jd.show(folder), "files": {}}
+    ledger = Ledger(jd, folder)
+    if ledger.interrupted or not ledger.found:
+        jd.sweep(folder, is_leftover)
+    if not ledger.found:   # the cache of orch before the ledger: every file, the job's too
+        jd.unlink("run/%s-digests.json" % folder)
+    files = ledger.manifest()
+    ledger.save()
+    return {"root": jd.show(folder), "files": files}
 
 
-def send_manifest(req, folder: str, root: str) -> str:
+def send_manifest(req, part_folder: str, jd, folder: str) -> str:
     """A folder's manifest as parts of at most MANIFEST_PART entries (a big data/ never
-    makes one frame larger than the controller accepts); the resolved root."""
-    found = manifest(root)
+    makes one frame larger than the controller accepts); the folder as the host shows it."""
+    found = manifest(jd, folder)
     items, step = list(found["files"].items()), protocol.MANIFEST_PART
     for i in range(0, max(len(items), 1), step):
-        req.part("manifest", {"folder": folder, "files": dict(items[i:i + step])})
+        req.part("manifest", {"folder": part_folder, "files": dict(items[i:i + step])})
     return found["root"]
 
 
 def run_manifest(req) -> dict:
-    return {"root": send_manifest(req, "", req.args["root"])}
+    jd, folder = folder_of(req.args["root"])
+    return {"root": send_manifest(req, "", jd, folder)}
 
 
-def safe_join(root: str, rel: str, checked: set) -> str:
-    """Refuse any path that would land outside root (absolute, .., links). `checked`
-    holds the parent folders (relative) already verified, so a stream of many files in
-    few folders checks and resolves each folder once."""
-    if not rel or rel[0] == "/" or "\\" in rel or "\0" in rel:
-        raise ValueError("unsafe path %r" % rel)
-    parent_rel, _, name = rel.rpartition("/")
-    if name in ("", ".", ".."):
-        raise ValueError("unsafe path %r" % rel)
-    if parent_rel not in checked:
-        if parent_rel and any(p in ("", ".", "..") for p in parent_rel.split("/")):
-            raise ValueError("unsafe path %r" % rel)
-        parent = root + "/" + parent_rel if parent_rel else root
-        # resolve before creating: makedirs through a planted link would escape
-        real_parent = os.path.realpath(parent)
-        if real_parent != root and not real_parent.startswith(root + os.sep):
-            raise ValueError("path %r leaves %s" % (rel, root))
-        os.makedirs(parent, exist_ok=True)
-        checked.add(parent_rel)
-    return root + "/" + rel
-
-
-def receive_file(reader, root: str, head: dict, cache: dict, checked: set,
-                 staged: bool = False) -> None:
-    """Write beside (.orch-part-), hash while writing, verify, then rename into place.
-    A staged file (inside a staging folder no one reads) is written under its name."""
-    path = safe_join(root, head["p"], checked)
-    tmp = path if staged else "%s.orch-part-%d" % (path, os.getpid())
-    h, mode = hashlib.sha256(), head["m"] & 0o7777
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+def receive_file(reader, dirs, base: str, head: dict, staged: bool = False) -> tuple:
+    """Write beside (.orch-part-, O_EXCL, no link followed), hash while writing, verify,
+    then rename into place in the same folder descriptor. A staged file (inside a
+    staging folder no one reads) is written under its name. Returns (stat, digest)."""
+    parent, name = split_parent(base + "/" + head["p"])
+    pfd = dirs.fd(parent)
+    tmp = name if staged else "%s%s%d" % (name, PART, os.getpid())
+    h, mode = hashlib.sha256(), head["m"] & 0o777
+    if head["s"] < 0:
+        raise ValueError("bad size %r for %s" % (head["s"], head["p"]))
+    fd = create_excl(pfd, tmp, mode)
     try:
         receive_bytes(reader, fd, h, head["s"], head["p"])
         if mode & UMASK:
@@ -140,15 +76,36 @@ def receive_file(reader, root: str, head: dict, cache: dict, checked: set,
         st = os.fstat(fd)
     except BaseException:
         os.close(fd)
-        os.unlink(tmp)   # a broken stream never leaves a half-written file behind
+        os.unlink(tmp, dir_fd=pfd)   # a broken stream never leaves a half-written file behind
         raise
     os.close(fd)
     if h.hexdigest() != head["h"]:
-        os.unlink(tmp)
+        os.unlink(tmp, dir_fd=pfd)
         raise ValueError("digest mismatch for %s" % head["p"])
     if not staged:
-        os.replace(tmp, path)
-    cache[head["p"]] = ["%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino), h.hexdigest()]
+        place(dirs.jd, pfd, tmp, name, base + "/" + head["p"])
+    return st, h.hexdigest()
+
+
+def place(jd, pfd: int, tmp: str, name: str, rel: str) -> None:
+    """Rename tmp over name (a file or link there is replaced, never followed); a folder
+    there (the job's) is refused with a fix."""
+    try:
+        os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+    except OSError:
+        os.unlink(tmp, dir_fd=pfd)
+        st = lstat_at(pfd, name)
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise not_a("file", jd.show(rel)) from None
+        raise
+
+
+def receive_link(dirs, base: str, head: dict) -> tuple:
+    """{"p": rel, "link": target}: rel becomes a link to target (inside the folder only,
+    checked by JobDir.symlink). Returns (stat of the link, "link:<target>")."""
+    target = head["link"]
+    st = dirs.jd.symlink(base + "/" + head["p"], target)
+    return st, "link:" + target
 
 
 def receive_bytes(reader, fd: int, h, left: int, name: str) -> None:
@@ -167,10 +124,15 @@ def receive_bytes(reader, fd: int, h, left: int, name: str) -> None:
         left -= len(data)
 
 
-def prune_empty_dirs(root: str) -> None:
-    for d, subdirs, files in os.walk(root, topdown=False):
-        if d != root and not os.listdir(d):
-            os.rmdir(d)
+def prune_empty_dirs(jd, base: str, removed: list) -> None:
+    """Remove the folders that deleting `removed` left empty (never base itself, never a
+    folder that still holds anything, such as the job's own files)."""
+    parents = set()
+    for rel in removed:
+        parts = rel.split("/")[:-1]
+        parents.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for d in sorted(parents, key=lambda r: -r.count("/")):
+        jd.rmdir(base + "/" + d)
 
 
 class Staging:
@@ -179,31 +141,36 @@ class Staging:
     whole at the end: one rename per folder instead of one per file. Folders the host
     has are updated file by file (write beside, rename)."""
 
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.dir = "%s/%s%d" % (root, STAGING, os.getpid())
+    def __init__(self, dirs, base: str) -> None:
+        self.dirs, self.jd, self.base = dirs, dirs.jd, base
+        self.dir = "%s/%s%d" % (base, STAGING, os.getpid())
         self.tops: dict = {}
-        self.checked: set = set()
+        self.landed: list = []   # (rel, stat, digest) of staged files: recorded once in place
 
     def wants(self, rel: str) -> bool:
         top = rel.split("/", 1)[0]
         if top not in self.tops:
-            self.tops[top] = "/" in rel and not os.path.lexists(self.root + "/" + top)
+            self.tops[top] = "/" in rel and self.jd.lstat(self.base + "/" + top) is None
             if self.tops[top]:
-                os.makedirs(self.dir, exist_ok=True)
+                self.dirs.fd(self.dir)
         return self.tops[top]
 
-    def promote(self) -> None:
+    def promote(self, ledger) -> None:
         """Every staged file was verified when written: move the folders into place
         (also after a broken stream, so that a resumed push sends only the rest)."""
+        moved = set()
         for top, staged in self.tops.items():
-            if staged and os.path.lexists(self.dir + "/" + top):
-                os.rename(self.dir + "/" + top, self.root + "/" + top)
-        if os.path.isdir(self.dir):
-            shutil.rmtree(self.dir, ignore_errors=True)
+            if staged and self.jd.lstat(self.dir + "/" + top) is not None:
+                self.jd.replace(self.dir + "/" + top, self.base + "/" + top)
+                moved.add(top)
+        ledger.record_many([(rel, st, digest) for rel, st, digest in self.landed
+                            if rel.split("/", 1)[0] in moved])
+        if any(self.tops.values()):
+            self.dirs.close()
+            self.jd.rmtree(self.dir)
 
 
-def receive_stream(reader, root: str, cache: dict, checked: set, staging: Staging) -> tuple:
+def receive_stream(reader, dirs, base: str, ledger, staging: Staging) -> tuple:
     count, nbytes = 0, 0
     while True:
         head = reader.read_json("the end of the receive stream")
@@ -213,11 +180,17 @@ def receive_stream(reader, root: str, cache: dict, checked: set, staging: Stagin
         protocol.check(head, protocol.STREAM[kind], "receive: " + kind)
         if kind == "end":
             return head, count, nbytes
-        if staging.wants(head["p"]):
-            receive_file(reader, staging.dir, head, cache, staging.checked, staged=True)
+        staged = staging.wants(head["p"])   # the path is checked where it is opened
+        where = staging.dir if staged else base
+        if kind == "link":
+            st, digest = receive_link(dirs, where, head)
         else:
-            receive_file(reader, root, head, cache, checked)
-        count, nbytes = count + 1, nbytes + head["s"]
+            st, digest = receive_file(reader, dirs, where, head, staged)
+        if staged:
+            staging.landed.append((head["p"], st, digest))
+        else:
+            ledger.record(head["p"], st, digest)
+        count, nbytes = count + 1, nbytes + head.get("s", 0)
 
 
 def drain(reader) -> None:
@@ -229,39 +202,38 @@ def drain(reader) -> None:
             return
 
 
-def apply_deletes(root: str, delete: list, cache: dict, checked: set) -> None:
+def apply_deletes(jd, base: str, ledger, delete: list) -> int:
+    """Delete only what orch pushed (in the ledger): a file or link the job made, or an
+    excluded path, stays whatever the controller asks."""
+    removed = []
     for rel in delete:
-        path = safe_join(root, rel, checked)
-        if os.path.lexists(path):
-            os.unlink(path)
-        cache.pop(rel, None)
-    if delete:
-        prune_empty_dirs(root)
+        split_parent(rel)   # an unsafe path is an error, even when unknown here
+        if ledger.owns(rel):
+            if jd.unlink(base + "/" + rel):
+                removed.append(rel)
+            ledger.forget(rel)
+    prune_empty_dirs(jd, base, removed)
+    return len(removed)
 
 
 def run_receive(req) -> dict:
-    """Apply a stream: a `file` message and its data frames per file, then `end` (with
-    the files to delete)."""
-    root = os.path.expanduser(req.args["root"])
-    os.makedirs(root, exist_ok=True)
-    root = os.path.realpath(root)   # a remote_dir under a linked folder is fine
-    cache, checked, staging = load_cache(root), set(), Staging(root)
+    """Apply a stream: a `file` message and its data frames per file (a `link` message
+    for a link), then `end` with the files to delete."""
+    jd, base = folder_of(req.args["root"])
+    os.close(jd.open_dir(base, create=True))   # a remote_dir under a linked folder is fine
+    ledger, dirs = Ledger(jd, base), Dirs(jd, create=True)
+    ledger.begin()
+    staging = Staging(dirs, base)
     try:
-        head, count, nbytes = receive_stream(req.reader, root, cache, checked, staging)
-    except (ValueError, OSError) as e:
-        finish_broken(root, cache, staging)
-        if not isinstance(e, protocol.ProtocolError):
+        try:
+            head, count, nbytes = receive_stream(req.reader, dirs, base, ledger, staging)
+        except (ValueError, OSError):   # a refused file: the stream goes on to its end
             drain(req.reader)
-        raise
-    except BaseException:
-        finish_broken(root, cache, staging)
-        raise
-    staging.promote()
-    apply_deletes(root, head["delete"], cache, checked)
-    save_cache(root, cache)
-    return {"files": count, "bytes": nbytes, "deleted": len(head["delete"])}
-
-
-def finish_broken(root: str, cache: dict, staging: Staging) -> None:
-    staging.promote()
-    save_cache(root, cache)   # what did land is known next time
+            raise
+        finally:
+            staging.promote(ledger)   # also after a broken stream: a resumed push sends the rest
+        deleted = apply_deletes(jd, base, ledger, head["delete"])
+    finally:
+        dirs.close()
+        ledger.save()   # what did land is known next time
+    return {"files": count, "bytes": nbytes, "deleted": deleted}

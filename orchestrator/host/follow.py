@@ -38,18 +38,25 @@ def pieces(data: bytes, final: bool) -> tuple:
     return out, pos
 
 
-class RankLog:
-    """A growing log file read in place from a byte offset."""
+def open_log(jd, rel: str):
+    """A log file opened for reading without following a link; None if it cannot be."""
+    try:
+        return os.fdopen(jd.open_for_read(rel), "rb")
+    except OSError:
+        return None
 
-    def __init__(self, rank: int, path: str, offset: int) -> None:
-        self.rank, self.path, self.offset, self.f = rank, path, offset, None
+
+class RankLog:
+    """A growing log file read in place from a byte offset (no link followed)."""
+
+    def __init__(self, rank: int, jd, rel: str, offset: int) -> None:
+        self.rank, self.jd, self.rel, self.offset, self.f = rank, jd, rel, offset, None
 
     def read(self, final: bool = False) -> list:
         """The next pieces (see pieces()); [] when nothing complete is there yet."""
         if self.f is None:
-            try:
-                self.f = open(self.path, "rb")
-            except OSError:
+            self.f = open_log(self.jd, self.rel)
+            if self.f is None:
                 return []
         self.f.seek(self.offset)
         data = self.f.read(READ)
@@ -58,48 +65,47 @@ class RankLog:
         return got
 
 
-def tail_offset(path: str, n: int) -> int:
-    """Byte offset where the last n lines start (a final newline ends the last line)."""
-    try:
-        size = os.path.getsize(path)
-    except OSError:
+def tail_offset(f, n: int) -> int:
+    """Byte offset where the last n lines of open file f start (a final newline ends
+    the last line); 0 when f is None."""
+    if f is None:
         return 0
+    size = os.fstat(f.fileno()).st_size
     if n == 0:
         return size
-    with open(path, "rb") as f:
-        end = size
-        if size:
-            f.seek(size - 1)
-            if f.read(1) == b"\n":
-                end = size - 1
-        pos, seen = end, 0
-        while pos > 0:
-            step = min(1 << 16, pos)
-            pos -= step
-            f.seek(pos)
-            chunk = f.read(step)
-            idx = len(chunk)
-            while True:
-                idx = chunk.rfind(b"\n", 0, idx)
-                if idx < 0:
-                    break
-                seen += 1
-                if seen == n:
-                    return pos + idx + 1
+    end = size
+    if size:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            end = size - 1
+    pos, seen = end, 0
+    while pos > 0:
+        step = min(1 << 16, pos)
+        pos -= step
+        f.seek(pos)
+        chunk = f.read(step)
+        idx = len(chunk)
+        while True:
+            idx = chunk.rfind(b"\n", 0, idx)
+            if idx < 0:
+                break
+            seen += 1
+            if seen == n:
+                return pos + idx + 1
     return 0
 
 
 def rank_exit(p: dict, rank: int):
-    ex = read_json(os.path.join(p["run"], "rank-%d.exit" % rank))
+    ex = read_json(p["jd"], "run/rank-%d.exit" % rank)
     return ex if isinstance(ex, dict) and "code" in ex and "time" in ex else None
 
 
 def host_done(p: dict):
     """host.exit once the supervisor finished; {"code": None, "lost": True} when it vanished."""
-    done = read_json(os.path.join(p["run"], "host.exit"))
-    if done is not None or supervisor_alive(p["run"]):
+    done = read_json(p["jd"], "run/host.exit")
+    if done is not None or supervisor_alive(p):
         return done
-    return read_json(os.path.join(p["run"], "host.exit")) or {"code": None, "lost": True}
+    return read_json(p["jd"], "run/host.exit") or {"code": None, "lost": True}
 
 
 def emit(send, log: RankLog, final: bool = False) -> int:
@@ -150,8 +156,11 @@ def run(req) -> None:
     p = job_paths(a["job_dir"])
     logs = []
     for r in a["ranks"]:
-        path = os.path.join(p["logs"], "rank-%d.log" % r)
-        logs.append(RankLog(r, path, tail_offset(path, a["tail"]) if a["tail"] >= 0 else 0))
+        log = RankLog(r, p["jd"], "logs/rank-%d.log" % r, 0)
+        if a["tail"] >= 0:
+            log.f = open_log(p["jd"], log.rel)
+            log.offset = tail_offset(log.f, a["tail"])
+        logs.append(log)
     reported, beat, idle = set(), 0.0, 0
     while True:
         busy = sum(emit(send, log) for log in logs)

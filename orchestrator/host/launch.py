@@ -20,11 +20,15 @@ ALREADY_RUNNING = "already running"
 def clean_run_dir(p: dict) -> None:
     # code/ too: without `code:` in the inventory nothing was pushed, and a missing
     # entrypoint should fail as the rank's own error, not as a missing folder
-    for d in (p["run"], p["logs"], p["output"], p["code"]):
-        os.makedirs(d, exist_ok=True)
-    for name in os.listdir(p["run"]):
+    jd = p["jd"]
+    for d in ("run", "logs", "output", "code"):
+        os.close(jd.open_dir(d, create=True))   # a link at any of them is refused
+    jd.check_layout()
+    with jd.dirfd("run") as fd:
+        names = os.listdir(fd)
+    for name in names:
         if name.endswith((".exit", ".pid")) or name == "host.exit":
-            os.unlink(os.path.join(p["run"], name))
+            jd.unlink("run/" + name)
 
 
 def rankexec_source() -> bytes:
@@ -37,13 +41,14 @@ def run(req) -> dict:
     spec holds the job's env (secrets): it is kept in run/launch.json, mode 0600."""
     spec = req.args["spec"]
     p = job_paths(req.args["job_dir"])
-    if supervisor_alive(p["run"]):
+    if supervisor_alive(p):
         raise AgentError(ALREADY_RUNNING, protocol.USAGE)
     clean_run_dir(p)
-    write_atomic(os.path.join(p["run"], "launch.json"), json.dumps(spec).encode(), 0o600)
-    write_atomic(os.path.join(p["run"], "rankexec.py"), rankexec_source(), 0o644)
+    jd = p["jd"]
+    write_atomic(jd, "run/launch.json", json.dumps(spec).encode(), 0o600)
+    write_atomic(jd, "run/rankexec.py", rankexec_source(), 0o644)
     for r in spec["ranks"]:
-        open(os.path.join(p["logs"], "rank-%d.log" % r), "w").close()
+        os.close(jd.open_for_write("logs/rank-%d.log" % r))   # emptied; a link is refused
     rfd, wfd = os.pipe()
     if os.fork() == 0:
         os.close(rfd)
@@ -60,9 +65,9 @@ def run(req) -> dict:
     return {"supervisor": info}
 
 
-def detach_stdio(log_path: str) -> None:
+def detach_stdio(jd, log_rel: str) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log = jd.open_for_write(log_rel, 0o644, append=True)
     os.dup2(devnull, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -70,7 +75,8 @@ def detach_stdio(log_path: str) -> None:
 
 def supervise(p: dict, spec: dict, wfd: int) -> None:
     """Runs torchrun, records its exit code in run/host.exit; never returns."""
-    detach_stdio(os.path.join(p["run"], "torchrun.log"))
+    jd = p["jd"]
+    detach_stdio(jd, "run/torchrun.log")
     # the agent ignores SIGINT and SIGHUP; an ignored signal survives exec, and the
     # user's code must get the defaults
     for sig in (signal.SIGINT, signal.SIGHUP):
@@ -79,11 +85,13 @@ def supervise(p: dict, spec: dict, wfd: int) -> None:
     env.update(spec["env"])
     code = 1
     try:
-        proc = subprocess.Popen(spec["argv"], cwd=p["code"], env=env)
+        with jd.dirfd("code") as code_fd:
+            os.fchdir(code_fd)   # the cwd of torchrun and the ranks, reached without a link
+        proc = subprocess.Popen(spec["argv"], env=env)
         me = os.getpid()
         info = {"pid": me, "pgid": os.getpgid(0), "start_ticks": proc_start_time(me),
                 "torchrun_pid": proc.pid, "run_id": spec["run_id"], "started": time.time()}
-        write_atomic(os.path.join(p["run"], "supervisor.json"), json.dumps(info).encode())
+        write_atomic(jd, "run/supervisor.json", json.dumps(info).encode())
         os.write(wfd, json.dumps(info).encode())
         os.close(wfd)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -95,6 +103,9 @@ def supervise(p: dict, spec: dict, wfd: int) -> None:
             os.write(wfd, json.dumps({"error": repr(e)}).encode())
         except OSError:
             pass
-    write_atomic(os.path.join(p["run"], "host.exit"),
-                 json.dumps({"code": code, "time": time.time()}).encode(), 0o644)
+    try:
+        write_atomic(jd, "run/host.exit", json.dumps({"code": code, "time": time.time()}).encode(),
+                     0o644)
+    except OSError as e:
+        sys.stderr.write("orch supervisor: cannot write host.exit: %s\n" % e)
     os._exit(0)

@@ -16,6 +16,7 @@ import threading
 from orchestrator import protocol
 from orchestrator.host import files, follow, launch, preflight, procs, status
 from orchestrator.host.common import AgentError
+from orchestrator.host.paths import UnsafePath
 
 COMMANDS = {
     "preflight": preflight.run,
@@ -61,13 +62,14 @@ def serve(req: Request) -> None:
         os._exit(1)   # the controller is gone
     except Exception as e:  # every failure becomes an error reply naming its command
         category = e.category if isinstance(e, AgentError) else protocol.HOST
-        text = str(e) if isinstance(e, AgentError) else "%s: %s" % (type(e).__name__, e)
+        known = isinstance(e, (AgentError, UnsafePath))   # messages written for the user
+        text = str(e) if known else "%s: %s" % (type(e).__name__, e)
         tb = ""
         if req.debug:
             import traceback   # its imports (tokenize...) cost 20 ms at every start
             tb = traceback.format_exc()
         try:
-            req.out.send(protocol.error(req.id, category, text, tb))
+            req.out.send(protocol.error(req.id, category, text, tb, getattr(e, "fix", "")))
         except BrokenPipeError:
             os._exit(1)
 

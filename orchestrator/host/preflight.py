@@ -11,6 +11,7 @@ import time
 from orchestrator import timeouts
 from orchestrator.host import files
 from orchestrator.host.common import job_paths
+from orchestrator.host.paths import UnsafePath
 from orchestrator.host.procs import supervisor_alive
 
 
@@ -63,16 +64,21 @@ def free_port() -> int:
     return port
 
 
-def dir_writable(path: str):
+def dir_writable(p: dict):
+    """None when the job folder can be made and written; else why not. A link at the job
+    folder or at one of orch's folders or files in it is refused (UnsafePath) instead."""
+    jd = p["jd"]
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".orch-write-test-%d" % os.getpid())
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.unlink(probe)
+        jd.fd(create=True)
+        jd.check_layout()
+        probe = ".orch-write-test-%d" % os.getpid()
+        os.close(jd.open_for_write(probe))
+        jd.unlink(probe)
         return None
+    except UnsafePath:
+        raise
     except OSError as e:
-        return "%s: %s" % (path, e.strerror or e)
+        return "%s: %s" % (jd.path, e.strerror or e)
 
 
 def run(req) -> dict:
@@ -84,15 +90,15 @@ def run(req) -> dict:
         "python": sys.version.split()[0], "executable": sys.executable,
         "torch": torch_version(), "job_dir": p["job"],
         "gpus": gpu_count() if a["want_gpus"] else 0,   # nvidia-smi costs 0.1-0.5 s
-        "writable": dir_writable(p["job"]), "time": time.time(),
+        "writable": dir_writable(p), "time": time.time(),
         "hostname": socket.gethostname(),
         "ssh_connection": os.environ.get("SSH_CONNECTION", ""),
-        "running": bool(supervisor_alive(p["run"])),
+        "running": bool(supervisor_alive(p)),
     }
     for folder in a["folders"]:
         if folder not in ("code", "data"):
             raise ValueError("unknown folder %r" % folder)
-        files.send_manifest(req, folder, p[folder])
+        files.send_manifest(req, folder, p["jd"], folder)
     if a["want_port"]:
         port = a["master_port"] or free_port()
         report["port"], report["port_free"] = port, port_free(port)

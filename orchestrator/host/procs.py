@@ -46,8 +46,8 @@ def marked_pids(job_dir: str) -> list:
     return [p for p in pids if p != me and has_marker(p, marker)]
 
 
-def supervisor_alive(run_dir: str):
-    sup = read_json(os.path.join(run_dir, "supervisor.json"))
+def supervisor_alive(p: dict):
+    sup = read_json(p["jd"], "run/supervisor.json")
     if not isinstance(sup, dict) or not isinstance(sup.get("pid"), int):
         return None
     if proc_start_time(sup["pid"]) != sup.get("start_ticks"):
@@ -66,7 +66,7 @@ def signal_all(pids, sig) -> None:
 def wait_gone(job_dir: str, sup, deadline: float) -> list:
     while True:
         left = marked_pids(job_dir)
-        if sup and proc_start_time(sup["pid"]) == sup["start_ticks"]:
+        if sup and proc_start_time(sup["pid"]) == sup.get("start_ticks"):
             left.append(sup["pid"])
         if not left or time.time() >= deadline:
             return left
@@ -78,7 +78,7 @@ def stop(job_dir: str, grace: float) -> dict:
     Runs in a thread of its own that the agent waits for: a stop runs to the end even
     if the controller (and so the connection) goes away."""
     p = job_paths(job_dir)
-    sup = supervisor_alive(p["run"])
+    sup = supervisor_alive(p)
     t0 = time.time()
     found = marked_pids(p["job"]) + ([sup["pid"]] if sup else [])
     # torchrun itself has nothing to save, and its own SIGTERM shutdown takes seconds;

@@ -8,6 +8,11 @@ writes the file itself: nothing is piped, so nothing is lost when the controller
 gone), records the child's pid, and on exit writes run/rank-<RANK>.exit with the code
 and the time, which is how `orch` finds the earliest failure across hosts. It runs once
 per rank, so it stays light: fork/exec instead of subprocess, no json module.
+
+Like the agent (host/paths.py), it never follows a link inside the job folder: logs/ and
+run/ are opened with O_NOFOLLOW relative to the job folder, the log with
+O_NOFOLLOW|O_APPEND, and the pid and exit files are written beside (O_EXCL) and renamed
+relative to run/'s descriptor.
 """
 import os
 import signal
@@ -23,10 +28,31 @@ def start_ticks(pid):
         return None
 
 
-def write_json(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
+
+def open_dirs(job_dir):
+    """Descriptors of <job>/run and <job>/logs, never through a link (the agent made and
+    checked them; a link put there since is refused here too: ELOOP)."""
+    job = os.open(job_dir, DIR_FLAGS)
+    try:
+        return os.open("run", DIR_FLAGS, dir_fd=job), os.open("logs", DIR_FLAGS, dir_fd=job)
+    finally:
+        os.close(job)
+
+
+def write_json(run_fd, name, text):
+    tmp = "%s.orch-part-%d" % (name, os.getpid())
+    try:
+        os.unlink(tmp, dir_fd=run_fd)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=run_fd)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.rename(tmp, name, src_dir_fd=run_fd, dst_dir_fd=run_fd)
 
 
 def child_argv(kind, target, args):
@@ -35,11 +61,12 @@ def child_argv(kind, target, args):
     return [sys.executable, "-u", target] + args
 
 
-def spawn(argv, log_path):
+def spawn(argv, logs_fd, log_name):
     pid = os.fork()
     if pid == 0:
         try:
-            fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(log_name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644,
+                         dir_fd=logs_fd)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             null = os.open(os.devnull, os.O_RDONLY)
@@ -67,16 +94,15 @@ def wait_code(pid):
 def main():
     job_dir, kind, target, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     rank = int(os.environ["RANK"])
-    run = os.path.join(job_dir, "run")
-    pid = spawn(child_argv(kind, target, args),
-                os.path.join(job_dir, "logs", "rank-%d.log" % rank))
-    write_json(os.path.join(run, "rank-%d.pid" % rank), '{"pid": %d, "start_ticks": %s, "time": %r}'
+    run_fd, logs_fd = open_dirs(job_dir)
+    pid = spawn(child_argv(kind, target, args), logs_fd, "rank-%d.log" % rank)
+    os.close(logs_fd)
+    write_json(run_fd, "rank-%d.pid" % rank, '{"pid": %d, "start_ticks": %s, "time": %r}'
                % (pid, start_ticks(pid) or "null", time.time()))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda s, f: os.kill(pid, s))
     code = wait_code(pid)
-    write_json(os.path.join(run, "rank-%d.exit" % rank),
-               '{"code": %d, "time": %r}' % (code, time.time()))
+    write_json(run_fd, "rank-%d.exit" % rank, '{"code": %d, "time": %r}' % (code, time.time()))
     # Exit as the child did, so that torchrun sees the same failure.
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)

@@ -1,0 +1,189 @@
+"""What orch pushed into a job's code/ or data/ on a host: the only files it reports or deletes there.
+
+The job runs with code/ as its working folder, so code/ also holds what the job wrote
+(checkpoints, __pycache__, lightning_logs/). orch must never delete those: the host
+remembers, per folder, every file and link it received, in
+``<job>/run/<folder>-pushed.json`` ({"version": 1, "files": {rel: [size, digest, key]}},
+key = size:mtime_ns:inode, digest = sha256 or "link:<target>"), written atomically at the
+end of each receive. While a receive runs, each file that lands is also appended to
+``run/<folder>-pushed.journal``, so a receiver killed half way (SIGKILL, a crash) still
+leaves a record of what it placed; the next read merges the journal in.
+
+The manifest the host reports is the ledger's files that are still there; only those can
+be deleted. A host with only the old digest cache (every file of the folder, the job's
+included) starts with an empty ledger: nothing unknown is ever deleted, and the next
+push sends what it does not know again and records it.
+
+Stdlib only, Python 3.8 (the agent's bundle carries it).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+
+from orchestrator.host.paths import (READ_FLAGS, JobDir, UnsafePath, open_file_at,
+                                     split_parent, split_rel)
+
+LEDGER_CAP = 1 << 30      # about 5 million entries; a bigger file is not orch's
+VERSION = 1
+
+
+def stat_key(st) -> str:
+    return "%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def hash_at(pfd: int, name: str, shown: str) -> str:
+    fd = open_file_at(pfd, name, shown, READ_FLAGS)
+    h = hashlib.sha256()
+    try:
+        for block in iter(lambda: os.read(fd, 1 << 20), b""):
+            h.update(block)
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def valid_entry(rel, entry) -> bool:
+    """An entry as orch writes it; anything else in the file is dropped (safe: an entry
+    dropped is a file never deleted)."""
+    try:
+        split_rel(rel)
+    except UnsafePath:
+        return False
+    return (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
+            and isinstance(entry[1], str) and isinstance(entry[2], str) and rel != "")
+
+
+class Ledger:
+    """The files orch placed in one folder ("code" or "data") of a JobDir."""
+
+    def __init__(self, jd: "JobDir", folder: str) -> None:
+        self.jd, self.folder = jd, folder
+        self.path = "run/%s-pushed.json" % folder
+        self.journal_path = "run/%s-pushed.journal" % folder
+        self.files: dict = {}
+        self.journal_fd = None
+        self.found = False         # a ledger file was there
+        self.interrupted = False   # a journal was there: a receiver did not finish
+        self.dirty = False
+        self.load()
+
+    # ------------------------------------------------------------ the file
+
+    def load(self) -> None:
+        try:
+            raw = self.jd.read(self.path, LEDGER_CAP)
+            doc = json.loads(raw.decode()) if raw is not None else None
+        except (ValueError, UnicodeDecodeError):
+            doc = None   # damaged: as if there were none (nothing is deleted)
+        if isinstance(doc, dict) and doc.get("version") == VERSION and \
+                isinstance(doc.get("files"), dict):
+            self.found = True
+            self.files = {r: e for r, e in doc["files"].items() if valid_entry(r, e)}
+        journal = self.jd.read(self.journal_path, LEDGER_CAP)
+        if journal is not None:
+            self.interrupted = self.dirty = True
+            self.replay(journal)
+
+    def replay(self, journal: bytes) -> None:
+        for line in journal.splitlines():
+            try:
+                rel, entry = json.loads(line.decode())
+            except (ValueError, UnicodeDecodeError, TypeError):
+                continue   # the torn last line of a killed receiver
+            if valid_entry(rel, entry):
+                self.files[rel] = entry
+
+    def begin(self) -> None:
+        """A receive starts: from now on every file placed is journaled at once."""
+        self.journal_fd = self.jd.open_for_write(self.journal_path, 0o644, append=True)
+
+    def save(self) -> None:
+        """Write the ledger atomically, then drop the journal it now contains."""
+        had_journal = self.journal_fd is not None or self.interrupted
+        if self.dirty or had_journal or not self.found:
+            doc = {"version": VERSION, "files": self.files}
+            self.jd.write_file(self.path, json.dumps(doc, separators=(",", ":")).encode(), 0o644)
+            self.dirty, self.found = False, True
+        if self.journal_fd is not None:
+            os.close(self.journal_fd)
+            self.journal_fd = None
+        if had_journal:
+            self.jd.unlink(self.journal_path)
+            self.interrupted = False
+
+    # ------------------------------------------------------------ entries
+
+    def record(self, rel: str, st, digest: str) -> None:
+        """rel was placed by orch (st: its stat at that moment)."""
+        self.record_many([(rel, st, digest)])
+
+    def record_many(self, placed: list) -> None:
+        """[(rel, stat, digest)] placed by orch: one journal write for all of them."""
+        lines, dumps = [], json.dumps
+        for rel, st, digest in placed:
+            entry = [st.st_size, digest, stat_key(st)]
+            self.files[rel] = entry
+            lines.append('[%s,[%d,%s,"%s"]]' % (dumps(rel), entry[0], dumps(digest), entry[2]))
+        self.dirty = self.dirty or bool(placed)
+        if self.journal_fd is not None and lines:
+            data = ("\n".join(lines) + "\n").encode()
+            while data:
+                data = data[os.write(self.journal_fd, data):]
+
+    def owns(self, rel: str) -> bool:
+        return rel in self.files
+
+    def forget(self, rel: str) -> None:
+        if self.files.pop(rel, None) is not None:
+            self.dirty = True
+
+    # ------------------------------------------------------------ the manifest
+
+    def manifest(self) -> dict:
+        """{rel: [size, digest]} of the ledger's entries still there as orch left them
+        (a regular file, or the link orch made). A file changed since (new size, mtime
+        or inode) is hashed again; one gone, or replaced by a folder or another kind of
+        entry, is dropped from the ledger: it is no longer orch's."""
+        by_parent: dict = {}
+        for rel in self.files:
+            parent, name = split_parent(rel)
+            by_parent.setdefault(parent, []).append(name)
+        report: dict = {}
+        for parent in sorted(by_parent):
+            where = self.folder + "/" + parent if parent else self.folder
+            try:
+                fd = self.jd.open_dir(where)
+            except FileNotFoundError:
+                for name in by_parent[parent]:
+                    self.forget(parent + "/" + name if parent else name)
+                continue
+            try:
+                for name in by_parent[parent]:
+                    self.check(fd, parent + "/" + name if parent else name, name, report)
+            finally:
+                os.close(fd)
+        return report
+
+    def check(self, pfd: int, rel: str, name: str, report: dict) -> None:
+        entry = self.files[rel]
+        try:
+            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            self.forget(rel)
+            return
+        is_link = entry[1].startswith("link:")
+        if is_link and stat.S_ISLNK(st.st_mode):
+            digest = "link:" + os.readlink(name, dir_fd=pfd)
+        elif not is_link and stat.S_ISREG(st.st_mode):
+            digest = entry[1] if stat_key(st) == entry[2] else \
+                hash_at(pfd, name, self.jd.show(self.folder + "/" + rel))
+        else:
+            self.forget(rel)
+            return
+        if [st.st_size, digest, stat_key(st)] != entry:
+            self.files[rel] = [st.st_size, digest, stat_key(st)]
+            self.dirty = True
+        report[rel] = [st.st_size, digest]
