@@ -12,7 +12,7 @@ from typing import Callable, Generic, TypeVar
 import paramiko
 
 from orchestrator import timeouts
-from orchestrator.errors import HostError, OrchError
+from orchestrator.errors import EXIT_HOST, HostError, OrchError
 from orchestrator.inventory import Host
 from orchestrator.transport import (AcceptNewPolicy, HostKeyRefused, LocalTransport,
                                     SSHTransport, StrictPolicy, Transport, fingerprint,
@@ -151,7 +151,13 @@ class GroupResult(Generic[T]):
             hint = getattr(exc, "hint", "")
             if hint:
                 lines.append(f"      fix: {hint}")
-        raise HostError("\n".join(lines))
+        # one kind of failure everywhere keeps its exit code ("already running" is 2);
+        # anything mixed, or not orch's own, is a host failure (3)
+        codes = {getattr(self.failed[i], "exit_code", EXIT_HOST) for i in self.failed}
+        error = HostError("\n".join(lines))
+        if len(codes) == 1:
+            error.exit_code = codes.pop()
+        raise error
 
 
 def fan_out(hosts: tuple[Host, ...], fn: Callable[[Host], T], limit: int = 64,

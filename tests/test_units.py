@@ -122,3 +122,19 @@ def test_tail_offset_counts_lines_from_the_end(tmp_path) -> None:
     with open(f, "rb") as log:
         assert f.read_bytes()[tail_offset(log, 3):] == b"199997\n199998\n199999\n"
     assert tail_offset(None, 3) == 0
+
+
+def test_group_failures_keep_one_shared_exit_code() -> None:
+    """"already running" (exit 2) from every host stays exit 2; mixed with an unreachable
+    host, or an unexpected exception, it is a host failure (exit 3)."""
+    import pytest
+    from types import SimpleNamespace
+    from orchestrator.connect import GroupResult
+    from orchestrator.errors import HostError, UsageError
+    hosts = (SimpleNamespace(label="a"), SimpleNamespace(label="b"))
+    for failed, code in (({0: UsageError("a: already running"), 1: UsageError("b: already running")}, 2),
+                         ({0: UsageError("a: already running"), 1: HostError("b: no answer")}, 3),
+                         ({0: RuntimeError("boom")}, 3)):
+        with pytest.raises(HostError) as err:
+            GroupResult(failed=failed).raise_failures(hosts, "to start")
+        assert err.value.exit_code == code, failed
