@@ -83,8 +83,11 @@ class FrameReader:
     """Frames from a byte source: `read(n)` returns up to n bytes, b"" at the end.
     Buffers at most one frame plus one read; every size is checked against `caps`."""
 
-    def __init__(self, read, caps=None, chunk: int = 1 << 16) -> None:
+    def __init__(self, read, caps=None, chunk: int = 1 << 16, readinto=None) -> None:
+        """`readinto(view)`, when given, fills a big payload in place: one copy less
+        per file-data frame than going through the buffer."""
         self._read, self.caps, self.chunk = read, caps or CAPS, chunk
+        self._readinto = readinto
         self.buf, self.pos = bytearray(), 0
 
     def _fill(self, n: int) -> bool:
@@ -131,9 +134,25 @@ class FrameReader:
             raise ProtocolError("a %s frame of %d bytes is over the limit of %d"
                                 % (kind.decode("latin-1"), size, cap))
         self.pos += HEADER.size
+        if self._readinto is not None and size - (len(self.buf) - self.pos) >= self.chunk:
+            return kind, self._read_big(size)
         if not self._fill(size):
             raise ProtocolError("stream ended inside a frame of %d bytes" % size)
         return kind, self._take(size)
+
+    def _read_big(self, size: int) -> bytearray:
+        out = bytearray(size)
+        got = len(self.buf) - self.pos
+        out[:got] = self.buf[self.pos:]
+        del self.buf[:]
+        self.pos = 0
+        view = memoryview(out)
+        while got < size:
+            n = self._readinto(view[got:])
+            if not n:
+                raise ProtocolError("stream ended inside a frame of %d bytes" % size)
+            got += n
+        return out
 
     def read_json(self, what: str) -> dict:
         """The next frame, which must be a JSON object."""

@@ -51,6 +51,21 @@ def test_frames_round_trip_in_order() -> None:
     assert r.read_frame() is None
 
 
+def test_big_payloads_read_in_place_are_the_same_bytes() -> None:
+    payload = os.urandom(protocol.MAX_DATA)
+    data = protocol.message("beat") + protocol.frame(protocol.DATA, payload) + protocol.message("beat")
+    src = io.BytesIO(data)
+    r = protocol.FrameReader(src.read, readinto=src.readinto)
+    assert protocol.decode(r.read_frame(), "m") == {"t": "beat"}
+    assert r.read_frame() == (protocol.DATA, payload)
+    assert protocol.decode(r.read_frame(), "m") == {"t": "beat"} and r.read_frame() is None
+    cut = io.BytesIO(data[:-100_000 - len(protocol.message("beat"))])
+    with pytest.raises(protocol.ProtocolError, match="ended inside a frame"):
+        r = protocol.FrameReader(cut.read, readinto=cut.readinto)
+        r.read_frame()
+        r.read_frame()
+
+
 def test_oversized_frame_refused_before_its_payload_is_read() -> None:
     reads: list[int] = []
     header = protocol.HEADER.pack(protocol.JSON, protocol.MAX_JSON + 1)

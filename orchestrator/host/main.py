@@ -104,7 +104,8 @@ def main(version: str, argv: list) -> None:
         signal.signal(sig, signal.SIG_IGN)
     grow_stdin_pipe()
     out = Out(sys.stdout.buffer)
-    reader = protocol.FrameReader(sys.stdin.buffer.read1, caps=protocol.CAPS)
+    stdin = sys.stdin.buffer
+    reader = protocol.FrameReader(stdin.read1, caps=protocol.CAPS, readinto=stdin.readinto1)
     debug, waited = "debug" in argv, []
     out.send(protocol.hello(version, pid=os.getpid(), python=sys.version.split()[0]))
     try:
