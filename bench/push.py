@@ -56,9 +56,10 @@ sys.path.insert(0, str(REPO))
 from orchestrator import splitdata  # noqa: E402
 from orchestrator.connect import connect_all  # noqa: E402
 from orchestrator.inventory import load  # noqa: E402
-from orchestrator.remote import AGENT  # noqa: E402
+from orchestrator import protocol  # noqa: E402
+from orchestrator.bundle import BOOT, agent_argv, agent_stdin  # noqa: E402
+from orchestrator.link import Link  # noqa: E402
 from orchestrator.sync import DigestCache, LocalFile, push, stream_files  # noqa: E402
-from orchestrator.transport import Transport  # noqa: E402
 
 MB = 1e6
 TICK = os.sysconf("SC_CLK_TCK")
@@ -182,7 +183,7 @@ class Bench:
     cluster: SshdCluster
     work: Path
     dest_root: Path                 # on the fake host
-    transport: Optional[Transport] = None
+    link: Optional[Link] = None
     connect_s: list[float] = field(default_factory=list)
     counter: int = 0
     e2e: Optional[E2E] = None
@@ -211,20 +212,23 @@ def tar_once(b: Bench, ds: DataSet, cipher: Optional[str]) -> Sample:
     return Sample(run.seconds, ctl, host)
 
 
-def connect(b: Bench) -> Transport:
-    """A fresh connection for every orch rep, timed (tar pays for its ssh handshake too)."""
-    if b.transport is not None:
-        b.transport.close()
+def connect(b: Bench) -> Link:
+    """A fresh connection and agent for every orch rep, timed (tar pays for its ssh
+    handshake too)."""
+    if b.link is not None:
+        b.link.close()
+        b.link.transport.close()
     (b.work / "job.py").write_text(E2E_JOB)
     inv = b.cluster.write_inventory(b.work / "bench-cluster.yaml", name="bench-push")
     cluster = load(inv)
     t = time.perf_counter()
     res = connect_all(cluster.hosts, cluster.base_dir)
-    b.connect_s.append(time.perf_counter() - t)
     if res.failed:
         raise SystemExit(f"connect failed: {res.failed}")
-    b.transport = res.ok[0]
-    return b.transport
+    b.link = Link(res.ok[0])
+    b.link.start()
+    b.connect_s.append(time.perf_counter() - t)
+    return b.link
 
 
 def orch_once(b: Bench, ds: DataSet, remote: Optional[dict] = None) -> Sample:
@@ -251,7 +255,7 @@ def floor_once(b: Bench, ds: DataSet) -> Sample:
     view = memoryview(bytes(1 << 20))
     host0, local0 = host_cpu(b.cluster), time.process_time()
     t = time.perf_counter()
-    chan = t_conn.open(["sh", "-c", "cat > /dev/null"], timeout=600)
+    chan = t_conn.transport.open(["sh", "-c", "cat > /dev/null"], timeout=600)
     left = ds.bytes
     while left:
         n = min(left, len(view))
@@ -433,12 +437,12 @@ def profile(b: Bench, ds: DataSet) -> dict:
     the agent's receive fed that stream from a file, and the controller over SSH."""
     out: dict = {}
     t = time.process_time()
-    stream_files(Sink(), ds.local, None)
+    stream_files(Sink().write, ds.local, None)
     out["controller_stream_cpu_s"] = time.process_time() - t
     stream = b.work / f"stream-{ds.name}.bin"
     with open(stream, "wb") as f:
-        stream_files(Sink(f), ds.local, None)
-        f.write(b'{"end": true, "delete": []}\n')
+        stream_files(Sink(f).write, ds.local, None)
+        f.write(protocol.stream_item("end", delete=[]))
     out["receiver_wall_s"], out["receiver_cpu_s"] = agent_receive(stream, b.work / "recv", False)
     print("\n--- agent receive (host side), fed from a file; CPU profile by tottime:")
     agent_receive(stream, b.work / "recv", True)
@@ -463,35 +467,41 @@ def profile_push(b: Bench, ds: DataSet) -> dict:
     return out
 
 
-# Runs the agent as `python agent.py receive DEST` does, under a CPU-time profiler.
+# Runs the agent as BOOT does, under a CPU-time profiler printed when the agent exits.
 PROFILED_AGENT = """
-import cProfile, pstats, runpy, sys, time
-agent, dest = sys.argv[1], sys.argv[2]
-sys.argv = [agent, "receive", dest]
+import cProfile, os, pstats, sys, time
 p = cProfile.Profile(time.process_time)
+real_exit = os._exit
+def report(code):
+    p.disable()
+    pstats.Stats(p, stream=sys.stderr).sort_stats("tottime").print_stats(14)
+    sys.stderr.flush()
+    real_exit(code)
+os._exit = report
 p.enable()
-runpy.run_path(agent, run_name="__main__")
-p.disable()
-pstats.Stats(p, stream=sys.stderr).sort_stats("tottime").print_stats(14)
-"""
+""" + BOOT
 
 
 def agent_receive(stream: Path, dest: Path, profile: bool) -> tuple[float, float]:
-    """The agent's `receive` (the same script the hosts get) fed a stream from a file."""
+    """The agent's `receive` (the same bundle the hosts get) fed a stream from a file."""
     shutil.rmtree(dest, ignore_errors=True)
-    script = stream.with_name("agent-script.py")
-    script.write_bytes(AGENT)
-    argv = ([sys.executable, "-S", "-c", PROFILED_AGENT, str(script), str(dest)] if profile
-            else [sys.executable, "-S", str(script), "receive", str(dest)])
-    cpu0 = children_cpu()
-    with open(stream, "rb") as f:
-        t = time.perf_counter()
-        p = subprocess.run(argv, stdin=f, capture_output=True, text=True)
-        wall = time.perf_counter() - t
-    if p.returncode != 0 or '"error"' in p.stdout:
-        raise SystemExit(f"agent receive failed: {p.stdout[-500:]} {p.stderr[-500:]}")
+    fed = stream.with_name("agent-stdin.bin")
+    with open(fed, "wb") as f, open(stream, "rb") as src:
+        f.write(agent_stdin() + protocol.request("receive", 1, root=str(dest)))
+        shutil.copyfileobj(src, f, 1 << 20)
+    argv = agent_argv(sys.executable)
     if profile:
-        print("\n".join(p.stderr.splitlines()[:26]))
+        argv[3] = PROFILED_AGENT
+    cpu0 = children_cpu()
+    with open(fed, "rb") as f:
+        t = time.perf_counter()
+        p = subprocess.run(argv, stdin=f, capture_output=True)
+        wall = time.perf_counter() - t
+    fed.unlink()
+    if p.returncode != 0 or b'"t": "error"' in p.stdout:
+        raise SystemExit(f"agent receive failed: {p.stdout[-500:]!r} {p.stderr[-500:]!r}")
+    if profile:
+        print("\n".join(p.stderr.decode().splitlines()[:26]))
     shutil.rmtree(dest)
     return wall, children_cpu() - cpu0
 

@@ -22,7 +22,9 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 
 import paramiko
 
-from orchestrator.errors import EXIT_USAGE, HostError, InventoryError, OrchError, UsageError
+from orchestrator import timeouts
+from orchestrator.errors import (EXIT_HOST, EXIT_USAGE, HostError, InventoryError, OrchError,
+                                 UsageError)
 from orchestrator.faults import (BastionError, ConnectFailed, ForwardFailed, describe,
                                  explain_lost)
 from orchestrator.inventory import Host
@@ -31,7 +33,6 @@ from orchestrator.transport import (AcceptNewPolicy, LocalTransport, SSHTranspor
                                     StrictPolicy, Transport)
 
 T = TypeVar("T")
-KEEPALIVE_S = 5
 # aes128-gcm first: on a CPU-bound link it is 1.4-1.6x faster than the alternatives
 # (BENCH-ANCHORS); the others stay allowed for servers that lack it.
 CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "aes128-ctr",
@@ -297,7 +298,7 @@ def open_client(target: Target, sock: Any) -> _Client:
             look_for_keys=not target.identity_files, allow_agent=True,
             timeout=target.timeout, banner_timeout=target.timeout, auth_timeout=target.timeout,
             sock=sock, transport_factory=_transport_factory(made))
-        client.get_transport().set_keepalive(KEEPALIVE_S)
+        client.get_transport().set_keepalive(int(timeouts.KEEPALIVE))
         return client
     except BaseException as exc:
         step = _step(made[0] if made else None)
@@ -480,7 +481,13 @@ class GroupResult(Generic[T]):
             hint = getattr(exc, "hint", "")
             if hint:
                 lines.append(f"      fix: {hint}")
-        raise HostError("\n".join(lines))
+        # one kind of failure everywhere keeps its exit code ("already running" is 2);
+        # anything mixed, or not orch's own, is a host failure (3)
+        codes = {getattr(self.failed[i], "exit_code", EXIT_HOST) for i in self.failed}
+        error = HostError("\n".join(lines))
+        if len(codes) == 1:
+            error.exit_code = codes.pop()
+        raise error
 
 
 def fan_out(hosts: tuple[Host, ...], fn: Callable[[Host], T], limit: int = 64,

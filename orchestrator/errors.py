@@ -47,3 +47,14 @@ class HostError(OrchError):
 
     exit_code = EXIT_HOST
 
+
+
+class JobError(OrchError):
+    """The job failed (a rank exited non-zero)."""
+
+    exit_code = EXIT_JOB_FAILED
+
+
+def for_category(category: str) -> type[OrchError]:
+    """The error class of an agent's error reply category (protocol.USAGE, HOST, JOB)."""
+    return {"usage": UsageError, "inventory": UsageError, "job": JobError}.get(category, HostError)

@@ -1,124 +1,108 @@
 """follow(): the one log tail every printer uses (orch up, orch logs, orch logs -f).
 
-Each host runs one agent `follow` over the connection that is already open; it reads
-the rank log files in place from a byte offset, so a line is sent once, in order, and
-nothing is lost if the controller goes away (the files stay; a new follow re-reads).
-The agent's protocol, one item per line:
-    L <rank> <text>     a log line of a rank
-    E <rank> <code> <t> that rank exited (t: host clock)
-    X <json>            the host's torchrun has ended ({"code": ..}); last item
-    T                   heartbeat, once a second: silence means the host is lost
+Each host's agent (the link already open for the command) reads the rank log files in
+place from a byte offset and streams them as output frames, with rank exits, the host's
+end and a heartbeat as events (protocol.py); a line is sent once, in order, and nothing
+is lost if the controller goes away (the files stay; a new follow re-reads).
 """
 from __future__ import annotations
 
-import itertools
-import json
 import os
 import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from orchestrator.remote import open_agent
-from orchestrator.transport import Channel, Transport
+from orchestrator import timeouts
+from orchestrator.errors import OrchError
+from orchestrator.link import Link
 
-HOST_LOST_S = 15.0
 TAIL_KEEP = 20
 
 
 class Sink(Protocol):
-    def lines(self, host: int, rank: int, texts: list[bytes]) -> None: ...
+    def output(self, host: int, rank: int, partial: bool, data: bytes) -> None: ...
     def rank_exit(self, host: int, rank: int, code: int, when: float) -> None: ...
     def host_done(self, host: int, info: dict) -> None: ...
     def host_lost(self, host: int, why: str) -> None: ...
 
 
+def split_lines(partial: bool, data: bytes) -> list[bytes]:
+    """The lines of an output frame: whole lines end with a newline; a partial frame is
+    one piece of a long line (printed as a line of its own, with the same prefix)."""
+    if partial:
+        return [data]
+    return (data[:-1] if data.endswith(b"\n") else data).split(b"\n")
+
+
+class LineSink:
+    """A sink that takes lines: output frames become `lines(host, rank, texts)` calls."""
+
+    def output(self, host: int, rank: int, partial: bool, data: bytes) -> None:
+        self.lines(host, rank, split_lines(partial, data))
+
+    def lines(self, host: int, rank: int, texts: list[bytes]) -> None:
+        raise NotImplementedError
+
+
 @dataclass
 class HostStream:
-    transport: Transport
+    link: Link
     job_dir: str
     ranks: list[int]
-    last_seen: float = field(default_factory=time.monotonic)
     done: bool = False
-    chan: Channel | None = None   # an agent already streaming (launch ... follow)
-    pending: bytes = b""          # what it sent after its first reply line
 
 
-def parse_chunk(stream: HostStream, index: int, data: bytes, sink: Sink) -> None:
-    """Group consecutive lines of a rank so the sink is called once per run, not per line."""
-    run_rank, run = -1, []
-    for line in data.split(b"\n"):
-        tag = line[:1]
-        if tag == b"L":
-            _, rank, text = (line.split(b" ", 2) + [b""])[:3]
-            rank = int(rank)
-            if rank != run_rank and run:
-                sink.lines(index, run_rank, run)
-                run = []
-            run_rank = rank
-            run.append(text)
-            continue
-        if run:
-            sink.lines(index, run_rank, run)
-            run_rank, run = -1, []
-        if tag == b"E":
-            _, rank, code, when = line.split(b" ")
-            sink.rank_exit(index, int(rank), int(code) if code != b"None" else -1, float(when))
-        elif tag == b"X":
-            stream.done = True
-            sink.host_done(index, json.loads(line[2:]))
-    if run:
-        sink.lines(index, run_rank, run)
+class Tracker:
+    """Between the links and a sink: marks a host done once (its end, or its loss)."""
+
+    def __init__(self, streams: dict[int, HostStream], sink: Sink) -> None:
+        self.streams, self.sink, self.lock = streams, sink, threading.Lock()
+
+    def output(self, host: int, rank: int, partial: bool, data: bytes) -> None:
+        self.sink.output(host, rank, partial, data)
+
+    def rank_exit(self, host: int, rank: int, code: int | None, when: float) -> None:
+        self.sink.rank_exit(host, rank, -1 if code is None else code, when)
+
+    def _end(self, host: int) -> bool:
+        with self.lock:
+            first = not self.streams[host].done
+            self.streams[host].done = True
+        return first
+
+    def host_done(self, host: int, info: dict) -> None:
+        if self._end(host):
+            self.sink.host_done(host, info)
+
+    def host_lost(self, host: int, why: str) -> None:
+        if self._end(host):
+            self.sink.host_lost(host, why)
 
 
-def read_host(index: int, stream: HostStream, sink: Sink, tail: int, mode: str) -> None:
-    t = stream.transport
-    try:
-        chan, pending = stream.chan, b""
-        if chan is None:
-            chan = open_agent(t, "follow", stream.job_dir, ",".join(map(str, stream.ranks)),
-                              str(tail), mode)
-            chan.close_stdin()
-        first = [stream.pending] if stream.pending else []
-        for data in itertools.chain(first, iter(chan.read, b"")):
-            stream.last_seen = time.monotonic()
-            data = pending + data
-            cut = data.rfind(b"\n")
-            if cut < 0:
-                pending = data
-                continue
-            pending = data[cut + 1:]
-            parse_chunk(stream, index, data[:cut], sink)
-        chan.close()
-    except Exception as exc:  # a broken connection is a lost host, reported by the sink
-        if not stream.done:
-            sink.host_lost(index, f"connection lost: {exc}")
-        return
-    if not stream.done:
-        sink.host_lost(index, "the log stream ended before the job did")
-
-
-def watchdog(streams: dict[int, HostStream], sink: Sink, stop: threading.Event) -> None:
-    """A host that sends not even a heartbeat for HOST_LOST_S is lost (keepalive)."""
+def watchdog(streams: dict[int, HostStream], tracker: Tracker, stop: threading.Event) -> None:
+    """A host that sends not even a heartbeat for HOST_LOST seconds is lost."""
     while not stop.wait(1.0):
         for index, s in streams.items():
-            if not s.done and time.monotonic() - s.last_seen > HOST_LOST_S:
-                s.done = True
-                sink.host_lost(index, f"no answer for {HOST_LOST_S:.0f} s")
+            if not s.done and time.monotonic() - s.link.last_seen > timeouts.HOST_LOST:
+                tracker.host_lost(index, f"no answer for {timeouts.HOST_LOST:.0f} s")
 
 
 def follow(streams: dict[int, HostStream], sink: Sink, tail: int = -1,
            mode: str = "events") -> Callable[[], bool]:
     """Start following every host; returns `finished()`, true once every host is done.
-    mode "events" follows until the job ends; "tagged" prints what is there and stops."""
-    stop = threading.Event()
-    threads = [threading.Thread(target=read_host, args=(i, s, sink, tail, mode), daemon=True)
-               for i, s in streams.items()]
-    threading.Thread(target=watchdog, args=(streams, sink, stop), daemon=True).start()
-    for th in threads:
-        th.start()
+    mode "events" follows until the job ends; "snapshot" prints what is there and stops."""
+    tracker, stop = Tracker(streams, sink), threading.Event()
+    for index, s in streams.items():
+        s.link.last_seen = time.monotonic()
+        try:
+            s.link.follow(tracker, job_dir=s.job_dir, ranks=list(s.ranks), tail=tail, mode=mode)
+        except OrchError as e:
+            tracker.host_lost(index, e.message)
+    if mode == "events":
+        threading.Thread(target=watchdog, args=(streams, tracker, stop), daemon=True).start()
 
     def finished() -> bool:
         done = all(s.done for s in streams.values())
@@ -137,7 +121,7 @@ def use_color() -> bool:
     return sys.stdout.isatty() and not os.environ.get("NO_COLOR") and not os.environ.get("ORCH_NO_COLOR")
 
 
-class PrefixPrinter:
+class PrefixPrinter(LineSink):
     """Prints `[r3 host] line`, a colour per rank; keeps each rank's last lines."""
 
     def __init__(self, labels: dict[int, str], out=None) -> None:

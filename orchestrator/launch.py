@@ -1,15 +1,14 @@
 """What runs on each host: the torchrun command line and the environment of the ranks."""
 from __future__ import annotations
 
-import json
 import uuid
-from dataclasses import dataclass
 
+from orchestrator import timeouts
 from orchestrator.connect import fan_out, resolve_target, ssh_config
 from orchestrator.inventory import Cluster, Host
-from orchestrator.preflight import HostInfo, Preflight
-from orchestrator.remote import RANKEXEC, open_agent, parse_reply
-from orchestrator.transport import Channel, Transport, remote_command
+from orchestrator.link import Link
+from orchestrator.preflight import HostInfo, PreflightReport
+from orchestrator.transport import remote_command
 
 
 def master_addr(cluster: Cluster, infos: dict[int, HostInfo] | None = None) -> str:
@@ -52,65 +51,30 @@ def rank_env(cluster: Cluster, job_dir: str, run_id: str) -> dict[str, str]:
 
 
 def launch_spec(cluster: Cluster, host: Host, info: HostInfo, addr: str, port: int,
-                run_id: str) -> bytes:
-    return json.dumps({
+                run_id: str) -> dict:
+    return {
         "run_id": run_id, "ranks": list(host.ranks),
         "argv": torchrun_argv(cluster, host, info.executable, info.job_dir, addr, port),
         "env": rank_env(cluster, info.job_dir, run_id),
-        "rankexec": RANKEXEC.decode(),
-    }).encode()
+    }
 
 
-def open_launcher(t: Transport, job_dir: str, follow: bool) -> Channel:
-    """Start the host's launch agent now; it waits for its spec on stdin. Opened while
-    preflight runs, its start-up (login shell, python) is off the critical path."""
-    return open_agent(t, "launch", job_dir, "follow" if follow else "", timeout=60)
+def launch_host(link: Link, job_dir: str, spec: dict) -> dict:
+    """The agent starts the supervisor (detached: a dropped connection leaves it
+    running) and replies with its pid, pgid, torchrun's pid and start time."""
+    return link.request("launch", timeouts.LAUNCH, job_dir=job_dir, spec=spec)["supervisor"]
 
 
-def launch_host(t: Transport, chan: Channel, spec: bytes) -> Started:
-    """Hand the waiting agent its spec. It starts the supervisor, replies with its pid
-    and, when it was opened to follow, goes on streaming the job's events (returned)."""
-    try:
-        chan.write(spec)
-        chan.close_stdin()
-        head = b""
-        while b"\n" not in head:
-            block = chan.read()
-            if not block:
-                break
-            head += block
-        line, _, rest = head.partition(b"\n")
-        if b"\n" not in head:   # no reply line: let parse_reply say what went wrong
-            res = chan.finish()
-            parse_reply(t, "launch", res.code, head + res.stdout, res.stderr)
-        reply = parse_reply(t, "launch", 0, line, b"")
-    except BaseException:
-        chan.close()
-        raise
-    chan.settimeout(None)
-    return Started(reply, chan, rest)
-
-
-@dataclass(frozen=True)
-class Started:
-    supervisor: dict              # pid, pgid, torchrun_pid, run_id, started
-    chan: Channel                 # the agent; streaming events when opened to follow
-    pending: bytes                # what it streamed after its reply line
-
-
-def launch_all(cluster: Cluster, transports: dict[int, Transport], pre: Preflight,
-               launchers: dict[int, Channel]) -> tuple[str, dict[int, Started]]:
+def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport
+               ) -> tuple[str, dict[int, dict]]:
     """Start torchrun on every host in parallel; raise naming every host that failed."""
     run_id = uuid.uuid4().hex
     addr = master_addr(cluster, pre.hosts)
     specs = {h.index: launch_spec(cluster, h, pre.hosts[h.index], addr, pre.master_port, run_id)
              for h in cluster.hosts}
     result = fan_out(cluster.hosts, lambda h: launch_host(
-        transports[h.index], launchers[h.index], specs[h.index]))
-    if result.failed:
-        for started in result.ok.values():
-            started.chan.close()
-        result.raise_failures(cluster.hosts, "to start")
+        links[h.index], pre.hosts[h.index].job_dir, specs[h.index]))
+    result.raise_failures(cluster.hosts, "to start")
     return run_id, result.ok
 
 
@@ -137,5 +101,3 @@ def dry_run_plan(cluster: Cluster) -> str:
     lines.append(f"environment of every rank: ORCH_JOB, ORCH_JOB_DIR, ORCH_DATA_DIR, ORCH_OUTPUT_DIR, "
                  f"job env ({env_keys}; values sent in a 0600 file, not shown)")
     return "\n".join(lines)
-
-

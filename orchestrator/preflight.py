@@ -4,11 +4,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from orchestrator import timeouts
 from orchestrator.connect import GroupResult, fan_out
-from orchestrator.errors import HostError, OrchError
+from orchestrator.errors import HostError, UsageError
 from orchestrator.inventory import Cluster, Host
-from orchestrator.remote import call
-from orchestrator.transport import Transport
+from orchestrator.link import Link
 
 
 @dataclass(frozen=True)
@@ -25,22 +25,38 @@ class HostInfo:
     manifests: dict       # {"code"|"data": {rel: [size, sha256]}} of what the host has
 
 
+@dataclass(frozen=True)
+class PreflightReport:
+    hosts: dict[int, HostInfo]
+    master_port: int
+
+
+Preflight = PreflightReport
+
+
 def job_dir(cluster: Cluster, host: Host) -> str:
     return f"{host.remote_dir.rstrip('/')}/{cluster.name}"
 
 
-def check_host(cluster: Cluster, t: Transport) -> tuple[HostInfo, dict]:
-    host = t.host
-    master = host.index == 0
+def folders(cluster: Cluster) -> list[str]:
+    return [f for f, want in (("code", cluster.code.paths), ("data", cluster.data.shards)) if want]
+
+
+def check_host(cluster: Cluster, link: Link) -> tuple[HostInfo, dict]:
+    """One request: the checks and the folders' manifests (sent as parts)."""
+    host = link.host
     sent = time.time()
-    folders = ",".join(f for f, want in (("code", cluster.code.paths),
-                                         ("data", cluster.data.shards)) if want)
-    r = call(t, "preflight", job_dir(cluster, host), cluster.job.master_port or 0,
-             "1" if master else "0", folders, host.gpus,
-             timeout=max(60.0, host.ssh.connect_timeout * 3))
+    _, pending = link.submit("preflight", job_dir=job_dir(cluster, host),
+                             master_port=cluster.job.master_port or 0,
+                             want_port=host.index == 0, folders=folders(cluster),
+                             want_gpus=host.gpus > 0)
+    r = link.wait(pending, max(timeouts.PREFLIGHT, host.ssh.connect_timeout * 3))
     offset = r["time"] - (sent + time.time()) / 2
+    manifests: dict = {f: {} for f in folders(cluster)}
+    for part in pending.parts:
+        manifests.setdefault(part["folder"], {}).update(part["files"])
     info = HostInfo(r["job_dir"], r["executable"], r["torch"], r["gpus"], offset,
-                    r["running"], r["ssh_connection"], r["manifests"])
+                    r["running"], r["ssh_connection"], manifests)
     problems = host_problems(host, info, r)
     if problems:
         raise HostError(f"{host.label}: " + "; ".join(p for p, _ in problems),
@@ -59,7 +75,7 @@ def host_problems(host: Host, info: HostInfo, r: dict) -> list[tuple[str, str]]:
     if r["writable"]:
         problems.append((f"remote_dir not writable: {r['writable']}",
                          "choose a remote_dir the SSH user can write"))
-    if "port" in r and not r["port_free"]:
+    if "port" in r and not r.get("port_free"):
         problems.append((f"master port {r['port']} is already in use",
                          "set job.master_port to a free port, or leave it out to pick one"))
     return problems
@@ -76,18 +92,12 @@ def torch_mismatch(cluster: Cluster, infos: dict[int, HostInfo]) -> dict[int, Ho
             for i, v in versions.items() if v != master}
 
 
-@dataclass(frozen=True)
-class Preflight:
-    hosts: dict[int, HostInfo]
-    master_port: int
-
-
-def preflight(cluster: Cluster, transports: dict[int, Transport],
-              failed: dict[int, BaseException], done=None) -> Preflight:
-    """Check every connected host; report every failing host together (connection
+def preflight(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseException],
+              done=None) -> PreflightReport:
+    """Check every host whose agent runs; report every failing host together (connection
     failures included), so that one bad host never hides another."""
-    result: GroupResult = fan_out(tuple(cluster.hosts[i] for i in transports),
-                                  lambda h: check_host(cluster, transports[h.index]), done=done)
+    result: GroupResult = fan_out(tuple(cluster.hosts[i] for i in links),
+                                  lambda h: check_host(cluster, links[h.index]), done=done)
     failures = dict(failed)
     failures.update(result.failed)
     infos = {i: v[0] for i, v in result.ok.items()}
@@ -96,6 +106,8 @@ def preflight(cluster: Cluster, transports: dict[int, Transport],
         GroupResult(failed=failures).raise_failures(cluster.hosts, "preflight")
     running = [cluster.hosts[i].label for i, inf in infos.items() if inf.running]
     if running:
-        raise OrchError(f"job '{cluster.name}' is already running on {', '.join(running)}",
-                        hint=f"stop it first with `orch stop {cluster.path.name}`, or give this job another name")
-    return Preflight(infos, result.ok[0][1]["port"])
+        raise UsageError(f"job '{cluster.name}' is already running on {', '.join(running)}",
+                         hint=f"stop it first with `orch stop {cluster.path.name}`, or give this job another name")
+    if "port" not in result.ok[0][1]:
+        raise HostError(f"{cluster.hosts[0].label}: preflight did not report a master port")
+    return PreflightReport(infos, result.ok[0][1]["port"])

@@ -1,27 +1,40 @@
 """Stopping a job on every host: SIGTERM, grace, SIGKILL, then verify nothing is left."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from orchestrator import timeouts
 from orchestrator.connect import GroupResult, fan_out
 from orchestrator.inventory import Cluster
-from orchestrator.remote import call
-from orchestrator.transport import Transport
+from orchestrator.link import Link
 
 
-def stop_host(t: Transport, job_dir: str, grace: float) -> dict:
-    return call(t, "stop", job_dir, f"{grace:g}", timeout=grace + 60)
+@dataclass(frozen=True)
+class StopReport:
+    """What one host's agent did: processes found, how many needed SIGKILL, the pids
+    that survived even that, and how long it took."""
+
+    found: int
+    killed: int
+    left: tuple[int, ...]
+    seconds: float
+
+    def describe(self) -> str:
+        if self.left:
+            return f"{len(self.left)} processes could not be ended: pids {list(self.left)}"
+        if not self.found:
+            return "nothing was running"
+        forced = f", {self.killed} needed SIGKILL" if self.killed else ""
+        return f"stopped {self.found} processes{forced}; verified none left"
 
 
-def stop_all(cluster: Cluster, transports: dict[int, Transport], dirs: dict[int, str],
-             grace: float) -> GroupResult[dict]:
+def stop_host(link: Link, job_dir: str, grace: float) -> StopReport:
+    r = link.request("stop", grace + timeouts.STOP_EXTRA, job_dir=job_dir, grace=grace)
+    return StopReport(r["found"], r["killed"], tuple(r["left"]), r["seconds"])
+
+
+def stop_all(cluster: Cluster, links: dict[int, Link], dirs: dict[int, str],
+             grace: float) -> GroupResult[StopReport]:
     """Every reachable host in parallel; a host that fails is reported, the rest still stop."""
-    hosts = tuple(h for h in cluster.hosts if h.index in transports)
-    return fan_out(hosts, lambda h: stop_host(transports[h.index], dirs[h.index], grace))
-
-
-def describe(reply: dict) -> str:
-    if reply["left"]:
-        return f"{len(reply['left'])} processes could not be ended: pids {reply['left']}"
-    if not reply["found"]:
-        return "nothing was running"
-    forced = f", {reply['killed']} needed SIGKILL" if reply["killed"] else ""
-    return f"stopped {reply['found']} processes{forced}; verified none left"
+    hosts = tuple(h for h in cluster.hosts if h.index in links)
+    return fan_out(hosts, lambda h: stop_host(links[h.index], dirs[h.index], grace))

@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
+from orchestrator import protocol, timeouts
 from orchestrator.errors import HostError
+from orchestrator.link import Link
 from orchestrator.localfiles import DigestCache, LocalFile, code_files  # noqa: F401 (re-exported)
-from orchestrator.remote import call, open_agent, parse_reply
-from orchestrator.transport import Transport
 
 BATCH = 1 << 20
 Progress = Callable[[int, int], None]   # (bytes, files) just sent
@@ -38,28 +38,35 @@ def plan(local: list[LocalFile], remote: dict[str, list]) -> tuple[list[LocalFil
     return send, delete
 
 
-def stream_files(chan, files: list[LocalFile], progress: Progress | None) -> None:
-    """Small files are batched into 1 MiB writes; large ones go in 1 MiB slices."""
+def file_head(f: LocalFile) -> bytes:
+    return protocol.stream_item("file", p=f.rel, s=f.size, h=f.digest, m=f.mode)
+
+
+def stream_files(send: Callable[[bytes], None], files: list[LocalFile],
+                 progress: Progress | None) -> None:
+    """A `file` message and data frames (at most 1 MiB each) per file; small files are
+    batched into 1 MiB writes."""
     batch, pending, buf = bytearray(), 0, bytearray(BATCH)
     view = memoryview(buf)
     for f in files:
-        if f.link is not None:   # a symlink: its header carries the target, no bytes follow
-            batch += json.dumps({"p": f.rel, "link": f.link}).encode() + b"\n"
+        if f.link is not None:   # a symlink: its message carries the target, no data frames
+            batch += protocol.stream_item("link", p=f.rel, link=f.link)
             pending += 1
             continue
-        head = {"p": f.rel, "s": f.size, "h": f.digest, "m": f.mode}
-        batch += json.dumps(head).encode() + b"\n"
+        batch += file_head(f)
         with open(f.path, "rb") as src:
             if f.size <= BATCH:
-                batch += src.read()
+                data = src.read()
+                batch += protocol.frame(protocol.DATA, data) if data else b""
             else:
-                chan.write(batch)
+                send(bytes(batch))
                 batch = bytearray()
                 for n in iter(lambda: src.readinto(buf), 0):
-                    chan.write(view[:n])
+                    send(protocol.HEADER.pack(protocol.DATA, n))
+                    send(view[:n])
         pending += 1
         if len(batch) >= BATCH:
-            chan.write(batch)
+            send(bytes(batch))
             if progress:
                 progress(len(batch), pending)
             batch, pending = bytearray(), 0
@@ -67,31 +74,30 @@ def stream_files(chan, files: list[LocalFile], progress: Progress | None) -> Non
             progress(f.size, pending)
             pending = 0
     if batch:
-        chan.write(batch)
+        send(bytes(batch))
     if progress:
         progress(len(batch), pending)
 
 
-def push(t: Transport, dest: str, local: list[LocalFile], progress: Progress | None = None,
+def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | None = None,
          remote: dict[str, list] | None = None) -> SyncReport:
     """Make `dest` on the host hold exactly `local` (by content); send only differences.
     `remote` is the host's manifest of dest when the caller has it already."""
     if remote is None:
-        remote = call(t, "manifest", dest, timeout=600)["files"]
+        _, asked = link.submit("manifest", root=dest)
+        link.wait(asked, timeouts.SYNC)
+        remote = {rel: entry for part in asked.parts for rel, entry in part["files"].items()}
     send, delete = plan(local, remote)
     if not send and not delete:
         return SyncReport(0, 0, 0, ())
-    chan = open_agent(t, "receive", dest, timeout=600)
     try:
-        stream_files(chan, send, progress)
-        chan.write(json.dumps({"end": True, "delete": delete}).encode() + b"\n")
-        chan.close_stdin()
-        res = chan.finish()
-    except (OSError, EOFError, TimeoutError) as e:
-        raise HostError(f"{t.host.label}: push to {dest} broke off: {e}",
+        with link.wlock:   # the stream follows its request with nothing in between
+            _, pending = link.submit("receive", root=dest)
+            stream_files(link.send, send, progress)
+            link.send(protocol.stream_item("end", delete=delete))
+    except (OSError, EOFError) as e:
+        raise HostError(f"{link.name}: push to {dest} broke off: {e}",
                         hint="run `orch up` again: only what is missing will be sent") from None
-    finally:
-        chan.close()
-    reply = parse_reply(t, "receive", res.code, res.stdout, res.stderr)
+    reply = link.wait(pending, timeouts.SYNC)
     return SyncReport(reply["files"], reply["bytes"], reply["deleted"],
                       tuple(f.rel for f in send))

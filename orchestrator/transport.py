@@ -18,10 +18,12 @@ from pathlib import Path
 
 import paramiko
 
-from orchestrator.errors import HostError, UsageError
+from orchestrator import timeouts
+from orchestrator.errors import EXIT_HOST, HostError, OrchError, UsageError
 from orchestrator.inventory import Host
 
 CHUNK = 1 << 20
+STDERR_KEEP = 64 << 10   # what a command may print to stderr is kept up to this (the end)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,14 @@ class Channel(ABC):
 
     def settimeout(self, timeout: float | None) -> None:
         """How long read() may wait; None: forever (a follow that heartbeats)."""
+
+    @abstractmethod
+    def stderr_tail(self) -> bytes:
+        """The last bytes (at most STDERR_KEEP) the command wrote to stderr so far."""
+
+    @abstractmethod
+    def exit_code(self) -> int | None:
+        """The command's exit code once it has ended, else None."""
 
 
 class Transport(ABC):
@@ -91,9 +101,17 @@ class LocalChannel(Channel):
     def _drain_err(self) -> None:
         for block in iter(lambda: self.proc.stderr.read1(CHUNK), b""):
             self._err += block
+            del self._err[:-STDERR_KEEP]
+
+    def stderr_tail(self) -> bytes:
+        return bytes(self._err)
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
 
     def write(self, data: bytes | memoryview) -> None:
         self.proc.stdin.write(data)
+        self.proc.stdin.flush()   # a request must reach the agent now, not at close
 
     def close_stdin(self) -> None:
         try:
@@ -183,6 +201,15 @@ class SSHChannel(Channel):
             err += self.chan.recv_stderr(CHUNK)
         return Result(code, bytes(out), bytes(err))
 
+    def stderr_tail(self) -> bytes:
+        err = bytearray()
+        while self.chan.recv_stderr_ready() and len(err) < 4 * STDERR_KEEP:
+            err += self.chan.recv_stderr(CHUNK)
+        return bytes(err[-STDERR_KEEP:])
+
+    def exit_code(self) -> int | None:
+        return self.chan.recv_exit_status() if self.chan.exit_status_ready() else None
+
     def close(self) -> None:
         self.chan.close()
 
@@ -196,7 +223,7 @@ class SSHTransport(Transport):
         transport = self.client.get_transport()
         if transport is None or not transport.is_active():
             raise HostError(f"{self.host.label}: the SSH connection was lost")
-        chan = transport.open_session(timeout=timeout or 30)
+        chan = transport.open_session(timeout=timeout or timeouts.OPEN_SESSION)
         chan.exec_command(remote_command(argv))
         return SSHChannel(chan, timeout)
 
@@ -215,10 +242,10 @@ def known_hosts_name(address: str, port: int) -> str:
     return address if port == 22 else f"[{address}]:{port}"
 
 
-class HostKeyRefused(Exception):
-    def __init__(self, message: str, hint: str) -> None:
-        super().__init__(message)
-        self.hint = hint
+class HostKeyRefused(OrchError):
+    """An unknown host key under the strict policy: the host is not reached (exit 3)."""
+
+    exit_code = EXIT_HOST
 
 
 class StrictPolicy(paramiko.MissingHostKeyPolicy):
@@ -232,7 +259,7 @@ class StrictPolicy(paramiko.MissingHostKeyPolicy):
         raise HostKeyRefused(
             f"host key not trusted: {name} offers {key.get_name()} {fingerprint(key)}, "
             f"which is not in {self.known_hosts}",
-            f"check the fingerprint on the host (ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub), then "
+            hint=f"check the fingerprint on the host (ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub), then "
             f"`ssh-keyscan -p {self.port} {hostname.strip('[]').split(']')[0]} >> {self.known_hosts}`"
             f", or set `host_key_policy: accept-new` in cluster.yaml")
 

@@ -156,6 +156,14 @@ class FakeHost:
     def log_file(self) -> Path:
         return self.home / "sshd.log"
 
+    def sessions(self) -> int:
+        """How many exec sessions (remote commands) this sshd has started so far."""
+        try:
+            text = self.log_file.read_text(errors="replace")
+        except OSError:
+            return 0
+        return text.count("Starting session: command")
+
     def descendants(self) -> list[int]:
         return descendants_of(self.proc.pid)
 
@@ -205,7 +213,7 @@ def _sshd_config(home: Path, address: str, port: int, authorized_keys: Path) -> 
         f"PidFile {home / 'sshd.pid'}",
         "MaxSessions 64",
         "MaxStartups 200:30:400",
-        "LogLevel ERROR",
+        "LogLevel VERBOSE",   # one "Starting session: command ..." line per exec session
         "Subsystem sftp internal-sftp",
         "AllowTcpForwarding no",
         "",

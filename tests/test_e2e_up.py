@@ -462,3 +462,45 @@ def test_broken_inventory_through_cli(stem: str, tmp_path: Path) -> None:
     assert expect[2].strip() in result.stderr
     assert "Traceback" not in result.stderr and result.stderr.count("orch:") == 1
     assert not (tmp_path / ".orch").exists() and not (CORPUS / ".orch").exists()
+
+
+# ---------------------------------------------------------------- one login per host
+
+def session_counts(hosts: Sequence[FakeHost]) -> dict[str, int]:
+    return {h.address: h.sessions() for h in hosts}
+
+
+def sessions_of(hosts: Sequence[FakeHost], command) -> dict[str, int]:
+    """Exec sessions each host's sshd started while `command()` ran (sshd logs each at
+    LogLevel VERBOSE; the log is written before the session runs)."""
+    before = session_counts(hosts)
+    command()
+    after = session_counts(hosts)
+    return {a: after[a] - before[a] for a in after}
+
+
+@pytest.mark.ssh
+def test_one_session_per_host_per_command(sshd_cluster: SshdCluster, tmp_path: Path,
+                                          jobs: Jobs) -> None:
+    """orch up (preflight, sync, launch, follow) = 1 session per host, a repeat up = 1,
+    stop, status and logs = 1 each."""
+    hosts, name = sshd_cluster.hosts[:3], "e2e-sessions"
+    write_job(tmp_path, QUICK_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
+    jobs.add(inv, hosts, name)
+    ones = {h.address: 1 for h in hosts}
+
+    def ok(*args: str):
+        def run() -> None:
+            result = orch(tmp_path, *args)
+            assert result.returncode == 0, result.stderr
+        return run
+    assert session_counts(hosts) == session_counts(hosts)   # the log is readable
+    assert sessions_of(hosts, ok("up", str(inv))) == ones
+    assert sessions_of(hosts, ok("up", str(inv))) == ones
+    assert sessions_of(hosts, ok("status", "-c", str(inv))) == ones
+    assert sessions_of(hosts, ok("logs", "-c", str(inv))) == ones
+    assert sessions_of(hosts, ok("logs", "-c", str(inv), "--rank", "1")) == {
+        h.address: int(i == 1) for i, h in enumerate(hosts)}
+    assert sessions_of(hosts, ok("stop", str(inv))) == ones
+    assert_nothing_left(hosts, name)

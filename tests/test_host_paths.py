@@ -5,11 +5,12 @@ victim file. A link is planted at every name orch expects to be its own (code, d
 run, logs, output, a shard folder, logs/rank-0.log, run/launch.json, a staging folder,
 the job folder itself); each operation orch does there is refused with the path and the
 fix, or leaves the link alone, and the victims are byte for byte what they were. The
-agent's receive and manifest commands run as the controller starts them (remote.AGENT).
+agent's receive and manifest requests run as the controller starts the agent (its bundle).
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import signal
@@ -24,8 +25,8 @@ import pytest
 
 from conftest import wait_until
 
-from orchestrator import remote
-from orchestrator.agent import manifest
+from orchestrator import bundle, protocol
+from orchestrator.host.files import manifest
 from orchestrator.host.ledger import Ledger
 from orchestrator.host.paths import JobDir, UnsafePath, check_link_target
 
@@ -79,10 +80,36 @@ def refused(fn: Callable[[], object], path: Path) -> UnsafePath:
     return e
 
 
+def request(command: str, *args: str) -> bytes:
+    """The request the controller sends for what was once `agent.py COMMAND ARGS...`."""
+    if command == "preflight":
+        job, port, want_port, folders, gpus = args
+        return protocol.request("preflight", 1, job_dir=job, master_port=int(port),
+                                want_port=want_port == "1", want_gpus=gpus != "0",
+                                folders=[f for f in folders.split(",") if f])
+    return protocol.request(command, 1, root=args[0])
+
+
 def agent(command: str, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
-    """An agent command, started as the controller starts it (the one concatenated script)."""
-    return subprocess.run(remote.agent_argv(sys.executable, command, *args),
-                          input=remote.AGENT + stdin, capture_output=True, timeout=30)
+    """One request to an agent started as the controller starts it (its bundle on stdin).
+    Exit 0 and the reply (manifest parts merged into "files"), or 1 and {"error", "fix"}."""
+    proc = subprocess.run(bundle.agent_argv(sys.executable), capture_output=True, timeout=30,
+                          input=bundle.agent_stdin() + request(command, *args) + stdin)
+    reader = protocol.FrameReader(io.BytesIO(proc.stdout).read)
+    reader.skip_to_magic()
+    reader.read_json("hello")
+    files: dict = {}
+    while True:
+        msg = reader.read_json("the reply")
+        if msg["t"] == "part":
+            files.update(msg["body"]["files"])
+            continue
+        break
+    if msg["t"] == "error":
+        out, code = {"error": msg["message"], "fix": msg.get("fix", "")}, 1
+    else:
+        out, code = dict(msg["body"], **({"files": files} if command == "manifest" else {})), 0
+    return subprocess.CompletedProcess(proc.args, code, json.dumps(out).encode(), proc.stderr)
 
 
 def reply(res: subprocess.CompletedProcess) -> dict:
@@ -90,16 +117,17 @@ def reply(res: subprocess.CompletedProcess) -> dict:
 
 
 def frame(rel: str, payload: bytes) -> bytes:
-    head = {"p": rel, "s": len(payload), "m": 0o644, "h": hashlib.sha256(payload).hexdigest()}
-    return json.dumps(head).encode() + b"\n" + payload
+    head = protocol.stream_item("file", p=rel, s=len(payload), m=0o644,
+                                h=hashlib.sha256(payload).hexdigest())
+    return head + (protocol.frame(protocol.DATA, payload) if payload else b"")
 
 
 def link_frame(rel: str, target: str) -> bytes:
-    return json.dumps({"p": rel, "link": target}).encode() + b"\n"
+    return protocol.stream_item("link", p=rel, link=target)
 
 
 def end(delete=()) -> bytes:
-    return json.dumps({"end": True, "delete": list(delete)}).encode() + b"\n"
+    return protocol.stream_item("end", delete=list(delete))
 
 
 # ---------------------------------------------------------------- links at orch's names
@@ -310,10 +338,11 @@ def test_an_old_digest_cache_makes_nothing_deletable(tmp_path: Path) -> None:
 def test_a_killed_receiver_leaves_a_journal_of_what_it_placed(tmp_path: Path) -> None:
     code = tmp_path / "job" / "code"
     (code).mkdir(parents=True)
-    proc = subprocess.Popen(remote.agent_argv(sys.executable, "receive", str(code)),
+    proc = subprocess.Popen(bundle.agent_argv(sys.executable),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        proc.stdin.write(remote.AGENT + frame("done.bin", b"d" * 1000) + frame("big.bin", b"b" * 5000)[:-4000])
+        proc.stdin.write(bundle.agent_stdin() + request("receive", str(code)) +
+                         frame("done.bin", b"d" * 1000) + frame("big.bin", b"b" * 5000)[:-4000])
         proc.stdin.flush()
         wait_until(lambda: (code / "done.bin").exists() and
                    any(".orch-part-" in n for n in os.listdir(code)), 10, "the first file in place")

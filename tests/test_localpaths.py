@@ -9,6 +9,7 @@ traceback, nothing touched". One test pushes through real sshd.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ from typing import Callable, Optional
 import pytest
 import yaml
 
-from orchestrator import splitdata
+from orchestrator import protocol, splitdata
 from orchestrator.errors import DataError
 from orchestrator.inventory import load
 from orchestrator.localfiles import (DigestCache, LocalFile, Pushable, check_entrypoint,
@@ -185,15 +186,17 @@ def test_stream_sends_a_link_as_a_header_without_bytes(tmp_path: Path) -> None:
     (job / "alias.py").symlink_to("train.py")
     got = files_of(tmp_path)
 
-    class Chan:
-        data = b""
-
-        def write(self, b) -> None:
-            Chan.data += bytes(b)
-    stream_files(Chan(), [got["job/alias.py"], got["job/train.py"]], None)
-    first, second, rest = Chan.data.split(b"\n", 2)
-    assert json.loads(first) == {"p": "job/alias.py", "link": "train.py"}
-    assert json.loads(second)["p"] == "job/train.py" and rest == b"print('train')\n"
+    sent = bytearray()
+    stream_files(sent.extend, [got["job/alias.py"], got["job/train.py"]], None)
+    data = io.BytesIO(bytes(sent))
+    reader = protocol.FrameReader(data.read)
+    frames = []
+    while (f := reader.read_frame()) is not None:
+        frames.append(f)
+    link_head, file_head, file_data = frames
+    assert json.loads(link_head[1]) == {"t": "link", "p": "job/alias.py", "link": "train.py"}
+    assert json.loads(file_head[1])["p"] == "job/train.py"
+    assert file_data == (protocol.DATA, b"print('train')\n")
     # an unchanged link on the host (same "link:" digest) is not sent again
     remote = {"job/alias.py": [0, link_digest("train.py")]}
     send, _ = plan([got["job/alias.py"]], remote)

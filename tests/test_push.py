@@ -12,6 +12,7 @@ $ORCH_DATA_DIR and prints the result, which proves where ORCH_DATA_DIR points.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
@@ -28,8 +29,8 @@ import pytest
 
 from conftest import kill_all, wait_until
 
-from orchestrator import remote, splitdata
-from sshd_cluster import FakeHost, SshdCluster, pids_with_env
+from orchestrator import bundle, protocol, splitdata
+from sshd_cluster import FakeHost, SshdCluster, pid_alive, pids_with_env
 
 pytestmark = pytest.mark.ssh
 
@@ -84,14 +85,14 @@ def assert_no_job_left(hosts: Sequence[FakeHost], name: str) -> None:
 
 
 def receivers_of(dest: Path) -> list[int]:
-    """Live agent `receive` processes writing into dest (their argv names it)."""
+    """Live agents serving the job whose data/ is dest (their argv names the job dir)."""
     found = []
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"receive" in argv and str(dest).encode() in argv:
+        if b"orch-agent" in argv and str(dest.parent).encode() in argv and pid_alive(pid):
             found.append(pid)
     return found
 
@@ -476,19 +477,28 @@ def test_receive_into_a_root_reached_through_a_link(tmp_path: Path) -> None:
 
 
 def frame(rel: str, payload: bytes, digest: Optional[str] = None) -> bytes:
-    head = {"p": rel, "s": len(payload), "m": 0o644,
-            "h": digest or hashlib.sha256(payload).hexdigest()}
-    return json.dumps(head).encode() + b"\n" + payload
+    head = protocol.stream_item("file", p=rel, s=len(payload), m=0o644,
+                                h=digest or hashlib.sha256(payload).hexdigest())
+    return head + (protocol.frame(protocol.DATA, payload) if payload else b"")
 
 
 def end(delete: Sequence[str] = ()) -> bytes:
-    return json.dumps({"end": True, "delete": list(delete)}).encode() + b"\n"
+    return protocol.stream_item("end", delete=list(delete))
 
 
 def receive(root: Path, stream: bytes) -> subprocess.CompletedProcess:
-    """The agent's `receive` command, started as the controller starts it, without SSH."""
-    return subprocess.run(remote.agent_argv(sys.executable, "receive", str(root)),
-                          input=remote.AGENT + stream, capture_output=True, timeout=30)
+    """The agent's `receive`, started as the controller starts it, without SSH: exit 0
+    and the reply when it succeeded, else 1 and the error's message."""
+    proc = subprocess.run(bundle.agent_argv(sys.executable), capture_output=True, timeout=30,
+                          input=bundle.agent_stdin() + protocol.request("receive", 1, root=str(root))
+                          + stream)
+    reader = protocol.FrameReader(io.BytesIO(proc.stdout).read)
+    reader.skip_to_magic()
+    reader.read_json("hello")
+    answer = reader.read_json("the reply")
+    ok = answer["t"] == "reply"
+    out = json.dumps(answer["body"] if ok else answer["message"]).encode()
+    return subprocess.CompletedProcess(proc.args, 0 if ok else 1, out, proc.stderr)
 
 
 def test_receive_refuses_a_stream_that_escapes(tmp_path: Path) -> None:

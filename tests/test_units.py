@@ -1,12 +1,15 @@
 """Unit tests of controller pieces that need no host: quoting, planning, parsing, ordering."""
 from __future__ import annotations
 
+import io
 import shlex
 
-from orchestrator.commands.monitor import Monitor, first_failure, signal_name
-from orchestrator.follow import HostStream, parse_chunk
+from orchestrator import protocol
+from orchestrator.follow import HostStream, Tracker
+from orchestrator.link import Link
 from orchestrator.sync import LocalFile, plan
 from orchestrator.transport import remote_command
+from orchestrator.watch import Monitor, first_failure, signal_name
 
 
 def test_remote_command_quotes_every_word_but_keeps_tilde() -> None:
@@ -33,6 +36,14 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list = []
 
+    def output(self, host, rank, partial, data):
+        from orchestrator.follow import split_lines
+        texts = split_lines(partial, data)
+        if self.calls and self.calls[-1][:2] == ("L", rank):
+            self.calls[-1][2].extend(texts)   # one run of a rank's lines: one call
+        else:
+            self.calls.append(("L", rank, texts))
+
     def lines(self, host, rank, texts):
         self.calls.append(("L", rank, list(texts)))
 
@@ -46,11 +57,27 @@ class Recorder:
         self.calls.append(("lost", why))
 
 
+class FakeHost:
+    index, label, python = 0, "h0", "python3"
+
+
+def feed(link: Link, frames: bytes) -> None:
+    """Frames as the agent sends them, through the link's own reader."""
+    reader = protocol.FrameReader(io.BytesIO(frames).read)
+    while (got := reader.read_frame()) is not None:
+        link._dispatch(*got)
+
+
 def test_parse_chunk_groups_lines_per_rank_and_keeps_order() -> None:
     rec = Recorder()
-    stream = HostStream(transport=None, job_dir="/j", ranks=[0, 1])
-    data = b"L 0 a\nL 0 b c\nL 1 x\nT\nL 0 \nE 1 7 12.5\nX {\"code\": 1}"
-    parse_chunk(stream, 0, data, rec)
+    stream = HostStream(link=None, job_dir="/j", ranks=[0, 1])
+    link = Link.__new__(Link)
+    link.host, link.sink, link.follow_ranks, link.follow_id = FakeHost(), None, frozenset(), None
+    link.sink, link.follow_ranks = Tracker({0: stream}, rec), frozenset([0, 1])
+    data = (protocol.output(0, b"a\nb c\n") + protocol.output(1, b"x\n") + protocol.event("beat")
+            + protocol.output(0, b"\n") + protocol.event("exit", rank=1, code=7, time=12.5)
+            + protocol.event("done", code=1))
+    feed(link, data)
     assert rec.calls == [("L", 0, [b"a", b"b c"]), ("L", 1, [b"x"]), ("L", 0, [b""]),
                          ("E", 1, 7, 12.5), ("X", {"code": 1})]
     assert stream.done
@@ -84,7 +111,7 @@ def test_exits_caused_by_our_own_stop_are_never_the_root_cause() -> None:
 
 
 def test_tail_offset_counts_lines_from_the_end(tmp_path) -> None:
-    from orchestrator.agent_jobs import tail_offset
+    from orchestrator.host.follow import tail_offset
     f = tmp_path / "log"
     for content, want in ((b"a\nb\nc\n", [b"", b"c\n", b"b\nc\n", b"a\nb\nc\n", b"a\nb\nc\n"]),
                           (b"a\nb", [b"", b"b", b"a\nb", b"a\nb", b"a\nb"])):
@@ -95,3 +122,20 @@ def test_tail_offset_counts_lines_from_the_end(tmp_path) -> None:
     with open(f, "rb") as log:
         assert f.read_bytes()[tail_offset(log, 3):] == b"199997\n199998\n199999\n"
     assert tail_offset(None, 3) == 0
+
+
+def test_group_failures_keep_one_shared_exit_code() -> None:
+    """"already running" (exit 2) from every host stays exit 2; mixed with an unreachable
+    host, or an unexpected exception, it is a host failure (exit 3)."""
+    import pytest
+    from types import SimpleNamespace
+    from orchestrator.connect import GroupResult
+    from orchestrator.errors import HostError, UsageError
+    hosts = tuple(SimpleNamespace(label=n, index=i, address=n, ssh=SimpleNamespace(port=22))
+                  for i, n in enumerate("ab"))
+    for failed, code in (({0: UsageError("a: already running"), 1: UsageError("b: already running")}, 2),
+                         ({0: UsageError("a: already running"), 1: HostError("b: no answer")}, 3),
+                         ({0: RuntimeError("boom")}, 3)):
+        with pytest.raises(HostError) as err:
+            GroupResult(failed=failed).raise_failures(hosts, "to start")
+        assert err.value.exit_code == code, failed

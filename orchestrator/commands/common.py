@@ -1,22 +1,18 @@
-"""What every command needs: the inventory, connections, a console for messages."""
+"""What every command needs: the inventory, a session on its hosts, messages."""
 from __future__ import annotations
 
 import argparse
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
-from rich.console import Console
 from rich.markup import escape
 
 from orchestrator import state as job_state
-from orchestrator.connect import GroupResult, close_all, connect_all
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Cluster, load
-from orchestrator.transport import Transport
+from orchestrator.session import Session
+from orchestrator.ui import console
 
-# Messages and progress go to stderr; stdout carries only the job's output (it pipes).
-console = Console(stderr=True, highlight=False, soft_wrap=True)
+__all__ = ["console", "inventory", "require_state", "open_session", "warn_unreachable"]
 
 
 def inventory(args: argparse.Namespace) -> Cluster:
@@ -27,26 +23,20 @@ def inventory(args: argparse.Namespace) -> Cluster:
     return load(path)
 
 
-def connected(cluster: Cluster, done=None,
-              hosts=None) -> tuple[dict[int, Transport], dict[int, BaseException]]:
-    result = connect_all(cluster.hosts if hosts is None else hosts, cluster.base_dir, done)
-    return result.ok, result.failed
-
-
-@contextmanager
-def connections(cluster: Cluster, require_all: bool = True,
-                hosts=None) -> Iterator[dict[int, Transport]]:
-    """Open each host's connection (every host, or `hosts`) once for the whole command;
-    close them at the end."""
-    transports, failed = connected(cluster, hosts=hosts)
+def open_session(cluster: Cluster, state: job_state.JobState | None = None,
+                 hosts=None) -> Session:
+    """A session with every host's (or `hosts`') agent started; the caller closes it."""
+    session = Session(cluster, state)
     try:
-        if failed and require_all:
-            GroupResult(failed=failed).raise_failures(cluster.hosts, "to connect")
-        for i, exc in failed.items():
-            console.print(f"[yellow]warning:[/] {escape(str(exc))}")
-        yield transports
-    finally:
-        close_all(transports)
+        return session.open(hosts)
+    except BaseException:
+        session.close()
+        raise
+
+
+def warn_unreachable(session: Session) -> None:
+    for exc in session.failed.values():
+        console.print(f"[yellow]warning:[/] {escape(str(exc))}")
 
 
 def require_state(cluster: Cluster) -> job_state.JobState:

@@ -3,16 +3,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from typing import Any
 
 from rich.markup import escape
 
 from orchestrator import state as job_state
-from orchestrator.commands.common import connections, console, inventory
+from orchestrator.commands.common import console, inventory, open_session, warn_unreachable
 from orchestrator.errors import EXIT_OK
-from orchestrator.follow import HostStream, PrefixPrinter, follow
-from orchestrator.remote import open_agent
+from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
+from orchestrator.session import Session
 
 
 def add_parser(sub: Any) -> None:
@@ -25,33 +26,66 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
-    dirs = job_state.job_dirs(cluster, job_state.load(cluster))
+    st = job_state.load(cluster)
     if args.rank is not None:
         host = cluster.host_of(args.rank)
-        with connections(cluster, hosts=(host,)) as transports:
-            return raw_log(transports[host.index], dirs[host.index], args)
-    with connections(cluster, require_all=False) as transports:
-        return all_logs(cluster, transports, dirs, args)
-
-
-def raw_log(t, job_dir: str, args: argparse.Namespace) -> int:
-    """Copy the rank's log bytes as they are: no prefix, nothing re-encoded."""
-    mode = "raw-follow" if args.follow else "raw"
-    chan = open_agent(t, "follow", job_dir, str(args.rank), str(args.tail), mode)
-    chan.close_stdin()
-    out = sys.stdout.buffer
+        session = open_session(cluster, st, hosts=(host,))
+        try:
+            session.require_all("to connect")
+            return raw_log(session, host.index, args)
+        finally:
+            session.close()
+    session = open_session(cluster, st)
     try:
-        for data in iter(chan.read, b""):
-            out.write(data)
-            out.flush()
-    except BrokenPipeError:   # `orch logs ... | head` closed the pipe: fine
-        return EXIT_OK
+        warn_unreachable(session)
+        return all_logs(session, args)
     finally:
-        chan.close()
+        session.close()
+
+
+class RawSink:
+    """The rank's bytes as they are: no prefix, nothing re-encoded."""
+
+    def __init__(self) -> None:
+        self.out = sys.stdout.buffer
+        self.ended = threading.Event()
+        self.broken = False
+        self.why = ""
+
+    def output(self, host: int, rank: int, partial: bool, data: bytes) -> None:
+        if self.broken:
+            return
+        try:
+            self.out.write(data if partial or data.endswith(b"\n") else data + b"\n")
+            self.out.flush()
+        except BrokenPipeError:   # `orch logs ... | head` closed the pipe: fine
+            self.broken = True
+            self.ended.set()
+
+    def rank_exit(self, host: int, rank: int, code: int, when: float) -> None:
+        pass
+
+    def host_done(self, host: int, info: dict) -> None:
+        self.ended.set()
+
+    def host_lost(self, host: int, why: str) -> None:
+        self.why = why
+        self.ended.set()
+
+
+def raw_log(session: Session, host: int, args: argparse.Namespace) -> int:
+    sink = RawSink()
+    link = session.links[host]
+    link.follow(sink, job_dir=session.records[host].job_dir, ranks=[args.rank],
+                tail=args.tail, mode="raw-follow" if args.follow else "raw")
+    while not sink.ended.wait(0.2):
+        pass
+    if sink.why and not sink.broken:
+        console.print(f"[yellow]{escape(link.name)}:[/] {escape(sink.why)}")
     return EXIT_OK
 
 
-class LogSink:
+class LogSink(LineSink):
     def __init__(self, printer: PrefixPrinter) -> None:
         self.printer = printer
 
@@ -68,11 +102,14 @@ class LogSink:
         console.print(f"[yellow]host {host}:[/] {escape(why)}")
 
 
-def all_logs(cluster, transports, dirs, args: argparse.Namespace) -> int:
+def all_logs(session: Session, args: argparse.Namespace) -> int:
     """Every rank, interleaved, prefixed; without -f it prints what is there and stops."""
+    cluster = session.cluster
     printer = PrefixPrinter({h.index: h.label for h in cluster.hosts})
-    streams = {i: HostStream(t, dirs[i], list(cluster.hosts[i].ranks)) for i, t in transports.items()}
-    finished = follow(streams, LogSink(printer), args.tail, "events" if args.follow else "tagged")
+    streams = {i: HostStream(link, session.records[i].job_dir, list(cluster.hosts[i].ranks))
+               for i, link in session.links.items()}
+    finished = follow(streams, LogSink(printer), args.tail,
+                      "events" if args.follow else "snapshot")
     while not finished():
         time.sleep(0.1)
     return EXIT_OK

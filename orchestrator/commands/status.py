@@ -8,12 +8,9 @@ from typing import Any
 
 from rich.table import Table
 
-from orchestrator import state as job_state
-from orchestrator.commands.common import connections, console, inventory, require_state
-from orchestrator.commands.monitor import signal_name
-from orchestrator.connect import fan_out
+from orchestrator.commands.common import console, inventory, open_session, require_state, warn_unreachable
 from orchestrator.errors import EXIT_OK
-from orchestrator.remote import call
+from orchestrator.watch import signal_name
 
 
 def add_parser(sub: Any) -> None:
@@ -24,12 +21,12 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
-    st = require_state(cluster)
-    dirs = job_state.job_dirs(cluster, st)
-    with connections(cluster, require_all=False) as transports:
-        result = fan_out(tuple(h for h in cluster.hosts if h.index in transports),
-                         lambda h: call(transports[h.index], "status", dirs[h.index],
-                                        ",".join(map(str, h.ranks)), timeout=30))
+    session = open_session(cluster, require_state(cluster))
+    try:
+        warn_unreachable(session)
+        result = session.status()
+    finally:
+        session.close()
     rows = []
     for h in cluster.hosts:
         reply = result.ok.get(h.index)

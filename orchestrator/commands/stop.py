@@ -7,16 +7,16 @@ from typing import Any
 from rich.markup import escape
 
 from orchestrator import state as job_state
-from orchestrator.commands.common import connected, console, inventory
-from orchestrator.connect import GroupResult, close_all
+from orchestrator import timeouts
+from orchestrator.commands.common import console, inventory, open_session
+from orchestrator.connect import GroupResult
 from orchestrator.errors import EXIT_OK, HostError
-from orchestrator.stopper import describe, stop_all
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("stop", help="stop every process of the job on every host")
     p.add_argument("file", nargs="?", help="inventory (default: -c, or cluster.yaml)")
-    p.add_argument("--grace", type=float, default=10.0, metavar="S",
+    p.add_argument("--grace", type=float, default=timeouts.STOP_GRACE, metavar="S",
                    help="seconds between SIGTERM and SIGKILL (default: 10)")
     p.set_defaults(func=run)
 
@@ -28,17 +28,16 @@ def run(args: argparse.Namespace) -> int:
     # a damaged state.json must not keep a job from being stopped: the processes are
     # found by their marker under the inventory's job folders
     st = job_state.load_or_warn(cluster, lambda m: console.print(f"[yellow]warning:[/] {escape(m)}"))
-    dirs = job_state.job_dirs(cluster, st)
-    transports, failed = connected(cluster)
+    session = open_session(cluster, st)
     try:
-        result = stop_all(cluster, transports, dirs, max(0.0, args.grace))
+        result = session.stop(max(0.0, args.grace))
     finally:
-        close_all(transports)
-    for i, reply in sorted(result.ok.items()):
-        console.print(f"{cluster.hosts[i].label}: {describe(reply)}")
-    failures = dict(failed)
+        session.close()
+    for i, report in sorted(result.ok.items()):
+        console.print(f"{cluster.hosts[i].label}: {report.describe()}")
+    failures = dict(session.failed)
     failures.update(result.failed)
-    left = [cluster.hosts[i].label for i, r in result.ok.items() if r["left"]]
+    left = [cluster.hosts[i].label for i, r in result.ok.items() if r.left]
     if failures:
         GroupResult(failed=failures).raise_failures(cluster.hosts, "to stop")
     if left:

@@ -1,28 +1,25 @@
-"""`orch up`: preflight, push code and shards, start torchrun everywhere, follow the job."""
+"""`orch up`: preflight, push code and shards, start torchrun everywhere, follow the job.
+
+One session per host serves every step (Session); this module renders the steps."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
-from dataclasses import dataclass
 from typing import Any
 
-from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TransferSpeedColumn)
-
 from orchestrator import state as job_state
-from orchestrator.commands.common import connected, console, inventory
-from orchestrator.commands.monitor import attach
-from orchestrator.connect import close_all, fan_out
+from orchestrator.commands.common import console, inventory
 from orchestrator.errors import EXIT_OK
 from orchestrator.inventory import Cluster
-from orchestrator.launch import Started, dry_run_plan, launch_all, master_addr, open_launcher
-from orchestrator.localfiles import Pushable, check_entrypoint
-from orchestrator.preflight import Preflight, job_dir, preflight
+from orchestrator.launch import dry_run_plan, master_addr
+from orchestrator.localfiles import check_entrypoint
+from orchestrator.preflight import PreflightReport
+from orchestrator.session import HostFiles, Session
 from orchestrator.shards import host_files, load_split
-from orchestrator.stopper import stop_all
-from orchestrator.sync import DigestCache, LocalFile, SyncReport, code_files, push
-from orchestrator.transport import Channel, Transport
+from orchestrator.sync import DigestCache, SyncReport, code_files
+from orchestrator.ui import bytes_bar, hosts_bar
+from orchestrator.watch import attach
 
 
 def add_parser(sub: Any) -> None:
@@ -40,12 +37,12 @@ def run(args: argparse.Namespace) -> int:
         print(dry_run_plan(cluster))
         return EXIT_OK
     files = local_files(cluster)   # bad data is refused before any host is touched
-    transports, launchers, pre = connect_and_check(cluster, follow=not args.detach)
+    session = Session(cluster)
     try:
+        pre = connect_and_check(session)
         console.print(f"preflight: {len(cluster.hosts)} hosts ok, world size {cluster.world_size}")
-        setup_hosts(cluster, transports, files, pre)
-        run_id, started = start(cluster, transports, pre, launchers)
-        sups = {i: s.supervisor for i, s in started.items()}
+        sync(session, files, pre)
+        run_id, sups = session.launch(pre)
         st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
                                  pre.master_port, pre.hosts, sups)
         job_state.save(cluster, st)
@@ -54,63 +51,23 @@ def run(args: argparse.Namespace) -> int:
         if args.detach:
             console.print("detached: follow with `orch logs -f`, stop with `orch stop`")
             return EXIT_OK
-        return attach(cluster, transports, st, {i: (s.chan, s.pending) for i, s in started.items()})
+        return attach(session, st)
     finally:
-        close_everything(transports, launchers)
+        session.close()
 
 
-def close_everything(transports: dict[int, Transport], launchers: dict[int, Channel]) -> None:
-    for chan in launchers.values():
-        chan.close()   # a launcher that got no spec sees EOF and exits, touching nothing
-    close_all(transports)
+def connect_and_check(session: Session) -> PreflightReport:
+    """Connect to every host, start its agent and preflight it, all in parallel, with a
+    hosts-done display."""
+    n = len(session.cluster.hosts)
+    with hosts_bar() as bar:
+        task = bar.add_task("connect", total=n)
+        session.open(done=lambda: bar.advance(task))
+        bar.reset(task, description="preflight", total=n, completed=len(session.failed))
+        return session.preflight(lambda: bar.advance(task))
 
 
-def connect_and_check(cluster: Cluster, follow: bool
-                      ) -> tuple[dict[int, Transport], dict[int, Channel], Preflight]:
-    """Connect to every host and preflight it, all in parallel, with a hosts-done display.
-    Each host's launch agent is started alongside and waits for its spec."""
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("hosts"), console=console, transient=True) as bar:
-        task = bar.add_task("connect", total=len(cluster.hosts))
-        tick = lambda: bar.advance(task)
-        transports, failed = connected(cluster, tick)
-        bar.reset(task, description="preflight", total=len(cluster.hosts), completed=len(failed))
-        launchers: dict[int, Channel] = {}
-        try:
-            opened = fan_out(tuple(cluster.hosts[i] for i in transports), lambda h: open_launcher(
-                transports[h.index], job_dir(cluster, h), follow))
-            launchers = opened.ok
-            failed.update(opened.failed)
-            return transports, launchers, preflight(cluster, transports, failed, tick)
-        except BaseException:
-            close_everything(transports, launchers)
-            raise
-
-
-def start(cluster: Cluster, transports: dict[int, Transport], pre: Preflight,
-          launchers: dict[int, Channel]) -> tuple[str, dict[int, Started]]:
-    """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts
-    that did start are stopped again before the error is reported."""
-    try:
-        return launch_all(cluster, transports, pre, launchers)
-    except BaseException:
-        dirs = {i: info.job_dir for i, info in pre.hosts.items()}
-        stop_all(cluster, transports, dirs, 0)
-        raise
-
-
-def progress_bar() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), console=console, transient=True)
-
-
-@dataclass(frozen=True)
-class LocalFiles:
-    code: list[LocalFile]
-    data: dict[int, list[LocalFile]] | None   # per host index; None: no data section
-
-
-def local_files(cluster: Cluster) -> LocalFiles:
+def local_files(cluster: Cluster) -> dict[int, HostFiles]:
     """What each host must hold, hashed (cached) and checked here, before connecting."""
     split = load_split(cluster) if cluster.data.shards else None
     cache = DigestCache(cluster.state_dir.parent / "digests.json")
@@ -118,39 +75,25 @@ def local_files(cluster: Cluster) -> LocalFiles:
                      cluster.job.entrypoint, str(cluster.path))
     code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude, cache,
                       str(cluster.path))
-    data = {h.index: host_files(cluster, h, split, cache) for h in cluster.hosts} if split else None
+    files = {h.index: HostFiles(code, host_files(cluster, h, split, cache) if split else None)
+             for h in cluster.hosts}
     cache.save()
-    return LocalFiles(code, data)
+    return files
 
 
-def setup_hosts(cluster: Cluster, transports: dict[int, Transport], files: LocalFiles,
-                pre: Preflight) -> None:
-    """Code to every host, each host its own shards: all hosts in parallel."""
-    code, data = files.code, files.data or {}
-    # what the ignore rules leave out (a host's __pycache__) is never proposed for deletion
-    pushable = Pushable(cluster.base_dir, cluster.code.paths, cluster.code.exclude)
-    total = sum(f.size for f in code) * len(cluster.hosts) + sum(
-        f.size for files in data.values() for f in files)
-    with progress_bar() as bar:
+def sync(session: Session, files: dict[int, HostFiles], pre: PreflightReport) -> None:
+    cluster = session.cluster
+    total = sum(sum(f.size for f in hf.code) + sum(f.size for f in hf.data or ())
+                for hf in files.values())
+    with bytes_bar() as bar:
         task = bar.add_task(f"sync 0/{len(cluster.hosts)} hosts", total=total or 1)
-        done = []
+        done: list[int] = []
 
-        def one(h) -> dict[str, SyncReport]:
-            t = transports[h.index]
-            tick = lambda nbytes, nfiles: bar.advance(task, nbytes)
-            out, info = {}, pre.hosts[h.index]
-            if cluster.code.paths:
-                out["code"] = push(t, f"{info.job_dir}/code", code, tick,
-                                   pushable(info.manifests["code"]))
-            if files.data is not None:
-                out["data"] = push(t, f"{info.job_dir}/data", data[h.index], tick,
-                                   info.manifests["data"])
-            done.append(h.index)
+        def host_done(index: int) -> None:
+            done.append(index)
             bar.update(task, description=f"sync {len(done)}/{len(cluster.hosts)} hosts")
-            return out
-        result = fan_out(cluster.hosts, one)
-    result.raise_failures(cluster.hosts, "to receive code or data")
-    report_sync(cluster, result.ok)
+        reports = session.sync(files, pre, lambda n: bar.advance(task, n), host_done)
+    report_sync(cluster, reports)
 
 
 def report_sync(cluster: Cluster, reports: dict[int, dict[str, SyncReport]]) -> None:

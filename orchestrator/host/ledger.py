@@ -14,18 +14,17 @@ be deleted. A host with only the old digest cache (every file of the folder, the
 included) starts with an empty ledger: nothing unknown is ever deleted, and the next
 push sends what it does not know again and records it.
 
-Stdlib only, Python 3.8; sent to the host right after paths.py.
+Stdlib only, Python 3.8 (the agent's bundle carries it).
 """
+from __future__ import annotations
+
 import hashlib
 import json
 import os
 import stat
 
-try:  # on a host this file is concatenated after paths.py; there is no package there
-    from orchestrator.host.paths import (READ_FLAGS, JobDir, UnsafePath, open_file_at,
-                                         split_parent, split_rel)
-except ImportError:
-    pass
+from orchestrator.host.paths import (READ_FLAGS, JobDir, UnsafePath, open_file_at,
+                                     split_parent, split_rel)
 
 LEDGER_CAP = 1 << 30      # about 5 million entries; a bigger file is not orch's
 VERSION = 1

@@ -9,9 +9,10 @@ stat that does not follow links. A link where orch expects its own folder or fil
 refused (UnsafePath, with the command that fixes it); a link orch meets anywhere else
 (something the job made) is neither followed nor touched.
 
-Stdlib only, Python 3.8: this file is the first part of the agent script sent to each
-host (see remote.py), so it must not need anything from the other parts.
+Stdlib only, Python 3.8 (the agent's bundle carries it, see bundle.py).
 """
+from __future__ import annotations
+
 import errno
 import os
 import shlex

@@ -1,4 +1,5 @@
-"""Per-rank wrapper that torchrun starts on a host (stdlib only, copied to <job>/run/).
+"""Per-rank wrapper that torchrun starts on a host (stdlib only; launch copies it from
+the bundle to <job>/run/rankexec.py).
 
     torchrun ... <job>/run/rankexec.py <job dir> module|script <target> [args...]
 

@@ -1,4 +1,7 @@
-"""Watching an attached job: print every rank, fail fast, stop on Ctrl-C, name the root cause."""
+"""Watching an attached job: print every rank, fail fast, stop on Ctrl-C, name the root cause.
+
+`attach(session, state)` returns the exit code and the outcome: a RankFailure (the
+earliest failing rank by the hosts' corrected clocks) or a host-level cause."""
 from __future__ import annotations
 
 import signal
@@ -8,22 +11,29 @@ from dataclasses import dataclass, field
 
 from rich.markup import escape
 
-from orchestrator.commands.common import console
+from orchestrator import timeouts
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
-from orchestrator.follow import HostStream, PrefixPrinter, follow
+from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.inventory import Cluster
-from orchestrator.remote import call
+from orchestrator.session import Session
 from orchestrator.state import JobState
-from orchestrator.stopper import describe, stop_all
-from orchestrator.transport import Transport
+from orchestrator.ui import console
 
-FAILFAST_GRACE_S = 3.0
-INTERRUPT_GRACE_S = 10.0
-DRAIN_S = 5.0
+
+@dataclass(frozen=True)
+class RankFailure:
+    """The root cause of a failed job: the earliest non-zero rank exit."""
+
+    host: str
+    rank: int
+    local_rank: int
+    code: int
+    error_file: str
+    last_lines: tuple[str, ...]
 
 
 @dataclass
-class Monitor:
+class Monitor(LineSink):
     """The follow() sink of `orch up`: records exits, wakes the main loop on failure."""
 
     cluster: Cluster
@@ -57,68 +67,57 @@ class Monitor:
             i.get("code") != 0 for i in self.host_exits.values())
 
 
-def attach(cluster: Cluster, transports: dict[int, Transport], state: JobState,
-           open_streams: dict[int, tuple] | None = None) -> int:
-    """Follow the job to its end. `open_streams`: per host, an agent already streaming
-    events (launch ... follow) and the bytes it sent so far."""
+def attach(session: Session, state: JobState) -> int:
+    """Follow the job to its end over the session's agents."""
+    cluster = session.cluster
     printer = PrefixPrinter({h.index: h.label for h in cluster.hosts})
     mon = Monitor(cluster, state, printer)
-    open_streams = open_streams or {}
-    streams = {h.index: HostStream(transports[h.index], h.job_dir, h.ranks,
-                                   chan=open_streams.get(h.index, (None, b""))[0],
-                                   pending=open_streams.get(h.index, (None, b""))[1])
-               for h in state.hosts}
+    links = session.links
+    streams = {h.index: HostStream(links[h.index], h.job_dir, h.ranks) for h in state.hosts}
     finished = follow(streams, mon)
     try:
         while not finished() and not mon.failed():
             mon.wake.wait(0.2)
             mon.wake.clear()
     except KeyboardInterrupt:
-        interrupt_stop(cluster, transports, state, mon)
+        interrupt_stop(session, mon)
         return EXIT_INTERRUPTED
     if not mon.failed():
         console.print(f"job '{cluster.name}' finished: all {cluster.world_size} ranks exited 0")
         return EXIT_OK
-    fail_fast(cluster, transports, state, mon, finished)
+    fail_fast(session, mon, finished)
     return EXIT_JOB_FAILED
 
 
-def reachable(transports: dict[int, Transport], mon: Monitor) -> dict[int, Transport]:
-    return {i: t for i, t in transports.items() if i not in mon.lost}
-
-
-def fail_fast(cluster: Cluster, transports: dict[int, Transport], state: JobState,
-              mon: Monitor, finished) -> None:
+def fail_fast(session: Session, mon: Monitor, finished) -> None:
     """Stop every other rank on every host at once, then report the earliest failure."""
+    cluster = session.cluster
     started = time.monotonic()
     mon.stop_started = time.time()
-    dirs = {h.index: h.job_dir for h in state.hosts}
-    result = stop_all(cluster, reachable(transports, mon), dirs, FAILFAST_GRACE_S)
-    deadline = time.monotonic() + DRAIN_S
+    result = session.stop(timeouts.FAILFAST_GRACE, skip=set(mon.lost))
+    deadline = time.monotonic() + timeouts.DRAIN
     while not finished() and time.monotonic() < deadline:
         time.sleep(0.05)  # let the last lines and exit codes arrive
     for i, exc in result.failed.items():
         console.print(f"[red]could not stop {cluster.hosts[i].label}:[/] {escape(str(exc))}")
-    console.print(root_cause(cluster, transports, state, mon))
+    console.print(render_cause(cluster, mon, root_cause(session, mon)))
     console.print(f"stopped the job on every host in {time.monotonic() - started:.1f} s")
 
 
-def interrupt_stop(cluster: Cluster, transports: dict[int, Transport], state: JobState,
-                   mon: Monitor) -> None:
+def interrupt_stop(session: Session, mon: Monitor) -> None:
     """First Ctrl-C: graceful stop everywhere. Another Ctrl-C: SIGKILL at once.
     Either way the stop runs to the end and is verified on every host."""
-    dirs = {h.index: h.job_dir for h in state.hosts}
+    cluster = session.cluster
     console.print(f"\n[yellow]interrupted: stopping job '{cluster.name}' on every host "
                   f"(Ctrl-C again to kill at once)[/]")
-    targets = reachable(transports, mon)
-    stops = [threading.Thread(target=lambda: results.append(
-        stop_all(cluster, targets, dirs, INTERRUPT_GRACE_S)), daemon=True)]
+    skip = set(mon.lost)
     results: list = []
+    stops = [threading.Thread(target=lambda: results.append(
+        session.stop(timeouts.INTERRUPT_GRACE, skip)), daemon=True)]
 
     def force(signum, frame) -> None:
         console.print("[yellow]killing every process of the job now[/]")
-        th = threading.Thread(target=lambda: results.append(stop_all(cluster, targets, dirs, 0)),
-                              daemon=True)
+        th = threading.Thread(target=lambda: results.append(session.stop(0, skip)), daemon=True)
         stops.append(th)
         th.start()
     previous = {sig: signal.signal(sig, force) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -137,7 +136,7 @@ def print_stop_results(cluster: Cluster, results: list) -> None:
         return
     last = results[-1]
     for i, reply in sorted(last.ok.items()):
-        console.print(f"  {cluster.hosts[i].label}: {describe(reply)}")
+        console.print(f"  {cluster.hosts[i].label}: {reply.describe()}")
     for i, exc in sorted(last.failed.items()):
         console.print(f"  [red]{cluster.hosts[i].label}:[/] {escape(str(exc))}")
 
@@ -163,23 +162,27 @@ def first_failure(mon: Monitor) -> tuple[int, int] | None:
     return rank, code
 
 
-def root_cause(cluster: Cluster, transports: dict[int, Transport], state: JobState,
-               mon: Monitor) -> str:
+def root_cause(session: Session, mon: Monitor) -> RankFailure | None:
     first = first_failure(mon)
     if first is None:
-        return host_level_cause(cluster, mon)
+        return None
     rank, code = first
-    host = cluster.host_of(rank)
-    local = rank - host.first_rank
+    host = session.cluster.host_of(rank)
+    return RankFailure(host.label, rank, rank - host.first_rank, code,
+                       session.error_file(rank), tuple(mon.printer.tail(rank)[-10:]))
+
+
+def render_cause(cluster: Cluster, mon: Monitor, cause: RankFailure | None) -> str:
+    if cause is None:
+        return host_level_cause(cluster, mon)
+    rank = cause.rank
     lines = [f"[bold red]job '{cluster.name}' failed[/]: root cause rank {rank} on host "
-             f"{host.label} (local rank {local}): {signal_name(code)}"]
-    tail = mon.printer.tail(rank)
-    if tail:
+             f"{cause.host} (local rank {cause.local_rank}): {signal_name(cause.code)}"]
+    if cause.last_lines:
         lines.append(f"last lines of rank {rank}:")
-        lines += [f"  {escape(l)}" for l in tail[-10:]]
-    err = error_file(transports.get(host.index), state.host(host.index).job_dir, rank)
-    if err:
-        lines.append(f"torchrun error file:\n  {escape(err)}")
+        lines += [f"  {escape(l)}" for l in cause.last_lines]
+    if cause.error_file:
+        lines.append(f"torchrun error file:\n  {escape(cause.error_file)}")
     lines.append(f"full log: `orch logs --rank {rank}`")
     for i, why in sorted(mon.lost.items()):
         lines.append(f"also: host {cluster.hosts[i].label} was lost ({escape(why)})")
@@ -196,13 +199,3 @@ def host_level_cause(cluster: Cluster, mon: Monitor) -> str:
                     f"{cluster.hosts[i].label} ended with {info.get('code')} before its ranks "
                     f"reported; see <job dir>/run/torchrun.log there")
     return f"job '{cluster.name}' failed"
-
-
-def error_file(t: Transport | None, job_dir: str, rank: int) -> str:
-    if t is None:
-        return ""
-    try:
-        reply = call(t, "status", job_dir, str(rank), timeout=15)
-    except Exception:  # the report is still useful without the error file
-        return ""
-    return reply["ranks"][0].get("error_file", "")[-2000:]

@@ -1,0 +1,65 @@
+"""The agent as the controller sends it: one zip of orchestrator/host/*.py,
+orchestrator/protocol.py and orchestrator/timeouts.py, built deterministically; its sha256 is the agent's version.
+
+On the host, BOOT (on the command line) runs the loader (host/boot.py, the first bytes
+on stdin), which reads the zip (the next bytes) and imports it from memory. What stdin
+carries after that is the agent's frames. Nothing is installed or written to run it.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import os
+import zipfile
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent
+BOOT = ("import sys;exec(compile(sys.stdin.buffer.read(int(sys.argv[1])),"
+        "'orch-boot','exec'))")
+LOADER = (PACKAGE / "host" / "boot.py").read_bytes()
+EPOCH = (1980, 1, 1, 0, 0, 0)   # zip's earliest date: the same bytes on every build
+
+
+def bundle_files() -> list[tuple[str, bytes]]:
+    """(name in the zip, content), sorted; the package's __init__ is an empty stand-in
+    (the real one belongs to the controller)."""
+    files = [("orchestrator/__init__.py", b""),
+             ("orchestrator/protocol.py", (PACKAGE / "protocol.py").read_bytes()),
+             ("orchestrator/timeouts.py", (PACKAGE / "timeouts.py").read_bytes())]
+    for path in sorted((PACKAGE / "host").glob("*.py")):
+        files.append((f"orchestrator/host/{path.name}", path.read_bytes()))
+    return sorted(files)
+
+
+@functools.lru_cache(maxsize=1)
+def bundle() -> tuple[bytes, str]:
+    """(zip bytes, sha256 hex): the same files give the same bytes."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in bundle_files():
+            info = zipfile.ZipInfo(name, EPOCH)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            info.create_system = 3
+            z.writestr(info, data, compresslevel=6)
+    data = buf.getvalue()
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def agent_argv(python: str, label: str = "") -> list[str]:
+    """-S: the agent is stdlib only, and a venv's site set-up (.pth files) costs more
+    than the agent itself; preflight loads site on its own to find torch. `label`
+    (the job dir) is only there so that `ps` shows which job an agent serves."""
+    data, _ = bundle()
+    argv = [python, "-S", "-c", BOOT, str(len(LOADER)), str(len(data)), "orch-agent"]
+    if label:
+        argv.append(label)
+    if os.environ.get("ORCH_DEBUG") == "1":
+        argv.append("debug")
+    return argv
+
+
+def agent_stdin() -> bytes:
+    """What the agent reads before its first frame: the loader, then the bundle."""
+    return LOADER + bundle()[0]

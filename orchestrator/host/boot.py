@@ -1,0 +1,65 @@
+# The agent's loader, run by BOOT (see orchestrator/bundle.py) as the first bytes on
+# stdin: it reads the bundle (a zip of orchestrator/protocol.py and orchestrator/host/)
+# and imports it from memory. Python >= 3.8, stdlib only, nothing written to disk.
+# The zip is read with struct and zlib, not zipfile: zipfile's imports (pathlib, re,
+# urllib...) cost 40-60 ms at every agent start, more than the rest of the agent.
+import hashlib
+import struct
+import sys
+import zlib
+from importlib.machinery import ModuleSpec
+
+
+def unzip(data):
+    """{name: bytes} of a zip whose members are stored or deflated (as bundle() writes)."""
+    end = data.rfind(b"PK\x05\x06")
+    count, _, offset = struct.unpack_from("<HII", data, end + 10)
+    files, pos = {}, offset
+    for _ in range(count):
+        method, = struct.unpack_from("<H", data, pos + 10)
+        csize, _, nlen, xlen, clen = struct.unpack_from("<IIHHH", data, pos + 20)
+        local, = struct.unpack_from("<I", data, pos + 42)
+        name = data[pos + 46:pos + 46 + nlen].decode("utf-8")
+        lnlen, lxlen = struct.unpack_from("<HH", data, local + 26)
+        raw = data[local + 30 + lnlen + lxlen:][:csize]
+        files[name] = zlib.decompress(raw, -15) if method == 8 else raw
+        pos += 46 + nlen + xlen + clen
+    return files
+
+
+class Bundle:
+    """A meta_path finder and loader over the zip in memory (zipimport needs a file)."""
+
+    def __init__(self, data):
+        self.files = unzip(data)
+        self.sha256 = hashlib.sha256(data).hexdigest()
+
+    def _path(self, name):
+        base = name.replace(".", "/")
+        for path, package in ((base + "/__init__.py", True), (base + ".py", False)):
+            if path in self.files:
+                return path, package
+        return None, False
+
+    def find_spec(self, name, path=None, target=None):
+        where, package = self._path(name)
+        if where is None:
+            return None
+        return ModuleSpec(name, self, origin="orch-bundle/" + where, is_package=package)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        where = self._path(module.__name__)[0]
+        module.__file__ = "orch-bundle/" + where
+        exec(compile(self.files[where], module.__file__, "exec"), module.__dict__)
+
+    def get_source(self, name):
+        return self.files[self._path(name)[0]].decode("utf-8")
+
+
+bundle = Bundle(sys.stdin.buffer.read(int(sys.argv[2])))
+sys.meta_path.insert(0, bundle)   # before sys.path: the bundle wins over any orchestrator there
+from orchestrator.host.main import main  # noqa: E402
+main(bundle.sha256, sys.argv[3:])

@@ -1,0 +1,47 @@
+"""Small helpers every host module uses: the job's folder (through its JobDir: no link
+followed inside it, host/paths.py), its JSON state files, atomic writes, AgentError."""
+from __future__ import annotations
+
+import json
+import os
+
+from orchestrator import protocol
+from orchestrator.host.paths import JobDir
+
+STATE_CAP = 1 << 20   # supervisor.json, host.exit, rank-<r>.exit/.pid: tiny when orch wrote them
+
+
+class AgentError(Exception):
+    """A failure the controller reports as it is, with its category (protocol.USAGE,
+    HOST, JOB), which decides the exit code."""
+
+    def __init__(self, message: str, category: str = protocol.HOST) -> None:
+        super().__init__(message)
+        self.category = category
+
+
+def job_paths(job_dir: str) -> dict:
+    """The job folder (remote_dir resolved once: it may be a link) and its JobDir ("jd"),
+    through which every read, write and delete inside it goes."""
+    jd = JobDir(job_dir)
+    names = ("code", "data", "logs", "run", "output")
+    return dict({"job": jd.path, "jd": jd}, **{n: os.path.join(jd.path, n) for n in names})
+
+
+def folder_of(root: str) -> tuple:
+    """(JobDir, folder name) of a pushed folder given as <job dir>/<folder>."""
+    root = os.path.abspath(os.path.expanduser(root)).rstrip("/")
+    return JobDir(os.path.dirname(root)), os.path.basename(root)
+
+
+def read_json(jd, rel: str):
+    """A JSON state file of the job, None when missing, unreadable, a link or too big."""
+    try:
+        data = jd.read(rel, STATE_CAP)
+        return json.loads(data.decode()) if data is not None else None
+    except (OSError, ValueError):
+        return None
+
+
+def write_atomic(jd, rel: str, data: bytes, mode: int = 0o600) -> None:
+    jd.write_file(rel, data, mode)

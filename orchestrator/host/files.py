@@ -1,0 +1,239 @@
+"""Files on the host: manifests (what orch pushed and is still there, host/ledger.py) and
+the receive stream (write beside, verify, rename; new top folders staged and renamed
+whole). Every path goes through the job's JobDir (host/paths.py): no link followed."""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+
+from orchestrator import protocol
+from orchestrator.host.common import folder_of
+from orchestrator.host.ledger import Ledger
+from orchestrator.host.paths import PART, Dirs, create_excl, lstat_at, not_a, split_parent
+
+UMASK = os.umask(0)
+os.umask(UMASK)
+STAGING = ".orch-staging-"
+
+
+def is_leftover(name: str) -> bool:
+    """Names only orch gives: a killed receiver's staging folder or half-written file."""
+    return name.startswith(STAGING) or PART in name
+
+
+def manifest(jd, folder: str) -> dict:
+    """{relpath: [size, sha256 or "link:<target>"]} of what orch pushed into the folder
+    and is still there (host/ledger.py); digests kept by (size, mtime, inode).
+
+    Files the job wrote there are not listed, so the controller never deletes them. A
+    receiver that did not finish (its journal is there), or a host upgraded from the old
+    digest cache, gets its staging folders and .orch-part- files removed first;
+    manifests are made before a push, when no receiver writes here.
+    """
+    if jd.lstat(folder) is None:
+        return {"root": jd.show(folder), "files": {}}
+    ledger = Ledger(jd, folder)
+    if ledger.interrupted or not ledger.found:
+        jd.sweep(folder, is_leftover)
+    if not ledger.found:   # the cache of orch before the ledger: every file, the job's too
+        jd.unlink("run/%s-digests.json" % folder)
+    files = ledger.manifest()
+    ledger.save()
+    return {"root": jd.show(folder), "files": files}
+
+
+def send_manifest(req, part_folder: str, jd, folder: str) -> str:
+    """A folder's manifest as parts of at most MANIFEST_PART entries (a big data/ never
+    makes one frame larger than the controller accepts); the folder as the host shows it."""
+    found = manifest(jd, folder)
+    items, step = list(found["files"].items()), protocol.MANIFEST_PART
+    for i in range(0, max(len(items), 1), step):
+        req.part("manifest", {"folder": part_folder, "files": dict(items[i:i + step])})
+    return found["root"]
+
+
+def run_manifest(req) -> dict:
+    jd, folder = folder_of(req.args["root"])
+    return {"root": send_manifest(req, "", jd, folder)}
+
+
+def receive_file(reader, dirs, base: str, head: dict, staged: bool = False) -> tuple:
+    """Write beside (.orch-part-, O_EXCL, no link followed), hash while writing, verify,
+    then rename into place in the same folder descriptor. A staged file (inside a
+    staging folder no one reads) is written under its name. Returns (stat, digest)."""
+    parent, name = split_parent(base + "/" + head["p"])
+    pfd = dirs.fd(parent)
+    tmp = name if staged else "%s%s%d" % (name, PART, os.getpid())
+    h, mode = hashlib.sha256(), head["m"] & 0o777
+    if head["s"] < 0:
+        raise ValueError("bad size %r for %s" % (head["s"], head["p"]))
+    fd = create_excl(pfd, tmp, mode)
+    try:
+        receive_bytes(reader, fd, h, head["s"], head["p"])
+        if mode & UMASK:
+            os.fchmod(fd, mode)
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp, dir_fd=pfd)   # a broken stream never leaves a half-written file behind
+        raise
+    os.close(fd)
+    if h.hexdigest() != head["h"]:
+        os.unlink(tmp, dir_fd=pfd)
+        raise ValueError("digest mismatch for %s" % head["p"])
+    if not staged:
+        place(dirs.jd, pfd, tmp, name, base + "/" + head["p"])
+    return st, h.hexdigest()
+
+
+def place(jd, pfd: int, tmp: str, name: str, rel: str) -> None:
+    """Rename tmp over name (a file or link there is replaced, never followed); a folder
+    there (the job's) is refused with a fix."""
+    try:
+        os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+    except OSError:
+        os.unlink(tmp, dir_fd=pfd)
+        st = lstat_at(pfd, name)
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise not_a("file", jd.show(rel)) from None
+        raise
+
+
+def receive_link(dirs, base: str, head: dict) -> tuple:
+    """{"p": rel, "link": target}: rel becomes a link to target (inside the folder only,
+    checked by JobDir.symlink). Returns (stat of the link, "link:<target>")."""
+    target = head["link"]
+    st = dirs.jd.symlink(base + "/" + head["p"], target)
+    return st, "link:" + target
+
+
+def receive_bytes(reader, fd: int, h, left: int, name: str) -> None:
+    """The file's bytes: data frames adding up to exactly `left` bytes."""
+    while left:
+        got = reader.read_frame()
+        if got is None:
+            raise EOFError("stream ended inside %s" % name)
+        kind, data = got
+        if kind != protocol.DATA or len(data) > left:
+            raise protocol.ProtocolError("%s: expected %d more bytes of data" % (name, left))
+        h.update(data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        left -= len(data)
+
+
+def prune_empty_dirs(jd, base: str, removed: list) -> None:
+    """Remove the folders that deleting `removed` left empty (never base itself, never a
+    folder that still holds anything, such as the job's own files)."""
+    parents = set()
+    for rel in removed:
+        parts = rel.split("/")[:-1]
+        parents.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for d in sorted(parents, key=lambda r: -r.count("/")):
+        jd.rmdir(base + "/" + d)
+
+
+class Staging:
+    """A top-level folder (a shard, a code package) that the host does not have yet is
+    written into a staging folder under its final names and renamed into place as a
+    whole at the end: one rename per folder instead of one per file. Folders the host
+    has are updated file by file (write beside, rename)."""
+
+    def __init__(self, dirs, base: str) -> None:
+        self.dirs, self.jd, self.base = dirs, dirs.jd, base
+        self.dir = "%s/%s%d" % (base, STAGING, os.getpid())
+        self.tops: dict = {}
+        self.landed: list = []   # (rel, stat, digest) of staged files: recorded once in place
+
+    def wants(self, rel: str) -> bool:
+        top = rel.split("/", 1)[0]
+        if top not in self.tops:
+            self.tops[top] = "/" in rel and self.jd.lstat(self.base + "/" + top) is None
+            if self.tops[top]:
+                self.dirs.fd(self.dir)
+        return self.tops[top]
+
+    def promote(self, ledger) -> None:
+        """Every staged file was verified when written: move the folders into place
+        (also after a broken stream, so that a resumed push sends only the rest)."""
+        moved = set()
+        for top, staged in self.tops.items():
+            if staged and self.jd.lstat(self.dir + "/" + top) is not None:
+                self.jd.replace(self.dir + "/" + top, self.base + "/" + top)
+                moved.add(top)
+        ledger.record_many([(rel, st, digest) for rel, st, digest in self.landed
+                            if rel.split("/", 1)[0] in moved])
+        if any(self.tops.values()):
+            self.dirs.close()
+            self.jd.rmtree(self.dir)
+
+
+def receive_stream(reader, dirs, base: str, ledger, staging: Staging) -> tuple:
+    count, nbytes = 0, 0
+    while True:
+        head = reader.read_json("the end of the receive stream")
+        kind = head["t"]
+        if kind not in protocol.STREAM:
+            raise protocol.ProtocolError("receive: unexpected message %r" % kind)
+        protocol.check(head, protocol.STREAM[kind], "receive: " + kind)
+        if kind == "end":
+            return head, count, nbytes
+        staged = staging.wants(head["p"])   # the path is checked where it is opened
+        where = staging.dir if staged else base
+        if kind == "link":
+            st, digest = receive_link(dirs, where, head)
+        else:
+            st, digest = receive_file(reader, dirs, where, head, staged)
+        if staged:
+            staging.landed.append((head["p"], st, digest))
+        else:
+            ledger.record(head["p"], st, digest)
+        count, nbytes = count + 1, nbytes + head.get("s", 0)
+
+
+def drain(reader) -> None:
+    """After a refused file: skip the rest of the stream, so that the next request is
+    read as one (the controller sends to the end before it reads the reply)."""
+    while True:
+        got = reader.read_frame()
+        if got is None or (got[0] == protocol.JSON and protocol.decode(got, "receive")["t"] == "end"):
+            return
+
+
+def apply_deletes(jd, base: str, ledger, delete: list) -> int:
+    """Delete only what orch pushed (in the ledger): a file or link the job made, or an
+    excluded path, stays whatever the controller asks."""
+    removed = []
+    for rel in delete:
+        split_parent(rel)   # an unsafe path is an error, even when unknown here
+        if ledger.owns(rel):
+            if jd.unlink(base + "/" + rel):
+                removed.append(rel)
+            ledger.forget(rel)
+    prune_empty_dirs(jd, base, removed)
+    return len(removed)
+
+
+def run_receive(req) -> dict:
+    """Apply a stream: a `file` message and its data frames per file (a `link` message
+    for a link), then `end` with the files to delete."""
+    jd, base = folder_of(req.args["root"])
+    os.close(jd.open_dir(base, create=True))   # a remote_dir under a linked folder is fine
+    ledger, dirs = Ledger(jd, base), Dirs(jd, create=True)
+    ledger.begin()
+    staging = Staging(dirs, base)
+    try:
+        try:
+            head, count, nbytes = receive_stream(req.reader, dirs, base, ledger, staging)
+        except (ValueError, OSError):   # a refused file: the stream goes on to its end
+            drain(req.reader)
+            raise
+        finally:
+            staging.promote(ledger)   # also after a broken stream: a resumed push sends the rest
+        deleted = apply_deletes(jd, base, ledger, head["delete"])
+    finally:
+        dirs.close()
+        ledger.save()   # what did land is known next time
+    return {"files": count, "bytes": nbytes, "deleted": deleted}

@@ -1,0 +1,176 @@
+"""Follow: stream the rank logs, read in place from a byte offset, as output frames;
+rank exits, the host's end and a heartbeat as events.
+
+Lines go out whole, grouped into frames of at most protocol.MAX_OUTPUT bytes; a line
+longer than that goes out in pieces flagged PARTIAL (the controller prints each piece
+with the rank's prefix), so no line is too long to pass and nothing after it is lost.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from orchestrator import protocol, timeouts
+from orchestrator.host.common import AgentError, job_paths, read_json
+from orchestrator.host.procs import supervisor_alive
+
+READ = 1 << 20          # bytes read from a log per pass
+CHUNK = protocol.MAX_OUTPUT
+
+
+def pieces(data: bytes, final: bool) -> tuple:
+    """([(bytes, partial)], consumed): whole lines grouped up to CHUNK bytes; a line
+    longer than CHUNK as CHUNK-sized partial pieces; the unterminated rest only if final."""
+    out, pos, n = [], 0, len(data)
+    while pos < n:
+        last = data.rfind(b"\n", pos, pos + CHUNK)
+        if last >= 0:
+            out.append((data[pos:last + 1], False))
+            pos = last + 1
+        elif n - pos >= CHUNK:
+            out.append((data[pos:pos + CHUNK], True))
+            pos += CHUNK
+        elif final:
+            out.append((data[pos:], False))
+            pos = n
+        else:
+            break
+    return out, pos
+
+
+def open_log(jd, rel: str):
+    """A log file opened for reading without following a link; None if it cannot be."""
+    try:
+        return os.fdopen(jd.open_for_read(rel), "rb")
+    except OSError:
+        return None
+
+
+class RankLog:
+    """A growing log file read in place from a byte offset (no link followed)."""
+
+    def __init__(self, rank: int, jd, rel: str, offset: int) -> None:
+        self.rank, self.jd, self.rel, self.offset, self.f = rank, jd, rel, offset, None
+
+    def read(self, final: bool = False) -> list:
+        """The next pieces (see pieces()); [] when nothing complete is there yet."""
+        if self.f is None:
+            self.f = open_log(self.jd, self.rel)
+            if self.f is None:
+                return []
+        self.f.seek(self.offset)
+        data = self.f.read(READ)
+        got, used = pieces(data, final and len(data) < READ)
+        self.offset += used
+        return got
+
+
+def tail_offset(f, n: int) -> int:
+    """Byte offset where the last n lines of open file f start (a final newline ends
+    the last line); 0 when f is None."""
+    if f is None:
+        return 0
+    size = os.fstat(f.fileno()).st_size
+    if n == 0:
+        return size
+    end = size
+    if size:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            end = size - 1
+    pos, seen = end, 0
+    while pos > 0:
+        step = min(1 << 16, pos)
+        pos -= step
+        f.seek(pos)
+        chunk = f.read(step)
+        idx = len(chunk)
+        while True:
+            idx = chunk.rfind(b"\n", 0, idx)
+            if idx < 0:
+                break
+            seen += 1
+            if seen == n:
+                return pos + idx + 1
+    return 0
+
+
+def rank_exit(p: dict, rank: int):
+    ex = read_json(p["jd"], "run/rank-%d.exit" % rank)
+    return ex if isinstance(ex, dict) and "code" in ex and "time" in ex else None
+
+
+def host_done(p: dict):
+    """host.exit once the supervisor finished; {"code": None, "lost": True} when it vanished."""
+    done = read_json(p["jd"], "run/host.exit")
+    if done is not None or supervisor_alive(p):
+        return done
+    return read_json(p["jd"], "run/host.exit") or {"code": None, "lost": True}
+
+
+def emit(send, log: RankLog, final: bool = False) -> int:
+    """Send what the log holds now; the number of frames sent."""
+    total = 0
+    while True:
+        got = log.read(final)
+        if not got:
+            return total
+        for data, partial in got:
+            send(protocol.output(log.rank, data, partial))
+        total += len(got)
+
+
+def send_exits(send, p: dict, logs: list, reported: set, events: bool) -> bool:
+    """Report rank exits as they land; True once nothing more will come."""
+    for log in logs:
+        if log.rank in reported:
+            continue
+        ex = rank_exit(p, log.rank)
+        if ex is not None:
+            reported.add(log.rank)
+            emit(send, log)
+            if events:
+                send(protocol.event("exit", rank=log.rank, code=ex["code"], time=ex["time"]))
+    return host_done(p) is not None or (not events and len(reported) == len(logs))
+
+
+def finish(send, p: dict, logs: list, mode: str) -> None:
+    for log in logs:
+        emit(send, log, final=True)
+    if mode == "events":
+        done = host_done(p) or {"code": None}
+        send(protocol.event("done", code=done.get("code"), time=done.get("time"),
+                            lost=bool(done.get("lost"))))
+    else:
+        send(protocol.event("done", code=None, snapshot=True))
+
+
+def run(req) -> None:
+    """mode: "events" (lines, exits, heartbeats until the host is done), "snapshot"
+    (the lines there now), "raw-follow" (until the ranks end), "raw" (what is there now).
+    Ends with a `done` event in every mode."""
+    a, send = req.args, req.out.send
+    mode = a["mode"]
+    if mode not in protocol.FOLLOW_MODES:
+        raise AgentError("unknown follow mode %r" % mode, protocol.USAGE)
+    p = job_paths(a["job_dir"])
+    logs = []
+    for r in a["ranks"]:
+        log = RankLog(r, p["jd"], "logs/rank-%d.log" % r, 0)
+        if a["tail"] >= 0:
+            log.f = open_log(p["jd"], log.rel)
+            log.offset = tail_offset(log.f, a["tail"])
+        logs.append(log)
+    reported, beat, idle = set(), 0.0, 0
+    while True:
+        busy = sum(emit(send, log) for log in logs)
+        idle = 0 if busy else idle + 1
+        if mode in ("raw", "snapshot") or send_exits(send, p, logs, reported, mode == "events"):
+            return finish(send, p, logs, mode)
+        if mode == "events" and time.time() - beat >= timeouts.HEARTBEAT:
+            send(protocol.event("beat"))
+            beat = time.time()
+        if not busy:
+            # 50 ms while output flows; 200 ms after a quiet second (a long quiet job
+            # should not cost the host CPU; exits are still seen within 0.2 s)
+            time.sleep(0.05 if idle < 20 else 0.2)

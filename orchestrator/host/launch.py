@@ -1,0 +1,111 @@
+"""Launch: start the job's supervisor fully detached; it runs torchrun and records its
+exit. A dropped connection, or the agent's end, does not touch it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from orchestrator import protocol
+from orchestrator.host import rankexec
+from orchestrator.host.common import AgentError, job_paths, write_atomic
+from orchestrator.host.procs import proc_start_time, supervisor_alive
+
+ALREADY_RUNNING = "already running"
+
+
+def clean_run_dir(p: dict) -> None:
+    # code/ too: without `code:` in the inventory nothing was pushed, and a missing
+    # entrypoint should fail as the rank's own error, not as a missing folder
+    jd = p["jd"]
+    for d in ("run", "logs", "output", "code"):
+        os.close(jd.open_dir(d, create=True))   # a link at any of them is refused
+    jd.check_layout()
+    with jd.dirfd("run") as fd:
+        names = os.listdir(fd)
+    for name in names:
+        if name.endswith((".exit", ".pid")) or name == "host.exit":
+            jd.unlink("run/" + name)
+
+
+def rankexec_source() -> bytes:
+    """The per-rank wrapper, from the bundle this agent was started from (or the file)."""
+    return rankexec.__loader__.get_source(rankexec.__name__).encode()
+
+
+def run(req) -> dict:
+    """Start the supervisor (double fork + setsid), reply with its pid and more. The
+    spec holds the job's env (secrets): it is kept in run/launch.json, mode 0600."""
+    spec = req.args["spec"]
+    p = job_paths(req.args["job_dir"])
+    if supervisor_alive(p):
+        raise AgentError(ALREADY_RUNNING, protocol.USAGE)
+    clean_run_dir(p)
+    jd = p["jd"]
+    write_atomic(jd, "run/launch.json", json.dumps(spec).encode(), 0o600)
+    write_atomic(jd, "run/rankexec.py", rankexec_source(), 0o644)
+    for r in spec["ranks"]:
+        os.close(jd.open_for_write("logs/rank-%d.log" % r))   # emptied; a link is refused
+    rfd, wfd = os.pipe()
+    if os.fork() == 0:
+        os.close(rfd)
+        os.setsid()
+        if os.fork() == 0:
+            supervise(p, spec, wfd)
+        os._exit(0)
+    os.close(wfd)
+    with os.fdopen(rfd) as r:
+        reply = r.read()
+    info = json.loads(reply) if reply else {"error": "supervisor did not start"}
+    if "error" in info:
+        raise AgentError("supervisor did not start: %s" % info["error"])
+    return {"supervisor": info}
+
+
+def detach_stdio(jd, log_rel: str) -> None:
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    log = jd.open_for_write(log_rel, 0o644, append=True)
+    os.dup2(devnull, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+
+
+def supervise(p: dict, spec: dict, wfd: int) -> None:
+    """Runs torchrun, records its exit code in run/host.exit; never returns."""
+    jd = p["jd"]
+    detach_stdio(jd, "run/torchrun.log")
+    # the agent ignores SIGINT and SIGHUP; an ignored signal survives exec, and the
+    # user's code must get the defaults
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    env = dict(os.environ)
+    env.update(spec["env"])
+    code = 1
+    try:
+        with jd.dirfd("code") as code_fd:
+            os.fchdir(code_fd)   # the cwd of torchrun and the ranks, reached without a link
+        proc = subprocess.Popen(spec["argv"], env=env)
+        me = os.getpid()
+        info = {"pid": me, "pgid": os.getpgid(0), "start_ticks": proc_start_time(me),
+                "torchrun_pid": proc.pid, "run_id": spec["run_id"], "started": time.time()}
+        write_atomic(jd, "run/supervisor.json", json.dumps(info).encode())
+        os.write(wfd, json.dumps(info).encode())
+        os.close(wfd)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda s, f: proc.send_signal(s))
+        code = proc.wait()
+    except BaseException as e:  # anything here must still leave host.exit behind
+        sys.stderr.write("orch supervisor: %r\n" % (e,))
+        try:
+            os.write(wfd, json.dumps({"error": repr(e)}).encode())
+        except OSError:
+            pass
+    try:
+        write_atomic(jd, "run/host.exit", json.dumps({"code": code, "time": time.time()}).encode(),
+                     0o644)
+    except OSError as e:
+        sys.stderr.write("orch supervisor: cannot write host.exit: %s\n" % e)
+    os._exit(0)

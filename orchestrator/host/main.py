@@ -1,0 +1,124 @@
+"""The agent's entry: one process per host and orch command serves every step over
+stdin/stdout frames (orchestrator/protocol.py).
+
+Requests carry an id; the reply (or an error with its category) carries it back.
+`follow` streams events while other requests are served; `stop` runs in a thread the
+agent waits for, so a stop ends its work even if the connection drops. The agent ends
+at the end of its stdin.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from orchestrator import protocol
+from orchestrator.host import files, follow, launch, preflight, procs, status
+from orchestrator.host.common import AgentError
+from orchestrator.host.paths import UnsafePath
+
+COMMANDS = {
+    "preflight": preflight.run,
+    "manifest": files.run_manifest,
+    "receive": files.run_receive,
+    "launch": launch.run,
+    "follow": follow.run,
+    "status": status.run,
+    "stop": procs.run_stop,
+}
+IN_THREAD = {"follow": True, "stop": False}   # command -> daemon thread (not waited for)
+
+
+class Out:
+    """Whole frames to stdout, one writer at a time (follow runs beside other requests)."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.lock = stream, threading.Lock()
+
+    def send(self, data: bytes) -> None:
+        with self.lock:
+            self.stream.write(data)
+            self.stream.flush()
+
+
+class Request:
+    def __init__(self, msg: dict, out: Out, reader, debug: bool) -> None:
+        self.t, self.id, self.args = msg["t"], msg.get("id"), msg
+        self.out, self.reader, self.debug = out, reader, debug
+
+    def part(self, kind: str, body: dict) -> None:
+        self.out.send(protocol.part(self.id, kind, body))
+
+
+def serve(req: Request) -> None:
+    try:
+        protocol.check(req.args, {"id": int}, "request " + req.t)
+        protocol.check(req.args, protocol.REQUESTS[req.t], "request " + req.t)
+        body = COMMANDS[req.t](req)
+        if body is not None:
+            req.out.send(protocol.reply(req.id, body))
+    except (BrokenPipeError, KeyboardInterrupt):
+        os._exit(1)   # the controller is gone
+    except Exception as e:  # every failure becomes an error reply naming its command
+        category = e.category if isinstance(e, AgentError) else protocol.HOST
+        known = isinstance(e, (AgentError, UnsafePath))   # messages written for the user
+        text = str(e) if known else "%s: %s" % (type(e).__name__, e)
+        tb = ""
+        if req.debug:
+            import traceback   # its imports (tokenize...) cost 20 ms at every start
+            tb = traceback.format_exc()
+        try:
+            req.out.send(protocol.error(req.id, category, text, tb, getattr(e, "fix", "")))
+        except BrokenPipeError:
+            os._exit(1)
+
+
+def grow_stdin_pipe() -> None:
+    """sshd feeds us through a 64 KiB pipe: one wake-up per 64 KiB. 1 MiB (the default
+    pipe-max-size) cut a 1 GiB push by a quarter. Linux only; harmless elsewhere."""
+    try:
+        import fcntl
+        fcntl.fcntl(0, 1031, 1 << 20)   # F_SETPIPE_SZ
+    except (OSError, ImportError, AttributeError):
+        pass
+
+
+def dispatch(msg: dict, out: Out, reader, debug: bool, waited: list) -> None:
+    req = Request(msg, out, reader, debug)
+    if req.t not in COMMANDS:
+        out.send(protocol.error(req.id, protocol.USAGE, "unknown request %r" % req.t))
+    elif req.t in IN_THREAD:
+        th = threading.Thread(target=serve, args=(req,), daemon=IN_THREAD[req.t])
+        th.start()
+        if not th.daemon:
+            waited.append(th)
+    else:
+        serve(req)
+
+
+def main(version: str, argv: list) -> None:
+    # Ctrl-C on the controller's terminal (a local host) or a hang-up must not end the
+    # agent: it still has to stop the job. It ends at the end of its stdin.
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    grow_stdin_pipe()
+    out = Out(sys.stdout.buffer)
+    stdin = sys.stdin.buffer
+    reader = protocol.FrameReader(stdin.read1, caps=protocol.CAPS, readinto=stdin.readinto1)
+    debug, waited = "debug" in argv, []
+    out.send(protocol.hello(version, pid=os.getpid(), python=sys.version.split()[0]))
+    try:
+        while True:
+            got = reader.read_frame()
+            if got is None:
+                break
+            dispatch(protocol.decode(got, "request"), out, reader, debug, waited)
+    except (protocol.ProtocolError, EOFError) as e:
+        out.send(protocol.error(None, protocol.HOST, "agent: %s" % e))
+    except BrokenPipeError:
+        pass
+    for th in waited:
+        th.join()
+    sys.stdout.flush()
+    os._exit(0)

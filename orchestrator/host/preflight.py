@@ -1,0 +1,105 @@
+"""Preflight: what the controller checks before anything starts (python, torch, GPUs,
+remote_dir, master port, a running job) plus the manifests of code/ and data/."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from orchestrator import timeouts
+from orchestrator.host import files
+from orchestrator.host.common import job_paths
+from orchestrator.host.paths import UnsafePath
+from orchestrator.host.procs import supervisor_alive
+
+
+def gpu_count() -> int:
+    try:
+        r = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, timeout=timeouts.NVIDIA_SMI)
+        return sum(1 for l in r.stdout.decode().splitlines() if l.startswith("GPU "))
+    except (OSError, subprocess.SubprocessError):
+        return 0
+
+
+def torch_version():
+    """torch's version from its dist-info folder name: no import (seconds), no
+    importlib.metadata scan. The agent runs with -S, so the site folders are computed."""
+    import glob
+    import site
+    dirs = site.getsitepackages() + [site.getusersitepackages()] + sys.path
+    venv = os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))
+    if os.path.exists(os.path.join(venv, "pyvenv.cfg")):   # -S skipped site's venv set-up
+        dirs.insert(0, os.path.join(venv, "lib", "python%d.%d" % sys.version_info[:2],
+                                    "site-packages"))
+    for d in dirs:
+        for info in sorted(glob.glob(os.path.join(d, "torch-*.dist-info"))):
+            return os.path.basename(info)[len("torch-"):-len(".dist-info")]
+    site.main()   # unusual layouts (eggs, .pth paths): let importlib.metadata search
+    try:
+        from importlib.metadata import version
+        return version("torch")
+    except Exception:  # not installed, or no importlib.metadata (Python < 3.8)
+        return None
+
+
+def port_free(port: int) -> bool:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def free_port() -> int:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def dir_writable(p: dict):
+    """None when the job folder can be made and written; else why not. A link at the job
+    folder or at one of orch's folders or files in it is refused (UnsafePath) instead."""
+    jd = p["jd"]
+    try:
+        jd.fd(create=True)
+        jd.check_layout()
+        probe = ".orch-write-test-%d" % os.getpid()
+        os.close(jd.open_for_write(probe))
+        jd.unlink(probe)
+        return None
+    except UnsafePath:
+        raise
+    except OSError as e:
+        return "%s: %s" % (jd.path, e.strerror or e)
+
+
+def run(req) -> dict:
+    """Everything preflight checks, plus the manifests of the job's folders named in
+    `folders` (code, data), which saves the push a round trip per host."""
+    a = req.args
+    p = job_paths(a["job_dir"])
+    report = {
+        "python": sys.version.split()[0], "executable": sys.executable,
+        "torch": torch_version(), "job_dir": p["job"],
+        "gpus": gpu_count() if a["want_gpus"] else 0,   # nvidia-smi costs 0.1-0.5 s
+        "writable": dir_writable(p), "time": time.time(),
+        "hostname": socket.gethostname(),
+        "ssh_connection": os.environ.get("SSH_CONNECTION", ""),
+        "running": bool(supervisor_alive(p)),
+    }
+    for folder in a["folders"]:
+        if folder not in ("code", "data"):
+            raise ValueError("unknown folder %r" % folder)
+        files.send_manifest(req, folder, p["jd"], folder)
+    if a["want_port"]:
+        port = a["master_port"] or free_port()
+        report["port"], report["port_free"] = port, port_free(port)
+    return report

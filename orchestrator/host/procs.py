@@ -1,0 +1,98 @@
+"""Finding a job's processes by their marker, and stopping them (SIGTERM, grace, SIGKILL,
+verify)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from orchestrator import timeouts
+from orchestrator.host.common import job_paths, read_json
+
+
+
+def proc_start_time(pid: int):
+    """Field 22 of /proc/<pid>/stat: tells a live pid from a recycled one. None for a
+    zombie: a container's init may never reap our double-forked supervisor."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def has_marker(pid: int, marker: bytes) -> bool:
+    try:
+        if os.stat("/proc/%d" % pid).st_uid != os.getuid():
+            return False  # never another user's process, even as root
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            return marker in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def marked_pids(job_dir: str) -> list:
+    """Every process of this job: its environment carries ORCH_JOB_DIR=<abs job dir>.
+
+    torchrun puts each worker in a session of its own, so a process group alone misses
+    them; the marker is inherited by torchrun, the workers and their data-loader children.
+    """
+    marker = ("ORCH_JOB_DIR=" + job_dir).encode()
+    me = os.getpid()
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    return [p for p in pids if p != me and has_marker(p, marker)]
+
+
+def supervisor_alive(p: dict):
+    sup = read_json(p["jd"], "run/supervisor.json")
+    if not isinstance(sup, dict) or not isinstance(sup.get("pid"), int):
+        return None
+    if proc_start_time(sup["pid"]) != sup.get("start_ticks"):
+        return None
+    return sup
+
+
+def signal_all(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def wait_gone(job_dir: str, sup, deadline: float) -> list:
+    while True:
+        left = marked_pids(job_dir)
+        if sup and proc_start_time(sup["pid"]) == sup.get("start_ticks"):
+            left.append(sup["pid"])
+        if not left or time.time() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+def stop(job_dir: str, grace: float) -> dict:
+    """SIGTERM every process of the job, wait up to grace, SIGKILL the rest, verify.
+    Runs in a thread of its own that the agent waits for: a stop runs to the end even
+    if the controller (and so the connection) goes away."""
+    p = job_paths(job_dir)
+    sup = supervisor_alive(p)
+    t0 = time.time()
+    found = marked_pids(p["job"]) + ([sup["pid"]] if sup else [])
+    # torchrun itself has nothing to save, and its own SIGTERM shutdown takes seconds;
+    # the ranks (the user's code) get SIGTERM from us directly and the full grace.
+    torchrun = sup.get("torchrun_pid") if sup else None
+    signal_all([torchrun] if torchrun in found else [], signal.SIGKILL)
+    signal_all([x for x in found if x != torchrun], signal.SIGTERM)
+    left = wait_gone(p["job"], sup, time.time() + grace)
+    killed = list(left)
+    signal_all(left, signal.SIGKILL)
+    left = wait_gone(p["job"], sup, time.time() + timeouts.STOP_VERIFY)
+    return {"found": len(found), "killed": len(killed), "left": left,
+            "seconds": round(time.time() - t0, 3)}
+
+
+def run_stop(req) -> dict:
+    return stop(req.args["job_dir"], max(0.0, float(req.args["grace"])))

@@ -1,0 +1,61 @@
+"""Status: per rank, its pid, state, exit code, times, last line and torchrun's error file."""
+from __future__ import annotations
+
+import time
+
+from orchestrator.host.common import job_paths, read_json
+from orchestrator.host.follow import open_log, rank_exit, tail_offset
+from orchestrator.host.procs import proc_start_time, supervisor_alive
+
+
+ERROR_FILE_CAP = 1 << 20
+
+
+def last_line(jd, rel: str) -> str:
+    f = open_log(jd, rel)
+    if f is None:
+        return ""
+    with f:
+        f.seek(tail_offset(f, 1))
+        return f.read(4096).decode("utf-8", "replace").strip()
+
+
+def error_file(p: dict, local_rank: int) -> str:
+    """torchrun's error file of a rank (written when the script uses @record)."""
+    for rel, _ in p["jd"].walk("run/torchrun"):
+        if rel.endswith("/%d/error.json" % local_rank):
+            try:
+                data = p["jd"].read(rel, ERROR_FILE_CAP) or b""
+            except OSError:
+                return ""
+            return data.decode("utf-8", "replace")[-4000:]
+    return ""
+
+
+def rank_status(p: dict, rank: int, local_rank: int, sup) -> dict:
+    info = {"rank": rank, "last_line": last_line(p["jd"], "logs/rank-%d.log" % rank)}
+    pid = read_json(p["jd"], "run/rank-%d.pid" % rank)
+    pid = pid if isinstance(pid, dict) and isinstance(pid.get("pid"), int) else {}
+    info["pid"], info["started"] = pid.get("pid"), pid.get("time")
+    ex = rank_exit(p, rank)
+    if ex is not None:
+        info.update(state="exited", code=ex["code"], ended=ex["time"])
+        info["error_file"] = error_file(p, local_rank) if ex["code"] != 0 else ""
+    elif pid and proc_start_time(pid["pid"]) == pid.get("start_ticks"):
+        info["state"] = "running"
+    elif pid:
+        info["state"] = "lost"      # vanished without an exit code (e.g. the wrapper was killed)
+    else:
+        info["state"] = "starting" if sup else "lost"
+    return info
+
+
+def run(req) -> dict:
+    """`ranks` are the host's ranks from its local rank `first_local` on (all: 0)."""
+    p = job_paths(req.args["job_dir"])
+    sup = supervisor_alive(p)
+    ranks = req.args["ranks"]
+    first = req.args.get("first_local", 0)
+    return {"supervisor": sup, "host_exit": read_json(p["jd"], "run/host.exit"),
+            "time": time.time(),
+            "ranks": [rank_status(p, r, first + i, sup) for i, r in enumerate(ranks)]}

@@ -1,0 +1,266 @@
+"""The controller's end of one host's agent: a single channel that carries every step of
+a command (requests and replies, file streams, follow events), read by one thread.
+
+Nothing from the host is trusted: the frames are size-capped (protocol.FrameReader), at
+most MAX_GARBAGE bytes may precede the hello, every reply is checked against its schema,
+and any breach becomes one message naming the host and the command.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator import protocol, timeouts
+from orchestrator.bundle import agent_argv, agent_stdin, bundle
+from orchestrator.errors import HostError, OrchError, for_category
+from orchestrator.transport import Channel, Transport
+
+# From a host: no file data; JSON and output frames within their caps.
+CAPS_IN = {protocol.JSON: protocol.MAX_JSON,
+           protocol.OUTPUT: protocol.MAX_OUTPUT + protocol.RANK.size}
+QUIET_SHELL = ("make the login shell quiet for non-interactive sessions (print nothing in "
+               "~/.bashrc, ~/.profile or /etc/profile.d when $- has no `i`)")
+
+
+@dataclass
+class Pending:
+    """One request waiting for its reply; parts are collected as they come."""
+
+    command: str
+    done: threading.Event = field(default_factory=threading.Event)
+    parts: list = field(default_factory=list)
+    body: dict | None = None
+    error: OrchError | None = None
+
+
+class Link:
+    def __init__(self, transport: Transport, label: str = "") -> None:
+        self.transport, self.host = transport, transport.host
+        self.name = transport.host.label
+        self.argv_label = label
+        self.chan: Channel | None = None
+        self.wlock = threading.RLock()
+        self.plock = threading.Lock()
+        self.pending: dict[int, Pending] = {}
+        self.ids = itertools.count(1)
+        self.sink: Any = None               # follow events go here (see follow.Sink)
+        self.follow_id: int | None = None
+        self.follow_ranks: frozenset[int] = frozenset()
+        self.hello: dict | None = None
+        self.started = threading.Event()
+        self.dead: OrchError | None = None
+        self.last_seen = time.monotonic()
+
+    # ------------------------------------------------------------ start
+
+    def start(self, timeout: float = timeouts.AGENT_START) -> dict:
+        """Start the agent (one session) and wait for its hello; the bundle's hash must
+        match ours, so the host runs exactly this controller's code."""
+        self.chan = self.transport.open(agent_argv(self.host.python, self.argv_label), timeout)
+        self.chan.settimeout(None)   # the reader thread waits; callers time out on events
+        threading.Thread(target=self._read, daemon=True, name=f"link-{self.name}").start()
+        with self.wlock:
+            self.chan.write(agent_stdin())
+        if not self.started.wait(timeout):
+            self.close()
+            raise HostError(f"{self.name}: the agent did not start within {timeout:g} s "
+                            "(the login shell or python hangs, or the host is overloaded)",
+                            hint="check that `ssh HOST python3 -c pass` returns at once")
+        if self.dead:
+            raise self.dead
+        return self.hello or {}
+
+    def _read(self) -> None:
+        assert self.chan is not None
+        reader = protocol.FrameReader(self.chan.read, caps=CAPS_IN)
+        try:
+            self._hello(reader)
+            while True:
+                got = reader.read_frame()
+                if got is None:
+                    return self._fail(HostError(f"{self.name}: the agent's connection ended"))
+                self.last_seen = time.monotonic()
+                self._dispatch(*got)
+        except protocol.ProtocolError as e:
+            self._fail(HostError(f"{self.name}: the agent sent something orch does not "
+                                 f"accept: {e}", hint="the host's agent may be broken; "
+                                 "run with ORCH_DEBUG=1 and report it"))
+        except OrchError as e:
+            self._fail(e)
+        except Exception as e:  # a closed channel, a socket error: the host is gone
+            self._fail(HostError(f"{self.name}: connection lost: {e}"))
+
+    def _hello(self, reader: protocol.FrameReader) -> None:
+        try:
+            reader.skip_to_magic()
+            hello = protocol.check(reader.read_json("the agent's hello"),
+                                   {"version": str}, "hello")
+        except protocol.Garbage as g:
+            raise self._no_agent(g) from None
+        except EOFError:
+            raise self._no_agent(protocol.Garbage(0, b"", True)) from None
+        if hello["version"] != bundle()[1]:
+            raise HostError(f"{self.name}: the agent runs another version "
+                            f"({hello['version'][:12]}, ours {bundle()[1][:12]})")
+        self.hello = hello
+        self.started.set()
+
+    def _no_agent(self, g: protocol.Garbage) -> HostError:
+        """Why no agent answered: python missing, it failed, or the shell is chatty."""
+        assert self.chan is not None
+        time.sleep(0.05)   # the exit status and stderr come right after the stream's end
+        err = self.chan.stderr_tail().decode("utf-8", "replace").strip()
+        code = self.chan.exit_code()
+        python = self.host.python
+        if not g.ended:
+            return HostError(f"{self.name}: the login shell or `{python}` printed more than "
+                             f"{protocol.MAX_GARBAGE // 1024} KiB before the agent started: "
+                             f"{g.sample[:200]!r}", hint=QUIET_SHELL)
+        if code == 127 or ("not found" in err and "Traceback" not in err):
+            return HostError(f"{self.name}: python interpreter `{python}` not found",
+                             hint="install python3 there or set `python:` (e.g. a venv's bin/python)")
+        why = err[-800:] or (f"it printed {g.sample[:200]!r}" if g.count else "")
+        return HostError(f"{self.name}: the agent did not start with `{python}` "
+                         f"(exit code {code}): {why or 'no output'}",
+                         hint="orch needs Python >= 3.8 on the host; check `python:`")
+
+    def _fail(self, error: OrchError) -> None:
+        if self.dead is None:
+            self.dead = error
+        self.started.set()
+        with self.plock:
+            waiting, self.pending = list(self.pending.values()), {}
+        for p in waiting:
+            p.error = p.error or error
+            p.done.set()
+        if self.sink is not None and self.follow_id is not None:
+            self.follow_id = None
+            self.sink.host_lost(self.host.index, error.message)
+
+    # ------------------------------------------------------------ incoming
+
+    def _dispatch(self, kind: bytes, payload: bytes) -> None:
+        if kind == protocol.OUTPUT:
+            rank, partial, data = protocol.split_output(payload)
+            if self.sink is None or rank not in self.follow_ranks:
+                raise protocol.ProtocolError(f"output of rank {rank}, which is not followed here")
+            self.sink.output(self.host.index, rank, partial, data)
+            return
+        msg = protocol.decode((kind, payload), "a message")
+        t = msg["t"]
+        if t in ("reply", "error", "part"):
+            self._answer(t, msg)
+        elif t in protocol.EVENTS:
+            self._event(t, protocol.check(msg, protocol.EVENTS[t], f"event {t}"))
+        else:
+            raise protocol.ProtocolError(f"unexpected message {t!r}")
+
+    def _answer(self, t: str, msg: dict) -> None:
+        with self.plock:
+            p = self.pending.get(msg.get("id"))  # type: ignore[arg-type]
+        if p is None:
+            if t == "error" and msg.get("id") is None:   # the agent itself gave up
+                raise HostError(f"{self.name}: {msg.get('message')}")
+            raise protocol.ProtocolError(f"a {t} for no request (id {msg.get('id')!r})")
+        what = f"the reply to `{p.command}`"
+        if t == "part":
+            protocol.check(msg, {"kind": str, "body": dict}, what)
+            if msg["kind"] not in protocol.PARTS or len(p.parts) >= protocol.MAX_PARTS:
+                raise protocol.ProtocolError(f"{what}: unexpected part {msg['kind']!r}")
+            p.parts.append(protocol.check(msg["body"], protocol.PARTS[msg["kind"]], what))
+            return
+        if t == "error":
+            self._error_reply(p, protocol.check(msg, protocol.ERROR, what))
+        else:
+            body = protocol.check(msg, {"body": dict}, what)["body"]
+            p.body = protocol.check(body, protocol.REPLIES[p.command], what)
+        self._finish(msg["id"], p)
+
+    def _error_reply(self, p: Pending, msg: dict) -> None:
+        text = f"{self.name}: {p.command} failed: {msg['message']}"
+        if os.environ.get("ORCH_DEBUG") == "1" and msg.get("traceback"):
+            text += "\n  host traceback:\n    " + msg["traceback"].strip().replace("\n", "\n    ")
+        p.error = for_category(msg["category"])(text, hint=msg.get("fix", ""))
+        if p.command == "follow" and self.sink is not None:
+            self.follow_id = None
+            self.sink.host_lost(self.host.index, f"follow failed: {msg['message']}")
+
+    def _finish(self, id: int, p: Pending) -> None:
+        with self.plock:
+            self.pending.pop(id, None)
+        p.done.set()
+
+    def _event(self, t: str, msg: dict) -> None:
+        if self.sink is None:
+            raise protocol.ProtocolError(f"event {t!r} while nothing is followed")
+        if t == "exit":
+            if msg["rank"] not in self.follow_ranks:
+                raise protocol.ProtocolError(f"exit of rank {msg['rank']}, which is not followed here")
+            self.sink.rank_exit(self.host.index, msg["rank"], msg["code"], msg["time"])
+        elif t == "done":
+            fid, self.follow_id = self.follow_id, None
+            self.sink.host_done(self.host.index, {k: v for k, v in msg.items() if k != "t"})
+            if fid is not None:
+                with self.plock:
+                    self.pending.pop(fid, None)
+
+    # ------------------------------------------------------------ outgoing
+
+    def send(self, data: bytes | memoryview) -> None:
+        if self.dead:
+            raise self.dead
+        assert self.chan is not None
+        with self.wlock:
+            self.chan.write(data)
+
+    def submit(self, command: str, **fields: Any) -> tuple[int, Pending]:
+        """Send a request; its Pending fills in when the reply comes."""
+        if self.dead:
+            raise self.dead
+        id, p = next(self.ids), Pending(command)
+        with self.plock:
+            self.pending[id] = p
+        self.send(protocol.request(command, id, **fields))
+        return id, p
+
+    def wait(self, p: Pending, timeout: float | None) -> dict:
+        if not p.done.wait(timeout):
+            raise HostError(f"{self.name}: no answer to `{p.command}` within {timeout:g} s",
+                            hint="check that the host is still reachable")
+        if p.error is not None:
+            raise p.error
+        assert p.body is not None
+        return p.body
+
+    def request(self, command: str, timeout: float | None, **fields: Any) -> dict:
+        return self.wait(self.submit(command, **fields)[1], timeout)
+
+    def follow(self, sink: Any, **fields: Any) -> None:
+        """Stream rank output and events into sink until the `done` event."""
+        self.sink, self.follow_ranks = sink, frozenset(fields["ranks"])
+        self.follow_id, _ = self.submit("follow", **fields)
+
+    def close(self, wait: float = timeouts.CLOSE) -> None:
+        """End the agent: its stdin closes, it finishes a running stop, then exits."""
+        if self.chan is None:
+            return
+        if self.dead:
+            wait = 0.0
+        try:
+            self.chan.close_stdin()
+            deadline = time.monotonic() + wait
+            while wait and self.chan.exit_code() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+        except Exception:  # closing is best effort: the host may be gone
+            pass
+        self.chan.close()
+
+
+def start_link(transport: Transport, label: str = "") -> Link:
+    link = Link(transport, label)
+    link.start()
+    return link

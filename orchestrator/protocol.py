@@ -1,0 +1,313 @@
+"""The wire between the controller and the agent on a host: frames and every message.
+
+Both sides import this module (the agent receives it in its bundle), so no message
+string is written anywhere else. Python 3.8, stdlib only.
+
+A frame is 1 byte kind + 4 bytes big-endian payload length + payload:
+
+    J  a JSON object; its "t" names the message (requests, replies, events)
+    D  raw file bytes (a receive stream: the bytes of the file announced before)
+    O  rank output: 4-byte rank, 1 flag byte, then the bytes exactly as the rank wrote
+       them. Output is data, never parsed, so nothing a rank prints can forge a frame.
+
+The agent's first frame is a hello, announced by MAGIC: whatever a login shell prints
+before the agent starts is skipped (up to MAX_GARBAGE bytes). Every frame kind has a
+size cap, checked before its payload is read, so a host can never make the controller
+buffer more than a fixed amount.
+"""
+from __future__ import annotations
+
+import json
+import struct
+
+MAGIC = b"\x00\x7fORCH-AGENT\x00"
+HEADER = struct.Struct(">cI")
+RANK = struct.Struct(">IB")          # rank, flags of an output frame
+JSON, DATA, OUTPUT = b"J", b"D", b"O"
+PARTIAL = 1                          # output flag: a piece of a line, more follows
+
+MAX_JSON = 8 << 20                   # one JSON frame
+MAX_DATA = 1 << 20                   # one file-data frame
+MAX_OUTPUT = 64 << 10                # the bytes of one output frame
+MAX_GARBAGE = 64 << 10               # what may come before the agent's hello
+MANIFEST_PART = 20_000               # manifest entries per part, at most
+MAX_PARTS = 100                      # parts before one reply: 2 million files per folder
+CAPS = {JSON: MAX_JSON, DATA: MAX_DATA, OUTPUT: MAX_OUTPUT + RANK.size}
+
+# Error categories of an error reply, and the exit code the controller gives them.
+USAGE, HOST, JOB = "usage", "host", "job"
+EXIT_CODES = {USAGE: 2, "inventory": 2, HOST: 3, JOB: 1}
+
+
+class ProtocolError(Exception):
+    """The peer sent something this protocol does not allow (size, kind, fields)."""
+
+
+class Garbage(ProtocolError):
+    """Bytes before the hello, beyond MAX_GARBAGE or up to the end of the stream."""
+
+    def __init__(self, count: int, sample: bytes, ended: bool) -> None:
+        super().__init__("%d bytes before the agent's hello" % count)
+        self.count, self.sample, self.ended = count, sample, ended
+
+
+# ---------------------------------------------------------------- frames
+
+def frame(kind: bytes, payload: bytes) -> bytes:
+    return HEADER.pack(kind, len(payload)) + payload
+
+
+def message(t: str, **fields) -> bytes:
+    """A JSON frame of message type t."""
+    fields["t"] = t
+    return frame(JSON, json.dumps(fields).encode())
+
+
+def output(rank: int, data: bytes, partial: bool = False) -> bytes:
+    return frame(OUTPUT, RANK.pack(rank, PARTIAL if partial else 0) + data)
+
+
+def split_output(payload: bytes) -> tuple:
+    """(rank, partial, data) of an output frame's payload."""
+    if len(payload) < RANK.size:
+        raise ProtocolError("output frame of %d bytes has no rank" % len(payload))
+    rank, flags = RANK.unpack_from(payload)
+    return rank, bool(flags & PARTIAL), payload[RANK.size:]
+
+
+def hello(version: str, **fields) -> bytes:
+    return MAGIC + message("hello", version=version, **fields)
+
+
+class FrameReader:
+    """Frames from a byte source: `read(n)` returns up to n bytes, b"" at the end.
+    Buffers at most one frame plus one read; every size is checked against `caps`."""
+
+    def __init__(self, read, caps=None, chunk: int = 1 << 16, readinto=None) -> None:
+        """`readinto(view)`, when given, fills a big payload in place: one copy less
+        per file-data frame than going through the buffer."""
+        self._read, self.caps, self.chunk = read, caps or CAPS, chunk
+        self._readinto = readinto
+        self.buf, self.pos = bytearray(), 0
+
+    def _fill(self, n: int) -> bool:
+        """At least n unread bytes buffered; False if the stream ended first."""
+        while len(self.buf) - self.pos < n:
+            if self.pos and self.pos >= len(self.buf) // 2:
+                del self.buf[:self.pos]
+                self.pos = 0
+            data = self._read(max(self.chunk, n - (len(self.buf) - self.pos)))
+            if not data:
+                return False
+            self.buf += data
+        return True
+
+    def _take(self, n: int) -> bytes:
+        out = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return out
+
+    def skip_to_magic(self, limit: int = MAX_GARBAGE) -> int:
+        """Skip what comes before MAGIC (a chatty login shell); the bytes skipped."""
+        while True:
+            at = self.buf.find(MAGIC, self.pos)
+            if 0 <= at - self.pos <= limit:
+                skipped = at - self.pos
+                self.pos = at + len(MAGIC)
+                return skipped
+            seen = len(self.buf) - self.pos
+            if seen > limit + len(MAGIC) or not self._fill(seen + 1):
+                ended = seen <= limit + len(MAGIC)
+                raise Garbage(seen, bytes(self.buf[self.pos:self.pos + 400]), ended)
+
+    def read_frame(self):
+        """(kind, payload), or None at a clean end of stream (between frames)."""
+        if not self._fill(HEADER.size):
+            if len(self.buf) > self.pos:
+                raise ProtocolError("stream ended inside a frame header")
+            return None
+        kind, size = HEADER.unpack_from(self.buf, self.pos)
+        cap = self.caps.get(kind)
+        if cap is None:
+            raise ProtocolError("unknown frame kind %r" % kind)
+        if size > cap:
+            raise ProtocolError("a %s frame of %d bytes is over the limit of %d"
+                                % (kind.decode("latin-1"), size, cap))
+        self.pos += HEADER.size
+        if self._readinto is not None and size - (len(self.buf) - self.pos) >= self.chunk:
+            return kind, self._read_big(size)
+        if not self._fill(size):
+            raise ProtocolError("stream ended inside a frame of %d bytes" % size)
+        return kind, self._take(size)
+
+    def _read_big(self, size: int) -> bytearray:
+        out = bytearray(size)
+        got = len(self.buf) - self.pos
+        out[:got] = self.buf[self.pos:]
+        del self.buf[:]
+        self.pos = 0
+        view = memoryview(out)
+        while got < size:
+            n = self._readinto(view[got:])
+            if not n:
+                raise ProtocolError("stream ended inside a frame of %d bytes" % size)
+            got += n
+        return out
+
+    def read_json(self, what: str) -> dict:
+        """The next frame, which must be a JSON object."""
+        got = self.read_frame()
+        if got is None:
+            raise EOFError("stream ended before %s" % what)
+        return decode(got, what)
+
+
+def decode(got: tuple, what: str) -> dict:
+    kind, payload = got
+    if kind != JSON:
+        raise ProtocolError("%s: expected a JSON frame, got kind %r" % (what, kind))
+    try:
+        obj = json.loads(payload.decode("utf-8"))
+    except ValueError as e:
+        raise ProtocolError("%s: not JSON (%s)" % (what, e))
+    if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
+        raise ProtocolError("%s: not a message object" % what)
+    return obj
+
+
+# ---------------------------------------------------------------- messages
+#
+# A schema maps field -> spec; "?name" is optional. A spec is a type or tuple of types,
+# a one-element list [spec] (a list of those), a nested schema dict, or a function
+# returning an error text or None.
+
+NUM = (int, float)
+OPT_NUM = (int, float, type(None))
+OPT_INT = (int, type(None))
+OPT_STR = (str, type(None))
+
+
+def manifest_files(value) -> str:
+    if not isinstance(value, dict):
+        return "must be an object"
+    if len(value) > MANIFEST_PART:
+        return "has %d entries, more than %d" % (len(value), MANIFEST_PART)
+    for rel, entry in value.items():
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
+                and isinstance(entry[1], str)):
+            return "entry %r must be [size, sha256]" % rel
+    return None
+
+
+REQUESTS = {
+    "preflight": {"job_dir": str, "master_port": int, "want_port": bool,
+                  "folders": [str], "want_gpus": bool},
+    "manifest": {"root": str},
+    "receive": {"root": str},
+    "launch": {"job_dir": str, "spec": {"run_id": str, "ranks": [int], "argv": [str],
+                                        "env": dict}},
+    "follow": {"job_dir": str, "ranks": [int], "tail": int, "mode": str},
+    "status": {"job_dir": str, "ranks": [int], "?first_local": int},
+    "stop": {"job_dir": str, "grace": NUM},
+}
+FOLLOW_MODES = ("events", "snapshot", "raw", "raw-follow")
+
+SUPERVISOR = {"pid": int, "pgid": int, "start_ticks": OPT_INT, "torchrun_pid": int,
+              "run_id": str, "started": NUM}
+RANK_STATUS = {"rank": int, "state": str, "last_line": str, "?pid": OPT_INT,
+               "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM, "?error_file": str}
+REPLIES = {
+    "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
+                  "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
+                  "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool},
+    "manifest": {"root": str},                            # the files come as parts
+    "receive": {"files": int, "bytes": int, "deleted": int},
+    "launch": {"supervisor": SUPERVISOR},
+    "follow": {},
+    "status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
+               "time": NUM, "ranks": [RANK_STATUS]},
+    "stop": {"found": int, "killed": int, "left": [int], "seconds": NUM},
+}
+# Parts that may come before a reply (with the request's id).
+PARTS = {"manifest": {"folder": str, "files": manifest_files}}
+EVENTS = {
+    "exit": {"rank": int, "code": OPT_INT, "time": NUM},   # a rank ended (host clock)
+    "done": {"code": OPT_INT, "?time": OPT_NUM, "?lost": bool, "?snapshot": bool},
+    "beat": {},                                           # once a second while following
+}
+ERROR = {"category": str, "message": str, "?traceback": str, "?fix": str}
+# The receive stream, after the receive request.
+STREAM = {"file": {"p": str, "s": int, "h": str, "m": int},
+          "link": {"p": str, "link": str},
+          "end": {"delete": [str]}}
+
+
+def _type_name(spec) -> str:
+    types = spec if isinstance(spec, tuple) else (spec,)
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+def check_value(value, spec, where: str) -> None:
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise ProtocolError("%s must be an object" % where)
+        check(value, spec, where)
+    elif isinstance(spec, list):
+        if not isinstance(value, list):
+            raise ProtocolError("%s must be a list" % where)
+        for i, item in enumerate(value):
+            check_value(item, spec[0], "%s[%d]" % (where, i))
+    elif callable(spec) and not isinstance(spec, type):
+        problem = spec(value)
+        if problem:
+            raise ProtocolError("%s %s" % (where, problem))
+    else:
+        types = spec if isinstance(spec, tuple) else (spec,)
+        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+        if not ok:
+            raise ProtocolError("%s must be %s, got %s" % (where, _type_name(spec),
+                                                           type(value).__name__))
+
+
+def check(obj: dict, schema: dict, what: str) -> dict:
+    """obj, if it has every field of schema with the right types; else ProtocolError
+    naming `what` and the field."""
+    for key, spec in schema.items():
+        name = key.lstrip("?")
+        if name not in obj:
+            if key.startswith("?"):
+                continue
+            raise ProtocolError("%s: field %r is missing" % (what, name))
+        check_value(obj[name], spec, "%s: field %r" % (what, name))
+    return obj
+
+
+def request(t: str, id: int, **fields) -> bytes:
+    check(fields, REQUESTS[t], "request " + t)
+    return message(t, id=id, **fields)
+
+
+def reply(id: int, body: dict) -> bytes:
+    return message("reply", id=id, body=body)
+
+
+def part(id: int, kind: str, body: dict) -> bytes:
+    return message("part", id=id, kind=kind, body=body)
+
+
+def error(id, category: str, text: str, traceback: str = "", fix: str = "") -> bytes:
+    fields = {"category": category, "message": text}
+    if fix:
+        fields["fix"] = fix[:800]
+    if traceback:
+        fields["traceback"] = traceback[-8000:]
+    return message("error", id=id, **fields)
+
+
+def event(t: str, **fields) -> bytes:
+    check(fields, EVENTS[t], "event " + t)
+    return message(t, **fields)
+
+
+def stream_item(t: str, **fields) -> bytes:
+    return message(t, **fields)

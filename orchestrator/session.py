@@ -1,0 +1,201 @@
+"""A command's hold on the cluster: per host one connection, one agent (one SSH session)
+and one record; the verbs every command is made of: preflight, sync, launch, watch
+(watch.py), stop, status, follow.
+
+Commands (orchestrator/commands/) parse their arguments, call these verbs and render
+the outcome; nothing here parses arguments, and messages go through `ui`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import paramiko
+
+from orchestrator import state as job_state
+from orchestrator import timeouts
+from orchestrator.connect import (Bastions, GroupResult, check_local_files, connect, fan_out,
+                                  ssh_config)
+from orchestrator.errors import EXIT_USAGE, OrchError
+from orchestrator.inventory import Cluster, Host
+from orchestrator.launch import launch_all
+from orchestrator.link import Link
+from orchestrator.localfiles import Pushable
+from orchestrator.preflight import PreflightReport, preflight
+from orchestrator.stopper import StopReport, stop_all
+from orchestrator.sync import LocalFile, SyncReport, push
+from orchestrator.transport import Transport
+
+
+@dataclass
+class HostRecord:
+    """Everything this command knows about one host."""
+
+    host: Host
+    job_dir: str                       # the inventory's (or state's); absolute after preflight
+    link: Link | None = None           # its agent, once started
+    error: BaseException | None = None  # why it could not be reached
+    reports: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HostFiles:
+    """What one host must hold: the code, and its own shards (None: no data section)."""
+
+    code: list[LocalFile]
+    data: list[LocalFile] | None
+
+
+class Session:
+    def __init__(self, cluster: Cluster, state: job_state.JobState | None = None,
+                 connector: Callable[[Host], Transport] | None = None) -> None:
+        """`connector` opens one host's transport (default: SSH or local, per the
+        inventory); unit tests pass an in-process fake."""
+        self.cluster, self.connector = cluster, connector
+        dirs = job_state.job_dirs(cluster, state)
+        self.records = {h.index: HostRecord(h, dirs[h.index]) for h in cluster.hosts}
+
+    # ------------------------------------------------------------ connections
+
+    @property
+    def links(self) -> dict[int, Link]:
+        return {i: r.link for i, r in self.records.items() if r.link is not None}
+
+    @property
+    def failed(self) -> dict[int, BaseException]:
+        return {i: r.error for i, r in self.records.items() if r.error is not None}
+
+    def open(self, hosts: tuple[Host, ...] | None = None,
+             done: Callable[[], None] | None = None) -> "Session":
+        """Connect to every host (or `hosts`) and start its agent, all in parallel. A
+        mistake on this machine (exit 2: a missing identity file, an unreadable ssh config)
+        is raised, not collected: it is the same for every host and no host is at fault."""
+        hosts = self.cluster.hosts if hosts is None else hosts
+        config = ssh_config() if self.connector is None else None
+        if self.connector is None:
+            check_local_files(hosts)
+        bastions = Bastions()   # one connection per bastion, shared by its hosts
+        try:
+            result = fan_out(hosts, lambda h: self._open(h, config, bastions), done=done)
+        finally:
+            bastions.seal()
+        for i, link in result.ok.items():
+            self.records[i].link = link
+        for i, exc in result.failed.items():
+            self.records[i].error = exc
+        local = [e for e in result.failed.values()
+                 if isinstance(e, OrchError) and e.exit_code == EXIT_USAGE]
+        if local:
+            self.close()
+            raise local[0]
+        return self
+
+    def _open(self, host: Host, config: paramiko.SSHConfig | None, bastions: Bastions) -> Link:
+        if self.connector is not None:
+            transport = self.connector(host)
+        else:
+            transport = connect(host, config or ssh_config(), self.cluster.base_dir, bastions)
+        link = Link(transport, self.records[host.index].job_dir)
+        try:
+            link.start()
+        except BaseException:
+            link.close(0)
+            transport.close()
+            raise
+        return link
+
+    def require_all(self, what: str) -> None:
+        if self.failed:
+            GroupResult(failed=self.failed).raise_failures(self.cluster.hosts, what)
+
+    def close(self) -> None:
+        """Close every agent's stdin, give them a moment to end, close the connections."""
+        links = list(self.links.values())
+        threads = [threading.Thread(target=link.close, daemon=True) for link in links]
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + timeouts.CLOSE + 1
+        for th in threads:
+            th.join(max(0.0, deadline - time.monotonic()))
+        for link in links:
+            try:
+                link.transport.close()
+            except Exception:  # closing is best effort; the process is ending anyway
+                pass
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ verbs
+
+    def preflight(self, done: Callable[[], None] | None = None) -> PreflightReport:
+        pre = preflight(self.cluster, self.links, self.failed, done)
+        for i, info in pre.hosts.items():
+            self.records[i].job_dir = info.job_dir
+        return pre
+
+    def sync(self, files: dict[int, HostFiles], pre: PreflightReport,
+             progress: Callable[[int], None] | None = None,
+             host_done: Callable[[int], None] | None = None) -> dict[int, dict[str, SyncReport]]:
+        """Code to every host, each host its own shards: all hosts in parallel."""
+        # what the ignore rules leave out (a host's __pycache__) is never proposed for deletion
+        pushable = Pushable(self.cluster.base_dir, self.cluster.code.paths,
+                            self.cluster.code.exclude)
+
+        def one(h: Host) -> dict[str, SyncReport]:
+            link, info, mine = self.links[h.index], pre.hosts[h.index], files[h.index]
+            tick = (lambda nbytes, nfiles: progress(nbytes)) if progress else None
+            out = {}
+            if self.cluster.code.paths:
+                out["code"] = push(link, f"{info.job_dir}/code", mine.code, tick,
+                                   pushable(info.manifests["code"]))
+            if mine.data is not None:
+                out["data"] = push(link, f"{info.job_dir}/data", mine.data, tick,
+                                   info.manifests["data"])
+            if host_done:
+                host_done(h.index)
+            return out
+        result = fan_out(self.cluster.hosts, one)
+        result.raise_failures(self.cluster.hosts, "to receive code or data")
+        return result.ok
+
+    def launch(self, pre: PreflightReport) -> tuple[str, dict[int, dict]]:
+        """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts
+        that did start are stopped again before the error is reported."""
+        try:
+            return launch_all(self.cluster, self.links, pre)
+        except BaseException:
+            self.stop(0)
+            raise
+
+    def dirs(self) -> dict[int, str]:
+        return {i: r.job_dir for i, r in self.records.items()}
+
+    def stop(self, grace: float, skip: set[int] = frozenset()) -> GroupResult[StopReport]:  # type: ignore[assignment]
+        links = {i: link for i, link in self.links.items() if i not in skip}
+        return stop_all(self.cluster, links, self.dirs(), grace)
+
+    def status(self) -> GroupResult[dict]:
+        links = self.links
+        hosts = tuple(h for h in self.cluster.hosts if h.index in links)
+        return fan_out(hosts, lambda h: links[h.index].request(
+            "status", timeouts.STATUS, job_dir=self.records[h.index].job_dir,
+            ranks=list(h.ranks)))
+
+    def error_file(self, rank: int) -> str:
+        """torchrun's error file of a failed rank ("" when there is none or no answer)."""
+        host = self.cluster.host_of(rank)
+        link = self.links.get(host.index)
+        if link is None:
+            return ""
+        try:
+            reply = link.request("status", timeouts.ERROR_FILE, job_dir=self.records[host.index].job_dir,
+                                 ranks=[rank], first_local=rank - host.first_rank)
+        except Exception:  # the report is still useful without the error file
+            return ""
+        return reply["ranks"][0].get("error_file", "")[-2000:]

@@ -1,0 +1,26 @@
+"""Every timeout and grace period of orch, controller and agent, in one place (seconds).
+
+The agent's bundle carries this module too (stdlib only, Python 3.8).
+"""
+from __future__ import annotations
+
+KEEPALIVE = 5.0             # SSH keepalive on every connection
+AGENT_START = 60.0          # from opening the session to the agent's hello (login shell, python)
+PREFLIGHT = 60.0            # preflight's reply (at least 3x ssh.connect_timeout)
+SYNC = 600.0                # one host's push (the reply after the last byte)
+LAUNCH = 60.0               # the supervisor's pid after the spec was sent
+STATUS = 30.0               # `orch status`
+ERROR_FILE = 15.0           # fetching torchrun's error file for the root cause
+STOP_EXTRA = 60.0           # a stop's reply may take its grace period plus this
+HOST_LOST = 15.0            # no frame (not even a heartbeat) for this long: the host is lost
+FAILFAST_GRACE = 3.0        # SIGTERM -> SIGKILL when a rank failed
+INTERRUPT_GRACE = 10.0      # SIGTERM -> SIGKILL after Ctrl-C
+STOP_GRACE = 10.0           # `orch stop`'s default --grace
+DRAIN = 5.0                 # after a stop: how long the last lines and exit codes may take
+CLOSE = 1.0             # waiting for an agent to end after its stdin was closed
+OPEN_SESSION = 30.0          # opening one SSH session (exec channel)
+
+# on the host (the agent)
+HEARTBEAT = 1.0             # a follow sends a heartbeat this often; HOST_LOST relies on it
+STOP_VERIFY = 5.0           # after SIGKILL: how long a stop waits for the kernel to reap
+NVIDIA_SMI = 20.0           # preflight's `nvidia-smi -L`

@@ -1,0 +1,85 @@
+"""An in-process fake of a host's agent behind the real Link: unit tests of controller
+logic (Session, watch) without processes or SSH. The fake speaks protocol.py frames;
+each test scripts what its hosts answer."""
+from __future__ import annotations
+
+import queue
+import struct
+import threading
+from typing import Callable, Optional
+
+from orchestrator import protocol
+from orchestrator.bundle import agent_stdin, bundle
+from orchestrator.inventory import Host
+from orchestrator.transport import Channel, Transport
+
+Handler = Callable[["FakeChannel", dict], None]
+
+
+class FakeChannel(Channel):
+    def __init__(self, host: Host, handlers: dict[str, Handler]) -> None:
+        self.host, self.handlers = host, handlers
+        self.outq: queue.Queue = queue.Queue()
+        self.inbuf, self.skip = bytearray(), len(agent_stdin())
+        self.requests: list[dict] = []
+        self.closed = False
+        self.push(protocol.hello(bundle()[1]))
+
+    def push(self, data: bytes) -> None:
+        self.outq.put(data)
+
+    def write(self, data) -> None:
+        self.inbuf += bytes(data)
+        if self.skip:
+            cut = min(self.skip, len(self.inbuf))
+            del self.inbuf[:cut]
+            self.skip -= cut
+        while len(self.inbuf) >= 5:
+            kind, size = struct.unpack(">cI", self.inbuf[:5])
+            if len(self.inbuf) < 5 + size:
+                return
+            payload = bytes(self.inbuf[5:5 + size])
+            del self.inbuf[:5 + size]
+            if kind == protocol.JSON:
+                msg = protocol.decode((kind, payload), "request")
+                self.requests.append(msg)
+                self.handlers[msg["t"]](self, msg)
+
+    def close_stdin(self) -> None:
+        self.close()
+
+    def read(self, n: int = 1 << 20) -> bytes:
+        data = self.outq.get()
+        return data if data is not None else b""
+
+    def finish(self):
+        raise NotImplementedError
+
+    def stderr_tail(self) -> bytes:
+        return b""
+
+    def exit_code(self) -> Optional[int]:
+        return 0 if self.closed else None
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.outq.put(None)
+
+
+class FakeTransport(Transport):
+    def __init__(self, host: Host, handlers: dict[str, Handler]) -> None:
+        super().__init__(host)
+        self.channel = FakeChannel(host, handlers)
+
+    def open(self, argv: list[str], timeout: Optional[float] = None) -> Channel:
+        return self.channel
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def later(seconds: float, fn: Callable[[], None]) -> None:
+    timer = threading.Timer(seconds, fn)
+    timer.daemon = True
+    timer.start()

@@ -1,0 +1,354 @@
+"""The wire between controller and agent (orchestrator/protocol.py, link.py, host/):
+framing, caps, schemas, and what a rank or a host can send.
+
+A rank's output is data: fake frame bytes, a 10 MB line without a newline and binary
+garbage all come through as that rank's bytes, in order, with nothing lost after them.
+A host that prints before its agent starts, or without end, or sends replies of the
+wrong shape, gets one message naming it and the command; the controller's memory stays
+bounded. No SSH here: the agent runs as a local child process (`connection: local`),
+exactly as it runs under sshd.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_until
+from orchestrator import protocol
+from orchestrator.bundle import agent_argv, agent_stdin, bundle
+from orchestrator.errors import HostError, OrchError
+from orchestrator.follow import HostStream, LineSink, follow
+from orchestrator.inventory import parse
+from orchestrator.link import Link
+from orchestrator.transport import LocalTransport
+from sshd_cluster import pid_alive
+
+MB = 1 << 20
+
+
+# ---------------------------------------------------------------- frames and caps
+
+def reader(data: bytes) -> protocol.FrameReader:
+    return protocol.FrameReader(io.BytesIO(data).read)
+
+
+def test_frames_round_trip_in_order() -> None:
+    data = (protocol.message("beat") + protocol.output(3, b"a\nb\n") +
+            protocol.output(3, b"x" * 10, partial=True) + protocol.frame(protocol.DATA, b"\0\1"))
+    r = reader(data)
+    assert protocol.decode(r.read_frame(), "m") == {"t": "beat"}
+    assert protocol.split_output(r.read_frame()[1]) == (3, False, b"a\nb\n")
+    assert protocol.split_output(r.read_frame()[1]) == (3, True, b"x" * 10)
+    assert r.read_frame() == (protocol.DATA, b"\0\1")
+    assert r.read_frame() is None
+
+
+def test_big_payloads_read_in_place_are_the_same_bytes() -> None:
+    payload = os.urandom(protocol.MAX_DATA)
+    data = protocol.message("beat") + protocol.frame(protocol.DATA, payload) + protocol.message("beat")
+    src = io.BytesIO(data)
+    r = protocol.FrameReader(src.read, readinto=src.readinto)
+    assert protocol.decode(r.read_frame(), "m") == {"t": "beat"}
+    assert r.read_frame() == (protocol.DATA, payload)
+    assert protocol.decode(r.read_frame(), "m") == {"t": "beat"} and r.read_frame() is None
+    cut = io.BytesIO(data[:-100_000 - len(protocol.message("beat"))])
+    with pytest.raises(protocol.ProtocolError, match="ended inside a frame"):
+        r = protocol.FrameReader(cut.read, readinto=cut.readinto)
+        r.read_frame()
+        r.read_frame()
+
+
+def test_oversized_frame_refused_before_its_payload_is_read() -> None:
+    reads: list[int] = []
+    header = protocol.HEADER.pack(protocol.JSON, protocol.MAX_JSON + 1)
+
+    def read(n: int) -> bytes:
+        reads.append(n)
+        return header if len(reads) == 1 else b"x" * n
+    with pytest.raises(protocol.ProtocolError, match="over the limit"):
+        protocol.FrameReader(read).read_frame()
+    assert len(reads) == 1, "the payload was read although its size was refused"
+    for kind, cap in ((protocol.DATA, protocol.MAX_DATA), (protocol.OUTPUT, protocol.MAX_OUTPUT + 5)):
+        with pytest.raises(protocol.ProtocolError, match="over the limit"):
+            reader(protocol.HEADER.pack(kind, cap + 1)).read_frame()
+
+
+def test_unknown_kind_and_cut_frames_are_refused() -> None:
+    with pytest.raises(protocol.ProtocolError, match="unknown frame kind"):
+        reader(b"y\n" * 10).read_frame()
+    with pytest.raises(protocol.ProtocolError, match="ended inside a frame"):
+        reader(protocol.message("beat")[:-2]).read_frame()
+    with pytest.raises(protocol.ProtocolError, match="ended inside a frame header"):
+        reader(b"J\0").read_frame()
+
+
+def test_garbage_before_the_hello_is_skipped_up_to_the_limit() -> None:
+    hello = protocol.hello("v1")
+    r = reader(b"Welcome to host!\n" * 100 + hello)
+    assert r.skip_to_magic() == 1700
+    assert r.read_json("hello")["version"] == "v1"
+    with pytest.raises(protocol.Garbage) as too_much:
+        reader(b"z" * (protocol.MAX_GARBAGE + 100) + hello).skip_to_magic()
+    assert not too_much.value.ended and too_much.value.sample.startswith(b"zzz")
+    with pytest.raises(protocol.Garbage) as ended:
+        reader(b"bash: python3: command not found\n").skip_to_magic()
+    assert ended.value.ended
+
+
+def test_schemas_name_the_field_and_refuse_wrong_types() -> None:
+    stop = protocol.REPLIES["stop"]
+    ok = {"found": 1, "killed": 0, "left": [], "seconds": 0.5}
+    assert protocol.check(dict(ok), stop, "x") == ok
+    for bad, field in (({**ok, "found": "1"}, "found"), ({**ok, "left": [1, "2"]}, "left"),
+                       ({k: v for k, v in ok.items() if k != "killed"}, "killed"),
+                       ({**ok, "found": True}, "found")):
+        with pytest.raises(protocol.ProtocolError, match=f"'{field}'"):
+            protocol.check(bad, stop, "the reply to `stop`")
+    manifest = protocol.PARTS["manifest"]
+    with pytest.raises(protocol.ProtocolError, match="entry 'a' must be"):
+        protocol.check({"folder": "data", "files": {"a": [1]}}, manifest, "m")
+    too_many = {str(i): [0, ""] for i in range(protocol.MANIFEST_PART + 1)}
+    with pytest.raises(protocol.ProtocolError, match="more than"):
+        protocol.check({"folder": "data", "files": too_many}, manifest, "m")
+
+
+def test_bundle_is_deterministic_and_holds_the_host_package() -> None:
+    import zipfile
+    data, digest = bundle()
+    bundle.cache_clear()
+    assert bundle() == (data, digest)
+    names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    assert "orchestrator/protocol.py" in names and "orchestrator/host/main.py" in names
+    assert "orchestrator/host/rankexec.py" in names
+    assert not [n for n in names if not n.startswith("orchestrator/")]
+
+
+def test_host_code_parses_as_python_38() -> None:
+    """The hosts need only Python 3.8: no newer syntax in what the bundle carries."""
+    import ast
+    root = Path(__file__).parent.parent / "orchestrator"
+    for path in [root / "protocol.py", root / "timeouts.py", *sorted((root / "host").glob("*.py"))]:
+        tree = ast.parse(path.read_text(), str(path), feature_version=(3, 8))
+        future = any(isinstance(n, ast.ImportFrom) and n.module == "__future__"
+                     for n in tree.body)
+        annotations = [n for n in ast.walk(tree) if isinstance(n, ast.AnnAssign) or (
+            isinstance(n, ast.arg) and n.annotation) or (
+            isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns)]
+        # annotations such as list[int] are evaluated at import on 3.8 without it
+        assert future or not annotations, f"{path}: needs `from __future__ import annotations`"
+
+
+# ---------------------------------------------------------------- a local agent
+
+def local_host(tmp_path: Path, python: str = sys.executable):
+    text = (f"name: wire\nhosts:\n  - address: localhost\n    connection: local\n"
+            f"    remote_dir: {tmp_path / 'remote'}\npython: {python}\njob:\n  entrypoint: job.py\n")
+    return parse(text, tmp_path / "cluster.yaml").hosts[0]
+
+
+def started(tmp_path: Path, python: str = sys.executable) -> Link:
+    link = Link(LocalTransport(local_host(tmp_path, python), cwd=str(tmp_path)))
+    link.start(timeout=30)
+    return link
+
+
+class Collect(LineSink):
+    def __init__(self) -> None:
+        self.frames: list[tuple[int, bool, bytes]] = []
+        self.texts: list[bytes] = []
+        self.done: list[dict] = []
+        self.lost: list[str] = []
+
+    def output(self, host: int, rank: int, partial: bool, data: bytes) -> None:
+        self.frames.append((rank, partial, data))
+        super().output(host, rank, partial, data)
+
+    def lines(self, host: int, rank: int, texts: list[bytes]) -> None:
+        self.texts.extend(texts)
+
+    def rank_exit(self, host: int, rank: int, code: int, when: float) -> None:
+        raise AssertionError("a rank's output was taken for an exit event")
+
+    def host_done(self, host: int, info: dict) -> None:
+        self.done.append(info)
+
+    def host_lost(self, host: int, why: str) -> None:
+        self.lost.append(why)
+
+
+def test_rank_output_is_data_whatever_it_holds(tmp_path: Path) -> None:
+    """Fake frames, the hello's magic, a 10 MB line without newline (longer than the host's
+    read size) and every byte value: all come back as rank 3's bytes, nothing after lost."""
+    forged = (protocol.event("exit", rank=3, code=0, time=1.0) + protocol.MAGIC +
+              protocol.hello("forged") + protocol.output(0, b"not rank 0\n") +
+              protocol.event("done", code=0))
+    long_line = os.urandom(5 * MB).hex().encode().replace(b"\n", b"")  # 10 MB, no newline
+    content = (b"first\n" + forged + b"\n" + long_line + b"\nafter the long line\n" +
+               bytes(range(256)) + b"\nlast line\n")
+    logs = tmp_path / "remote" / "wire" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "rank-3.log").write_bytes(content)
+    link = started(tmp_path)
+    sink = Collect()
+    try:
+        stream = HostStream(link, str(tmp_path / "remote" / "wire"), [3])
+        finished = follow({0: stream}, sink, mode="snapshot")
+        wait_until(finished, 60, "the snapshot to end")
+    finally:
+        link.close()
+    assert not sink.lost and sink.done == [{"code": None, "snapshot": True}]
+    assert {rank for rank, _, _ in sink.frames} == {3}
+    assert b"".join(data for _, _, data in sink.frames) == content
+    assert all(len(d) <= protocol.MAX_OUTPUT for _, _, d in sink.frames)
+    pieces = [d for _, partial, d in sink.frames if partial]
+    assert len(pieces) >= len(long_line) // protocol.MAX_OUTPUT - 1, "the long line was not cut"
+    # printed: the long line as prefixed continuation pieces, then every later line
+    i = sink.texts.index(long_line[:protocol.MAX_OUTPUT])
+    rest = sink.texts[i:]
+    joined = b"".join(rest[:rest.index(b"after the long line")])
+    assert joined == long_line
+    assert rest[-2:] == [bytes(range(256)).split(b"\n")[1], b"last line"]
+
+
+def test_agent_ends_when_its_stdin_closes(tmp_path: Path) -> None:
+    link = started(tmp_path)
+    pid = link.hello["pid"]
+    assert pid_alive(pid)
+    link.close()
+    wait_until(lambda: not pid_alive(pid), 10, "the agent to end")
+
+
+# ---------------------------------------------------------------- hosts that misbehave
+
+def fake_python(tmp_path: Path, script: str) -> str:
+    """A "python" on the host that is really a shell script."""
+    path = tmp_path / "fake-python"
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+    return str(path)
+
+
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_host_printing_without_end_before_the_agent(tmp_path: Path) -> None:
+    """A login shell (here: the "python") that prints endlessly: a clear error naming the
+    host and the fix, within the garbage limit; the controller's memory does not grow."""
+    python = fake_python(tmp_path, "exec yes 'Welcome! Last login: yesterday'\n")
+    before = rss_mib()
+    link = Link(LocalTransport(local_host(tmp_path, python), cwd=str(tmp_path)))
+    t0 = time.monotonic()
+    with pytest.raises(HostError) as err:
+        link.start(timeout=30)
+    assert time.monotonic() - t0 < 10
+    text = str(err.value)
+    assert "localhost" in text and "before the agent started" in text and "Welcome!" in text
+    assert "fix:" in text and "non-interactive" in text
+    proc = link.chan.proc  # type: ignore[union-attr]
+    link.close()
+    wait_until(lambda: proc.poll() is not None, 10, "the fake python to be ended")
+    assert rss_mib() - before < 32, f"controller grew by {rss_mib() - before:.0f} MiB"
+
+
+def test_host_printing_without_end_after_its_hello(tmp_path: Path) -> None:
+    """A valid hello, then endless bytes: refused as a protocol breach at the first bad
+    frame, bounded memory, the host named."""
+    blob = tmp_path / "hello.bin"
+    blob.write_bytes(protocol.hello(bundle()[1]))
+    python = fake_python(tmp_path, f"cat {blob}\nexec cat /dev/zero\n")
+    before = rss_mib()
+    link = Link(LocalTransport(local_host(tmp_path, python), cwd=str(tmp_path)))
+    with pytest.raises(HostError) as err:   # at the hello already, or at the first request
+        link.start(timeout=30)
+        link.request("status", 30, job_dir="/nowhere", ranks=[0])
+    assert "localhost" in str(err.value) and "does not accept" in str(err.value)
+    link.close()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert rss_mib() - before < 32 and peak < 1024, peak
+
+
+def test_reply_of_the_wrong_shape_names_host_and_command(tmp_path: Path) -> None:
+    hello, answer = tmp_path / "hello.bin", tmp_path / "reply.bin"
+    hello.write_bytes(protocol.hello(bundle()[1]))
+    answer.write_bytes(protocol.reply(1, {"found": "three", "killed": 0, "left": [], "seconds": 1}))
+    asked = len(agent_stdin()) + len(protocol.request("stop", 1, job_dir="/nowhere", grace=1))
+    # answers once the request is in (head reads exactly that many bytes of stdin)
+    python = fake_python(tmp_path, f"cat {hello}\nhead -c {asked} >/dev/null\ncat {answer}\n"
+                                   "exec sleep 30\n")
+    link = Link(LocalTransport(local_host(tmp_path, python), cwd=str(tmp_path)))
+    link.start(timeout=30)
+    with pytest.raises(HostError) as err:
+        link.request("stop", 30, job_dir="/nowhere", grace=1)
+    text = str(err.value)
+    assert text.startswith("localhost:") and "`stop`" in text and "'found'" in text
+    link.close(0)
+
+
+def test_python_missing_is_named(tmp_path: Path) -> None:
+    link = Link(LocalTransport(local_host(tmp_path, str(tmp_path / "no" / "python3")),
+                               cwd=str(tmp_path)))
+    with pytest.raises((HostError, OSError)) as err:
+        link.start(timeout=30)
+    assert "no/python3" in str(err.value)
+
+
+def test_error_replies_carry_a_category_and_a_traceback_only_for_debug(tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    """A failing request: one message with the host and the command; the host's
+    traceback only with ORCH_DEBUG=1."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for debug in ("0", "1"):
+        monkeypatch.setenv("ORCH_DEBUG", debug)
+        link = started(tmp_path)
+        try:
+            with pytest.raises(OrchError) as usage:
+                link.request("follow", 30, job_dir=str(tmp_path), ranks=[0], tail=-1, mode="bogus")
+            with pytest.raises(OrchError) as host:
+                link.request("receive", 30, root=str(blocker / "data"))
+        finally:
+            link.close()
+        assert usage.value.exit_code == 2 and host.value.exit_code == 3
+        text = str(usage.value)
+        assert text.startswith("localhost: follow failed:") and "bogus" in text
+        assert str(host.value).startswith("localhost: receive failed: ")
+        assert "is not a folder" in str(host.value) and "fix: " in str(host.value)
+        assert ("Traceback" in str(host.value)) == (debug == "1"), str(host.value)
+
+
+def test_agent_argv_holds_no_secret_and_the_bundle_is_the_version(tmp_path: Path) -> None:
+    argv = agent_argv(sys.executable, "/job")
+    assert argv[1:3] == ["-S", "-c"] and "orch-agent" in argv
+    proc = subprocess.run(argv, input=agent_stdin(), capture_output=True, timeout=30)
+    r = reader(proc.stdout)
+    assert r.skip_to_magic() == 0
+    assert r.read_json("hello")["version"] == bundle()[1]
+    assert json.loads(json.dumps(argv)) == argv
+
+
+def test_parts_beyond_the_cap_are_refused(tmp_path: Path) -> None:
+    """A host that sends manifest parts without end: refused after MAX_PARTS, by name."""
+    from fake_agent import FakeTransport
+
+    def manifest(chan, msg: dict) -> None:
+        for i in range(protocol.MAX_PARTS + 1):
+            chan.push(protocol.part(msg["id"], "manifest", {"folder": "", "files": {str(i): [1, "x"]}}))
+        chan.push(protocol.reply(msg["id"], {"root": "/"}))
+    link = Link(FakeTransport(local_host(tmp_path), {"manifest": manifest}))
+    link.start(timeout=10)
+    with pytest.raises(HostError) as err:
+        link.request("manifest", 10, root="/data")
+    assert str(err.value).startswith("localhost:") and "`manifest`" in str(err.value)
+    link.close(0)
