@@ -120,6 +120,7 @@ def plain_shell(pub_key: str) -> Shell:
     except KeyError:
         subprocess.run(["useradd", "-m", "-s", "/bin/sh", PLAIN_USER], check=True)
         pw = pwd.getpwnam(PLAIN_USER)
+    unlock(PLAIN_USER)
     ssh = Path(pw.pw_dir) / ".ssh"
     ssh.mkdir(mode=0o700, exist_ok=True)
     keys = ssh / "authorized_keys"
@@ -129,6 +130,15 @@ def plain_shell(pub_key: str) -> Shell:
         os.chown(p, pw.pw_uid, pw.pw_gid)
     keys.chmod(0o600)
     return Shell("plain", PLAIN_USER, Path(pw.pw_dir))
+
+
+def unlock(user: str) -> None:
+    """useradd leaves the password `!` (locked); with UsePAM no, sshd then refuses even
+    keys. `*`: no password can match, but the account is not locked."""
+    for line in Path("/etc/shadow").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name == user and rest.startswith("!"):
+            subprocess.run(["usermod", "-p", "*", user], check=True)
 
 
 def unauthorize(shell: Shell, pub_key: str) -> None:
@@ -197,7 +207,7 @@ def run(cmd: list[str], *, env: dict, cwd: Path | None = None, timeout: float = 
 
 
 def orch(bed: Bed, verb: str, inventory: Path, *extra: str) -> tuple[Run, float, int]:
-    return timed_probe([str(ORCH), verb, *extra, str(inventory)], env=clean_env(),
+    return timed_probe([str(ORCH), verb, *extra, "-c", str(inventory)], env=clean_env(),
                        cwd=inventory.parent)
 
 
@@ -526,7 +536,11 @@ def main() -> None:
     plain = None
     try:
         python = make_standin(standin)
-        with fake_cluster(max(n for _, n in plan), first_octet=FIRST_OCTET) as cluster:
+        # the plain user's own ~/.ssh/authorized_keys too (the cluster's file is root's only)
+        options = {"AuthorizedKeysFile": "{authorized_keys} .ssh/authorized_keys"}
+        with fake_cluster(max(n for _, n in plan), first_octet=FIRST_OCTET,
+                          sshd_options=options) as cluster:
+            tmp = cluster.root.parent
             sshds = [h.pid for h in cluster.hosts]
             pub = cluster.authorized_keys.read_text().strip()
             root = Shell("root", "root", Path("/root"))
@@ -545,13 +559,14 @@ def main() -> None:
     finally:
         shutil.rmtree(standin, ignore_errors=True)
     report(series, clock)
-    prove_clean(sshds, standin)
+    prove_clean(sshds, [str(tmp), str(standin), f"orchscale{os.getpid()}x"])
 
 
-def prove_clean(sshds: list[int], standin: Path) -> None:
-    """Every sshd this run started is gone, and nothing of its jobs runs."""
+def prove_clean(sshds: list[int], needles: list[str]) -> None:
+    """Every sshd this run started is gone, and nothing of its jobs runs (no process
+    names this run's folders or markers in its command line or environment)."""
     alive = [p for p in sshds if pid_alive(p)]
-    left = scan_marked(["orch-bench-", str(standin), f"orchscale{os.getpid()}x"])
+    left = scan_marked(needles)
     print(f"cleanup: {len(sshds)} sshd started, {len(alive)} still running; "
           f"{len(left)} processes of the benchmark left" + (f": {left}" if left else ""))
     if alive or left:

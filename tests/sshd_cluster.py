@@ -219,7 +219,8 @@ def _sshd_config(home: Path, address: str, port: int, authorized_keys: Path,
         "Subsystem sftp internal-sftp",
         "AllowTcpForwarding no",
     ]
-    extra = dict(options or {})
+    # a value may name this host's files: {authorized_keys} (the cluster's client key)
+    extra = {k: str(v).format(authorized_keys=authorized_keys) for k, v in (options or {}).items()}
     lines = [f"{w.split()[0]} {extra.pop(w.split()[0])}" if w.split()[0] in extra else w
              for w in lines]
     return "\n".join(lines + [f"{k} {v}" for k, v in extra.items()] + [""])
