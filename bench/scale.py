@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import (ORCH, REPO, VENV_PY, Run, SshdCluster, clean_env, fake_cluster, free_port,
-                    median, print_table, save_json)
+                    median, save_json)
 from sshd_cluster import FakeHost, pid_alive
 
 BENCH = Path(__file__).resolve().parent
@@ -480,14 +480,26 @@ def rows_of(s: Series) -> list[list]:
     return rows
 
 
+def markdown(headers: list[str], rows: list[list]) -> None:
+    """A Markdown table (what the README holds), never wrapped."""
+    def cell(v: object) -> str:
+        if isinstance(v, float):
+            return "-" if v != v else f"{v:.2f}"
+        return str(v)
+    print("| " + " | ".join(headers) + " |")
+    print("|" + "---|" * len(headers))
+    for r in rows:
+        print("| " + " | ".join(cell(v) for v in r) + " |")
+
+
 def report(series: list[Series], clock: Clock) -> None:
     rows = [r for s in series for r in rows_of(s)]
-    print_table(f"scale: median seconds (load {os.getloadavg()[0]:.1f}, "
-                f"{clock.elapsed():.0f} s in all)",
-                ["hosts", "shell", "measure", "orch s", "baseline", "baseline s",
-                 "orch/base", "target", "met?"], rows)
-    print_table("controller during `orch up`", ["hosts", "shell", "peak RSS MiB", "threads"],
-                [[s.n, s.shell, s.rss_mib, s.threads] for s in series])
+    print(f"\nscale: median seconds (load {os.getloadavg()[0]:.1f}, {clock.elapsed():.0f} s in all)")
+    markdown(["hosts", "shell", "measure", "orch s", "baseline", "baseline s", "orch/baseline",
+              "target", "met?"], rows)
+    print("\ncontroller during `orch up`")
+    markdown(["hosts", "shell", "peak RSS MiB", "threads"],
+             [[s.n, s.shell, s.rss_mib, s.threads] for s in series])
     for s in series:
         for note in s.notes:
             print(f"note ({s.shell}, {s.n} hosts): {note[:300]}")
