@@ -38,9 +38,8 @@ import gputable  # noqa: E402
 DEFAULT_OUT = REPO / "bench" / "out" / "gpu.md"
 NEEDED = ("torch", "torchvision", "numpy", "PIL", "matplotlib", "yaml", "rich", "pathspec",
           "paramiko", "pytest")
-PROBE = """
+PROBE = f"needed = {NEEDED!r}\n" + """
 import importlib.util, json, sys
-needed = %r
 info = {"python": sys.version.split()[0], "missing": [m for m in needed
         if importlib.util.find_spec(m) is None], "torch": None, "cuda": False, "gpus": []}
 if "torch" not in info["missing"]:
@@ -50,7 +49,7 @@ if "torch" not in info["missing"]:
     if info["cuda"]:
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 print(json.dumps(info))
-""" % (NEEDED,)
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,8 +13,20 @@ import shutil
 import sys
 from pathlib import Path
 
-from common import (ORCH, REPO, VENV_PY, Run, SshdCluster, clean_env, fake_cluster,
-                    free_port, median, print_table, save_json, timed_run)
+from common import (
+    ORCH,
+    REPO,
+    VENV_PY,
+    Run,
+    SshdCluster,
+    clean_env,
+    fake_cluster,
+    free_port,
+    median,
+    print_table,
+    save_json,
+    timed_run,
+)
 
 JOB = REPO / "bench" / "jobs" / "allreduce.py"
 MASTER = "127.0.0.2"
@@ -64,7 +76,7 @@ def orch_argv() -> tuple[list[str], dict]:
 
 def run_orch(inventory: Path) -> Run:
     argv, env = orch_argv()
-    return timed_run(argv + ["up", str(inventory)], env=env, cwd=inventory.parent, timeout=300)
+    return timed_run([*argv, "up", str(inventory)], env=env, cwd=inventory.parent, timeout=300)
 
 
 def job_ok(run: Run, world: int) -> bool:

@@ -21,8 +21,18 @@ import signal
 import time
 from pathlib import Path
 
-from common import (ORCH, VENV_PY, SshdCluster, clean_env, fake_cluster, free_port, median,
-                    print_table, save_json, timed_run)
+from common import (
+    ORCH,
+    VENV_PY,
+    SshdCluster,
+    clean_env,
+    fake_cluster,
+    free_port,
+    median,
+    print_table,
+    save_json,
+    timed_run,
+)
 from sshd_cluster import pids_with_env
 
 HOSTS = 4

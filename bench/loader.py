@@ -27,13 +27,13 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from worker import demo_data  # noqa: E402
-from worker.augment import augment, normalize  # noqa: E402
-from worker.data import EpochSampler, ImageFolderBatches, make_loader, scan_shard  # noqa: E402
-from worker.pack import pack_shard  # noqa: E402
-from worker.packed import PackedBatches  # noqa: E402
+from worker import demo_data
+from worker.augment import augment, normalize
+from worker.data import EpochSampler, ImageFolderBatches, make_loader, scan_shard
+from worker.pack import pack_shard
+from worker.packed import PackedBatches
 
 
 def batch_pass(dataset: torch.utils.data.Dataset, args: argparse.Namespace) -> int:

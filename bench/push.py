@@ -45,20 +45,28 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
-from common import (REPO, SshdCluster, clean_env, fake_cluster, median, print_table,
-                    save_json, timed_run)
+from common import (
+    REPO,
+    SshdCluster,
+    clean_env,
+    fake_cluster,
+    median,
+    print_table,
+    save_json,
+    timed_run,
+)
 from sshd_cluster import descendants_of
 
 sys.path.insert(0, str(REPO))
 
-from orchestrator import splitdata  # noqa: E402
-from orchestrator.connect import connect_all  # noqa: E402
-from orchestrator.inventory import load  # noqa: E402
-from orchestrator.remote import AGENT  # noqa: E402
-from orchestrator.sync import DigestCache, LocalFile, push, stream_files  # noqa: E402
-from orchestrator.transport import Transport  # noqa: E402
+from orchestrator import splitdata
+from orchestrator.connect import connect_all
+from orchestrator.inventory import load
+from orchestrator.remote import AGENT
+from orchestrator.sync import DigestCache, LocalFile, push, stream_files
+from orchestrator.transport import Transport
 
 MB = 1e6
 TICK = os.sysconf("SC_CLK_TCK")
@@ -106,7 +114,7 @@ def local_files(src: Path, cache: DigestCache) -> list[LocalFile]:
 
 def tree_size(root: Path) -> tuple[int, int]:
     count = total = 0
-    for top, dirs, names in os.walk(root):
+    for top, _dirs, names in os.walk(root):
         for n in names:
             if not n.startswith(".orch"):
                 count += 1
@@ -156,7 +164,7 @@ def host_cpu(cluster: SshdCluster) -> float:
     """CPU seconds the fake host has spent so far: its sshd and every session under it
     (sshd, shell, tar or the agent), alive or already reaped into a parent's counters."""
     root = cluster.hosts[0].pid
-    return sum(proc_cpu(p) for p in [root] + descendants_of(root))
+    return sum(proc_cpu(p) for p in [root, *descendants_of(root)])
 
 
 def children_cpu() -> float:
@@ -182,10 +190,10 @@ class Bench:
     cluster: SshdCluster
     work: Path
     dest_root: Path                 # on the fake host
-    transport: Optional[Transport] = None
+    transport: Transport | None = None
     connect_s: list[float] = field(default_factory=list)
     counter: int = 0
-    e2e: Optional[E2E] = None
+    e2e: E2E | None = None
 
     def fresh(self, tag: str) -> Path:
         self.counter += 1
@@ -196,7 +204,7 @@ class Bench:
         return self.cluster.hosts[0]
 
 
-def tar_once(b: Bench, ds: DataSet, cipher: Optional[str]) -> Sample:
+def tar_once(b: Bench, ds: DataSet, cipher: str | None) -> Sample:
     dst = b.fresh("tar")
     opt = f"-c {cipher} " if cipher else ""
     cmd = (f"set -o pipefail; tar -cf - -C {ds.src} . | ssh -F {b.cluster.ssh_config} {opt}"
@@ -227,7 +235,7 @@ def connect(b: Bench) -> Transport:
     return b.transport
 
 
-def orch_once(b: Bench, ds: DataSet, remote: Optional[dict] = None) -> Sample:
+def orch_once(b: Bench, ds: DataSet, remote: dict | None = None) -> Sample:
     """push() as the brief's library call (remote=None: it asks the host for its manifest
     first), or with remote={} as `orch up` calls it (preflight brought the manifest)."""
     t_conn = connect(b)
@@ -419,7 +427,7 @@ def rows_for(res: dict) -> list[list]:
 class Sink:
     """A channel that keeps nothing: the stream built with no network behind it."""
 
-    def __init__(self, keep: Optional[io.BufferedWriter] = None) -> None:
+    def __init__(self, keep: io.BufferedWriter | None = None) -> None:
         self.keep, self.bytes = keep, 0
 
     def write(self, data) -> None:

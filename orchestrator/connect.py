@@ -9,6 +9,7 @@ bastion (`Bastions`), each hop's host key checked under the host's policy.
 """
 from __future__ import annotations
 
+import contextlib
 import getpass
 import logging
 import os
@@ -18,17 +19,21 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Generic, Optional, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 import paramiko
 
 from orchestrator.errors import EXIT_USAGE, HostError, InventoryError, OrchError, UsageError
-from orchestrator.faults import (BastionError, ConnectFailed, ForwardFailed, describe,
-                                 explain_lost)
+from orchestrator.faults import BastionError, ConnectFailed, ForwardFailed, describe, explain_lost
 from orchestrator.inventory import Host
 from orchestrator.jumps import parse_chain
-from orchestrator.transport import (AcceptNewPolicy, LocalTransport, SSHTransport,
-                                    StrictPolicy, Transport)
+from orchestrator.transport import (
+    AcceptNewPolicy,
+    LocalTransport,
+    SSHTransport,
+    StrictPolicy,
+    Transport,
+)
 
 T = TypeVar("T")
 KEEPALIVE_S = 5
@@ -83,7 +88,7 @@ class Target:
     known_hosts: str
     policy: str
     timeout: float
-    jumps: tuple["Target", ...] = ()   # bastions, first hop first
+    jumps: tuple[Target, ...] = ()   # bastions, first hop first
     name: str = ""                     # as written (a bastion's `user@host:port`)
 
     @property
@@ -166,7 +171,8 @@ def _resolve_jumps(host: Host, chain: Any, config: paramiko.SSHConfig,
         jumps = parse_chain(chain)
     except ValueError as exc:  # only ~/.ssh/config's ProxyJump gets here: the inventory checks
         raise UsageError(f"{host.label}: ProxyJump in the SSH config: {exc}",
-                         hint="write ProxyJump as [user@]host[:port], several separated by commas")
+                         hint="write ProxyJump as [user@]host[:port], several separated by commas"
+                         ) from exc
     targets = []
     for jump in jumps:
         entry = _lookup(config, jump.host)
@@ -195,7 +201,7 @@ def check_local_files(hosts: tuple[Host, ...]) -> None:
             _check_known_hosts(opts.known_hosts)
 
 
-def _check_identity(path: str, at: Optional[tuple[str, int]]) -> None:
+def _check_identity(path: str, at: tuple[str, int] | None) -> None:
     file, line = at or ("the inventory", None)
     try:
         with open(path, "rb") as f:
@@ -227,21 +233,21 @@ def _check_known_hosts(path: str) -> None:
 class _Client(paramiko.SSHClient):
     """An SSHClient that also releases what it was tunnelled through when it closes."""
 
-    on_close: Optional[Callable[[], None]] = None
+    on_close: Callable[[], None] | None = None
 
     def close(self) -> None:
         t = self._transport
         if t is not None and not hasattr(t, "orch_lost"):
             # remember whether it had died on its own before we closed it
             lost = None if t.is_active() else (t.saved_exception or EOFError())
-            setattr(t, "orch_lost", lost)
+            t.orch_lost = lost
         super().close()
         release, self.on_close = self.on_close, None
         if release is not None:
             release()
 
 
-def _step(t: Optional[paramiko.Transport]) -> str:
+def _step(t: paramiko.Transport | None) -> str:
     if t is None:
         return "tcp"
     if not t.remote_version:
@@ -308,7 +314,7 @@ def open_client(target: Target, sock: Any) -> _Client:
         raise ConnectFailed(exc, step) from None
 
 
-def connect_ssh(host: Host, target: Target, bastions: "Bastions") -> SSHTransport:
+def connect_ssh(host: Host, target: Target, bastions: Bastions) -> SSHTransport:
     if target.jumps:
         sock, release = bastions.tunnel(target)
         try:
@@ -325,14 +331,14 @@ def connect_ssh(host: Host, target: Target, bastions: "Bastions") -> SSHTranspor
 
 # host index -> its paramiko transport: a command that fails on a host whose connection
 # died with an error is reported as the lost connection it is (the channel only sees EOF)
-_opened: dict[tuple, "weakref.ref[paramiko.Transport]"] = {}
+_opened: dict[tuple, weakref.ref[paramiko.Transport]] = {}
 
 
 def _key(host: Host) -> tuple:
     return host.index, host.address, host.ssh.port
 
 
-def connection_error(host: Host) -> Optional[BaseException]:
+def connection_error(host: Host) -> BaseException | None:
     """Why the host's connection died (reset, closed, keepalive timeout), or None."""
     ref = _opened.get(_key(host))
     t = ref() if ref is not None else None
@@ -356,8 +362,8 @@ def explain(host: Host, target: Target, exc: BaseException) -> HostError:
 @dataclass
 class _Hop:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    client: Optional[_Client] = None
-    error: Optional[HostError] = None
+    client: _Client | None = None
+    error: HostError | None = None
     users: int = 0
 
 
@@ -438,7 +444,7 @@ class Bastions:
 # ---------------------------------------------------------------- every host
 
 def connect(host: Host, config: paramiko.SSHConfig, base_dir: Path,
-            bastions: Optional[Bastions] = None) -> Transport:
+            bastions: Bastions | None = None) -> Transport:
     """One host's connection; `bastions` shares bastion connections between hosts."""
     if host.connection == "local":
         return LocalTransport(host, cwd=str(base_dir))
@@ -535,7 +541,5 @@ def connect_all(hosts: tuple[Host, ...], base_dir: Path,
 
 def close_all(transports: dict[int, Transport]) -> None:
     for t in transports.values():
-        try:
+        with contextlib.suppress(Exception):  # best effort; the process is ending anyway
             t.close()
-        except Exception:  # closing is best effort; the process is ending anyway
-            pass

@@ -16,9 +16,9 @@ import json
 import os
 import stat
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Iterator
 
 import pathspec
 

@@ -13,8 +13,14 @@ import stat
 
 from orchestrator.errors import DataError
 from orchestrator.inventory import Cluster, Host
-from orchestrator.localfiles import (DigestCache, LocalFile, Resolver, inside, link_file,
-                                     resolve_link)
+from orchestrator.localfiles import (
+    DigestCache,
+    LocalFile,
+    Resolver,
+    inside,
+    link_file,
+    resolve_link,
+)
 
 MAX_MANIFEST = 256 << 20       # bytes; orch split-data writes about 50 bytes per file
 MAX_FILES = 5_000_000          # entries in one split

@@ -19,11 +19,12 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from orchestrator.errors import DataError
 
@@ -373,7 +374,7 @@ def _rescan_packed(shard: Shard, shard_dir: Path) -> None:
     """After packing, the shard is what is on disk: links keep their source sizes, new files add theirs."""
     sizes = dict(shard.files)
     found: FileList = []
-    for dirpath, dirnames, filenames in os.walk(shard_dir):
+    for dirpath, _dirnames, filenames in os.walk(shard_dir):
         rel_dir = os.path.relpath(dirpath, shard_dir)
         prefix = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
         for name in filenames:

@@ -8,6 +8,7 @@ sshd and resets the connection once the client has sent a given number of bytes.
 """
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -20,10 +21,8 @@ BANNER = b"SSH-2.0-OpenSSH_9.6 fault-test\r\n"
 
 def reset(conn: socket.socket) -> None:
     """Close with SO_LINGER 0: the peer gets a TCP RST, not a FIN."""
-    try:
+    with contextlib.suppress(OSError):
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
     conn.close()
 
 
@@ -58,20 +57,16 @@ class FaultServer:
             th.start()
 
     def _serve(self, conn: socket.socket) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.behaviour(conn, self.stopping)
-        except OSError:
-            pass
 
     def stop(self) -> None:
         self.stopping.set()
         self.listener.close()
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.close()
-            except OSError:
-                pass
-        for th in [self._accept] + self.threads:
+        for th in [self._accept, *self.threads]:
             th.join(10)
         assert not any(th.is_alive() for th in self.threads), "a fault-server thread is stuck"
 

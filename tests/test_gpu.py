@@ -20,9 +20,10 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 import yaml
@@ -22,8 +22,7 @@ import yaml
 from orchestrator import splitdata
 from orchestrator.errors import DataError
 from orchestrator.inventory import load
-from orchestrator.localfiles import (DigestCache, LocalFile, Pushable, check_entrypoint,
-                                     code_files)
+from orchestrator.localfiles import DigestCache, LocalFile, Pushable, check_entrypoint, code_files
 from orchestrator.shards import host_files, load_split
 from orchestrator.sync import plan, stream_files
 
@@ -62,8 +61,8 @@ def job_tree(base: Path) -> Path:
 
 
 def write_inventory(base: Path, *, paths: tuple[str, ...] = ("job",),
-                    entrypoint: str = "job/train.py", exclude: Optional[list[str]] = None,
-                    data: Optional[dict] = None, procs: int = 1) -> Path:
+                    entrypoint: str = "job/train.py", exclude: list[str] | None = None,
+                    data: dict | None = None, procs: int = 1) -> Path:
     """A one-host local inventory; the checks under test run before it is contacted."""
     doc: dict = {"name": "lp", "python": sys.executable,
                  "hosts": [{"address": "localhost", "connection": "local",

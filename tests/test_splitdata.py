@@ -8,8 +8,8 @@ import os
 import sys
 import tempfile
 import types
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -370,7 +370,7 @@ def test_command_inventory_without_data_section(tmp_path: Path, monkeypatch: pyt
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cluster.yaml").write_text("name: x\n")
     fake_inventory(monkeypatch, 2, None, None)
-    with pytest.raises(DataError, match="data.source"):
+    with pytest.raises(DataError, match=r"data\.source"):
         split_data.run(parse(["split-data"]))
 
 

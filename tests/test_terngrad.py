@@ -109,7 +109,7 @@ def test_same_generator_seed_gives_same_codes() -> None:
 
 
 def test_unknown_kind_is_a_clear_value_error() -> None:
-    with pytest.raises(ValueError, match="unknown gradient compression 'int8'.*none, fp16, terngrad"):
+    with pytest.raises(ValueError, match=r"unknown gradient compression 'int8'.*none, fp16, terngrad"):
         C.install_comm_hook(None, "int8")
 
 

@@ -5,12 +5,13 @@ into worker shards, and a torchrun launcher that proves its processes are gone.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -97,10 +98,8 @@ class Torchrun:
 
     def kill(self) -> None:
         for pid in self.alive():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
 
 
 @pytest.fixture
@@ -198,7 +197,7 @@ def test_sampler_pads_to_total_and_reshuffles() -> None:
     s = EpochSampler(n=10, batch_size=4, seed=0, rank=1, total=13)
     batches = list(s)
     assert len(batches) == len(s) == 4 and sum(map(len, batches)) == 13
-    assert set(sum(batches, [])) == set(range(10))
+    assert {i for b in batches for i in b} == set(range(10))
     assert all(b == sorted(b) for b in batches)
     assert list(s) == batches  # deterministic for a given epoch
     s.set_epoch(1)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_worker_common import make_data, split, torchrun  # noqa: F401 (torchrun: fixture)
+from test_worker_common import Torchrun, make_data, split, torchrun  # noqa: F401 (fixture)
 from worker import checkpoint, train
 from worker.data import EpochSampler
 from worker.metrics import COLUMNS
@@ -136,7 +136,8 @@ def test_unequal_shards_run_the_same_number_of_steps() -> None:
 # ---------------------------------------------------------------- two processes (torchrun)
 
 
-def test_two_processes_learn_with_fp16_gradients(torchrun, shards, tmp_path: Path) -> None:
+def test_two_processes_learn_with_fp16_gradients(torchrun: Torchrun,  # noqa: F811
+                                                 shards: dict[int, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     rc, output = torchrun.run(2, [*FAST, "--epochs", "3", "--lr-scaling", "none",
                                   "--grad-compression", "fp16"], shards[2], out)
@@ -152,7 +153,8 @@ def test_two_processes_learn_with_fp16_gradients(torchrun, shards, tmp_path: Pat
     assert (out / "metrics.png").exists()
 
 
-def test_kill_then_resume_continues_on_both_ranks(torchrun, shards, tmp_path: Path) -> None:
+def test_kill_then_resume_continues_on_both_ranks(torchrun: Torchrun,  # noqa: F811
+                                                  shards: dict[int, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = torchrun.start(2, [*FAST, "--epochs", "200"], shards[2], out)
     deadline = time.monotonic() + 90
@@ -177,7 +179,8 @@ def test_kill_then_resume_continues_on_both_ranks(torchrun, shards, tmp_path: Pa
     assert float(rows(out)[-1]["time_s"]) > float(rows(out)[saved - 1]["time_s"])
 
 
-def test_missing_shard_stops_every_rank_with_one_line(torchrun, shards, tmp_path: Path) -> None:
+def test_missing_shard_stops_every_rank_with_one_line(torchrun: Torchrun,  # noqa: F811
+                                                      shards: dict[int, Path], tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     (data_dir / "worker_0_of_2").symlink_to(shards[2] / "worker_0_of_2")

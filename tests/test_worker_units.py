@@ -10,8 +10,7 @@ from torch import nn
 
 from worker import checkpoint, metrics
 from worker.errors import WorkerError
-from worker.models import (LeNet, WideResNet, build_model, load_pretrained, logits_param_names,
-                           vggf)
+from worker.models import LeNet, WideResNet, build_model, load_pretrained, logits_param_names, vggf
 from worker.optim import NovoGrad, make_optimizer, make_scheduler, scaled_lr, warmup_factor
 
 # ---------------------------------------------------------------- models

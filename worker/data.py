@@ -7,9 +7,9 @@ DataLoader with ``batch_size=None`` moves one tensor per batch between processes
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from collections.abc import Iterable
+from typing import Callable
 
 import torch
 from torch.optim import Optimizer

@@ -22,12 +22,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from worker import checkpoint, distrib, metrics
 from worker.augment import augment, normalize
-from worker.data import (DevicePrefetcher, EpochSampler, ImageFolderBatches, make_loader,
-                         scan_shard)
+from worker.data import DevicePrefetcher, EpochSampler, ImageFolderBatches, make_loader, scan_shard
 from worker.distrib import Ctx
 from worker.errors import WorkerError
-from worker.models import (AUGMENTATION, DEFAULT_IMAGE_SIZE, MODELS, build_model,
-                           load_pretrained, logits_param_names)
+from worker.models import (
+    AUGMENTATION,
+    DEFAULT_IMAGE_SIZE,
+    MODELS,
+    build_model,
+    load_pretrained,
+    logits_param_names,
+)
 from worker.optim import make_optimizer, make_scheduler, scaled_lr
 from worker.packed import PackedBatches, find_packed, read_index
 
