@@ -89,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--workers", type=_positive, default=min(8, os.cpu_count() or 1),
       help="data-loader processes (packed and imagefolder)")
     a("--image-size", type=_positive, default=224, help="training image side")
-    a("--source-size", type=_positive, default=320, help="side of the JPEG files (ImageFolder input)")
-    a("--images", type=_positive, default=1024, help="distinct training images (repeated as needed)")
+    a("--source-size", type=_positive, default=320,
+      help="side of the JPEG files (ImageFolder input)")
+    a("--images", type=_positive, default=1024,
+      help="distinct training images (repeated as needed)")
     a("--steps", type=_positive, default=50, help="timed steps per measurement")
     a("--warmup", type=_positive, default=10, help="untimed steps before (cudnn autotuning)")
     a("--device", choices=("cuda", "cpu"), default="cuda",
@@ -126,7 +128,8 @@ def write_images(root: Path, count: int, size: int, seed: int = 0) -> Path:
             coarse = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
             img = np.asarray(coarse.resize((size, size), Image.BICUBIC), dtype=np.int16)
             img = img + rng.integers(-12, 13, img.shape, dtype=np.int16)
-            Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(folder / f"{i:06d}.jpg", quality=90)
+            Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(folder / f"{i:06d}.jpg",
+                                                                    quality=90)
     return root
 
 
@@ -140,7 +143,8 @@ def datasets(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         return {}
     t0 = time.perf_counter()
     shard = write_images(tmp / "shard", args.images, args.source_size)
-    out: dict[str, Any] = {"imagefolder": ImageFolderBatches(scan_shard(shard).train, args.image_size)}
+    out: dict[str, Any] = {"imagefolder": ImageFolderBatches(scan_shard(shard).train,
+                                                             args.image_size)}
     if "packed" in needs:
         out["packed"] = PackedBatches(pack_shard(shard, args.image_size), "train")
     print(f"data: {args.images} JPEGs {args.source_size}px, packed at {args.image_size}px, "
@@ -203,14 +207,16 @@ def synthetic(tr: Trainer, batch: int, size: int, raw: bool) -> Callable[[int], 
     if raw:
         x = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8, device=tr.device)
     else:
-        x = torch.randn(batch, 3, size, size, device=tr.device).contiguous(memory_format=tr.memory_format)
+        x = torch.randn(batch, 3, size, size,
+                        device=tr.device).contiguous(memory_format=tr.memory_format)
 
     def epoch(steps: int) -> Iterator:
         return iter([(x, y)] * steps)
     return epoch
 
 
-def loader(tr: Trainer, dataset: Any, batch: int, args: argparse.Namespace) -> Callable[[int], Iterable]:
+def loader(tr: Trainer, dataset: Any, batch: int,
+           args: argparse.Namespace) -> Callable[[int], Iterable]:
     from worker.data import DevicePrefetcher, EpochSampler, make_loader
 
     total = max(args.steps, args.warmup) * batch

@@ -53,7 +53,8 @@ print(json.dumps(info))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 bench/gpu_check.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 bench/gpu_check.py",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--python", default=os.environ.get("GPU_PYTHON") or None, metavar="PY",
                    help="interpreter to test with (default: $GPU_PYTHON, else .venv, else python3)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown report")
@@ -206,7 +207,8 @@ def check(args: argparse.Namespace, python: str, info: dict[str, Any]) -> int:
         tests_rc = None if args.skip_tests else run_tests(python, junit, args.pytest_args)
         tests = tests_section(tests_rc, junit)
         write_report(args.out, machine, tests, "running" if not args.skip_bench else "waiting")
-        bench_rc = None if args.skip_bench else run_bench(python, bench_json, bench_md, args.bench_args)
+        bench_rc = None if args.skip_bench else run_bench(python, bench_json, bench_md,
+                                                          args.bench_args)
         text = write_report(args.out, machine, tests, bench_section(bench_rc, bench_json))
     print(text)
     print(f"wrote {args.out}")

@@ -90,7 +90,8 @@ def main() -> int:
         packed = pack_shard(shard, args.image_size)
         pack_s = time.perf_counter() - t0
         files = scan_shard(shard)
-        folder_ds, packed_ds = ImageFolderBatches(files.train, args.image_size), PackedBatches(packed, "train")
+        folder_ds, packed_ds = ImageFolderBatches(files.train,
+                                                  args.image_size), PackedBatches(packed, "train")
         results = measure({
             "torchvision ImageFolder + PIL transforms": lambda: torchvision_pass(shard / "TrainData", args),
             "ImageFolder + PIL, batch uint8 augment": lambda: batch_pass(folder_ds, args),

@@ -309,7 +309,8 @@ def e2e_setup(b: Bench, ds: DataSet) -> E2E:
 
 def write_e2e_inventory(b: Bench, ds: DataSet, e: E2E, name: str) -> None:
     b.cluster.write_inventory(e.inventory, name=name, entrypoint="job.py", code_paths=["job.py"],
-                              top={"data": {"source": str(ds.src), "shards": str(e.base / "shards")}})
+                              top={"data": {"source": str(ds.src),
+                                            "shards": str(e.base / "shards")}})
 
 
 def orch_up(e: E2E) -> tuple[float, float]:
@@ -464,7 +465,8 @@ def profile_push(b: Bench, ds: DataSet) -> dict:
     prof.enable()
     push(t_conn, str(dst), ds.local)
     prof.disable()
-    out = {"push_wall_s": time.perf_counter() - t, "push_controller_cpu_s": time.process_time() - cpu0,
+    out = {"push_wall_s": time.perf_counter() - t,
+           "push_controller_cpu_s": time.process_time() - cpu0,
            "push_host_cpu_s": host_cpu(b.cluster) - host0}
     check_dest(dst, ds)
     pstats.Stats(prof).sort_stats("tottime").print_stats(16)

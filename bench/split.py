@@ -58,10 +58,12 @@ def generate(root: Path, classes: int, per_class: int) -> int:
 
 
 def count_links(root: Path) -> int:
-    return sum(1 for d, _, files in os.walk(root) for f in files if os.path.islink(os.path.join(d, f)))
+    return sum(1 for d, _, files in os.walk(root) for f in files if os.path.islink(os.path.join(d,
+                                                                                                f)))
 
 
-def time_orch(src: Path, out: Path, workers: int, threads: int) -> tuple[float, float, dict[str, float]]:
+def time_orch(src: Path, out: Path, workers: int,
+              threads: int) -> tuple[float, float, dict[str, float]]:
     """(wall seconds, CPU seconds of this process, phases)."""
     t, c = time.perf_counter(), time.process_time()
     result = splitdata.split(src, out, workers, threads=threads)
@@ -77,7 +79,8 @@ def time_baseline(src: Path, out: Path, workers: int) -> tuple[float, float]:
     """(wall seconds, CPU seconds of the shell and everything it forked)."""
     out.mkdir()
     t, c = time.perf_counter(), children_cpu()
-    subprocess.run(["bash", "-c", BASELINE_SH, "baseline", str(src), str(out), str(workers)], check=True)
+    subprocess.run(["bash", "-c", BASELINE_SH, "baseline", str(src), str(out), str(workers)],
+                   check=True)
     return time.perf_counter() - t, children_cpu() - c
 
 
@@ -86,14 +89,16 @@ def phases(seconds: dict[str, float]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--classes", type=int, default=1000)
     ap.add_argument("--per-class", type=int, default=1000)
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--baseline-files", type=int, default=100_000,
                     help="size of the tree the shell baseline is timed on (0: skip it)")
     ap.add_argument("--dir", default="/tmp", help="where the temporary tree goes (default: /tmp)")
-    ap.add_argument("--no-thread-compare", action="store_true", help="skip the single-thread orch run")
+    ap.add_argument("--no-thread-compare", action="store_true",
+                    help="skip the single-thread orch run")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="orch-split-bench-", dir=args.dir))
     try:

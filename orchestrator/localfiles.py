@@ -242,7 +242,8 @@ def read_gitignore(path: Path) -> list[Rule]:
                             hint="shorten it")
         data = path.read_bytes()
     except OSError as e:
-        raise DataError(f"{path}: cannot be read ({e.strerror})", hint="fix its permissions") from None
+        raise DataError(f"{path}: cannot be read ({e.strerror})",
+                        hint="fix its permissions") from None
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -251,7 +252,8 @@ def read_gitignore(path: Path) -> list[Rule]:
                         hint="save the file as UTF-8") from None
     if "\0" in text:
         line = text.count("\n", 0, text.index("\0")) + 1
-        raise DataError(f"{path}:{line}: holds a NUL byte, not a .gitignore", hint="remove that byte")
+        raise DataError(f"{path}:{line}: holds a NUL byte, not a .gitignore",
+                        hint="remove that byte")
     rules = (compile_rule(f"{path}:{n}", line) for n, line in enumerate(text.splitlines(), 1))
     return [r for r in rules if r]
 

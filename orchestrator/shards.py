@@ -176,7 +176,8 @@ def shard_folder(cluster: Cluster, name: str) -> str:
     path = f"{cluster.data.shards}/{name}"
     real = os.path.realpath(path)
     fix = f"run `orch split-data --workers {cluster.world_size} -c {cluster.path}`"
-    if os.path.islink(path) or real != os.path.join(os.path.realpath(str(cluster.data.shards)), name):
+    if os.path.islink(path) or real != os.path.join(os.path.realpath(str(cluster.data.shards)),
+                                                    name):
         raise DataError(f"{path}: the shard folder is a symlink (to {real})", hint=fix)
     if not os.path.isdir(real):
         raise DataError(f"{path}: shard folder missing", hint=fix)

@@ -31,7 +31,8 @@ from orchestrator.errors import DataError
 RECORD_RE = re.compile(r"^(?P<prefix>.+?)[-.](?P<index>\d+)-of-(?P<total>\d+)(?P<suffix>\..*)?$")
 # Top-level folders that hold splits rather than classes; recognised only when every
 # top-level folder is one of them (a dataset with a class called "test" stays an ImageFolder).
-SPLIT_DIRS = frozenset({"TrainData", "ValidationData", "TestData", "train", "val", "validation", "test"})
+SPLIT_DIRS = frozenset({"TrainData", "ValidationData", "TestData", "train", "val", "validation",
+                        "test"})
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 LOCK = ".orch-split.lock"
@@ -103,7 +104,8 @@ def check_paths(source: Path, out: Path) -> tuple[Path, Path]:
         raise DataError(f"source folder {source} does not exist",
                         hint="pass --source DIR, or set data.source in cluster.yaml")
     if not source.is_dir():
-        raise DataError(f"source {source} is not a folder", hint="point --source at the dataset folder")
+        raise DataError(f"source {source} is not a folder",
+                        hint="point --source at the dataset folder")
     src, dst = source.resolve(), out.resolve()
     if dst == src or dst.is_relative_to(src):
         raise DataError(f"output folder {out} is inside the source {source}",
@@ -112,7 +114,8 @@ def check_paths(source: Path, out: Path) -> tuple[Path, Path]:
         raise DataError(f"source {source} is inside the output folder {out}",
                         hint="choose an output folder that does not contain the dataset")
     if dst.exists() and not dst.is_dir():
-        raise DataError(f"output {out} exists and is not a folder", hint="remove it or choose another --out")
+        raise DataError(f"output {out} exists and is not a folder",
+                        hint="remove it or choose another --out")
     _check_writable(dst)
     read_manifest(dst / MANIFEST)
     return src, dst
@@ -135,7 +138,8 @@ def read_manifest(path: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise DataError(f"{path} is not a readable manifest ({exc})",
                         hint="remove it; it is rebuilt by re-running split-data for each worker count") from None
-    if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION or not isinstance(data.get("splits"), dict):
+    if not isinstance(data,
+                      dict) or data.get("version") != MANIFEST_VERSION or not isinstance(data.get("splits"), dict):
         raise DataError(f"{path} is not an orch manifest (version {MANIFEST_VERSION})",
                         hint="move it away, or choose another --out")
     return data
@@ -148,7 +152,8 @@ def _names(items: list[str]) -> str:
 
 def check_counts(groups: dict[str, FileList], workers: int, kind: str) -> None:
     """Every worker must get at least one file of every class / record group."""
-    what, whats = ("class", "classes") if kind == "imagefolder" else ("record group", "record groups")
+    what, whats = ("class", "classes") if kind == "imagefolder" else ("record group",
+                                                                      "record groups")
     empty = [key for key, files in groups.items() if not files]
     if empty:
         raise DataError(f"empty {what} in the source: {_names(empty)}",
@@ -177,7 +182,8 @@ class _Scanner:
             with os.scandir(path) as it:
                 return sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
         except OSError as exc:
-            raise DataError(f"cannot read {path}: {exc.strerror}", hint="check the permissions of the source") from None
+            raise DataError(f"cannot read {path}: {exc.strerror}",
+                            hint="check the permissions of the source") from None
 
     def check_link(self, path: str) -> str:
         target = os.path.realpath(path)
@@ -205,7 +211,8 @@ class _Scanner:
                             hint="check the permissions of the source") from None
         return out
 
-    def _descend(self, e: os.DirEntry, rel: str, out: FileList, real: str, target: str | None) -> None:
+    def _descend(self, e: os.DirEntry, rel: str, out: FileList, real: str,
+                 target: str | None) -> None:
         if target is not None and (real == target or real.startswith(target + os.sep)):
             raise DataError(f"{e.path} is a symlink to one of its own parent folders (a loop)",
                             hint="remove the link")
@@ -226,7 +233,8 @@ class _Scanner:
             totals[key] = int(m["total"])
         notes = [f"{key}: {len(items)} files present, the names say {totals[key]}; splitting the "
                  f"{len(items)} present" for key, items in groups.items() if len(items) != totals[key]]
-        return {key: [(name, size) for _, name, size in sorted(items)] for key, items in groups.items()}, notes
+        return {key: [(name,
+                       size) for _, name, size in sorted(items)] for key, items in groups.items()}, notes
 
     def classes(self, entries: list[os.DirEntry], prefix: str) -> dict[str, FileList]:
         found: dict[str, FileList] = {}
@@ -256,7 +264,8 @@ def scan(source: Path) -> tuple[str, dict[str, FileList], list[str]]:
     return kind, dict(sorted(groups.items())), notes
 
 
-def _scan_imagefolder(scanner: _Scanner, source: Path, top: list[os.DirEntry]) -> dict[str, FileList]:
+def _scan_imagefolder(scanner: _Scanner, source: Path,
+                      top: list[os.DirEntry]) -> dict[str, FileList]:
     dirs = [e for e in top if e.is_dir()]
     if not dirs:
         raise DataError(f"{source} holds neither record files (train-00000-of-01024) nor class folders",
@@ -270,7 +279,8 @@ def _scan_imagefolder(scanner: _Scanner, source: Path, top: list[os.DirEntry]) -
             scanner.check_link(split.path)
         found = scanner.classes(scanner.entries(split.path), split.name + "/")
         if not found:
-            raise DataError(f"{split.path} has no class folders", hint="remove it, or put class folders in it")
+            raise DataError(f"{split.path} has no class folders",
+                            hint="remove it, or put class folders in it")
         groups.update(found)
     return groups
 
@@ -296,7 +306,8 @@ def _deal(shards: list[Shard], key: str, files: FileList, sizes: list[int]) -> N
         start += size
 
 
-def assign(kind: str, groups: dict[str, FileList], workers: int, seed: int) -> tuple[list[Shard], list[str]]:
+def assign(kind: str, groups: dict[str, FileList], workers: int,
+           seed: int) -> tuple[list[Shard], list[str]]:
     shards = [Shard(shard_name(i, workers)) for i in range(workers)]
     notes: list[str] = []
     cursor = uneven = 0
@@ -336,7 +347,8 @@ def _records_imbalance(key: str, total: int, sizes: list[int]) -> str:
 def plan(source: Path, out: Path, workers: int, seed: int = 0) -> Plan:
     """Validate everything and compute the split; writes nothing."""
     if workers < 1:
-        raise DataError(f"--workers must be at least 1 (got {workers})", hint="pass --workers N with N >= 1")
+        raise DataError(f"--workers must be at least 1 (got {workers})",
+                        hint="pass --workers N with N >= 1")
     src, _ = check_paths(source, out)
     kind, groups, notes = scan(src)
     check_counts(groups, workers, kind)
@@ -380,7 +392,8 @@ def _rescan_packed(shard: Shard, shard_dir: Path) -> None:
         for name in filenames:
             rel = prefix + name
             path = os.path.join(dirpath, name)
-            found.append((rel, sizes[rel] if os.path.islink(path) and rel in sizes else os.path.getsize(path)))
+            found.append((rel,
+                          sizes[rel] if os.path.islink(path) and rel in sizes else os.path.getsize(path)))
     shard.files = sorted(found)
 
 
@@ -459,7 +472,8 @@ def _timed(seconds: dict[str, float], phase: str) -> Iterator[None]:
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t
 
 
-def _build(p: Plan, tmp: Path, pack: Packer | None, threads: int, seconds: dict[str, float]) -> None:
+def _build(p: Plan, tmp: Path, pack: Packer | None, threads: int,
+           seconds: dict[str, float]) -> None:
     with _timed(seconds, "link"):
         link_all(p, tmp, threads)
     if pack is None:

@@ -67,7 +67,8 @@ def load(cluster: Cluster) -> JobState | None:
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:
-        raise damaged(cluster, f"cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+        raise damaged(cluster,
+                      f"cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
     try:
         return _from_json(json.loads(text))
     except ValueError as exc:

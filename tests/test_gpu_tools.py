@@ -31,7 +31,8 @@ from worker.augment import crops_by_grid, crops_by_interpolate, draw_boxes, resi
 NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}  # the skip path, also on a machine with a GPU
 
 
-def run(argv: list[str], cwd: Path = REPO, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+def run(argv: list[str], cwd: Path = REPO, timeout: float = 300,
+        **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=cwd, env=dict(os.environ, **env), capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
@@ -84,7 +85,8 @@ def test_probe_lists_missing_modules(tmp_path: Path) -> None:
 
 
 def test_gpu_check_arguments(tmp_path: Path) -> None:
-    args = gpu_check.parse_args(["--bench-args", "--steps 30 --models resnet50", "--out", str(tmp_path)])
+    args = gpu_check.parse_args(["--bench-args", "--steps 30 --models resnet50", "--out",
+                                 str(tmp_path)])
     assert args.bench_args == ["--steps", "30", "--models", "resnet50"] and args.pytest_args == []
     r = run([sys.executable, "bench/gpu_check.py", "--bench-args", '"--steps'])
     assert r.returncode == 2 and "--bench-args: No closing quotation" in r.stderr
@@ -94,7 +96,8 @@ def test_gpu_check_arguments(tmp_path: Path) -> None:
 
 def test_gpu_bench_defaults_and_lists() -> None:
     a = bench_gpu.parse_args([])
-    assert (a.models, a.batch_sizes, a.modes) == (["resnet50", "vggf"], [64, 128], ["fp32", "amp", "amp-cl"])
+    assert (a.models, a.batch_sizes, a.modes) == (["resnet50", "vggf"], [64, 128],
+                                                  ["fp32", "amp", "amp-cl"])
     assert a.inputs == ["synthetic", "synthetic-aug", "packed", "imagefolder"]
     assert (a.image_size, a.device, a.out) == (224, "cuda", REPO / "bench" / "out" / "gpu-bench.md")
     a = bench_gpu.parse_args(["--models", "vggf", "--batch-sizes", "32,256", "--modes", "amp-cl",
@@ -124,10 +127,12 @@ def test_gpu_bench_refuses_bad_arguments(argv: list[str], message: str,
 RESULTS: list[dict[str, Any]] = [
     {"model": "resnet50", "batch": 64, "mode": "amp", "input": "synthetic", "images_per_s": 1000.0},
     {"model": "resnet50", "batch": 64, "mode": "amp", "input": "packed", "images_per_s": 950.0},
-    {"model": "resnet50", "batch": 64, "mode": "amp", "input": "imagefolder", "images_per_s": 400.0},
+    {"model": "resnet50", "batch": 64, "mode": "amp", "input": "imagefolder",
+     "images_per_s": 400.0},
     {"model": "vggf", "batch": 128, "mode": "fp32", "input": "synthetic", "images_per_s": 500.0},
     {"model": "vggf", "batch": 128, "mode": "fp32", "input": "packed", "images_per_s": 400.0},
-    {"model": "vggf", "batch": 128, "mode": "fp32", "input": "imagefolder", "error": "out of GPU memory"},
+    {"model": "vggf", "batch": 128, "mode": "fp32", "input": "imagefolder",
+     "error": "out of GPU memory"},
 ]
 
 
@@ -200,7 +205,8 @@ def test_gpu_tests_without_cuda_are_reported_skipped_not_passed(tmp_path: Path) 
 
 def test_report_sections(tmp_path: Path) -> None:
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"env": {"gpu": "H100"}, "config": {"device": "cuda"}, "results": RESULTS}))
+    bench.write_text(json.dumps({"env": {"gpu": "H100"}, "config": {"device": "cuda"},
+                                 "results": RESULTS}))
     text = gpu_check.write_report(tmp_path / "gpu.md", "- GPUs: H100", "3 passed",
                                   gpu_check.bench_section(1, bench))
     assert (tmp_path / "gpu.md").read_text() == text
@@ -210,7 +216,8 @@ def test_report_sections(tmp_path: Path) -> None:
                  "met in 1 of 2"):
         assert part in text
     assert gpu_check.bench_section(None, bench) == "not run (--skip-bench)"
-    assert gpu_check.bench_section(3, tmp_path / "none.json") == "bench/gpu.py exited 3 before writing results"
+    assert gpu_check.bench_section(3,
+                                   tmp_path / "none.json") == "bench/gpu.py exited 3 before writing results"
 
 
 # ---------------------------------------------------------------- the harness on the CPU
@@ -220,7 +227,8 @@ def test_report_sections(tmp_path: Path) -> None:
 def test_gpu_bench_harness_runs_on_cpu(tmp_path: Path) -> None:
     out, js = tmp_path / "b.md", tmp_path / "b.json"
     marker = f"ORCH_GPU_BENCH_TEST={uuid.uuid4().hex}"  # inherited by its loader processes
-    r = run([sys.executable, "bench/gpu.py", "--device", "cpu", "--modes", "fp32", "--models", "lenet",
+    r = run([sys.executable, "bench/gpu.py", "--device", "cpu", "--modes", "fp32", "--models",
+             "lenet",
              "--batch-sizes", "8", "--image-size", "32", "--source-size", "40", "--images", "48",
              "--steps", "3", "--warmup", "1", "--workers", "1", "--out", str(out), "--json", str(js)],
             OMP_NUM_THREADS="1", **dict([marker.split("=")]))

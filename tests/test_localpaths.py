@@ -296,7 +296,8 @@ def test_split_data_shards_are_pushed_as_content(tmp_path: Path) -> None:
 def test_shard_link_inside_the_shard_is_pushed_as_a_link(tmp_path: Path) -> None:
     _, shards, inv = make_split(tmp_path, workers=1)
     (shards / "worker_0_of_1" / "first.bin").symlink_to("class0/img_0.bin")
-    edit_manifest(shards, lambda m: m["splits"]["1"]["shards"][0]["files"].append(["first.bin", 64]))
+    edit_manifest(shards,
+                  lambda m: m["splits"]["1"]["shards"][0]["files"].append(["first.bin", 64]))
     got = all_host_files(inv)
     assert got["worker_0_of_1/first.bin"].link == "class0/img_0.bin"
     assert got["worker_0_of_1/first.bin"].size == 0
@@ -366,7 +367,8 @@ BAD_SHAPES: dict[str, tuple[Callable[[dict], None], str]] = {
     "shard-name": (lambda m: m["splits"]["2"]["shards"][1].update(name="worker_0_of_2"), "shard 1"),
     "bytes-negative": (lambda m: m["splits"]["2"]["shards"][0].update(bytes=-1), "shard 0"),
     "file-pair": (lambda m: m["splits"]["2"]["shards"][0]["files"].append([1, 2]), "[path, bytes]"),
-    "file-size-text": (lambda m: m["splits"]["2"]["shards"][0]["files"].append(["a", "1"]), "[path, bytes]"),
+    "file-size-text": (lambda m: m["splits"]["2"]["shards"][0]["files"].append(["a", "1"]),
+                       "[path, bytes]"),
     "file-twice": (lambda m: m["splits"]["2"]["shards"][0]["files"].append(
         list(m["splits"]["2"]["shards"][0]["files"][0])), "listed twice"),
     "nul-in-path": (_nul_escaped, "unsafe"),
@@ -392,7 +394,8 @@ def test_bad_manifest_exits_2_without_traceback(tmp_path: Path, kind: str) -> No
 
 RAW_DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     "nul-byte": (lambda p: p.write_bytes(p.read_bytes().replace(b"class0", b"cla\0s0", 1)), "NUL"),
-    "not-utf8": (lambda p: p.write_bytes(p.read_bytes().replace(b"class0", b"cla\xffs0", 1)), "UTF-8"),
+    "not-utf8": (lambda p: p.write_bytes(p.read_bytes().replace(b"class0", b"cla\xffs0", 1)),
+                 "UTF-8"),
     "not-json": (lambda p: p.write_text(p.read_text()[:-20]), "not valid JSON"),
     "deep": (lambda p: p.write_text("[" * 100_000 + "]" * 100_000), "manifest"),
     "huge": (lambda p: os.truncate(p, (256 << 20) + 1), "MiB"),   # sparse: costs no disk

@@ -39,7 +39,8 @@ def local_cluster(tmp_path: Path) -> inventory.Cluster:
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump({
         "name": "st", "python": sys.executable,
-        "hosts": [{"address": "localhost", "connection": "local", "remote_dir": str(tmp_path / "n")}],
+        "hosts": [{"address": "localhost", "connection": "local",
+                   "remote_dir": str(tmp_path / "n")}],
         "code": {"paths": ["job.py"]}, "job": {"entrypoint": "job.py"}}))
     return inventory.load(path)
 

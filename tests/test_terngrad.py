@@ -109,7 +109,8 @@ def test_same_generator_seed_gives_same_codes() -> None:
 
 
 def test_unknown_kind_is_a_clear_value_error() -> None:
-    with pytest.raises(ValueError, match=r"unknown gradient compression 'int8'.*none, fp16, terngrad"):
+    with pytest.raises(ValueError,
+                       match=r"unknown gradient compression 'int8'.*none, fp16, terngrad"):
         C.install_comm_hook(None, "int8")
 
 
@@ -172,7 +173,8 @@ def _check_terngrad_records(state: C.TernGradState) -> None:
 def _check_terngrad_grads(grads: dict[str, torch.Tensor], raw: dict[str, torch.Tensor],
                           world: int) -> None:
     for name, grad in grads.items():
-        assert torch.equal(_all_gather(grad).min(dim=0).values, grad), f"{name} differs across ranks"
+        assert torch.equal(_all_gather(grad).min(dim=0).values,
+                           grad), f"{name} differs across ranks"
         if name in FLOAT_NAMES:
             torch.testing.assert_close(grad, raw[name], rtol=1e-5, atol=1e-7)
         else:

@@ -66,7 +66,8 @@ def test_single_process_learns_and_writes_metrics(single, shards, tmp_path: Path
     assert [e for e, _ in checkpoint.list_checkpoints(out)] == [3, 4]  # the newest two kept
 
 
-def test_early_stopping_stops_after_patience_epochs_at_target(single, shards, tmp_path: Path) -> None:
+def test_early_stopping_stops_after_patience_epochs_at_target(single, shards,
+                                                              tmp_path: Path) -> None:
     out, target, patience = tmp_path / "out", 0.6, 2
     rc = run_main([*FAST, "--epochs", "25", "--target-accuracy", str(target),
                    "--patience", str(patience), "--checkpoint-every", "0",
@@ -170,7 +171,8 @@ def test_kill_then_resume_continues_on_both_ranks(torchrun: Torchrun,  # noqa: F
     saved, newest = checkpoint.list_checkpoints(out)[-1]
     assert 2 <= saved < 200
     held = torch.load(newest, weights_only=True)  # a kill never leaves a broken file
-    assert {"model", "optimizer", "scheduler", "epoch", "rng"} <= set(held) and len(held["rng"]) == 2
+    assert {"model", "optimizer", "scheduler", "epoch",
+            "rng"} <= set(held) and len(held["rng"]) == 2
     rc, output = torchrun.run(2, [*FAST, "--epochs", str(saved + 2), "--resume"], shards[2], out)
     assert rc == 0, output
     for rank in (0, 1):

@@ -20,7 +20,8 @@ def test_vggf_classifier_is_vgg16_with_the_new_head() -> None:
     with torch.device("meta"):  # shapes and types only: no 550 MB of weights to initialise
         model = vggf(num_classes=5)
     c = model.classifier
-    assert [type(m) for m in c[:6]] == [nn.Linear, nn.ReLU, nn.Dropout, nn.Linear, nn.ReLU, nn.Dropout]
+    assert [type(m) for m in c[:6]] == [nn.Linear, nn.ReLU, nn.Dropout, nn.Linear, nn.ReLU,
+                                        nn.Dropout]
     assert (c[0].in_features, c[0].out_features, c[3].out_features) == (512 * 7 * 7, 4096, 4096)
     head = c[6]
     assert [type(m) for m in head] == [nn.Linear, nn.ReLU, nn.Dropout, nn.Linear]

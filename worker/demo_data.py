@@ -124,7 +124,8 @@ def generate(out: Path, classes: int = DEFAULT_CLASSES,
             folder = out / split / name
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(counts[split]):
-                draw_image(seed, classes, split_id, k, i, image_size).save(folder / f"{name}_{i:05d}.png")
+                draw_image(seed, classes, split_id, k, i,
+                           image_size).save(folder / f"{name}_{i:05d}.png")
     return out
 
 
@@ -136,7 +137,8 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m worker.demo_data", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m worker.demo_data",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder to write (created)")
     p.add_argument("--classes", type=_positive, default=DEFAULT_CLASSES)
     p.add_argument("--train-per-class", type=_positive, default=DEFAULT_TRAIN_PER_CLASS)

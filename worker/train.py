@@ -92,13 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--target-accuracy", type=_fraction, metavar="FRACTION",
       help="stop once validation accuracy reaches it (e.g. 0.95) ...")
     a("--patience", type=_positive(int), default=1, help="... for this many epochs in a row")
-    a("--seed", type=_positive(int, zero_ok=True), default=0, help="seed of weights, shuffling and augmentation")
+    a("--seed", type=_positive(int, zero_ok=True), default=0,
+      help="seed of weights, shuffling and augmentation")
     a("--image-size", type=_positive(int), metavar="PIXELS",
       help="training image side (default: 224 for vggf and resnet18, 32 otherwise)")
-    a("--workers", type=_positive(int, zero_ok=True), default=2, help="data-loader processes per rank (0: in-process)")
+    a("--workers", type=_positive(int, zero_ok=True), default=2,
+      help="data-loader processes per rank (0: in-process)")
     a("--data-format", choices=("auto", "packed", "imagefolder"), default="auto",
       help="auto: the shard's packed/ arrays when they match --image-size, else image files")
-    a("--checkpoint-every", type=_positive(int, zero_ok=True), default=1, help="epochs between checkpoints (0: never)")
+    a("--checkpoint-every", type=_positive(int, zero_ok=True), default=1,
+      help="epochs between checkpoints (0: never)")
     a("--resume", action="store_true", help="continue from the newest checkpoint, if any")
     a("--data-dir", type=Path, default=os.environ.get("ORCH_DATA_DIR"), metavar="DIR",
       help="folder of worker_<r>_of_<W> shards (default: $ORCH_DATA_DIR)")
@@ -144,7 +147,8 @@ def _open_local(args: argparse.Namespace, ctx: Ctx) -> tuple[Any, Any, list[str]
     shard = args.data_dir / f"worker_{ctx.rank}_of_{ctx.world}"
     if not shard.is_dir():
         raise _missing_shard(args.data_dir, shard, ctx.world)
-    packed, note = (None, "") if args.data_format == "imagefolder" else find_packed(shard, args.image_size)
+    packed, note = (None, "") if args.data_format == "imagefolder" else find_packed(shard,
+                                                                                    args.image_size)
     if note and ctx.is_main:
         print(f"note: {note}", flush=True)
     if packed is not None:
@@ -171,7 +175,8 @@ def _check_classes(everyone: list[tuple[list[str], int, int]]) -> list[str]:
     missing = [(r, sorted(set(union) - set(c))) for r, (c, _, _) in enumerate(everyone)]
     missing = [f"rank {r} has no images of class {', '.join(m)}" for r, m in missing if m]
     if missing:
-        raise WorkerError("; ".join(missing), hint="split the data so that every class is on every rank "
+        raise WorkerError("; ".join(missing),
+                          hint="split the data so that every class is on every rank "
                           "(orch split-data splits every class across all workers)")
     if sum(nv for _, _, nv in everyone) == 0:
         raise WorkerError("no validation images on any rank",
@@ -248,7 +253,8 @@ def _restore(args: argparse.Namespace, ctx: Ctx, model: nn.Module,
     """Load rank 0's newest checkpoint into ``model`` (rank 0) and return the rest."""
     model_state, ckpt = checkpoint.load_for_resume(args.output_dir, ctx.is_main)
     if ckpt is None:
-        say(ctx, f"--resume: no checkpoint in {args.output_dir / checkpoint.SUBDIR}; starting at epoch 1")
+        say(ctx,
+            f"--resume: no checkpoint in {args.output_dir / checkpoint.SUBDIR}; starting at epoch 1")
         return None
     if ckpt["model_name"] != args.model or ckpt["classes"] != classes:
         raise WorkerError(f"the checkpoint of epoch {ckpt['epoch']} is for --model "
@@ -275,7 +281,8 @@ def build_state(args: argparse.Namespace, ctx: Ctx, data: Data) -> State:
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     lr = scaled_lr(args.lr, ctx.world, args.lr_scaling)
-    optimizer = make_optimizer(args.optimizer, model.parameters(), lr, args.momentum, args.weight_decay)
+    optimizer = make_optimizer(args.optimizer, model.parameters(), lr, args.momentum,
+                               args.weight_decay)
     steps = -(-data.train_total // args.batch_size)
     scheduler = make_scheduler(optimizer, steps, args.warmup_epochs, ctx.world)
     ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
@@ -349,7 +356,8 @@ def train_epoch(args: argparse.Namespace, ctx: Ctx, st: State, loader: Any) -> d
 
 
 @torch.no_grad()
-def validate(args: argparse.Namespace, ctx: Ctx, st: State, loader: Any) -> tuple[float, float, float]:
+def validate(args: argparse.Namespace, ctx: Ctx, st: State,
+             loader: Any) -> tuple[float, float, float]:
     # The plain module, not DDP: no buffer broadcast, and ranks may have unequal slices.
     model = st.model.module
     model.eval()

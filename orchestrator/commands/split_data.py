@@ -26,7 +26,8 @@ def add_parser(subparsers: Any) -> None:
                     "ImageFolder tree is split per class, shuffled with --seed.")
     p.add_argument("--workers", "-n", type=int, metavar="N",
                    help="number of shards (default: the inventory's world size)")
-    p.add_argument("--source", type=Path, metavar="DIR", help="dataset folder (default: data.source)")
+    p.add_argument("--source", type=Path, metavar="DIR",
+                   help="dataset folder (default: data.source)")
     p.add_argument("--out", type=Path, metavar="DIR",
                    help="where worker_<i>_of_<N>/ and manifest.json go (default: data.shards)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
@@ -69,7 +70,8 @@ def _resolve(args: argparse.Namespace) -> tuple[int, Path, Path]:
 
 
 def _load_inventory(config: Path, args: argparse.Namespace) -> Any:
-    missing = [f for f, v in (("--workers", args.workers), ("--source", args.source), ("--out", args.out))
+    missing = [f for f, v in (("--workers", args.workers), ("--source", args.source),
+                              ("--out", args.out))
                if v is None]
     if not config.exists():
         raise UsageError(f"{config} not found; it is needed for the defaults of {', '.join(missing)}",
@@ -82,11 +84,13 @@ def _load_inventory(config: Path, args: argparse.Namespace) -> Any:
 def _packer(args: argparse.Namespace) -> splitdata.Packer | None:
     if not args.pack:
         if args.image_size is not None:
-            raise UsageError("--image-size only applies together with --pack", hint="add --pack, or drop --image-size")
+            raise UsageError("--image-size only applies together with --pack",
+                             hint="add --pack, or drop --image-size")
         return None
     size = DEFAULT_IMAGE_SIZE if args.image_size is None else args.image_size
     if size < 1:
-        raise UsageError(f"--image-size must be a positive number of pixels (got {size})", hint="e.g. --image-size 224")
+        raise UsageError(f"--image-size must be a positive number of pixels (got {size})",
+                         hint="e.g. --image-size 224")
     try:
         from worker.pack import pack_shard
     except ImportError as exc:
@@ -114,7 +118,8 @@ def _row(shard: splitdata.Shard) -> list[str]:
 
 def shard_table(p: splitdata.Plan) -> Table:
     unit, units = ("class", "classes") if p.kind == "imagefolder" else ("group", "groups")
-    table = Table(title=f"{p.workers} shards of {escape(str(p.source))} ({p.kind})", title_justify="left")
+    table = Table(title=f"{p.workers} shards of {escape(str(p.source))} ({p.kind})",
+                  title_justify="left")
     table.add_column("shard")
     for col in ("files", "bytes", units, f"files per {unit}"):
         table.add_column(col, justify="right")
