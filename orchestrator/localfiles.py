@@ -392,7 +392,8 @@ def entrypoint_file(base: Path, paths: Iterable[str], entrypoint: str) -> str | 
         return names[first] + ("/" + rest if rest else "") if first in names else None
     first, _, rest = entrypoint.partition(".")
     if not rest:
-        return names.get(first + ".py") or (names[first] + "/__main__.py" if first in names else None)
+        package_main = names[first] + "/__main__.py" if first in names else None
+        return names.get(first + ".py") or package_main
     if first not in names:
         return None
     module = names[first] + "/" + rest.replace(".", "/")

@@ -60,8 +60,8 @@ def read(m: Manifest) -> dict:
     try:
         size = os.stat(m.path).st_size
         if size > MAX_MANIFEST:
-            raise m.fail(f"{size} bytes, more than the {MAX_MANIFEST >> 20} MiB a manifest may have",
-                         whole=True)
+            raise m.fail(f"{size} bytes, more than the {MAX_MANIFEST >> 20} MiB "
+                         "a manifest may have", whole=True)
         with open(m.path, "rb") as f:
             data = f.read(MAX_MANIFEST + 1)
     except FileNotFoundError:
@@ -176,8 +176,8 @@ def shard_folder(cluster: Cluster, name: str) -> str:
     path = f"{cluster.data.shards}/{name}"
     real = os.path.realpath(path)
     fix = f"run `orch split-data --workers {cluster.world_size} -c {cluster.path}`"
-    if os.path.islink(path) or real != os.path.join(os.path.realpath(str(cluster.data.shards)),
-                                                    name):
+    expected = os.path.join(os.path.realpath(str(cluster.data.shards)), name)
+    if os.path.islink(path) or real != expected:
         raise DataError(f"{path}: the shard folder is a symlink (to {real})", hint=fix)
     if not os.path.isdir(real):
         raise DataError(f"{path}: shard folder missing", hint=fix)
@@ -192,7 +192,8 @@ def shard_file(cluster: Cluster, where: tuple[str, str, str], listed: set[str],
     path = f"{cluster.data.shards}/{name}/{rel}"
     fix = f"re-run `orch split-data --workers {cluster.world_size} -c {cluster.path}`"
     if source is None:
-        fix += "; links into the dataset need data.source in cluster.yaml, the folder that was split"
+        fix += ("; links into the dataset need data.source in cluster.yaml, "
+                "the folder that was split")
     try:
         st = os.lstat(path)
     except OSError:

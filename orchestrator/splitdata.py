@@ -109,7 +109,8 @@ def check_paths(source: Path, out: Path) -> tuple[Path, Path]:
     src, dst = source.resolve(), out.resolve()
     if dst == src or dst.is_relative_to(src):
         raise DataError(f"output folder {out} is inside the source {source}",
-                        hint=f"write the shards beside the source, e.g. --out {src.parent / (src.name + '-shards')}")
+                        hint="write the shards beside the source, e.g. "
+                             f"--out {src.parent / (src.name + '-shards')}")
     if src.is_relative_to(dst):
         raise DataError(f"source {source} is inside the output folder {out}",
                         hint="choose an output folder that does not contain the dataset")
@@ -130,16 +131,18 @@ def _check_writable(dst: Path) -> None:
 
 
 def read_manifest(path: Path) -> dict:
-    """The manifest beside the shards, or an empty one; a damaged one is an error, not overwritten."""
+    """The manifest beside the shards, or an empty one; a damaged one is an error, not
+    overwritten."""
     if not path.exists():
         return {"version": MANIFEST_VERSION, "splits": {}}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise DataError(f"{path} is not a readable manifest ({exc})",
-                        hint="remove it; it is rebuilt by re-running split-data for each worker count") from None
-    if not isinstance(data,
-                      dict) or data.get("version") != MANIFEST_VERSION or not isinstance(data.get("splits"), dict):
+                        hint="remove it; it is rebuilt by re-running split-data "
+                             "for each worker count") from None
+    if (not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION
+            or not isinstance(data.get("splits"), dict)):
         raise DataError(f"{path} is not an orch manifest (version {MANIFEST_VERSION})",
                         hint="move it away, or choose another --out")
     return data
@@ -162,7 +165,8 @@ def check_counts(groups: dict[str, FileList], workers: int, kind: str) -> None:
     if small:
         count, key = small[0]
         raise DataError(f"{what} {key} has {count} file(s), fewer than the {workers} workers "
-                        f"({len(small)} {what if len(small) == 1 else whats} too small: {_names([k for _, k in small])})",
+                        f"({len(small)} {what if len(small) == 1 else whats} too small: "
+                        f"{_names([k for _, k in small])})",
                         hint=f"use at most {count} workers, or add files; every worker needs "
                              f"at least one file of every {what}")
 
@@ -171,7 +175,8 @@ def check_counts(groups: dict[str, FileList], workers: int, kind: str) -> None:
 
 
 class _Scanner:
-    """Walks the source with os.scandir: one stat per file (for its size), realpath only for links."""
+    """Walks the source with os.scandir: one stat per file (for its size), realpath only
+    for links."""
 
     def __init__(self, source: Path) -> None:
         self.root = str(source)
@@ -189,7 +194,8 @@ class _Scanner:
         target = os.path.realpath(path)
         if target != self.root and not target.startswith(self.root + os.sep):
             raise DataError(f"{path} is a symlink pointing outside the source (to {target})",
-                            hint="copy what it points to into the source, or split that folder instead")
+                            hint="copy what it points to into the source, "
+                                 "or split that folder instead")
         if not os.path.exists(target):
             raise DataError(f"{path} is a broken symlink", hint="remove it or fix its target")
         return target
@@ -231,10 +237,12 @@ class _Scanner:
             key = f"{m['prefix']}-*-of-{m['total']}{m['suffix'] or ''}"
             groups.setdefault(key, []).append((int(m["index"]), e.name, e.stat().st_size))
             totals[key] = int(m["total"])
-        notes = [f"{key}: {len(items)} files present, the names say {totals[key]}; splitting the "
-                 f"{len(items)} present" for key, items in groups.items() if len(items) != totals[key]]
-        return {key: [(name,
-                       size) for _, name, size in sorted(items)] for key, items in groups.items()}, notes
+        notes = [f"{key}: {len(items)} files present, the names say {totals[key]}; "
+                 f"splitting the {len(items)} present"
+                 for key, items in groups.items() if len(items) != totals[key]]
+        files = {key: [(name, size) for _, name, size in sorted(items)]
+                 for key, items in groups.items()}
+        return files, notes
 
     def classes(self, entries: list[os.DirEntry], prefix: str) -> dict[str, FileList]:
         found: dict[str, FileList] = {}
@@ -259,7 +267,8 @@ def scan(source: Path) -> tuple[str, dict[str, FileList], list[str]]:
         groups, notes, kind = _scan_imagefolder(scanner, source, top), [], "imagefolder"
     if scanner.ignored:
         what = "record files" if kind == "records" else "class folders"
-        notes.append(f"ignored {len(scanner.ignored)} top-level entr{'y' if len(scanner.ignored) == 1 else 'ies'} "
+        entries = "entry" if len(scanner.ignored) == 1 else "entries"
+        notes.append(f"ignored {len(scanner.ignored)} top-level {entries} "
                      f"that are not {what}: {_names(scanner.ignored)}")
     return kind, dict(sorted(groups.items())), notes
 
@@ -268,8 +277,10 @@ def _scan_imagefolder(scanner: _Scanner, source: Path,
                       top: list[os.DirEntry]) -> dict[str, FileList]:
     dirs = [e for e in top if e.is_dir()]
     if not dirs:
-        raise DataError(f"{source} holds neither record files (train-00000-of-01024) nor class folders",
-                        hint="point --source at a folder of sharded record files or of class sub-folders")
+        raise DataError(f"{source} holds neither record files (train-00000-of-01024) "
+                        "nor class folders",
+                        hint="point --source at a folder of sharded record files "
+                             "or of class sub-folders")
     if not all(e.name in SPLIT_DIRS for e in dirs):
         return scanner.classes(top, "")
     scanner.ignored.extend(e.name for e in top if not e.is_dir())
@@ -328,8 +339,9 @@ def assign(kind: str, groups: dict[str, FileList], workers: int,
         shard.files.sort()
     if uneven:
         totals = [len(s.files) for s in shards]
-        notes.append(f"{uneven} of {len(groups)} classes do not divide by {workers}; their extra files "
-                     f"rotate across workers (files per worker: {min(totals)}..{max(totals)})")
+        notes.append(f"{uneven} of {len(groups)} classes do not divide by {workers}; "
+                     "their extra files rotate across workers "
+                     f"(files per worker: {min(totals)}..{max(totals)})")
     return shards, notes
 
 
@@ -339,9 +351,9 @@ def _span(first: int, last: int) -> str:
 
 def _records_imbalance(key: str, total: int, sizes: list[int]) -> str:
     extra = total % len(sizes)
-    return (f"uneven split of {key}: {total} files over {len(sizes)} workers; {_span(0, extra - 1)} get "
-            f"{sizes[0]} files, {_span(extra, len(sizes) - 1)} get {sizes[-1]} "
-            f"(split_dataset.sh would refuse this)")
+    return (f"uneven split of {key}: {total} files over {len(sizes)} workers; "
+            f"{_span(0, extra - 1)} get {sizes[0]} files, "
+            f"{_span(extra, len(sizes) - 1)} get {sizes[-1]} (split_dataset.sh would refuse this)")
 
 
 def plan(source: Path, out: Path, workers: int, seed: int = 0) -> Plan:
@@ -383,7 +395,8 @@ def link_all(p: Plan, tmp: Path, threads: int) -> None:
 
 
 def _rescan_packed(shard: Shard, shard_dir: Path) -> None:
-    """After packing, the shard is what is on disk: links keep their source sizes, new files add theirs."""
+    """After packing, the shard is what is on disk: links keep their source sizes, new
+    files add theirs."""
     sizes = dict(shard.files)
     found: FileList = []
     for dirpath, _dirnames, filenames in os.walk(shard_dir):
@@ -392,8 +405,8 @@ def _rescan_packed(shard: Shard, shard_dir: Path) -> None:
         for name in filenames:
             rel = prefix + name
             path = os.path.join(dirpath, name)
-            found.append((rel,
-                          sizes[rel] if os.path.islink(path) and rel in sizes else os.path.getsize(path)))
+            linked = os.path.islink(path) and rel in sizes
+            found.append((rel, sizes[rel] if linked else os.path.getsize(path)))
     shard.files = sorted(found)
 
 
@@ -453,7 +466,8 @@ def _dumps(data: dict, files: int) -> str:
 
 
 def stage_manifest(out: Path, p: Plan) -> Path:
-    """Write the updated manifest (other worker counts kept) to a temp file; os.replace() it later."""
+    """Write the updated manifest (other worker counts kept) to a temp file; os.replace()
+    it later."""
     data = read_manifest(out / MANIFEST)
     data["splits"][str(p.workers)] = p.to_json()
     data["splits"] = dict(sorted(data["splits"].items(), key=lambda kv: int(kv[0])))

@@ -1,4 +1,6 @@
-"""`orch split-data`: split a dataset into one folder of links per worker (see orchestrator.splitdata)."""
+"""`orch split-data`: split a dataset into one folder of links per worker.
+
+The work is done by orchestrator.splitdata; this module parses, resolves defaults, prints."""
 from __future__ import annotations
 
 import argparse
@@ -59,23 +61,26 @@ def _resolve(args: argparse.Namespace) -> tuple[int, Path, Path]:
     if source is None:
         source = getattr(data, "source", None)
         if source is None:
-            raise DataError("no dataset to split: --source is not given and cluster.yaml has no data.source",
+            raise DataError("no dataset to split: --source is not given and cluster.yaml "
+                            "has no data.source",
                             hint="pass --source DIR, or add `data: {source: DIR}` to cluster.yaml")
     if out is None:
         out = getattr(data, "shards", None)
         if out is None:
-            raise DataError("nowhere to write the shards: --out is not given and cluster.yaml has no data.shards",
+            raise DataError("nowhere to write the shards: --out is not given and cluster.yaml "
+                            "has no data.shards",
                             hint="pass --out DIR, or add `data: {shards: DIR}` to cluster.yaml")
     return workers, Path(source), Path(out)
 
 
 def _load_inventory(config: Path, args: argparse.Namespace) -> Any:
-    missing = [f for f, v in (("--workers", args.workers), ("--source", args.source),
-                              ("--out", args.out))
-               if v is None]
+    given = (("--workers", args.workers), ("--source", args.source), ("--out", args.out))
+    missing = [f for f, v in given if v is None]
     if not config.exists():
-        raise UsageError(f"{config} not found; it is needed for the defaults of {', '.join(missing)}",
-                         hint="pass --workers, --source and --out, or -c FILE to name the inventory")
+        raise UsageError(f"{config} not found; it is needed for the defaults of "
+                         f"{', '.join(missing)}",
+                         hint="pass --workers, --source and --out, "
+                              "or -c FILE to name the inventory")
     from orchestrator.inventory import load  # imported late: not needed when all three are given
 
     return load(config)
@@ -95,7 +100,8 @@ def _packer(args: argparse.Namespace) -> splitdata.Packer | None:
         from worker.pack import pack_shard
     except ImportError as exc:
         raise DataError(f"--pack needs worker.pack.pack_shard, which cannot be imported ({exc})",
-                        hint="run from the orch checkout with the worker extras installed, or drop --pack") from None
+                        hint="run from the orch checkout with the worker extras installed, "
+                             "or drop --pack") from None
     return lambda shard_dir: pack_shard(shard_dir, size)
 
 
@@ -145,7 +151,8 @@ def print_summary(console: Console, result: splitdata.SplitResult) -> None:
     sizes = [s.bytes for s in p.shards]
     total_s = sum(result.seconds.values())
     console.print(f"{sum(files)} files in {p.workers} shards: {min(files)}..{max(files)} files, "
-                  f"{_human(min(sizes))}..{_human(max(sizes))} per shard", markup=False, soft_wrap=True)
-    verb = "replaced" if result.replaced else "wrote"
-    console.print(f"{verb} {result.out}/worker_*_of_{p.workers} and {result.manifest} in {total_s:.1f} s",
+                  f"{_human(min(sizes))}..{_human(max(sizes))} per shard",
                   markup=False, soft_wrap=True)
+    verb = "replaced" if result.replaced else "wrote"
+    console.print(f"{verb} {result.out}/worker_*_of_{p.workers} and {result.manifest} "
+                  f"in {total_s:.1f} s", markup=False, soft_wrap=True)
