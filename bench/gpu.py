@@ -128,8 +128,8 @@ def write_images(root: Path, count: int, size: int, seed: int = 0) -> Path:
             coarse = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
             img = np.asarray(coarse.resize((size, size), Image.BICUBIC), dtype=np.int16)
             img = img + rng.integers(-12, 13, img.shape, dtype=np.int16)
-            Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(folder / f"{i:06d}.jpg",
-                                                                    quality=90)
+            pixels = img.clip(0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(folder / f"{i:06d}.jpg", quality=90)
     return root
 
 
@@ -143,8 +143,8 @@ def datasets(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         return {}
     t0 = time.perf_counter()
     shard = write_images(tmp / "shard", args.images, args.source_size)
-    out: dict[str, Any] = {"imagefolder": ImageFolderBatches(scan_shard(shard).train,
-                                                             args.image_size)}
+    train = scan_shard(shard).train
+    out: dict[str, Any] = {"imagefolder": ImageFolderBatches(train, args.image_size)}
     if "packed" in needs:
         out["packed"] = PackedBatches(pack_shard(shard, args.image_size), "train")
     print(f"data: {args.images} JPEGs {args.source_size}px, packed at {args.image_size}px, "
@@ -207,8 +207,8 @@ def synthetic(tr: Trainer, batch: int, size: int, raw: bool) -> Callable[[int], 
     if raw:
         x = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8, device=tr.device)
     else:
-        x = torch.randn(batch, 3, size, size,
-                        device=tr.device).contiguous(memory_format=tr.memory_format)
+        x = torch.randn(batch, 3, size, size, device=tr.device)
+        x = x.contiguous(memory_format=tr.memory_format)
 
     def epoch(steps: int) -> Iterator:
         return iter([(x, y)] * steps)
@@ -272,7 +272,8 @@ def run_all(args: argparse.Namespace, device: Any, data: dict[str, Any]) -> list
                 for inp in args.inputs:
                     r = {"model": name, "batch": batch, "mode": mode, "input": inp,
                          **measure_safely(tr, inp, batch, args, data)}
-                    shown = f"{r['images_per_s']:.0f} images/s" if "images_per_s" in r else r["error"]
+                    ok = "images_per_s" in r
+                    shown = f"{r['images_per_s']:.0f} images/s" if ok else r["error"]
                     print(f"{name} batch {batch} {mode} {inp}: {shown}", flush=True)
                     results.append(r)
             del tr

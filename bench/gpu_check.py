@@ -180,7 +180,8 @@ def tests_section(rc: int | None, junit: Path) -> str:
     if not junit.exists():
         return f"pytest exited {rc} before writing results"
     results = gputable.tests_from_junit(junit)
-    return f"{gputable.tests_summary(results)} (pytest exit {rc}).\n\n{gputable.tests_table(results)}"
+    return (f"{gputable.tests_summary(results)} (pytest exit {rc}).\n\n"
+            f"{gputable.tests_table(results)}")
 
 
 def bench_section(rc: int | None, json_path: Path) -> str:
@@ -188,7 +189,8 @@ def bench_section(rc: int | None, json_path: Path) -> str:
         return "not run (--skip-bench)"
     if not json_path.exists():
         return f"bench/gpu.py exited {rc} before writing results"
-    note = "" if rc == 0 else f"bench/gpu.py exited {rc}: some measurements failed (see the table).\n\n"
+    failed = f"bench/gpu.py exited {rc}: some measurements failed (see the table).\n\n"
+    note = "" if rc == 0 else failed
     return note + gputable.bench_markdown(json.loads(json_path.read_text()))
 
 
@@ -207,8 +209,8 @@ def check(args: argparse.Namespace, python: str, info: dict[str, Any]) -> int:
         tests_rc = None if args.skip_tests else run_tests(python, junit, args.pytest_args)
         tests = tests_section(tests_rc, junit)
         write_report(args.out, machine, tests, "running" if not args.skip_bench else "waiting")
-        bench_rc = None if args.skip_bench else run_bench(python, bench_json, bench_md,
-                                                          args.bench_args)
+        bench_rc = (None if args.skip_bench
+                    else run_bench(python, bench_json, bench_md, args.bench_args))
         text = write_report(args.out, machine, tests, bench_section(bench_rc, bench_json))
     print(text)
     print(f"wrote {args.out}")

@@ -145,7 +145,8 @@ def main() -> None:
              f"baseline/orch = {base / median(crash):.0f}x"]]
     print_table(f"lifecycle, median of {args.reps} (load {os.getloadavg()[0]:.1f})",
                 ["what", "orch s", "pdsh+torchrun s", "note"], rows)
-    print(f"raw samples: {save_json('lifecycle.json', {'stop_s': stop, 'crash_s': crash, 'pdsh_crash_s': base})}")
+    raw = save_json("lifecycle.json", {"stop_s": stop, "crash_s": crash, "pdsh_crash_s": base})
+    print(f"raw samples: {raw}")
 
 
 if __name__ == "__main__":

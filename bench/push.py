@@ -383,8 +383,8 @@ def interleave(methods: dict[str, Method], reps: int) -> dict[str, list[Sample]]
         for n in order:
             s = methods[n]()
             samples[n].append(s)
-            print(f"  rep {rep + 1}/{reps} {n:9s} {s.wall:7.2f} s wall, CPU {s.ctl_cpu:5.2f} s here "
-                  f"+ {s.host_cpu:5.2f} s on the host"
+            print(f"  rep {rep + 1}/{reps} {n:9s} {s.wall:7.2f} s wall, "
+                  f"CPU {s.ctl_cpu:5.2f} s here + {s.host_cpu:5.2f} s on the host"
                   f" (load {os.getloadavg()[0]:.1f})", flush=True)
     return samples
 
@@ -404,7 +404,8 @@ def run_set(b: Bench, ds: DataSet, args: argparse.Namespace) -> dict:
     return {"set": ds.name, "files": ds.files, "bytes": ds.bytes,
             "samples": {n: [[x.wall, x.ctl_cpu, x.host_cpu] for x in v]
                         for n, v in samples.items()},
-            "median_s": med, "median_cpu_s": cpu, "connect_s": conn, "hash_s": ds.hash_s, "cached_s": ds.cached_s,
+            "median_s": med, "median_cpu_s": cpu, "connect_s": conn, "hash_s": ds.hash_s,
+            "cached_s": ds.cached_s,
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
             "orch_up_total_s": median(b.e2e.totals) if b.e2e else NAN}
 

@@ -1,7 +1,7 @@
-"""Benchmark `orch split-data` on a large ImageFolder against a split_dataset.sh-style shell loop.
+"""Benchmark `orch split-data` on a large ImageFolder against a split_dataset.sh-style loop.
 
-    python bench/split.py                      # 1000 classes x 1000 files, N=16, baseline on 100k files
-    python bench/split.py --classes 100 --baseline-files 10000   # a quick run
+    python bench/split.py     # 1000 classes x 1000 files, N=16, baseline on 100k files
+    python bench/split.py --classes 100 --baseline-files 10000     # a quick run
 
 Everything is generated under a temporary folder in /tmp (--dir) and removed at the end.
 The baseline forks one `ln -s` per file (as split_dataset.sh does), so it is timed on a
@@ -58,8 +58,8 @@ def generate(root: Path, classes: int, per_class: int) -> int:
 
 
 def count_links(root: Path) -> int:
-    return sum(1 for d, _, files in os.walk(root) for f in files if os.path.islink(os.path.join(d,
-                                                                                                f)))
+    return sum(1 for d, _, files in os.walk(root) for f in files
+               if os.path.islink(os.path.join(d, f)))
 
 
 def time_orch(src: Path, out: Path, workers: int,
@@ -112,8 +112,8 @@ def main() -> int:
 
 def run(args: argparse.Namespace, tmp: Path) -> None:
     n = args.workers
-    print(f"machine: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, python {sys.version.split()[0]}, "
-          f"tmp {tmp}")
+    print(f"machine: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
+          f"python {sys.version.split()[0]}, tmp {tmp}")
     t = time.perf_counter()
     total = generate(tmp / "big", args.classes, args.per_class)
     print(f"generate: {total} files ({args.classes} classes) in {time.perf_counter() - t:.1f}s")
@@ -127,7 +127,8 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     shutil.rmtree(tmp / "out")  # tmpfs has few inodes to spare
     if not args.no_thread_compare:
         wall4, cpu4, secs4 = time_orch(tmp / "big", tmp / "out4", n, 4)
-        print(f"orch split-data N={n}, 4 link threads: {wall4:.2f}s wall, {cpu4:.2f}s cpu [{phases(secs4)}]")
+        print(f"orch split-data N={n}, 4 link threads: {wall4:.2f}s wall, {cpu4:.2f}s cpu "
+              f"[{phases(secs4)}]")
         shutil.rmtree(tmp / "out4")
     if args.baseline_files <= 0:
         return
@@ -135,10 +136,11 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     small = generate(tmp / "small", classes, args.per_class)
     small_wall, small_cpu, _ = time_orch(tmp / "small", tmp / "small-orch", n, 1)
     shell_wall, shell_cpu = time_baseline(tmp / "small", tmp / "small-shell", n)
-    print(f"on {small} files: orch {small_wall:.2f}s wall / {small_cpu:.2f}s cpu; shell loop (ls|sort, "
-          f"ln -s per file) {shell_wall:.1f}s wall / {shell_cpu:.1f}s cpu "
-          f"({count_links(tmp / 'small-shell')} links) -> orch {shell_wall / small_wall:.0f}x faster "
-          f"(wall), {shell_cpu / small_cpu:.0f}x less cpu")
+    print(f"on {small} files: orch {small_wall:.2f}s wall / {small_cpu:.2f}s cpu; "
+          f"shell loop (ls|sort, ln -s per file) {shell_wall:.1f}s wall / {shell_cpu:.1f}s cpu "
+          f"({count_links(tmp / 'small-shell')} links) -> "
+          f"orch {shell_wall / small_wall:.0f}x faster (wall), "
+          f"{shell_cpu / small_cpu:.0f}x less cpu")
     projected = shell_wall * total / small
     print(f"shell loop projected to {total} files: {projected:.0f}s vs orch {wall:.2f}s measured "
           f"-> {projected / wall:.0f}x")

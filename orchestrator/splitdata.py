@@ -31,8 +31,8 @@ from orchestrator.errors import DataError
 RECORD_RE = re.compile(r"^(?P<prefix>.+?)[-.](?P<index>\d+)-of-(?P<total>\d+)(?P<suffix>\..*)?$")
 # Top-level folders that hold splits rather than classes; recognised only when every
 # top-level folder is one of them (a dataset with a class called "test" stays an ImageFolder).
-SPLIT_DIRS = frozenset({"TrainData", "ValidationData", "TestData", "train", "val", "validation",
-                        "test"})
+SPLIT_DIRS = frozenset({"TrainData", "ValidationData", "TestData",
+                        "train", "val", "validation", "test"})
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 LOCK = ".orch-split.lock"
@@ -155,8 +155,8 @@ def _names(items: list[str]) -> str:
 
 def check_counts(groups: dict[str, FileList], workers: int, kind: str) -> None:
     """Every worker must get at least one file of every class / record group."""
-    what, whats = ("class", "classes") if kind == "imagefolder" else ("record group",
-                                                                      "record groups")
+    names = ("class", "classes"), ("record group", "record groups")
+    what, whats = names[0] if kind == "imagefolder" else names[1]
     empty = [key for key, files in groups.items() if not files]
     if empty:
         raise DataError(f"empty {what} in the source: {_names(empty)}",

@@ -121,8 +121,8 @@ def test_augmentation_on_the_gpu_matches_the_cpu_and_does_not_sync() -> None:
     for t in (on_gpu, out, small):
         assert t.device.type == "cuda" and t.dtype == torch.float32
     # pixels 0..255: float rounding of the sample points on the GPU stays far below 0.05
-    torch.testing.assert_close(on_gpu.cpu(), crops_by_interpolate(x.float(), boxes), atol=5e-2,
-                               rtol=0)
+    torch.testing.assert_close(on_gpu.cpu(), crops_by_interpolate(x.float(), boxes),
+                               atol=5e-2, rtol=0)
 
 
 class _Batches(torch.utils.data.Dataset):
@@ -211,7 +211,8 @@ def test_orch_up_on_a_local_gpu_host_trains_with_nccl(gpu_cluster: Callable,
 
 def test_preflight_refuses_more_gpus_than_nvidia_smi_lists(gpu_cluster: Callable,
                                                            tmp_path: Path) -> None:
-    assert shutil.which("nvidia-smi"), "preflight counts GPUs with nvidia-smi -L: it must be on PATH"
+    assert shutil.which("nvidia-smi"), \
+        "preflight counts GPUs with nvidia-smi -L: it must be on PATH"
     listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
     assert sum(line.startswith("GPU ") for line in listed.splitlines()) == GPUS
     gpu_cluster(GPUS + 1)
@@ -249,8 +250,9 @@ def test_option_trains_the_demo_to_target_on_gpu(name: str, torchrun: Torchrun, 
 
 
 @pytest.mark.slow
-def test_checkpoint_moves_between_cpu_and_gpu(torchrun: Torchrun, demo: dict[int, Path],  # noqa: F811
-                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checkpoint_moves_between_cpu_and_gpu(torchrun: Torchrun,  # noqa: F811
+                                              demo: dict[int, Path], tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     out, args = tmp_path / "out", [*DEMO[:-4], "--checkpoint-every", "1"]  # no early stop
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # first on the CPU
     log = train(torchrun, 1, [*args, "--epochs", "2"], demo[1], out)
@@ -372,13 +374,13 @@ def _terngrad_worker(rank: int, world: int, port: int) -> None:
         stats = C.install_comm_hook(ddp, "terngrad", size_to_binarize=64, logits_param_names=LOGITS)
         stats.hook_state.record = True
         gen = torch.Generator().manual_seed(100 + rank)
-        x, y = torch.randn(8, 17, generator=gen) * (1 + rank), torch.randint(0, 5, (8,),
-                                                                             generator=gen)
+        x = torch.randn(8, 17, generator=gen) * (1 + rank)
+        y = torch.randint(0, 5, (8,), generator=gen)
         nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
         _check_records(stats.hook_state, device)
         for name, p in ddp.module.named_parameters():
-            assert torch.equal(_gather(p.grad).min(0).values,
-                               p.grad), f"{name} differs across ranks"
+            same = torch.equal(_gather(p.grad).min(0).values, p.grad)
+            assert same, f"{name} differs across ranks"
             if name not in LOGITS and p.numel() >= 64:
                 assert p.grad.unique().numel() <= 2 * world + 1, name
         assert stats.bytes_sent > 0

@@ -170,7 +170,8 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 <testcase classname="tests.test_gpu" name="test_a" time="1.25" />
 <testcase classname="tests.test_gpu" name="test_b[amp]" time="2.0">
   <failure message="AssertionError: val_acc 0.91&#10;second line">trace</failure></testcase>
-<testcase classname="tests.test_gpu" name="test_c" time="0.5"><error message="fixture broke" /></testcase>
+<testcase classname="tests.test_gpu" name="test_c" time="0.5">
+  <error message="fixture broke" /></testcase>
 <testcase classname="tests.test_gpu" name="test_d" time="0.0">
   <skipped type="pytest.skip" message="needs 2 CUDA GPUs, found 1" /></testcase>
 </testsuite></testsuites>"""
@@ -186,7 +187,8 @@ def test_junit_results_become_rows(tmp_path: Path) -> None:
         ("test_gpu::test_d", "skipped: needs 2 CUDA GPUs, found 1", 0.0, ""),
     ]
     assert gputable.tests_summary(rows) == "1 error, 1 failed, 1 passed, 1 skipped"
-    assert "| test_gpu::test_b[amp] | failed | 2.0 | AssertionError: val_acc 0.91 |" in gputable.tests_table(rows)
+    assert ("| test_gpu::test_b[amp] | failed | 2.0 | AssertionError: val_acc 0.91 |"
+            in gputable.tests_table(rows))
 
 
 def test_gpu_tests_without_cuda_are_reported_skipped_not_passed(tmp_path: Path) -> None:
@@ -212,12 +214,13 @@ def test_report_sections(tmp_path: Path) -> None:
     assert (tmp_path / "gpu.md").read_text() == text
     for part in ("# GPU check (make gpu-check)", "## Machine", "## Checks: pytest -m gpu",
                  "## Training throughput: bench/gpu.py", "bench/gpu.py exited 1",
-                 "Set-up: gpu H100, device cuda.", "| resnet50 | 64 | amp | 1000 | 0.95 | met | 0.40 |",
+                 "Set-up: gpu H100, device cuda.",
+                 "| resnet50 | 64 | amp | 1000 | 0.95 | met | 0.40 |",
                  "met in 1 of 2"):
         assert part in text
     assert gpu_check.bench_section(None, bench) == "not run (--skip-bench)"
-    assert gpu_check.bench_section(3,
-                                   tmp_path / "none.json") == "bench/gpu.py exited 3 before writing results"
+    assert (gpu_check.bench_section(3, tmp_path / "none.json")
+            == "bench/gpu.py exited 3 before writing results")
 
 
 # ---------------------------------------------------------------- the harness on the CPU
@@ -227,10 +230,10 @@ def test_report_sections(tmp_path: Path) -> None:
 def test_gpu_bench_harness_runs_on_cpu(tmp_path: Path) -> None:
     out, js = tmp_path / "b.md", tmp_path / "b.json"
     marker = f"ORCH_GPU_BENCH_TEST={uuid.uuid4().hex}"  # inherited by its loader processes
-    r = run([sys.executable, "bench/gpu.py", "--device", "cpu", "--modes", "fp32", "--models",
-             "lenet",
-             "--batch-sizes", "8", "--image-size", "32", "--source-size", "40", "--images", "48",
-             "--steps", "3", "--warmup", "1", "--workers", "1", "--out", str(out), "--json", str(js)],
+    r = run([sys.executable, "bench/gpu.py", "--device", "cpu", "--modes", "fp32",
+             "--models", "lenet", "--batch-sizes", "8", "--image-size", "32",
+             "--source-size", "40", "--images", "48", "--steps", "3", "--warmup", "1",
+             "--workers", "1", "--out", str(out), "--json", str(js)],
             OMP_NUM_THREADS="1", **dict([marker.split("=")]))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     wait_until(lambda: not pids_with_env(marker), 10, "the bench's loader processes to end")

@@ -311,7 +311,8 @@ def test_shard_link_outside_the_source_is_refused_even_with_a_rewritten_source(
     secret = tmp_path / "outside" / "secret.txt"
     secret.parent.mkdir()
     secret.write_text("not part of the dataset\n")
-    first = json.loads((shards / "manifest.json").read_text())["splits"]["2"]["shards"][0]["files"][0]
+    split = json.loads((shards / "manifest.json").read_text())["splits"]["2"]
+    first = split["shards"][0]["files"][0]
     link = shards / "worker_0_of_2" / first[0]
     link.unlink()
     link.symlink_to(secret)

@@ -110,7 +110,8 @@ def test_records_uneven_and_groups_via_command(tmp_path: Path,
     assert [s["classes"]["train-*-of-00010"] for s in shards] == [3, 3, 2, 2]
     assert [s["classes"]["validation-*-of-00005"] for s in shards] == [2, 1, 1, 1]
     assert shard_files(out, "worker_1_of_4") == [
-        "train-00003-of-00010", "train-00004-of-00010", "train-00005-of-00010", "validation-00002-of-00005"]
+        "train-00003-of-00010", "train-00004-of-00010", "train-00005-of-00010",
+        "validation-00002-of-00005"]
     printed = capsys.readouterr().out
     assert "uneven split of train-*-of-00010" in printed and "workers 0-1 get 3" in printed
     assert "README.txt" in printed  # the ignored file is named
@@ -174,7 +175,8 @@ def test_deterministic_seed(tmp_path: Path) -> None:
 
 
 class _ReversedScandir:
-    """os.scandir listing in reverse: another filesystem, or another copy, lists in another order."""
+    """os.scandir listing in reverse: another filesystem, or another copy, lists in another
+    order."""
 
     def __init__(self, path: str) -> None:
         with _real_scandir(path) as it:
@@ -298,7 +300,8 @@ def test_bad_input_changes_nothing(tmp_path: Path, case: str) -> None:
 def test_bad_input_messages(tmp_path: Path) -> None:
     cases = _bad_cases(tmp_path)
     expect = {"empty class": "empty class in the source: dog",
-              "more workers than files in a class": "ValidationData/cat has 2 file(s), fewer than the 3",
+              "more workers than files in a class":
+                  "ValidationData/cat has 2 file(s), fewer than the 3",
               "symlink outside": "pointing outside the source",
               "out inside source": "is inside the source"}
     for case, words in expect.items():
@@ -441,8 +444,8 @@ def test_thread_pool_links_the_same(tmp_path: Path) -> None:
     splitdata.split(src, tmp_path / "four", 3, threads=4)
     assert manifest(tmp_path / "one") == manifest(tmp_path / "four")
     for i in range(3):
-        assert shard_files(tmp_path / "one", f"worker_{i}_of_3") == shard_files(tmp_path / "four",
-                                                                                f"worker_{i}_of_3")
+        name = f"worker_{i}_of_3"
+        assert shard_files(tmp_path / "one", name) == shard_files(tmp_path / "four", name)
 
 
 def test_failure_while_writing_keeps_previous_split(tmp_path: Path,

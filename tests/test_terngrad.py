@@ -173,8 +173,8 @@ def _check_terngrad_records(state: C.TernGradState) -> None:
 def _check_terngrad_grads(grads: dict[str, torch.Tensor], raw: dict[str, torch.Tensor],
                           world: int) -> None:
     for name, grad in grads.items():
-        assert torch.equal(_all_gather(grad).min(dim=0).values,
-                           grad), f"{name} differs across ranks"
+        same = torch.equal(_all_gather(grad).min(dim=0).values, grad)
+        assert same, f"{name} differs across ranks"
         if name in FLOAT_NAMES:
             torch.testing.assert_close(grad, raw[name], rtol=1e-5, atol=1e-7)
         else:

@@ -66,8 +66,8 @@ class Torchrun:
         self.runs += 1
         log_dir = self.tmp / f"torchrun-logs-{self.runs}"
         port = free_port(["127.0.0.1"], start=29600, stop=29900)
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE",
-                                                                "MASTER_ADDR")}
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
         env.update({"ORCH_DATA_DIR": str(data_dir), "ORCH_OUTPUT_DIR": str(out_dir),
                     "PYTHONPATH": str(REPO), self.marker.split("=")[0]: self.marker.split("=")[1]})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
@@ -206,8 +206,8 @@ def test_sampler_pads_to_total_and_reshuffles() -> None:
 
 
 def test_crop_flip_is_a_shifted_or_flipped_copy() -> None:
-    x = torch.arange(2 * 3 * 8 * 8, dtype=torch.int64).remainder(251).to(torch.uint8).view(2, 3, 8,
-                                                                                           8)
+    x = torch.arange(2 * 3 * 8 * 8, dtype=torch.int64).remainder(251).to(torch.uint8)
+    x = x.view(2, 3, 8, 8)
     gen = torch.Generator().manual_seed(0)
     out = crop_flip(x, pad=0, gen=gen)  # no padding: either the image or its mirror
     for i in range(2):

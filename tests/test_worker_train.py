@@ -121,7 +121,8 @@ def test_unreadable_image_in_a_loader_worker_is_one_line(single, tmp_path: Path,
     rc = run_main([*FAST, "--workers", "1", "--epochs", "1", "--data-dir", str(shard_root),
                    "--output-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith(f"error: cannot read image {bad}") and err.count("\n") == 1, err
+    assert rc == 2, err
+    assert err.startswith(f"error: cannot read image {bad}") and err.count("\n") == 1, err
 
 
 def test_class_missing_on_one_rank_names_the_rank() -> None:
@@ -145,7 +146,8 @@ def test_two_processes_learn_with_fp16_gradients(torchrun: Torchrun,  # noqa: F8
     assert rc == 0, output
     table = rows(out)
     assert [int(r["epoch"]) for r in table] == [1, 2, 3]
-    assert {int(r["grad_bytes"]) for r in table} == {4 * 2 * lenet_params()}  # 60 / 16: 4 fp16 steps
+    # 60 / 16: 4 fp16 steps
+    assert {int(r["grad_bytes"]) for r in table} == {4 * 2 * lenet_params()}
     assert float(table[-1]["train_loss"]) < float(table[0]["train_loss"])
     assert "2 process(es), backend gloo" in torchrun.rank_log(0, "stdout")
     for rank in (0, 1):
@@ -171,18 +173,20 @@ def test_kill_then_resume_continues_on_both_ranks(torchrun: Torchrun,  # noqa: F
     saved, newest = checkpoint.list_checkpoints(out)[-1]
     assert 2 <= saved < 200
     held = torch.load(newest, weights_only=True)  # a kill never leaves a broken file
-    assert {"model", "optimizer", "scheduler", "epoch",
-            "rng"} <= set(held) and len(held["rng"]) == 2
+    assert {"model", "optimizer", "scheduler", "epoch", "rng"} <= set(held)
+    assert len(held["rng"]) == 2
     rc, output = torchrun.run(2, [*FAST, "--epochs", str(saved + 2), "--resume"], shards[2], out)
     assert rc == 0, output
     for rank in (0, 1):
-        assert f"rank {rank}: resumed from the checkpoint of epoch {saved}\n" in torchrun.rank_log(rank, "stdout")
+        resumed = f"rank {rank}: resumed from the checkpoint of epoch {saved}\n"
+        assert resumed in torchrun.rank_log(rank, "stdout")
     assert [int(r["epoch"]) for r in rows(out)] == list(range(1, saved + 3))
     assert float(rows(out)[-1]["time_s"]) > float(rows(out)[saved - 1]["time_s"])
 
 
 def test_missing_shard_stops_every_rank_with_one_line(torchrun: Torchrun,  # noqa: F811
-                                                      shards: dict[int, Path], tmp_path: Path) -> None:
+                                                      shards: dict[int, Path],
+                                                      tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     (data_dir / "worker_0_of_2").symlink_to(shards[2] / "worker_0_of_2")
@@ -191,6 +195,7 @@ def test_missing_shard_stops_every_rank_with_one_line(torchrun: Torchrun,  # noq
     assert rc != 0 and time.monotonic() - t0 < 60
     for rank in (0, 1):
         err = torchrun.rank_log(rank, "stderr")
-        assert err.startswith(f"error: rank 1: shard folder {data_dir}/worker_1_of_2 does not exist"), err
+        missing = f"error: rank 1: shard folder {data_dir}/worker_1_of_2 does not exist"
+        assert err.startswith(missing), err
         assert err.count("\n") == 1 and "Traceback" not in err
     assert "exitcode  : 2" in output

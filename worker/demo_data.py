@@ -124,8 +124,8 @@ def generate(out: Path, classes: int = DEFAULT_CLASSES,
             folder = out / split / name
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(counts[split]):
-                draw_image(seed, classes, split_id, k, i,
-                           image_size).save(folder / f"{name}_{i:05d}.png")
+                image = draw_image(seed, classes, split_id, k, i, image_size)
+                image.save(folder / f"{name}_{i:05d}.png")
     return out
 
 

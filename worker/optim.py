@@ -18,8 +18,8 @@ class NovoGrad(Optimizer):
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-2,
-                 betas: tuple[float, float] = (0.95, 0.98),
-                 eps: float = 1e-8, weight_decay: float = 0.0, grad_averaging: bool = False) -> None:
+                 betas: tuple[float, float] = (0.95, 0.98), eps: float = 1e-8,
+                 weight_decay: float = 0.0, grad_averaging: bool = False) -> None:
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid NovoGrad settings lr={lr} betas={betas} eps={eps}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

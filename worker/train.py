@@ -147,8 +147,8 @@ def _open_local(args: argparse.Namespace, ctx: Ctx) -> tuple[Any, Any, list[str]
     shard = args.data_dir / f"worker_{ctx.rank}_of_{ctx.world}"
     if not shard.is_dir():
         raise _missing_shard(args.data_dir, shard, ctx.world)
-    packed, note = (None, "") if args.data_format == "imagefolder" else find_packed(shard,
-                                                                                    args.image_size)
+    packed, note = ((None, "") if args.data_format == "imagefolder"
+                    else find_packed(shard, args.image_size))
     if note and ctx.is_main:
         print(f"note: {note}", flush=True)
     if packed is not None:
@@ -156,7 +156,8 @@ def _open_local(args: argparse.Namespace, ctx: Ctx) -> tuple[Any, Any, list[str]
                 read_index(packed)["classes"], f"{packed} (packed)")
     if args.data_format == "packed":
         raise WorkerError(f"{shard} has no packed data at {args.image_size}px",
-                          hint=f"python -m worker.pack --src {shard} --image-size {args.image_size}")
+                          hint=f"python -m worker.pack --src {shard} "
+                               f"--image-size {args.image_size}")
     files = scan_shard(shard)
     return (ImageFolderBatches(files.train, args.image_size),
             ImageFolderBatches(files.val, args.image_size), files.classes,
@@ -167,7 +168,8 @@ def _missing_shard(data_dir: Path, shard: Path, world: int) -> WorkerError:
     others = sorted(p.name for p in data_dir.glob("worker_*_of_*")) if data_dir.is_dir() else []
     found = f"; {data_dir} has {', '.join(others[:4])}" if others else ""
     return WorkerError(f"shard folder {shard} does not exist{found}",
-                       hint=f"split the data for {world} worker(s) (`orch split-data`), then `orch up`")
+                       hint=f"split the data for {world} worker(s) (`orch split-data`), "
+                            "then `orch up`")
 
 
 def _check_classes(everyone: list[tuple[list[str], int, int]]) -> list[str]:
@@ -240,7 +242,8 @@ def _install_comm_hook(ddp: DDP, args: argparse.Namespace, logits: set[str]) -> 
     except ImportError:
         if args.grad_compression != "none":
             raise WorkerError(f"--grad-compression {args.grad_compression} needs "
-                              "worker/compression.py", hint="sync the whole worker/ folder") from None
+                              "worker/compression.py",
+                              hint="sync the whole worker/ folder") from None
         return None
     return install_comm_hook(ddp, args.grad_compression, clip_factor=args.clip_factor,
                              size_to_binarize=args.size_to_binarize,
@@ -253,8 +256,8 @@ def _restore(args: argparse.Namespace, ctx: Ctx, model: nn.Module,
     """Load rank 0's newest checkpoint into ``model`` (rank 0) and return the rest."""
     model_state, ckpt = checkpoint.load_for_resume(args.output_dir, ctx.is_main)
     if ckpt is None:
-        say(ctx,
-            f"--resume: no checkpoint in {args.output_dir / checkpoint.SUBDIR}; starting at epoch 1")
+        say(ctx, f"--resume: no checkpoint in {args.output_dir / checkpoint.SUBDIR}; "
+                 "starting at epoch 1")
         return None
     if ckpt["model_name"] != args.model or ckpt["classes"] != classes:
         raise WorkerError(f"the checkpoint of epoch {ckpt['epoch']} is for --model "
@@ -410,7 +413,8 @@ def fit(args: argparse.Namespace, ctx: Ctx, data: Data, st: State) -> None:
     loaders, started = _loaders(args, ctx, data), time.perf_counter()
     for epoch in range(st.start_epoch, args.epochs + 1):
         row = run_epoch(args, ctx, st, epoch, loaders, started)
-        st.hits = st.hits + 1 if args.target_accuracy and row["val_acc"] >= args.target_accuracy else 0
+        at_target = args.target_accuracy and row["val_acc"] >= args.target_accuracy
+        st.hits = st.hits + 1 if at_target else 0
         stop = bool(args.target_accuracy) and st.hits >= args.patience
         if ctx.is_main:
             print(metrics.line(row, args.epochs), flush=True)
