@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import pathspec
 
@@ -54,14 +55,14 @@ class DigestCache:
             entries = json.loads(path.read_text())
         except (OSError, ValueError):
             entries = {}
-        self.entries: dict = entries if isinstance(entries, dict) else {}
+        self.entries: dict[str, Any] = entries if isinstance(entries, dict) else {}
         self.dirty = False
 
     def digest(self, path: str, st: os.stat_result) -> str:
         key = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
         with self.lock:
             hit = self.entries.get(path)
-        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key:
+        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key and isinstance(hit[1], str):
             return hit[1]
         digest = sha256_of(path)
         with self.lock:
@@ -377,7 +378,7 @@ class Pushable:
                 self.seen[rel] = hit
         return hit
 
-    def __call__(self, remote: dict) -> dict:
+    def __call__(self, remote: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(remote, dict):
             return remote
         return {rel: v for rel, v in remote.items() if self.keeps(rel)}

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from orchestrator.errors import DataError
 
@@ -60,7 +60,7 @@ class Shard:
         lines = sorted(f"{rel}\t{size}\n" for rel, size in self.files)
         return hashlib.sha256("".join(lines).encode("utf-8", "surrogateescape")).hexdigest()
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         # json writes the (path, bytes) tuples as two-element arrays.
         return {"name": self.name, "bytes": self.bytes, "files": self.files,
                 "classes": self.classes, "digest": self.digest()}
@@ -77,7 +77,7 @@ class Plan:
     shards: list[Shard]
     notes: list[str] = field(default_factory=list)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"workers": self.workers, "kind": self.kind, "source": str(self.source),
                 "seed": self.seed, "shards": [s.to_json() for s in self.shards]}
 
@@ -130,7 +130,7 @@ def _check_writable(dst: Path) -> None:
         raise DataError(f"cannot write to {existing}", hint="choose an --out you may write to")
 
 
-def read_manifest(path: Path) -> dict:
+def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest beside the shards, or an empty one; a damaged one is an error, not
     overwritten."""
     if not path.exists():
@@ -182,7 +182,7 @@ class _Scanner:
         self.root = str(source)
         self.ignored: list[str] = []
 
-    def entries(self, path: str) -> list[os.DirEntry]:
+    def entries(self, path: str) -> list[os.DirEntry[str]]:
         try:
             with os.scandir(path) as it:
                 return sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
@@ -217,14 +217,14 @@ class _Scanner:
                             hint="check the permissions of the source") from None
         return out
 
-    def _descend(self, e: os.DirEntry, rel: str, out: FileList, real: str,
+    def _descend(self, e: os.DirEntry[str], rel: str, out: FileList, real: str,
                  target: str | None) -> None:
         if target is not None and (real == target or real.startswith(target + os.sep)):
             raise DataError(f"{e.path} is a symlink to one of its own parent folders (a loop)",
                             hint="remove the link")
         self.walk(e.path, rel + e.name + "/", out, target or real + os.sep + e.name)
 
-    def records(self, entries: list[os.DirEntry]) -> tuple[dict[str, FileList], list[str]]:
+    def records(self, entries: list[os.DirEntry[str]]) -> tuple[dict[str, FileList], list[str]]:
         groups: dict[str, list[tuple[int, str, int]]] = {}
         totals: dict[str, int] = {}
         for e in entries:
@@ -244,7 +244,7 @@ class _Scanner:
                  for key, items in groups.items()}
         return files, notes
 
-    def classes(self, entries: list[os.DirEntry], prefix: str) -> dict[str, FileList]:
+    def classes(self, entries: list[os.DirEntry[str]], prefix: str) -> dict[str, FileList]:
         found: dict[str, FileList] = {}
         for e in entries:
             if not e.is_dir():
@@ -274,7 +274,7 @@ def scan(source: Path) -> tuple[str, dict[str, FileList], list[str]]:
 
 
 def _scan_imagefolder(scanner: _Scanner, source: Path,
-                      top: list[os.DirEntry]) -> dict[str, FileList]:
+                      top: list[os.DirEntry[str]]) -> dict[str, FileList]:
     dirs = [e for e in top if e.is_dir()]
     if not dirs:
         raise DataError(f"{source} holds neither record files (train-00000-of-01024) "
@@ -449,11 +449,11 @@ def _swap_in(out: Path, tmp: Path, old: Path, names: list[str]) -> bool:
     return bool(retired)
 
 
-def _dumps(data: dict, files: int) -> str:
+def _dumps(data: dict[str, Any], files: int) -> str:
     """Readable (one file per line) when small; compact, by json's fast C encoder, when large."""
     if files > INDENT_LIMIT:
         return json.dumps(data, separators=(",", ":"))
-    lists: list[list] = []
+    lists: list[Any] = []  # each shard's "files" as it came from the manifest
     for split in data["splits"].values():
         for shard in split["shards"]:
             lists.append(shard["files"])

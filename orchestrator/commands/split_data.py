@@ -102,7 +102,10 @@ def _packer(args: argparse.Namespace) -> splitdata.Packer | None:
         raise DataError(f"--pack needs worker.pack.pack_shard, which cannot be imported ({exc})",
                         hint="run from the orch checkout with the worker extras installed, "
                              "or drop --pack") from None
-    return lambda shard_dir: pack_shard(shard_dir, size)
+
+    def pack(shard_dir: Path) -> None:
+        pack_shard(shard_dir, size)
+    return pack
 
 
 # ---------------------------------------------------------------- output
