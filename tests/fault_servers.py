@@ -62,13 +62,17 @@ class FaultServer:
 
     def stop(self) -> None:
         self.stopping.set()
+        # close() alone does not wake a thread blocked in accept(); shutdown() does (EINVAL)
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.close()
-        for th in [self._accept, *self.threads]:
+        threads = [self._accept, *self.threads]
+        for th in threads:
             th.join(10)
-        assert not any(th.is_alive() for th in self.threads), "a fault-server thread is stuck"
+        assert not any(th.is_alive() for th in threads), "a fault-server thread is stuck"
 
 
 # ---------------------------------------------------------------- behaviours

@@ -40,6 +40,7 @@ def run(argv: list[str], cwd: Path = REPO, timeout: float = 300,
 # ---------------------------------------------------------------- the skip path
 
 
+@pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
 def test_make_gpu_check_without_cuda_says_so_and_exits_0() -> None:
     r = run(["make", "-s", "gpu-check"], **NO_CUDA)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -48,6 +49,7 @@ def test_make_gpu_check_without_cuda_says_so_and_exits_0() -> None:
     assert r.stdout.count("\n") == 1  # that one line: nothing was run
 
 
+@pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
 def test_gpu_check_without_cuda_writes_no_report(tmp_path: Path) -> None:
     out = tmp_path / "gpu.md"
     r = run([sys.executable, "bench/gpu_check.py", "--python", sys.executable, "--out", str(out)],
@@ -57,6 +59,7 @@ def test_gpu_check_without_cuda_writes_no_report(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+@pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
 def test_gpu_bench_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
     out = tmp_path / "bench.md"
     r = run([sys.executable, "bench/gpu.py", "--out", str(out)], **NO_CUDA)
@@ -65,6 +68,7 @@ def test_gpu_bench_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+@pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
 def test_choose_python_finds_no_cuda_and_names_what_it_saw(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     python, info, seen = gpu_check.choose_python(sys.executable)
@@ -191,6 +195,7 @@ def test_junit_results_become_rows(tmp_path: Path) -> None:
             in gputable.tests_table(rows))
 
 
+@pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
 def test_gpu_tests_without_cuda_are_reported_skipped_not_passed(tmp_path: Path) -> None:
     """The real `pytest -m gpu` run of make gpu-check, on a machine without CUDA."""
     junit = tmp_path / "junit.xml"

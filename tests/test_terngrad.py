@@ -258,6 +258,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_hooks_in_multiprocess_gloo_run(world: int) -> None:
     ctx = mp.start_processes(_worker, args=(world, _free_port()), nprocs=world,

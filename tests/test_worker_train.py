@@ -49,6 +49,7 @@ def lenet_params(classes: int = 3) -> int:
 # ---------------------------------------------------------------- one process
 
 
+@pytest.mark.slow
 def test_single_process_learns_and_writes_metrics(single, shards, tmp_path: Path) -> None:
     out = tmp_path / "out"
     rc = run_main([*FAST, "--epochs", "4", "--data-dir", str(shards[1]), "--output-dir", str(out)])
@@ -66,6 +67,7 @@ def test_single_process_learns_and_writes_metrics(single, shards, tmp_path: Path
     assert [e for e, _ in checkpoint.list_checkpoints(out)] == [3, 4]  # the newest two kept
 
 
+@pytest.mark.slow
 def test_early_stopping_stops_after_patience_epochs_at_target(single, shards,
                                                               tmp_path: Path) -> None:
     out, target, patience = tmp_path / "out", 0.6, 2
@@ -84,6 +86,7 @@ def test_early_stopping_stops_after_patience_epochs_at_target(single, shards,
     assert len(accs) == expected < 25
 
 
+@pytest.mark.slow
 def test_packed_shard_is_used_when_present(single, shards, tmp_path: Path, capsys) -> None:
     from worker.pack import pack_shard
 
@@ -138,6 +141,7 @@ def test_unequal_shards_run_the_same_number_of_steps() -> None:
 # ---------------------------------------------------------------- two processes (torchrun)
 
 
+@pytest.mark.slow
 def test_two_processes_learn_with_fp16_gradients(torchrun: Torchrun,  # noqa: F811
                                                  shards: dict[int, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -156,6 +160,7 @@ def test_two_processes_learn_with_fp16_gradients(torchrun: Torchrun,  # noqa: F8
     assert (out / "metrics.png").exists()
 
 
+@pytest.mark.slow
 def test_kill_then_resume_continues_on_both_ranks(torchrun: Torchrun,  # noqa: F811
                                                   shards: dict[int, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -184,6 +189,7 @@ def test_kill_then_resume_continues_on_both_ranks(torchrun: Torchrun,  # noqa: F
     assert float(rows(out)[-1]["time_s"]) > float(rows(out)[saved - 1]["time_s"])
 
 
+@pytest.mark.slow
 def test_missing_shard_stops_every_rank_with_one_line(torchrun: Torchrun,  # noqa: F811
                                                       shards: dict[int, Path],
                                                       tmp_path: Path) -> None:
