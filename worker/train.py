@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Union
 
 import torch
 from torch import nn
@@ -65,7 +65,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         # Show a default only where it says something (not None/False, not already in the help).
         if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help or ""
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,17 +130,22 @@ def say(ctx: Ctx, text: str) -> None:
 # ---------------------------------------------------------------------------
 # Data: every rank checks its shard, then all ranks agree before any training collective.
 
+Batches = Union[ImageFolderBatches, PackedBatches]  # a runtime alias: no `|` before 3.10
+
 
 @dataclass
 class Data:
-    train: torch.utils.data.Dataset
-    val: torch.utils.data.Dataset
+    train: Batches
+    val: Batches
     classes: list[str]
     source: str
     train_total: int  # the largest training shard over all ranks: steps per epoch
 
 
-def _open_local(args: argparse.Namespace, ctx: Ctx) -> tuple[Any, Any, list[str], str]:
+Opened = tuple[Batches, Batches, list[str], str]  # train, val, classes, where they came from
+
+
+def _open_local(args: argparse.Namespace, ctx: Ctx) -> Opened:
     if args.data_dir is None:
         raise WorkerError("no data folder: ORCH_DATA_DIR is not set",
                           hint="run under `orch up`, or pass --data-dir DIR")
@@ -174,8 +179,8 @@ def _missing_shard(data_dir: Path, shard: Path, world: int) -> WorkerError:
 
 def _check_classes(everyone: list[tuple[list[str], int, int]]) -> list[str]:
     union = sorted(set().union(*(set(c) for c, _, _ in everyone)))
-    missing = [(r, sorted(set(union) - set(c))) for r, (c, _, _) in enumerate(everyone)]
-    missing = [f"rank {r} has no images of class {', '.join(m)}" for r, m in missing if m]
+    gaps = [(r, sorted(set(union) - set(c))) for r, (c, _, _) in enumerate(everyone)]
+    missing = [f"rank {r} has no images of class {', '.join(m)}" for r, m in gaps if m]
     if missing:
         raise WorkerError("; ".join(missing),
                           hint="split the data so that every class is on every rank "
@@ -195,6 +200,7 @@ def open_data(args: argparse.Namespace, ctx: Ctx) -> Data:
     except (WorkerError, OSError) as e:
         error = e if isinstance(e, WorkerError) else WorkerError(f"{args.output_dir}: {e}")
     distrib.agree(error)
+    assert opened is not None  # agree() raised on every rank otherwise
     train, val, classes, source = opened
     everyone = distrib.gather_all((classes, len(train), len(val)))
     classes = _check_classes(everyone)
@@ -209,7 +215,7 @@ def open_data(args: argparse.Namespace, ctx: Ctx) -> Data:
 
 @dataclass
 class State:
-    model: nn.Module  # the DDP wrapper
+    model: DDP
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
@@ -276,6 +282,7 @@ def build_state(args: argparse.Namespace, ctx: Ctx, data: Data) -> State:
     except WorkerError as e:
         error = e
     distrib.agree(error)
+    assert model is not None  # agree() raised on every rank otherwise
     logits = logits_param_names(model)
     ckpt = _restore(args, ctx, model, data.classes) if args.resume else None
     if args.sync_bn and ctx.world > 1:
