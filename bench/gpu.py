@@ -126,7 +126,7 @@ def write_images(root: Path, count: int, size: int, seed: int = 0) -> Path:
             folder = root / split / f"c{i % CLASSES}"
             folder.mkdir(parents=True, exist_ok=True)
             coarse = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
-            img = np.asarray(coarse.resize((size, size), Image.BICUBIC), dtype=np.int16)
+            img = np.asarray(coarse.resize((size, size), Image.Resampling.BICUBIC), dtype=np.int16)
             img = img + rng.integers(-12, 13, img.shape, dtype=np.int16)
             pixels = img.clip(0, 255).astype(np.uint8)
             Image.fromarray(pixels).save(folder / f"{i:06d}.jpg", quality=90)
@@ -242,6 +242,7 @@ def run_steps(tr: Trainer, batches: Iterable, steps: int, prepare: bool) -> tupl
 
 def measure(tr: Trainer, inp: str, batch: int, args: argparse.Namespace,
             data: dict[str, Any]) -> dict[str, Any]:
+    epoch: Callable[[int], Iterable[Any]]
     if inp in ("synthetic", "synthetic-aug"):
         epoch = synthetic(tr, batch, args.image_size, raw=inp == "synthetic-aug")
     else:

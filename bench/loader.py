@@ -36,7 +36,7 @@ from worker.pack import pack_shard
 from worker.packed import PackedBatches
 
 
-def batch_pass(dataset: torch.utils.data.Dataset, args: argparse.Namespace) -> int:
+def batch_pass(dataset: ImageFolderBatches | PackedBatches, args: argparse.Namespace) -> int:
     """One epoch through worker's loader: batches of uint8 -> augmented float."""
     sampler = EpochSampler(len(dataset), args.batch_size, seed=0, rank=0)
     n = 0

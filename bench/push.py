@@ -64,8 +64,9 @@ sys.path.insert(0, str(REPO))
 from orchestrator import splitdata
 from orchestrator.connect import connect_all
 from orchestrator.inventory import load
+from orchestrator.localfiles import DigestCache, LocalFile
 from orchestrator.remote import AGENT
-from orchestrator.sync import DigestCache, LocalFile, push, stream_files
+from orchestrator.sync import push, stream_files
 from orchestrator.transport import Transport
 
 MB = 1e6
@@ -322,6 +323,7 @@ def orch_up(e: E2E) -> tuple[float, float]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     marks: dict[str, float] = {}
     lines = []
+    assert proc.stderr is not None  # stderr=PIPE
     for line in proc.stderr:
         lines.append(line)
         for key in ("preflight:", "sync "):

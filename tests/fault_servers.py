@@ -15,6 +15,7 @@ import threading
 from typing import Callable
 
 import paramiko
+from paramiko.common import AUTH_FAILED  # not re-exported by the stubs
 
 BANNER = b"SSH-2.0-OpenSSH_9.6 fault-test\r\n"
 
@@ -115,7 +116,7 @@ class _StallAuth(paramiko.ServerInterface):
 
     def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
         self.stop.wait()  # the login never completes
-        return paramiko.AUTH_FAILED
+        return AUTH_FAILED
 
 
 def auth_stall(host_key: paramiko.PKey) -> Callable[[socket.socket, threading.Event], None]:
@@ -135,7 +136,7 @@ def refuse_auth(host_key: paramiko.PKey) -> Callable[[socket.socket, threading.E
     """A real SSH server (paramiko's) that refuses every key."""
     class Refuse(_StallAuth):
         def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
-            return paramiko.AUTH_FAILED
+            return AUTH_FAILED
 
     def behaviour(conn: socket.socket, stop: threading.Event) -> None:
         t = paramiko.Transport(conn)

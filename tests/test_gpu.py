@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sshd_cluster import pids_with_env
 from test_worker_common import Torchrun, split, torchrun  # noqa: F401 (torchrun: fixture)
@@ -405,7 +406,7 @@ class _Bucket:
         return 0
 
 
-def _check_hook_makes_no_host_sync(ddp: nn.Module, device: torch.device, rank: int) -> None:
+def _check_hook_makes_no_host_sync(ddp: DDP, device: torch.device, rank: int) -> None:
     """The whole TernGrad hook (scalers' all_reduce, encode, all_gather, decode) on one
     bucket, with any synchronising CUDA call an error (after a first call that builds the
     lookup table and the generator)."""

@@ -31,9 +31,10 @@ from worker.augment import crops_by_grid, crops_by_interpolate, draw_boxes, resi
 NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}  # the skip path, also on a machine with a GPU
 
 
-def run(argv: list[str], cwd: Path = REPO, timeout: float = 300,
-        **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, cwd=cwd, env=dict(os.environ, **env), capture_output=True,
+def run(argv: list[str], env: dict[str, str] | None = None, cwd: Path = REPO,
+        timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """argv's result; env adds to (or overrides) this process's environment."""
+    return subprocess.run(argv, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
@@ -42,7 +43,7 @@ def run(argv: list[str], cwd: Path = REPO, timeout: float = 300,
 
 @pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
 def test_make_gpu_check_without_cuda_says_so_and_exits_0() -> None:
-    r = run(["make", "-s", "gpu-check"], **NO_CUDA)
+    r = run(["make", "-s", "gpu-check"], NO_CUDA)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("no CUDA GPU: skipping the GPU check (looked with ")
     assert "CUDA not available" in r.stdout
@@ -53,7 +54,7 @@ def test_make_gpu_check_without_cuda_says_so_and_exits_0() -> None:
 def test_gpu_check_without_cuda_writes_no_report(tmp_path: Path) -> None:
     out = tmp_path / "gpu.md"
     r = run([sys.executable, "bench/gpu_check.py", "--python", sys.executable, "--out", str(out)],
-            **NO_CUDA)
+            NO_CUDA)
     assert r.returncode == 0, r.stderr
     assert f"{sys.executable}: torch {torch.__version__}, CUDA not available" in r.stdout
     assert not out.exists()
@@ -62,7 +63,7 @@ def test_gpu_check_without_cuda_writes_no_report(tmp_path: Path) -> None:
 @pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
 def test_gpu_bench_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
     out = tmp_path / "bench.md"
-    r = run([sys.executable, "bench/gpu.py", "--out", str(out)], **NO_CUDA)
+    r = run([sys.executable, "bench/gpu.py", "--out", str(out)], NO_CUDA)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("no CUDA GPU: skipping bench/gpu.py")
     assert not out.exists()
@@ -200,7 +201,7 @@ def test_gpu_tests_without_cuda_are_reported_skipped_not_passed(tmp_path: Path) 
     """The real `pytest -m gpu` run of make gpu-check, on a machine without CUDA."""
     junit = tmp_path / "junit.xml"
     r = run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-o", "addopts=",
-             "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"], **NO_CUDA)
+             "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"], NO_CUDA)
     assert r.returncode == 0, r.stdout[-2000:]
     rows = gputable.tests_from_junit(junit)
     assert len(rows) >= 15
@@ -239,7 +240,7 @@ def test_gpu_bench_harness_runs_on_cpu(tmp_path: Path) -> None:
              "--models", "lenet", "--batch-sizes", "8", "--image-size", "32",
              "--source-size", "40", "--images", "48", "--steps", "3", "--warmup", "1",
              "--workers", "1", "--out", str(out), "--json", str(js)],
-            OMP_NUM_THREADS="1", **dict([marker.split("=")]))
+            {"OMP_NUM_THREADS": "1", marker.split("=")[0]: marker.split("=")[1]})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     wait_until(lambda: not pids_with_env(marker), 10, "the bench's loader processes to end")
     results = json.loads(js.read_text())["results"]
@@ -323,8 +324,8 @@ def test_preflight_refuses_more_gpus_than_nvidia_smi_lists(tmp_path: Path, liste
         job:
           entrypoint: job.py
         """))
-    r = run([sys.executable, "-m", "orchestrator", "up", "cluster.yaml"], cwd=tmp_path,
-            PATH=path, PYTHONPATH=str(REPO), ORCH_NO_COLOR="1")
+    r = run([sys.executable, "-m", "orchestrator", "up", "cluster.yaml"],
+            {"PATH": path, "PYTHONPATH": str(REPO), "ORCH_NO_COLOR": "1"}, cwd=tmp_path)
     text = r.stdout + r.stderr
     found = listed or 0
     assert r.returncode == 3, text

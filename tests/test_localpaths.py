@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import yaml
@@ -272,7 +272,7 @@ def make_split(base: Path, workers: int = 2) -> tuple[Path, Path, Path]:
     return source, shards, inv
 
 
-def edit_manifest(shards: Path, edit: Callable[[dict], None]) -> None:
+def edit_manifest(shards: Path, edit: Callable[[dict[str, Any]], object]) -> None:
     path = shards / "manifest.json"
     manifest = json.loads(path.read_text())
     edit(manifest)
@@ -356,8 +356,13 @@ def _dotdot(m: dict) -> None:
     m["splits"]["2"]["shards"][0]["files"].append(["../../src/class0/img_0.bin", 1])
 
 
-BAD_SHAPES: dict[str, tuple[Callable[[dict], None], str]] = {
-    "top-is-list": (lambda m: (m.clear(), m.update({"version": [1]})), "version 1"),
+def _top_is_list(m: dict[str, Any]) -> None:
+    m.clear()
+    m.update({"version": [1]})
+
+
+BAD_SHAPES: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
+    "top-is-list": (_top_is_list, "version 1"),
     "version-2": (lambda m: m.update(version=2), "version 1"),
     "splits-list": (lambda m: m.update(splits=[1]), "`splits`"),
     "splits-key": (lambda m: m["splits"].update({"two": {}}), "`splits`"),
@@ -393,7 +398,7 @@ def test_bad_manifest_exits_2_without_traceback(tmp_path: Path, kind: str) -> No
     assert_refused(orch_up(inv), tmp_path, "manifest.json", BAD_SHAPES[kind][1])
 
 
-RAW_DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+RAW_DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "nul-byte": (lambda p: p.write_bytes(p.read_bytes().replace(b"class0", b"cla\0s0", 1)), "NUL"),
     "not-utf8": (lambda p: p.write_bytes(p.read_bytes().replace(b"class0", b"cla\xffs0", 1)),
                  "UTF-8"),

@@ -56,7 +56,7 @@ def listing(root: Path) -> list[tuple]:
         return []
     if not root.is_dir():
         return [("file", root.read_bytes())]
-    rows = []
+    rows: list[tuple[str | bytes, ...]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         for name in sorted(dirnames + filenames):
             path = Path(dirpath, name)
@@ -197,7 +197,7 @@ def test_same_split_whatever_the_listing_order(tmp_path: Path,
     src = tmp_path / "src"
     make_imagefolder(src, {"TrainData/cat": 30, "TrainData/dog": 30})
     splitdata.split(src, tmp_path / "a", 4)
-    monkeypatch.setattr(splitdata.os, "scandir", _ReversedScandir)
+    monkeypatch.setattr(os, "scandir", _ReversedScandir)  # splitdata calls os.scandir
     splitdata.split(src, tmp_path / "b", 4)
     assert manifest(tmp_path / "a")["splits"] == manifest(tmp_path / "b")["splits"]
 
@@ -456,13 +456,13 @@ def test_failure_while_writing_keeps_previous_split(tmp_path: Path,
     before = listing(out)
     real_rename, calls = os.rename, []
 
-    def flaky_rename(a: object, b: object) -> None:
+    def flaky_rename(a: str | Path, b: str | Path) -> None:
         calls.append(b)
         if len(calls) == 3:  # worker_0 retired and installed, then worker_1 fails midway
             raise OSError(28, "No space left on device", str(a))
         real_rename(a, b)
 
-    monkeypatch.setattr(splitdata.os, "rename", flaky_rename)
+    monkeypatch.setattr(os, "rename", flaky_rename)
     with pytest.raises(DataError, match="No space left"):
         splitdata.split(src, out, 2, seed=1)
     assert len(calls) > 3  # the rollback ran

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -16,10 +17,11 @@ from orchestrator import inventory, state
 from sshd_cluster import SshdCluster
 from test_e2e_up import Jobs, assert_nothing_left, job_pids, jobs, orch  # noqa: F401 (fixture)
 
-GOOD = {"name": "st", "run_id": "r1", "inventory": "/x/cluster.yaml", "started": 1.5,
-        "world_size": 1, "master_addr": "127.0.0.1", "master_port": 29500,
-        "hosts": [{"index": 0, "label": "localhost", "job_dir": "/x/st", "ranks": [0],
-                   "clock_offset": 0.0, "supervisor": {"pid": 1}}]}
+GOOD: dict[str, Any] = {
+    "name": "st", "run_id": "r1", "inventory": "/x/cluster.yaml", "started": 1.5,
+    "world_size": 1, "master_addr": "127.0.0.1", "master_port": 29500,
+    "hosts": [{"index": 0, "label": "localhost", "job_dir": "/x/st", "ranks": [0],
+               "clock_offset": 0.0, "supervisor": {"pid": 1}}]}
 
 
 def damaged_variants() -> dict[str, str]:
