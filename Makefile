@@ -32,10 +32,12 @@ test-fast: install
 	$(VPY) -m pytest -m "not ssh and not slow"
 
 # Lint and types: ruff on every Python folder, mypy as configured in pyproject.toml
-# (strict on orchestrator/).
+# (strict on orchestrator/). Both always run, so one call shows every finding.
 check: install
-	$(VPY) -m ruff check orchestrator worker tests bench
-	$(VPY) -m mypy
+	@rc=0; \
+	$(VPY) -m ruff check orchestrator worker tests bench || rc=1; \
+	$(VPY) -m mypy || rc=1; \
+	exit $$rc
 
 demo: install
 	$(VPY) -m worker.demo_data --out data/demo --seed 0
