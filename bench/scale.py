@@ -530,7 +530,7 @@ def run_series(cluster: SshdCluster, shell: Shell, n: int, python: str, work: Pa
     bed = Bed(cluster, cluster.hosts[:n], shell, str(VENV_PY) if real else python,
               work / f"{shell.name}{n}", remote_base(cluster, shell) / f"n{n}", real)
     s = Series(shell.name, n, torch)
-    measure_up(bed, s, reps, clock)
+    measure_up(bed, s, args.reps_real if real else reps, clock)
     bed.python, bed.real_torch = python, False   # the rest runs on the stand-in
     measure_status_stop(bed, s, reps, clock)
     measure_death(bed, s, max(1, reps - 1), clock)
@@ -539,11 +539,14 @@ def run_series(cluster: SshdCluster, shell: Shell, n: int, python: str, work: Pa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--series", nargs="+", default=["root:16", "root:64", "plain:64",
-                                                    "plain:128", "root:128"],
+    # the targets first: once the budget is spent, later series are skipped
+    ap.add_argument("--series", nargs="+", default=["root:64", "plain:128", "root:16",
+                                                    "root:128"],
                     metavar="SHELL:HOSTS", help="root or plain, and a host count")
     ap.add_argument("--reps", type=int, default=3, help="repetitions below 128 hosts")
     ap.add_argument("--reps-big", type=int, default=2, help="repetitions at 128 hosts and more")
+    ap.add_argument("--reps-real", type=int, default=1,
+                    help="repetitions of `up` with real torch (70 s each at 16 hosts here)")
     ap.add_argument("--real-torch-max", type=int, default=16,
                     help="real torch up to this many hosts (root shell), the stand-in above")
     ap.add_argument("--budget", type=float, default=780,
@@ -569,13 +572,16 @@ def main() -> None:
             root = Shell("root", "root", Path("/root"))
             plain = plain_shell(pub) if any(sh == "plain" for sh, _ in plan) else None
             work = cluster.root.parent / "work"
-            for shell_name, n in plan:
-                if series and clock.over():
-                    print(f"\n(budget spent: {shell_name}:{n} skipped)")
-                    continue
-                shell = root if shell_name == "root" else plain
-                assert shell is not None
-                series.append(run_series(cluster, shell, n, python, work, args, clock))
+            try:
+                for shell_name, n in plan:
+                    if series and clock.over():
+                        print(f"\n(budget spent: {shell_name}:{n} skipped)")
+                        continue
+                    shell = root if shell_name == "root" else plain
+                    assert shell is not None
+                    series.append(run_series(cluster, shell, n, python, work, args, clock))
+            finally:   # interrupted: the jobs' supervisors are not under any sshd
+                kill_pids(scan_marked([str(tmp), f"orchscale-{os.getpid()}", str(standin)]))
             if plain is not None:
                 unauthorize(plain, pub)
                 shutil.rmtree(remote_base(cluster, plain), ignore_errors=True)
