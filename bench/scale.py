@@ -540,16 +540,16 @@ def run_series(cluster: SshdCluster, shell: Shell, n: int, python: str, work: Pa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # the targets first: once the budget is spent, later series are skipped
-    ap.add_argument("--series", nargs="+", default=["root:64", "plain:128", "root:16",
+    ap.add_argument("--series", nargs="+", default=["plain:128", "root:64", "root:16",
                                                     "root:128"],
                     metavar="SHELL:HOSTS", help="root or plain, and a host count")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions below 128 hosts")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions below 128 hosts")
     ap.add_argument("--reps-big", type=int, default=2, help="repetitions at 128 hosts and more")
     ap.add_argument("--reps-real", type=int, default=1,
                     help="repetitions of `up` with real torch (70 s each at 16 hosts here)")
     ap.add_argument("--real-torch-max", type=int, default=16,
                     help="real torch up to this many hosts (root shell), the stand-in above")
-    ap.add_argument("--budget", type=float, default=780,
+    ap.add_argument("--budget", type=float, default=840,
                     help="seconds; once spent, later reps and series are skipped")
     args = ap.parse_args()
     plan = parse_series(args.series)
@@ -580,11 +580,11 @@ def main() -> None:
                     shell = root if shell_name == "root" else plain
                     assert shell is not None
                     series.append(run_series(cluster, shell, n, python, work, args, clock))
-            finally:   # interrupted: the jobs' supervisors are not under any sshd
+            finally:   # interrupted too: the jobs' supervisors are not under any sshd
                 kill_pids(scan_marked([str(tmp), f"orchscale-{os.getpid()}", str(standin)]))
-            if plain is not None:
-                unauthorize(plain, pub)
-                shutil.rmtree(remote_base(cluster, plain), ignore_errors=True)
+                if plain is not None:
+                    unauthorize(plain, pub)
+                    shutil.rmtree(remote_base(cluster, plain), ignore_errors=True)
     finally:
         shutil.rmtree(standin, ignore_errors=True)
     report(series, clock)
