@@ -549,7 +549,7 @@ def main() -> None:
                     help="repetitions of `up` with real torch (70 s each at 16 hosts here)")
     ap.add_argument("--real-torch-max", type=int, default=16,
                     help="real torch up to this many hosts (root shell), the stand-in above")
-    ap.add_argument("--budget", type=float, default=840,
+    ap.add_argument("--budget", type=float, default=600,
                     help="seconds; once spent, later reps and series are skipped")
     args = ap.parse_args()
     plan = parse_series(args.series)

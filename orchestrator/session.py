@@ -99,7 +99,7 @@ class Session:
             transport = connect(host, config or ssh_config(), self.cluster.base_dir, bastions)
         link = Link(transport, self.records[host.index].job_dir)
         try:
-            link.start()
+            link.start(timeouts.scaled(timeouts.AGENT_START, len(self.cluster.hosts)))
         except BaseException:
             link.close(0)
             transport.close()
