@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["launch.py", "lifecycle.py", "push.py", "split.py", "loader.py", "terngrad.py"]
+BENCHES = ["launch.py", "lifecycle.py", "push.py", "split.py", "loader.py", "terngrad.py", "array.py"]
 
 
 def main() -> int:
