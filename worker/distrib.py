@@ -79,8 +79,8 @@ def agree(error: WorkerError | None) -> None:
     """
     mine = None if error is None else error.one_line()
     if not grouped():
-        if error is not None:
-            raise error
+        if mine is not None:
+            raise WorkerError(f"rank 0: {mine}")
         return
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
