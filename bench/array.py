@@ -5,7 +5,8 @@
 
 (a) AsyncKFold: models (lenet, mobilenet) x schedules (cosine, warm) x 3 folds, each task a
     ``python -m worker.train --folds 3 --fold k`` on the demo data. Arms:
-    - serial: the 12 tasks one after another;
+    - serial: the 12 tasks one after another (interleaved with the next arm per model, so
+      that a change in the machine's load weighs on both);
     - orch array: ``orch up`` of a generated cluster.yaml whose ``job.array`` matrix is the
       same 12 tasks on one local host with procs: 2 (reported 'not available' while orch
       refuses ``job.array``);
@@ -80,7 +81,7 @@ def run(cmd: list[str]) -> None:
 
 
 def common_args(args: argparse.Namespace) -> list[str]:
-    return ["--epochs", str(args.epochs), "--batch-size", "32", "--lr", "0.05", "--momentum", "0.9",
+    return ["--epochs", str(args.epochs), "--batch-size", "32", "--optimizer", "adam", "--lr", "0.003",
             "--workers", "0", "--checkpoint-every", "0", "--seed", "0"]
 
 
@@ -104,7 +105,7 @@ def run_arm(arm: str, tasks: list[Task], slots: int, args: argparse.Namespace, d
             root: Path) -> float:
     """All tasks, ``slots`` at a time (longest first); returns the wall time."""
     out = root / arm
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     queue = sorted(tasks, key=lambda t: t.model != "mobilenet") if slots > 1 else list(tasks)
     running: dict[subprocess.Popen, tuple[Task, float]] = {}
     t0 = time.perf_counter()
@@ -234,7 +235,7 @@ def hogwild_table(one: dict[str, float], two: dict[str, float]) -> list[str]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=4, help="epochs per AsyncKFold task")
-    p.add_argument("--per-class", type=int, default=120, help="demo training images per class")
+    p.add_argument("--per-class", type=int, default=90, help="demo training images per class")
     p.add_argument("--hogwild-epochs", type=int, default=10)
     p.add_argument("--hogwild-per-class", type=int, default=300)
     p.add_argument("--skip-kfold", action="store_true")
@@ -257,17 +258,22 @@ def kfold_part(args: argparse.Namespace, root: Path) -> list[str]:
     root.mkdir(parents=True)
     data = make_data(root, args.per_class)
     tasks = [Task(m, s, k) for m in MODELS for s in SCHEDULES for k in range(FOLDS)]
-    walls = {"serial": run_arm("serial", tasks, 1, args, data, root)}
-    print(f"serial: {walls['serial']:.1f} s", flush=True)
+    walls = {"serial": 0.0, "pair": 0.0}
+    # Interleaved per model (serial then 2-at-a-time, then the other way round), so that a
+    # change in the machine's load during the run weighs on both arms alike.
+    for i, model in enumerate(MODELS):
+        chunk = [t for t in tasks if t.model == model]
+        for arm, slots in ((("serial", 1), ("pair", 2)) if i % 2 == 0 else (("pair", 2), ("serial", 1))):
+            walls[arm] += run_arm(arm, chunk, slots, args, data, root)
+            print(f"{model}: {arm} {walls[arm]:.1f} s so far", flush=True)
     orch_wall, orch_note = orch_arm(args, root, data)
     if orch_wall is not None:
         walls["orch"] = orch_wall
     print(f"orch array: {orch_note}", flush=True)
-    walls["pair"] = run_arm("pair", tasks, 2, args, data, root)
-    print(f"2 at a time: {walls['pair']:.1f} s", flush=True)
     return [f"## AsyncKFold: {len(tasks)} tasks ({', '.join(MODELS)} x {', '.join(SCHEDULES)} x "
-            f"{FOLDS} folds), {args.epochs} epochs each, {args.per_class} images per class x 6 "
-            "classes, OMP_NUM_THREADS=1 per task in every arm", "",
+            f"{FOLDS} folds), {args.epochs} epochs each, Adam lr 0.003, batch 32, "
+            f"{args.per_class} images per class x 6 classes, OMP_NUM_THREADS=1 per task in every "
+            "arm", "",
             *kfold_tables(tasks, walls, orch_note), ""]
 
 
