@@ -153,7 +153,7 @@ def describe(target: Target, exc: BaseException) -> tuple[str, str]:
     step = exc.step if isinstance(exc, ConnectFailed) else "tcp"
     cause = exc.cause if isinstance(exc, ConnectFailed) else exc
     if isinstance(cause, HostKeyRefused):
-        return str(cause), cause.hint
+        return cause.message, cause.hint   # str() would repeat the hint
     if isinstance(cause, paramiko.BadHostKeyException):
         name = known_hosts_name(target.hostname, target.port)
         return (f"HOST KEY CHANGED: it now offers {fingerprint(cause.key)}, "
