@@ -19,6 +19,7 @@ import os
 import stat
 from pathlib import Path
 
+from orchestrator import protocol
 from orchestrator.errors import UsageError
 from orchestrator.host.paths import (DIR_FLAGS, PART, READ_FLAGS, create_excl, lstat_at,
                                      sweep_fd)
@@ -134,6 +135,9 @@ class Dest:
         return h.hexdigest()
 
     def create(self, rel: str, mode: int) -> "Writing":
+        why = protocol.pull_path_problem(rel)   # checked before; here too: this one writes
+        if why:
+            raise Refused(f"{rel[:200]!r}: {why}")
         parent, _, name = rel.rpartition("/")
         pfd = self.folder(parent, create=True)
         tmp = f"{name}{PART}{os.getpid()}"
