@@ -12,13 +12,14 @@ exactly the announced bytes. Nothing local is ever deleted.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import stat
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from orchestrator import protocol, timeouts
 from orchestrator.errors import HostError, UsageError
@@ -40,16 +41,17 @@ class PullReport:
     files: int = 0                   # pulled now
     bytes: int = 0
     unchanged: int = 0
-    skipped: list = field(default_factory=list)    # {"p", "why"}: host's skips, vanished files
+    # {"p", "why"}: the host's skips and vanished files; files that could not be written here
+    skipped: list[dict[str, str]] = field(default_factory=list)
     skipped_count: int = 0
-    failed: list = field(default_factory=list)     # {"p", "why"}: could not be written here
+    failed: list[dict[str, str]] = field(default_factory=list)
 
     def skip(self, rel: str, why: str) -> None:
         self.skipped_count += 1
         if len(self.skipped) < protocol.MAX_PULL_NOTES:
             self.skipped.append({"p": rel, "why": why})
 
-    def as_json(self) -> dict:
+    def as_json(self) -> dict[str, Any]:
         return {"host": self.host, "source": self.source, "destination": self.dest,
                 "files": self.files, "bytes": self.bytes, "unchanged": self.unchanged,
                 "listed": self.listed, "skipped": self.skipped,
@@ -76,7 +78,7 @@ def check_paths(paths: list[str]) -> list[str]:
     return sorted(set(out))
 
 
-def check_manifest(host: str, remote: dict) -> None:
+def check_manifest(host: str, remote: dict[str, Any]) -> None:
     """Every entry a plain relative path with [size, sha256] in range, within the count
     cap, and no file also used as a folder: a host that sends anything else is refused."""
     def bad(why: str) -> HostError:
@@ -103,12 +105,12 @@ def check_manifest(host: str, remote: dict) -> None:
 
 @dataclass
 class Plan:
-    fetch: dict                     # rel -> [size, sha256]
+    fetch: dict[str, Any]                     # rel -> [size, sha256]
     unchanged: int
-    refused: dict                   # rel -> why (cannot be written here)
+    refused: dict[str, Any]                   # rel -> why (cannot be written here)
 
 
-def plan(remote: dict, dest: Dest, cache: DigestCache) -> Plan:
+def plan(remote: dict[str, Any], dest: Dest, cache: DigestCache) -> Plan:
     """What to ask for: every file whose local copy is missing or differs by content."""
     out = Plan({}, 0, {})
     for rel, (size, digest) in sorted(remote.items()):
@@ -125,7 +127,7 @@ def plan(remote: dict, dest: Dest, cache: DigestCache) -> Plan:
     return out
 
 
-def local_digest(dest: Dest, rel: str, st, cache: DigestCache) -> str:
+def local_digest(dest: Dest, rel: str, st: os.stat_result, cache: DigestCache) -> str:
     key = dest.show(rel)
     known = cache.known(key, st)
     if known is None:
@@ -137,11 +139,12 @@ def local_digest(dest: Dest, rel: str, st, cache: DigestCache) -> str:
     return known
 
 
-def check_space(dest: Dest, fetch: dict) -> None:
+def check_space(dest: Dest, fetch: dict[str, Any]) -> None:
     need = sum(size for size, _ in fetch.values())
     free = shutil.disk_usage(dest.root).free
     if need > free:
-        raise UsageError(f"{dest.root}: {need / 1e6:.1f} MB to pull but only {free / 1e6:.1f} MB free",
+        raise UsageError(f"{dest.root}: {need / 1e6:.1f} MB to pull but only "
+                         f"{free / 1e6:.1f} MB free",
                          hint="free some space, or pull into another folder with -o DIR")
 
 
@@ -153,7 +156,7 @@ class Receiver:
     which ends the link; a file that cannot be written here is noted and its bytes
     dropped, and the stream goes on."""
 
-    def __init__(self, dest: Dest, wanted: dict, cache: DigestCache, report: PullReport,
+    def __init__(self, dest: Dest, wanted: dict[str, Any], cache: DigestCache, report: PullReport,
                  progress: Progress | None) -> None:
         self.dest, self.wanted, self.cache, self.report = dest, wanted, cache, report
         self.progress, self.lock = progress, threading.Lock()
@@ -171,7 +174,7 @@ class Receiver:
             raise protocol.ProtocolError(f"pull: {rel[:200]!r} was not asked for (or twice)")
         self.seen.add(rel)
 
-    def part(self, kind: str, body: dict) -> None:
+    def part(self, kind: str, body: dict[str, Any]) -> None:
         with self.lock:
             if kind == "pull_file":
                 self._begin(body)
@@ -181,7 +184,7 @@ class Receiver:
                 self._claim(body["p"])
                 self.report.skip(body["p"], body["why"][:300])
 
-    def _begin(self, body: dict) -> None:
+    def _begin(self, body: dict[str, Any]) -> None:
         rel, size = body["p"], body["s"]
         self._claim(rel)
         if not 0 <= size <= protocol.MAX_PULL_SIZE:
@@ -216,7 +219,7 @@ class Receiver:
             if self.progress:
                 self.progress(len(payload))
 
-    def _end(self, body: dict) -> None:
+    def _end(self, body: dict[str, Any]) -> None:
         rel = self.rel
         if rel is None or body["p"] != rel or self.left:
             raise protocol.ProtocolError(f"pull: end of {body['p'][:200]!r} out of place")
@@ -248,7 +251,7 @@ class Receiver:
                 self.out = None
 
 
-def wait_stream(link: Link, p: Pending) -> dict:
+def wait_stream(link: Link, p: Pending) -> dict[str, Any]:
     """The reply of a streaming request: any wait is fine while frames keep coming."""
     while not p.done.wait(0.5):
         if time.monotonic() - link.last_seen > timeouts.PULL_IDLE:
@@ -286,10 +289,10 @@ def receive(link: Link, job_dir: str, rx: Receiver) -> None:
 
 # ---------------------------------------------------------------- the whole pull
 
-def manifest(link: Link, job_dir: str, paths: list[str]) -> tuple[dict, dict]:
+def manifest(link: Link, job_dir: str, paths: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     _, asked = link.submit("pull_manifest", job_dir=job_dir, paths=paths)
     reply = link.wait(asked, timeouts.PULL_MANIFEST)
-    remote: dict = {}
+    remote: dict[str, Any] = {}
     for part in asked.parts:
         remote.update(part["files"])
     check_manifest(link.name, remote)
@@ -297,7 +300,8 @@ def manifest(link: Link, job_dir: str, paths: list[str]) -> tuple[dict, dict]:
 
 
 def pull(link: Link, job_dir: str, paths: list[str], root: Path, cache: DigestCache,
-         progress: Progress | None = None, planned: Callable[[int], None] | None = None) -> PullReport:
+         progress: Progress | None = None,
+         planned: Callable[[int], None] | None = None) -> PullReport:
     """Bring output/ (or `paths` under it) of one host's job into root. `planned` is
     told how many bytes will come, before they do."""
     reply, remote = manifest(link, job_dir, paths)

@@ -12,6 +12,7 @@ are removed first.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -21,8 +22,7 @@ from pathlib import Path
 
 from orchestrator import protocol
 from orchestrator.errors import UsageError
-from orchestrator.host.paths import (DIR_FLAGS, PART, READ_FLAGS, create_excl, lstat_at,
-                                     sweep_fd)
+from orchestrator.host.paths import DIR_FLAGS, PART, READ_FLAGS, create_excl, lstat_at, sweep_fd
 
 
 class Refused(Exception):
@@ -39,16 +39,18 @@ class Dest:
             self.fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             raise UsageError(f"{root}: cannot be used as the pull's destination "
-                             f"({e.strerror or e})", hint="pass another folder with -o DIR") from None
+                             f"({e.strerror or e})",
+                             hint="pass another folder with -o DIR") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self.fd)
             raise UsageError(f"{root}: another `orch pull` is writing into this folder",
-                             hint="wait for it to end, or pull into another folder with -o DIR") from None
+                             hint="wait for it to end, or pull into another folder "
+                                  "with -o DIR") from None
         self.dirs: dict[str, int] = {}
 
-    def __enter__(self) -> "Dest":
+    def __enter__(self) -> Dest:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -99,10 +101,9 @@ class Dest:
                 if e.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise self.in_the_way(pfd, name, rel) from None
                 raise
-            try:
+            # made meanwhile, or a link: the second open tells
+            with contextlib.suppress(FileExistsError):
                 os.mkdir(name, 0o777, dir_fd=pfd)
-            except FileExistsError:
-                pass   # made meanwhile, or a link: the second open tells
         raise AssertionError("unreachable")
 
     def in_the_way(self, pfd: int, name: str, rel: str) -> Refused:
@@ -118,7 +119,8 @@ class Dest:
         Refused when a link or a file stands where a folder belongs."""
         parent, _, name = rel.rpartition("/")
         try:
-            return lstat_at(self.folder(parent, create=False), name)
+            st: os.stat_result | None = lstat_at(self.folder(parent, create=False), name)
+            return st
         except FileNotFoundError:
             return None
 
@@ -134,7 +136,7 @@ class Dest:
             os.close(fd)
         return h.hexdigest()
 
-    def create(self, rel: str, mode: int) -> "Writing":
+    def create(self, rel: str, mode: int) -> Writing:
         why = protocol.pull_path_problem(rel)   # checked before; here too: this one writes
         if why:
             raise Refused(f"{rel[:200]!r}: {why}")
@@ -173,11 +175,7 @@ class Writing:
 
     def abandon(self) -> None:
         """Close and remove the half-written file (best effort: a later pull sweeps it)."""
-        try:
+        with contextlib.suppress(OSError):
             os.close(self.fd)
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.tmp, dir_fd=self.pfd)
-        except OSError:
-            pass

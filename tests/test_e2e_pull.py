@@ -3,18 +3,20 @@ by itself, a second pull sends nothing, a change is pulled again, --rank of anot
 host, -o DIR, one session per command, and a pull killed mid-file resumes."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import wait_until, write_job
 from sshd_cluster import SshdCluster
-from test_e2e_up import Jobs, Running, assert_nothing_left, job_dir, jobs, orch, sessions_of  # noqa: F401
+from test_e2e_up import Jobs, assert_nothing_left, job_dir, jobs, orch, sessions_of  # noqa: F401  (jobs: the fixture)
 
 WRITER_JOB = """\
 import os
@@ -43,7 +45,7 @@ def pull_json(cwd: Path, *args: str) -> dict:
 
 @pytest.mark.ssh
 def test_up_pulls_then_pull_is_incremental(sshd_cluster: SshdCluster, tmp_path: Path,
-                                           jobs: Jobs) -> None:
+                                           jobs: Jobs) -> None:  # noqa: F811  # noqa: F811
     hosts, name = sshd_cluster.hosts[:2], "e2e-pull"
     write_job(tmp_path, WRITER_JOB)
     inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
@@ -51,7 +53,7 @@ def test_up_pulls_then_pull_is_incremental(sshd_cluster: SshdCluster, tmp_path: 
     up = orch(tmp_path, "up", str(inv))
     assert up.returncode == 0, up.stderr
     dest = tmp_path / "outputs" / name
-    assert f"pulled 2 files" in up.stderr and f"outputs/{name}/" in up.stderr, up.stderr
+    assert "pulled 2 files" in up.stderr and f"outputs/{name}/" in up.stderr, up.stderr
     assert "skipped escape: a symbolic link" in up.stderr, up.stderr
     remote0 = Path(job_dir(hosts[0], name)) / "output"
     assert tree(dest) == tree(remote0) and set(tree(dest)) == {"metrics.csv", "ckpt/deep/w-0.bin"}
@@ -79,12 +81,12 @@ def test_up_pulls_then_pull_is_incremental(sshd_cluster: SshdCluster, tmp_path: 
 
 @pytest.mark.ssh
 def test_pull_killed_mid_file_resumes(sshd_cluster: SshdCluster, tmp_path: Path,
-                                      jobs: Jobs) -> None:
+                                      jobs: Jobs) -> None:  # noqa: F811
     """SIGKILL the controller while a big file is half written: the destination holds
     complete files and a part file only; the next pull sends the rest and sweeps it."""
     host, name = sshd_cluster.hosts[2], "e2e-pull-cut"
     write_job(tmp_path, "print('nothing')\n")
-    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=[host], name=name)
+    sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=[host], name=name)
     out = Path(job_dir(host, name)) / "output"
     out.mkdir(parents=True)
     (out / "a-small.txt").write_text("small\n")
@@ -92,8 +94,14 @@ def test_pull_killed_mid_file_resumes(sshd_cluster: SshdCluster, tmp_path: Path,
     (out / "z-big.bin").write_bytes(big)
     dest = tmp_path / "outputs" / name
     run = jobs.start(tmp_path, "pull")
-    part = wait_until(lambda: [p for p in dest.glob("z-big.bin.orch-part-*") if p.stat().st_size],
-                      60, "the big file to be half written", step=0.005)
+    def half_written() -> list[Path]:
+        found = []
+        for p in dest.glob("z-big.bin.orch-part-*"):
+            with contextlib.suppress(FileNotFoundError):   # renamed meanwhile
+                if p.stat().st_size:
+                    found.append(p)
+        return found
+    part: Any = wait_until(half_written, 60, "the big file to be half written", step=0.005)
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait(10)
     assert not (dest / "z-big.bin").exists(), "a half-written file took its final name"
@@ -102,6 +110,7 @@ def test_pull_killed_mid_file_resumes(sshd_cluster: SshdCluster, tmp_path: Path,
     time.sleep(0.2)
     got = pull_json(tmp_path)
     assert (got["files"], got["unchanged"]) == (1, 1), got
-    assert hashlib.sha256((dest / "z-big.bin").read_bytes()).digest() == hashlib.sha256(big).digest()
+    pulled = (dest / "z-big.bin").read_bytes()
+    assert hashlib.sha256(pulled).digest() == hashlib.sha256(big).digest()
     assert not list(dest.rglob("*.orch-part-*")), "a part file was left"
     (out / "z-big.bin").unlink()

@@ -8,6 +8,7 @@ import hashlib
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -18,9 +19,7 @@ from orchestrator.host import pull as host_pull
 from orchestrator.host.common import AgentError
 from orchestrator.inventory import parse
 from orchestrator.localfiles import DigestCache
-from orchestrator.pull import (PullReport, Receiver, check_manifest, check_paths, plan,
-                               raise_failed)
-from orchestrator.pull import pull as pull_files
+from orchestrator.pull import PullReport, Receiver, check_manifest, check_paths, plan, raise_failed
 from orchestrator.pulldest import Dest
 from orchestrator.session import Session
 
@@ -57,7 +56,7 @@ def test_a_file_that_is_also_a_folder_and_too_many_files_are_refused(monkeypatch
     with pytest.raises(HostError, match="both a file and a folder"):
         check_manifest("h", {"a": entry(b""), "a/b": entry(b"")})
     monkeypatch.setattr(protocol, "MAX_PULL_FILES", 3)
-    with pytest.raises(HostError, match="4 files, more than 3"):
+    with pytest.raises(HostError, match=r"4 files, more than 3"):
         check_manifest("h", {str(i): entry(b"") for i in range(4)})
 
 
@@ -95,7 +94,8 @@ def test_a_link_planted_at_a_file_name_is_replaced_never_written_through(tmp_pat
     with Dest(root) as dest:
         report = receive(dest, {"metrics.csv": b"epoch,loss\n"})
     assert report.files == 1 and not report.failed
-    assert victim.read_bytes() == b"precious\n" and os.stat(victim).st_mtime_ns == before.st_mtime_ns
+    assert victim.read_bytes() == b"precious\n"
+    assert os.stat(victim).st_mtime_ns == before.st_mtime_ns
     assert not (root / "metrics.csv").is_symlink()
     assert (root / "metrics.csv").read_bytes() == b"epoch,loss\n"
 
@@ -112,7 +112,7 @@ def test_a_link_planted_in_place_of_a_folder_is_refused(tmp_path: Path) -> None:
     assert [f["p"] for f in report.failed] == ["ckpt/deep/w.bin"]
     assert "symbolic link" in report.failed[0]["why"]
     assert list(outside.iterdir()) == [], "a file was written through the link"
-    with pytest.raises(UsageError, match="could not write ckpt/deep/w.bin"):
+    with pytest.raises(UsageError, match=r"could not write ckpt/deep/w\.bin"):
         raise_failed(report)
 
 
@@ -164,9 +164,13 @@ def test_the_plan_asks_only_for_missing_or_different_files(tmp_path: Path) -> No
     with Dest(root) as dest:
         todo = plan(remote, dest, cache)
         assert sorted(todo.fetch) == ["changed.txt", "new/x"] and todo.unchanged == 1
-        hashed = []
+        hashed: list[str] = []
         real = dest.digest
-        dest.digest = lambda rel: hashed.append(rel) or real(rel)  # type: ignore[method-assign]
+
+        def counting(rel: str) -> str:
+            hashed.append(rel)
+            return real(rel)
+        dest.digest = counting  # type: ignore[method-assign]
         again = plan(remote, dest, cache)
     assert sorted(again.fetch) == sorted(todo.fetch) and hashed == [], "the cache was not used"
     assert (root / "local-only.txt").read_bytes() == b"kept"
@@ -176,7 +180,9 @@ def test_the_plan_asks_only_for_missing_or_different_files(tmp_path: Path) -> No
 
 class FakeReq:
     def __init__(self, **args) -> None:
-        self.args, self.parts, self.frames = args, [], []
+        self.args = args
+        self.parts: list[tuple[str, dict[str, Any]]] = []
+        self.frames: list[Any] = []
         self.out = SimpleNamespace(send=self.frames.append)
 
     def part(self, kind: str, body: dict) -> None:
@@ -284,8 +290,8 @@ def test_a_host_that_sends_an_unasked_name_is_cut_off(tmp_path: Path) -> None:
     def evil(kind: str, body: dict) -> dict:
         return dict(body, p="../../escaped") if kind == "pull_file" else body
     dest = tmp_path / "outputs" / "fake"
-    with session(tmp_path, agent_handlers(evil)) as s:
-        with pytest.raises(HostError, match="not asked for"):
-            s.pull(s.cluster.hosts[0], ["metrics.csv"], dest)
+    with session(tmp_path, agent_handlers(evil)) as s, \
+            pytest.raises(HostError, match="not asked for"):
+        s.pull(s.cluster.hosts[0], ["metrics.csv"], dest)
     assert not (tmp_path / "escaped").exists() and not list(tmp_path.rglob("escaped"))
     assert not list(dest.rglob("*.orch-part-*"))

@@ -8,10 +8,12 @@ second pull hashes only what changed. Stdlib only, Python 3.8.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import stat as st_mod
+from typing import Any
 
 from orchestrator import protocol
 from orchestrator.host.common import AgentError
@@ -27,7 +29,7 @@ class Notes:
     """What was skipped: the first MAX_PULL_NOTES named, all counted."""
 
     def __init__(self) -> None:
-        self.items: list = []
+        self.items: list[Any] = []
         self.count = 0
 
     def add(self, rel: str, why: str) -> None:
@@ -39,13 +41,13 @@ class Notes:
 
 # ---------------------------------------------------------------- the walk
 
-def kind_of(entry) -> str:
+def kind_of(entry: os.DirEntry[str]) -> str:
     if entry.is_symlink():
         return "a symbolic link (links are not pulled)"
     return "not a regular file"
 
 
-def walk(fd: int, rel: str, found: dict, notes: Notes) -> None:
+def walk(fd: int, rel: str, found: dict[str, Any], notes: Notes) -> None:
     """Regular files under the folder fd (closed here) into found {rel: None}."""
     try:
         with os.scandir(fd) as it:
@@ -76,7 +78,7 @@ def too_many() -> AgentError:
                       % protocol.MAX_PULL_FILES, protocol.USAGE)
 
 
-def list_path(jd: JobDir, path: str, found: dict, notes: Notes) -> None:
+def list_path(jd: JobDir, path: str, found: dict[str, Any], notes: Notes) -> None:
     """The files of output/<path> (output/ itself when path is ""): a folder walked, a
     file listed, a link skipped. A named path that is not there is a usage error."""
     rel = OUTPUT + "/" + path if path else OUTPUT
@@ -102,7 +104,7 @@ def list_path(jd: JobDir, path: str, found: dict, notes: Notes) -> None:
 
 # ---------------------------------------------------------------- digests
 
-def load_digests(jd: JobDir) -> dict:
+def load_digests(jd: JobDir) -> dict[str, Any]:
     try:
         raw = jd.read(DIGESTS, LEDGER_CAP)
         doc = json.loads(raw.decode()) if raw is not None else {}
@@ -114,14 +116,12 @@ def load_digests(jd: JobDir) -> dict:
             and isinstance(v[0], str) and isinstance(v[1], str)}
 
 
-def save_digests(jd: JobDir, cache: dict) -> None:
-    try:
+def save_digests(jd: JobDir, cache: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):   # a cache: the next pull hashes again
         jd.write_file(DIGESTS, json.dumps(cache).encode())
-    except OSError:
-        pass   # a cache: the next pull hashes again
 
 
-def digest_of(jd: JobDir, rel: str, cache: dict):
+def digest_of(jd: JobDir, rel: str, cache: dict[str, Any]) -> tuple[int, str] | None:
     """(size, sha256) of output/<rel>, hashed only when (size, mtime, inode) changed;
     None when it is gone or became something else (a link) since the walk."""
     try:
@@ -145,11 +145,11 @@ def digest_of(jd: JobDir, rel: str, cache: dict):
 
 # ---------------------------------------------------------------- requests
 
-def run_manifest(req) -> dict:
+def run_manifest(req: Any) -> dict[str, Any]:
     """Parts of {rel: [size, sha256]} (rel relative to output/), then the totals and
     what was skipped."""
     jd = JobDir(req.args["job_dir"])
-    found: dict = {}
+    found: dict[str, Any] = {}
     notes = Notes()
     for path in req.args["paths"] or [""]:
         if path and protocol.pull_path_problem(path):
@@ -176,13 +176,13 @@ def run_manifest(req) -> dict:
             "skipped": notes.items, "skipped_count": notes.count}
 
 
-def send_parts(req, files: dict) -> None:
+def send_parts(req: Any, files: dict[str, Any]) -> None:
     items, step = list(files.items()), protocol.MANIFEST_PART
     for i in range(0, len(items), step):
         req.part("manifest", {"folder": OUTPUT, "files": dict(items[i:i + step])})
 
 
-def run_send(req) -> dict:
+def run_send(req: Any) -> dict[str, Any]:
     """Each asked file: `pull_file`, its bytes as data frames, `pull_end` with their
     sha256; `pull_skip` when it cannot be opened (gone, now a link)."""
     jd = JobDir(req.args["job_dir"])
@@ -206,7 +206,7 @@ def run_send(req) -> dict:
     return {"files": count, "bytes": nbytes}
 
 
-def send_file(req, fd: int, rel: str) -> int:
+def send_file(req: Any, fd: int, rel: str) -> int:
     """The file's size as it is now, then exactly that many bytes. A file that shrank
     while read is padded (the stream stays in step) and its digest sent empty: the
     controller drops it."""
