@@ -32,6 +32,10 @@ MAX_OUTPUT = 64 << 10                # the bytes of one output frame
 MAX_GARBAGE = 64 << 10               # what may come before the agent's hello
 MANIFEST_PART = 20_000               # manifest entries per part, at most
 MAX_PARTS = 100                      # parts before one reply: 2 million files per folder
+MAX_PULL_FILES = 200_000             # files one pull may list (name the PATHs for more)
+MAX_PULL_SIZE = 1 << 40              # one pulled file: 1 TiB at most
+MAX_PULL_PATH = 1024                 # bytes of a pulled file's path (each part: 255)
+MAX_PULL_NOTES = 50                  # skipped entries named in a pull manifest's reply
 CAPS = {JSON: MAX_JSON, DATA: MAX_DATA, OUTPUT: MAX_OUTPUT + RANK.size}
 
 # Error categories of an error reply, and the exit code the controller gives them.
@@ -209,6 +213,8 @@ REQUESTS = {
     "follow": {"job_dir": str, "ranks": [int], "tail": int, "mode": str},
     "status": {"job_dir": str, "ranks": [int], "?first_local": int},
     "stop": {"job_dir": str, "grace": NUM},
+    "pull_manifest": {"job_dir": str, "paths": [str]},   # paths relative to output/
+    "pull_send": {"job_dir": str, "files": [str]},       # from the manifest
 }
 FOLLOW_MODES = ("events", "snapshot", "raw", "raw-follow")
 
@@ -227,6 +233,9 @@ REPLIES = {
     "status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
                "time": NUM, "ranks": [RANK_STATUS]},
     "stop": {"found": int, "killed": int, "left": [int], "seconds": NUM},
+    "pull_manifest": {"root": str, "files": int, "bytes": int,
+                      "skipped": [{"p": str, "why": str}], "skipped_count": int},
+    "pull_send": {"files": int, "bytes": int},
 }
 # Parts that may come before a reply (with the request's id).
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}
@@ -236,10 +245,39 @@ EVENTS = {
     "beat": {},                                           # once a second while following
 }
 ERROR = {"category": str, "message": str, "?traceback": str, "?fix": str}
+# A pull_send's stream, before its reply: per file a `pull_file` part, its data frames
+# (exactly "s" bytes), then `pull_end` with the sha256 of the bytes sent ("" when the
+# file changed size while it was read); `pull_skip` for a file that could not be opened.
+PULL_STREAM = {"pull_file": {"p": str, "s": int, "m": int},
+               "pull_end": {"p": str, "h": str},
+               "pull_skip": {"p": str, "why": str}}
 # The receive stream, after the receive request.
 STREAM = {"file": {"p": str, "s": int, "h": str, "m": int},
           "link": {"p": str, "link": str},
           "end": {"delete": [str]}}
+
+
+def pull_path_problem(rel) -> str:
+    """Why `rel` cannot be a pulled file's path (relative to output/), or "" when it can.
+    Both sides ask: the host skips such a file, the controller refuses a host that sends
+    one. Plain relative UTF-8 names only: no absolute path, no empty, . or .. part, no
+    backslash, no control character, no name orch gives its half-written files."""
+    if not isinstance(rel, str) or not rel:
+        return "an empty path"
+    try:
+        size = len(rel.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "a name that is not UTF-8"
+    parts = rel.split("/")
+    if size > MAX_PULL_PATH or any(len(p.encode("utf-8")) > 255 for p in parts):
+        return "a path longer than %d bytes (or a name longer than 255)" % MAX_PULL_PATH
+    if any(ord(c) < 32 or ord(c) == 127 for c in rel) or "\\" in rel:
+        return "a control character or backslash in the name"
+    if any(p in ("", ".", "..") for p in parts):
+        return "not a plain relative path"
+    if ".orch-part-" in rel:
+        return "a name orch gives its half-written files"
+    return ""
 
 
 def _type_name(spec) -> str:

@@ -10,7 +10,8 @@ from typing import Any
 
 from orchestrator import state as job_state
 from orchestrator.commands.common import console, inventory
-from orchestrator.errors import EXIT_OK
+from orchestrator.commands.pull import after_job
+from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK
 from orchestrator.inventory import Cluster
 from orchestrator.launch import dry_run_plan, master_addr
 from orchestrator.localfiles import check_entrypoint
@@ -28,6 +29,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--detach", action="store_true", help="return once every host has started")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and each host's command; touch no host")
+    p.add_argument("--no-pull", action="store_true",
+                   help="do not pull rank 0's output/ into outputs/<name>/ when the job ends")
     p.set_defaults(func=run)
 
 
@@ -49,9 +52,13 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"started job '{cluster.name}' on {len(cluster.hosts)} hosts "
                       f"({cluster.world_size} ranks, MASTER_ADDR={st.master_addr}:{st.master_port})")
         if args.detach:
-            console.print("detached: follow with `orch logs -f`, stop with `orch stop`")
+            console.print("detached: follow with `orch logs -f`, stop with `orch stop`, "
+                          "get its output/ with `orch pull`")
             return EXIT_OK
-        return attach(session, st)
+        code = attach(session, st)
+        if args.no_pull or code == EXIT_INTERRUPTED:
+            return code
+        return after_job(session, code)
     finally:
         session.close()
 

@@ -14,7 +14,7 @@ import sys
 import threading
 
 from orchestrator import protocol
-from orchestrator.host import files, follow, launch, preflight, procs, status
+from orchestrator.host import files, follow, launch, preflight, procs, pull, status
 from orchestrator.host.common import AgentError
 from orchestrator.host.paths import UnsafePath
 
@@ -26,6 +26,8 @@ COMMANDS = {
     "follow": follow.run,
     "status": status.run,
     "stop": procs.run_stop,
+    "pull_manifest": pull.run_manifest,
+    "pull_send": pull.run_send,
 }
 IN_THREAD = {"follow": True, "stop": False}   # command -> daemon thread (not waited for)
 
