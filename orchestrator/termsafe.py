@@ -45,3 +45,9 @@ def for_terminal(data: bytes) -> bytes:
 def plain(text: str) -> Text:
     """Host text for a rich table or message: escaped, never parsed as markup, no colour."""
     return Text(visible(text, keep_sgr=False))
+
+
+def plain_block(text: str) -> Text:
+    """Like plain(), but line breaks stay line breaks: a message of several lines (an
+    error with its fix) that carries host text somewhere in it."""
+    return Text("\n".join(visible(line, keep_sgr=False) for line in text.split("\n")))
