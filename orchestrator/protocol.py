@@ -232,6 +232,7 @@ REPLIES = {
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}
 EVENTS = {
     "exit": {"rank": int, "code": OPT_INT, "time": NUM},   # a rank ended (host clock)
+    "start": {"rank": int, "pid": int},                   # a rank's process is there
     "done": {"code": OPT_INT, "?time": OPT_NUM, "?lost": bool, "?snapshot": bool},
     "beat": {},                                           # once a second while following
 }
