@@ -8,6 +8,13 @@ from pathlib import Path
 from typing import Any
 
 IRREGULAR = {"process": "processes", "class": "classes"}
+_current: list[Path] = []   # the inventory of the running command (commands.common.inventory)
+
+
+def set_inventory(path: Path | str) -> None:
+    """Called once a command knows its inventory: hints raised deep below (a connection
+    lost, a push broken off), which have no Cluster at hand, name it too."""
+    _current[:] = [Path(path)]
 
 
 def plural(n: int, word: str) -> str:
@@ -29,8 +36,10 @@ def inventory_arg(path: Path | str) -> str:
 
 def hint_cmd(cluster: Any, rest: str) -> str:
     """`hint_cmd(cluster, "logs --rank 2")` -> "orch logs -c runs/a.yaml --rank 2": the
-    command's first word, then -c FILE (omitted for ./cluster.yaml), then the rest."""
+    command's first word, then -c FILE (omitted for ./cluster.yaml), then the rest.
+    cluster None: the running command's inventory (set_inventory)."""
     verb, _, tail = rest.partition(" ")
-    inv = inventory_arg(cluster.path)
+    path = cluster.path if cluster is not None else (_current[0] if _current else None)
+    inv = inventory_arg(path) if path is not None else ""
     parts = ["orch", verb] + (["-c", shlex.quote(inv)] if inv else []) + ([tail] if tail else [])
     return " ".join(parts)

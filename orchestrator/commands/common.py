@@ -14,7 +14,7 @@ from orchestrator.inventory import Cluster, load
 from orchestrator.session import Session
 from orchestrator.termsafe import plain
 from orchestrator.ui import console
-from orchestrator.words import hint_cmd, plural
+from orchestrator.words import hint_cmd, plural, set_inventory
 
 __all__ = ["console", "inventory", "require_state", "open_session", "warn_unreachable",
            "emit_json", "wants_json", "hint_cmd", "plural"]
@@ -25,6 +25,7 @@ def inventory(args: argparse.Namespace) -> Cluster:
     if not path.exists():
         raise UsageError(f"{path}: no such inventory file",
                          hint="run in the folder of your cluster.yaml, or pass -c FILE")
+    set_inventory(path)
     return load(path)
 
 

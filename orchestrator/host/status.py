@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import time
 
 from orchestrator.host.common import job_paths, read_json
@@ -29,6 +30,15 @@ def last_line(jd, rel: str) -> str:
     return lines[-1].strip()[:4096] if lines else ""
 
 
+def log_size(jd, rel: str):
+    """The log's size; None when it is missing or not a plain file (a link is not followed)."""
+    try:
+        st = jd.lstat(rel)
+    except OSError:
+        return None
+    return st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
+
+
 def stopped(p: dict, info: dict) -> bool:
     """A rank that ended badly (or vanished) after a stop orch made: the stop's doing."""
     stop = read_json(p["jd"], "run/stop.json")
@@ -53,7 +63,8 @@ def error_file(p: dict, local_rank: int) -> str:
 
 
 def rank_status(p: dict, rank: int, local_rank: int, sup) -> dict:
-    info = {"rank": rank, "last_line": last_line(p["jd"], "logs/rank-%d.log" % rank)}
+    log = "logs/rank-%d.log" % rank
+    info = {"rank": rank, "last_line": last_line(p["jd"], log), "log_bytes": log_size(p["jd"], log)}
     pid = read_json(p["jd"], "run/rank-%d.pid" % rank)
     pid = pid if isinstance(pid, dict) and isinstance(pid.get("pid"), int) else {}
     info["pid"], info["started"] = pid.get("pid"), pid.get("time")
