@@ -64,6 +64,8 @@ class Monitor(LineSink):
         self.started.add(rank)
         if printed:
             self.printed.add(rank)
+        if not self.live.enabled:
+            return
         if len(self.printed) == self.cluster.world_size:
             self.live.close()
         else:

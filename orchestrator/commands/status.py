@@ -6,11 +6,12 @@ import time
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 from orchestrator.commands.common import (console, emit_json, inventory, open_session,
                                           require_state, warn_unreachable)
 from orchestrator.errors import EXIT_HOST, EXIT_OK
-from orchestrator.termsafe import plain
+from orchestrator.termsafe import plain, visible
 from orchestrator.watch import signal_name
 
 LAST_LINE_MAX = 200   # characters kept in a row (the table cuts it to the screen at the end)
@@ -72,9 +73,11 @@ NARROW = 100                           # below this width the pid column is left
 
 def cells(r: dict) -> dict[str, str]:
     runtime = "-" if r["runtime_s"] is None else f"{r['runtime_s']:.1f}s"
-    return {"rank": str(r["rank"]), "host": r["host"], "local": str(r["local_rank"]),
-            "pid": str(r["pid"] or "-"), "state": r["state"], "runtime": runtime,
-            "last line": r["last_line"][:LAST_LINE_MAX]}
+    shown = {"rank": str(r["rank"]), "host": r["host"], "local": str(r["local_rank"]),
+             "pid": str(r["pid"] or "-"), "state": r["state"], "runtime": runtime,
+             "last line": r["last_line"][:LAST_LINE_MAX]}
+    # measured and shown as the terminal will see them: control characters escaped
+    return {k: visible(v, keep_sgr=False) for k, v in shown.items()}
 
 
 def widths(rows: list[dict[str, str]], cols: list[str], total: int) -> dict[str, int]:
@@ -106,5 +109,5 @@ def table(name: str, rows: list[dict], width: int | None = None) -> Table:
     for c in cols:
         t.add_column(c, no_wrap=True, overflow="ellipsis", width=w[c])
     for r in texts:
-        t.add_row(*(plain(r[c]) for c in cols))
+        t.add_row(*(Text(r[c]) for c in cols))   # Text: never read as markup
     return t
