@@ -7,6 +7,8 @@ import difflib
 import json
 import signal
 import sys
+from types import FrameType
+from typing import Any, Callable, NoReturn
 
 from orchestrator import __version__
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, OrchError
@@ -17,7 +19,7 @@ COMMANDS = ("up", "stop", "logs", "status", "split_data")
 class Parser(argparse.ArgumentParser):
     json_requested = False   # --json was on the command line: a usage error is a JSON document too
 
-    def error(self, message: str) -> None:  # type: ignore[override]  # argparse's own exit code is 2, as SPEC's
+    def error(self, message: str) -> NoReturn:  # argparse's own exit code is 2, as SPEC's
         self.print_usage(sys.stderr)
         sys.stderr.write(f"orch: error: {message}{self.suggestion(message)}\n")
         json_error(argparse.Namespace(json=Parser.json_requested), message, EXIT_USAGE)
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     from importlib import import_module
     parser = Parser(prog="orch", description="SSH launcher for PyTorch distributed training")
     parser.add_argument("--version", action="version", version=f"orch {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("-c", "--config", default="cluster.yaml", metavar="FILE",
                         help="inventory file (default: cluster.yaml)")
     common.add_argument("--json", action="store_true",
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     class WithCommon:
         """Every sub-command gets -c/--config and --json."""
 
-        def add_parser(self, name: str, **kw):
+        def add_parser(self, name: str, **kw: Any) -> Parser:
             return sub.add_parser(name, parents=[common], **kw)
     for name in COMMANDS:
         import_module(f"orchestrator.commands.{name}").add_parser(WithCommon())
@@ -74,7 +76,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def interrupt_on_termination() -> None:
     """SIGTERM and SIGHUP (a closed terminal) act like Ctrl-C: the job is stopped, not orphaned."""
-    def handler(signum, frame) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
@@ -94,8 +96,9 @@ def json_error(args: argparse.Namespace, message: str, code: int) -> int:
 def cli(argv: list[str] | None = None) -> int:
     args = parse(argv)
     interrupt_on_termination()
+    run: Callable[[argparse.Namespace], int] = args.func
     try:
-        return args.func(args)
+        return run(args)
     except OrchError as e:
         sys.stderr.write(f"orch: {e}\n")
         return json_error(args, str(e), e.exit_code)
