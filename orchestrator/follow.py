@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections import deque
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -138,7 +138,8 @@ class PrefixPrinter(LineSink):
         # on a terminal, rank output cannot move the cursor, retitle the window or hide
         # a prefix (termsafe); piped, the bytes after the prefix are the rank's own
         self.tty = sys.stdout.isatty() if tty is None else tty
-        self.above = nullcontext   # a live status line steps aside while lines print
+        # a live status line steps aside while lines print
+        self.above: Callable[[], AbstractContextManager[None]] = nullcontext
         self.lock = threading.Lock()
         self.tails: dict[int, deque] = {}
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import shutil
 import sys
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, TextIO
+from typing import TextIO
 
 from orchestrator.words import plural
 

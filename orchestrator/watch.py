@@ -5,10 +5,10 @@ earliest failing rank by the hosts' corrected clocks) or a host-level cause."""
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-
 
 from orchestrator import timeouts
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
@@ -100,7 +100,7 @@ def attach(session: Session, state: JobState) -> int:
     """Follow the job to its end over the session's agents."""
     cluster = session.cluster
     printer = PrefixPrinter({h.index: h.label for h in cluster.hosts})
-    live = LiveLine(console.file)
+    live = LiveLine(sys.stderr)   # the console's file: stderr
     mon = Monitor(cluster, state, printer, live=live)
     printer.above = live.above
     live.update(mon.started_line())
@@ -119,7 +119,8 @@ def attach(session: Session, state: JobState) -> int:
         live.close()
     if not mon.failed():
         console.print(f"job '{cluster.name}' finished: "
-                      f"{'all ' if cluster.world_size > 1 else ''}{plural(cluster.world_size, 'rank')} "
+                      f"{'all ' if cluster.world_size > 1 else ''}"
+                      f"{plural(cluster.world_size, 'rank')} "
                       f"exited 0")
         return EXIT_OK
     fail_fast(session, mon, finished)
@@ -136,7 +137,8 @@ def fail_fast(session: Session, mon: Monitor, finished) -> None:
     while not finished() and time.monotonic() < deadline:
         time.sleep(0.05)  # let the last lines and exit codes arrive
     for i, exc in result.failed.items():
-        console.print(f"[red]could not stop {escape(cluster.hosts[i].label)}:[/] {escape(str(exc))}")
+        console.print(f"[red]could not stop {escape(cluster.hosts[i].label)}:[/] "
+                      f"{escape(str(exc))}")
     console.print(render_cause(cluster, mon, root_cause(session, mon)))
     console.print(stop_summary(cluster, mon, result, time.monotonic() - started))
 
@@ -147,7 +149,8 @@ def stop_summary(cluster: Cluster, mon: Monitor, result, seconds: float) -> str:
     missed.update({i: str(exc) for i, exc in result.failed.items()})
     if not missed:
         return f"stopped the job on every host in {seconds:.1f} s"
-    names = ", ".join(f"{escape(cluster.hosts[i].label)} ({escape(why)})" for i, why in sorted(missed.items()))
+    names = ", ".join(f"{escape(cluster.hosts[i].label)} ({escape(why)})"
+                      for i, why in sorted(missed.items()))
     return (f"stopped the job on {len(result.ok)} of {plural(len(cluster.hosts), 'host')} in "
             f"{seconds:.1f} s; [yellow]not stopped[/]: {names}: its processes may still run; "
             f"`{escape(hint_cmd(cluster, 'stop'))}` ends them once the host answers again")
@@ -229,10 +232,10 @@ def render_cause(cluster: Cluster, mon: Monitor, cause: RankFailure | None) -> s
              f"{escape(cause.host)} (local rank {cause.local_rank}): {signal_name(cause.code)}"]
     if cause.last_lines:
         lines.append(f"last lines of rank {rank}:")
-        lines += [f"  {escape(l)}" for l in cause.last_lines]
+        lines += [f"  {escape(text)}" for text in cause.last_lines]
     if cause.error_file:
         lines.append("torchrun error file:\n  " + "\n  ".join(
-            escape(l) for l in cause.error_file.splitlines()))
+            escape(text) for text in cause.error_file.splitlines()))
     lines.append(f"full log: `{escape(hint_cmd(cluster, f'logs --rank {rank}'))}`")
     for i, why in sorted(mon.lost.items()):
         lines.append(f"also: host {escape(cluster.hosts[i].label)} was lost ({escape(why)})")
@@ -246,6 +249,7 @@ def host_level_cause(cluster: Cluster, mon: Monitor) -> str:
     for i, info in sorted(mon.host_exits.items()):
         if info.get("code") != 0:
             return (f"[bold red]job '{cluster.name}' failed[/]: torchrun on host "
-                    f"{escape(cluster.hosts[i].label)} ended with {info.get('code')} before its ranks "
+                    f"{escape(cluster.hosts[i].label)} ended with {info.get('code')} "
+                    f"before its ranks "
                     f"reported; see <job dir>/run/torchrun.log there")
     return f"job '{cluster.name}' failed"

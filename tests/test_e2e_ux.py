@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,8 @@ time.sleep(600)
 NASTY_LOG = b"title \x1b]0;pwned\x07 50%\r[r9 evil] forged\n[/bold]\n\n"
 
 
-def test_host_text_is_shown_literally_and_piped_exactly(sshd_cluster: SshdCluster, tmp_path: Path,
-                                                          jobs: Jobs) -> None:
+def test_host_text_is_shown_literally_and_piped_exactly(
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:  # noqa: F811
     hosts, name = sshd_cluster.hosts[:2], "e2e-ux"
     write_job(tmp_path, NASTY_JOB)
     inv = sshd_cluster.write_inventory(tmp_path / "other.yaml", hosts=hosts, procs=1, name=name)
@@ -37,12 +36,13 @@ def test_host_text_is_shown_literally_and_piped_exactly(sshd_cluster: SshdCluste
     assert up.returncode == 0, up.stderr
     assert json.loads(up.stdout)["world_size"] == 2
     assert "orch logs -c other.yaml -f" in up.stderr     # the hint keeps -c
-    raw = ORCH + ["logs", "--rank", "1", "-c", inv.name]
+    raw = [*ORCH, "logs", "--rank", "1", "-c", inv.name]
     wait_until(lambda: subprocess.run(raw, cwd=tmp_path, capture_output=True,
                                       env=dict(os.environ)).stdout == NASTY_LOG, 30, "rank 1's log")
     status = orch(tmp_path, "status", "-c", inv.name)
     assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
-    assert "[/bold]" in status.stderr and "\x07" not in status.stderr   # literal, skipping the blank
+    # shown literally, the blank line after it skipped
+    assert "[/bold]" in status.stderr and "\x07" not in status.stderr
     stop = orch(tmp_path, "stop", "--json", "-c", inv.name, "--grace", "2")
     assert stop.returncode == 0 and json.loads(stop.stdout)["failed"] == {}, stop.stderr
     doc = json.loads(orch(tmp_path, "status", "--json", "-c", inv.name).stdout)

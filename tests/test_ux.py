@@ -43,7 +43,8 @@ job: {entrypoint: job.py}
 # ---------------------------------------------------------------- words
 
 def test_plural() -> None:
-    assert [plural(1, "host"), plural(2, "host"), plural(0, "rank")] == ["1 host", "2 hosts", "0 ranks"]
+    assert [plural(1, "host"), plural(2, "host"), plural(0, "rank")] == [
+        "1 host", "2 hosts", "0 ranks"]
     assert plural(1, "process") == "1 process" and plural(3, "process") == "3 processes"
 
 
@@ -92,19 +93,21 @@ def rows_of(last_line: str) -> list[dict]:
 @pytest.mark.parametrize("width", [80, 140])
 def test_status_table_one_row_per_rank_start_of_line_kept(width: int) -> None:
     line = "epoch 3/5 step 120 loss 0.2345 " * 6
-    console = Console(width=width, file=io.StringIO(), color_system=None)
+    buf = io.StringIO()
+    console = Console(width=width, file=buf, color_system=None)
     console.print(status_cmd.table("ux", rows_of(line), width), soft_wrap=False, crop=True)
-    out = console.file.getvalue().splitlines()
-    body = [l for l in out if l.startswith("│")]
+    out = buf.getvalue().splitlines()
+    body = [row for row in out if row.startswith("│")]
     assert len(body) == 4, "\n".join(out)
-    assert all("epoch 3/5" in l and l.rstrip().endswith("│") for l in body)
-    assert max(len(l) for l in out) <= width
+    assert all("epoch 3/5" in row and row.rstrip().endswith("│") for row in body)
+    assert max(len(row) for row in out) <= width
 
 
 def test_status_shows_markup_and_escapes_literally() -> None:
-    console = Console(width=200, file=io.StringIO(), color_system=None)
+    buf = io.StringIO()
+    console = Console(width=200, file=buf, color_system=None)
     console.print(status_cmd.table("ux", rows_of("[/bold] \x1b]0;title\x07 done"), 200))
-    text = console.file.getvalue()
+    text = buf.getvalue()
     assert "[/bold] \\x1b]0;title\\x07 done" in text and "\x1b" not in text
 
 
@@ -150,7 +153,8 @@ def fake_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     return cluster, use
 
 
-def test_status_markup_last_line_and_unreachable_host_exit_3(tmp_path: Path, fake_job, capsys) -> None:
+def test_status_markup_last_line_and_unreachable_host_exit_3(tmp_path: Path, fake_job,
+                                                              capsys) -> None:
     _, use = fake_job
     use(last_line="[/bold]", down=1)
     code = status_cmd.run(command_args(tmp_path, json=False))
@@ -263,7 +267,8 @@ def test_a_rank_ended_by_a_stop_reads_stopped(tmp_path: Path) -> None:
     host_procs.record_stop(p, 101.0)
     assert host_status.rank_status(p, 0, 0, None)["state"] == "exited"
     assert host_status.rank_status(p, 1, 1, None)["state"] == "stopped"
-    assert status_cmd.row(1, "h", 1, host_status.rank_status(p, 1, 1, None), 0)["state"] == "stopped"
+    info = host_status.rank_status(p, 1, 1, None)
+    assert status_cmd.row(1, "h", 1, info, 0)["state"] == "stopped"
 
 
 def test_launch_clears_the_previous_runs_records(tmp_path: Path) -> None:

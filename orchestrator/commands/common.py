@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-
 from orchestrator import state as job_state
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Cluster, load
@@ -16,8 +15,18 @@ from orchestrator.termsafe import plain
 from orchestrator.ui import console
 from orchestrator.words import hint_cmd, plural, set_inventory
 
-__all__ = ["console", "inventory", "require_state", "open_session", "warn_unreachable",
-           "emit_json", "wants_json", "hint_cmd", "plural"]
+__all__ = [
+    "console",
+    "emit_json",
+    "hint_cmd",
+    "inventory",
+    "open_session",
+    "plural",
+    "require_state",
+    "unreachable",
+    "wants_json",
+    "warn_unreachable",
+]
 
 
 def inventory(args: argparse.Namespace) -> Cluster:
@@ -51,6 +60,11 @@ def require_state(cluster: Cluster) -> job_state.JobState:
         raise UsageError(f"job '{cluster.name}' has not been started from {cluster.path}",
                          hint=f"start it with `{hint_cmd(cluster, 'up')}`")
     return st
+
+
+def unreachable(cluster: Cluster, failed: dict[int, BaseException]) -> dict[str, str]:
+    """--json: the hosts that could not be reached or answer, and why."""
+    return {cluster.hosts[i].label: str(e) for i, e in sorted(failed.items())}
 
 
 def emit_json(obj: Any) -> None:

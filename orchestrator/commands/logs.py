@@ -10,12 +10,21 @@ from typing import Any
 
 from rich.table import Table
 
-from orchestrator.commands.common import (console, emit_json, inventory, open_session,
-                                          require_state, warn_unreachable)
+from orchestrator.commands.common import (
+    console,
+    emit_json,
+    inventory,
+    open_session,
+    require_state,
+    unreachable,
+    warn_unreachable,
+)
 from orchestrator.commands.status import row
 from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
 from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
+from orchestrator.inventory import Cluster
 from orchestrator.session import Session
+from orchestrator.state import JobState
 from orchestrator.termsafe import for_terminal, plain
 from orchestrator.words import plural
 
@@ -56,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_HOST if session.failed and code == EXIT_OK else code
 
 
-def list_logs(cluster, st, as_json: bool) -> int:
+def list_logs(cluster: Cluster, st: JobState, as_json: bool) -> int:
     """`logs --list`: the status of each rank, reduced to what finding a log needs."""
     session = open_session(cluster, st)
     try:
@@ -75,9 +84,9 @@ def list_logs(cluster, st, as_json: bool) -> int:
                           "log_bytes": info.get("log_bytes")})
     if as_json:
         emit_json({"job": cluster.name, "ranks": ranks,
-                   "unreachable": {cluster.hosts[i].label: str(e) for i, e in sorted(failed.items())}})
+                   "unreachable": unreachable(cluster, failed)})
     else:
-        for i, exc in sorted(failed.items()):
+        for _, exc in sorted(failed.items()):
             console.print("[yellow]warning:[/]", plain(str(exc)))
         t = Table(title=plain(f"job {cluster.name}: {plural(len(ranks), 'rank')}"))
         for col in ("rank", "host", "state", "log"):
@@ -184,6 +193,7 @@ def all_logs(session: Session, args: argparse.Namespace) -> int:
         time.sleep(0.1)
     if args.json:
         emit_json({"job": cluster.name,
-                   "ranks": [{"rank": r, "lines": sink.kept.get(r, [])} for r in range(cluster.world_size)],
+                   "ranks": [{"rank": r, "lines": sink.kept.get(r, [])}
+                             for r in range(cluster.world_size)],
                    "lost": {labels[i]: why for i, why in sorted(sink.lost.items())}})
     return EXIT_HOST if sink.lost else EXIT_OK

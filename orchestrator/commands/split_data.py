@@ -13,8 +13,8 @@ from rich.table import Table
 
 from orchestrator import splitdata
 from orchestrator.commands.common import emit_json
-from orchestrator.words import plural
 from orchestrator.errors import EXIT_OK, DataError, UsageError
+from orchestrator.words import plural
 
 DEFAULT_IMAGE_SIZE = 224
 # Beyond this many workers the table shows the first and last few rows and a summary line.
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def summary(result: splitdata.SplitResult) -> dict:
+def summary(result: splitdata.SplitResult) -> dict[str, Any]:
     """--json: what was written, per shard its counts (not its file list: manifest.json has it)."""
     p = result.plan
     return {"workers": p.workers, "kind": p.kind, "source": str(p.source), "seed": p.seed,

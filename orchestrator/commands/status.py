@@ -8,8 +8,15 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.commands.common import (console, emit_json, inventory, open_session,
-                                          require_state, warn_unreachable)
+from orchestrator.commands.common import (
+    console,
+    emit_json,
+    inventory,
+    open_session,
+    require_state,
+    unreachable,
+    warn_unreachable,
+)
 from orchestrator.errors import EXIT_HOST, EXIT_OK
 from orchestrator.termsafe import plain, visible
 from orchestrator.watch import signal_name
@@ -44,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row(rank, h.label, local, info, offset))
     if args.json:
         emit_json({"job": cluster.name, "ranks": rows,
-                   "unreachable": {cluster.hosts[i].label: str(e) for i, e in sorted(failed.items())}})
+                   "unreachable": unreachable(cluster, failed)})
     else:
         for i, exc in sorted(result.failed.items()):
             console.print("[yellow]warning:[/]", plain(f"{cluster.hosts[i].label}: {exc}"))

@@ -4,13 +4,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-
 from orchestrator import state as job_state
 from orchestrator import timeouts
 from orchestrator.commands.common import console, emit_json, inventory, open_session, plural
 from orchestrator.connect import GroupResult
 from orchestrator.errors import EXIT_OK, HostError
 from orchestrator.inventory import Cluster
+from orchestrator.stopper import StopReport
 from orchestrator.termsafe import plain
 
 
@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def stop_doc(cluster: Cluster, result: GroupResult, failures: dict) -> dict:
+def stop_doc(cluster: Cluster, result: GroupResult[StopReport],
+             failures: dict[int, BaseException]) -> dict[str, Any]:
     """--json: per host what its stop did, and the hosts that could not be reached."""
     return {"job": cluster.name,
             "hosts": {cluster.hosts[i].label: {"found": r.found, "killed": r.killed,

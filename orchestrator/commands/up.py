@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     session = Session(cluster)
     try:
         pre = connect_and_check(session)
-        console.print(f"preflight: {plural(len(cluster.hosts), 'host')} ok, world size {cluster.world_size}")
+        console.print(f"preflight: {plural(len(cluster.hosts), 'host')} ok, "
+                      f"world size {cluster.world_size}")
         sync(session, files, pre)
         run_id, sups = session.launch(pre)
         st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         session.close()
 
 
-def detached_doc(cluster: Cluster, st: job_state.JobState) -> dict:
+def detached_doc(cluster: Cluster, st: job_state.JobState) -> dict[str, Any]:
     """`up --detach --json`: where the job runs."""
     return {"job": cluster.name, "run_id": st.run_id, "world_size": cluster.world_size,
             "master_addr": st.master_addr, "master_port": st.master_port,
@@ -120,7 +121,8 @@ def report_sync(cluster: Cluster, reports: dict[int, dict[str, SyncReport]]) -> 
     record = {}
     for i, parts in sorted(reports.items()):
         label = cluster.hosts[i].label
-        bits = [f"{k} {plural(r.files, 'file')} {r.bytes} B sent, {r.deleted} deleted" for k, r in parts.items()]
+        bits = [f"{k} {plural(r.files, 'file')} {r.bytes} B sent, {r.deleted} deleted"
+                for k, r in parts.items()]
         if len(cluster.hosts) <= 16 or any(r.files for r in parts.values()):
             console.print(f"sync {label}: " + ("; ".join(bits) or "nothing to push"))
         record[label] = {k: {"files": r.files, "bytes": r.bytes, "deleted": r.deleted,

@@ -173,7 +173,8 @@ def run(req) -> None:
             log.f = open_log(p["jd"], log.rel)
             log.offset = tail_offset(log.f, a["tail"])
         logs.append(log)
-    reported, started, beat, idle = set(), set(), 0.0, 0
+    reported, beat, idle = set(), 0.0, 0
+    started = set()  # type: set
     while True:
         if mode == "events" and len(started) < len(logs):
             send_starts(send, p, logs, started)

@@ -2,6 +2,7 @@
 verify)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,7 +10,6 @@ import time
 
 from orchestrator import timeouts
 from orchestrator.host.common import job_paths, read_json, write_atomic
-
 
 
 def proc_start_time(pid: int):
@@ -100,10 +100,9 @@ def stop(job_dir: str, grace: float) -> dict:
 def record_stop(p: dict, when: float) -> None:
     """run/stop.json: a rank that ends after this time with a signal or an error code
     was stopped (by `orch stop`, Ctrl-C or fail-fast), it did not fail on its own."""
-    try:
+    # a stop must go on even where the run folder cannot be written
+    with contextlib.suppress(OSError):
         write_atomic(p["jd"], "run/stop.json", json.dumps({"time": when}).encode(), 0o644)
-    except OSError:
-        pass   # a stop must go on even where the run folder cannot be written
 
 
 def run_stop(req) -> dict:

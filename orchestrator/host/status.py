@@ -9,7 +9,6 @@ from orchestrator.host.common import job_paths, read_json
 from orchestrator.host.follow import open_log, rank_exit
 from orchestrator.host.procs import proc_start_time, supervisor_alive
 
-
 ERROR_FILE_CAP = 1 << 20
 
 
@@ -26,11 +25,11 @@ def last_line(jd, rel: str) -> str:
         size = os.fstat(f.fileno()).st_size
         f.seek(max(0, size - LAST_LINE_WINDOW))
         text = f.read(LAST_LINE_WINDOW).decode("utf-8", "replace")
-    lines = [l for l in text.splitlines() if l.strip()]
+    lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1].strip()[:4096] if lines else ""
 
 
-def log_size(jd, rel: str):
+def log_size(jd, rel: str):  # type: ignore[no-untyped-def]  # as the module's other helpers
     """The log's size; None when it is missing or not a plain file (a link is not followed)."""
     try:
         st = jd.lstat(rel)
