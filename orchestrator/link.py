@@ -215,6 +215,12 @@ class Link:
             if msg["rank"] not in self.follow_ranks:
                 raise protocol.ProtocolError(f"exit of rank {msg['rank']}, which is not followed here")
             self.sink.rank_exit(self.host.index, msg["rank"], msg["code"], msg["time"])
+        elif t == "start":
+            if msg["rank"] not in self.follow_ranks:
+                raise protocol.ProtocolError(f"start of rank {msg['rank']}, which is not followed here")
+            started = getattr(self.sink, "rank_start", None)   # optional for a sink
+            if started is not None:
+                started(self.host.index, msg["rank"], msg["pid"])
         elif t == "done":
             fid, self.follow_id = self.follow_id, None
             self.sink.host_done(self.host.index, {k: v for k, v in msg.items() if k != "t"})

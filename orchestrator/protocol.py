@@ -221,7 +221,8 @@ FOLLOW_MODES = ("events", "snapshot", "raw", "raw-follow")
 SUPERVISOR = {"pid": int, "pgid": int, "start_ticks": OPT_INT, "torchrun_pid": int,
               "run_id": str, "started": NUM}
 RANK_STATUS = {"rank": int, "state": str, "last_line": str, "?pid": OPT_INT,
-               "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM, "?error_file": str}
+               "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM, "?error_file": str,
+               "?log_bytes": OPT_INT}
 REPLIES = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
@@ -241,6 +242,7 @@ REPLIES = {
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}
 EVENTS = {
     "exit": {"rank": int, "code": OPT_INT, "time": NUM},   # a rank ended (host clock)
+    "start": {"rank": int, "pid": int},                   # a rank's process is there
     "done": {"code": OPT_INT, "?time": OPT_NUM, "?lost": bool, "?snapshot": bool},
     "beat": {},                                           # once a second while following
 }

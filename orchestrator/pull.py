@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from orchestrator import protocol, timeouts
+from orchestrator.words import hint_cmd
 from orchestrator.errors import HostError, UsageError
 from orchestrator.link import Link, Pending
 from orchestrator.localfiles import DigestCache
@@ -73,7 +74,7 @@ def check_paths(paths: list[str]) -> list[str]:
         if why or raw.startswith("/"):
             raise UsageError(f"cannot pull {raw!r}: {why or 'an absolute path'}",
                              hint="name files or folders relative to the job's output/ "
-                                  "(e.g. `orch pull checkpoints/last.pt`)")
+                                  f"(e.g. `{hint_cmd(None, 'pull checkpoints/last.pt')}`)")
         out.append(rel)
     return sorted(set(out))
 
@@ -256,7 +257,7 @@ def wait_stream(link: Link, p: Pending) -> dict[str, Any]:
     while not p.done.wait(0.5):
         if time.monotonic() - link.last_seen > timeouts.PULL_IDLE:
             raise HostError(f"{link.name}: the pull stalled: nothing came for "
-                            f"{timeouts.PULL_IDLE:g} s", hint="run `orch pull` again: "
+                            f"{timeouts.PULL_IDLE:g} s", hint=f"run `{hint_cmd(None, 'pull')}` again: "
                             "only what is missing will be sent")
     return link.wait(p, 0)
 
@@ -332,5 +333,6 @@ def raise_failed(report: PullReport) -> None:
         first = report.failed[0]
         more = f" (and {len(report.failed) - 1} more)" if len(report.failed) > 1 else ""
         raise UsageError(f"could not write {first['p']}{more}: {first['why']}",
-                         hint="fix the destination as the message says and run `orch pull` again: "
+                         hint="fix the destination as the message says and run "
+                         f"`{hint_cmd(None, 'pull')}` again: "
                               "only what is missing will be sent")

@@ -5,19 +5,21 @@ earliest failing rank by the hosts' corrected clocks) or a host-level cause."""
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-
-from rich.markup import escape
 
 from orchestrator import timeouts
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.inventory import Cluster
+from orchestrator.liveline import LiveLine, started_text
 from orchestrator.session import Session
 from orchestrator.state import JobState
+from orchestrator.termsafe import markup_safe as escape
 from orchestrator.ui import console
+from orchestrator.words import hint_cmd, plural
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,38 @@ class Monitor(LineSink):
     lost: dict[int, str] = field(default_factory=dict)
     wake: threading.Event = field(default_factory=threading.Event)
     stop_started: float | None = None   # exits after this are our own stop's doing
+    live: LiveLine = field(default_factory=lambda: LiveLine(enabled=False))
+    started: set[int] = field(default_factory=set)   # a pid reported, output or an exit
+    printed: set[int] = field(default_factory=set)   # output or an exit
 
     def lines(self, host: int, rank: int, texts: list[bytes]) -> None:
         self.printer.lines(host, rank, texts)
+        self.seen(rank, printed=True)
+
+    def rank_start(self, host: int, rank: int, pid: int) -> None:
+        self.seen(rank, printed=False)
+
+    def seen(self, rank: int, printed: bool) -> None:
+        """Until every rank has printed, the live line says which hosts are still quiet."""
+        if rank in self.printed or (not printed and rank in self.started):
+            return
+        self.started.add(rank)
+        if printed:
+            self.printed.add(rank)
+        if not self.live.enabled:
+            return
+        if len(self.printed) == self.cluster.world_size:
+            self.live.close()
+        else:
+            self.live.update(self.started_line())
+
+    def started_line(self) -> str:
+        hosts = [(h.label, sum(r in self.started for r in h.ranks), len(h.ranks))
+                 for h in self.cluster.hosts]
+        return started_text(hosts, len(self.printed))
 
     def rank_exit(self, host: int, rank: int, code: int, when: float) -> None:
+        self.seen(rank, printed=True)
         # host clock -> ours, so that exits on different hosts can be ordered
         self.exits[rank] = (code, when - self.state.host(host).clock_offset)
         if code != 0:
@@ -71,19 +100,28 @@ def attach(session: Session, state: JobState) -> int:
     """Follow the job to its end over the session's agents."""
     cluster = session.cluster
     printer = PrefixPrinter({h.index: h.label for h in cluster.hosts})
-    mon = Monitor(cluster, state, printer)
+    live = LiveLine(sys.stderr)   # the console's file: stderr
+    mon = Monitor(cluster, state, printer, live=live)
+    printer.above = live.above
+    live.update(mon.started_line())
     links = session.links
     streams = {h.index: HostStream(links[h.index], h.job_dir, h.ranks) for h in state.hosts}
-    finished = follow(streams, mon)
     try:
+        finished = follow(streams, mon)
         while not finished() and not mon.failed():
             mon.wake.wait(0.2)
             mon.wake.clear()
     except KeyboardInterrupt:
+        live.close()
         interrupt_stop(session, mon)
         return EXIT_INTERRUPTED
+    finally:
+        live.close()
     if not mon.failed():
-        console.print(f"job '{cluster.name}' finished: all {cluster.world_size} ranks exited 0")
+        console.print(f"job '{cluster.name}' finished: "
+                      f"{'all ' if cluster.world_size > 1 else ''}"
+                      f"{plural(cluster.world_size, 'rank')} "
+                      f"exited 0")
         return EXIT_OK
     fail_fast(session, mon, finished)
     return EXIT_JOB_FAILED
@@ -99,9 +137,23 @@ def fail_fast(session: Session, mon: Monitor, finished) -> None:
     while not finished() and time.monotonic() < deadline:
         time.sleep(0.05)  # let the last lines and exit codes arrive
     for i, exc in result.failed.items():
-        console.print(f"[red]could not stop {cluster.hosts[i].label}:[/] {escape(str(exc))}")
+        console.print(f"[red]could not stop {escape(cluster.hosts[i].label)}:[/] "
+                      f"{escape(str(exc))}")
     console.print(render_cause(cluster, mon, root_cause(session, mon)))
-    console.print(f"stopped the job on every host in {time.monotonic() - started:.1f} s")
+    console.print(stop_summary(cluster, mon, result, time.monotonic() - started))
+
+
+def stop_summary(cluster: Cluster, mon: Monitor, result, seconds: float) -> str:
+    """What fail-fast stopped and what it could not: a lost host may still run its ranks."""
+    missed = {i: f"lost: {why}" for i, why in mon.lost.items()}
+    missed.update({i: str(exc) for i, exc in result.failed.items()})
+    if not missed:
+        return f"stopped the job on every host in {seconds:.1f} s"
+    names = ", ".join(f"{escape(cluster.hosts[i].label)} ({escape(why)})"
+                      for i, why in sorted(missed.items()))
+    return (f"stopped the job on {len(result.ok)} of {plural(len(cluster.hosts), 'host')} in "
+            f"{seconds:.1f} s; [yellow]not stopped[/]: {names}: its processes may still run; "
+            f"`{escape(hint_cmd(cluster, 'stop'))}` ends them once the host answers again")
 
 
 def interrupt_stop(session: Session, mon: Monitor) -> None:
@@ -136,9 +188,9 @@ def print_stop_results(cluster: Cluster, results: list) -> None:
         return
     last = results[-1]
     for i, reply in sorted(last.ok.items()):
-        console.print(f"  {cluster.hosts[i].label}: {reply.describe()}")
+        console.print(f"  {escape(cluster.hosts[i].label)}: {reply.describe()}")
     for i, exc in sorted(last.failed.items()):
-        console.print(f"  [red]{cluster.hosts[i].label}:[/] {escape(str(exc))}")
+        console.print(f"  [red]{escape(cluster.hosts[i].label)}:[/] {escape(str(exc))}")
 
 
 def signal_name(code: int) -> str:
@@ -177,25 +229,27 @@ def render_cause(cluster: Cluster, mon: Monitor, cause: RankFailure | None) -> s
         return host_level_cause(cluster, mon)
     rank = cause.rank
     lines = [f"[bold red]job '{cluster.name}' failed[/]: root cause rank {rank} on host "
-             f"{cause.host} (local rank {cause.local_rank}): {signal_name(cause.code)}"]
+             f"{escape(cause.host)} (local rank {cause.local_rank}): {signal_name(cause.code)}"]
     if cause.last_lines:
         lines.append(f"last lines of rank {rank}:")
-        lines += [f"  {escape(l)}" for l in cause.last_lines]
+        lines += [f"  {escape(text)}" for text in cause.last_lines]
     if cause.error_file:
-        lines.append(f"torchrun error file:\n  {escape(cause.error_file)}")
-    lines.append(f"full log: `orch logs --rank {rank}`")
+        lines.append("torchrun error file:\n  " + "\n  ".join(
+            escape(text) for text in cause.error_file.splitlines()))
+    lines.append(f"full log: `{escape(hint_cmd(cluster, f'logs --rank {rank}'))}`")
     for i, why in sorted(mon.lost.items()):
-        lines.append(f"also: host {cluster.hosts[i].label} was lost ({escape(why)})")
+        lines.append(f"also: host {escape(cluster.hosts[i].label)} was lost ({escape(why)})")
     return "\n".join(lines)
 
 
 def host_level_cause(cluster: Cluster, mon: Monitor) -> str:
     for i, why in sorted(mon.lost.items()):
-        return (f"[bold red]job '{cluster.name}' failed[/]: host {cluster.hosts[i].label} "
-                f"was lost ({why}); the other hosts were stopped")
+        return (f"[bold red]job '{cluster.name}' failed[/]: host {escape(cluster.hosts[i].label)} "
+                f"was lost ({escape(why)})")
     for i, info in sorted(mon.host_exits.items()):
         if info.get("code") != 0:
             return (f"[bold red]job '{cluster.name}' failed[/]: torchrun on host "
-                    f"{cluster.hosts[i].label} ended with {info.get('code')} before its ranks "
+                    f"{escape(cluster.hosts[i].label)} ended with {info.get('code')} "
+                    f"before its ranks "
                     f"reported; see <job dir>/run/torchrun.log there")
     return f"job '{cluster.name}' failed"

@@ -10,6 +10,7 @@ from typing import Any
 
 from orchestrator import state as job_state
 from orchestrator.commands.common import console, inventory, open_session
+from orchestrator.words import hint_cmd
 from orchestrator.errors import EXIT_OK, OrchError, UsageError
 from orchestrator.inventory import Cluster, Host
 from orchestrator.pull import PullReport, check_paths, raise_failed
@@ -28,7 +29,6 @@ def add_parser(sub: Any) -> None:
     which.add_argument("--host", metavar="H", help="that host (its address or label)")
     p.add_argument("-o", "--out", metavar="DIR",
                    help="destination folder (default: outputs/<name>/ beside the inventory)")
-    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.set_defaults(func=run)
 
 
@@ -114,7 +114,6 @@ def after_job(session: Session, code: int) -> int:
         raise_failed(report)
     except OrchError as e:   # the job's outcome is already printed; say why the pull failed
         console.print(plain(f"pull failed: {e}"))
-        inv = cluster.path.name if Path.cwd() == cluster.base_dir else str(cluster.path)
-        console.print(f"  get the files later with `orch pull -c {inv}`")
+        console.print(f"  get the files later with `{hint_cmd(cluster, 'pull')}`", markup=False)
         return code or e.exit_code
     return code

@@ -134,6 +134,18 @@ def send_exits(send, p: dict, logs: list, reported: set, events: bool) -> bool:
     return host_done(p) is not None or (not events and len(reported) == len(logs))
 
 
+def send_starts(send, p: dict, logs: list, started: set) -> None:
+    """A `start` event once per rank, when its wrapper has recorded the rank's pid:
+    the controller can show that ranks run before their first line (torch imports)."""
+    for log in logs:
+        if log.rank in started:
+            continue
+        pid = read_json(p["jd"], "run/rank-%d.pid" % log.rank)
+        if isinstance(pid, dict) and isinstance(pid.get("pid"), int):
+            started.add(log.rank)
+            send(protocol.event("start", rank=log.rank, pid=pid["pid"]))
+
+
 def finish(send, p: dict, logs: list, mode: str) -> None:
     for log in logs:
         emit(send, log, final=True)
@@ -162,7 +174,10 @@ def run(req) -> None:
             log.offset = tail_offset(log.f, a["tail"])
         logs.append(log)
     reported, beat, idle = set(), 0.0, 0
+    started = set()  # type: set
     while True:
+        if mode == "events" and len(started) < len(logs):
+            send_starts(send, p, logs, started)
         busy = sum(emit(send, log) for log in logs)
         idle = 0 if busy else idle + 1
         if mode in ("raw", "snapshot") or send_exits(send, p, logs, reported, mode == "events"):

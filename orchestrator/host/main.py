@@ -68,7 +68,7 @@ def serve(req: Request) -> None:
         text = str(e) if known else "%s: %s" % (type(e).__name__, e)
         tb = ""
         if req.debug:
-            import traceback   # its imports (tokenize...) cost 20 ms at every start
+            import traceback  # its imports (tokenize...) cost 20 ms at every start
             tb = traceback.format_exc()
         try:
             req.out.send(protocol.error(req.id, category, text, tb, getattr(e, "fix", "")))

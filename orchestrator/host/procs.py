@@ -2,13 +2,14 @@
 verify)."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import time
 
 from orchestrator import timeouts
-from orchestrator.host.common import job_paths, read_json
-
+from orchestrator.host.common import job_paths, read_json, write_atomic
 
 
 def proc_start_time(pid: int):
@@ -81,6 +82,8 @@ def stop(job_dir: str, grace: float) -> dict:
     sup = supervisor_alive(p)
     t0 = time.time()
     found = marked_pids(p["job"]) + ([sup["pid"]] if sup else [])
+    if found:
+        record_stop(p, t0)
     # torchrun itself has nothing to save, and its own SIGTERM shutdown takes seconds;
     # the ranks (the user's code) get SIGTERM from us directly and the full grace.
     torchrun = sup.get("torchrun_pid") if sup else None
@@ -92,6 +95,14 @@ def stop(job_dir: str, grace: float) -> dict:
     left = wait_gone(p["job"], sup, time.time() + timeouts.STOP_VERIFY)
     return {"found": len(found), "killed": len(killed), "left": left,
             "seconds": round(time.time() - t0, 3)}
+
+
+def record_stop(p: dict, when: float) -> None:
+    """run/stop.json: a rank that ends after this time with a signal or an error code
+    was stopped (by `orch stop`, Ctrl-C or fail-fast), it did not fail on its own."""
+    # a stop must go on even where the run folder cannot be written
+    with contextlib.suppress(OSError):
+        write_atomic(p["jd"], "run/stop.json", json.dumps({"time": when}).encode(), 0o644)
 
 
 def run_stop(req) -> dict:
