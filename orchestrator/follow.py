@@ -24,7 +24,8 @@ TAIL_KEEP = 20
 
 class Sink(Protocol):
     def output(self, host: int, rank: int, partial: bool, data: bytes) -> None: ...
-    def rank_exit(self, host: int, rank: int, code: int, when: float) -> None: ...
+    def rank_exit(self, host: int, rank: int, code: int, when: float,
+                  after_stop: bool = False) -> None: ...
     def host_done(self, host: int, info: dict) -> None: ...
     def host_lost(self, host: int, why: str) -> None: ...
 
@@ -64,8 +65,10 @@ class Tracker:
     def output(self, host: int, rank: int, partial: bool, data: bytes) -> None:
         self.sink.output(host, rank, partial, data)
 
-    def rank_exit(self, host: int, rank: int, code: int | None, when: float) -> None:
-        self.sink.rank_exit(host, rank, -1 if code is None else code, when)
+    def rank_exit(self, host: int, rank: int, code: int | None, when: float,
+                  after_stop: bool = False) -> None:
+        extra = {"after_stop": True} if after_stop else {}
+        self.sink.rank_exit(host, rank, -1 if code is None else code, when, **extra)
 
     def _end(self, host: int) -> bool:
         with self.lock:

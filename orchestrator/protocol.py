@@ -209,6 +209,7 @@ REQUESTS = {
     "follow": {"job_dir": str, "ranks": [int], "tail": int, "mode": str},
     "status": {"job_dir": str, "ranks": [int], "?first_local": int},
     "stop": {"job_dir": str, "grace": NUM},
+    "clock": {},                          # the host's time now: offsets measured NTP-style
 }
 FOLLOW_MODES = ("events", "snapshot", "raw", "raw-follow")
 
@@ -227,13 +228,16 @@ REPLIES = {
     "status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
                "time": NUM, "ranks": [RANK_STATUS]},
     "stop": {"found": int, "killed": int, "left": [int], "seconds": NUM},
+    "clock": {"time": NUM},
 }
 # Parts that may come before a reply (with the request's id).
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}
 EVENTS = {
-    "exit": {"rank": int, "code": OPT_INT, "time": NUM},   # a rank ended (host clock)
+    # a rank ended (host clock); after_stop: it ended after this host received a stop,
+    # so it is a consequence of the stop, never a job's root cause
+    "exit": {"rank": int, "code": OPT_INT, "time": NUM, "?after_stop": bool},
     "done": {"code": OPT_INT, "?time": OPT_NUM, "?lost": bool, "?snapshot": bool},
-    "beat": {},                                           # once a second while following
+    "beat": {"?time": NUM},                   # once a second while following (host clock)
 }
 ERROR = {"category": str, "message": str, "?traceback": str, "?fix": str}
 # The receive stream, after the receive request.

@@ -62,7 +62,8 @@ class RawSink:
             self.broken = True
             self.ended.set()
 
-    def rank_exit(self, host: int, rank: int, code: int, when: float) -> None:
+    def rank_exit(self, host: int, rank: int, code: int, when: float,
+                  after_stop: bool = False) -> None:
         pass
 
     def host_done(self, host: int, info: dict) -> None:
@@ -92,7 +93,8 @@ class LogSink(LineSink):
     def lines(self, host: int, rank: int, texts: list[bytes]) -> None:
         self.printer.lines(host, rank, texts)
 
-    def rank_exit(self, host: int, rank: int, code: int, when: float) -> None:
+    def rank_exit(self, host: int, rank: int, code: int, when: float,
+                  after_stop: bool = False) -> None:
         pass
 
     def host_done(self, host: int, info: dict) -> None:

@@ -27,7 +27,7 @@ def clean_run_dir(p: dict) -> None:
     with jd.dirfd("run") as fd:
         names = os.listdir(fd)
     for name in names:
-        if name.endswith((".exit", ".pid")) or name == "host.exit":
+        if name.endswith((".exit", ".pid")) or name in ("host.exit", "stop.json"):
             jd.unlink("run/" + name)
 
 

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from orchestrator import protocol
 from orchestrator.host import files, follow, launch, preflight, procs, status
@@ -26,6 +27,7 @@ COMMANDS = {
     "follow": follow.run,
     "status": status.run,
     "stop": procs.run_stop,
+    "clock": lambda req: {"time": time.time()},
 }
 IN_THREAD = {"follow": True, "stop": False}   # command -> daemon thread (not waited for)
 
