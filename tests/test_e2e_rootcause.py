@@ -71,3 +71,40 @@ def test_the_failing_rank_is_named_at_16_hosts_on_a_busy_machine(
     assert "SIGTERM" not in report.split("stopped the job")[0], report
     assert "stopped the job on every host" in report, report
     assert_nothing_left(hosts, name)
+
+
+SLEEP_JOB = """\
+import os, time
+print("rank %s ready" % os.environ["RANK"], flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_frozen_host_is_named_and_finished_once_it_is_back(
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:  # noqa: F811
+    """sshd and the agent SIGSTOPped mid-job (the job itself runs on, detached): the
+    frozen host is the root cause, the report says it was not stopped and how to finish
+    it; status exits 3 while it is away; `orch stop -c` finishes it once it is back."""
+    from test_e2e_up import orch
+    hosts, name = sshd_cluster.hosts[:2], "rc-frozen"
+    frozen = hosts[1]
+    write_job(tmp_path, SLEEP_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
+    jobs.add(inv, hosts, name)
+    up = jobs.start(tmp_path, "up", str(inv))
+    up.wait_for(r"\] rank \d ready$", count=2)
+    frozen.pause()
+    try:
+        code = up.finish(timeout=60)
+        report = " ".join("\n".join(up.err).split())
+        status = orch(tmp_path, "status", "-c", str(inv))
+    finally:
+        frozen.resume()
+    assert code == 1, up.text()
+    assert f"root cause host {frozen.address}: it went silent before any rank failed" in report, report
+    assert f"NOT stopped on {frozen.address}" in report and "every host" not in report, report
+    assert f"orch stop -c {inv}" in report, report
+    assert status.returncode == 3, status.stdout + status.stderr
+    stop = orch(tmp_path, "stop", "-c", str(inv), "--grace", "2")
+    assert stop.returncode == 0, stop.stderr
+    assert_nothing_left(hosts, name)
