@@ -54,7 +54,8 @@ def first_stop(cluster: SshdCluster, name: str) -> float:
     times = []
     for h in cluster.hosts:
         try:
-            times.append(json.loads((h.remote_dir / name / "run" / "stop.json").read_text())["time"])
+            stop = h.remote_dir / name / "run" / "stop.json"
+            times.append(json.loads(stop.read_text())["time"])
         except (OSError, ValueError, KeyError):
             continue
     return min(times, default=float("inf"))

@@ -87,7 +87,7 @@ class Clocks:
                 with self.lock:
                     self.hosts[i].add(t0, pending.body["time"], pending.received)
 
-    def start(self, first: int = 5) -> "Clocks":
+    def start(self, first: int = 5) -> Clocks:
         """`first` quick samples now (the best of them is usually tight), then one every
         CLOCK_PERIOD seconds in the background."""
         def loop() -> None:

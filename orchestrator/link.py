@@ -205,7 +205,8 @@ class Link:
                 raise protocol.ProtocolError(f"exit of rank {msg['rank']}, which is not followed here")
             # after_stop only when set: sinks that do not care keep a 4-argument rank_exit
             extra = {"after_stop": True} if msg.get("after_stop") else {}
-            self.sink.rank_exit(self.host.index, msg["rank"], msg["code"], msg["time"], **extra)
+            self.sink.rank_exit(self.host.index, msg["rank"], msg["code"], msg["time"],
+                                **extra)
         elif t == "done":
             fid, self.follow_id = self.follow_id, None
             self.sink.host_done(self.host.index, {k: v for k, v in msg.items() if k != "t"})

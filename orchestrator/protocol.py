@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
+from typing import Any
 
 MAGIC = b"\x00\x7fORCH-AGENT\x00"
 HEADER = struct.Struct(">cI")
@@ -199,7 +200,7 @@ def manifest_files(value) -> str:
     return None
 
 
-REQUESTS = {
+REQUESTS: dict[str, dict[str, Any]] = {
     "preflight": {"job_dir": str, "master_port": int, "want_port": bool,
                   "folders": [str], "want_gpus": bool},
     "manifest": {"root": str},
@@ -217,7 +218,7 @@ SUPERVISOR = {"pid": int, "pgid": int, "start_ticks": OPT_INT, "torchrun_pid": i
               "run_id": str, "started": NUM}
 RANK_STATUS = {"rank": int, "state": str, "last_line": str, "?pid": OPT_INT,
                "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM, "?error_file": str}
-REPLIES = {
+REPLIES: dict[str, dict[str, Any]] = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
                   "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool},
@@ -232,7 +233,7 @@ REPLIES = {
 }
 # Parts that may come before a reply (with the request's id).
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}
-EVENTS = {
+EVENTS: dict[str, dict[str, Any]] = {
     # a rank ended (host clock); after_stop: it ended after this host received a stop,
     # so it is a consequence of the stop, never a job's root cause
     "exit": {"rank": int, "code": OPT_INT, "time": NUM, "?after_stop": bool},

@@ -84,7 +84,7 @@ def first_failures(cands: list[Failure]) -> tuple[list[Failure], list[Failure]]:
         return [], []
     first = cands[0]
     tied = [f for f in cands[1:] if together(first, f)]
-    return [first] + tied, [f for f in cands[1:] if f not in tied]
+    return [first, *tied], [f for f in cands[1:] if f not in tied]
 
 
 def verdict(exits: list[Exit], clocks: dict[int, HostClock], stop_started: float | None,

@@ -8,18 +8,21 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rich.markup import escape
 
 from orchestrator import timeouts
+from orchestrator.clock import Clocks, HostClock
+from orchestrator.connect import GroupResult
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.inventory import Cluster
+from orchestrator.rootcause import Exit, Failure, Verdict, verdict
 from orchestrator.session import Session
 from orchestrator.state import JobState
-from orchestrator.clock import Clocks, HostClock
-from orchestrator.rootcause import Exit, Failure, Verdict, verdict
+from orchestrator.stopper import StopReport
 from orchestrator.ui import console
 
 
@@ -106,7 +109,7 @@ def attach(session: Session, state: JobState) -> int:
     return EXIT_JOB_FAILED
 
 
-def fail_fast(session: Session, mon: Monitor, finished) -> None:
+def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool]) -> None:
     """Stop every other rank on every host at once, then report the earliest failure."""
     cluster = session.cluster
     started = time.monotonic()
@@ -123,7 +126,8 @@ def fail_fast(session: Session, mon: Monitor, finished) -> None:
     console.print(stop_summary(cluster, mon, result, time.monotonic() - started))
 
 
-def stop_summary(cluster: Cluster, mon: Monitor, result, seconds: float) -> str:
+def stop_summary(cluster: Cluster, mon: Monitor, result: GroupResult[StopReport],
+                 seconds: float) -> str:
     """What was stopped and what was not: a lost host's ranks may run on."""
     not_stopped = {i: why for i, why in mon.lost.items() if i not in result.ok}
     if not not_stopped:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -66,7 +66,8 @@ def test_the_failing_rank_is_named_at_16_hosts_on_a_busy_machine(
     code = run.finish(timeout=240)
     report = " ".join("\n".join(run.err).split())
     assert code == 1, run.text()
-    cause = rf"root cause rank {fail_rank} on host {re.escape(hosts[fail_rank].address)} .*exit code 3"
+    address = re.escape(hosts[fail_rank].address)
+    cause = rf"root cause rank {fail_rank} on host {address} .*exit code 3"
     assert re.search(cause, report), report
     assert "SIGTERM" not in report.split("stopped the job")[0], report
     assert "stopped the job on every host" in report, report
@@ -101,7 +102,8 @@ def test_a_frozen_host_is_named_and_finished_once_it_is_back(
     finally:
         frozen.resume()
     assert code == 1, up.text()
-    assert f"root cause host {frozen.address}: it went silent before any rank failed" in report, report
+    silent = f"root cause host {frozen.address}: it went silent before any rank failed"
+    assert silent in report, report
     assert f"NOT stopped on {frozen.address}" in report and "every host" not in report, report
     assert f"orch stop -c {inv}" in report, report
     assert status.returncode == 3, status.stdout + status.stderr

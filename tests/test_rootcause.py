@@ -50,7 +50,8 @@ def run_job(tmp_path: Path, handlers: dict) -> tuple[int, dict, dict]:
         code = attach(session, state)
     finally:
         session.close()
-    return code, transports, {i: [m["t"] for m in t.channel.requests] for i, t in transports.items()}
+    requests = {i: [m["t"] for m in t.channel.requests] for i, t in transports.items()}
+    return code, transports, requests
 
 
 def handlers(*, fail: tuple[int, int, float, float] | None, stopped: threading.Event,
@@ -162,6 +163,7 @@ def test_a_failure_after_a_host_went_silent_is_a_consequence(tmp_path, capsys, m
     monkeypatch.setattr(timeouts, "STOP_EXTRA", 1.0)
     stopped = threading.Event()
     code, _, _ = run_job(tmp_path, handlers(fail=(0, 1, 2.5, 0.0), stopped=stopped, silent=1))
+    assert code == EXIT_JOB_FAILED
     err = flat(capsys)
     assert "root cause host localhost#1" in err, err
     assert "then rank 0 on localhost#0 (exit code 1): a consequence" in err, err

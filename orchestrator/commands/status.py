@@ -8,7 +8,13 @@ from typing import Any
 
 from rich.table import Table
 
-from orchestrator.commands.common import console, inventory, open_session, require_state, warn_unreachable
+from orchestrator.commands.common import (
+    console,
+    inventory,
+    open_session,
+    require_state,
+    warn_unreachable,
+)
 from orchestrator.errors import EXIT_HOST, EXIT_OK
 from orchestrator.watch import signal_name
 
@@ -39,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         console.print(table(cluster.name, rows), soft_wrap=False)
     # a host that cannot be reached: its ranks' state is unknown, not "lost"
-    return EXIT_HOST if session.failed or len(result.ok) < len(session.links) else EXIT_OK
+    unreachable = session.failed or len(result.ok) < len(session.links)
+    return EXIT_HOST if unreachable else EXIT_OK
 
 
 def row(rank: int, host: str, local: int, info: dict, offset: float) -> dict:

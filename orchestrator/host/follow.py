@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from orchestrator import protocol, timeouts
 from orchestrator.host.common import AgentError, job_paths, read_json
@@ -120,7 +121,7 @@ def emit(send, log: RankLog, final: bool = False) -> int:
         total += len(got)
 
 
-def exit_event(p: dict, rank: int, ex: dict) -> bytes:
+def exit_event(p: dict[str, Any], rank: int, ex: dict[str, Any]) -> bytes:
     """A rank's exit; tagged after_stop when it came after this host received a stop
     (both times by this host's clock, so no offset is involved)."""
     fields = {"rank": rank, "code": ex["code"], "time": ex["time"]}

@@ -2,10 +2,12 @@
 verify)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
+from typing import Any
 
 from orchestrator import timeouts
 from orchestrator.host.common import job_paths, read_json, write_atomic
@@ -98,17 +100,15 @@ def stop(job_dir: str, grace: float) -> dict:
             "seconds": round(time.time() - t0, 3)}
 
 
-def mark_stop(p: dict, when: float) -> None:
+def mark_stop(p: dict[str, Any], when: float) -> None:
     """Record the stop before any signal: a rank that exits after this moment was ended
     by orch (or by torchrun reacting to it) and is never reported as the job's cause.
     A full disk must not keep the stop from happening."""
-    try:
+    with contextlib.suppress(OSError):
         write_atomic(p["jd"], STOP_FILE, json.dumps({"time": when}).encode(), 0o644)
-    except OSError:
-        pass
 
 
-def stop_time(p: dict):
+def stop_time(p: dict[str, Any]) -> float | None:
     """The host time of the stop received during this run, or None."""
     got = read_json(p["jd"], STOP_FILE)
     when = got.get("time") if isinstance(got, dict) else None
