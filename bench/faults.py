@@ -127,7 +127,7 @@ def main() -> None:
                 rows.append([fault, n, median([g[0] for g in got]), median([g[1] for g in got])])
                 print(f"  {fault} at {n} hosts: {got}", flush=True)
     print_table(f"faults, stand-in job, median of {args.reps} (load {os.getloadavg()[0]:.1f})",
-                ["fault", "hosts", "detected -> stop sent s", "fault -> all stopped s"], rows)
+                ["fault", "hosts", "fault -> first host stopping s", "fault -> all stopped s"], rows)
     print(f"raw samples: {save_json('faults.json', raw)}")
 
 
