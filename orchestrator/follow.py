@@ -26,6 +26,7 @@ TAIL_KEEP = 20
 
 class Sink(Protocol):
     def output(self, host: int, rank: int, partial: bool, data: bytes) -> None: ...
+    # a host's `after_stop=True` comes as a keyword only when set (see Link._event)
     def rank_exit(self, host: int, rank: int, code: int, when: float) -> None: ...
     def host_done(self, host: int, info: dict) -> None: ...
     def host_lost(self, host: int, why: str) -> None: ...
@@ -71,8 +72,10 @@ class Tracker:
         if started is not None:
             started(host, rank, pid)
 
-    def rank_exit(self, host: int, rank: int, code: int | None, when: float) -> None:
-        self.sink.rank_exit(host, rank, -1 if code is None else code, when)
+    def rank_exit(self, host: int, rank: int, code: int | None, when: float,
+                  after_stop: bool = False) -> None:
+        extra = {"after_stop": True} if after_stop else {}
+        self.sink.rank_exit(host, rank, -1 if code is None else code, when, **extra)
 
     def _end(self, host: int) -> bool:
         with self.lock:

@@ -37,6 +37,7 @@ class Pending:
     body: dict | None = None
     error: OrchError | None = None
     stream: Any = None      # a pull's receiver: its parts and data frames go there
+    received: float = 0.0               # our clock when the reply arrived (clock samples)
 
 
 class Link:
@@ -57,6 +58,7 @@ class Link:
         self.started = threading.Event()
         self.dead: OrchError | None = None
         self.last_seen = time.monotonic()
+        self.last_heard = time.time()       # the same moment on the wall clock (root cause)
 
     # ------------------------------------------------------------ start
 
@@ -86,7 +88,7 @@ class Link:
                 got = reader.read_frame()
                 if got is None:
                     return self._fail(HostError(f"{self.name}: the agent's connection ended"))
-                self.last_seen = time.monotonic()
+                self.last_seen, self.last_heard = time.monotonic(), time.time()
                 self._dispatch(*got)
         except protocol.ProtocolError as e:
             self._fail(HostError(f"{self.name}: the agent sent something orch does not "
@@ -202,6 +204,7 @@ class Link:
             self.sink.host_lost(self.host.index, f"follow failed: {msg['message']}")
 
     def _finish(self, id: int, p: Pending) -> None:
+        p.received = time.time()
         with self.plock:
             self.pending.pop(id, None)
         if p.stream is not None:
@@ -214,7 +217,10 @@ class Link:
         if t == "exit":
             if msg["rank"] not in self.follow_ranks:
                 raise protocol.ProtocolError(f"exit of rank {msg['rank']}, which is not followed here")
-            self.sink.rank_exit(self.host.index, msg["rank"], msg["code"], msg["time"])
+            # after_stop only when set: sinks that do not care keep a 4-argument rank_exit
+            extra = {"after_stop": True} if msg.get("after_stop") else {}
+            self.sink.rank_exit(self.host.index, msg["rank"], msg["code"], msg["time"],
+                                **extra)
         elif t == "start":
             if msg["rank"] not in self.follow_ranks:
                 raise protocol.ProtocolError(f"start of rank {msg['rank']}, which is not followed here")

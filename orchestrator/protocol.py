@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
+from typing import Any
 
 MAGIC = b"\x00\x7fORCH-AGENT\x00"
 HEADER = struct.Struct(">cI")
@@ -203,7 +204,7 @@ def manifest_files(value) -> str:
     return None
 
 
-REQUESTS = {
+REQUESTS: dict[str, dict[str, Any]] = {
     "preflight": {"job_dir": str, "master_port": int, "want_port": bool,
                   "folders": [str], "want_gpus": bool},
     "manifest": {"root": str},
@@ -215,6 +216,7 @@ REQUESTS = {
     "stop": {"job_dir": str, "grace": NUM},
     "pull_manifest": {"job_dir": str, "paths": [str]},   # paths relative to output/
     "pull_send": {"job_dir": str, "files": [str]},       # from the manifest
+    "clock": {},                          # the host's time now: offsets measured NTP-style
 }
 FOLLOW_MODES = ("events", "snapshot", "raw", "raw-follow")
 
@@ -223,7 +225,7 @@ SUPERVISOR = {"pid": int, "pgid": int, "start_ticks": OPT_INT, "torchrun_pid": i
 RANK_STATUS = {"rank": int, "state": str, "last_line": str, "?pid": OPT_INT,
                "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM, "?error_file": str,
                "?log_bytes": OPT_INT}
-REPLIES = {
+REPLIES: dict[str, dict[str, Any]] = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
                   "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool},
@@ -237,14 +239,17 @@ REPLIES = {
     "pull_manifest": {"root": str, "files": int, "bytes": int,
                       "skipped": [{"p": str, "why": str}], "skipped_count": int},
     "pull_send": {"files": int, "bytes": int},
+    "clock": {"time": NUM},
 }
 # Parts that may come before a reply (with the request's id).
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}
-EVENTS = {
-    "exit": {"rank": int, "code": OPT_INT, "time": NUM},   # a rank ended (host clock)
+EVENTS: dict[str, dict[str, Any]] = {
+    # a rank ended (host clock); after_stop: it ended after this host received a stop,
+    # so it is a consequence of the stop, never a job's root cause
+    "exit": {"rank": int, "code": OPT_INT, "time": NUM, "?after_stop": bool},
     "start": {"rank": int, "pid": int},                   # a rank's process is there
     "done": {"code": OPT_INT, "?time": OPT_NUM, "?lost": bool, "?snapshot": bool},
-    "beat": {},                                           # once a second while following
+    "beat": {"?time": NUM},                   # once a second while following (host clock)
 }
 ERROR = {"category": str, "message": str, "?traceback": str, "?fix": str}
 # A pull_send's stream, before its reply: per file a `pull_file` part, its data frames

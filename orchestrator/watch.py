@@ -1,22 +1,28 @@
 """Watching an attached job: print every rank, fail fast, stop on Ctrl-C, name the root cause.
 
-`attach(session, state)` returns the exit code and the outcome: a RankFailure (the
-earliest failing rank by the hosts' corrected clocks) or a host-level cause."""
+`attach(session, state)` returns the exit code; the root cause (rootcause.py) is the
+earliest real failure by the hosts' measured clocks, never a rank orch's stop ended, or
+a host that went silent before any rank failed."""
 from __future__ import annotations
 
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator import timeouts
+from orchestrator.clock import Clocks, HostClock
+from orchestrator.connect import GroupResult
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.inventory import Cluster
 from orchestrator.liveline import LiveLine, started_text
+from orchestrator.rootcause import Exit, Failure, Verdict, verdict
 from orchestrator.session import Session
 from orchestrator.state import JobState
+from orchestrator.stopper import StopReport
 from orchestrator.termsafe import markup_safe as escape
 from orchestrator.ui import console
 from orchestrator.words import hint_cmd, plural
@@ -24,7 +30,7 @@ from orchestrator.words import hint_cmd, plural
 
 @dataclass(frozen=True)
 class RankFailure:
-    """The root cause of a failed job: the earliest non-zero rank exit."""
+    """A failed rank named in the report, with what it left behind."""
 
     host: str
     rank: int
@@ -41,7 +47,7 @@ class Monitor(LineSink):
     cluster: Cluster
     state: JobState
     printer: PrefixPrinter
-    exits: dict[int, tuple[int, float]] = field(default_factory=dict)
+    exits: dict[int, Exit] = field(default_factory=dict)
     host_exits: dict[int, dict] = field(default_factory=dict)
     lost: dict[int, str] = field(default_factory=dict)
     wake: threading.Event = field(default_factory=threading.Event)
@@ -49,6 +55,7 @@ class Monitor(LineSink):
     live: LiveLine = field(default_factory=lambda: LiveLine(enabled=False))
     started: set[int] = field(default_factory=set)   # a pid reported, output or an exit
     printed: set[int] = field(default_factory=set)   # output or an exit
+    clocks: Clocks | None = None
 
     def lines(self, host: int, rank: int, texts: list[bytes]) -> None:
         self.printer.lines(host, rank, texts)
@@ -76,10 +83,10 @@ class Monitor(LineSink):
                  for h in self.cluster.hosts]
         return started_text(hosts, len(self.printed))
 
-    def rank_exit(self, host: int, rank: int, code: int, when: float) -> None:
+    def rank_exit(self, host: int, rank: int, code: int, when: float,
+                  after_stop: bool = False) -> None:
         self.seen(rank, printed=True)
-        # host clock -> ours, so that exits on different hosts can be ordered
-        self.exits[rank] = (code, when - self.state.host(host).clock_offset)
+        self.exits[rank] = Exit(host, rank, code, when, after_stop)
         if code != 0:
             self.wake.set()
 
@@ -92,8 +99,18 @@ class Monitor(LineSink):
         self.wake.set()
 
     def failed(self) -> bool:
-        return bool(self.lost) or any(c != 0 for c, _ in self.exits.values()) or any(
+        return bool(self.lost) or any(e.code != 0 for e in self.exits.values()) or any(
             i.get("code") != 0 for i in self.host_exits.values())
+
+    def host_clocks(self) -> dict[int, HostClock]:
+        """Each host's measured clock; the preflight offset where none was measured."""
+        out = {}
+        for h in self.state.hosts:
+            c = self.clocks.get(h.index) if self.clocks else HostClock()
+            if not c.samples:
+                c.fallback = h.clock_offset
+            out[h.index] = c
+        return out
 
 
 def attach(session: Session, state: JobState) -> int:
@@ -106,6 +123,7 @@ def attach(session: Session, state: JobState) -> int:
     live.update(mon.started_line())
     links = session.links
     streams = {h.index: HostStream(links[h.index], h.job_dir, h.ranks) for h in state.hosts}
+    mon.clocks = Clocks(links).start()
     try:
         finished = follow(streams, mon)
         while not finished() and not mon.failed():
@@ -117,6 +135,7 @@ def attach(session: Session, state: JobState) -> int:
         return EXIT_INTERRUPTED
     finally:
         live.close()
+        mon.clocks.close()
     if not mon.failed():
         console.print(f"job '{cluster.name}' finished: "
                       f"{'all ' if cluster.world_size > 1 else ''}"
@@ -127,7 +146,7 @@ def attach(session: Session, state: JobState) -> int:
     return EXIT_JOB_FAILED
 
 
-def fail_fast(session: Session, mon: Monitor, finished) -> None:
+def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool]) -> None:
     """Stop every other rank on every host at once, then report the earliest failure."""
     cluster = session.cluster
     started = time.monotonic()
@@ -136,24 +155,30 @@ def fail_fast(session: Session, mon: Monitor, finished) -> None:
     deadline = time.monotonic() + timeouts.DRAIN
     while not finished() and time.monotonic() < deadline:
         time.sleep(0.05)  # let the last lines and exit codes arrive
-    for i, exc in result.failed.items():
-        console.print(f"[red]could not stop {escape(cluster.hosts[i].label)}:[/] "
-                      f"{escape(str(exc))}")
-    console.print(render_cause(cluster, mon, root_cause(session, mon)))
+    for i, exc in result.failed.items():   # lost while we stopped (a frozen host)
+        mon.lost.setdefault(i, f"no answer to the stop: {exc}")
+    lost_at = {i: session.links[i].last_heard for i in mon.lost if i in session.links}
+    found = verdict(list(mon.exits.values()), mon.host_clocks(), mon.stop_started, lost_at)
+    console.print(render_verdict(session, mon, found))
     console.print(stop_summary(cluster, mon, result, time.monotonic() - started))
 
 
-def stop_summary(cluster: Cluster, mon: Monitor, result, seconds: float) -> str:
-    """What fail-fast stopped and what it could not: a lost host may still run its ranks."""
-    missed = {i: f"lost: {why}" for i, why in mon.lost.items()}
-    missed.update({i: str(exc) for i, exc in result.failed.items()})
-    if not missed:
+def stop_summary(cluster: Cluster, mon: Monitor, result: GroupResult[StopReport],
+                 seconds: float) -> str:
+    """What was stopped and what was not: a lost host's ranks may run on."""
+    not_stopped = {i: why for i, why in mon.lost.items() if i not in result.ok}
+    if not not_stopped:
         return f"stopped the job on every host in {seconds:.1f} s"
-    names = ", ".join(f"{escape(cluster.hosts[i].label)} ({escape(why)})"
-                      for i, why in sorted(missed.items()))
-    return (f"stopped the job on {len(result.ok)} of {plural(len(cluster.hosts), 'host')} in "
-            f"{seconds:.1f} s; [yellow]not stopped[/]: {names}: its processes may still run; "
-            f"`{escape(hint_cmd(cluster, 'stop'))}` ends them once the host answers again")
+    done = [cluster.hosts[i].label for i in sorted(result.ok)]
+    lines = [f"stopped the job on {len(done)} of {plural(len(cluster.hosts), 'host')} in "
+             f"{seconds:.1f} s"
+             + (f" ({escape(', '.join(done))})" if done else "")]
+    for i, why in sorted(not_stopped.items()):
+        lines.append(f"[red]NOT stopped on {escape(cluster.hosts[i].label)}[/] "
+                     f"(lost: {escape(why)}): its ranks may still be running there")
+    lines.append(f"`{escape(hint_cmd(cluster, 'stop'))}` ends them once the host is "
+                 "reachable again")
+    return "\n".join(lines)
 
 
 def interrupt_stop(session: Session, mon: Monitor) -> None:
@@ -202,31 +227,43 @@ def signal_name(code: int) -> str:
         return f"killed by signal {-code}"
 
 
-def first_failure(mon: Monitor) -> tuple[int, int] | None:
-    """The earliest non-zero exit (host clocks corrected); at equal times a real exit
-    code wins over a rank killed by a signal as a consequence."""
-    cutoff = mon.stop_started if mon.stop_started is not None else float("inf")
-    failures = [(t, code < 0, rank, code) for rank, (code, t) in mon.exits.items()
-                if code != 0 and t < cutoff]
-    if not failures:
-        return None
-    _, _, rank, code = min(failures)
-    return rank, code
+def describe(cluster: Cluster, f: Failure) -> str:
+    return f"rank {f.rank} on {cluster.hosts[f.host].label} ({signal_name(f.code)})"
 
 
-def root_cause(session: Session, mon: Monitor) -> RankFailure | None:
-    first = first_failure(mon)
-    if first is None:
-        return None
-    rank, code = first
-    host = session.cluster.host_of(rank)
-    return RankFailure(host.label, rank, rank - host.first_rank, code,
-                       session.error_file(rank), tuple(mon.printer.tail(rank)[-10:]))
+def rank_failure(session: Session, mon: Monitor, f: Failure) -> RankFailure:
+    host = session.cluster.hosts[f.host]
+    return RankFailure(host.label, f.rank, f.rank - host.first_rank, f.code,
+                       session.error_file(f.rank), tuple(mon.printer.tail(f.rank)[-10:]))
 
 
-def render_cause(cluster: Cluster, mon: Monitor, cause: RankFailure | None) -> str:
-    if cause is None:
+def render_verdict(session: Session, mon: Monitor, v: Verdict) -> str:
+    cluster = session.cluster
+    if v.silent:
+        return render_silent(cluster, mon, v)
+    if not v.failures:
         return host_level_cause(cluster, mon)
+    lines = [render_cause(cluster, mon, rank_failure(session, mon, v.failures[0]))]
+    if len(v.failures) > 1:
+        spread = max(f.at for f in v.failures) - min(f.at for f in v.failures)
+        unc = max(f.uncertainty for f in v.failures)
+        lines.append(f"{escape(' and '.join(describe(cluster, f) for f in v.failures))} failed "
+                     f"within {spread * 1000:.0f} ms of each other (clock uncertainty "
+                     f"{unc * 1000:.0f} ms): either may be the cause")
+    return "\n".join(lines)
+
+
+def render_silent(cluster: Cluster, mon: Monitor, v: Verdict) -> str:
+    names = ", ".join(cluster.hosts[i].label for i in v.silent)
+    why = "; ".join(mon.lost[i] for i in v.silent)
+    lines = [f"[bold red]job '{cluster.name}' failed[/]: root cause host {escape(names)}: it "
+             f"went silent before any rank failed ({escape(why)})"]
+    for f in v.later:
+        lines.append(f"  then {escape(describe(cluster, f))}: a consequence")
+    return "\n".join(lines)
+
+
+def render_cause(cluster: Cluster, mon: Monitor, cause: RankFailure) -> str:
     rank = cause.rank
     lines = [f"[bold red]job '{cluster.name}' failed[/]: root cause rank {rank} on host "
              f"{escape(cause.host)} (local rank {cause.local_rank}): {signal_name(cause.code)}"]
@@ -243,9 +280,6 @@ def render_cause(cluster: Cluster, mon: Monitor, cause: RankFailure | None) -> s
 
 
 def host_level_cause(cluster: Cluster, mon: Monitor) -> str:
-    for i, why in sorted(mon.lost.items()):
-        return (f"[bold red]job '{cluster.name}' failed[/]: host {escape(cluster.hosts[i].label)} "
-                f"was lost ({escape(why)})")
     for i, info in sorted(mon.host_exits.items()):
         if info.get("code") != 0:
             return (f"[bold red]job '{cluster.name}' failed[/]: torchrun on host "

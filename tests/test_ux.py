@@ -264,7 +264,7 @@ def test_a_rank_ended_by_a_stop_reads_stopped(tmp_path: Path) -> None:
     (run / "rank-0.exit").write_text(json.dumps({"code": 7, "time": 100.0}))    # failed first
     (run / "rank-1.exit").write_text(json.dumps({"code": -15, "time": 105.0}))  # then stopped
     assert host_status.rank_status(p, 1, 1, None)["state"] == "exited"
-    host_procs.record_stop(p, 101.0)
+    host_procs.mark_stop(p, 101.0)
     assert host_status.rank_status(p, 0, 0, None)["state"] == "exited"
     assert host_status.rank_status(p, 1, 1, None)["state"] == "stopped"
     info = host_status.rank_status(p, 1, 1, None)

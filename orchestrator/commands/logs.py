@@ -130,7 +130,8 @@ class RawSink:
             self.broken = True
             self.ended.set()
 
-    def rank_exit(self, host: int, rank: int, code: int, when: float) -> None:
+    def rank_exit(self, host: int, rank: int, code: int, when: float,
+                  after_stop: bool = False) -> None:
         pass
 
     def host_done(self, host: int, info: dict) -> None:
@@ -169,7 +170,8 @@ class LogSink(LineSink):
         else:
             self.printer.lines(host, rank, texts)
 
-    def rank_exit(self, host: int, rank: int, code: int, when: float) -> None:
+    def rank_exit(self, host: int, rank: int, code: int, when: float,
+                  after_stop: bool = False) -> None:
         pass
 
     def host_done(self, host: int, info: dict) -> None:

@@ -56,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
         for i, exc in sorted(result.failed.items()):
             console.print("[yellow]warning:[/]", plain(f"{cluster.hosts[i].label}: {exc}"))
         console.print(table(cluster.name, rows), soft_wrap=False, crop=True)
-    return EXIT_HOST if failed else EXIT_OK
+    # a host that cannot be reached: its ranks' state is unknown, not "lost"
+    missing = failed or session.failed or len(result.ok) < len(session.links)
+    return EXIT_HOST if missing else EXIT_OK
 
 
 def row(rank: int, host: str, local: int, info: dict, offset: float) -> dict:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from orchestrator import protocol, timeouts
 from orchestrator.host.common import AgentError, job_paths, read_json
-from orchestrator.host.procs import supervisor_alive
+from orchestrator.host.procs import stop_time, supervisor_alive
 
 READ = 1 << 20          # bytes read from a log per pass
 CHUNK = protocol.MAX_OUTPUT
@@ -120,6 +121,16 @@ def emit(send, log: RankLog, final: bool = False) -> int:
         total += len(got)
 
 
+def exit_event(p: dict[str, Any], rank: int, ex: dict[str, Any]) -> bytes:
+    """A rank's exit; tagged after_stop when it came after this host received a stop
+    (both times by this host's clock, so no offset is involved)."""
+    fields = {"rank": rank, "code": ex["code"], "time": ex["time"]}
+    stopped = stop_time(p)
+    if stopped is not None and ex["time"] >= stopped:
+        fields["after_stop"] = True
+    return protocol.event("exit", **fields)
+
+
 def send_exits(send, p: dict, logs: list, reported: set, events: bool) -> bool:
     """Report rank exits as they land; True once nothing more will come."""
     for log in logs:
@@ -130,7 +141,7 @@ def send_exits(send, p: dict, logs: list, reported: set, events: bool) -> bool:
             reported.add(log.rank)
             emit(send, log)
             if events:
-                send(protocol.event("exit", rank=log.rank, code=ex["code"], time=ex["time"]))
+                send(exit_event(p, log.rank, ex))
     return host_done(p) is not None or (not events and len(reported) == len(logs))
 
 
@@ -183,7 +194,7 @@ def run(req) -> None:
         if mode in ("raw", "snapshot") or send_exits(send, p, logs, reported, mode == "events"):
             return finish(send, p, logs, mode)
         if mode == "events" and time.time() - beat >= timeouts.HEARTBEAT:
-            send(protocol.event("beat"))
+            send(protocol.event("beat", time=time.time()))
             beat = time.time()
         if not busy:
             # 50 ms while output flows; 200 ms after a quiet second (a long quiet job

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from orchestrator import protocol
 from orchestrator.host import files, follow, launch, preflight, procs, pull, status
@@ -28,6 +29,7 @@ COMMANDS = {
     "stop": procs.run_stop,
     "pull_manifest": pull.run_manifest,
     "pull_send": pull.run_send,
+    "clock": lambda req: {"time": time.time()},
 }
 IN_THREAD = {"follow": True, "stop": False}   # command -> daemon thread (not waited for)
 

@@ -7,9 +7,12 @@ import json
 import os
 import signal
 import time
+from typing import Any
 
 from orchestrator import timeouts
 from orchestrator.host.common import job_paths, read_json, write_atomic
+
+STOP_FILE = "run/stop.json"   # when this host received a stop, by its own clock
 
 
 def proc_start_time(pid: int):
@@ -83,7 +86,7 @@ def stop(job_dir: str, grace: float) -> dict:
     t0 = time.time()
     found = marked_pids(p["job"]) + ([sup["pid"]] if sup else [])
     if found:
-        record_stop(p, t0)
+        mark_stop(p, t0)
     # torchrun itself has nothing to save, and its own SIGTERM shutdown takes seconds;
     # the ranks (the user's code) get SIGTERM from us directly and the full grace.
     torchrun = sup.get("torchrun_pid") if sup else None
@@ -97,12 +100,19 @@ def stop(job_dir: str, grace: float) -> dict:
             "seconds": round(time.time() - t0, 3)}
 
 
-def record_stop(p: dict, when: float) -> None:
-    """run/stop.json: a rank that ends after this time with a signal or an error code
-    was stopped (by `orch stop`, Ctrl-C or fail-fast), it did not fail on its own."""
-    # a stop must go on even where the run folder cannot be written
+def mark_stop(p: dict[str, Any], when: float) -> None:
+    """Record the stop before any signal: a rank that exits after this moment was ended
+    by orch (or by torchrun reacting to it) and is never reported as the job's cause.
+    A full disk must not keep the stop from happening."""
     with contextlib.suppress(OSError):
-        write_atomic(p["jd"], "run/stop.json", json.dumps({"time": when}).encode(), 0o644)
+        write_atomic(p["jd"], STOP_FILE, json.dumps({"time": when}).encode(), 0o644)
+
+
+def stop_time(p: dict[str, Any]) -> float | None:
+    """The host time of the stop received during this run, or None."""
+    got = read_json(p["jd"], STOP_FILE)
+    when = got.get("time") if isinstance(got, dict) else None
+    return when if isinstance(when, (int, float)) and not isinstance(when, bool) else None
 
 
 def run_stop(req) -> dict:
