@@ -9,6 +9,8 @@ A frame is 1 byte kind + 4 bytes big-endian payload length + payload:
     D  raw file bytes (a receive stream: the bytes of the file announced before)
     O  rank output: 4-byte rank, 1 flag byte, then the bytes exactly as the rank wrote
        them. Output is data, never parsed, so nothing a rank prints can forge a frame.
+    S  a command's output (setup, exec): 4-byte request id, 1 flag byte (0), then the
+       bytes as the command wrote them (stdout and stderr together); agent -> controller.
 
 The agent's first frame is a hello, announced by MAGIC: whatever a login shell prints
 before the agent starts is skipped (up to MAX_GARBAGE bytes). Every frame kind has a
@@ -23,7 +25,7 @@ import struct
 MAGIC = b"\x00\x7fORCH-AGENT\x00"
 HEADER = struct.Struct(">cI")
 RANK = struct.Struct(">IB")          # rank, flags of an output frame
-JSON, DATA, OUTPUT = b"J", b"D", b"O"
+JSON, DATA, OUTPUT, STREAM_OUT = b"J", b"D", b"O", b"S"
 PARTIAL = 1                          # output flag: a piece of a line, more follows
 
 MAX_JSON = 8 << 20                   # one JSON frame
@@ -33,6 +35,7 @@ MAX_GARBAGE = 64 << 10               # what may come before the agent's hello
 MANIFEST_PART = 20_000               # manifest entries per part, at most
 MAX_PARTS = 100                      # parts before one reply: 2 million files per folder
 CAPS = {JSON: MAX_JSON, DATA: MAX_DATA, OUTPUT: MAX_OUTPUT + RANK.size}
+MAX_COMMANDS = 200                   # setup commands in one request
 
 # Error categories of an error reply, and the exit code the controller gives them.
 USAGE, HOST, JOB = "usage", "host", "job"
@@ -65,6 +68,11 @@ def message(t: str, **fields) -> bytes:
 
 def output(rank: int, data: bytes, partial: bool = False) -> bytes:
     return frame(OUTPUT, RANK.pack(rank, PARTIAL if partial else 0) + data)
+
+
+def command_output(id: int, data: bytes) -> bytes:
+    """An S frame: a piece of the output of the command that request `id` runs."""
+    return frame(STREAM_OUT, RANK.pack(id, 0) + data)
 
 
 def split_output(payload: bytes) -> tuple:
@@ -209,6 +217,15 @@ REQUESTS = {
     "follow": {"job_dir": str, "ranks": [int], "tail": int, "mode": str},
     "status": {"job_dir": str, "ranks": [int], "?first_local": int},
     "stop": {"job_dir": str, "grace": NUM},
+    # setup: `commands` (each run with the host's shell, -c) or `script` (a file in code/),
+    # in code/; skipped when run/setup.json holds `fingerprint` (unless `force`)
+    "setup": {"job_dir": str, "commands": [str], "script": OPT_STR, "env": dict,
+              "fingerprint": str, "force": bool},
+    # after setup: the configured python's executable, torch version, and the entrypoint
+    "probe": {"job_dir": str, "python": str, "entrypoint": str, "module": bool, "env": dict},
+    # orch exec: argv in the job folder (else remote_dir, else home), no shell
+    "exec": {"job_dir": str, "argv": [str], "env": dict},
+    "cancel": {"id": int},          # end the command of a running setup or exec (its group)
 }
 FOLLOW_MODES = ("events", "snapshot", "raw", "raw-follow")
 
@@ -219,7 +236,8 @@ RANK_STATUS = {"rank": int, "state": str, "last_line": str, "?pid": OPT_INT,
 REPLIES = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
-                  "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool},
+                  "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool,
+                  "?python_missing": str},
     "manifest": {"root": str},                            # the files come as parts
     "receive": {"files": int, "bytes": int, "deleted": int},
     "launch": {"supervisor": SUPERVISOR},
@@ -227,6 +245,11 @@ REPLIES = {
     "status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
                "time": NUM, "ranks": [RANK_STATUS]},
     "stop": {"found": int, "killed": int, "left": [int], "seconds": NUM},
+    # code: the exit status (negative: killed by that signal); failed: the command that failed
+    "setup": {"skipped": bool, "code": int, "failed": OPT_STR, "shell": str, "seconds": NUM},
+    "probe": {"executable": OPT_STR, "torch": OPT_STR, "entrypoint": OPT_STR, "error": OPT_STR},
+    "exec": {"code": int, "cwd": str, "seconds": NUM},
+    "cancel": {"found": bool},
 }
 # Parts that may come before a reply (with the request's id).
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}

@@ -14,7 +14,7 @@ import sys
 import threading
 
 from orchestrator import protocol
-from orchestrator.host import files, follow, launch, preflight, procs, status
+from orchestrator.host import commands, files, follow, launch, preflight, procs, status
 from orchestrator.host.common import AgentError
 from orchestrator.host.paths import UnsafePath
 
@@ -26,8 +26,13 @@ COMMANDS = {
     "follow": follow.run,
     "status": status.run,
     "stop": procs.run_stop,
+    "setup": commands.run_setup,
+    "probe": commands.run_probe,
+    "exec": commands.run_exec,
+    "cancel": commands.run_cancel,
 }
-IN_THREAD = {"follow": True, "stop": False}   # command -> daemon thread (not waited for)
+# command -> daemon thread (not waited for); setup and exec run beside a `cancel`
+IN_THREAD = {"follow": True, "stop": False, "setup": False, "exec": False}
 
 
 class Out:
@@ -118,6 +123,7 @@ def main(version: str, argv: list) -> None:
         out.send(protocol.error(None, protocol.HOST, "agent: %s" % e))
     except BrokenPipeError:
         pass
+    commands.end_all()   # a setup or exec does not outlive the controller
     for th in waited:
         th.join()
     sys.stdout.flush()
