@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from orchestrator import timeouts
 from orchestrator.cmdout import HostOutput
-from orchestrator.errors import HostError
+from orchestrator.errors import HostError, OrchError
 from orchestrator.link import Link, Pending
 
 
@@ -72,8 +72,8 @@ def cancel_all(running: dict[int, Running]) -> None:
     for r in running.values():
         if not r.pending.done.is_set():
             try:
-                r.link.submit("cancel", id=r.id)
-            except Exception:  # a lost host: its agent ends the command at end of input
+                r.link.submit("cancel", request=r.id)
+            except OrchError:  # a lost host: its agent ends the command at end of input
                 pass
     deadline = time.monotonic() + timeouts.CANCEL
     for r in running.values():

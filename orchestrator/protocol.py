@@ -225,7 +225,7 @@ REQUESTS = {
     "probe": {"job_dir": str, "python": str, "entrypoint": str, "module": bool, "env": dict},
     # orch exec: argv in the job folder (else remote_dir, else home), no shell
     "exec": {"job_dir": str, "argv": [str], "env": dict},
-    "cancel": {"id": int},          # end the command of a running setup or exec (its group)
+    "cancel": {"request": int},     # end the command of a running setup or exec (its group)
 }
 FOLLOW_MODES = ("events", "snapshot", "raw", "raw-follow")
 

@@ -242,11 +242,11 @@ def test_agent_cancel_ends_the_whole_group(tmp_path: Path) -> None:
     pgid = commands._running[req.id].pid
     while b"started" not in req.output() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert commands.run_cancel(Req("cancel", id=req.id)) == {"found": True}
+    assert commands.run_cancel(Req("cancel", request=req.id)) == {"found": True}
     th.join(10)
     assert result["code"] == -signal.SIGKILL
     assert not group_alive(pgid)
-    assert commands.run_cancel(Req("cancel", id=req.id)) == {"found": False}
+    assert commands.run_cancel(Req("cancel", request=req.id)) == {"found": False}
 
 
 # ---------------------------------------------------------------- controller, fake agents
@@ -290,3 +290,25 @@ def test_command_output_for_no_command_is_refused(tmp_path: Path) -> None:
             session.links[0].request("status", 5, job_dir="/x", ranks=[0])
     finally:
         session.close()
+
+
+def test_agent_end_of_input_ends_every_running_command(tmp_path: Path) -> None:
+    """The controller is gone (its channel closed): no setup or exec goes on without it."""
+    reqs = [Req("exec", job_dir=str(tmp_path), env={}, argv=["sh", "-c", "echo started; sleep 300"])
+            for _ in range(2)]
+    threads = [threading.Thread(target=commands.run_exec, args=(r,)) for r in reqs]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + 10
+    while not all(b"started" in r.output() for r in reqs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pgids = [commands._running[r.id].pid for r in reqs]
+    try:
+        commands.end_all()
+        for th in threads:
+            th.join(10)
+        assert not any(group_alive(p) for p in pgids)
+        with pytest.raises(Exception, match="controller is gone"):
+            commands.run_exec(Req("exec", job_dir=str(tmp_path), env={}, argv=["true"]))
+    finally:
+        commands._closing.clear()

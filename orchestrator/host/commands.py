@@ -89,6 +89,22 @@ def pump(req, proc: subprocess.Popen, log_fd=None) -> int:
             _running.pop(req.id, None)
 
 
+def group_alive(pgid: int) -> bool:
+    """A process of the group that is not a zombie (a zombie still takes signals, so
+    killpg(pgid, 0) would say yes until someone reaps it)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
 def end_group(proc: subprocess.Popen, grace: float = timeouts.COMMAND_GRACE) -> None:
     """SIGTERM the command's process group, SIGKILL what is left after `grace`."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -98,16 +114,15 @@ def end_group(proc: subprocess.Popen, grace: float = timeouts.COMMAND_GRACE) -> 
             return
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            try:
-                os.killpg(proc.pid, 0)
-            except OSError:
+            proc.poll()   # our child: reaped here, so it does not count as alive
+            if not group_alive(proc.pid):
                 return
             time.sleep(0.05)
 
 
 def run_cancel(req) -> dict:
     with _lock:
-        proc = _running.get(req.args["id"])
+        proc = _running.get(req.args["request"])
     if proc is not None:
         end_group(proc)
     return {"found": proc is not None}
