@@ -258,7 +258,8 @@ def run_probe(req) -> dict:
     there. Run in code/, as the ranks are."""
     a = req.args
     jd = job_paths(a["job_dir"])["jd"]
-    argv = [a["python"], "-c", PROBE, a["entrypoint"], "1" if a["module"] else "0"]
+    python = os.path.expanduser(a["python"])   # `python: ~/venv/bin/python`
+    argv = [python, "-c", PROBE, a["entrypoint"], "1" if a["module"] else "0"]
     with jd.dirfd("code", create=True) as fd:
         try:
             r = subprocess.run(argv, cwd="/proc/self/fd/%d" % fd, env=environment(a["env"]),
