@@ -1,6 +1,7 @@
 """The output of a command run on several hosts (setup, exec): whole lines printed with
 a host prefix (made safe for a terminal), each host's last lines kept for a message,
 and, when asked, its whole output kept up to a cap (`orch exec --json`)."""
+
 from __future__ import annotations
 
 import sys
@@ -10,8 +11,8 @@ from typing import BinaryIO
 
 from orchestrator import termsafe
 
-MAX_LINE = 64 << 10          # a longer line without a newline is printed in pieces
-TAIL_LINE = 400              # characters of a line kept for a message
+MAX_LINE = 64 << 10  # a longer line without a newline is printed in pieces
+TAIL_LINE = 400  # characters of a line kept for a message
 
 
 class Printer:
@@ -87,8 +88,9 @@ class HostOutput:
 
     def tail_text(self) -> list[str]:
         """The last lines, safe to show (escaped control characters)."""
-        return [termsafe.visible(line.decode("utf-8", "replace"), keep_sgr=False)
-                for line in self.last]
+        return [
+            termsafe.visible(line.decode("utf-8", "replace"), keep_sgr=False) for line in self.last
+        ]
 
     def text(self) -> str:
         return self.kept.decode("utf-8", "replace")

@@ -2,8 +2,10 @@
 request per host, stream each host's output into its HostOutput, wait for every reply;
 Ctrl-C sends `cancel` to every host still running (the host ends the command's process
 group) and waits briefly for their replies."""
+
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -24,14 +26,19 @@ class Running:
 
 @dataclass
 class Outcome:
-    ok: dict[int, dict]                   # host index -> reply
-    failed: dict[int, BaseException]      # host index -> why there is no reply
+    ok: dict[int, dict[str, Any]]  # host index -> reply
+    failed: dict[int, BaseException]  # host index -> why there is no reply
     interrupted: bool = False
 
 
-def submit_all(links: dict[int, Link], command: str, outputs: dict[int, HostOutput],
-               fields: Callable[[int], dict[str, Any]]) -> tuple[dict[int, Running], dict[int, BaseException]]:
-    running, failed = {}, {}
+def submit_all(
+    links: dict[int, Link],
+    command: str,
+    outputs: dict[int, HostOutput],
+    fields: Callable[[int], dict[str, Any]],
+) -> tuple[dict[int, Running], dict[int, BaseException]]:
+    running: dict[int, Running] = {}
+    failed: dict[int, BaseException] = {}
     for i, link in links.items():
         try:
             id, p = link.submit(command, stream=outputs[i].feed, **fields(i))
@@ -41,8 +48,11 @@ def submit_all(links: dict[int, Link], command: str, outputs: dict[int, HostOutp
     return running, failed
 
 
-def wait_all(running: dict[int, Running], timeout: float | None,
-             failed: dict[int, BaseException] | None = None) -> Outcome:
+def wait_all(
+    running: dict[int, Running],
+    timeout: float | None,
+    failed: dict[int, BaseException] | None = None,
+) -> Outcome:
     """Every reply (or its failure); Ctrl-C cancels what still runs and says so."""
     out = Outcome({}, dict(failed or {}))
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -71,10 +81,9 @@ def cancel_all(running: dict[int, Running]) -> None:
     """Ask every host whose command still runs to end it, then wait for the replies."""
     for r in running.values():
         if not r.pending.done.is_set():
-            try:
+            # a lost host: its agent ends the command at the end of its input
+            with contextlib.suppress(OrchError):
                 r.link.submit("cancel", request=r.id)
-            except OrchError:  # a lost host: its agent ends the command at end of input
-                pass
     deadline = time.monotonic() + timeouts.CANCEL
     for r in running.values():
         r.pending.done.wait(max(0.0, deadline - time.monotonic()))

@@ -12,15 +12,16 @@ The fingerprint decides whether setup runs again: its text, the script's content
 the content of every pushed file whose path appears as a word of a command (or of the
 script): `pip install -r requirements.txt` re-runs when requirements.txt changes.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import posixpath
 import shlex
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Optional, Tuple
 
 from yaml.nodes import ScalarNode
 
@@ -31,16 +32,16 @@ MAX_COMMANDS = 200
 
 @dataclass(frozen=True)
 class SetupSpec:
-    commands: Tuple[str, ...]        # shell commands; empty when `script` is set
-    script: Optional[str]            # a script's path in the code folder
-    line: int                        # where `setup:` is, for messages
+    commands: tuple[str, ...]  # shell commands; empty when `script` is set
+    script: str | None  # a script's path in the code folder
+    line: int  # where `setup:` is, for messages
 
     @property
     def text(self) -> str:
         return self.script if self.script is not None else "\n".join(self.commands)
 
 
-def parse_setup(top: Section, code_paths: Tuple[str, ...], base_dir: Path) -> Optional[SetupSpec]:
+def parse_setup(top: Section, code_paths: tuple[str, ...], base_dir: Path) -> SetupSpec | None:
     node = top.node("setup")
     if node is None or node.tag == TAG + "null":
         return None
@@ -48,15 +49,22 @@ def parse_setup(top: Section, code_paths: Tuple[str, ...], base_dir: Path) -> Op
     one = isinstance(node, ScalarNode)
     nodes = [node] if one else src.sequence(node, "setup")
     if len(nodes) > MAX_COMMANDS:
-        src.fail(node, f"`setup` has {len(nodes)} commands, more than {MAX_COMMANDS}",
-                 "put them in a script pushed with the code: `setup: scripts/setup.sh`")
+        src.fail(
+            node,
+            f"`setup` has {len(nodes)} commands, more than {MAX_COMMANDS}",
+            "put them in a script pushed with the code: `setup: scripts/setup.sh`",
+        )
     commands = []
     for i, item in enumerate(nodes):
         what = "setup" if one else f"setup[{i}]"
         value = src.value(item, what)
         if not isinstance(value, str) or not value.strip():
-            src.fail(item, f"`{what}` must be a shell command (text), got {src.describe(item)}",
-                     "write each command as text, quoted if it has `: ` or starts with a special character")
+            src.fail(
+                item,
+                f"`{what}` must be a shell command (text), got {src.describe(item)}",
+                "write each command as text, quoted if it has `: ` or starts with a special "
+                "character",
+            )
         check_text(src, item, what, value)
         commands.append(value)
     if not commands:
@@ -66,25 +74,32 @@ def parse_setup(top: Section, code_paths: Tuple[str, ...], base_dir: Path) -> Op
     return SetupSpec(tuple(commands), None, line)
 
 
-def _script(top: Section, value: str, code_paths: Tuple[str, ...], base_dir: Path) -> str:
+def _script(top: Section, value: str, code_paths: tuple[str, ...], base_dir: Path) -> str:
     node = top.node("setup")
     pure = PurePosixPath(value)
     if value.startswith(("~", "-")) or pure.is_absolute() or ".." in pure.parts:
-        top.src.fail(node, f"`setup` script {short(value)!r} must be a path inside the synced code folder",
-                     "write it relative to the code folder (e.g. `scripts/setup.sh`), or write a "
-                     "list of commands: `setup: [bash /abs/path/setup.sh]`")
+        top.src.fail(
+            node,
+            f"`setup` script {short(value)!r} must be a path inside the synced code folder",
+            "write it relative to the code folder (e.g. `scripts/setup.sh`), or write a "
+            "list of commands: `setup: [bash /abs/path/setup.sh]`",
+        )
     pushed = {PurePosixPath(p).name: base_dir / p for p in code_paths}
     if pushed:
         first, *rest = pure.parts
         local = pushed.get(first)
         if local is None or not local.joinpath(*rest).is_file():
-            top.src.fail(node, f"`setup` script {short(value)!r} is not in code.paths",
-                         "paths are relative to the synced code folder, where each code.paths entry "
-                         f"keeps its name (pushed: {', '.join(sorted(pushed))}); or add it to code.paths")
+            top.src.fail(
+                node,
+                f"`setup` script {short(value)!r} is not in code.paths",
+                "paths are relative to the synced code folder, where each code.paths entry "
+                f"keeps its name (pushed: {', '.join(sorted(pushed))}); or add it to code.paths",
+            )
     return str(pure)
 
 
 # ---------------------------------------------------------------- fingerprint
+
 
 def words(text: str) -> Iterable[str]:
     """The words of shell text that could name a file: split like a shell (plainly on

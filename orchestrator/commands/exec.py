@@ -4,6 +4,7 @@ then one line per host with its exit code.
 
 Exit codes: 0 every host's command succeeded; 1 one failed; 2 bad usage; 3 a host could
 not be reached (or lost); 130 interrupted (the command was ended on every host)."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,22 +17,35 @@ from orchestrator import hostnames
 from orchestrator import state as job_state
 from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.commands.common import console, inventory
-from orchestrator.errors import (EXIT_HOST, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, OrchError,
-                                 UsageError)
+from orchestrator.errors import (
+    EXIT_HOST,
+    EXIT_INTERRUPTED,
+    EXIT_JOB_FAILED,
+    EXIT_OK,
+    OrchError,
+    UsageError,
+)
 from orchestrator.hostcmd import Outcome
 from orchestrator.inventory import Cluster, Host
 from orchestrator.session import Session
 
-KEEP = 1 << 20        # --json: the last bytes of each host's output
+KEEP = 1 << 20  # --json: the last bytes of each host's output
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("exec", help="run a command on every host (or --hosts) in the job folder")
-    p.add_argument("--hosts", metavar="SEL",
-                   help="comma-separated addresses, labels, ranges (127.0.0.[2-3]) or indexes (0,2)")
+    p.add_argument(
+        "--hosts",
+        metavar="SEL",
+        help="comma-separated addresses, labels, ranges (127.0.0.[2-3]) or indexes (0,2)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
-                   help="the command and its arguments (no shell: write `sh -c '...'` for one)")
+    p.add_argument(
+        "argv",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ARGS",
+        help="the command and its arguments (no shell: write `sh -c '...'` for one)",
+    )
     p.set_defaults(func=run)
 
 
@@ -40,12 +54,15 @@ def run(args: argparse.Namespace) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
-        raise UsageError("no command given", hint="orch exec -- nvidia-smi   (or: -- sh -c 'cmd | cmd')")
+        raise UsageError(
+            "no command given", hint="orch exec -- nvidia-smi   (or: -- sh -c 'cmd | cmd')"
+        )
     cluster = inventory(args)
     hosts = select(cluster, args.hosts)
-    printer = Printer(quiet=args.json)   # one for all hosts: lines never interleave
-    outputs = {h.index: HostOutput(printer, f"[{h.label}]", keep=KEEP if args.json else 0)
-               for h in hosts}
+    printer = Printer(quiet=args.json)  # one for all hosts: lines never interleave
+    outputs = {
+        h.index: HostOutput(printer, f"[{h.label}]", keep=KEEP if args.json else 0) for h in hosts
+    }
     session = Session(cluster, job_state.load(cluster))
     try:
         session.open(hosts)
@@ -86,14 +103,23 @@ def summary(cluster: Cluster, hosts: tuple[Host, ...], outcome: Outcome) -> None
         console.print("interrupted: the command was ended on every host")
 
 
-def document(cluster: Cluster, hosts: tuple[Host, ...], argv: list[str], outcome: Outcome,
-             outputs: dict[int, HostOutput], code: int) -> dict:
+def document(
+    cluster: Cluster,
+    hosts: tuple[Host, ...],
+    argv: list[str],
+    outcome: Outcome,
+    outputs: dict[int, HostOutput],
+    code: int,
+) -> dict[str, Any]:
     rows = []
     for h in hosts:
-        row: dict[str, Any] = {"host": h.label, "index": h.index,
-                               "exit_code": outcome.ok.get(h.index, {}).get("code"),
-                               "output": outputs[h.index].text(),
-                               "output_truncated": outputs[h.index].dropped > 0}
+        row: dict[str, Any] = {
+            "host": h.label,
+            "index": h.index,
+            "exit_code": outcome.ok.get(h.index, {}).get("code"),
+            "output": outputs[h.index].text(),
+            "output_truncated": outputs[h.index].dropped > 0,
+        }
         if h.index in outcome.failed:
             err = outcome.failed[h.index]
             row["error"] = err.message if isinstance(err, OrchError) else str(err)
@@ -102,6 +128,7 @@ def document(cluster: Cluster, hosts: tuple[Host, ...], argv: list[str], outcome
 
 
 # ---------------------------------------------------------------- --hosts
+
 
 def split_selection(text: str) -> list[str]:
     """Comma-separated items; a comma inside a range's brackets (node[1,3]) stays."""
@@ -132,16 +159,25 @@ def _match(cluster: Cluster, item: str) -> set[int]:
     if item.isdigit():
         if int(item) < len(cluster.hosts):
             return {int(item)}
-        raise UsageError(f"--hosts: there is no host {item} (this job has hosts 0 to "
-                         f"{len(cluster.hosts) - 1})", hint="give an index, an address or a label")
+        raise UsageError(
+            f"--hosts: there is no host {item} (this job has hosts 0 to {len(cluster.hosts) - 1})",
+            hint="give an index, an address or a label",
+        )
     try:
-        names = set(hostnames.expand(item, len(cluster.hosts) * 4 + 64)) if hostnames.is_range(item) else {item}
+        names = (
+            set(hostnames.expand(item, len(cluster.hosts) * 4 + 64))
+            if hostnames.is_range(item)
+            else {item}
+        )
     except hostnames.BadAddress as e:
         raise UsageError(f"--hosts: {e.message}", hint=e.hint) from None
     found = {h.index for h in cluster.hosts if h.label in names or h.address in names}
     if not found:
-        known = ", ".join(h.label for h in cluster.hosts[:8]) + (", ..." if len(cluster.hosts) > 8 else "")
-        raise UsageError(f"--hosts: {item!r} names no host of job '{cluster.name}'",
-                         hint=f"give indexes, addresses or labels of its hosts ({known})")
+        known = ", ".join(h.label for h in cluster.hosts[:8]) + (
+            ", ..." if len(cluster.hosts) > 8 else ""
+        )
+        raise UsageError(
+            f"--hosts: {item!r} names no host of job '{cluster.name}'",
+            hint=f"give indexes, addresses or labels of its hosts ({known})",
+        )
     return found
-

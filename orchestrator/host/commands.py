@@ -5,6 +5,7 @@ and `orch exec` (in the job folder). Their output goes back live as S frames
 Each command runs in a process group of its own (a new session), so `cancel` and the
 end of the agent's stdin (the controller is gone, or Ctrl-C) end it and its children.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import threading
 import time
+from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator import protocol, timeouts
 from orchestrator.host.common import AgentError, job_paths, read_json, write_atomic
@@ -22,7 +24,7 @@ CHUNK = protocol.MAX_OUTPUT
 SETUP_LOG = "logs/setup.log"
 SETUP_STATE = "run/setup.json"
 
-_running = {}            # request id -> Popen of the command it runs now
+_running: Dict[int, "subprocess.Popen[bytes]"] = {}  # request id -> its command
 _lock = threading.Lock()
 _closing = threading.Event()
 
@@ -32,7 +34,7 @@ def shell() -> str:
     return "/bin/bash" if os.access("/bin/bash", os.X_OK) else "/bin/sh"
 
 
-def environment(extra: dict) -> dict:
+def environment(extra: Dict[str, Any]) -> Dict[str, Any]:
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in extra.items()})
     return env
@@ -40,15 +42,25 @@ def environment(extra: dict) -> dict:
 
 # ---------------------------------------------------------------- one command
 
-def start(req, argv: list, cwd_fd: int, env: dict) -> subprocess.Popen:
+
+def start(
+    req: Any, argv: List[str], cwd_fd: int, env: Dict[str, Any]
+) -> "subprocess.Popen[bytes]":
     """argv in the folder of cwd_fd (reached without following a link: the child
     changes into /proc/self/fd/N, which is still open before it execs)."""
     if _closing.is_set():
         raise AgentError("the controller is gone")
-    proc = subprocess.Popen(argv, cwd="/proc/self/fd/%d" % cwd_fd, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            restore_signals=True, preexec_fn=_default_signals)
+    proc = subprocess.Popen(
+        argv,
+        cwd="/proc/self/fd/%d" % cwd_fd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        restore_signals=True,
+        preexec_fn=_default_signals,
+    )
     with _lock:
         _running[req.id] = proc
     return proc
@@ -60,9 +72,10 @@ def _default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def pump(req, proc: subprocess.Popen, log_fd=None) -> int:
+def pump(req: Any, proc: "subprocess.Popen[bytes]", log_fd: Optional[int] = None) -> int:
     """Send the command's output as it comes (and append it to log_fd) until it ends.
     A background child that keeps the pipe open is read at most DRAIN more seconds."""
+    assert proc.stdout is not None
     fd = proc.stdout.fileno()
     ended_at = None
     try:
@@ -77,10 +90,14 @@ def pump(req, proc: subprocess.Popen, log_fd=None) -> int:
                 req.out.send(protocol.command_output(req.id, data))
             if ended_at is None and proc.poll() is not None:
                 ended_at = time.monotonic()
-            if ended_at is not None and not data and time.monotonic() - ended_at > timeouts.COMMAND_DRAIN:
+            if (
+                ended_at is not None
+                and not data
+                and time.monotonic() - ended_at > timeouts.COMMAND_DRAIN
+            ):
                 break
         return proc.wait()
-    except BaseException:   # the controller is gone (broken pipe): so is the command
+    except BaseException:  # the controller is gone (broken pipe): so is the command
         end_group(proc)
         raise
     finally:
@@ -105,7 +122,7 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def end_group(proc: subprocess.Popen, grace: float = timeouts.COMMAND_GRACE) -> None:
+def end_group(proc: "subprocess.Popen[bytes]", grace: float = timeouts.COMMAND_GRACE) -> None:
     """SIGTERM the command's process group, SIGKILL what is left after `grace`."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -114,13 +131,13 @@ def end_group(proc: subprocess.Popen, grace: float = timeouts.COMMAND_GRACE) -> 
             return
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            proc.poll()   # our child: reaped here, so it does not count as alive
+            proc.poll()  # our child: reaped here, so it does not count as alive
             if not group_alive(proc.pid):
                 return
             time.sleep(0.05)
 
 
-def run_cancel(req) -> dict:
+def run_cancel(req: Any) -> Dict[str, Any]:
     with _lock:
         proc = _running.get(req.args["request"])
     if proc is not None:
@@ -142,7 +159,8 @@ def end_all() -> None:
 
 # ---------------------------------------------------------------- exec
 
-def exec_dir(p: dict) -> tuple:
+
+def exec_dir(p: Dict[str, Any]) -> Tuple[Any, ...]:
     """(descriptor, path): the job folder when it exists, else remote_dir, else home."""
     jd = p["jd"]
     try:
@@ -157,7 +175,7 @@ def exec_dir(p: dict) -> tuple:
     return os.open("/", os.O_RDONLY | os.O_DIRECTORY), "/"
 
 
-def run_exec(req) -> dict:
+def run_exec(req: Any) -> Dict[str, Any]:
     a = req.args
     if not a["argv"]:
         raise AgentError("no command given", protocol.USAGE)
@@ -165,7 +183,7 @@ def run_exec(req) -> dict:
     t0 = time.time()
     try:
         proc = start(req, a["argv"], fd, environment(a["env"]))
-    except OSError as e:   # as a shell says it: 127 not found, 126 not executable
+    except OSError as e:  # as a shell says it: 127 not found, 126 not executable
         text = "orch: cannot run %r: %s\n" % (a["argv"][0], e.strerror or e)
         req.out.send(protocol.command_output(req.id, text.encode("utf-8", "replace")))
         code = 127 if isinstance(e, FileNotFoundError) else 126
@@ -178,13 +196,14 @@ def run_exec(req) -> dict:
 
 # ---------------------------------------------------------------- setup
 
-def setup_argvs(a: dict, sh: str) -> list:
+
+def setup_argvs(a: Dict[str, Any], sh: str) -> List[Tuple[str, List[str]]]:
     if a["script"] is not None:
         return [(a["script"], [sh, a["script"]])]
     return [(c, [sh, "-c", c]) for c in a["commands"]]
 
 
-def run_setup(req) -> dict:
+def run_setup(req: Any) -> Dict[str, Any]:
     """Every command in order, in code/, until one fails; run/setup.json (the
     fingerprint) is written only after all succeeded and removed before they run."""
     a, sh, t0 = req.args, shell(), time.time()
@@ -204,11 +223,18 @@ def run_setup(req) -> dict:
     if code == 0:
         state = {"fingerprint": a["fingerprint"], "time": time.time(), "shell": sh}
         write_atomic(jd, SETUP_STATE, json.dumps(state).encode(), 0o644)
-    return {"skipped": False, "code": code, "failed": failed, "shell": sh,
-            "seconds": round(time.time() - t0, 3)}
+    return {
+        "skipped": False,
+        "code": code,
+        "failed": failed,
+        "shell": sh,
+        "seconds": round(time.time() - t0, 3),
+    }
 
 
-def run_all(req, jd, argvs: list, env: dict, log_fd: int) -> tuple:
+def run_all(
+    req: Any, jd: Any, argvs: List[Tuple[str, List[str]]], env: Dict[str, Any], log_fd: int
+) -> Tuple[Any, ...]:
     """(exit status, the command that failed or None)."""
     for text, argv in argvs:
         header = ("$ %s\n" % text).encode("utf-8", "surrogateescape")
@@ -252,26 +278,44 @@ else:
 """
 
 
-def run_probe(req) -> dict:
+def run_probe(req: Any) -> Dict[str, Any]:
     """The configured python (which setup may just have made): its executable, its
     torch (from the dist-info on its path: no import), and whether the entrypoint is
     there. Run in code/, as the ranks are."""
     a = req.args
     jd = job_paths(a["job_dir"])["jd"]
-    python = os.path.expanduser(a["python"])   # `python: ~/venv/bin/python`
+    python = os.path.expanduser(a["python"])  # `python: ~/venv/bin/python`
     argv = [python, "-c", PROBE, a["entrypoint"], "1" if a["module"] else "0"]
     with jd.dirfd("code", create=True) as fd:
         try:
-            r = subprocess.run(argv, cwd="/proc/self/fd/%d" % fd, env=environment(a["env"]),
-                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, timeout=timeouts.PROBE)
+            r = subprocess.run(
+                argv,
+                cwd="/proc/self/fd/%d" % fd,
+                env=environment(a["env"]),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                timeout=timeouts.PROBE,
+            )
         except (OSError, subprocess.SubprocessError) as e:
-            return {"executable": None, "torch": None, "entrypoint": None,
-                    "error": "cannot run %s: %s" % (a["python"], getattr(e, "strerror", None) or e)}
+            return {
+                "executable": None,
+                "torch": None,
+                "entrypoint": None,
+                "error": "cannot run %s: %s" % (a["python"], getattr(e, "strerror", None) or e),
+            }
     lines = r.stdout.decode("utf-8", "replace").splitlines()
     if r.returncode != 0 or len(lines) < 3:
         err = r.stderr.decode("utf-8", "replace").strip()[-500:]
-        return {"executable": None, "torch": None, "entrypoint": None,
-                "error": "%s failed (exit %d): %s" % (a["python"], r.returncode, err or "no output")}
-    return {"executable": lines[0][:4096], "torch": lines[1][:200] or None,
-            "entrypoint": lines[2][:4096] or None, "error": None}
+        return {
+            "executable": None,
+            "torch": None,
+            "entrypoint": None,
+            "error": "%s failed (exit %d): %s" % (a["python"], r.returncode, err or "no output"),
+        }
+    return {
+        "executable": lines[0][:4096],
+        "torch": lines[1][:200] or None,
+        "entrypoint": lines[2][:4096] or None,
+        "error": None,
+    }
