@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     outputs = {
         h.index: HostOutput(printer, f"[{h.label}]", keep=KEEP if args.json else 0) for h in hosts
     }
-    session = Session(cluster, job_state.load(cluster))
+    session = Session(cluster, exec_state(cluster))
     try:
         session.open(hosts)
         outcome = session.exec(argv, outputs)
@@ -76,6 +76,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         summary(cluster, hosts, outcome)
     return code
+
+
+def exec_state(cluster: Cluster) -> job_state.JobState | None:
+    """The job folders from the state (as `up` resolved them); the inventory's when the
+    job never started or its state is damaged (exec must work then too)."""
+    try:
+        return job_state.load(cluster)
+    except job_state.StateDamaged as exc:
+        console.print(
+            f"[yellow]warning:[/] {escape(exc.message)}; using the inventory's job folders"
+        )
+        return None
 
 
 def exit_code(outcome: Outcome) -> int:
