@@ -12,16 +12,18 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from orchestrator import protocol, timeouts
 from orchestrator.bundle import agent_argv, agent_stdin, bundle
 from orchestrator.errors import HostError, OrchError, for_category
 from orchestrator.transport import Channel, Transport
 
-# From a host: no file data; JSON and output frames within their caps.
-CAPS_IN = {protocol.JSON: protocol.MAX_JSON,
-           protocol.OUTPUT: protocol.MAX_OUTPUT + protocol.RANK.size}
+# From a host: JSON, output and command-output frames within their caps, and file-data
+# frames (only while a pull's stream is open, checked in _dispatch).
+CAPS_IN = {protocol.JSON: protocol.MAX_JSON, protocol.DATA: protocol.MAX_DATA,
+           protocol.OUTPUT: protocol.MAX_OUTPUT + protocol.RANK.size,
+           protocol.STREAM_OUT: protocol.MAX_OUTPUT + protocol.RANK.size}
 QUIET_SHELL = ("make the login shell quiet for non-interactive sessions (print nothing in "
                "~/.bashrc, ~/.profile or /etc/profile.d when $- has no `i`)")
 
@@ -35,6 +37,8 @@ class Pending:
     parts: list = field(default_factory=list)
     body: dict | None = None
     error: OrchError | None = None
+    stream: Any = None      # a pull's receiver: its parts and data frames go there
+    received: float = 0.0               # our clock when the reply arrived (clock samples)
 
 
 class Link:
@@ -42,25 +46,30 @@ class Link:
         self.transport, self.host = transport, transport.host
         self.name = transport.host.label
         self.argv_label = label
+        self.python_fallback = False        # python3 when `python:` is missing (setup makes it)
         self.chan: Channel | None = None
         self.wlock = threading.RLock()
         self.plock = threading.Lock()
         self.pending: dict[int, Pending] = {}
         self.ids = itertools.count(1)
         self.sink: Any = None               # follow events go here (see follow.Sink)
+        self.stream: Any = None             # the open pull stream's receiver (pull.Receiver)
         self.follow_id: int | None = None
         self.follow_ranks: frozenset[int] = frozenset()
+        self.streams: dict[int, Callable[[bytes], None]] = {}   # request id -> its output
         self.hello: dict | None = None
         self.started = threading.Event()
         self.dead: OrchError | None = None
         self.last_seen = time.monotonic()
+        self.last_heard = time.time()       # the same moment on the wall clock (root cause)
 
     # ------------------------------------------------------------ start
 
     def start(self, timeout: float = timeouts.AGENT_START) -> dict:
         """Start the agent (one session) and wait for its hello; the bundle's hash must
         match ours, so the host runs exactly this controller's code."""
-        self.chan = self.transport.open(agent_argv(self.host.python, self.argv_label), timeout)
+        argv = agent_argv(self.host.python, self.argv_label, self.python_fallback)
+        self.chan = self.transport.open(argv, timeout)
         self.chan.settimeout(None)   # the reader thread waits; callers time out on events
         threading.Thread(target=self._read, daemon=True, name=f"link-{self.name}").start()
         with self.wlock:
@@ -83,7 +92,7 @@ class Link:
                 got = reader.read_frame()
                 if got is None:
                     return self._fail(HostError(f"{self.name}: the agent's connection ended"))
-                self.last_seen = time.monotonic()
+                self.last_seen, self.last_heard = time.monotonic(), time.time()
                 self._dispatch(*got)
         except protocol.ProtocolError as e:
             self._fail(HostError(f"{self.name}: the agent sent something orch does not "
@@ -144,6 +153,13 @@ class Link:
     # ------------------------------------------------------------ incoming
 
     def _dispatch(self, kind: bytes, payload: bytes) -> None:
+        if kind == protocol.DATA:
+            if self.stream is None:
+                raise protocol.ProtocolError("file data while nothing is pulled")
+            self.stream.data(payload)
+            return
+        if kind == protocol.STREAM_OUT:
+            return self._command_output(payload)
         if kind == protocol.OUTPUT:
             rank, partial, data = protocol.split_output(payload)
             if self.sink is None or rank not in self.follow_ranks:
@@ -159,6 +175,14 @@ class Link:
         else:
             raise protocol.ProtocolError(f"unexpected message {t!r}")
 
+    def _command_output(self, payload: bytes) -> None:
+        id, _, data = protocol.split_output(payload)
+        with self.plock:
+            to = self.streams.get(id)
+        if to is None:
+            raise protocol.ProtocolError(f"command output for request {id}, which runs no command")
+        to(data)
+
     def _answer(self, t: str, msg: dict) -> None:
         with self.plock:
             p = self.pending.get(msg.get("id"))  # type: ignore[arg-type]
@@ -169,6 +193,10 @@ class Link:
         what = f"the reply to `{p.command}`"
         if t == "part":
             protocol.check(msg, {"kind": str, "body": dict}, what)
+            if p.stream is not None and msg["kind"] in protocol.PULL_STREAM:
+                p.stream.part(msg["kind"], protocol.check(
+                    msg["body"], protocol.PULL_STREAM[msg["kind"]], what))
+                return
             if msg["kind"] not in protocol.PARTS or len(p.parts) >= protocol.MAX_PARTS:
                 raise protocol.ProtocolError(f"{what}: unexpected part {msg['kind']!r}")
             p.parts.append(protocol.check(msg["body"], protocol.PARTS[msg["kind"]], what))
@@ -190,8 +218,12 @@ class Link:
             self.sink.host_lost(self.host.index, f"follow failed: {msg['message']}")
 
     def _finish(self, id: int, p: Pending) -> None:
+        p.received = time.time()
         with self.plock:
             self.pending.pop(id, None)
+            self.streams.pop(id, None)
+        if p.stream is not None:
+            self.stream = None
         p.done.set()
 
     def _event(self, t: str, msg: dict) -> None:
@@ -200,7 +232,16 @@ class Link:
         if t == "exit":
             if msg["rank"] not in self.follow_ranks:
                 raise protocol.ProtocolError(f"exit of rank {msg['rank']}, which is not followed here")
-            self.sink.rank_exit(self.host.index, msg["rank"], msg["code"], msg["time"])
+            # after_stop only when set: sinks that do not care keep a 4-argument rank_exit
+            extra = {"after_stop": True} if msg.get("after_stop") else {}
+            self.sink.rank_exit(self.host.index, msg["rank"], msg["code"], msg["time"],
+                                **extra)
+        elif t == "start":
+            if msg["rank"] not in self.follow_ranks:
+                raise protocol.ProtocolError(f"start of rank {msg['rank']}, which is not followed here")
+            started = getattr(self.sink, "rank_start", None)   # optional for a sink
+            if started is not None:
+                started(self.host.index, msg["rank"], msg["pid"])
         elif t == "done":
             fid, self.follow_id = self.follow_id, None
             self.sink.host_done(self.host.index, {k: v for k, v in msg.items() if k != "t"})
@@ -217,15 +258,32 @@ class Link:
         with self.wlock:
             self.chan.write(data)
 
-    def submit(self, command: str, **fields: Any) -> tuple[int, Pending]:
-        """Send a request; its Pending fills in when the reply comes."""
+    def submit(self, command: str, stream: Callable[[bytes], None] | None = None,
+               **fields: Any) -> tuple[int, Pending]:
+        """Send a request; its Pending fills in when the reply comes. `stream` gets the
+        output of the command it runs (setup, exec), piece by piece, until the reply."""
         if self.dead:
             raise self.dead
         id, p = next(self.ids), Pending(command)
         with self.plock:
             self.pending[id] = p
+            if stream is not None:
+                self.streams[id] = stream
         self.send(protocol.request(command, id, **fields))
         return id, p
+
+    def submit_stream(self, command: str, stream: Any, **fields: Any) -> Pending:
+        """A request whose reply is preceded by a stream of parts and file data (a
+        pull): they go to `stream`, in this link's reader thread. One at a time."""
+        if self.dead:
+            raise self.dead
+        assert self.stream is None, "one stream at a time per link"
+        id, p = next(self.ids), Pending(command, stream=stream)
+        with self.plock:
+            self.pending[id] = p
+        self.stream = stream
+        self.send(protocol.request(command, id, **fields))
+        return p
 
     def wait(self, p: Pending, timeout: float | None) -> dict:
         if not p.done.wait(timeout):

@@ -9,6 +9,8 @@ A frame is 1 byte kind + 4 bytes big-endian payload length + payload:
     D  raw file bytes (a receive stream: the bytes of the file announced before)
     O  rank output: 4-byte rank, 1 flag byte, then the bytes exactly as the rank wrote
        them. Output is data, never parsed, so nothing a rank prints can forge a frame.
+    S  a command's output (setup, exec): 4-byte request id, 1 flag byte (0), then the
+       bytes as the command wrote them (stdout and stderr together); agent -> controller.
 
 The agent's first frame is a hello, announced by MAGIC: whatever a login shell prints
 before the agent starts is skipped (up to MAX_GARBAGE bytes). Every frame kind has a
@@ -19,11 +21,12 @@ from __future__ import annotations
 
 import json
 import struct
+from typing import Any
 
 MAGIC = b"\x00\x7fORCH-AGENT\x00"
 HEADER = struct.Struct(">cI")
 RANK = struct.Struct(">IB")          # rank, flags of an output frame
-JSON, DATA, OUTPUT = b"J", b"D", b"O"
+JSON, DATA, OUTPUT, STREAM_OUT = b"J", b"D", b"O", b"S"
 PARTIAL = 1                          # output flag: a piece of a line, more follows
 
 MAX_JSON = 8 << 20                   # one JSON frame
@@ -32,7 +35,12 @@ MAX_OUTPUT = 64 << 10                # the bytes of one output frame
 MAX_GARBAGE = 64 << 10               # what may come before the agent's hello
 MANIFEST_PART = 20_000               # manifest entries per part, at most
 MAX_PARTS = 100                      # parts before one reply: 2 million files per folder
+MAX_PULL_FILES = 200_000             # files one pull may list (name the PATHs for more)
+MAX_PULL_SIZE = 1 << 40              # one pulled file: 1 TiB at most
+MAX_PULL_PATH = 1024                 # bytes of a pulled file's path (each part: 255)
+MAX_PULL_NOTES = 50                  # skipped entries named in a pull manifest's reply
 CAPS = {JSON: MAX_JSON, DATA: MAX_DATA, OUTPUT: MAX_OUTPUT + RANK.size}
+MAX_COMMANDS = 200                   # setup commands in one request
 
 # Error categories of an error reply, and the exit code the controller gives them.
 USAGE, HOST, JOB = "usage", "host", "job"
@@ -65,6 +73,11 @@ def message(t: str, **fields) -> bytes:
 
 def output(rank: int, data: bytes, partial: bool = False) -> bytes:
     return frame(OUTPUT, RANK.pack(rank, PARTIAL if partial else 0) + data)
+
+
+def command_output(id: int, data: bytes) -> bytes:
+    """An S frame: a piece of the output of the command that request `id` runs."""
+    return frame(STREAM_OUT, RANK.pack(id, 0) + data)
 
 
 def split_output(payload: bytes) -> tuple:
@@ -199,7 +212,7 @@ def manifest_files(value) -> str:
     return None
 
 
-REQUESTS = {
+REQUESTS: dict[str, dict[str, Any]] = {
     "preflight": {"job_dir": str, "master_port": int, "want_port": bool,
                   "folders": [str], "want_gpus": bool},
     "manifest": {"root": str},
@@ -209,17 +222,31 @@ REQUESTS = {
     "follow": {"job_dir": str, "ranks": [int], "tail": int, "mode": str},
     "status": {"job_dir": str, "ranks": [int], "?first_local": int},
     "stop": {"job_dir": str, "grace": NUM},
+    "pull_manifest": {"job_dir": str, "paths": [str]},   # paths relative to output/
+    "pull_send": {"job_dir": str, "files": [str]},       # from the manifest
+    "clock": {},                          # the host's time now: offsets measured NTP-style
+    # setup: `commands` (each run with the host's shell, -c) or `script` (a file in code/),
+    # in code/; skipped when run/setup.json holds `fingerprint` (unless `force`)
+    "setup": {"job_dir": str, "commands": [str], "script": OPT_STR, "env": dict,
+              "fingerprint": str, "force": bool},
+    # after setup: the configured python's executable, torch version, and the entrypoint
+    "probe": {"job_dir": str, "python": str, "entrypoint": str, "module": bool, "env": dict},
+    # orch exec: argv in the job folder (else remote_dir, else home), no shell
+    "exec": {"job_dir": str, "argv": [str], "env": dict},
+    "cancel": {"request": int},     # end the command of a running setup or exec (its group)
 }
 FOLLOW_MODES = ("events", "snapshot", "raw", "raw-follow")
 
 SUPERVISOR = {"pid": int, "pgid": int, "start_ticks": OPT_INT, "torchrun_pid": int,
               "run_id": str, "started": NUM}
 RANK_STATUS = {"rank": int, "state": str, "last_line": str, "?pid": OPT_INT,
-               "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM, "?error_file": str}
-REPLIES = {
+               "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM, "?error_file": str,
+               "?log_bytes": OPT_INT}
+REPLIES: dict[str, dict[str, Any]] = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
-                  "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool},
+                  "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool,
+                  "?python_missing": str},
     "manifest": {"root": str},                            # the files come as parts
     "receive": {"files": int, "bytes": int, "deleted": int},
     "launch": {"supervisor": SUPERVISOR},
@@ -227,19 +254,60 @@ REPLIES = {
     "status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
                "time": NUM, "ranks": [RANK_STATUS]},
     "stop": {"found": int, "killed": int, "left": [int], "seconds": NUM},
+    "pull_manifest": {"root": str, "files": int, "bytes": int,
+                      "skipped": [{"p": str, "why": str}], "skipped_count": int},
+    "pull_send": {"files": int, "bytes": int},
+    "clock": {"time": NUM},
+    # code: the exit status (negative: killed by that signal); failed: the command that failed
+    "setup": {"skipped": bool, "code": int, "failed": OPT_STR, "shell": str, "seconds": NUM},
+    "probe": {"executable": OPT_STR, "torch": OPT_STR, "entrypoint": OPT_STR, "error": OPT_STR},
+    "exec": {"code": int, "cwd": str, "seconds": NUM},
+    "cancel": {"found": bool},
 }
 # Parts that may come before a reply (with the request's id).
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}
-EVENTS = {
-    "exit": {"rank": int, "code": OPT_INT, "time": NUM},   # a rank ended (host clock)
+EVENTS: dict[str, dict[str, Any]] = {
+    # a rank ended (host clock); after_stop: it ended after this host received a stop,
+    # so it is a consequence of the stop, never a job's root cause
+    "exit": {"rank": int, "code": OPT_INT, "time": NUM, "?after_stop": bool},
+    "start": {"rank": int, "pid": int},                   # a rank's process is there
     "done": {"code": OPT_INT, "?time": OPT_NUM, "?lost": bool, "?snapshot": bool},
-    "beat": {},                                           # once a second while following
+    "beat": {"?time": NUM},                   # once a second while following (host clock)
 }
 ERROR = {"category": str, "message": str, "?traceback": str, "?fix": str}
+# A pull_send's stream, before its reply: per file a `pull_file` part, its data frames
+# (exactly "s" bytes), then `pull_end` with the sha256 of the bytes sent ("" when the
+# file changed size while it was read); `pull_skip` for a file that could not be opened.
+PULL_STREAM = {"pull_file": {"p": str, "s": int, "m": int},
+               "pull_end": {"p": str, "h": str},
+               "pull_skip": {"p": str, "why": str}}
 # The receive stream, after the receive request.
 STREAM = {"file": {"p": str, "s": int, "h": str, "m": int},
           "link": {"p": str, "link": str},
           "end": {"delete": [str]}}
+
+
+def pull_path_problem(rel) -> str:
+    """Why `rel` cannot be a pulled file's path (relative to output/), or "" when it can.
+    Both sides ask: the host skips such a file, the controller refuses a host that sends
+    one. Plain relative UTF-8 names only: no absolute path, no empty, . or .. part, no
+    backslash, no control character, no name orch gives its half-written files."""
+    if not isinstance(rel, str) or not rel:
+        return "an empty path"
+    try:
+        size = len(rel.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "a name that is not UTF-8"
+    parts = rel.split("/")
+    if size > MAX_PULL_PATH or any(len(p.encode("utf-8")) > 255 for p in parts):
+        return "a path longer than %d bytes (or a name longer than 255)" % MAX_PULL_PATH
+    if any(ord(c) < 32 or ord(c) == 127 for c in rel) or "\\" in rel:
+        return "a control character or backslash in the name"
+    if any(p in ("", ".", "..") for p in parts):
+        return "not a plain relative path"
+    if ".orch-part-" in rel:
+        return "a name orch gives its half-written files"
+    return ""
 
 
 def _type_name(spec) -> str:

@@ -10,20 +10,25 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import paramiko
 
 from orchestrator import state as job_state
 from orchestrator import timeouts
+from orchestrator import hostcmd, hostsetup
+from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.connect import (Bastions, GroupResult, check_local_files, connect, fan_out,
                                   ssh_config)
-from orchestrator.errors import EXIT_USAGE, OrchError
+from orchestrator.errors import EXIT_USAGE, HostError, OrchError
 from orchestrator.inventory import Cluster, Host
 from orchestrator.launch import launch_all
 from orchestrator.link import Link
-from orchestrator.localfiles import Pushable
+from orchestrator.localfiles import DigestCache, Pushable
 from orchestrator.preflight import PreflightReport, preflight
+from orchestrator.pull import Progress, PullReport
+from orchestrator.pull import pull as pull_files
 from orchestrator.stopper import StopReport, stop_all
 from orchestrator.sync import LocalFile, SyncReport, push
 from orchestrator.transport import Transport
@@ -98,6 +103,7 @@ class Session:
         else:
             transport = connect(host, config or ssh_config(), self.cluster.base_dir, bastions)
         link = Link(transport, self.records[host.index].job_dir)
+        link.python_fallback = self.cluster.setup is not None
         try:
             link.start(timeouts.scaled(timeouts.AGENT_START, len(self.cluster.hosts)))
         except BaseException:
@@ -164,6 +170,26 @@ class Session:
         result.raise_failures(self.cluster.hosts, "to receive code or data")
         return result.ok
 
+    def setup(self, pre: PreflightReport, code: list[LocalFile], force: bool,
+              printer: Printer) -> dict[int, dict]:
+        """`setup:` on every host, all or nothing (hostsetup.py); skipped on a host
+        while its fingerprint is unchanged there, unless `force`."""
+        digest = hostsetup.setup_fingerprint(self.cluster, code)
+        return hostsetup.run_setup(self.cluster, self.links, pre, digest, force, printer)
+
+    def check_ready(self, pre: PreflightReport) -> PreflightReport:
+        """After setup, or without pushed code: python, torch, entrypoint per host."""
+        return hostsetup.check_ready(self.cluster, self.links, pre)
+
+    def exec(self, argv: list[str], outputs: dict[int, HostOutput]) -> hostcmd.Outcome:
+        """argv on every host with an open agent (in its job folder, with the job's
+        env), in parallel; Ctrl-C cancels it everywhere (Outcome.interrupted)."""
+        links = {i: link for i, link in self.links.items() if i in outputs}
+        running, failed = hostcmd.submit_all(links, "exec", outputs, lambda i: dict(
+            job_dir=self.records[i].job_dir, argv=argv,
+            env=hostsetup.command_env(self.cluster, self.records[i].job_dir)))
+        return hostcmd.wait_all(running, None, failed)
+
     def launch(self, pre: PreflightReport) -> tuple[str, dict[int, dict]]:
         """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts
         that did start are stopped again before the error is reported."""
@@ -199,3 +225,15 @@ class Session:
         except Exception:  # the report is still useful without the error file
             return ""
         return reply["ranks"][0].get("error_file", "")[-2000:]
+
+    def pull(self, host: Host, paths: list[str], dest: Path, progress: Progress | None = None,
+             planned: Callable[[int], None] | None = None) -> PullReport:
+        """`paths` under the job's output/ on `host` (all of it when empty) into dest, on
+        the host's open link (no new login)."""
+        link = self.links.get(host.index)
+        if link is None:
+            self.require_all("to connect")
+            raise HostError(f"{host.label}: not connected")
+        cache = DigestCache(self.cluster.state_dir / "pull-digests.json")
+        return pull_files(link, self.records[host.index].job_dir, paths, dest, cache,
+                          progress, planned)

@@ -6,11 +6,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any
 
+from rich.markup import escape
+
 from orchestrator import state as job_state
-from orchestrator.commands.common import console, inventory
-from orchestrator.errors import EXIT_OK
+from orchestrator.cmdout import Printer
+from orchestrator.commands.common import console, emit_json, hint_cmd, inventory, plural
+from orchestrator.commands.pull import after_job
+from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
+from orchestrator.hostsetup import needs_check
 from orchestrator.inventory import Cluster
 from orchestrator.launch import dry_run_plan, master_addr
 from orchestrator.localfiles import check_entrypoint
@@ -26,34 +32,63 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("up", help="preflight, sync, start the job on every host, follow it")
     p.add_argument("file", nargs="?", help="inventory (default: -c, or cluster.yaml)")
     p.add_argument("--detach", action="store_true", help="return once every host has started")
+    p.add_argument("--setup", action="store_true",
+                   help="run `setup:` on every host even where it ran before, unchanged")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and each host's command; touch no host")
+    p.add_argument("--no-pull", action="store_true",
+                   help="do not pull rank 0's output/ into outputs/<name>/ when the job ends")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
     if args.dry_run:
-        print(dry_run_plan(cluster))
+        if args.json:
+            emit_json({"job": cluster.name, "plan": dry_run_plan(cluster)})
+        else:
+            print(dry_run_plan(cluster))
         return EXIT_OK
+    if args.json and not args.detach:
+        raise UsageError("`up --json` needs --detach: an attached job streams its ranks' output",
+                         hint=f"`{hint_cmd(cluster, 'up --detach --json')}`, then "
+                              f"`{hint_cmd(cluster, 'status --json')}`")
     files = local_files(cluster)   # bad data is refused before any host is touched
     session = Session(cluster)
     try:
         pre = connect_and_check(session)
-        console.print(f"preflight: {len(cluster.hosts)} hosts ok, world size {cluster.world_size}")
+        console.print(f"preflight: {plural(len(cluster.hosts), 'host')} ok, "
+                      f"world size {cluster.world_size}")
         sync(session, files, pre)
+        pre = setup_and_check(session, files, pre, args.setup)
         run_id, sups = session.launch(pre)
         st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
                                  pre.master_port, pre.hosts, sups)
         job_state.save(cluster, st)
-        console.print(f"started job '{cluster.name}' on {len(cluster.hosts)} hosts "
-                      f"({cluster.world_size} ranks, MASTER_ADDR={st.master_addr}:{st.master_port})")
+        console.print(f"started job '{cluster.name}' on {plural(len(cluster.hosts), 'host')} "
+                      f"({plural(cluster.world_size, 'rank')}, "
+                      f"MASTER_ADDR={st.master_addr}:{st.master_port})")
         if args.detach:
-            console.print("detached: follow with `orch logs -f`, stop with `orch stop`")
+            console.print(f"detached: follow with `{hint_cmd(cluster, 'logs -f')}`, "
+                          f"stop with `{hint_cmd(cluster, 'stop')}`, "
+                          f"get its output/ with `{hint_cmd(cluster, 'pull')}`", markup=False)
+            if args.json:
+                emit_json(detached_doc(cluster, st))
             return EXIT_OK
-        return attach(session, st)
+        code = attach(session, st)
+        if args.no_pull or code == EXIT_INTERRUPTED:
+            return code
+        return after_job(session, code)
     finally:
         session.close()
+
+
+def detached_doc(cluster: Cluster, st: job_state.JobState) -> dict[str, Any]:
+    """`up --detach --json`: where the job runs."""
+    return {"job": cluster.name, "run_id": st.run_id, "world_size": cluster.world_size,
+            "master_addr": st.master_addr, "master_port": st.master_port,
+            "hosts": [{"host": h.label, "job_dir": h.job_dir, "ranks": list(h.ranks)}
+                      for h in st.hosts]}
 
 
 def connect_and_check(session: Session) -> PreflightReport:
@@ -65,6 +100,29 @@ def connect_and_check(session: Session) -> PreflightReport:
         session.open(done=lambda: bar.advance(task))
         bar.reset(task, description="preflight", total=n, completed=len(session.failed))
         return session.preflight(lambda: bar.advance(task))
+
+
+def setup_and_check(session: Session, files: dict[int, HostFiles], pre: PreflightReport,
+                    force: bool) -> PreflightReport:
+    """`setup:` everywhere (all or nothing), then the python, torch and entrypoint check
+    where setup may have changed them, or where nothing was pushed."""
+    cluster = session.cluster
+    for i, info in sorted(pre.hosts.items()):
+        if info.python_missing:
+            console.print(f"{escape(cluster.hosts[i].label)}: python {escape(info.python_missing)} "
+                          "is not there yet; checked after setup")
+    if cluster.setup is not None:
+        t0 = time.monotonic()
+        replies = session.setup(pre, files[0].code, force, Printer())
+        skipped = sum(1 for r in replies.values() if r["skipped"])
+        if skipped:
+            console.print(f"setup: skipped on {plural(skipped, 'host')} (unchanged since it last "
+                          f"succeeded there; `{hint_cmd(cluster, 'up --setup')}` runs it again)",
+                          markup=False)
+        if skipped < len(replies):
+            console.print(f"setup: done on {plural(len(replies) - skipped, 'host')} "
+                          f"({time.monotonic() - t0:.1f} s; logs/setup.log on each host)")
+    return session.check_ready(pre) if needs_check(cluster) else pre
 
 
 def local_files(cluster: Cluster) -> dict[int, HostFiles]:
@@ -86,12 +144,12 @@ def sync(session: Session, files: dict[int, HostFiles], pre: PreflightReport) ->
     total = sum(sum(f.size for f in hf.code) + sum(f.size for f in hf.data or ())
                 for hf in files.values())
     with bytes_bar() as bar:
-        task = bar.add_task(f"sync 0/{len(cluster.hosts)} hosts", total=total or 1)
+        task = bar.add_task(f"sync 0/{plural(len(cluster.hosts), 'host')}", total=total or 1)
         done: list[int] = []
 
         def host_done(index: int) -> None:
             done.append(index)
-            bar.update(task, description=f"sync {len(done)}/{len(cluster.hosts)} hosts")
+            bar.update(task, description=f"sync {len(done)}/{plural(len(cluster.hosts), 'host')}")
         reports = session.sync(files, pre, lambda n: bar.advance(task, n), host_done)
     report_sync(cluster, reports)
 
@@ -101,7 +159,8 @@ def report_sync(cluster: Cluster, reports: dict[int, dict[str, SyncReport]]) -> 
     record = {}
     for i, parts in sorted(reports.items()):
         label = cluster.hosts[i].label
-        bits = [f"{k} {r.files} files {r.bytes} B sent, {r.deleted} deleted" for k, r in parts.items()]
+        bits = [f"{k} {plural(r.files, 'file')} {r.bytes} B sent, {r.deleted} deleted"
+                for k, r in parts.items()]
         if len(cluster.hosts) <= 16 or any(r.files for r in parts.values()):
             console.print(f"sync {label}: " + ("; ".join(bits) or "nothing to push"))
         record[label] = {k: {"files": r.files, "bytes": r.bytes, "deleted": r.deleted,

@@ -12,9 +12,10 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from orchestrator import protocol
-from orchestrator.host import files, follow, launch, preflight, procs, status
+from orchestrator.host import commands, files, follow, launch, preflight, procs, pull, status
 from orchestrator.host.common import AgentError
 from orchestrator.host.paths import UnsafePath
 
@@ -26,8 +27,16 @@ COMMANDS = {
     "follow": follow.run,
     "status": status.run,
     "stop": procs.run_stop,
+    "pull_manifest": pull.run_manifest,
+    "pull_send": pull.run_send,
+    "clock": lambda req: {"time": time.time()},
+    "setup": commands.run_setup,
+    "probe": commands.run_probe,
+    "exec": commands.run_exec,
+    "cancel": commands.run_cancel,
 }
-IN_THREAD = {"follow": True, "stop": False}   # command -> daemon thread (not waited for)
+# command -> daemon thread (not waited for); setup and exec run beside a `cancel`
+IN_THREAD = {"follow": True, "stop": False, "setup": False, "exec": False}
 
 
 class Out:
@@ -66,7 +75,7 @@ def serve(req: Request) -> None:
         text = str(e) if known else "%s: %s" % (type(e).__name__, e)
         tb = ""
         if req.debug:
-            import traceback   # its imports (tokenize...) cost 20 ms at every start
+            import traceback  # its imports (tokenize...) cost 20 ms at every start
             tb = traceback.format_exc()
         try:
             req.out.send(protocol.error(req.id, category, text, tb, getattr(e, "fix", "")))
@@ -118,6 +127,7 @@ def main(version: str, argv: list) -> None:
         out.send(protocol.error(None, protocol.HOST, "agent: %s" % e))
     except BrokenPipeError:
         pass
+    commands.end_all()   # a setup or exec does not outlive the controller
     for th in waited:
         th.join()
     sys.stdout.flush()
