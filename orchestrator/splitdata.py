@@ -316,7 +316,8 @@ def assign(kind: str, groups: dict[str, FileList], workers: int, seed: int) -> t
         shard.files.sort()
     if uneven:
         totals = [len(s.files) for s in shards]
-        notes.append(f"{uneven} of {len(groups)} classes do not divide by {workers}; their extra files "
+        what = "class folders" if any("/" in key for key in groups) else "classes"
+        notes.append(f"{uneven} of {len(groups)} {what} do not divide by {workers}; their extra files "
                      f"rotate across workers (files per worker: {min(totals)}..{max(totals)})")
     return shards, notes
 

@@ -484,3 +484,21 @@ def test_command_with_real_inventory_and_cli(tmp_path: Path, monkeypatch: pytest
     assert [s["classes"] for s in split["shards"]] == [{"TrainData/cat": 2, "ValidationData/cat": 1}] * 3
     assert cli.cli(["split-data", "-c", "proj/c.yaml", "--workers", "4"]) == 2
     assert "fewer than the 4 workers" in capsys.readouterr().err
+
+
+def test_table_counts_a_class_once_over_its_split_folders(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from orchestrator.commands.split_data import shard_table
+
+    src = tmp_path / "src"
+    make_imagefolder(src, {"TrainData/cat": 4, "ValidationData/cat": 2,
+                           "TrainData/dog": 6, "ValidationData/dog": 2})
+    plan = splitdata.split(src, tmp_path / "out", 2).plan
+    console = Console(width=120, record=True)
+    console.print(shard_table(plan))
+    rows = [line.split("│") for line in console.export_text().splitlines() if "worker_" in line]
+    cells = [[c.strip() for c in r[1:6]] for r in rows]
+    # 2 classes, not 4 (TrainData/cat and ValidationData/cat are one); files per class summed.
+    assert [[c[0], c[1], c[3], c[4]] for c in cells] == [
+        ["worker_0_of_2", "7", "2", "3..4"], ["worker_1_of_2", "7", "2", "3..4"]]

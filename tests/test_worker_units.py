@@ -42,7 +42,7 @@ def test_wrn_is_the_tutorial_network() -> None:
     assert model(torch.zeros(1, 3, 16, 16)).shape == (1, 4)
 
 
-@pytest.mark.parametrize("name", ["lenet", "wrn"])
+@pytest.mark.parametrize("name", ["lenet", "wrn", "mobilenet"])
 def test_models_take_any_image_size(name: str) -> None:
     model = build_model(name, 3).eval()
     for size in (16, 40):
@@ -50,8 +50,8 @@ def test_models_take_any_image_size(name: str) -> None:
 
 
 def test_unknown_model_is_a_user_error() -> None:
-    with pytest.raises(WorkerError, match="unknown model 'vgg'"):
-        build_model("vgg", 3)
+    with pytest.raises(WorkerError, match="unknown model 'alexnet'"):  # ('vgg' names vggf)
+        build_model("alexnet", 3)
 
 
 def test_pretrained_loads_matching_tensors_only(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from worker import distrib
 from worker.errors import WorkerError
 
 SUBDIR = "checkpoints"
@@ -75,8 +76,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save(out_dir: Path, epoch: int, state: dict[str, Any], is_main: bool) -> None:
     """Collective: gathers every rank's RNG state; rank 0 writes ``state`` plus those."""
-    rngs: list[Any] | None = [None] * dist.get_world_size() if is_main else None
-    dist.gather_object(rng_state(), rngs, dst=0)
+    if not distrib.grouped():
+        rngs: list[Any] | None = [rng_state()]
+    else:
+        rngs = [None] * dist.get_world_size() if is_main else None
+        dist.gather_object(rng_state(), rngs, dst=0)
     if is_main:
         atomic_save({**state, "epoch": epoch, "rng": rngs}, path_for(out_dir, epoch))
         prune(out_dir)
@@ -106,7 +110,8 @@ def load_for_resume(out_dir: Path, is_main: bool) -> tuple[dict | None, dict | N
         if ckpt is not None:
             model_state = ckpt.pop("model")
         payload = [{"ckpt": ckpt, "error": error}]
-    dist.broadcast_object_list(payload, src=0)
+    if distrib.grouped():
+        dist.broadcast_object_list(payload, src=0)
     if payload[0]["error"]:
         raise WorkerError(f"rank 0: {payload[0]['error']}",
                           hint="delete that file to resume from the one before it")

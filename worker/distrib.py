@@ -39,9 +39,16 @@ def cpu_threads(local_world: int) -> int:
     return max(1, (cores or 1) // max(1, local_world))
 
 
-def setup() -> Ctx:
-    """init_process_group from torchrun's variables; without them, a 1-process group.
+def grouped() -> bool:
+    """Whether there is a process group (none when running as one process)."""
+    return dist.is_available() and dist.is_initialized()
 
+
+def setup() -> Ctx:
+    """init_process_group from torchrun's variables when WORLD_SIZE > 1; else no group.
+
+    One process (WORLD_SIZE unset or 1, e.g. one task of a job array) needs no rendezvous,
+    no store and no gloo threads: the collectives below then act on this process alone.
     Backend nccl when CUDA is available, else gloo: the same program runs on laptops,
     CPU clusters and GPU boxes.
     """
@@ -52,16 +59,15 @@ def setup() -> Ctx:
     if cuda:
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True  # fixed image size: pick the fastest kernels once
-    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, device_id=device if cuda else None)
-    else:  # plain `python -m worker.train`: no rendezvous needed for one process
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     torch.set_num_threads(cpu_threads(local_world))
+    if _env_int("WORLD_SIZE", 1) <= 1:
+        return Ctx(0, 1, local_rank, local_world, device, "none")
+    dist.init_process_group(backend, device_id=device if cuda else None)
     return Ctx(dist.get_rank(), dist.get_world_size(), local_rank, local_world, device, backend)
 
 
 def teardown() -> None:
-    if dist.is_initialized():
+    if grouped():
         dist.destroy_process_group()
 
 
@@ -73,6 +79,10 @@ def agree(error: WorkerError | None) -> None:
     collective that the failed rank never reaches.
     """
     mine = None if error is None else error.one_line()
+    if not grouped():
+        if mine is not None:
+            raise WorkerError(f"rank 0: {mine}")
+        return
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     failed = [f"rank {r}: {msg}" for r, msg in enumerate(everyone) if msg is not None]
@@ -81,6 +91,8 @@ def agree(error: WorkerError | None) -> None:
 
 
 def gather_all(obj: Any) -> list[Any]:
+    if not grouped():
+        return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -88,6 +100,8 @@ def gather_all(obj: Any) -> list[Any]:
 
 def sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
     """all_reduce(SUM) of a few numbers in one call (float64, exact for counts)."""
+    if not grouped():
+        return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.tolist()

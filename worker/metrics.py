@@ -51,8 +51,16 @@ def line(row: dict, epochs: int) -> str:
             f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}  lr {row['lr']:.3g}")
 
 
-def plot(csv_path: Path, png_path: Path) -> None:
-    """Accuracy and images/s against time, two panels."""
+def title(model: str, world: int, extra: str = "") -> str:
+    """The plot's title: the job (ORCH_JOB, when orch runs it), model and process count."""
+    job = os.environ.get("ORCH_JOB")
+    parts = [job] if job else []
+    parts += [model, f"{world} process{'es' if world != 1 else ''}"]
+    return " | ".join(parts + ([extra] if extra else []))
+
+
+def plot(csv_path: Path, png_path: Path, heading: str = "") -> None:
+    """Loss, accuracy and images/s against time, three panels under ``heading``."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on cluster hosts
@@ -60,17 +68,22 @@ def plot(csv_path: Path, png_path: Path) -> None:
 
     rows = read_rows(csv_path)
     t = [float(r["time_s"]) for r in rows]
-    fig, (acc_ax, ips_ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    acc_ax.plot(t, [float(r["train_acc"]) for r in rows], "o-", label="train")
-    acc_ax.plot(t, [float(r["val_acc"]) for r in rows], "o-", label="validation")
-    acc_ax.set_ylabel("accuracy")
+    fig, (loss_ax, acc_ax, ips_ax) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    for ax, key, label in ((loss_ax, "loss", "loss"), (acc_ax, "acc", "accuracy")):
+        ax.plot(t, [float(r[f"train_{key}"]) for r in rows], "o-", label="train")
+        ax.plot(t, [float(r[f"val_{key}"]) for r in rows], "o-", label="validation")
+        ax.set_ylabel(label)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    loss_ax.set_ylim(bottom=0)
     acc_ax.set_ylim(0, 1.02)
-    acc_ax.legend()
-    acc_ax.grid(alpha=0.3)
     ips_ax.plot(t, [float(r["images_per_s"]) for r in rows], "o-", color="tab:green")
     ips_ax.set_ylabel("images/s (all ranks)")
+    ips_ax.set_ylim(bottom=0)  # a throughput axis that starts at 0 does not exaggerate dips
     ips_ax.set_xlabel("time (s)")
     ips_ax.grid(alpha=0.3)
+    if heading:
+        fig.suptitle(heading)
     fig.tight_layout()
     tmp = png_path.with_name(f".{png_path.name}.tmp-{os.getpid()}.png")
     fig.savefig(tmp, dpi=100)

@@ -1,4 +1,5 @@
-"""Optimisers and the learning-rate schedule: scaling with the world size and warm-up."""
+"""Optimisers and the learning-rate schedule: scaling with the world size, warm-up, and
+cosine annealing (plain or with warm restarts)."""
 from __future__ import annotations
 
 import math
@@ -82,8 +83,45 @@ def make_optimizer(name: str, params: Iterable, lr: float, momentum: float,
     return NovoGrad(params, lr=lr, weight_decay=weight_decay)
 
 
+SCHEDULES = ("none", "cosine", "warm")
+
+
+def cosine_factor(step: int, total: int) -> float:
+    """Cosine annealing from 1 to 0 over ``total`` steps (torch's CosineAnnealingLR, eta_min 0)."""
+    return 0.5 * (1 + math.cos(math.pi * min(step, total) / max(1, total)))
+
+
+def warm_restarts_factor(step: int, first: int, mult: int = 2) -> float:
+    """Cosine annealing with warm restarts (Loshchilov & Hutter; torch's
+    CosineAnnealingWarmRestarts, eta_min 0): cycles of ``first``, ``first*mult``, ... steps,
+    each from 1 down towards 0, then back to 1."""
+    length = max(1, first)
+    while step >= length:
+        step -= length
+        length *= mult
+    return 0.5 * (1 + math.cos(math.pi * step / length))
+
+
+def schedule_factor(step: int, steps_per_epoch: int, warmup_epochs: float, world_size: int,
+                    schedule: str = "none", epochs: int = 1, restart_epochs: float = 2) -> float:
+    """Multiplier of the scaled lr at ``step``: the warm-up, then the schedule.
+
+    The schedule starts where the warm-up ends (its step 0 is the first step after it) and
+    spans the remaining steps of ``epochs``, so a warm-up does not shorten the cosine.
+    """
+    warm_steps = math.ceil(warmup_epochs * steps_per_epoch) if warmup_epochs > 0 else 0
+    if step < warm_steps or schedule == "none":
+        return warmup_factor(step, steps_per_epoch, warmup_epochs, world_size)
+    after = step - warm_steps
+    if schedule == "cosine":
+        return cosine_factor(after, epochs * steps_per_epoch - warm_steps)
+    return warm_restarts_factor(after, round(restart_epochs * steps_per_epoch))
+
+
 def make_scheduler(optimizer: Optimizer, steps_per_epoch: int, warmup_epochs: float,
-                   world_size: int) -> torch.optim.lr_scheduler.LambdaLR:
+                   world_size: int, schedule: str = "none", epochs: int = 1,
+                   restart_epochs: float = 2) -> torch.optim.lr_scheduler.LambdaLR:
     """Stepped once per batch; its state (the step count) goes into checkpoints."""
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_factor(step, steps_per_epoch, warmup_epochs, world_size))
+        optimizer, lambda step: schedule_factor(step, steps_per_epoch, warmup_epochs, world_size,
+                                                schedule, epochs, restart_epochs))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -20,15 +21,15 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from worker import checkpoint, distrib, metrics
+from worker import checkpoint, distrib, folds, metrics
 from worker.augment import augment, normalize
 from worker.data import (DevicePrefetcher, EpochSampler, ImageFolderBatches, make_loader,
                          scan_shard)
 from worker.distrib import Ctx
 from worker.errors import WorkerError
-from worker.models import (AUGMENTATION, DEFAULT_IMAGE_SIZE, MODELS, build_model,
+from worker.models import (ALIASES, AUGMENTATION, DEFAULT_IMAGE_SIZE, MODELS, build_model,
                            load_pretrained, logits_param_names)
-from worker.optim import make_optimizer, make_scheduler, scaled_lr
+from worker.optim import SCHEDULES, make_optimizer, make_scheduler, scaled_lr
 from worker.packed import PackedBatches, find_packed, read_index
 
 
@@ -36,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # Every rank parses the same argv: each exits here, before any rendezvous.
         rank = os.environ.get("RANK", "0")
-        self.exit(2, f"error: rank {rank}: {message} (fix: python -m worker.train --help)\n")
+        self.exit(2, f"error: rank {rank}: {message} (fix: {self.prog} --help)\n")
 
 
 def _fraction(text: str) -> float:
@@ -68,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                 description="DDP training on each rank's own data shard; run it under torchrun "
                             "(orch up does), or alone as one process.")
     a = p.add_argument
-    a("--model", choices=MODELS, default="lenet", help="network to train")
+    a("--model", choices=MODELS + tuple(ALIASES), default="lenet",
+      help="network to train (vgg: another name for vggf)")
     a("--pretrained", type=Path, metavar="PATH",
       help="weights file to start from (rank 0 reads it; nothing is downloaded)")
     a("--epochs", type=_positive(int), default=10, help="epochs to train at most")
@@ -81,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--optimizer", choices=("sgd", "adam", "novograd"), default="sgd", help="optimiser")
     a("--warmup-epochs", type=_positive(float, zero_ok=True), default=0.0,
       help="linear warm-up from lr/world size to lr over this many epochs")
+    a("--lr-schedule", choices=SCHEDULES, default="none",
+      help="after the warm-up: constant | cosine annealing to 0 over the epochs | cosine "
+           "annealing with warm restarts (cycles of --restart-epochs, doubling); per step")
+    a("--restart-epochs", type=_positive(float), default=2.0,
+      help="--lr-schedule warm: length of the first cycle in epochs (T_0; T_mult is 2)")
+    a("--folds", type=_positive(int), metavar="K",
+      help="K-fold cross-validation of the training set: validate on fold --fold, train on the rest")
+    a("--fold", type=_positive(int, zero_ok=True), metavar="k", help="which fold validates (0..K-1)")
     a("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA only)")
     a("--amp", action="store_true", help="mixed precision (CUDA only)")
     a("--channels-last", action="store_true", help="NHWC memory format (CUDA only)")
@@ -108,8 +118,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_folds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.folds is None and args.fold is None:
+        return
+    if args.folds is None or args.fold is None:
+        parser.error("--folds K and --fold k go together (e.g. --folds 3 --fold 0)")
+    if args.folds < 2 or args.fold >= args.folds:
+        parser.error(f"--folds {args.folds} --fold {args.fold}: need K >= 2 and 0 <= k < K")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_folds(parser, args)
+    args.model = ALIASES.get(args.model, args.model)
     args.image_size = args.image_size or DEFAULT_IMAGE_SIZE[args.model]
     return args
 
@@ -184,6 +206,9 @@ def open_data(args: argparse.Namespace, ctx: Ctx) -> Data:
         error = e if isinstance(e, WorkerError) else WorkerError(f"{args.output_dir}: {e}")
     distrib.agree(error)
     train, val, classes, source = opened
+    if args.folds:  # the same deterministic folds on every rank's own shard
+        train, val = folds.apply(train, args.folds, args.fold, f"rank {ctx.rank}")
+        source += f", fold {args.fold} of {args.folds} validates"
     everyone = distrib.gather_all((classes, len(train), len(val)))
     classes = _check_classes(everyone)
     print(f"rank {ctx.rank}: {len(train)} train / {len(val)} validation images, "
@@ -193,6 +218,17 @@ def open_data(args: argparse.Namespace, ctx: Ctx) -> Data:
 
 # ---------------------------------------------------------------------------
 # Model, optimiser, resume.
+
+
+class Local(nn.Module):
+    """One process, no process group: the model under the name DDP gives it (``.module``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
 
 
 @dataclass
@@ -272,15 +308,28 @@ def build_state(args: argparse.Namespace, ctx: Ctx, data: Data) -> State:
     lr = scaled_lr(args.lr, ctx.world, args.lr_scaling)
     optimizer = make_optimizer(args.optimizer, model.parameters(), lr, args.momentum, args.weight_decay)
     steps = -(-data.train_total // args.batch_size)
-    scheduler = make_scheduler(optimizer, steps, args.warmup_epochs, ctx.world)
-    ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
-    st = State(ddp, optimizer, scheduler, torch.amp.GradScaler(ctx.device.type, enabled=args.amp),
-               _install_comm_hook(ddp, args, logits))
+    scheduler = make_scheduler(optimizer, steps, args.warmup_epochs, ctx.world,
+                               args.lr_schedule, args.epochs, args.restart_epochs)
+    wrapped, comm = _wrap(model, args, ctx, logits)
+    st = State(wrapped, optimizer, scheduler,
+               torch.amp.GradScaler(ctx.device.type, enabled=args.amp), comm)
     # Ranks draw different augmentations and dropout masks; a resume restores the draws.
     torch.manual_seed(args.seed + 1000 * ctx.rank)
     if ckpt is not None:
         _apply(st, ckpt, ctx, args.seed)
     return st
+
+
+def _wrap(model: nn.Module, args: argparse.Namespace, ctx: Ctx,
+          logits: set[str]) -> tuple[nn.Module, Any]:
+    """DDP (with the gradient hook) across processes; the bare model on one process."""
+    if ctx.world == 1:
+        if args.grad_compression != "none":
+            say(ctx, f"note: --grad-compression {args.grad_compression} has no effect on one "
+                     "process (no gradient is sent); ignored")
+        return Local(model), None
+    ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    return ddp, _install_comm_hook(ddp, args, logits)
 
 
 def _apply(st: State, ckpt: dict[str, Any], ctx: Ctx, seed: int) -> None:
@@ -370,8 +419,12 @@ def run_epoch(args: argparse.Namespace, ctx: Ctx, st: State, epoch: int, loaders
     loss, corr, seen, ips, vl, vc, vs = distrib.sum_over_ranks(
         [tr["loss_sum"], tr["correct"], tr["seen"], tr["images_per_s"], v_loss, v_correct, v_seen],
         ctx.device)
-    sent = (st.comm.bytes_sent - sent_before if st.comm is not None
-            else _param_bytes(st.model) * tr["steps"])
+    if ctx.world == 1:
+        sent = 0  # one process sends no gradients
+    elif st.comm is not None:
+        sent = st.comm.bytes_sent - sent_before
+    else:
+        sent = _param_bytes(st.model) * tr["steps"]
     now = time.perf_counter()
     return {"epoch": epoch, "time_s": st.elapsed + now - started, "epoch_time_s": now - t0,
             "train_loss": loss / seen, "train_acc": corr / seen, "val_loss": vl / vs,
@@ -411,7 +464,9 @@ def fit(args: argparse.Namespace, ctx: Ctx, data: Data, st: State) -> None:
                      f"for {args.patience} epoch(s): stopping after epoch {epoch}")
             break
     if ctx.is_main and metrics.read_rows(csv_path):
-        metrics.plot(csv_path, args.output_dir / "metrics.png")
+        fold = f"fold {args.fold} of {args.folds}" if args.folds else ""
+        metrics.plot(csv_path, args.output_dir / "metrics.png",
+                     metrics.title(args.model, ctx.world, fold))
         say(ctx, f"wrote {csv_path} and {args.output_dir / 'metrics.png'}")
 
 
@@ -424,26 +479,70 @@ def run(args: argparse.Namespace, ctx: Ctx) -> None:
     fit(args, ctx, data, st)
 
 
+class Stopped(BaseException):
+    """SIGTERM (orch stop, a scheduler): leave quietly. BaseException, so that no
+    ``except Exception`` on the way swallows it."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Stopped()
+
+
+def _stop_follows(seconds: float = 2.0) -> bool:
+    """After a collective failed: was it because the job is being stopped?
+
+    A stop sends SIGTERM to every rank at once; the first to leave breaks the collective
+    of the others, whose gloo error can reach Python just before their own SIGTERM does.
+    """
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Stopped:
+        return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ctx = distrib.setup()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    ctx, stopped = None, False
     try:
+        ctx = distrib.setup()
         run(args, ctx)
         return 0
     except WorkerError as e:
         sys.stderr.write(f"error: {e.one_line()}\n")  # one write: lines of ranks do not mix
         sys.stderr.flush()
         return e.exit_code
+    except Stopped:
+        stopped = True
+    except Exception:
+        if not (ctx is not None and ctx.world > 1 and _stop_follows()):
+            raise
+        stopped = True
     finally:
-        distrib.teardown()
+        signal.signal(signal.SIGTERM, previous)  # the CLI's previous: the default, ending us
+        if not stopped:
+            distrib.teardown()
+    sys.stderr.write(f"worker.train: rank {os.environ.get('RANK', '0')} stopped by SIGTERM\n")
+    sys.stderr.flush()
+    return STOPPED
+
+
+STOPPED = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 
 
 def exit_now(code: int) -> None:
     """Leave without C++ static destructors: gloo's threads can still be joinable at
-    interpreter exit, which aborts a rank that finished fine (a rare SIGABRT, seen in CI)."""
+    interpreter exit, which aborts a rank that finished fine (a rare SIGABRT, seen in CI).
+    A stopped run ends by SIGTERM itself, so its parent sees that signal as the cause."""
     gc.collect()   # data-loader workers end with their iterators, before we go
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == STOPPED:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
     os._exit(code)
 
 

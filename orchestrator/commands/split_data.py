@@ -106,9 +106,20 @@ def _human(n: float) -> str:
     return f"{n} B"
 
 
-def _row(shard: splitdata.Shard) -> list[str]:
-    counts = shard.classes.values()
-    return [shard.name, str(len(shard.files)), _human(shard.bytes), str(len(shard.classes)),
+def _per_class(shard: splitdata.Shard, kind: str) -> dict[str, int]:
+    """Files per class (an ImageFolder's split folders summed) or per record group."""
+    if kind != "imagefolder":
+        return dict(shard.classes)
+    out: dict[str, int] = {}
+    for key, count in shard.classes.items():
+        name = key.rsplit("/", 1)[-1]
+        out[name] = out.get(name, 0) + count
+    return out
+
+
+def _row(shard: splitdata.Shard, kind: str) -> list[str]:
+    counts = _per_class(shard, kind).values()
+    return [shard.name, str(len(shard.files)), _human(shard.bytes), str(len(counts)),
             f"{min(counts)}..{max(counts)}" if counts else "-"]
 
 
@@ -121,13 +132,13 @@ def shard_table(p: splitdata.Plan) -> Table:
     shards = p.shards
     if len(shards) <= FULL_TABLE_ROWS:
         for shard in shards:
-            table.add_row(*_row(shard))
+            table.add_row(*_row(shard, p.kind))
         return table
     for shard in shards[:EDGE_ROWS]:
-        table.add_row(*_row(shard))
+        table.add_row(*_row(shard, p.kind))
     table.add_row(f"... {len(shards) - 2 * EDGE_ROWS} more", "", "", "", "")
     for shard in shards[-EDGE_ROWS:]:
-        table.add_row(*_row(shard))
+        table.add_row(*_row(shard, p.kind))
     return table
 
 
