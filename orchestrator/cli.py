@@ -10,7 +10,7 @@ import sys
 from orchestrator import __version__
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, OrchError
 
-COMMANDS = ("up", "stop", "logs", "status", "split_data")
+COMMANDS = ("up", "stop", "logs", "status", "results", "split_data")
 
 
 class Parser(argparse.ArgumentParser):

@@ -206,16 +206,25 @@ REQUESTS = {
     "receive": {"root": str},
     "launch": {"job_dir": str, "spec": {"run_id": str, "ranks": [int], "argv": [str],
                                         "env": dict}},
-    "follow": {"job_dir": str, "ranks": [int], "tail": int, "mode": str},
+    "follow": {"job_dir": str, "ranks": [int], "tail": int, "mode": str, "?unit": str},
     "status": {"job_dir": str, "ranks": [int], "?first_local": int},
     "stop": {"job_dir": str, "grace": NUM},
+    # job arrays: a runner per host works through its queue of tasks
+    "array_launch": {"job_dir": str, "spec": {"run_id": str, "slots": int, "env": dict,
+                                              "tasks": [{"i": int, "argv": [str], "args": str}]}},
+    "array_status": {"job_dir": str, "tasks": [int]},
+    "array_results": {"job_dir": str, "tasks": [int]},
 }
 FOLLOW_MODES = ("events", "snapshot", "raw", "raw-follow")
+FOLLOW_UNITS = ("rank", "task")
 
 SUPERVISOR = {"pid": int, "pgid": int, "start_ticks": OPT_INT, "torchrun_pid": int,
               "run_id": str, "started": NUM}
 RANK_STATUS = {"rank": int, "state": str, "last_line": str, "?pid": OPT_INT,
                "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM, "?error_file": str}
+TASK_STATUS = {"task": int, "state": str, "last_line": str, "?pid": OPT_INT, "?slot": OPT_INT,
+               "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM}
+TASK_RESULT = {"task": int, "header": OPT_STR, "last": OPT_STR}
 REPLIES = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
@@ -227,6 +236,10 @@ REPLIES = {
     "status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
                "time": NUM, "ranks": [RANK_STATUS]},
     "stop": {"found": int, "killed": int, "left": [int], "seconds": NUM},
+    "array_launch": {"supervisor": SUPERVISOR},
+    "array_status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
+                     "time": NUM, "tasks": [TASK_STATUS]},
+    "array_results": {"tasks": [TASK_RESULT]},
 }
 # Parts that may come before a reply (with the request's id).
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}

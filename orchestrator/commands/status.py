@@ -8,8 +8,12 @@ from typing import Any
 
 from rich.table import Table
 
+from orchestrator import arrays
 from orchestrator.commands.common import console, inventory, open_session, require_state, warn_unreachable
 from orchestrator.errors import EXIT_OK
+from orchestrator.inventory import Cluster
+from orchestrator.results import status_rows
+from orchestrator.termsafe import plain
 from orchestrator.watch import signal_name
 
 
@@ -21,6 +25,8 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
+    if cluster.job.array is not None:
+        return array_status(cluster, args)
     session = open_session(cluster, require_state(cluster))
     try:
         warn_unreachable(session)
@@ -63,3 +69,27 @@ def table(name: str, rows: list[dict]) -> Table:
         t.add_row(str(r["rank"]), r["host"], str(r["local_rank"]), str(r["pid"] or "-"),
                   r["state"], runtime, r["last_line"][-80:])
     return t
+
+
+def array_status(cluster: Cluster, args: argparse.Namespace) -> int:
+    """One row per task of a job array: index, args, host/slot, state, runtime, last line."""
+    rec = arrays.load(cluster)
+    session = open_session(cluster, require_state(cluster))
+    try:
+        warn_unreachable(session)
+        rows = status_rows(cluster, rec, session.array_request("array_status", rec))
+    finally:
+        session.close()
+    if args.json:
+        print(json.dumps({"job": cluster.name, "tasks": rows}, indent=1))
+        return EXIT_OK
+    t = Table(title=f"job array {cluster.name}")
+    for col in ("task", "args", "host", "slot", "state", "runtime", "last line"):
+        t.add_column(col, overflow="fold" if col in ("last line", "args") else "ellipsis")
+    for r in rows:
+        runtime = "-" if r["runtime_s"] is None else f"{r['runtime_s']:.1f}s"
+        slot = "-" if r["slot"] is None else str(r["slot"])
+        t.add_row(str(r["task"]), plain(r["args"]), r["host"], slot, r["state"], runtime,
+                  plain(r["last_line"][-80:]))
+    console.print(t, soft_wrap=False)
+    return EXIT_OK

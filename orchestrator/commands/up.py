@@ -19,6 +19,7 @@ from orchestrator.session import HostFiles, Session
 from orchestrator.shards import host_files, load_split
 from orchestrator.sync import DigestCache, SyncReport, code_files
 from orchestrator.ui import bytes_bar, hosts_bar
+from orchestrator.commands.array_up import array_files, array_plan, up_array
 from orchestrator.watch import attach
 
 
@@ -28,13 +29,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--detach", action="store_true", help="return once every host has started")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and each host's command; touch no host")
+    p.add_argument("--fail-fast", action="store_true",
+                   help="job arrays: the first failing task stops every task (default: the others go on)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
     if args.dry_run:
-        print(dry_run_plan(cluster))
+        print(array_plan(cluster) if cluster.job.array else dry_run_plan(cluster))
         return EXIT_OK
     files = local_files(cluster)   # bad data is refused before any host is touched
     session = Session(cluster)
@@ -42,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
         pre = connect_and_check(session)
         console.print(f"preflight: {len(cluster.hosts)} hosts ok, world size {cluster.world_size}")
         sync(session, files, pre)
+        if cluster.job.array is not None:
+            return up_array(session, pre, args)
         run_id, sups = session.launch(pre)
         st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
                                  pre.master_port, pre.hosts, sups)
@@ -69,6 +74,8 @@ def connect_and_check(session: Session) -> PreflightReport:
 
 def local_files(cluster: Cluster) -> dict[int, HostFiles]:
     """What each host must hold, hashed (cached) and checked here, before connecting."""
+    if cluster.job.array is not None:
+        return array_files(cluster)
     split = load_split(cluster) if cluster.data.shards else None
     cache = DigestCache(cluster.state_dir.parent / "digests.json")
     check_entrypoint(cluster.base_dir, cluster.code.paths, cluster.code.exclude,

@@ -95,8 +95,9 @@ def tail_offset(f, n: int) -> int:
     return 0
 
 
-def rank_exit(p: dict, rank: int):
-    ex = read_json(p["jd"], "run/rank-%d.exit" % rank)
+def rank_exit(p: dict, rank: int, unit: str = "rank"):
+    """run/<unit>-<n>.exit (unit "rank", or "task" for a job array)."""
+    ex = read_json(p["jd"], "run/%s-%d.exit" % (unit, rank))
     return ex if isinstance(ex, dict) and "code" in ex and "time" in ex else None
 
 
@@ -120,12 +121,12 @@ def emit(send, log: RankLog, final: bool = False) -> int:
         total += len(got)
 
 
-def send_exits(send, p: dict, logs: list, reported: set, events: bool) -> bool:
+def send_exits(send, p: dict, logs: list, reported: set, events: bool, unit: str) -> bool:
     """Report rank exits as they land; True once nothing more will come."""
     for log in logs:
         if log.rank in reported:
             continue
-        ex = rank_exit(p, log.rank)
+        ex = rank_exit(p, log.rank, unit)
         if ex is not None:
             reported.add(log.rank)
             emit(send, log)
@@ -148,15 +149,19 @@ def finish(send, p: dict, logs: list, mode: str) -> None:
 def run(req) -> None:
     """mode: "events" (lines, exits, heartbeats until the host is done), "snapshot"
     (the lines there now), "raw-follow" (until the ranks end), "raw" (what is there now).
+    `unit` "task" follows a job array's task logs and exits instead of the ranks'.
     Ends with a `done` event in every mode."""
     a, send = req.args, req.out.send
     mode = a["mode"]
     if mode not in protocol.FOLLOW_MODES:
         raise AgentError("unknown follow mode %r" % mode, protocol.USAGE)
+    unit = a.get("unit", "rank")
+    if unit not in protocol.FOLLOW_UNITS:
+        raise AgentError("unknown follow unit %r" % unit, protocol.USAGE)
     p = job_paths(a["job_dir"])
     logs = []
     for r in a["ranks"]:
-        log = RankLog(r, p["jd"], "logs/rank-%d.log" % r, 0)
+        log = RankLog(r, p["jd"], "logs/%s-%d.log" % (unit, r), 0)
         if a["tail"] >= 0:
             log.f = open_log(p["jd"], log.rel)
             log.offset = tail_offset(log.f, a["tail"])
@@ -165,7 +170,8 @@ def run(req) -> None:
     while True:
         busy = sum(emit(send, log) for log in logs)
         idle = 0 if busy else idle + 1
-        if mode in ("raw", "snapshot") or send_exits(send, p, logs, reported, mode == "events"):
+        if mode in ("raw", "snapshot") or send_exits(send, p, logs, reported, mode == "events",
+                                                          unit):
             return finish(send, p, logs, mode)
         if mode == "events" and time.time() - beat >= timeouts.HEARTBEAT:
             send(protocol.event("beat"))

@@ -14,7 +14,7 @@ import sys
 import threading
 
 from orchestrator import protocol
-from orchestrator.host import files, follow, launch, preflight, procs, status
+from orchestrator.host import array, files, follow, launch, preflight, procs, status
 from orchestrator.host.common import AgentError
 from orchestrator.host.paths import UnsafePath
 
@@ -26,6 +26,9 @@ COMMANDS = {
     "follow": follow.run,
     "status": status.run,
     "stop": procs.run_stop,
+    "array_launch": array.run_launch,
+    "array_status": array.run_status,
+    "array_results": array.run_results,
 }
 IN_THREAD = {"follow": True, "stop": False}   # command -> daemon thread (not waited for)
 
