@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     session = Session(cluster)
     try:
         pre = connect_and_check(session)
-        console.print(f"preflight: {len(cluster.hosts)} hosts ok, world size {cluster.world_size}")
+        size = "a job array" if cluster.job.array else f"world size {cluster.world_size}"
+        console.print(f"preflight: {len(cluster.hosts)} hosts ok, {size}")
         sync(session, files, pre)
         if cluster.job.array is not None:
             return up_array(session, pre, args)
