@@ -72,7 +72,7 @@ def most_at_once(spans: list[tuple[float, float]]) -> int:
 
 
 def test_array_queue_results_status_logs(sshd_cluster: SshdCluster, tmp_path: Path,
-                                         jobs: Jobs) -> None:
+                                         jobs: Jobs) -> None:  # noqa: F811
     hosts, name = sshd_cluster.hosts[:3], "e2e-array"
     inv = inventory(sshd_cluster, tmp_path, name, {"model": ["good", "bad"], "fold": [0, 1, 2, 3, 4]}, 0.4)
     jobs.add(inv, hosts, name)
@@ -117,7 +117,8 @@ def test_array_queue_results_status_logs(sshd_cluster: SshdCluster, tmp_path: Pa
     assert_nothing_left(hosts, name)
 
 
-def test_array_stop_and_fail_fast(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+def test_array_stop_and_fail_fast(sshd_cluster: SshdCluster, tmp_path: Path,
+                                  jobs: Jobs) -> None:  # noqa: F811
     hosts, name = sshd_cluster.hosts[:3], "e2e-array-stop"
     inv = inventory(sshd_cluster, tmp_path, name, {"model": ["slow"], "fold": list(range(8))}, 1.0)
     jobs.add(inv, hosts, name)
