@@ -29,8 +29,8 @@ from orchestrator.faults import (BastionError, ConnectFailed, ForwardFailed, des
                                  explain_lost)
 from orchestrator.inventory import Host
 from orchestrator.jumps import parse_chain
-from orchestrator.transport import (AcceptNewPolicy, LocalTransport, SSHTransport,
-                                    StrictPolicy, Transport)
+from orchestrator.transport import (AcceptNewPolicy, HostKeyRefused, LocalTransport,
+                                    SSHTransport, StrictPolicy, Transport)
 
 T = TypeVar("T")
 # aes128-gcm first: on a CPU-bound link it is 1.4-1.6x faster than the alternatives
@@ -304,7 +304,10 @@ def open_client(target: Target, sock: Any) -> _Client:
         step = _step(made[0] if made else None)
         client.close()
         sock.close()
-        if isinstance(exc, (OrchError, KeyboardInterrupt)):
+        # a refused host key is the host's failure, told with its name and hop like any
+        # other; other OrchErrors are mistakes on this machine (exit 2) and go up as they are
+        if isinstance(exc, KeyboardInterrupt) or (
+                isinstance(exc, OrchError) and not isinstance(exc, HostKeyRefused)):
             raise
         raise ConnectFailed(exc, step) from None
 

@@ -133,7 +133,8 @@ def test_chain_of_bastions_and_their_host_keys(netns: NetnsCluster, tmp_path: Pa
     assert refused.returncode == 3, refused.stderr
     assert "Traceback" not in refused.stderr
     for h in netns.hosts:
-        line = next(x for x in refused.stderr.splitlines() if h.address in x and "fix:" not in x)
+        line = next((x for x in refused.stderr.splitlines() if h.address in x and "fix:" not in x),
+                    refused.stderr)
         assert f"via bastion root@{second.address}" in line and "host key not trusted" in line
         assert "SHA256:" in line
     accept = inventory(netns, tmp_path / "accept.yaml", "chain", proxy_jump=chain,
