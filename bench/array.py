@@ -70,11 +70,11 @@ def env1() -> dict[str, str]:
     return env
 
 
-def make_data(root: Path, per_class: int) -> Path:
+def make_data(root: Path, per_class: int, val_per_class: int = 10) -> Path:
     """Demo data split for one worker: <root>/shards/worker_0_of_1."""
     src, shards = root / "demo", root / "shards"
     run([str(PY), "-m", "worker.demo_data", "--out", str(src), "--seed", "0",
-         "--train-per-class", str(per_class), "--val-per-class", str(max(10, per_class // 6))])
+         "--train-per-class", str(per_class), "--val-per-class", str(val_per_class)])
     run([str(ORCH), "split-data", "--workers", "1", "--source", str(src), "--out", str(shards)])
     return shards
 
@@ -182,7 +182,7 @@ def orch_arm(args: argparse.Namespace, root: Path, data: Path) -> tuple[float | 
 # ---------------------------------------------------------------- HOGWILD!
 
 
-HOGWILD_OPTS = ["--batch-size", "32", "--lr", "0.1", "--momentum", "0", "--lr-schedule", "cosine"]
+HOGWILD_OPTS = ["--batch-size", "32", "--lr", "0.05", "--momentum", "0", "--lr-schedule", "cosine"]
 
 
 def hogwild(procs: int, args: argparse.Namespace, data: Path, root: Path, run_no: int) -> dict[str, float]:
@@ -283,7 +283,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=4, help="epochs per AsyncKFold task")
     p.add_argument("--per-class", type=int, default=90, help="demo training images per class")
-    p.add_argument("--hogwild-epochs", type=int, default=12)
+    p.add_argument("--hogwild-epochs", type=int, default=16)
     p.add_argument("--hogwild-runs", type=int, default=3, help="runs per process count")
     p.add_argument("--hogwild-per-class", type=int, default=300)
     p.add_argument("--skip-kfold", action="store_true")
@@ -329,7 +329,7 @@ def kfold_part(args: argparse.Namespace, root: Path) -> list[str]:
 
 def hogwild_part(args: argparse.Namespace, root: Path) -> list[str]:
     root.mkdir(parents=True)
-    data = make_data(root, args.hogwild_per_class)
+    data = make_data(root, args.hogwild_per_class, 100)  # 600 validation images: 1 point = 6
     avail = parallelism()
     print(f"parallelism available: {avail:.2f}x", flush=True)
     runs: dict[int, list[dict[str, float]]] = {1: [], 2: []}
@@ -338,7 +338,8 @@ def hogwild_part(args: argparse.Namespace, root: Path) -> list[str]:
             runs[procs].append(hogwild(procs, args, data, root, run_no))
             print(f"hogwild --procs {procs}: {runs[procs][-1]}", flush=True)
     return [f"## HOGWILD!: lenet, {args.hogwild_epochs} epochs, {' '.join(HOGWILD_OPTS)}, "
-            f"{args.hogwild_per_class} images per class x 6 classes, OMP_NUM_THREADS=1 "
+            f"{args.hogwild_per_class} training + 100 validation images per class x 6 classes, "
+            "OMP_NUM_THREADS=1 "
             "per process", "", *hogwild_table(runs, avail), ""]
 
 

@@ -317,3 +317,19 @@ def test_stop_of_two_ranks_leaves_no_gloo_traceback(torchrun, tmp_path: Path) ->
     for rank in (0, 1):
         err = torchrun.rank_log(rank, "stderr")
         assert f"rank {rank} stopped by SIGTERM" in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_hogwild_stops_quietly_with_its_processes(procs: Procs, shard_root: Path, tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    p = procs.start(["-m", "worker.hogwild", "--procs", "2", "--image-size", "16", "--epochs", "500",
+                     "--batch-size", "16", "--data-dir", str(shard_root),
+                     "--output-dir", str(tmp_path / "out")], log)
+    wait_for(log, "epoch   1/500", 90)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) == -signal.SIGTERM
+    text = log.read_text()
+    assert "worker.hogwild: stopped by SIGTERM" in text and "Traceback" not in text, text
+    deadline = time.monotonic() + 10  # the training processes end with it
+    while procs.alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
