@@ -26,7 +26,7 @@ rec = {"task": i, "job_dir": os.environ["ORCH_JOB_DIR"], "slot": os.environ["ORC
        "args": os.environ["ORCH_TASK_ARGS"], "world": os.environ.get("WORLD_SIZE"),
        "data": sorted(os.listdir(os.environ["ORCH_DATA_DIR"])), "start": time.time()}
 print("task", i, "starts", flush=True)
-time.sleep(float(os.environ["TASK_SLEEP"]) * (20 if args.get("--model") == "slow" else 1))
+time.sleep(float(os.environ["TASK_SLEEP"]) * (300 if args.get("--model") == "slow" else 1))
 if args.get("--model") == "bad" and args.get("--fold") == "1":
     print("task", i, "fails", flush=True)
     sys.exit(3)
