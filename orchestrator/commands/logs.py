@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         return array_logs(cluster, st, args)
     if args.task is not None:
         raise UsageError(f"job '{cluster.name}' is not a job array: it has ranks, not tasks",
-                         hint="use `orch logs --rank R`")
+                         hint=f"use `orch logs -c {cluster.path.name} --rank R`")
     if args.rank is not None:
         host = cluster.host_of(args.rank)
         session = open_session(cluster, st, hosts=(host,))
@@ -116,7 +116,7 @@ def array_logs(cluster: Cluster, st: job_state.JobState | None, args: argparse.N
     """`--task I`: task I's raw log; else every task, prefixed `[t<i> host]`."""
     if args.rank is not None:
         raise UsageError(f"job '{cluster.name}' is a job array: it has tasks, not ranks",
-                         hint="use `orch logs --task I` (`orch status` lists the tasks)")
+                         hint=f"use `orch logs -c {cluster.path.name} --task I` (`orch status` lists the tasks)")
     rec = arrays.load(cluster)
     if args.task is not None:
         host = cluster.hosts[arrays.task_of(rec, args.task)]

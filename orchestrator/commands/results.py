@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
     if cluster.job.array is None:
         raise UsageError(f"{cluster.path.name}: job '{cluster.name}' is not a job array",
-                         hint="add `array:` under `job:` (see the README's Job arrays), or use `orch status`")
+                         hint="add `array:` under `job:` (see the README's Job arrays), "
+                              f"or use `orch status -c {cluster.path.name}`")
     rec = arrays.load(cluster)
     session = open_session(cluster, require_state(cluster))
     try:
