@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 APT_PKGS := openssh-server openssh-client rsync pdsh iproute2 procps
 
-.PHONY: install system-deps test demo bench gpu-check clean
+.PHONY: install system-deps test test-fast check demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -26,6 +26,18 @@ system-deps:
 
 test: install system-deps
 	$(VPY) -m pytest
+
+# The unit tests only: no sshd, no training (well under 30 s).
+test-fast: install
+	$(VPY) -m pytest -m "not ssh and not slow"
+
+# Lint and types: ruff on every Python folder, mypy as configured in pyproject.toml
+# (strict on orchestrator/). Both always run, so one call shows every finding.
+check: install
+	@rc=0; \
+	$(VPY) -m ruff check orchestrator worker tests bench || rc=1; \
+	$(VPY) -m mypy || rc=1; \
+	exit $$rc
 
 demo: install
 	$(VPY) -m worker.demo_data --out data/demo --seed 0

@@ -8,10 +8,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the fake cluster lives beside the tests
@@ -40,7 +41,7 @@ class Run:
         return (self.stderr.strip() or self.stdout.strip())[-n:]
 
 
-def timed_run(cmd: Sequence[str], *, env: Optional[dict] = None, cwd: Optional[Path] = None,
+def timed_run(cmd: Sequence[str], *, env: dict | None = None, cwd: Path | None = None,
               timeout: float = 300) -> Run:
     """Run cmd to completion and time it; a timeout counts as a failed run."""
     t0 = time.perf_counter()
@@ -91,7 +92,7 @@ def _fmt(value: object) -> str:
 
 
 @contextmanager
-def fake_cluster(n: int, root: Optional[Path] = None, first_octet: int = 2) -> Iterator[SshdCluster]:
+def fake_cluster(n: int, root: Path | None = None, first_octet: int = 2) -> Iterator[SshdCluster]:
     """A started n-host SshdCluster under a temp dir, stopped (and checked) on exit."""
     with tempfile.TemporaryDirectory(prefix="orch-bench-") as tmp:
         base = Path(root) if root else Path(tmp)

@@ -29,8 +29,9 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -88,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--workers", type=_positive, default=min(8, os.cpu_count() or 1),
       help="data-loader processes (packed and imagefolder)")
     a("--image-size", type=_positive, default=224, help="training image side")
-    a("--source-size", type=_positive, default=320, help="side of the JPEG files (ImageFolder input)")
-    a("--images", type=_positive, default=1024, help="distinct training images (repeated as needed)")
+    a("--source-size", type=_positive, default=320,
+      help="side of the JPEG files (ImageFolder input)")
+    a("--images", type=_positive, default=1024,
+      help="distinct training images (repeated as needed)")
     a("--steps", type=_positive, default=50, help="timed steps per measurement")
     a("--warmup", type=_positive, default=10, help="untimed steps before (cudnn autotuning)")
     a("--device", choices=("cuda", "cpu"), default="cuda",
@@ -123,9 +126,10 @@ def write_images(root: Path, count: int, size: int, seed: int = 0) -> Path:
             folder = root / split / f"c{i % CLASSES}"
             folder.mkdir(parents=True, exist_ok=True)
             coarse = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
-            img = np.asarray(coarse.resize((size, size), Image.BICUBIC), dtype=np.int16)
+            img = np.asarray(coarse.resize((size, size), Image.Resampling.BICUBIC), dtype=np.int16)
             img = img + rng.integers(-12, 13, img.shape, dtype=np.int16)
-            Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(folder / f"{i:06d}.jpg", quality=90)
+            pixels = img.clip(0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(folder / f"{i:06d}.jpg", quality=90)
     return root
 
 
@@ -139,7 +143,8 @@ def datasets(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         return {}
     t0 = time.perf_counter()
     shard = write_images(tmp / "shard", args.images, args.source_size)
-    out: dict[str, Any] = {"imagefolder": ImageFolderBatches(scan_shard(shard).train, args.image_size)}
+    train = scan_shard(shard).train
+    out: dict[str, Any] = {"imagefolder": ImageFolderBatches(train, args.image_size)}
     if "packed" in needs:
         out["packed"] = PackedBatches(pack_shard(shard, args.image_size), "train")
     print(f"data: {args.images} JPEGs {args.source_size}px, packed at {args.image_size}px, "
@@ -202,14 +207,16 @@ def synthetic(tr: Trainer, batch: int, size: int, raw: bool) -> Callable[[int], 
     if raw:
         x = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8, device=tr.device)
     else:
-        x = torch.randn(batch, 3, size, size, device=tr.device).contiguous(memory_format=tr.memory_format)
+        x = torch.randn(batch, 3, size, size, device=tr.device)
+        x = x.contiguous(memory_format=tr.memory_format)
 
     def epoch(steps: int) -> Iterator:
         return iter([(x, y)] * steps)
     return epoch
 
 
-def loader(tr: Trainer, dataset: Any, batch: int, args: argparse.Namespace) -> Callable[[int], Iterable]:
+def loader(tr: Trainer, dataset: Any, batch: int,
+           args: argparse.Namespace) -> Callable[[int], Iterable]:
     from worker.data import DevicePrefetcher, EpochSampler, make_loader
 
     total = max(args.steps, args.warmup) * batch
@@ -235,6 +242,7 @@ def run_steps(tr: Trainer, batches: Iterable, steps: int, prepare: bool) -> tupl
 
 def measure(tr: Trainer, inp: str, batch: int, args: argparse.Namespace,
             data: dict[str, Any]) -> dict[str, Any]:
+    epoch: Callable[[int], Iterable[Any]]
     if inp in ("synthetic", "synthetic-aug"):
         epoch = synthetic(tr, batch, args.image_size, raw=inp == "synthetic-aug")
     else:
@@ -265,7 +273,8 @@ def run_all(args: argparse.Namespace, device: Any, data: dict[str, Any]) -> list
                 for inp in args.inputs:
                     r = {"model": name, "batch": batch, "mode": mode, "input": inp,
                          **measure_safely(tr, inp, batch, args, data)}
-                    shown = f"{r['images_per_s']:.0f} images/s" if "images_per_s" in r else r["error"]
+                    ok = "images_per_s" in r
+                    shown = f"{r['images_per_s']:.0f} images/s" if ok else r["error"]
                     print(f"{name} batch {batch} {mode} {inp}: {shown}", flush=True)
                     results.append(r)
             del tr

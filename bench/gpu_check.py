@@ -38,9 +38,8 @@ import gputable  # noqa: E402
 DEFAULT_OUT = REPO / "bench" / "out" / "gpu.md"
 NEEDED = ("torch", "torchvision", "numpy", "PIL", "matplotlib", "yaml", "rich", "pathspec",
           "paramiko", "pytest")
-PROBE = """
+PROBE = f"needed = {NEEDED!r}\n" + """
 import importlib.util, json, sys
-needed = %r
 info = {"python": sys.version.split()[0], "missing": [m for m in needed
         if importlib.util.find_spec(m) is None], "torch": None, "cuda": False, "gpus": []}
 if "torch" not in info["missing"]:
@@ -50,11 +49,12 @@ if "torch" not in info["missing"]:
     if info["cuda"]:
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 print(json.dumps(info))
-""" % (NEEDED,)
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python3 bench/gpu_check.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python3 bench/gpu_check.py",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--python", default=os.environ.get("GPU_PYTHON") or None, metavar="PY",
                    help="interpreter to test with (default: $GPU_PYTHON, else .venv, else python3)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown report")
@@ -180,7 +180,8 @@ def tests_section(rc: int | None, junit: Path) -> str:
     if not junit.exists():
         return f"pytest exited {rc} before writing results"
     results = gputable.tests_from_junit(junit)
-    return f"{gputable.tests_summary(results)} (pytest exit {rc}).\n\n{gputable.tests_table(results)}"
+    return (f"{gputable.tests_summary(results)} (pytest exit {rc}).\n\n"
+            f"{gputable.tests_table(results)}")
 
 
 def bench_section(rc: int | None, json_path: Path) -> str:
@@ -188,7 +189,8 @@ def bench_section(rc: int | None, json_path: Path) -> str:
         return "not run (--skip-bench)"
     if not json_path.exists():
         return f"bench/gpu.py exited {rc} before writing results"
-    note = "" if rc == 0 else f"bench/gpu.py exited {rc}: some measurements failed (see the table).\n\n"
+    failed = f"bench/gpu.py exited {rc}: some measurements failed (see the table).\n\n"
+    note = "" if rc == 0 else failed
     return note + gputable.bench_markdown(json.loads(json_path.read_text()))
 
 
@@ -207,7 +209,8 @@ def check(args: argparse.Namespace, python: str, info: dict[str, Any]) -> int:
         tests_rc = None if args.skip_tests else run_tests(python, junit, args.pytest_args)
         tests = tests_section(tests_rc, junit)
         write_report(args.out, machine, tests, "running" if not args.skip_bench else "waiting")
-        bench_rc = None if args.skip_bench else run_bench(python, bench_json, bench_md, args.bench_args)
+        bench_rc = (None if args.skip_bench
+                    else run_bench(python, bench_json, bench_md, args.bench_args))
         text = write_report(args.out, machine, tests, bench_section(bench_rc, bench_json))
     print(text)
     print(f"wrote {args.out}")

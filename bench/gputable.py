@@ -6,9 +6,10 @@ without torch, and the tests exercise every table on a machine without a GPU.
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 TARGET = 0.9  # packed loader images/s over synthetic images/s, per model/batch/precision
 SYNTHETIC, PACKED, FOLDER = "synthetic", "packed", "imagefolder"
@@ -126,8 +127,8 @@ def efficiency_rows(results: Sequence[dict[str, Any]],
 
 
 def efficiency_table(results: Sequence[dict[str, Any]], target: float = TARGET) -> str:
-    return markdown_table(["model", "batch", "precision", "synthetic images/s", "packed / synthetic",
-                           f"packed >= {target}", "ImageFolder / synthetic"],
+    return markdown_table(["model", "batch", "precision", "synthetic images/s",
+                           "packed / synthetic", f"packed >= {target}", "ImageFolder / synthetic"],
                           efficiency_rows(results, target))
 
 

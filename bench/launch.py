@@ -16,8 +16,20 @@ import shutil
 import sys
 from pathlib import Path
 
-from common import (ORCH, REPO, VENV_PY, Run, SshdCluster, clean_env, fake_cluster,
-                    free_port, median, print_table, save_json, timed_run)
+from common import (
+    ORCH,
+    REPO,
+    VENV_PY,
+    Run,
+    SshdCluster,
+    clean_env,
+    fake_cluster,
+    free_port,
+    median,
+    print_table,
+    save_json,
+    timed_run,
+)
 
 JOB = REPO / "bench" / "jobs" / "allreduce.py"
 MASTER = "127.0.0.2"
@@ -69,7 +81,7 @@ def run_orch(inventory: Path, repo: Path | None = None) -> Run:
     argv, env = orch_argv()
     if repo is not None:   # another checkout's orch, with this venv's packages
         argv, env = [str(VENV_PY), "-m", "orchestrator"], clean_env(PYTHONPATH=str(repo))
-    return timed_run(argv + ["up", str(inventory)], env=env, cwd=inventory.parent, timeout=300)
+    return timed_run([*argv, "up", str(inventory)], env=env, cwd=inventory.parent, timeout=300)
 
 
 def job_ok(run: Run, world: int) -> bool:

@@ -21,8 +21,18 @@ import signal
 import time
 from pathlib import Path
 
-from common import (ORCH, VENV_PY, SshdCluster, clean_env, fake_cluster, free_port, median,
-                    print_table, save_json, timed_run)
+from common import (
+    ORCH,
+    VENV_PY,
+    SshdCluster,
+    clean_env,
+    fake_cluster,
+    free_port,
+    median,
+    print_table,
+    save_json,
+    timed_run,
+)
 from sshd_cluster import pids_with_env
 
 HOSTS = 4
@@ -135,7 +145,8 @@ def main() -> None:
              f"baseline/orch = {base / median(crash):.0f}x"]]
     print_table(f"lifecycle, median of {args.reps} (load {os.getloadavg()[0]:.1f})",
                 ["what", "orch s", "pdsh+torchrun s", "note"], rows)
-    print(f"raw samples: {save_json('lifecycle.json', {'stop_s': stop, 'crash_s': crash, 'pdsh_crash_s': base})}")
+    raw = save_json("lifecycle.json", {"stop_s": stop, "crash_s": crash, "pdsh_crash_s": base})
+    print(f"raw samples: {raw}")
 
 
 if __name__ == "__main__":

@@ -27,16 +27,16 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from worker import demo_data  # noqa: E402
-from worker.augment import augment, normalize  # noqa: E402
-from worker.data import EpochSampler, ImageFolderBatches, make_loader, scan_shard  # noqa: E402
-from worker.pack import pack_shard  # noqa: E402
-from worker.packed import PackedBatches  # noqa: E402
+from worker import demo_data
+from worker.augment import augment, normalize
+from worker.data import EpochSampler, ImageFolderBatches, make_loader, scan_shard
+from worker.pack import pack_shard
+from worker.packed import PackedBatches
 
 
-def batch_pass(dataset: torch.utils.data.Dataset, args: argparse.Namespace) -> int:
+def batch_pass(dataset: ImageFolderBatches | PackedBatches, args: argparse.Namespace) -> int:
     """One epoch through worker's loader: batches of uint8 -> augmented float."""
     sampler = EpochSampler(len(dataset), args.batch_size, seed=0, rank=0)
     n = 0
@@ -69,7 +69,8 @@ def measure(runs: dict[str, Callable[[], int]], repeats: int) -> dict[str, dict[
             counts[name] = run()
             times[name].append(time.perf_counter() - t0)
     return {name: {"images": counts[name], "seconds": statistics.median(ts),
-                   "images_per_s": counts[name] / statistics.median(ts)} for name, ts in times.items()}
+                   "images_per_s": counts[name] / statistics.median(ts)}
+            for name, ts in times.items()}
 
 
 def main() -> int:
@@ -90,17 +91,20 @@ def main() -> int:
         packed = pack_shard(shard, args.image_size)
         pack_s = time.perf_counter() - t0
         files = scan_shard(shard)
-        folder_ds, packed_ds = ImageFolderBatches(files.train, args.image_size), PackedBatches(packed, "train")
+        folder_ds = ImageFolderBatches(files.train, args.image_size)
+        packed_ds = PackedBatches(packed, "train")
         results = measure({
-            "torchvision ImageFolder + PIL transforms": lambda: torchvision_pass(shard / "TrainData", args),
+            "torchvision ImageFolder + PIL transforms":
+                lambda: torchvision_pass(shard / "TrainData", args),
             "ImageFolder + PIL, batch uint8 augment": lambda: batch_pass(folder_ds, args),
             "packed memmap, batch uint8 augment": lambda: batch_pass(packed_ds, args),
         }, args.repeats)
     base = results["ImageFolder + PIL, batch uint8 augment"]["images_per_s"]
     fast = results["packed memmap, batch uint8 augment"]["images_per_s"]
     tv = results["torchvision ImageFolder + PIL transforms"]["images_per_s"]
-    print(f"{len(files.train)} PNG images {args.image_size}x{args.image_size}, batch {args.batch_size}, "
-          f"{args.workers} loader workers, augment {args.augment}, median of {args.repeats}")
+    print(f"{len(files.train)} PNG images {args.image_size}x{args.image_size}, "
+          f"batch {args.batch_size}, {args.workers} loader workers, augment {args.augment}, "
+          f"median of {args.repeats}")
     print(f"{'loader':<42} {'images':>7} {'seconds':>8} {'images/s':>10}")
     for name, r in results.items():
         print(f"{name:<42} {r['images']:>7} {r['seconds']:>8.3f} {r['images_per_s']:>10.0f}")
@@ -111,7 +115,8 @@ def main() -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
                                          "results": results, "pack_s": pack_s,
-                                         "ratio": fast / base, "ratio_torchvision": fast / tv}, indent=1))
+                                         "ratio": fast / base, "ratio_torchvision": fast / tv},
+                                        indent=1))
     return 0
 
 

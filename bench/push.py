@@ -45,21 +45,29 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
-from common import (REPO, SshdCluster, clean_env, fake_cluster, median, print_table,
-                    save_json, timed_run)
+from common import (
+    REPO,
+    SshdCluster,
+    clean_env,
+    fake_cluster,
+    median,
+    print_table,
+    save_json,
+    timed_run,
+)
 from sshd_cluster import descendants_of
 
 sys.path.insert(0, str(REPO))
 
-from orchestrator import splitdata  # noqa: E402
-from orchestrator.connect import connect_all  # noqa: E402
-from orchestrator.inventory import load  # noqa: E402
-from orchestrator import protocol  # noqa: E402
-from orchestrator.bundle import BOOT, agent_argv, agent_stdin  # noqa: E402
-from orchestrator.link import Link  # noqa: E402
-from orchestrator.sync import DigestCache, LocalFile, push, stream_files  # noqa: E402
+from orchestrator import protocol, splitdata
+from orchestrator.bundle import BOOT, agent_argv, agent_stdin
+from orchestrator.connect import connect_all
+from orchestrator.inventory import load
+from orchestrator.link import Link
+from orchestrator.localfiles import DigestCache, LocalFile
+from orchestrator.sync import push, stream_files
 
 MB = 1e6
 TICK = os.sysconf("SC_CLK_TCK")
@@ -107,7 +115,7 @@ def local_files(src: Path, cache: DigestCache) -> list[LocalFile]:
 
 def tree_size(root: Path) -> tuple[int, int]:
     count = total = 0
-    for top, dirs, names in os.walk(root):
+    for top, _dirs, names in os.walk(root):
         for n in names:
             if not n.startswith(".orch"):
                 count += 1
@@ -157,7 +165,7 @@ def host_cpu(cluster: SshdCluster) -> float:
     """CPU seconds the fake host has spent so far: its sshd and every session under it
     (sshd, shell, tar or the agent), alive or already reaped into a parent's counters."""
     root = cluster.hosts[0].pid
-    return sum(proc_cpu(p) for p in [root] + descendants_of(root))
+    return sum(proc_cpu(p) for p in [root, *descendants_of(root)])
 
 
 def children_cpu() -> float:
@@ -183,10 +191,10 @@ class Bench:
     cluster: SshdCluster
     work: Path
     dest_root: Path                 # on the fake host
-    link: Optional[Link] = None
+    link: Link | None = None
     connect_s: list[float] = field(default_factory=list)
     counter: int = 0
-    e2e: Optional[E2E] = None
+    e2e: E2E | None = None
 
     def fresh(self, tag: str) -> Path:
         self.counter += 1
@@ -197,7 +205,7 @@ class Bench:
         return self.cluster.hosts[0]
 
 
-def tar_once(b: Bench, ds: DataSet, cipher: Optional[str]) -> Sample:
+def tar_once(b: Bench, ds: DataSet, cipher: str | None) -> Sample:
     dst = b.fresh("tar")
     opt = f"-c {cipher} " if cipher else ""
     cmd = (f"set -o pipefail; tar -cf - -C {ds.src} . | ssh -F {b.cluster.ssh_config} {opt}"
@@ -231,7 +239,7 @@ def connect(b: Bench) -> Link:
     return b.link
 
 
-def orch_once(b: Bench, ds: DataSet, remote: Optional[dict] = None) -> Sample:
+def orch_once(b: Bench, ds: DataSet, remote: dict | None = None) -> Sample:
     """push() as the brief's library call (remote=None: it asks the host for its manifest
     first), or with remote={} as `orch up` calls it (preflight brought the manifest)."""
     t_conn = connect(b)
@@ -305,7 +313,8 @@ def e2e_setup(b: Bench, ds: DataSet) -> E2E:
 
 def write_e2e_inventory(b: Bench, ds: DataSet, e: E2E, name: str) -> None:
     b.cluster.write_inventory(e.inventory, name=name, entrypoint="job.py", code_paths=["job.py"],
-                              top={"data": {"source": str(ds.src), "shards": str(e.base / "shards")}})
+                              top={"data": {"source": str(ds.src),
+                                            "shards": str(e.base / "shards")}})
 
 
 def orch_up(e: E2E) -> tuple[float, float]:
@@ -317,6 +326,7 @@ def orch_up(e: E2E) -> tuple[float, float]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     marks: dict[str, float] = {}
     lines = []
+    assert proc.stderr is not None  # stderr=PIPE
     for line in proc.stderr:
         lines.append(line)
         for key in ("preflight:", "sync "):
@@ -378,8 +388,8 @@ def interleave(methods: dict[str, Method], reps: int) -> dict[str, list[Sample]]
         for n in order:
             s = methods[n]()
             samples[n].append(s)
-            print(f"  rep {rep + 1}/{reps} {n:9s} {s.wall:7.2f} s wall, CPU {s.ctl_cpu:5.2f} s here "
-                  f"+ {s.host_cpu:5.2f} s on the host"
+            print(f"  rep {rep + 1}/{reps} {n:9s} {s.wall:7.2f} s wall, "
+                  f"CPU {s.ctl_cpu:5.2f} s here + {s.host_cpu:5.2f} s on the host"
                   f" (load {os.getloadavg()[0]:.1f})", flush=True)
     return samples
 
@@ -399,7 +409,8 @@ def run_set(b: Bench, ds: DataSet, args: argparse.Namespace) -> dict:
     return {"set": ds.name, "files": ds.files, "bytes": ds.bytes,
             "samples": {n: [[x.wall, x.ctl_cpu, x.host_cpu] for x in v]
                         for n, v in samples.items()},
-            "median_s": med, "median_cpu_s": cpu, "connect_s": conn, "hash_s": ds.hash_s, "cached_s": ds.cached_s,
+            "median_s": med, "median_cpu_s": cpu, "connect_s": conn, "hash_s": ds.hash_s,
+            "cached_s": ds.cached_s,
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
             "orch_up_total_s": median(b.e2e.totals) if b.e2e else NAN}
 
@@ -423,7 +434,7 @@ def rows_for(res: dict) -> list[list]:
 class Sink:
     """A channel that keeps nothing: the stream built with no network behind it."""
 
-    def __init__(self, keep: Optional[io.BufferedWriter] = None) -> None:
+    def __init__(self, keep: io.BufferedWriter | None = None) -> None:
         self.keep, self.bytes = keep, 0
 
     def write(self, data) -> None:
@@ -460,7 +471,8 @@ def profile_push(b: Bench, ds: DataSet) -> dict:
     prof.enable()
     push(t_conn, str(dst), ds.local)
     prof.disable()
-    out = {"push_wall_s": time.perf_counter() - t, "push_controller_cpu_s": time.process_time() - cpu0,
+    out = {"push_wall_s": time.perf_counter() - t,
+           "push_controller_cpu_s": time.process_time() - cpu0,
            "push_host_cpu_s": host_cpu(b.cluster) - host0}
     check_dest(dst, ds)
     pstats.Stats(prof).sort_stats("tottime").print_stats(16)

@@ -6,6 +6,8 @@ import argparse
 import difflib
 import signal
 import sys
+from types import FrameType
+from typing import Any, Callable, NoReturn
 
 from orchestrator import __version__
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, OrchError
@@ -14,7 +16,7 @@ COMMANDS = ("up", "stop", "logs", "status", "results", "split_data")
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]  # argparse's own exit code is 2, as SPEC's
+    def error(self, message: str) -> NoReturn:  # argparse's own exit code is 2, as SPEC's
         self.print_usage(sys.stderr)
         sys.stderr.write(f"orch: error: {message}{self.suggestion(message)}\n")
         sys.exit(EXIT_USAGE)
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     from importlib import import_module
     parser = Parser(prog="orch", description="SSH launcher for PyTorch distributed training")
     parser.add_argument("--version", action="version", version=f"orch {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("-c", "--config", default="cluster.yaml", metavar="FILE",
                         help="inventory file (default: cluster.yaml)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -47,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     class WithCommon:
         """Every sub-command gets -c/--config."""
 
-        def add_parser(self, name: str, **kw):
+        def add_parser(self, name: str, **kw: Any) -> Parser:
             return sub.add_parser(name, parents=[common], **kw)
     for name in COMMANDS:
         import_module(f"orchestrator.commands.{name}").add_parser(WithCommon())
@@ -67,7 +69,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def interrupt_on_termination() -> None:
     """SIGTERM and SIGHUP (a closed terminal) act like Ctrl-C: the job is stopped, not orphaned."""
-    def handler(signum, frame) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
@@ -76,8 +78,9 @@ def interrupt_on_termination() -> None:
 def cli(argv: list[str] | None = None) -> int:
     args = parse(argv)
     interrupt_on_termination()
+    run: Callable[[argparse.Namespace], int] = args.func
     try:
-        return args.func(args)
+        return run(args)
     except OrchError as e:
         sys.stderr.write(f"orch: {e}\n")
         return e.exit_code

@@ -9,6 +9,7 @@ bastion (`Bastions`), each hop's host key checked under the host's policy.
 """
 from __future__ import annotations
 
+import contextlib
 import getpass
 import logging
 import os
@@ -18,7 +19,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Generic, Optional, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 import paramiko
 
@@ -64,7 +65,7 @@ def quiet_paramiko() -> None:
             return
         previous(args)
     if not getattr(threading.excepthook, "_orch", False):
-        hook._orch = True  # type: ignore[attr-defined]
+        hook._orch = True  # type: ignore[attr-defined]  # a mark on our own function
         threading.excepthook = hook
 
 
@@ -84,7 +85,7 @@ class Target:
     known_hosts: str
     policy: str
     timeout: float
-    jumps: tuple["Target", ...] = ()   # bastions, first hop first
+    jumps: tuple[Target, ...] = ()   # bastions, first hop first
     name: str = ""                     # as written (a bastion's `user@host:port`)
 
     @property
@@ -127,14 +128,14 @@ def _config_error(path: str, exc: BaseException) -> UsageError:
                            "makes of it), or point ORCH_SSH_CONFIG at another file")
 
 
-def _lookup(config: paramiko.SSHConfig, name: str) -> dict:
+def _lookup(config: paramiko.SSHConfig, name: str) -> dict[str, Any]:
     try:
         return config.lookup(name)
     except Exception as exc:  # a Match block paramiko cannot evaluate, and the like
         raise _config_error(ssh_config_path(), exc) from None
 
 
-def _config_keys(entry: dict) -> tuple[str, ...]:
+def _config_keys(entry: dict[str, Any]) -> tuple[str, ...]:
     # OpenSSH skips an IdentityFile that does not exist; so do we
     paths = (os.path.expanduser(p) for p in entry.get("identityfile", []))
     return tuple(p for p in paths if os.path.exists(p))
@@ -167,7 +168,8 @@ def _resolve_jumps(host: Host, chain: Any, config: paramiko.SSHConfig,
         jumps = parse_chain(chain)
     except ValueError as exc:  # only ~/.ssh/config's ProxyJump gets here: the inventory checks
         raise UsageError(f"{host.label}: ProxyJump in the SSH config: {exc}",
-                         hint="write ProxyJump as [user@]host[:port], several separated by commas")
+                         hint="write ProxyJump as [user@]host[:port], several separated by commas"
+                         ) from exc
     targets = []
     for jump in jumps:
         entry = _lookup(config, jump.host)
@@ -196,7 +198,7 @@ def check_local_files(hosts: tuple[Host, ...]) -> None:
             _check_known_hosts(opts.known_hosts)
 
 
-def _check_identity(path: str, at: Optional[tuple[str, int]]) -> None:
+def _check_identity(path: str, at: tuple[str, int] | None) -> None:
     file, line = at or ("the inventory", None)
     try:
         with open(path, "rb") as f:
@@ -228,21 +230,26 @@ def _check_known_hosts(path: str) -> None:
 class _Client(paramiko.SSHClient):
     """An SSHClient that also releases what it was tunnelled through when it closes."""
 
-    on_close: Optional[Callable[[], None]] = None
+    on_close: Callable[[], None] | None = None
 
     def close(self) -> None:
-        t = self._transport
-        if t is not None and not hasattr(t, "orch_lost"):
+        t = self.get_transport()
+        if t is not None and t not in _lost:
             # remember whether it had died on its own before we closed it
-            lost = None if t.is_active() else (t.saved_exception or EOFError())
-            setattr(t, "orch_lost", lost)
+            _lost[t] = None if t.is_active() else (t.saved_exception or EOFError())
         super().close()
         release, self.on_close = self.on_close, None
         if release is not None:
             release()
 
+    def live_transport(self) -> paramiko.Transport:
+        t = self.get_transport()
+        if t is None:  # only before connect() or after close()
+            raise EOFError("the SSH connection is closed")
+        return t
 
-def _step(t: Optional[paramiko.Transport]) -> str:
+
+def _step(t: paramiko.Transport | None) -> str:
     if t is None:
         return "tcp"
     if not t.remote_version:
@@ -252,7 +259,7 @@ def _step(t: Optional[paramiko.Transport]) -> str:
     return "auth"
 
 
-def _transport_factory(made: list) -> Callable[..., paramiko.Transport]:
+def _transport_factory(made: list[paramiko.Transport]) -> Callable[..., paramiko.Transport]:
     def factory(sock: Any, **kwargs: Any) -> paramiko.Transport:
         t = paramiko.Transport(sock, **kwargs)
         opts = t.get_security_options()
@@ -294,11 +301,12 @@ def open_client(target: Target, sock: Any) -> _Client:
         client.set_missing_host_key_policy(policy(target.known_hosts, target.port))
         client.connect(
             target.hostname, port=target.port, username=target.user,
-            key_filename=list(target.identity_files) or None,
+            # paramiko takes a list of key files as well; its stubs only say str
+            key_filename=list(target.identity_files) or None,  # type: ignore[arg-type]
             look_for_keys=not target.identity_files, allow_agent=True,
             timeout=target.timeout, banner_timeout=target.timeout, auth_timeout=target.timeout,
             sock=sock, transport_factory=_transport_factory(made))
-        client.get_transport().set_keepalive(int(timeouts.KEEPALIVE))
+        client.live_transport().set_keepalive(int(timeouts.KEEPALIVE))
         return client
     except BaseException as exc:
         step = _step(made[0] if made else None)
@@ -312,7 +320,7 @@ def open_client(target: Target, sock: Any) -> _Client:
         raise ConnectFailed(exc, step) from None
 
 
-def connect_ssh(host: Host, target: Target, bastions: "Bastions") -> SSHTransport:
+def connect_ssh(host: Host, target: Target, bastions: Bastions) -> SSHTransport:
     if target.jumps:
         sock, release = bastions.tunnel(target)
         try:
@@ -323,27 +331,30 @@ def connect_ssh(host: Host, target: Target, bastions: "Bastions") -> SSHTranspor
         client.on_close = release
     else:
         client = open_client(target, open_socket(target))
-    _opened[_key(host)] = weakref.ref(client.get_transport())
+    _opened[_key(host)] = weakref.ref(client.live_transport())
     return SSHTransport(host, client)
 
 
 # host index -> its paramiko transport: a command that fails on a host whose connection
 # died with an error is reported as the lost connection it is (the channel only sees EOF)
-_opened: dict[tuple, "weakref.ref[paramiko.Transport]"] = {}
+_opened: dict[tuple[int, str, int | None], weakref.ref[paramiko.Transport]] = {}
+# a transport closed by orch -> what had killed it before that (None: it was alive)
+_lost: weakref.WeakKeyDictionary[paramiko.Transport, BaseException | None] = \
+    weakref.WeakKeyDictionary()
 
 
-def _key(host: Host) -> tuple:
+def _key(host: Host) -> tuple[int, str, int | None]:
     return host.index, host.address, host.ssh.port
 
 
-def connection_error(host: Host) -> Optional[BaseException]:
+def connection_error(host: Host) -> BaseException | None:
     """Why the host's connection died (reset, closed, keepalive timeout), or None."""
     ref = _opened.get(_key(host))
     t = ref() if ref is not None else None
     if t is None:
         return None
-    if hasattr(t, "orch_lost"):
-        return t.orch_lost
+    if t in _lost:
+        return _lost[t]
     return None if t.is_active() else (t.saved_exception or EOFError())
 
 
@@ -357,11 +368,14 @@ def explain(host: Host, target: Target, exc: BaseException) -> HostError:
 
 # ---------------------------------------------------------------- bastions
 
+HopKey = tuple[tuple[str, str, int], ...]  # (user, hostname, port) of each bastion
+
+
 @dataclass
 class _Hop:
     lock: threading.Lock = field(default_factory=threading.Lock)
-    client: Optional[_Client] = None
-    error: Optional[HostError] = None
+    client: _Client | None = None
+    error: HostError | None = None
     users: int = 0
 
 
@@ -371,15 +385,15 @@ class Bastions:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._hops: dict[tuple, _Hop] = {}
+        self._hops: dict[HopKey, _Hop] = {}
         self._sealed = False
 
     def tunnel(self, target: Target) -> tuple[paramiko.Channel, Callable[[], None]]:
         """A direct-tcpip channel to target through its last bastion, and its release."""
         key = tuple((j.user, j.hostname, j.port) for j in target.jumps)
-        hop = self._open(key, target.jumps)
+        hop, client = self._open(key, target.jumps)
         try:
-            chan = hop.client.get_transport().open_channel(  # type: ignore[union-attr]
+            chan = client.live_transport().open_channel(
                 "direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0),
                 timeout=target.timeout)
         except Exception as exc:
@@ -388,7 +402,7 @@ class Bastions:
             hop.users += 1
         return chan, lambda: self._release(key)
 
-    def _open(self, key: tuple, chain: tuple[Target, ...]) -> _Hop:
+    def _open(self, key: HopKey, chain: tuple[Target, ...]) -> tuple[_Hop, _Client]:
         with self._lock:
             hop = self._hops.setdefault(key, _Hop())
         with hop.lock:
@@ -400,11 +414,13 @@ class Bastions:
                 except HostError as exc:
                     hop.error = exc
                     raise
-        return hop
+            client = hop.client
+        return hop, client
 
     def _connect(self, chain: tuple[Target, ...]) -> _Client:
         bastion = replace(chain[-1], jumps=chain[:-1])
         try:
+            sock: paramiko.Channel | socket.socket
             if bastion.jumps:
                 sock, release = self.tunnel(bastion)
             else:
@@ -421,7 +437,7 @@ class Bastions:
         client.on_close = release
         return client
 
-    def _release(self, key: tuple) -> None:
+    def _release(self, key: HopKey) -> None:
         with self._lock:
             hop = self._hops[key]
             hop.users -= 1
@@ -442,7 +458,7 @@ class Bastions:
 # ---------------------------------------------------------------- every host
 
 def connect(host: Host, config: paramiko.SSHConfig, base_dir: Path,
-            bastions: Optional[Bastions] = None) -> Transport:
+            bastions: Bastions | None = None) -> Transport:
     """One host's connection; `bastions` shares bastion connections between hosts."""
     if host.connection == "local":
         return LocalTransport(host, cwd=str(base_dir))
@@ -545,7 +561,5 @@ def connect_all(hosts: tuple[Host, ...], base_dir: Path,
 
 def close_all(transports: dict[int, Transport]) -> None:
     for t in transports.values():
-        try:
+        with contextlib.suppress(Exception):  # best effort; the process is ending anyway
             t.close()
-        except Exception:  # closing is best effort; the process is ending anyway
-            pass

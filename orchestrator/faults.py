@@ -9,6 +9,7 @@ import socket
 from typing import TYPE_CHECKING
 
 import paramiko
+from paramiko.ssh_exception import IncompatiblePeer  # not re-exported by the stubs
 
 from orchestrator.errors import HostError
 from orchestrator.inventory import Host
@@ -42,12 +43,11 @@ class BastionError(HostError):
 
 def _chain(exc: BaseException) -> list[BaseException]:
     seen = [exc]
-    while seen[-1].__cause__ or seen[-1].__context__:
+    while True:
         nxt = seen[-1].__cause__ or seen[-1].__context__
-        if nxt in seen:
-            break
+        if nxt is None or nxt in seen:
+            return seen
         seen.append(nxt)
-    return seen
 
 
 def _is(exc: BaseException, *types: type) -> bool:
@@ -92,7 +92,7 @@ def _banner_failure(target: Target, exc: BaseException) -> tuple[str, str]:
 
 
 def _kex_failure(target: Target, exc: BaseException) -> tuple[str, str]:
-    if isinstance(exc, paramiko.IncompatiblePeer) or "ncompatible" in str(exc):
+    if isinstance(exc, IncompatiblePeer) or "ncompatible" in str(exc):
         return (f"no SSH algorithm in common with the host ({exc})",
                 "update sshd on the host (orch needs aes-gcm or aes-ctr and a modern key exchange)")
     if _is(exc, ConnectionResetError, EOFError):

@@ -6,8 +6,8 @@ Shared by the inventory (which checks what is written) and the connection layer
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
 
 # user: no @ : or space; host: a name, an IPv4 address or a bracketed IPv6 address
 _JUMP_RE = re.compile(r"(?:(?P<user>[^@\s:\[\]]+)@)?"
@@ -19,9 +19,9 @@ _JUMP_RE = re.compile(r"(?:(?P<user>[^@\s:\[\]]+)@)?"
 class Jump:
     """One bastion as written; None: ~/.ssh/config, then the defaults, decide."""
 
-    user: Optional[str]
+    user: str | None
     host: str
-    port: Optional[int]
+    port: int | None
 
     def __str__(self) -> str:
         user = f"{self.user}@" if self.user else ""
@@ -43,7 +43,7 @@ def parse_jump(text: str) -> Jump:
     return Jump(m["user"], m["host"].strip("[]"), port)
 
 
-def split_jumps(value: str | Sequence[str]) -> Tuple[str, ...]:
+def split_jumps(value: str | Sequence[str]) -> tuple[str, ...]:
     """The hops of a chain, first bastion first; `none` (as in ssh_config) means direct."""
     parts = value.split(",") if isinstance(value, str) else list(value)
     hops = tuple(p.strip() for p in parts)
@@ -52,5 +52,5 @@ def split_jumps(value: str | Sequence[str]) -> Tuple[str, ...]:
     return hops
 
 
-def parse_chain(value: str | Sequence[str]) -> Tuple[Jump, ...]:
+def parse_chain(value: str | Sequence[str]) -> tuple[Jump, ...]:
     return tuple(parse_jump(hop) for hop in split_jumps(value))

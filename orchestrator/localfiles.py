@@ -16,9 +16,10 @@ import json
 import os
 import stat
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Iterator
+from typing import Any
 
 import pathspec
 
@@ -54,14 +55,14 @@ class DigestCache:
             entries = json.loads(path.read_text())
         except (OSError, ValueError):
             entries = {}
-        self.entries: dict = entries if isinstance(entries, dict) else {}
+        self.entries: dict[str, Any] = entries if isinstance(entries, dict) else {}
         self.dirty = False
 
     def digest(self, path: str, st: os.stat_result) -> str:
         key = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
         with self.lock:
             hit = self.entries.get(path)
-        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key:
+        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key and isinstance(hit[1], str):
             return hit[1]
         digest = sha256_of(path)
         with self.lock:
@@ -242,7 +243,8 @@ def read_gitignore(path: Path) -> list[Rule]:
                             hint="shorten it")
         data = path.read_bytes()
     except OSError as e:
-        raise DataError(f"{path}: cannot be read ({e.strerror})", hint="fix its permissions") from None
+        raise DataError(f"{path}: cannot be read ({e.strerror})",
+                        hint="fix its permissions") from None
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -251,7 +253,8 @@ def read_gitignore(path: Path) -> list[Rule]:
                         hint="save the file as UTF-8") from None
     if "\0" in text:
         line = text.count("\n", 0, text.index("\0")) + 1
-        raise DataError(f"{path}:{line}: holds a NUL byte, not a .gitignore", hint="remove that byte")
+        raise DataError(f"{path}:{line}: holds a NUL byte, not a .gitignore",
+                        hint="remove that byte")
     rules = (compile_rule(f"{path}:{n}", line) for n, line in enumerate(text.splitlines(), 1))
     return [r for r in rules if r]
 
@@ -375,7 +378,7 @@ class Pushable:
                 self.seen[rel] = hit
         return hit
 
-    def __call__(self, remote: dict) -> dict:
+    def __call__(self, remote: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(remote, dict):
             return remote
         return {rel: v for rel, v in remote.items() if self.keeps(rel)}
@@ -390,7 +393,8 @@ def entrypoint_file(base: Path, paths: Iterable[str], entrypoint: str) -> str | 
         return names[first] + ("/" + rest if rest else "") if first in names else None
     first, _, rest = entrypoint.partition(".")
     if not rest:
-        return names.get(first + ".py") or (names[first] + "/__main__.py" if first in names else None)
+        package_main = names[first] + "/__main__.py" if first in names else None
+        return names.get(first + ".py") or package_main
     if first not in names:
         return None
     module = names[first] + "/" + rest.replace(".", "/")

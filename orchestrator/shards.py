@@ -10,11 +10,18 @@ import json
 import os
 import re
 import stat
+from typing import Any
 
 from orchestrator.errors import DataError
 from orchestrator.inventory import Cluster, Host
-from orchestrator.localfiles import (DigestCache, LocalFile, Resolver, inside, link_file,
-                                     resolve_link)
+from orchestrator.localfiles import (
+    DigestCache,
+    LocalFile,
+    Resolver,
+    inside,
+    link_file,
+    resolve_link,
+)
 
 MAX_MANIFEST = 256 << 20       # bytes; orch split-data writes about 50 bytes per file
 MAX_FILES = 5_000_000          # entries in one split
@@ -35,7 +42,7 @@ class Manifest:
         return DataError(f"{self.path}: {what}", hint=self.fix_whole if whole else self.fix)
 
 
-def load_split(cluster: Cluster) -> dict:
+def load_split(cluster: Cluster) -> dict[str, Any]:
     """The split made for this job's world size, checked, or a message saying what to do."""
     m = Manifest(cluster)
     manifest = read(m)
@@ -45,17 +52,16 @@ def load_split(cluster: Cluster) -> dict:
         have = ", ".join(sorted(splits, key=int)) or "none"
         raise DataError(f"{cluster.data.shards} has no split for world size {m.world} "
                         f"(splits there: {have})", hint=m.fix)
-    check_split(split, m)
-    return split
+    return check_split(split, m)
 
 
-def read(m: Manifest) -> dict:
+def read(m: Manifest) -> dict[str, Any]:
     """The parsed manifest, its top level checked: {"version": 1, "splits": {"<N>": ...}}."""
     try:
         size = os.stat(m.path).st_size
         if size > MAX_MANIFEST:
-            raise m.fail(f"{size} bytes, more than the {MAX_MANIFEST >> 20} MiB a manifest may have",
-                         whole=True)
+            raise m.fail(f"{size} bytes, more than the {MAX_MANIFEST >> 20} MiB "
+                         "a manifest may have", whole=True)
         with open(m.path, "rb") as f:
             data = f.read(MAX_MANIFEST + 1)
     except FileNotFoundError:
@@ -65,7 +71,7 @@ def read(m: Manifest) -> dict:
     return parse(data, m)
 
 
-def parse(data: bytes, m: Manifest) -> dict:
+def parse(data: bytes, m: Manifest) -> dict[str, Any]:
     if b"\0" in data:
         line = data.count(b"\n", 0, data.index(b"\0")) + 1
         raise m.fail(f"line {line} holds a NUL byte: not a manifest written by orch", whole=True)
@@ -86,9 +92,9 @@ def parse(data: bytes, m: Manifest) -> dict:
     return manifest
 
 
-def check_split(split: object, m: Manifest) -> None:
+def check_split(split: object, m: Manifest) -> dict[str, Any]:
     """kind, source, seed, and one shard per rank named as the ranks read them, each
-    listing its files as [path, bytes] with safe, distinct paths."""
+    listing its files as [path, bytes] with safe, distinct paths. Returns the split."""
     where = f"split for world size {m.world}"
     if not isinstance(split, dict):
         raise m.fail(f"the {where} is not an object")
@@ -103,6 +109,7 @@ def check_split(split: object, m: Manifest) -> None:
         total += check_shard(shard, rank, m)
         if total > MAX_FILES:
             raise m.fail(f"the {where} lists more than {MAX_FILES} files")
+    return split
 
 
 def check_shard(shard: object, rank: int, m: Manifest) -> int:
@@ -150,7 +157,8 @@ def safe_rel(rel: str, where: str, fix: str = "re-create the split with `orch sp
 
 # ---------------------------------------------------------------- the host's files
 
-def host_files(cluster: Cluster, host: Host, split: dict, cache: DigestCache) -> list[LocalFile]:
+def host_files(cluster: Cluster, host: Host, split: dict[str, Any],
+               cache: DigestCache) -> list[LocalFile]:
     """The host's own shards, as `worker_<r>_of_<W>/<rel>` under data/: the bytes of files
     and of links into data.source; links inside a shard stay links."""
     source = os.path.realpath(cluster.data.source) if cluster.data.source else None
@@ -170,7 +178,8 @@ def shard_folder(cluster: Cluster, name: str) -> str:
     path = f"{cluster.data.shards}/{name}"
     real = os.path.realpath(path)
     fix = f"run `orch split-data --workers {cluster.world_size} -c {cluster.path}`"
-    if os.path.islink(path) or real != os.path.join(os.path.realpath(str(cluster.data.shards)), name):
+    expected = os.path.join(os.path.realpath(str(cluster.data.shards)), name)
+    if os.path.islink(path) or real != expected:
         raise DataError(f"{path}: the shard folder is a symlink (to {real})", hint=fix)
     if not os.path.isdir(real):
         raise DataError(f"{path}: shard folder missing", hint=fix)
@@ -185,7 +194,8 @@ def shard_file(cluster: Cluster, where: tuple[str, str, str], listed: set[str],
     path = f"{cluster.data.shards}/{name}/{rel}"
     fix = f"re-run `orch split-data --workers {cluster.world_size} -c {cluster.path}`"
     if source is None:
-        fix += "; links into the dataset need data.source in cluster.yaml, the folder that was split"
+        fix += ("; links into the dataset need data.source in cluster.yaml, "
+                "the folder that was split")
     try:
         st = os.lstat(path)
     except OSError:

@@ -19,18 +19,20 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable
 
 from orchestrator.errors import DataError
 
 RECORD_RE = re.compile(r"^(?P<prefix>.+?)[-.](?P<index>\d+)-of-(?P<total>\d+)(?P<suffix>\..*)?$")
 # Top-level folders that hold splits rather than classes; recognised only when every
 # top-level folder is one of them (a dataset with a class called "test" stays an ImageFolder).
-SPLIT_DIRS = frozenset({"TrainData", "ValidationData", "TestData", "train", "val", "validation", "test"})
+SPLIT_DIRS = frozenset({"TrainData", "ValidationData", "TestData",
+                        "train", "val", "validation", "test"})
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 LOCK = ".orch-split.lock"
@@ -58,7 +60,7 @@ class Shard:
         lines = sorted(f"{rel}\t{size}\n" for rel, size in self.files)
         return hashlib.sha256("".join(lines).encode("utf-8", "surrogateescape")).hexdigest()
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         # json writes the (path, bytes) tuples as two-element arrays.
         return {"name": self.name, "bytes": self.bytes, "files": self.files,
                 "classes": self.classes, "digest": self.digest()}
@@ -75,7 +77,7 @@ class Plan:
     shards: list[Shard]
     notes: list[str] = field(default_factory=list)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"workers": self.workers, "kind": self.kind, "source": str(self.source),
                 "seed": self.seed, "shards": [s.to_json() for s in self.shards]}
 
@@ -102,16 +104,19 @@ def check_paths(source: Path, out: Path) -> tuple[Path, Path]:
         raise DataError(f"source folder {source} does not exist",
                         hint="pass --source DIR, or set data.source in cluster.yaml")
     if not source.is_dir():
-        raise DataError(f"source {source} is not a folder", hint="point --source at the dataset folder")
+        raise DataError(f"source {source} is not a folder",
+                        hint="point --source at the dataset folder")
     src, dst = source.resolve(), out.resolve()
     if dst == src or dst.is_relative_to(src):
         raise DataError(f"output folder {out} is inside the source {source}",
-                        hint=f"write the shards beside the source, e.g. --out {src.parent / (src.name + '-shards')}")
+                        hint="write the shards beside the source, e.g. "
+                             f"--out {src.parent / (src.name + '-shards')}")
     if src.is_relative_to(dst):
         raise DataError(f"source {source} is inside the output folder {out}",
                         hint="choose an output folder that does not contain the dataset")
     if dst.exists() and not dst.is_dir():
-        raise DataError(f"output {out} exists and is not a folder", hint="remove it or choose another --out")
+        raise DataError(f"output {out} exists and is not a folder",
+                        hint="remove it or choose another --out")
     _check_writable(dst)
     read_manifest(dst / MANIFEST)
     return src, dst
@@ -125,16 +130,19 @@ def _check_writable(dst: Path) -> None:
         raise DataError(f"cannot write to {existing}", hint="choose an --out you may write to")
 
 
-def read_manifest(path: Path) -> dict:
-    """The manifest beside the shards, or an empty one; a damaged one is an error, not overwritten."""
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest beside the shards, or an empty one; a damaged one is an error, not
+    overwritten."""
     if not path.exists():
         return {"version": MANIFEST_VERSION, "splits": {}}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise DataError(f"{path} is not a readable manifest ({exc})",
-                        hint="remove it; it is rebuilt by re-running split-data for each worker count") from None
-    if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION or not isinstance(data.get("splits"), dict):
+                        hint="remove it; it is rebuilt by re-running split-data "
+                             "for each worker count") from None
+    if (not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION
+            or not isinstance(data.get("splits"), dict)):
         raise DataError(f"{path} is not an orch manifest (version {MANIFEST_VERSION})",
                         hint="move it away, or choose another --out")
     return data
@@ -147,7 +155,8 @@ def _names(items: list[str]) -> str:
 
 def check_counts(groups: dict[str, FileList], workers: int, kind: str) -> None:
     """Every worker must get at least one file of every class / record group."""
-    what, whats = ("class", "classes") if kind == "imagefolder" else ("record group", "record groups")
+    names = ("class", "classes"), ("record group", "record groups")
+    what, whats = names[0] if kind == "imagefolder" else names[1]
     empty = [key for key, files in groups.items() if not files]
     if empty:
         raise DataError(f"empty {what} in the source: {_names(empty)}",
@@ -156,7 +165,8 @@ def check_counts(groups: dict[str, FileList], workers: int, kind: str) -> None:
     if small:
         count, key = small[0]
         raise DataError(f"{what} {key} has {count} file(s), fewer than the {workers} workers "
-                        f"({len(small)} {what if len(small) == 1 else whats} too small: {_names([k for _, k in small])})",
+                        f"({len(small)} {what if len(small) == 1 else whats} too small: "
+                        f"{_names([k for _, k in small])})",
                         hint=f"use at most {count} workers, or add files; every worker needs "
                              f"at least one file of every {what}")
 
@@ -165,24 +175,27 @@ def check_counts(groups: dict[str, FileList], workers: int, kind: str) -> None:
 
 
 class _Scanner:
-    """Walks the source with os.scandir: one stat per file (for its size), realpath only for links."""
+    """Walks the source with os.scandir: one stat per file (for its size), realpath only
+    for links."""
 
     def __init__(self, source: Path) -> None:
         self.root = str(source)
         self.ignored: list[str] = []
 
-    def entries(self, path: str) -> list[os.DirEntry]:
+    def entries(self, path: str) -> list[os.DirEntry[str]]:
         try:
             with os.scandir(path) as it:
                 return sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
         except OSError as exc:
-            raise DataError(f"cannot read {path}: {exc.strerror}", hint="check the permissions of the source") from None
+            raise DataError(f"cannot read {path}: {exc.strerror}",
+                            hint="check the permissions of the source") from None
 
     def check_link(self, path: str) -> str:
         target = os.path.realpath(path)
         if target != self.root and not target.startswith(self.root + os.sep):
             raise DataError(f"{path} is a symlink pointing outside the source (to {target})",
-                            hint="copy what it points to into the source, or split that folder instead")
+                            hint="copy what it points to into the source, "
+                                 "or split that folder instead")
         if not os.path.exists(target):
             raise DataError(f"{path} is a broken symlink", hint="remove it or fix its target")
         return target
@@ -204,13 +217,14 @@ class _Scanner:
                             hint="check the permissions of the source") from None
         return out
 
-    def _descend(self, e: os.DirEntry, rel: str, out: FileList, real: str, target: str | None) -> None:
+    def _descend(self, e: os.DirEntry[str], rel: str, out: FileList, real: str,
+                 target: str | None) -> None:
         if target is not None and (real == target or real.startswith(target + os.sep)):
             raise DataError(f"{e.path} is a symlink to one of its own parent folders (a loop)",
                             hint="remove the link")
         self.walk(e.path, rel + e.name + "/", out, target or real + os.sep + e.name)
 
-    def records(self, entries: list[os.DirEntry]) -> tuple[dict[str, FileList], list[str]]:
+    def records(self, entries: list[os.DirEntry[str]]) -> tuple[dict[str, FileList], list[str]]:
         groups: dict[str, list[tuple[int, str, int]]] = {}
         totals: dict[str, int] = {}
         for e in entries:
@@ -223,11 +237,14 @@ class _Scanner:
             key = f"{m['prefix']}-*-of-{m['total']}{m['suffix'] or ''}"
             groups.setdefault(key, []).append((int(m["index"]), e.name, e.stat().st_size))
             totals[key] = int(m["total"])
-        notes = [f"{key}: {len(items)} files present, the names say {totals[key]}; splitting the "
-                 f"{len(items)} present" for key, items in groups.items() if len(items) != totals[key]]
-        return {key: [(name, size) for _, name, size in sorted(items)] for key, items in groups.items()}, notes
+        notes = [f"{key}: {len(items)} files present, the names say {totals[key]}; "
+                 f"splitting the {len(items)} present"
+                 for key, items in groups.items() if len(items) != totals[key]]
+        files = {key: [(name, size) for _, name, size in sorted(items)]
+                 for key, items in groups.items()}
+        return files, notes
 
-    def classes(self, entries: list[os.DirEntry], prefix: str) -> dict[str, FileList]:
+    def classes(self, entries: list[os.DirEntry[str]], prefix: str) -> dict[str, FileList]:
         found: dict[str, FileList] = {}
         for e in entries:
             if not e.is_dir():
@@ -250,16 +267,20 @@ def scan(source: Path) -> tuple[str, dict[str, FileList], list[str]]:
         groups, notes, kind = _scan_imagefolder(scanner, source, top), [], "imagefolder"
     if scanner.ignored:
         what = "record files" if kind == "records" else "class folders"
-        notes.append(f"ignored {len(scanner.ignored)} top-level entr{'y' if len(scanner.ignored) == 1 else 'ies'} "
+        entries = "entry" if len(scanner.ignored) == 1 else "entries"
+        notes.append(f"ignored {len(scanner.ignored)} top-level {entries} "
                      f"that are not {what}: {_names(scanner.ignored)}")
     return kind, dict(sorted(groups.items())), notes
 
 
-def _scan_imagefolder(scanner: _Scanner, source: Path, top: list[os.DirEntry]) -> dict[str, FileList]:
+def _scan_imagefolder(scanner: _Scanner, source: Path,
+                      top: list[os.DirEntry[str]]) -> dict[str, FileList]:
     dirs = [e for e in top if e.is_dir()]
     if not dirs:
-        raise DataError(f"{source} holds neither record files (train-00000-of-01024) nor class folders",
-                        hint="point --source at a folder of sharded record files or of class sub-folders")
+        raise DataError(f"{source} holds neither record files (train-00000-of-01024) "
+                        "nor class folders",
+                        hint="point --source at a folder of sharded record files "
+                             "or of class sub-folders")
     if not all(e.name in SPLIT_DIRS for e in dirs):
         return scanner.classes(top, "")
     scanner.ignored.extend(e.name for e in top if not e.is_dir())
@@ -269,7 +290,8 @@ def _scan_imagefolder(scanner: _Scanner, source: Path, top: list[os.DirEntry]) -
             scanner.check_link(split.path)
         found = scanner.classes(scanner.entries(split.path), split.name + "/")
         if not found:
-            raise DataError(f"{split.path} has no class folders", hint="remove it, or put class folders in it")
+            raise DataError(f"{split.path} has no class folders",
+                            hint="remove it, or put class folders in it")
         groups.update(found)
     return groups
 
@@ -295,7 +317,8 @@ def _deal(shards: list[Shard], key: str, files: FileList, sizes: list[int]) -> N
         start += size
 
 
-def assign(kind: str, groups: dict[str, FileList], workers: int, seed: int) -> tuple[list[Shard], list[str]]:
+def assign(kind: str, groups: dict[str, FileList], workers: int,
+           seed: int) -> tuple[list[Shard], list[str]]:
     shards = [Shard(shard_name(i, workers)) for i in range(workers)]
     notes: list[str] = []
     cursor = uneven = 0
@@ -317,8 +340,9 @@ def assign(kind: str, groups: dict[str, FileList], workers: int, seed: int) -> t
     if uneven:
         totals = [len(s.files) for s in shards]
         what = "class folders" if any("/" in key for key in groups) else "classes"
-        notes.append(f"{uneven} of {len(groups)} {what} do not divide by {workers}; their extra files "
-                     f"rotate across workers (files per worker: {min(totals)}..{max(totals)})")
+        notes.append(f"{uneven} of {len(groups)} {what} do not divide by {workers}; "
+                     "their extra files rotate across workers "
+                     f"(files per worker: {min(totals)}..{max(totals)})")
     return shards, notes
 
 
@@ -328,15 +352,16 @@ def _span(first: int, last: int) -> str:
 
 def _records_imbalance(key: str, total: int, sizes: list[int]) -> str:
     extra = total % len(sizes)
-    return (f"uneven split of {key}: {total} files over {len(sizes)} workers; {_span(0, extra - 1)} get "
-            f"{sizes[0]} files, {_span(extra, len(sizes) - 1)} get {sizes[-1]} "
-            f"(split_dataset.sh would refuse this)")
+    return (f"uneven split of {key}: {total} files over {len(sizes)} workers; "
+            f"{_span(0, extra - 1)} get {sizes[0]} files, "
+            f"{_span(extra, len(sizes) - 1)} get {sizes[-1]} (split_dataset.sh would refuse this)")
 
 
 def plan(source: Path, out: Path, workers: int, seed: int = 0) -> Plan:
     """Validate everything and compute the split; writes nothing."""
     if workers < 1:
-        raise DataError(f"--workers must be at least 1 (got {workers})", hint="pass --workers N with N >= 1")
+        raise DataError(f"--workers must be at least 1 (got {workers})",
+                        hint="pass --workers N with N >= 1")
     src, _ = check_paths(source, out)
     kind, groups, notes = scan(src)
     check_counts(groups, workers, kind)
@@ -371,16 +396,18 @@ def link_all(p: Plan, tmp: Path, threads: int) -> None:
 
 
 def _rescan_packed(shard: Shard, shard_dir: Path) -> None:
-    """After packing, the shard is what is on disk: links keep their source sizes, new files add theirs."""
+    """After packing, the shard is what is on disk: links keep their source sizes, new
+    files add theirs."""
     sizes = dict(shard.files)
     found: FileList = []
-    for dirpath, dirnames, filenames in os.walk(shard_dir):
+    for dirpath, _dirnames, filenames in os.walk(shard_dir):
         rel_dir = os.path.relpath(dirpath, shard_dir)
         prefix = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
         for name in filenames:
             rel = prefix + name
             path = os.path.join(dirpath, name)
-            found.append((rel, sizes[rel] if os.path.islink(path) and rel in sizes else os.path.getsize(path)))
+            linked = os.path.islink(path) and rel in sizes
+            found.append((rel, sizes[rel] if linked else os.path.getsize(path)))
     shard.files = sorted(found)
 
 
@@ -423,11 +450,11 @@ def _swap_in(out: Path, tmp: Path, old: Path, names: list[str]) -> bool:
     return bool(retired)
 
 
-def _dumps(data: dict, files: int) -> str:
+def _dumps(data: dict[str, Any], files: int) -> str:
     """Readable (one file per line) when small; compact, by json's fast C encoder, when large."""
     if files > INDENT_LIMIT:
         return json.dumps(data, separators=(",", ":"))
-    lists: list[list] = []
+    lists: list[Any] = []  # each shard's "files" as it came from the manifest
     for split in data["splits"].values():
         for shard in split["shards"]:
             lists.append(shard["files"])
@@ -440,7 +467,8 @@ def _dumps(data: dict, files: int) -> str:
 
 
 def stage_manifest(out: Path, p: Plan) -> Path:
-    """Write the updated manifest (other worker counts kept) to a temp file; os.replace() it later."""
+    """Write the updated manifest (other worker counts kept) to a temp file; os.replace()
+    it later."""
     data = read_manifest(out / MANIFEST)
     data["splits"][str(p.workers)] = p.to_json()
     data["splits"] = dict(sorted(data["splits"].items(), key=lambda kv: int(kv[0])))
@@ -459,7 +487,8 @@ def _timed(seconds: dict[str, float], phase: str) -> Iterator[None]:
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t
 
 
-def _build(p: Plan, tmp: Path, pack: Packer | None, threads: int, seconds: dict[str, float]) -> None:
+def _build(p: Plan, tmp: Path, pack: Packer | None, threads: int,
+           seconds: dict[str, float]) -> None:
     with _timed(seconds, "link"):
         link_all(p, tmp, threads)
     if pack is None:

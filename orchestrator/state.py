@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Cluster
@@ -27,7 +28,7 @@ class HostState:
     job_dir: str            # absolute on the host
     ranks: list[int]
     clock_offset: float
-    supervisor: dict
+    supervisor: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,8 @@ def load(cluster: Cluster) -> JobState | None:
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:
-        raise damaged(cluster, f"cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+        raise damaged(cluster,
+                      f"cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
     try:
         return _from_json(json.loads(text))
     except ValueError as exc:
@@ -92,7 +94,7 @@ def damaged(cluster: Cluster, why: str) -> StateDamaged:
              f"without the state); then remove {path} and start again with `orch up -c {inv}`")
 
 
-def _check(raw: Any, cls: type, what: str) -> dict:
+def _check(raw: Any, cls: type, what: str) -> dict[str, Any]:
     """Every field of cls present with the type it is saved with; ValueError otherwise."""
     if not isinstance(raw, dict):
         raise ValueError(f"{what} is {type(raw).__name__}, not an object")
@@ -134,8 +136,19 @@ def job_dirs(cluster: Cluster, state: JobState | None) -> dict[int, str]:
     return {h.index: f"{h.remote_dir.rstrip('/')}/{cluster.name}" for h in cluster.hosts}
 
 
-def new_state(cluster: Cluster, run_id: str, addr: str, port: int, infos: dict,
-              supervisors: dict) -> JobState:
+class HostFacts(Protocol):
+    """What the state keeps of a host's preflight answer."""
+
+    @property
+    def job_dir(self) -> str: ...
+
+    @property
+    def clock_offset(self) -> float: ...
+
+
+def new_state(cluster: Cluster, run_id: str, addr: str, port: int,
+              infos: Mapping[int, HostFacts],
+              supervisors: Mapping[int, dict[str, Any]]) -> JobState:
     hosts = [HostState(h.index, h.label, infos[h.index].job_dir, list(h.ranks),
                        infos[h.index].clock_offset, supervisors[h.index]) for h in cluster.hosts]
     return JobState(cluster.name, run_id, str(cluster.path), time.time(), cluster.world_size,

@@ -2,16 +2,17 @@
 to prove that no process of a job is left behind."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 
-from sshd_cluster import (FakeHost, SshdCluster, free_port, pid_alive,  # noqa: F401
-                          pids_with_env, ssh_cmd)
+from sshd_cluster import FakeHost, SshdCluster, free_port, pid_alive, pids_with_env, ssh_cmd  # noqa: F401
 
 CLUSTER_SIZE = 4
 
@@ -19,6 +20,14 @@ CLUSTER_SIZE = 4
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "ssh: end-to-end test against the fake sshd cluster (slow)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses the fake cluster starts sshd: it is an `ssh` test, marked or not
+    (`make test-fast` leaves those out)."""
+    for item in items:
+        if "sshd_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ssh)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -91,7 +100,5 @@ def kill_all(pids_by_host: dict) -> None:
     """SIGKILL every pid of {host: [pids]} (a test's own leftovers, after it failed)."""
     for pids in pids_by_host.values():
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass

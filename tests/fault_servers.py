@@ -8,22 +8,22 @@ sshd and resets the connection once the client has sent a given number of bytes.
 """
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
 from typing import Callable
 
 import paramiko
+from paramiko.common import AUTH_FAILED  # not re-exported by the stubs
 
 BANNER = b"SSH-2.0-OpenSSH_9.6 fault-test\r\n"
 
 
 def reset(conn: socket.socket) -> None:
     """Close with SO_LINGER 0: the peer gets a TCP RST, not a FIN."""
-    try:
+    with contextlib.suppress(OSError):
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
     conn.close()
 
 
@@ -58,22 +58,22 @@ class FaultServer:
             th.start()
 
     def _serve(self, conn: socket.socket) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.behaviour(conn, self.stopping)
-        except OSError:
-            pass
 
     def stop(self) -> None:
         self.stopping.set()
+        # close() alone does not wake a thread blocked in accept(); shutdown() does (EINVAL)
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.close()
-            except OSError:
-                pass
-        for th in [self._accept] + self.threads:
+        threads = [self._accept, *self.threads]
+        for th in threads:
             th.join(10)
-        assert not any(th.is_alive() for th in self.threads), "a fault-server thread is stuck"
+        assert not any(th.is_alive() for th in threads), "a fault-server thread is stuck"
 
 
 # ---------------------------------------------------------------- behaviours
@@ -116,7 +116,7 @@ class _StallAuth(paramiko.ServerInterface):
 
     def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
         self.stop.wait()  # the login never completes
-        return paramiko.AUTH_FAILED
+        return AUTH_FAILED
 
 
 def auth_stall(host_key: paramiko.PKey) -> Callable[[socket.socket, threading.Event], None]:
@@ -136,7 +136,7 @@ def refuse_auth(host_key: paramiko.PKey) -> Callable[[socket.socket, threading.E
     """A real SSH server (paramiko's) that refuses every key."""
     class Refuse(_StallAuth):
         def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
-            return paramiko.AUTH_FAILED
+            return AUTH_FAILED
 
     def behaviour(conn: socket.socket, stop: threading.Event) -> None:
         t = paramiko.Transport(conn)

@@ -13,6 +13,7 @@ namespaces, which removes their interfaces.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -22,10 +23,17 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, TypeVar
 
-from sshd_cluster import (SSHD, ClusterError, _die_with_parent, _keygen, _sshd_config,
-                          descendants_of, pid_alive)
+from sshd_cluster import (
+    SSHD,
+    ClusterError,
+    _die_with_parent,
+    _keygen,
+    _sshd_config,
+    descendants_of,
+    pid_alive,
+)
 
 T = TypeVar("T")
 CLONE_NEWNET = 0x40000000
@@ -33,7 +41,7 @@ LINK = "10.250.0"        # C <-> H
 HIDDEN = "10.250.1"      # the hosts, inside H only
 
 
-def ip(*args: str, ns: Optional[str] = None, check: bool = True) -> subprocess.CompletedProcess:
+def ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     argv = ["ip", "netns", "exec", ns, "ip", *args] if ns else ["ip", *args]
     result = subprocess.run(argv, capture_output=True, text=True)
     if check and result.returncode != 0:
@@ -102,12 +110,12 @@ class NetnsCluster:
         self.client_key = self.root / "client" / "id_ed25519"
         self.known_hosts = self.root / "client" / "known_hosts"
         self.authorized_keys = self.root / "client" / "authorized_keys"
-        self.bastion: Optional[HiddenSshd] = None
+        self.bastion: HiddenSshd | None = None
         self.hosts: list[HiddenSshd] = []
         self.extra: list[HiddenSshd] = []
 
     # -- lifecycle
-    def start(self) -> "NetnsCluster":
+    def start(self) -> NetnsCluster:
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)
         self.client_key.parent.mkdir(parents=True, exist_ok=True)
         self.authorized_keys.write_text(_keygen(self.client_key, "orch-netns-client") + "\n")
@@ -179,10 +187,8 @@ class NetnsCluster:
         sshds = self.all_sshds()
         pids = [s.proc.pid for s in sshds] + [p for s in sshds for p in descendants_of(s.proc.pid)]
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         for s in sshds:
             try:
                 s.proc.wait(5)
@@ -203,7 +209,7 @@ class NetnsCluster:
         if any(v in links for v in self.veth):
             raise ClusterError(f"a veth of the netns cluster is left:\n{links}")
 
-    def __enter__(self) -> "NetnsCluster":
+    def __enter__(self) -> NetnsCluster:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -8,6 +8,7 @@ beyond running sshd itself. Used by tests/conftest.py and by bench/.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import signal
@@ -15,9 +16,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any
 
 import yaml
 
@@ -33,7 +35,7 @@ class ClusterError(RuntimeError):
 
 # ---------------------------------------------------------------- /proc helpers
 
-def _read_stat(pid: int) -> Optional[tuple[int, str]]:
+def _read_stat(pid: int) -> tuple[int, str] | None:
     """(ppid, state) of pid, or None when it is gone; comm may hold spaces and ')'."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -93,10 +95,8 @@ def pids_with_env(marker: str) -> list[int]:
 
 def _signal(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 # ---------------------------------------------------------------- ports
@@ -241,7 +241,7 @@ class SshdCluster:
         self._started = False
 
     # -- lifecycle
-    def start(self) -> "SshdCluster":
+    def start(self) -> SshdCluster:
         if self._started:
             return self
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privsep dir
@@ -297,14 +297,12 @@ class SshdCluster:
     def _reap(hosts: list[FakeHost], wait: bool = False) -> None:
         for h in hosts:
             if wait:
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     h.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
             else:
                 h.proc.poll()
 
-    def __enter__(self) -> "SshdCluster":
+    def __enter__(self) -> SshdCluster:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -333,8 +331,7 @@ class SshdCluster:
         if not port_free(address, self.port):
             raise ClusterError(f"{address}:{self.port} is already in use; pick another port "
                                f"(sshd_cluster.free_port) or first_octet")
-        log = open(home / "sshd.log", "ab")
-        with log:
+        with open(home / "sshd.log", "ab") as log:
             proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)],
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                     start_new_session=True, preexec_fn=_die_with_parent)
@@ -387,11 +384,11 @@ class SshdCluster:
             "",
         ]))
 
-    def write_inventory(self, path: Path, *, hosts: Optional[list[FakeHost]] = None,
-                        procs: Union[int, list[int]] = 1, name: str = "job",
+    def write_inventory(self, path: Path, *, hosts: list[FakeHost] | None = None,
+                        procs: int | list[int] = 1, name: str = "job",
                         entrypoint: str = "job.py", args: Sequence[str] = (),
-                        env: Optional[dict] = None, code_paths: Sequence[str] = ("job.py",),
-                        extra_hosts: Sequence[dict] = (), top: Optional[dict] = None) -> Path:
+                        env: dict | None = None, code_paths: Sequence[str] = ("job.py",),
+                        extra_hosts: Sequence[dict] = (), top: dict | None = None) -> Path:
         """Write a cluster.yaml (SPEC format) for these hosts (default: every trusted host).
         `top` is merged last: a dict value updates the section of that name, key by key
         (top={"ssh": {"host_key_policy": "accept-new"}}); anything else replaces it."""

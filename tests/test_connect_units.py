@@ -95,7 +95,8 @@ def test_proxyjump_from_ssh_config_and_bastion_alias(tmp_path: Path) -> None:
         """)
     target = resolve_target(c.hosts[0], cfg)
     gate, inner = target.jumps
-    assert (gate.hostname, gate.port, gate.user, gate.name) == ("gate.example.org", 2200, "ops", "gate")
+    assert (gate.hostname, gate.port, gate.user, gate.name) == (
+        "gate.example.org", 2200, "ops", "gate")
     assert (inner.hostname, inner.port, inner.user) == ("inner", 23, "root")
     # the bastions are checked like the host: same known_hosts, policy and timeout
     assert {j.known_hosts for j in target.jumps} == {target.known_hosts}

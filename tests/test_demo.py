@@ -21,8 +21,11 @@ def test_shipped_demo_trains_to_target(tmp_path: Path) -> None:
     (tmp_path / "worker").symlink_to(REPO / "worker")
     (tmp_path / ".venv").symlink_to(REPO / ".venv")
     env = dict(os.environ)
-    run = lambda *argv: subprocess.run(list(argv), cwd=tmp_path, env=env, capture_output=True,
-                                       text=True, timeout=300)
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(argv), cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+
     gen = run(sys.executable, "-m", "worker.demo_data", "--out", "data/demo", "--seed", "0")
     assert gen.returncode == 0, gen.stderr
     split = run(sys.executable, "-m", "orchestrator", "split-data")
@@ -30,7 +33,8 @@ def test_shipped_demo_trains_to_target(tmp_path: Path) -> None:
     up = run(sys.executable, "-m", "orchestrator", "up", "cluster.yaml")
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
     assert "[r0 localhost#0]" in up.stdout and "[r1 localhost#1]" in up.stdout
-    rows = list(csv.DictReader(open(tmp_path / ".orch-nodes/node0/demo/output/metrics.csv")))
+    with open(tmp_path / ".orch-nodes/node0/demo/output/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
     assert float(rows[-1]["val_acc"]) >= 0.95
     # each node received only its own shard
     assert os.listdir(tmp_path / ".orch-nodes/node0/demo/data") == ["worker_0_of_2"]

@@ -20,6 +20,10 @@ import yaml
 import fault_servers as fs
 from sshd_cluster import SshdCluster
 
+# Each case runs the CLI against SSH servers and waits out connect timeouts: not for
+# `make test-fast`.
+pytestmark = pytest.mark.ssh
+
 TIMEOUT = 2          # connect_timeout in the inventories
 BOUND_S = 20         # whole command, python start-up included, on a loaded 2-core machine
 ORCH = [sys.executable, "-m", "orchestrator"]

@@ -20,15 +20,17 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sshd_cluster import pids_with_env
 from test_worker_common import Torchrun, split, torchrun  # noqa: F401 (torchrun: fixture)
@@ -120,7 +122,8 @@ def test_augmentation_on_the_gpu_matches_the_cpu_and_does_not_sync() -> None:
     for t in (on_gpu, out, small):
         assert t.device.type == "cuda" and t.dtype == torch.float32
     # pixels 0..255: float rounding of the sample points on the GPU stays far below 0.05
-    torch.testing.assert_close(on_gpu.cpu(), crops_by_interpolate(x.float(), boxes), atol=5e-2, rtol=0)
+    torch.testing.assert_close(on_gpu.cpu(), crops_by_interpolate(x.float(), boxes),
+                               atol=5e-2, rtol=0)
 
 
 class _Batches(torch.utils.data.Dataset):
@@ -193,7 +196,8 @@ def gpu_cluster(tmp_path: Path, demo: dict[int, Path]) -> Iterator[Callable[[int
 
 
 @pytest.mark.slow
-def test_orch_up_on_a_local_gpu_host_trains_with_nccl(gpu_cluster: Callable, tmp_path: Path) -> None:
+def test_orch_up_on_a_local_gpu_host_trains_with_nccl(gpu_cluster: Callable,
+                                                      tmp_path: Path) -> None:
     gpu_cluster(RANKS)  # 1 GPU, or 2 ranks where there are 2 (the demo's lr is for 1-2)
     split_run = _orch(tmp_path, "split-data")
     assert split_run.returncode == 0, split_run.stdout + split_run.stderr
@@ -208,7 +212,8 @@ def test_orch_up_on_a_local_gpu_host_trains_with_nccl(gpu_cluster: Callable, tmp
 
 def test_preflight_refuses_more_gpus_than_nvidia_smi_lists(gpu_cluster: Callable,
                                                            tmp_path: Path) -> None:
-    assert shutil.which("nvidia-smi"), "preflight counts GPUs with nvidia-smi -L: it must be on PATH"
+    assert shutil.which("nvidia-smi"), \
+        "preflight counts GPUs with nvidia-smi -L: it must be on PATH"
     listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
     assert sum(line.startswith("GPU ") for line in listed.splitlines()) == GPUS
     gpu_cluster(GPUS + 1)
@@ -246,8 +251,9 @@ def test_option_trains_the_demo_to_target_on_gpu(name: str, torchrun: Torchrun, 
 
 
 @pytest.mark.slow
-def test_checkpoint_moves_between_cpu_and_gpu(torchrun: Torchrun, demo: dict[int, Path],  # noqa: F811
-                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checkpoint_moves_between_cpu_and_gpu(torchrun: Torchrun,  # noqa: F811
+                                              demo: dict[int, Path], tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     out, args = tmp_path / "out", [*DEMO[:-4], "--checkpoint-every", "1"]  # no early stop
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # first on the CPU
     log = train(torchrun, 1, [*args, "--epochs", "2"], demo[1], out)
@@ -316,7 +322,8 @@ def _syncbn_worker(rank: int, world: int, port: int) -> None:
         ref = _bn_net().to(device)
         ddp = nn.parallel.DistributedDataParallel(
             nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref)), device_ids=[rank])
-        whole = torch.randn(8 * world, 3, 10, 10, generator=torch.Generator().manual_seed(1)).to(device)
+        whole = torch.randn(8 * world, 3, 10, 10,
+                            generator=torch.Generator().manual_seed(1)).to(device)
         mine = whole[8 * rank:8 * (rank + 1)]
         out, want = ddp(mine), ref(whole)  # ref: one process, the concatenated batch
         torch.testing.assert_close(out, want[8 * rank:8 * (rank + 1)], rtol=1e-4, atol=1e-5)
@@ -354,7 +361,8 @@ def _check_records(state: C.TernGradState, device: torch.device) -> None:
         for t in (rec.local_scalers, rec.shared_scalers, rec.local_decoded, rec.result):
             assert t.device == device
         # result = mean of every rank's decoded ternaries; the scaler = max over ranks
-        torch.testing.assert_close(rec.result, _gather(rec.local_decoded).mean(0), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(rec.result, _gather(rec.local_decoded).mean(0), rtol=1e-5,
+                                   atol=1e-7)
         assert torch.equal(rec.shared_scalers, _gather(rec.local_scalers).max(0).values)
 
 
@@ -367,11 +375,13 @@ def _terngrad_worker(rank: int, world: int, port: int) -> None:
         stats = C.install_comm_hook(ddp, "terngrad", size_to_binarize=64, logits_param_names=LOGITS)
         stats.hook_state.record = True
         gen = torch.Generator().manual_seed(100 + rank)
-        x, y = torch.randn(8, 17, generator=gen) * (1 + rank), torch.randint(0, 5, (8,), generator=gen)
+        x = torch.randn(8, 17, generator=gen) * (1 + rank)
+        y = torch.randint(0, 5, (8,), generator=gen)
         nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
         _check_records(stats.hook_state, device)
         for name, p in ddp.module.named_parameters():
-            assert torch.equal(_gather(p.grad).min(0).values, p.grad), f"{name} differs across ranks"
+            same = torch.equal(_gather(p.grad).min(0).values, p.grad)
+            assert same, f"{name} differs across ranks"
             if name not in LOGITS and p.numel() >= 64:
                 assert p.grad.unique().numel() <= 2 * world + 1, name
         assert stats.bytes_sent > 0
@@ -396,7 +406,7 @@ class _Bucket:
         return 0
 
 
-def _check_hook_makes_no_host_sync(ddp: nn.Module, device: torch.device, rank: int) -> None:
+def _check_hook_makes_no_host_sync(ddp: DDP, device: torch.device, rank: int) -> None:
     """The whole TernGrad hook (scalers' all_reduce, encode, all_gather, decode) on one
     bucket, with any synchronising CUDA call an error (after a first call that builds the
     lookup table and the generator)."""

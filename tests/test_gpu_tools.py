@@ -23,7 +23,6 @@ sys.path.insert(0, str(REPO / "bench"))
 import gpu as bench_gpu  # noqa: E402
 import gpu_check  # noqa: E402
 import gputable  # noqa: E402
-
 from conftest import wait_until  # noqa: E402
 from sshd_cluster import pids_with_env  # noqa: E402
 from worker import compression as C  # noqa: E402
@@ -32,39 +31,45 @@ from worker.augment import crops_by_grid, crops_by_interpolate, draw_boxes, resi
 NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}  # the skip path, also on a machine with a GPU
 
 
-def run(argv: list[str], cwd: Path = REPO, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, cwd=cwd, env=dict(os.environ, **env), capture_output=True,
+def run(argv: list[str], env: dict[str, str] | None = None, cwd: Path = REPO,
+        timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """argv's result; env adds to (or overrides) this process's environment."""
+    return subprocess.run(argv, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 # ---------------------------------------------------------------- the skip path
 
 
+@pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
 def test_make_gpu_check_without_cuda_says_so_and_exits_0() -> None:
-    r = run(["make", "-s", "gpu-check"], **NO_CUDA)
+    r = run(["make", "-s", "gpu-check"], NO_CUDA)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("no CUDA GPU: skipping the GPU check (looked with ")
     assert "CUDA not available" in r.stdout
     assert r.stdout.count("\n") == 1  # that one line: nothing was run
 
 
+@pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
 def test_gpu_check_without_cuda_writes_no_report(tmp_path: Path) -> None:
     out = tmp_path / "gpu.md"
     r = run([sys.executable, "bench/gpu_check.py", "--python", sys.executable, "--out", str(out)],
-            **NO_CUDA)
+            NO_CUDA)
     assert r.returncode == 0, r.stderr
     assert f"{sys.executable}: torch {torch.__version__}, CUDA not available" in r.stdout
     assert not out.exists()
 
 
+@pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
 def test_gpu_bench_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
     out = tmp_path / "bench.md"
-    r = run([sys.executable, "bench/gpu.py", "--out", str(out)], **NO_CUDA)
+    r = run([sys.executable, "bench/gpu.py", "--out", str(out)], NO_CUDA)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("no CUDA GPU: skipping bench/gpu.py")
     assert not out.exists()
 
 
+@pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
 def test_choose_python_finds_no_cuda_and_names_what_it_saw(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     python, info, seen = gpu_check.choose_python(sys.executable)
@@ -85,7 +90,8 @@ def test_probe_lists_missing_modules(tmp_path: Path) -> None:
 
 
 def test_gpu_check_arguments(tmp_path: Path) -> None:
-    args = gpu_check.parse_args(["--bench-args", "--steps 30 --models resnet50", "--out", str(tmp_path)])
+    args = gpu_check.parse_args(["--bench-args", "--steps 30 --models resnet50", "--out",
+                                 str(tmp_path)])
     assert args.bench_args == ["--steps", "30", "--models", "resnet50"] and args.pytest_args == []
     r = run([sys.executable, "bench/gpu_check.py", "--bench-args", '"--steps'])
     assert r.returncode == 2 and "--bench-args: No closing quotation" in r.stderr
@@ -95,7 +101,8 @@ def test_gpu_check_arguments(tmp_path: Path) -> None:
 
 def test_gpu_bench_defaults_and_lists() -> None:
     a = bench_gpu.parse_args([])
-    assert (a.models, a.batch_sizes, a.modes) == (["resnet50", "vggf"], [64, 128], ["fp32", "amp", "amp-cl"])
+    assert (a.models, a.batch_sizes, a.modes) == (["resnet50", "vggf"], [64, 128],
+                                                  ["fp32", "amp", "amp-cl"])
     assert a.inputs == ["synthetic", "synthetic-aug", "packed", "imagefolder"]
     assert (a.image_size, a.device, a.out) == (224, "cuda", REPO / "bench" / "out" / "gpu-bench.md")
     a = bench_gpu.parse_args(["--models", "vggf", "--batch-sizes", "32,256", "--modes", "amp-cl",
@@ -125,10 +132,12 @@ def test_gpu_bench_refuses_bad_arguments(argv: list[str], message: str,
 RESULTS: list[dict[str, Any]] = [
     {"model": "resnet50", "batch": 64, "mode": "amp", "input": "synthetic", "images_per_s": 1000.0},
     {"model": "resnet50", "batch": 64, "mode": "amp", "input": "packed", "images_per_s": 950.0},
-    {"model": "resnet50", "batch": 64, "mode": "amp", "input": "imagefolder", "images_per_s": 400.0},
+    {"model": "resnet50", "batch": 64, "mode": "amp", "input": "imagefolder",
+     "images_per_s": 400.0},
     {"model": "vggf", "batch": 128, "mode": "fp32", "input": "synthetic", "images_per_s": 500.0},
     {"model": "vggf", "batch": 128, "mode": "fp32", "input": "packed", "images_per_s": 400.0},
-    {"model": "vggf", "batch": 128, "mode": "fp32", "input": "imagefolder", "error": "out of GPU memory"},
+    {"model": "vggf", "batch": 128, "mode": "fp32", "input": "imagefolder",
+     "error": "out of GPU memory"},
 ]
 
 
@@ -166,7 +175,8 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 <testcase classname="tests.test_gpu" name="test_a" time="1.25" />
 <testcase classname="tests.test_gpu" name="test_b[amp]" time="2.0">
   <failure message="AssertionError: val_acc 0.91&#10;second line">trace</failure></testcase>
-<testcase classname="tests.test_gpu" name="test_c" time="0.5"><error message="fixture broke" /></testcase>
+<testcase classname="tests.test_gpu" name="test_c" time="0.5">
+  <error message="fixture broke" /></testcase>
 <testcase classname="tests.test_gpu" name="test_d" time="0.0">
   <skipped type="pytest.skip" message="needs 2 CUDA GPUs, found 1" /></testcase>
 </testsuite></testsuites>"""
@@ -182,14 +192,16 @@ def test_junit_results_become_rows(tmp_path: Path) -> None:
         ("test_gpu::test_d", "skipped: needs 2 CUDA GPUs, found 1", 0.0, ""),
     ]
     assert gputable.tests_summary(rows) == "1 error, 1 failed, 1 passed, 1 skipped"
-    assert "| test_gpu::test_b[amp] | failed | 2.0 | AssertionError: val_acc 0.91 |" in gputable.tests_table(rows)
+    assert ("| test_gpu::test_b[amp] | failed | 2.0 | AssertionError: val_acc 0.91 |"
+            in gputable.tests_table(rows))
 
 
+@pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
 def test_gpu_tests_without_cuda_are_reported_skipped_not_passed(tmp_path: Path) -> None:
     """The real `pytest -m gpu` run of make gpu-check, on a machine without CUDA."""
     junit = tmp_path / "junit.xml"
     r = run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-o", "addopts=",
-             "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"], **NO_CUDA)
+             "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"], NO_CUDA)
     assert r.returncode == 0, r.stdout[-2000:]
     rows = gputable.tests_from_junit(junit)
     assert len(rows) >= 15
@@ -201,17 +213,20 @@ def test_gpu_tests_without_cuda_are_reported_skipped_not_passed(tmp_path: Path) 
 
 def test_report_sections(tmp_path: Path) -> None:
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"env": {"gpu": "H100"}, "config": {"device": "cuda"}, "results": RESULTS}))
+    bench.write_text(json.dumps({"env": {"gpu": "H100"}, "config": {"device": "cuda"},
+                                 "results": RESULTS}))
     text = gpu_check.write_report(tmp_path / "gpu.md", "- GPUs: H100", "3 passed",
                                   gpu_check.bench_section(1, bench))
     assert (tmp_path / "gpu.md").read_text() == text
     for part in ("# GPU check (make gpu-check)", "## Machine", "## Checks: pytest -m gpu",
                  "## Training throughput: bench/gpu.py", "bench/gpu.py exited 1",
-                 "Set-up: gpu H100, device cuda.", "| resnet50 | 64 | amp | 1000 | 0.95 | met | 0.40 |",
+                 "Set-up: gpu H100, device cuda.",
+                 "| resnet50 | 64 | amp | 1000 | 0.95 | met | 0.40 |",
                  "met in 1 of 2"):
         assert part in text
     assert gpu_check.bench_section(None, bench) == "not run (--skip-bench)"
-    assert gpu_check.bench_section(3, tmp_path / "none.json") == "bench/gpu.py exited 3 before writing results"
+    assert (gpu_check.bench_section(3, tmp_path / "none.json")
+            == "bench/gpu.py exited 3 before writing results")
 
 
 # ---------------------------------------------------------------- the harness on the CPU
@@ -221,10 +236,11 @@ def test_report_sections(tmp_path: Path) -> None:
 def test_gpu_bench_harness_runs_on_cpu(tmp_path: Path) -> None:
     out, js = tmp_path / "b.md", tmp_path / "b.json"
     marker = f"ORCH_GPU_BENCH_TEST={uuid.uuid4().hex}"  # inherited by its loader processes
-    r = run([sys.executable, "bench/gpu.py", "--device", "cpu", "--modes", "fp32", "--models", "lenet",
-             "--batch-sizes", "8", "--image-size", "32", "--source-size", "40", "--images", "48",
-             "--steps", "3", "--warmup", "1", "--workers", "1", "--out", str(out), "--json", str(js)],
-            OMP_NUM_THREADS="1", **dict([marker.split("=")]))
+    r = run([sys.executable, "bench/gpu.py", "--device", "cpu", "--modes", "fp32",
+             "--models", "lenet", "--batch-sizes", "8", "--image-size", "32",
+             "--source-size", "40", "--images", "48", "--steps", "3", "--warmup", "1",
+             "--workers", "1", "--out", str(out), "--json", str(js)],
+            {"OMP_NUM_THREADS": "1", marker.split("=")[0]: marker.split("=")[1]})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     wait_until(lambda: not pids_with_env(marker), 10, "the bench's loader processes to end")
     results = json.loads(js.read_text())["results"]
@@ -308,8 +324,8 @@ def test_preflight_refuses_more_gpus_than_nvidia_smi_lists(tmp_path: Path, liste
         job:
           entrypoint: job.py
         """))
-    r = run([sys.executable, "-m", "orchestrator", "up", "cluster.yaml"], cwd=tmp_path,
-            PATH=path, PYTHONPATH=str(REPO), ORCH_NO_COLOR="1")
+    r = run([sys.executable, "-m", "orchestrator", "up", "cluster.yaml"],
+            {"PATH": path, "PYTHONPATH": str(REPO), "ORCH_NO_COLOR": "1"}, cwd=tmp_path)
     text = r.stdout + r.stderr
     found = listed or 0
     assert r.returncode == 3, text

@@ -275,10 +275,10 @@ def test_broken_inventory(path: Path, yaml_parser: str) -> None:
 def refused(text: str, tmp_path: Path, seconds: float = 1.0) -> InventoryError:
     """The InventoryError that `text` gives, checked to come fast, with a line and a fix."""
     path = write(tmp_path, text)
-    started = time.perf_counter()
+    started = time.process_time()   # CPU seconds: the loader's cost, not the machine's load
     with pytest.raises(InventoryError) as caught:
         load(path)
-    elapsed = time.perf_counter() - started
+    elapsed = time.process_time() - started
     assert elapsed < seconds, f"{elapsed:.2f}s: {caught.value}"
     error = caught.value
     assert error.exit_code == 2 and error.hint and error.line, str(error)
@@ -382,9 +382,10 @@ def test_too_many_hosts(count: int, tmp_path: Path) -> None:
 
 def test_the_host_limit_itself_loads_fast(tmp_path: Path) -> None:
     text = "name: demo\nhosts:\n" + "".join(f"  - node{i}\n" for i in range(MAX_HOSTS)) + "job: {entrypoint: w}\n"
-    started = time.perf_counter()
-    cluster = load(write(tmp_path, text))
-    assert time.perf_counter() - started < 2
+    path = write(tmp_path, text)
+    started = time.process_time()
+    cluster = load(path)
+    assert time.process_time() - started < 2
     assert len(cluster.hosts) == cluster.world_size == MAX_HOSTS
     assert cluster.hosts[-1].first_rank == MAX_HOSTS - 1
 

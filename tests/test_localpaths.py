@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable
 
 import pytest
 import yaml
@@ -23,8 +23,7 @@ import yaml
 from orchestrator import protocol, splitdata
 from orchestrator.errors import DataError
 from orchestrator.inventory import load
-from orchestrator.localfiles import (DigestCache, LocalFile, Pushable, check_entrypoint,
-                                     code_files)
+from orchestrator.localfiles import DigestCache, LocalFile, Pushable, check_entrypoint, code_files
 from orchestrator.shards import host_files, load_split
 from orchestrator.sync import plan, stream_files
 
@@ -63,8 +62,8 @@ def job_tree(base: Path) -> Path:
 
 
 def write_inventory(base: Path, *, paths: tuple[str, ...] = ("job",),
-                    entrypoint: str = "job/train.py", exclude: Optional[list[str]] = None,
-                    data: Optional[dict] = None, procs: int = 1) -> Path:
+                    entrypoint: str = "job/train.py", exclude: list[str] | None = None,
+                    data: dict | None = None, procs: int = 1) -> Path:
     """A one-host local inventory; the checks under test run before it is contacted."""
     doc: dict = {"name": "lp", "python": sys.executable,
                  "hosts": [{"address": "localhost", "connection": "local",
@@ -276,7 +275,7 @@ def make_split(base: Path, workers: int = 2) -> tuple[Path, Path, Path]:
     return source, shards, inv
 
 
-def edit_manifest(shards: Path, edit: Callable[[dict], None]) -> None:
+def edit_manifest(shards: Path, edit: Callable[[dict[str, Any]], object]) -> None:
     path = shards / "manifest.json"
     manifest = json.loads(path.read_text())
     edit(manifest)
@@ -300,7 +299,8 @@ def test_split_data_shards_are_pushed_as_content(tmp_path: Path) -> None:
 def test_shard_link_inside_the_shard_is_pushed_as_a_link(tmp_path: Path) -> None:
     _, shards, inv = make_split(tmp_path, workers=1)
     (shards / "worker_0_of_1" / "first.bin").symlink_to("class0/img_0.bin")
-    edit_manifest(shards, lambda m: m["splits"]["1"]["shards"][0]["files"].append(["first.bin", 64]))
+    edit_manifest(shards,
+                  lambda m: m["splits"]["1"]["shards"][0]["files"].append(["first.bin", 64]))
     got = all_host_files(inv)
     assert got["worker_0_of_1/first.bin"].link == "class0/img_0.bin"
     assert got["worker_0_of_1/first.bin"].size == 0
@@ -314,7 +314,8 @@ def test_shard_link_outside_the_source_is_refused_even_with_a_rewritten_source(
     secret = tmp_path / "outside" / "secret.txt"
     secret.parent.mkdir()
     secret.write_text("not part of the dataset\n")
-    first = json.loads((shards / "manifest.json").read_text())["splits"]["2"]["shards"][0]["files"][0]
+    split = json.loads((shards / "manifest.json").read_text())["splits"]["2"]
+    first = split["shards"][0]["files"][0]
     link = shards / "worker_0_of_2" / first[0]
     link.unlink()
     link.symlink_to(secret)
@@ -358,8 +359,13 @@ def _dotdot(m: dict) -> None:
     m["splits"]["2"]["shards"][0]["files"].append(["../../src/class0/img_0.bin", 1])
 
 
-BAD_SHAPES: dict[str, tuple[Callable[[dict], None], str]] = {
-    "top-is-list": (lambda m: (m.clear(), m.update({"version": [1]})), "version 1"),
+def _top_is_list(m: dict[str, Any]) -> None:
+    m.clear()
+    m.update({"version": [1]})
+
+
+BAD_SHAPES: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
+    "top-is-list": (_top_is_list, "version 1"),
     "version-2": (lambda m: m.update(version=2), "version 1"),
     "splits-list": (lambda m: m.update(splits=[1]), "`splits`"),
     "splits-key": (lambda m: m["splits"].update({"two": {}}), "`splits`"),
@@ -370,7 +376,8 @@ BAD_SHAPES: dict[str, tuple[Callable[[dict], None], str]] = {
     "shard-name": (lambda m: m["splits"]["2"]["shards"][1].update(name="worker_0_of_2"), "shard 1"),
     "bytes-negative": (lambda m: m["splits"]["2"]["shards"][0].update(bytes=-1), "shard 0"),
     "file-pair": (lambda m: m["splits"]["2"]["shards"][0]["files"].append([1, 2]), "[path, bytes]"),
-    "file-size-text": (lambda m: m["splits"]["2"]["shards"][0]["files"].append(["a", "1"]), "[path, bytes]"),
+    "file-size-text": (lambda m: m["splits"]["2"]["shards"][0]["files"].append(["a", "1"]),
+                       "[path, bytes]"),
     "file-twice": (lambda m: m["splits"]["2"]["shards"][0]["files"].append(
         list(m["splits"]["2"]["shards"][0]["files"][0])), "listed twice"),
     "nul-in-path": (_nul_escaped, "unsafe"),
@@ -394,9 +401,10 @@ def test_bad_manifest_exits_2_without_traceback(tmp_path: Path, kind: str) -> No
     assert_refused(orch_up(inv), tmp_path, "manifest.json", BAD_SHAPES[kind][1])
 
 
-RAW_DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+RAW_DAMAGE: dict[str, tuple[Callable[[Path], object], str]] = {
     "nul-byte": (lambda p: p.write_bytes(p.read_bytes().replace(b"class0", b"cla\0s0", 1)), "NUL"),
-    "not-utf8": (lambda p: p.write_bytes(p.read_bytes().replace(b"class0", b"cla\xffs0", 1)), "UTF-8"),
+    "not-utf8": (lambda p: p.write_bytes(p.read_bytes().replace(b"class0", b"cla\xffs0", 1)),
+                 "UTF-8"),
     "not-json": (lambda p: p.write_text(p.read_text()[:-20]), "not valid JSON"),
     "deep": (lambda p: p.write_text("[" * 100_000 + "]" * 100_000), "manifest"),
     "huge": (lambda p: os.truncate(p, (256 << 20) + 1), "MiB"),   # sparse: costs no disk

@@ -8,8 +8,8 @@ import os
 import sys
 import tempfile
 import types
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -56,7 +56,7 @@ def listing(root: Path) -> list[tuple]:
         return []
     if not root.is_dir():
         return [("file", root.read_bytes())]
-    rows = []
+    rows: list[tuple[str | bytes, ...]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         for name in sorted(dirnames + filenames):
             path = Path(dirpath, name)
@@ -98,7 +98,8 @@ def test_terngrad_records_contiguous(tmp_path: Path) -> None:
     assert shard["classes"] == {"train-*-of-01024": 64} and shard["bytes"] == 64 * 3
 
 
-def test_records_uneven_and_groups_via_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_records_uneven_and_groups_via_command(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture) -> None:
     src, out = tmp_path / "src", tmp_path / "out"
     make_records(src, "train", 10)
     make_records(src, "validation", 5)
@@ -109,7 +110,8 @@ def test_records_uneven_and_groups_via_command(tmp_path: Path, capsys: pytest.Ca
     assert [s["classes"]["train-*-of-00010"] for s in shards] == [3, 3, 2, 2]
     assert [s["classes"]["validation-*-of-00005"] for s in shards] == [2, 1, 1, 1]
     assert shard_files(out, "worker_1_of_4") == [
-        "train-00003-of-00010", "train-00004-of-00010", "train-00005-of-00010", "validation-00002-of-00005"]
+        "train-00003-of-00010", "train-00004-of-00010", "train-00005-of-00010",
+        "validation-00002-of-00005"]
     printed = capsys.readouterr().out
     assert "uneven split of train-*-of-00010" in printed and "workers 0-1 get 3" in printed
     assert "README.txt" in printed  # the ignored file is named
@@ -173,7 +175,8 @@ def test_deterministic_seed(tmp_path: Path) -> None:
 
 
 class _ReversedScandir:
-    """os.scandir listing in reverse: another filesystem, or another copy, lists in another order."""
+    """os.scandir listing in reverse: another filesystem, or another copy, lists in another
+    order."""
 
     def __init__(self, path: str) -> None:
         with _real_scandir(path) as it:
@@ -189,11 +192,12 @@ class _ReversedScandir:
 _real_scandir = os.scandir
 
 
-def test_same_split_whatever_the_listing_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_same_split_whatever_the_listing_order(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "src"
     make_imagefolder(src, {"TrainData/cat": 30, "TrainData/dog": 30})
     splitdata.split(src, tmp_path / "a", 4)
-    monkeypatch.setattr(splitdata.os, "scandir", _ReversedScandir)
+    monkeypatch.setattr(os, "scandir", _ReversedScandir)  # splitdata calls os.scandir
     splitdata.split(src, tmp_path / "b", 4)
     assert manifest(tmp_path / "a")["splits"] == manifest(tmp_path / "b")["splits"]
 
@@ -296,7 +300,8 @@ def test_bad_input_changes_nothing(tmp_path: Path, case: str) -> None:
 def test_bad_input_messages(tmp_path: Path) -> None:
     cases = _bad_cases(tmp_path)
     expect = {"empty class": "empty class in the source: dog",
-              "more workers than files in a class": "ValidationData/cat has 2 file(s), fewer than the 3",
+              "more workers than files in a class":
+                  "ValidationData/cat has 2 file(s), fewer than the 3",
               "symlink outside": "pointing outside the source",
               "out inside source": "is inside the source"}
     for case, words in expect.items():
@@ -334,7 +339,8 @@ def fake_inventory(monkeypatch: pytest.MonkeyPatch, world_size: int, source: Pat
     return calls
 
 
-def test_command_needs_no_inventory_when_all_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_command_needs_no_inventory_when_all_given(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # no cluster.yaml here
     calls = fake_inventory(monkeypatch, 9, None, None)
     make_imagefolder(tmp_path / "src", {"cat": 4})
@@ -356,7 +362,8 @@ def test_command_defaults_from_inventory(tmp_path: Path, monkeypatch: pytest.Mon
     assert "worker_2_of_3" in capsys.readouterr().out
 
 
-def test_command_without_inventory_explains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_command_without_inventory_explains(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     args = parse(["split-data", "--source", "src", "--out", "shards"])
     with pytest.raises(OrchError) as err:
@@ -366,17 +373,19 @@ def test_command_without_inventory_explains(tmp_path: Path, monkeypatch: pytest.
     assert os.listdir(tmp_path) == []
 
 
-def test_command_inventory_without_data_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_command_inventory_without_data_section(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cluster.yaml").write_text("name: x\n")
     fake_inventory(monkeypatch, 2, None, None)
-    with pytest.raises(DataError, match="data.source"):
+    with pytest.raises(DataError, match=r"data\.source"):
         split_data.run(parse(["split-data"]))
 
 
 def test_summary_is_short_for_many_workers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     make_records(tmp_path / "src", "train", 100)
-    args = parse(["split-data", "-n", "100", "--source", str(tmp_path / "src"), "--out", str(tmp_path / "o")])
+    args = parse(["split-data", "-n", "100", "--source", str(tmp_path / "src"), "--out",
+                  str(tmp_path / "o")])
     assert split_data.run(args) == 0
     printed = capsys.readouterr().out
     assert "worker_0_of_100" in printed and "worker_99_of_100" in printed
@@ -410,10 +419,12 @@ def test_pack_calls_packer_per_shard(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert (out / shard["name"] / "packed.bin").read_bytes() == b"p" * 32
 
 
-def test_pack_refuses_records_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pack_refuses_records_and_writes_nothing(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     calls = fake_packer(monkeypatch)
     make_records(tmp_path / "src", "train", 4)
-    args = parse(["split-data", "-n", "2", "--source", str(tmp_path / "src"), "--out", str(tmp_path / "o"),
+    args = parse(["split-data", "-n", "2", "--source", str(tmp_path / "src"), "--out",
+                  str(tmp_path / "o"),
                   "--pack"])
     with pytest.raises(DataError, match="ImageFolder"):
         split_data.run(args)
@@ -433,23 +444,25 @@ def test_thread_pool_links_the_same(tmp_path: Path) -> None:
     splitdata.split(src, tmp_path / "four", 3, threads=4)
     assert manifest(tmp_path / "one") == manifest(tmp_path / "four")
     for i in range(3):
-        assert shard_files(tmp_path / "one", f"worker_{i}_of_3") == shard_files(tmp_path / "four", f"worker_{i}_of_3")
+        name = f"worker_{i}_of_3"
+        assert shard_files(tmp_path / "one", name) == shard_files(tmp_path / "four", name)
 
 
-def test_failure_while_writing_keeps_previous_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failure_while_writing_keeps_previous_split(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     src, out = tmp_path / "src", tmp_path / "out"
     make_imagefolder(src, VGGF)
     splitdata.split(src, out, 2, seed=0)
     before = listing(out)
     real_rename, calls = os.rename, []
 
-    def flaky_rename(a: object, b: object) -> None:
+    def flaky_rename(a: str | Path, b: str | Path) -> None:
         calls.append(b)
         if len(calls) == 3:  # worker_0 retired and installed, then worker_1 fails midway
             raise OSError(28, "No space left on device", str(a))
         real_rename(a, b)
 
-    monkeypatch.setattr(splitdata.os, "rename", flaky_rename)
+    monkeypatch.setattr(os, "rename", flaky_rename)
     with pytest.raises(DataError, match="No space left"):
         splitdata.split(src, out, 2, seed=1)
     assert len(calls) > 3  # the rollback ran
@@ -473,7 +486,8 @@ def test_pack_failure_keeps_previous_split(tmp_path: Path, monkeypatch: pytest.M
 def test_command_with_real_inventory_and_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture) -> None:
     cli = pytest.importorskip("orchestrator.cli")
-    make_imagefolder(tmp_path / "proj" / "data" / "src", {"TrainData/cat": 6, "ValidationData/cat": 3})
+    make_imagefolder(tmp_path / "proj" / "data" / "src",
+                     {"TrainData/cat": 6, "ValidationData/cat": 3})
     (tmp_path / "proj" / "c.yaml").write_text(
         "name: t\nhosts:\n  - address: localhost\n    connection: local\n    procs: 3\n"
         "data:\n  source: data/src\n  shards: data/shards\njob:\n  entrypoint: worker.train\n")
@@ -481,7 +495,8 @@ def test_command_with_real_inventory_and_cli(tmp_path: Path, monkeypatch: pytest
     assert cli.cli(["split-data", "-c", "proj/c.yaml"]) == 0
     split = manifest(tmp_path / "proj" / "data" / "shards")["splits"]["3"]
     assert split["source"] == str((tmp_path / "proj" / "data" / "src").resolve())
-    assert [s["classes"] for s in split["shards"]] == [{"TrainData/cat": 2, "ValidationData/cat": 1}] * 3
+    assert [s["classes"] for s in split["shards"]] == [{"TrainData/cat": 2,
+                                                        "ValidationData/cat": 1}] * 3
     assert cli.cli(["split-data", "-c", "proj/c.yaml", "--workers", "4"]) == 2
     assert "fewer than the 4 workers" in capsys.readouterr().err
 

@@ -11,12 +11,21 @@ import paramiko
 import pytest
 import yaml
 
-from sshd_cluster import (FakeHost, SshdCluster, accepts, free_port, pid_alive,
-                          pids_with_env, ssh_cmd)
+from sshd_cluster import (
+    FakeHost,
+    SshdCluster,
+    accepts,
+    free_port,
+    pid_alive,
+    pids_with_env,
+    ssh_cmd,
+)
+
+pytestmark = pytest.mark.ssh  # every test here starts sshd
 
 
 def _ssh(cluster: SshdCluster, host: FakeHost, command: str, timeout: float = 20):
-    return subprocess.run(ssh_cmd(cluster) + [host.address, command],
+    return subprocess.run([*ssh_cmd(cluster), host.address, command],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -129,12 +138,12 @@ def test_stop_leaves_no_process(tmp_path: Path) -> None:
     host = cluster.hosts[0]
     marker = f"ORCH_TEST_MARK={tmp_path.name}"
     # a session with a running command: stop() must take it down too
-    session = subprocess.Popen(ssh_cmd(cluster) + [host.address, f"env {marker} sleep 60"],
+    session = subprocess.Popen([*ssh_cmd(cluster), host.address, f"env {marker} sleep 60"],
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     try:
         _wait_for(lambda: pids_with_env(marker))
-        tree = [host.pid] + host.descendants()
+        tree = [host.pid, *host.descendants()]
         assert len(tree) >= 3  # listener, session sshd(s), the command
         cluster.stop()
         assert not [p for p in tree if pid_alive(p)]

@@ -7,20 +7,21 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from conftest import wait_until, write_job
+from orchestrator import inventory, state
 from sshd_cluster import SshdCluster
 from test_e2e_up import Jobs, assert_nothing_left, job_pids, jobs, orch  # noqa: F401 (fixture)
 
-from orchestrator import inventory, state
-
-GOOD = {"name": "st", "run_id": "r1", "inventory": "/x/cluster.yaml", "started": 1.5,
-        "world_size": 1, "master_addr": "127.0.0.1", "master_port": 29500,
-        "hosts": [{"index": 0, "label": "localhost", "job_dir": "/x/st", "ranks": [0],
-                   "clock_offset": 0.0, "supervisor": {"pid": 1}}]}
+GOOD: dict[str, Any] = {
+    "name": "st", "run_id": "r1", "inventory": "/x/cluster.yaml", "started": 1.5,
+    "world_size": 1, "master_addr": "127.0.0.1", "master_port": 29500,
+    "hosts": [{"index": 0, "label": "localhost", "job_dir": "/x/st", "ranks": [0],
+               "clock_offset": 0.0, "supervisor": {"pid": 1}}]}
 
 
 def damaged_variants() -> dict[str, str]:
@@ -40,7 +41,8 @@ def local_cluster(tmp_path: Path) -> inventory.Cluster:
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump({
         "name": "st", "python": sys.executable,
-        "hosts": [{"address": "localhost", "connection": "local", "remote_dir": str(tmp_path / "n")}],
+        "hosts": [{"address": "localhost", "connection": "local",
+                   "remote_dir": str(tmp_path / "n")}],
         "code": {"paths": ["job.py"]}, "job": {"entrypoint": "job.py"}}))
     return inventory.load(path)
 
@@ -96,7 +98,7 @@ def test_status_and_logs_refuse_a_damaged_state(command: list[str], tmp_path: Pa
 @pytest.mark.ssh
 @pytest.mark.slow
 def test_stop_works_with_a_damaged_state(sshd_cluster: SshdCluster, tmp_path: Path,
-                                         jobs: Jobs) -> None:
+                                         jobs: Jobs) -> None:  # noqa: F811 (fixture)
     hosts, name = sshd_cluster.hosts[:2], "state-damaged"
     write_job(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(120)\n")
     inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)

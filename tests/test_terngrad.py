@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from worker import compression as C
 
@@ -109,7 +110,8 @@ def test_same_generator_seed_gives_same_codes() -> None:
 
 
 def test_unknown_kind_is_a_clear_value_error() -> None:
-    with pytest.raises(ValueError, match="unknown gradient compression 'int8'.*none, fp16, terngrad"):
+    with pytest.raises(ValueError,
+                       match=r"unknown gradient compression 'int8'.*none, fp16, terngrad"):
         C.install_comm_hook(None, "int8")
 
 
@@ -144,14 +146,19 @@ def _raw_mean_grads(base: nn.Module, rank: int, step: int) -> dict[str, torch.Te
     local.zero_grad(set_to_none=True)
     x, y = _batch(rank, step)
     nn.functional.cross_entropy(local(x), y).backward()
-    return {n: _all_gather(p.grad).mean(dim=0) for n, p in local.named_parameters()}
+    return {n: _all_gather(_grad(p)).mean(dim=0) for n, p in local.named_parameters()}
 
 
-def _ddp_step(ddp: nn.Module, rank: int, step: int) -> dict[str, torch.Tensor]:
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None, "backward() gave this parameter no gradient"
+    return p.grad
+
+
+def _ddp_step(ddp: DDP, rank: int, step: int) -> dict[str, torch.Tensor]:
     ddp.zero_grad(set_to_none=True)
     x, y = _batch(rank, step)
     nn.functional.cross_entropy(ddp(x), y).backward()
-    return {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+    return {n: _grad(p).clone() for n, p in ddp.module.named_parameters()}
 
 
 def _check_terngrad_records(state: C.TernGradState) -> None:
@@ -172,7 +179,8 @@ def _check_terngrad_records(state: C.TernGradState) -> None:
 def _check_terngrad_grads(grads: dict[str, torch.Tensor], raw: dict[str, torch.Tensor],
                           world: int) -> None:
     for name, grad in grads.items():
-        assert torch.equal(_all_gather(grad).min(dim=0).values, grad), f"{name} differs across ranks"
+        same = torch.equal(_all_gather(grad).min(dim=0).values, grad)
+        assert same, f"{name} differs across ranks"
         if name in FLOAT_NAMES:
             torch.testing.assert_close(grad, raw[name], rtol=1e-5, atol=1e-7)
         else:
@@ -206,7 +214,7 @@ def _run_terngrad(rank: int, world: int) -> None:
     _check_non_finite_propagates(ddp, rank)
 
 
-def _check_non_finite_propagates(ddp: nn.Module, rank: int) -> None:
+def _check_non_finite_propagates(ddp: DDP, rank: int) -> None:
     """A NaN gradient on one rank must reach every rank as NaN, not as zeros."""
     x, y = _batch(rank, 2)
     if rank == 1:
@@ -215,7 +223,7 @@ def _check_non_finite_propagates(ddp: nn.Module, rank: int) -> None:
     nn.functional.cross_entropy(ddp(x), y).backward()
     for name, param in ddp.module.named_parameters():
         if name not in FLOAT_NAMES:
-            assert torch.isnan(param.grad).all(), name
+            assert torch.isnan(_grad(param)).all(), name
 
 
 def _run_none_and_fp16(rank: int) -> None:
@@ -256,6 +264,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_hooks_in_multiprocess_gloo_run(world: int) -> None:
     ctx = mp.start_processes(_worker, args=(world, _free_port()), nprocs=world,

@@ -333,3 +333,10 @@ def test_hogwild_stops_quietly_with_its_processes(procs: Procs, shard_root: Path
     deadline = time.monotonic() + 10  # the training processes end with it
     while procs.alive() and time.monotonic() < deadline:
         time.sleep(0.2)
+
+
+def test_plot_title_names_job_model_and_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORCH_JOB", "kfold-grid")
+    assert metrics.title("lenet", 2, "fold 1 of 3") == "kfold-grid | lenet | 2 processes | fold 1 of 3"
+    monkeypatch.delenv("ORCH_JOB")
+    assert metrics.title("mobilenet", 1) == "mobilenet | 1 process"

@@ -5,12 +5,13 @@ into worker shards, and a torchrun launcher that proves its processes are gone.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -65,7 +66,8 @@ class Torchrun:
         self.runs += 1
         log_dir = self.tmp / f"torchrun-logs-{self.runs}"
         port = free_port(["127.0.0.1"], start=29600, stop=29900)
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
         env.update({"ORCH_DATA_DIR": str(data_dir), "ORCH_OUTPUT_DIR": str(out_dir),
                     "PYTHONPATH": str(REPO), self.marker.split("=")[0]: self.marker.split("=")[1]})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
@@ -97,10 +99,8 @@ class Torchrun:
 
     def kill(self) -> None:
         for pid in self.alive():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
 
 
 @pytest.fixture
@@ -198,7 +198,7 @@ def test_sampler_pads_to_total_and_reshuffles() -> None:
     s = EpochSampler(n=10, batch_size=4, seed=0, rank=1, total=13)
     batches = list(s)
     assert len(batches) == len(s) == 4 and sum(map(len, batches)) == 13
-    assert set(sum(batches, [])) == set(range(10))
+    assert {i for b in batches for i in b} == set(range(10))
     assert all(b == sorted(b) for b in batches)
     assert list(s) == batches  # deterministic for a given epoch
     s.set_epoch(1)
@@ -206,7 +206,8 @@ def test_sampler_pads_to_total_and_reshuffles() -> None:
 
 
 def test_crop_flip_is_a_shifted_or_flipped_copy() -> None:
-    x = torch.arange(2 * 3 * 8 * 8, dtype=torch.int64).remainder(251).to(torch.uint8).view(2, 3, 8, 8)
+    x = torch.arange(2 * 3 * 8 * 8, dtype=torch.int64).remainder(251).to(torch.uint8)
+    x = x.view(2, 3, 8, 8)
     gen = torch.Generator().manual_seed(0)
     out = crop_flip(x, pad=0, gen=gen)  # no padding: either the image or its mirror
     for i in range(2):
@@ -221,10 +222,12 @@ def test_augment_policies_shapes_and_normalize() -> None:
         out = augment(x, policy, torch.Generator().manual_seed(0))
         assert out.shape == x.shape and float(out.min()) >= 0 and float(out.max()) <= 255
     # The whole image at scale 1 and ratio 1: each sample comes back as is or mirrored.
-    full = resized_crop_flip(x, torch.Generator().manual_seed(0), scale=(1.0, 1.0), ratio=(1.0, 1.0))
+    full = resized_crop_flip(x, torch.Generator().manual_seed(0), scale=(1.0, 1.0),
+                             ratio=(1.0, 1.0))
     for i in range(4):
         assert torch.equal(full[i], x[i]) or torch.equal(full[i], x[i].flip(-1))
     norm = normalize(torch.full((1, 3, 1, 1), 255, dtype=torch.uint8))
     assert torch.allclose(norm.view(3), torch.tensor([(1 - m) / s for m, s in
-                                                      zip((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))]))
+                                                      zip((0.485, 0.456, 0.406),
+                                                          (0.229, 0.224, 0.225))]))
     assert np.isfinite(norm.numpy()).all()

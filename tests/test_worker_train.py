@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_worker_common import make_data, split, torchrun  # noqa: F401 (torchrun: fixture)
+from test_worker_common import Torchrun, make_data, split, torchrun  # noqa: F401 (fixture)
 from worker import checkpoint, train
 from worker.data import EpochSampler
 from worker.metrics import COLUMNS
@@ -49,6 +49,7 @@ def lenet_params(classes: int = 3) -> int:
 # ---------------------------------------------------------------- one process
 
 
+@pytest.mark.slow
 def test_single_process_learns_and_writes_metrics(single, shards, tmp_path: Path) -> None:
     out = tmp_path / "out"
     rc = run_main([*FAST, "--epochs", "4", "--data-dir", str(shards[1]), "--output-dir", str(out)])
@@ -66,7 +67,9 @@ def test_single_process_learns_and_writes_metrics(single, shards, tmp_path: Path
     assert [e for e, _ in checkpoint.list_checkpoints(out)] == [3, 4]  # the newest two kept
 
 
-def test_early_stopping_stops_after_patience_epochs_at_target(single, shards, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_early_stopping_stops_after_patience_epochs_at_target(single, shards,
+                                                              tmp_path: Path) -> None:
     out, target, patience = tmp_path / "out", 0.6, 2
     rc = run_main([*FAST, "--epochs", "25", "--target-accuracy", str(target),
                    "--patience", str(patience), "--checkpoint-every", "0",
@@ -83,6 +86,7 @@ def test_early_stopping_stops_after_patience_epochs_at_target(single, shards, tm
     assert len(accs) == expected < 25
 
 
+@pytest.mark.slow
 def test_packed_shard_is_used_when_present(single, shards, tmp_path: Path, capsys) -> None:
     from worker.pack import pack_shard
 
@@ -120,7 +124,8 @@ def test_unreadable_image_in_a_loader_worker_is_one_line(single, tmp_path: Path,
     rc = run_main([*FAST, "--workers", "1", "--epochs", "1", "--data-dir", str(shard_root),
                    "--output-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith(f"error: cannot read image {bad}") and err.count("\n") == 1, err
+    assert rc == 2, err
+    assert err.startswith(f"error: cannot read image {bad}") and err.count("\n") == 1, err
 
 
 def test_class_missing_on_one_rank_names_the_rank() -> None:
@@ -136,14 +141,17 @@ def test_unequal_shards_run_the_same_number_of_steps() -> None:
 # ---------------------------------------------------------------- two processes (torchrun)
 
 
-def test_two_processes_learn_with_fp16_gradients(torchrun, shards, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_two_processes_learn_with_fp16_gradients(torchrun: Torchrun,  # noqa: F811
+                                                 shards: dict[int, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     rc, output = torchrun.run(2, [*FAST, "--epochs", "3", "--lr-scaling", "none",
                                   "--grad-compression", "fp16"], shards[2], out)
     assert rc == 0, output
     table = rows(out)
     assert [int(r["epoch"]) for r in table] == [1, 2, 3]
-    assert {int(r["grad_bytes"]) for r in table} == {4 * 2 * lenet_params()}  # 60 / 16: 4 fp16 steps
+    # 60 / 16: 4 fp16 steps
+    assert {int(r["grad_bytes"]) for r in table} == {4 * 2 * lenet_params()}
     assert float(table[-1]["train_loss"]) < float(table[0]["train_loss"])
     assert "2 process(es), backend gloo" in torchrun.rank_log(0, "stdout")
     for rank in (0, 1):
@@ -152,7 +160,9 @@ def test_two_processes_learn_with_fp16_gradients(torchrun, shards, tmp_path: Pat
     assert (out / "metrics.png").exists()
 
 
-def test_kill_then_resume_continues_on_both_ranks(torchrun, shards, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_kill_then_resume_continues_on_both_ranks(torchrun: Torchrun,  # noqa: F811
+                                                  shards: dict[int, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = torchrun.start(2, [*FAST, "--epochs", "200"], shards[2], out)
     deadline = time.monotonic() + 90
@@ -168,16 +178,21 @@ def test_kill_then_resume_continues_on_both_ranks(torchrun, shards, tmp_path: Pa
     saved, newest = checkpoint.list_checkpoints(out)[-1]
     assert 2 <= saved < 200
     held = torch.load(newest, weights_only=True)  # a kill never leaves a broken file
-    assert {"model", "optimizer", "scheduler", "epoch", "rng"} <= set(held) and len(held["rng"]) == 2
+    assert {"model", "optimizer", "scheduler", "epoch", "rng"} <= set(held)
+    assert len(held["rng"]) == 2
     rc, output = torchrun.run(2, [*FAST, "--epochs", str(saved + 2), "--resume"], shards[2], out)
     assert rc == 0, output
     for rank in (0, 1):
-        assert f"rank {rank}: resumed from the checkpoint of epoch {saved}\n" in torchrun.rank_log(rank, "stdout")
+        resumed = f"rank {rank}: resumed from the checkpoint of epoch {saved}\n"
+        assert resumed in torchrun.rank_log(rank, "stdout")
     assert [int(r["epoch"]) for r in rows(out)] == list(range(1, saved + 3))
     assert float(rows(out)[-1]["time_s"]) > float(rows(out)[saved - 1]["time_s"])
 
 
-def test_missing_shard_stops_every_rank_with_one_line(torchrun, shards, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_missing_shard_stops_every_rank_with_one_line(torchrun: Torchrun,  # noqa: F811
+                                                      shards: dict[int, Path],
+                                                      tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
     (data_dir / "worker_0_of_2").symlink_to(shards[2] / "worker_0_of_2")
@@ -186,6 +201,7 @@ def test_missing_shard_stops_every_rank_with_one_line(torchrun, shards, tmp_path
     assert rc != 0 and time.monotonic() - t0 < 60
     for rank in (0, 1):
         err = torchrun.rank_log(rank, "stderr")
-        assert err.startswith(f"error: rank 1: shard folder {data_dir}/worker_1_of_2 does not exist"), err
+        missing = f"error: rank 1: shard folder {data_dir}/worker_1_of_2 does not exist"
+        assert err.startswith(missing), err
         assert err.count("\n") == 1 and "Traceback" not in err
     assert "exitcode  : 2" in output

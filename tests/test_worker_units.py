@@ -10,8 +10,7 @@ from torch import nn
 
 from worker import checkpoint, metrics
 from worker.errors import WorkerError
-from worker.models import (LeNet, WideResNet, build_model, load_pretrained, logits_param_names,
-                           vggf)
+from worker.models import LeNet, WideResNet, build_model, load_pretrained, logits_param_names, vggf
 from worker.optim import NovoGrad, make_optimizer, make_scheduler, scaled_lr, warmup_factor
 
 # ---------------------------------------------------------------- models
@@ -20,15 +19,22 @@ from worker.optim import NovoGrad, make_optimizer, make_scheduler, scaled_lr, wa
 def test_vggf_classifier_is_vgg16_with_the_new_head() -> None:
     with torch.device("meta"):  # shapes and types only: no 550 MB of weights to initialise
         model = vggf(num_classes=5)
-    c = model.classifier
-    assert [type(m) for m in c[:6]] == [nn.Linear, nn.ReLU, nn.Dropout, nn.Linear, nn.ReLU, nn.Dropout]
-    assert (c[0].in_features, c[0].out_features, c[3].out_features) == (512 * 7 * 7, 4096, 4096)
-    head = c[6]
+    c, features = model.classifier, model.features
+    assert isinstance(c, nn.Sequential) and isinstance(features, nn.Sequential)
+    assert [type(m) for m in c[:6]] == [nn.Linear, nn.ReLU, nn.Dropout, nn.Linear, nn.ReLU,
+                                        nn.Dropout]
+    fc6, fc7, head = c[0], c[3], c[6]
+    assert isinstance(fc6, nn.Linear) and isinstance(fc7, nn.Linear)
+    assert (fc6.in_features, fc6.out_features, fc7.out_features) == (512 * 7 * 7, 4096, 4096)
+    assert isinstance(head, nn.Sequential)
     assert [type(m) for m in head] == [nn.Linear, nn.ReLU, nn.Dropout, nn.Linear]
-    assert (head[0].in_features, head[0].out_features) == (4096, 512)
-    assert head[2].p == 0.6
-    assert (head[3].in_features, head[3].out_features) == (512, 5)
-    convs = [m for m in model.features if isinstance(m, nn.Conv2d)]
+    fc, dropout, out = head[0], head[2], head[3]
+    assert isinstance(fc, nn.Linear) and isinstance(dropout, nn.Dropout)
+    assert isinstance(out, nn.Linear)
+    assert (fc.in_features, fc.out_features) == (4096, 512)
+    assert dropout.p == 0.6
+    assert (out.in_features, out.out_features) == (512, 5)
+    convs = [m for m in features if isinstance(m, nn.Conv2d)]
     assert len(convs) == 13  # VGG-16: 13 conv + 3 fully connected stages
     assert logits_param_names(model) == {"classifier.6.3.weight", "classifier.6.3.bias"}
 
@@ -60,8 +66,9 @@ def test_pretrained_loads_matching_tensors_only(tmp_path: Path) -> None:
     dst = LeNet(3)
     note = load_pretrained(dst, tmp_path / "w.pt")
     assert note.startswith("loaded 8/10 tensors")
-    assert torch.equal(dst.features[0].weight, src.features[0].weight)
-    assert not torch.equal(dst.classifier[4].weight[:3], src.classifier[4].weight[:3])
+    got, had = dst.state_dict(), src.state_dict()
+    assert torch.equal(got["features.0.weight"], had["features.0.weight"])
+    assert not torch.equal(got["classifier.4.weight"][:3], had["classifier.4.weight"][:3])
     torch.save({"unrelated": torch.zeros(1)}, tmp_path / "x.pt")
     with pytest.raises(WorkerError, match="no tensor matches"):
         load_pretrained(dst, tmp_path / "x.pt")

@@ -49,7 +49,8 @@ def draw_boxes(n: int, h: int, w: int, gen: torch.Generator | None = None,
     image: resizing it to the image size only ever enlarges.
     """
     area = torch.empty(n).uniform_(*scale, generator=gen) * (h * w)
-    aspect = torch.exp(torch.empty(n).uniform_(math.log(ratio[0]), math.log(ratio[1]), generator=gen))
+    aspect = torch.exp(torch.empty(n).uniform_(math.log(ratio[0]), math.log(ratio[1]),
+                                               generator=gen))
     cw = torch.sqrt(area * aspect).round().clamp(1, w).long()
     ch = torch.sqrt(area / aspect).round().clamp(1, h).long()
     top = (torch.rand(n, generator=gen) * (h - ch + 1)).long()
@@ -100,7 +101,8 @@ def crops_by_grid(x: torch.Tensor, boxes: Boxes) -> torch.Tensor:
     gx = ((2 * xs + 1) / w - 1).unsqueeze(1).expand(n, h, w)
     gy = ((2 * ys + 1) / h - 1).unsqueeze(2).expand(n, h, w)
     grid = torch.stack([gx, gy], dim=-1)
-    return F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    return F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border",
+                         align_corners=False)
 
 
 def resized_crop_flip(x: torch.Tensor, gen: torch.Generator | None = None,

@@ -5,7 +5,7 @@ import os
 import random
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -57,7 +57,9 @@ def prune(out_dir: Path, keep: int = KEEP) -> None:
 
 def rng_state() -> dict[str, Any]:
     """This process's RNG states, in types that torch.load(weights_only=True) accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # numpy's global RandomState is always MT19937: its legacy state is the 5-tuple
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    kind, keys, pos, has_gauss, cached = legacy
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)}
     if torch.cuda.is_available():
@@ -97,14 +99,16 @@ def _load_newest(out_dir: Path) -> tuple[dict | None, str | None]:
         return None, f"cannot read checkpoint {path}: {e}"
 
 
-def load_for_resume(out_dir: Path, is_main: bool) -> tuple[dict | None, dict | None]:
+def load_for_resume(out_dir: Path,
+                    is_main: bool) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """Collective: (model state or None, everything else or None) from rank 0's newest file.
 
     Only rank 0 needs the file. The model state stays on rank 0 (DDP's constructor
     broadcasts rank 0's parameters and buffers); the rest (optimizer, scheduler, epoch,
     RNG states) reaches the other ranks with broadcast_object_list.
     """
-    model_state, payload = None, [None]
+    model_state = None
+    payload: list[Any] = [None]  # what rank 0 sends, unpickled
     if is_main:
         ckpt, error = _load_newest(out_dir)
         if ckpt is not None:

@@ -7,9 +7,10 @@ DataLoader with ``batch_size=None`` moves one tensor per batch between processes
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -81,11 +82,11 @@ def scan_shard(shard: Path) -> ShardFiles:
 def load_image(path: str, size: int) -> np.ndarray:
     """Decode to RGB uint8 HWC at size x size (shorter side scaled, centre crop)."""
     try:
-        with Image.open(path) as img:
-            img.draft("RGB", (size, size))  # JPEG: decode at reduced scale when it can
-            img = img.convert("RGB")
+        with Image.open(path) as src:
+            src.draft("RGB", (size, size))  # JPEG: decode at reduced scale when it can
+            img = src.convert("RGB")
             if img.size != (size, size):
-                img = ImageOps.fit(img, (size, size), Image.BILINEAR)
+                img = ImageOps.fit(img, (size, size), Image.Resampling.BILINEAR)
             return np.asarray(img, dtype=np.uint8)
     except OSError as e:  # unreadable or not an image: name the file, not a traceback
         raise WorkerError(f"cannot read image {path}: {e}") from None
@@ -160,7 +161,7 @@ class DevicePrefetcher:
 
     @property
     def sampler(self) -> EpochSampler:
-        return self.loader.sampler
+        return cast(EpochSampler, self.loader.sampler)  # make_loader gave it an EpochSampler
 
     def __len__(self) -> int:
         return len(self.loader)

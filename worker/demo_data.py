@@ -91,7 +91,8 @@ def _colour(rng: np.random.Generator, k: int, classes: int) -> tuple[int, int, i
     """Class k's hue (evenly spaced round the wheel) with jitter; random saturation, value."""
     hue = (k / classes + rng.uniform(-0.25, 0.25) / classes) % 1.0
     rgb = colorsys.hsv_to_rgb(hue, rng.uniform(0.5, 1.0), rng.uniform(0.55, 1.0))
-    return tuple(int(255 * v) for v in rgb)
+    r, g, b = (int(255 * v) for v in rgb)
+    return r, g, b
 
 
 def draw_image(seed: int, classes: int, split: int, k: int, i: int, size: int) -> Image.Image:
@@ -107,7 +108,7 @@ def draw_image(seed: int, classes: int, split: int, k: int, i: int, size: int) -
     cx, cy = rng.uniform(r, big - r, 2)
     shape = list(SHAPES.values())[k % len(SHAPES)]
     shape(ImageDraw.Draw(img), (cx, cy, r, rng.uniform(0, 2 * math.pi)), fill)
-    pixels = np.asarray(img.resize((size, size), Image.BILINEAR), dtype=np.int16)
+    pixels = np.asarray(img.resize((size, size), Image.Resampling.BILINEAR), dtype=np.int16)
     noisy = pixels + rng.normal(0, 12, pixels.shape).astype(np.int16)
     return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
 
@@ -124,7 +125,8 @@ def generate(out: Path, classes: int = DEFAULT_CLASSES,
             folder = out / split / name
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(counts[split]):
-                draw_image(seed, classes, split_id, k, i, image_size).save(folder / f"{name}_{i:05d}.png")
+                image = draw_image(seed, classes, split_id, k, i, image_size)
+                image.save(folder / f"{name}_{i:05d}.png")
     return out
 
 
@@ -136,7 +138,8 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m worker.demo_data", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m worker.demo_data",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder to write (created)")
     p.add_argument("--classes", type=_positive, default=DEFAULT_CLASSES)
     p.add_argument("--train-per-class", type=_positive, default=DEFAULT_TRAIN_PER_CLASS)

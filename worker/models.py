@@ -43,7 +43,9 @@ class WideBlock(nn.Module):
     def __init__(self, cin: int, cout: int, dropout: float = 0.01) -> None:
         super().__init__()
         self.scale = nn.Conv2d(cin, cout, 1) if cin != cout else None
-        self.layer1, self.dropout, self.layer2 = CBR(cin, cout), nn.Dropout(dropout), CBR(cout, cout)
+        self.layer1 = CBR(cin, cout)
+        self.dropout = nn.Dropout(dropout)
+        self.layer2 = CBR(cout, cout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.layer2(self.dropout(self.layer1(x)))

@@ -3,7 +3,8 @@ cosine annealing (plain or with warm restarts)."""
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from collections.abc import Iterable
+from typing import Any, Callable, overload
 
 import torch
 from torch.optim import Optimizer
@@ -17,12 +18,19 @@ class NovoGrad(Optimizer):
     Defaults are the paper's (betas 0.95, 0.98), as in the DDP tutorial.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-2, betas: tuple[float, float] = (0.95, 0.98),
-                 eps: float = 1e-8, weight_decay: float = 0.0, grad_averaging: bool = False) -> None:
+    def __init__(self, params: Iterable, lr: float = 1e-2,
+                 betas: tuple[float, float] = (0.95, 0.98), eps: float = 1e-8,
+                 weight_decay: float = 0.0, grad_averaging: bool = False) -> None:
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid NovoGrad settings lr={lr} betas={betas} eps={eps}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       grad_averaging=grad_averaging))
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -34,12 +42,13 @@ class NovoGrad(Optimizer):
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(p, group, beta1, beta2)
+                    self._update(p, p.grad, group, beta1, beta2)
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict, beta1: float, beta2: float) -> None:
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], beta1: float,
+                beta2: float) -> None:
         state = self.state[p]
-        norm_sq = p.grad.float().pow(2).sum()
+        norm_sq = grad.float().pow(2).sum()
         if not state:
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(p)
@@ -47,7 +56,7 @@ class NovoGrad(Optimizer):
         else:
             state["exp_avg_sq"].mul_(beta2).add_(norm_sq, alpha=1 - beta2)
         state["step"] += 1
-        update = p.grad / (state["exp_avg_sq"].sqrt() + group["eps"])
+        update = grad / (state["exp_avg_sq"].sqrt() + group["eps"])
         if group["weight_decay"]:
             update = update.add(p, alpha=group["weight_decay"])
         if group["grad_averaging"]:

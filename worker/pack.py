@@ -29,7 +29,15 @@ def _write_split(folder: Path, split: str, items: list[tuple[str, int]], size: i
                  jobs: int) -> dict:
     images = np.lib.format.open_memmap(folder / f"{split}_images.npy", mode="w+",
                                        dtype=np.uint8, shape=(len(items), size, size, 3))
+    _decode_into(images, items, size, jobs)
+    images.flush()
+    del images
+    np.save(folder / f"{split}_labels.npy", np.array([lab for _, lab in items], dtype=np.int64))
+    return {"count": len(items), "images": f"{split}_images.npy", "labels": f"{split}_labels.npy"}
 
+
+def _decode_into(images: np.ndarray, items: list[tuple[str, int]], size: int,
+                 jobs: int) -> None:
     def fill(start: int) -> None:
         for i in range(start, min(start + CHUNK, len(items))):
             images[i] = load_image(items[i][0], size)
@@ -37,10 +45,6 @@ def _write_split(folder: Path, split: str, items: list[tuple[str, int]], size: i
     # PIL releases the GIL while decoding, so threads overlap decodes without pickling.
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         list(pool.map(fill, range(0, len(items), CHUNK)))
-    images.flush()
-    del images
-    np.save(folder / f"{split}_labels.npy", np.array([lab for _, lab in items], dtype=np.int64))
-    return {"count": len(items), "images": f"{split}_images.npy", "labels": f"{split}_labels.npy"}
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:

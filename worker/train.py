@@ -2,8 +2,9 @@
 
 Rank r reads ``$ORCH_DATA_DIR/worker_<r>_of_<W>/`` (packed arrays when the shard has
 them, else the image files) and writes nothing but its log; rank 0 writes metrics.csv,
-metrics.png and checkpoints under ``$ORCH_OUTPUT_DIR`` (default ./output). Without
-torchrun's variables it runs as one process. ``--help`` lists the options.
+metrics.png and checkpoints under ``$ORCH_OUTPUT_DIR`` (default ./output). With
+WORLD_SIZE unset or 1 it runs as one process without a process group (a job-array task).
+SIGTERM ends it quietly (one line, then the signal's own exit). ``--help`` lists the options.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Union
 
 import torch
 from torch import nn
@@ -23,12 +24,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from worker import checkpoint, distrib, folds, metrics
 from worker.augment import augment, normalize
-from worker.data import (DevicePrefetcher, EpochSampler, ImageFolderBatches, make_loader,
-                         scan_shard)
+from worker.data import DevicePrefetcher, EpochSampler, ImageFolderBatches, make_loader, scan_shard
 from worker.distrib import Ctx
 from worker.errors import WorkerError
-from worker.models import (ALIASES, AUGMENTATION, DEFAULT_IMAGE_SIZE, MODELS, build_model,
-                           load_pretrained, logits_param_names)
+from worker.models import (
+    ALIASES,
+    AUGMENTATION,
+    DEFAULT_IMAGE_SIZE,
+    MODELS,
+    build_model,
+    load_pretrained,
+    logits_param_names,
+)
 from worker.optim import SCHEDULES, make_optimizer, make_scheduler, scaled_lr
 from worker.packed import PackedBatches, find_packed, read_index
 
@@ -61,7 +68,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         # Show a default only where it says something (not None/False, not already in the help).
         if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help or ""
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,13 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--target-accuracy", type=_fraction, metavar="FRACTION",
       help="stop once validation accuracy reaches it (e.g. 0.95) ...")
     a("--patience", type=_positive(int), default=1, help="... for this many epochs in a row")
-    a("--seed", type=_positive(int, zero_ok=True), default=0, help="seed of weights, shuffling and augmentation")
+    a("--seed", type=_positive(int, zero_ok=True), default=0,
+      help="seed of weights, shuffling and augmentation")
     a("--image-size", type=_positive(int), metavar="PIXELS",
       help="training image side (default: 224 for vggf and resnet18, 32 otherwise)")
-    a("--workers", type=_positive(int, zero_ok=True), default=2, help="data-loader processes per rank (0: in-process)")
+    a("--workers", type=_positive(int, zero_ok=True), default=2,
+      help="data-loader processes per rank (0: in-process)")
     a("--data-format", choices=("auto", "packed", "imagefolder"), default="auto",
       help="auto: the shard's packed/ arrays when they match --image-size, else image files")
-    a("--checkpoint-every", type=_positive(int, zero_ok=True), default=1, help="epochs between checkpoints (0: never)")
+    a("--checkpoint-every", type=_positive(int, zero_ok=True), default=1,
+      help="epochs between checkpoints (0: never)")
     a("--resume", action="store_true", help="continue from the newest checkpoint, if any")
     a("--data-dir", type=Path, default=os.environ.get("ORCH_DATA_DIR"), metavar="DIR",
       help="folder of worker_<r>_of_<W> shards (default: $ORCH_DATA_DIR)")
@@ -144,24 +154,30 @@ def say(ctx: Ctx, text: str) -> None:
 # ---------------------------------------------------------------------------
 # Data: every rank checks its shard, then all ranks agree before any training collective.
 
+Batches = Union[ImageFolderBatches, PackedBatches]  # a runtime alias: no `|` before 3.10
+
 
 @dataclass
 class Data:
-    train: torch.utils.data.Dataset
-    val: torch.utils.data.Dataset
+    train: Batches
+    val: Batches
     classes: list[str]
     source: str
     train_total: int  # the largest training shard over all ranks: steps per epoch
 
 
-def _open_local(args: argparse.Namespace, ctx: Ctx) -> tuple[Any, Any, list[str], str]:
+Opened = tuple[Batches, Batches, list[str], str]  # train, val, classes, where they came from
+
+
+def _open_local(args: argparse.Namespace, ctx: Ctx) -> Opened:
     if args.data_dir is None:
         raise WorkerError("no data folder: ORCH_DATA_DIR is not set",
                           hint="run under `orch up`, or pass --data-dir DIR")
     shard = args.data_dir / f"worker_{ctx.rank}_of_{ctx.world}"
     if not shard.is_dir():
         raise _missing_shard(args.data_dir, shard, ctx.world)
-    packed, note = (None, "") if args.data_format == "imagefolder" else find_packed(shard, args.image_size)
+    packed, note = ((None, "") if args.data_format == "imagefolder"
+                    else find_packed(shard, args.image_size))
     if note and ctx.is_main:
         print(f"note: {note}", flush=True)
     if packed is not None:
@@ -169,7 +185,8 @@ def _open_local(args: argparse.Namespace, ctx: Ctx) -> tuple[Any, Any, list[str]
                 read_index(packed)["classes"], f"{packed} (packed)")
     if args.data_format == "packed":
         raise WorkerError(f"{shard} has no packed data at {args.image_size}px",
-                          hint=f"python -m worker.pack --src {shard} --image-size {args.image_size}")
+                          hint=f"python -m worker.pack --src {shard} "
+                               f"--image-size {args.image_size}")
     files = scan_shard(shard)
     return (ImageFolderBatches(files.train, args.image_size),
             ImageFolderBatches(files.val, args.image_size), files.classes,
@@ -180,15 +197,17 @@ def _missing_shard(data_dir: Path, shard: Path, world: int) -> WorkerError:
     others = sorted(p.name for p in data_dir.glob("worker_*_of_*")) if data_dir.is_dir() else []
     found = f"; {data_dir} has {', '.join(others[:4])}" if others else ""
     return WorkerError(f"shard folder {shard} does not exist{found}",
-                       hint=f"split the data for {world} worker(s) (`orch split-data`), then `orch up`")
+                       hint=f"split the data for {world} worker(s) (`orch split-data`), "
+                            "then `orch up`")
 
 
 def _check_classes(everyone: list[tuple[list[str], int, int]]) -> list[str]:
     union = sorted(set().union(*(set(c) for c, _, _ in everyone)))
-    missing = [(r, sorted(set(union) - set(c))) for r, (c, _, _) in enumerate(everyone)]
-    missing = [f"rank {r} has no images of class {', '.join(m)}" for r, m in missing if m]
+    gaps = [(r, sorted(set(union) - set(c))) for r, (c, _, _) in enumerate(everyone)]
+    missing = [f"rank {r} has no images of class {', '.join(m)}" for r, m in gaps if m]
     if missing:
-        raise WorkerError("; ".join(missing), hint="split the data so that every class is on every rank "
+        raise WorkerError("; ".join(missing),
+                          hint="split the data so that every class is on every rank "
                           "(orch split-data splits every class across all workers)")
     if sum(nv for _, _, nv in everyone) == 0:
         raise WorkerError("no validation images on any rank",
@@ -205,6 +224,7 @@ def open_data(args: argparse.Namespace, ctx: Ctx) -> Data:
     except (WorkerError, OSError) as e:
         error = e if isinstance(e, WorkerError) else WorkerError(f"{args.output_dir}: {e}")
     distrib.agree(error)
+    assert opened is not None  # agree() raised on every rank otherwise
     train, val, classes, source = opened
     if args.folds:  # the same deterministic folds on every rank's own shard
         train, val = folds.apply(train, args.folds, args.fold, f"rank {ctx.rank}")
@@ -233,7 +253,7 @@ class Local(nn.Module):
 
 @dataclass
 class State:
-    model: nn.Module  # the DDP wrapper
+    model: DDP | Local  # Local: one process, no process group
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
@@ -266,7 +286,8 @@ def _install_comm_hook(ddp: DDP, args: argparse.Namespace, logits: set[str]) -> 
     except ImportError:
         if args.grad_compression != "none":
             raise WorkerError(f"--grad-compression {args.grad_compression} needs "
-                              "worker/compression.py", hint="sync the whole worker/ folder") from None
+                              "worker/compression.py",
+                              hint="sync the whole worker/ folder") from None
         return None
     return install_comm_hook(ddp, args.grad_compression, clip_factor=args.clip_factor,
                              size_to_binarize=args.size_to_binarize,
@@ -279,7 +300,8 @@ def _restore(args: argparse.Namespace, ctx: Ctx, model: nn.Module,
     """Load rank 0's newest checkpoint into ``model`` (rank 0) and return the rest."""
     model_state, ckpt = checkpoint.load_for_resume(args.output_dir, ctx.is_main)
     if ckpt is None:
-        say(ctx, f"--resume: no checkpoint in {args.output_dir / checkpoint.SUBDIR}; starting at epoch 1")
+        say(ctx, f"--resume: no checkpoint in {args.output_dir / checkpoint.SUBDIR}; "
+                 "starting at epoch 1")
         return None
     if ckpt["model_name"] != args.model or ckpt["classes"] != classes:
         raise WorkerError(f"the checkpoint of epoch {ckpt['epoch']} is for --model "
@@ -298,6 +320,7 @@ def build_state(args: argparse.Namespace, ctx: Ctx, data: Data) -> State:
     except WorkerError as e:
         error = e
     distrib.agree(error)
+    assert model is not None  # agree() raised on every rank otherwise
     logits = logits_param_names(model)
     ckpt = _restore(args, ctx, model, data.classes) if args.resume else None
     if args.sync_bn and ctx.world > 1:
@@ -306,7 +329,8 @@ def build_state(args: argparse.Namespace, ctx: Ctx, data: Data) -> State:
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     lr = scaled_lr(args.lr, ctx.world, args.lr_scaling)
-    optimizer = make_optimizer(args.optimizer, model.parameters(), lr, args.momentum, args.weight_decay)
+    optimizer = make_optimizer(args.optimizer, model.parameters(), lr, args.momentum,
+                               args.weight_decay)
     steps = -(-data.train_total // args.batch_size)
     scheduler = make_scheduler(optimizer, steps, args.warmup_epochs, ctx.world,
                                args.lr_schedule, args.epochs, args.restart_epochs)
@@ -393,7 +417,8 @@ def train_epoch(args: argparse.Namespace, ctx: Ctx, st: State, loader: Any) -> d
 
 
 @torch.no_grad()
-def validate(args: argparse.Namespace, ctx: Ctx, st: State, loader: Any) -> tuple[float, float, float]:
+def validate(args: argparse.Namespace, ctx: Ctx, st: State,
+             loader: Any) -> tuple[float, float, float]:
     # The plain module, not DDP: no buffer broadcast, and ranks may have unequal slices.
     model = st.model.module
     model.eval()
@@ -450,7 +475,8 @@ def fit(args: argparse.Namespace, ctx: Ctx, data: Data, st: State) -> None:
     loaders, started = _loaders(args, ctx, data), time.perf_counter()
     for epoch in range(st.start_epoch, args.epochs + 1):
         row = run_epoch(args, ctx, st, epoch, loaders, started)
-        st.hits = st.hits + 1 if args.target_accuracy and row["val_acc"] >= args.target_accuracy else 0
+        at_target = args.target_accuracy and row["val_acc"] >= args.target_accuracy
+        st.hits = st.hits + 1 if at_target else 0
         stop = bool(args.target_accuracy) and st.hits >= args.patience
         if ctx.is_main:
             print(metrics.line(row, args.epochs), flush=True)

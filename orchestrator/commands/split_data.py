@@ -1,4 +1,6 @@
-"""`orch split-data`: split a dataset into one folder of links per worker (see orchestrator.splitdata)."""
+"""`orch split-data`: split a dataset into one folder of links per worker.
+
+The work is done by orchestrator.splitdata; this module parses, resolves defaults, prints."""
 from __future__ import annotations
 
 import argparse
@@ -26,7 +28,8 @@ def add_parser(subparsers: Any) -> None:
                     "ImageFolder tree is split per class, shuffled with --seed.")
     p.add_argument("--workers", "-n", type=int, metavar="N",
                    help="number of shards (default: the inventory's world size)")
-    p.add_argument("--source", type=Path, metavar="DIR", help="dataset folder (default: data.source)")
+    p.add_argument("--source", type=Path, metavar="DIR",
+                   help="dataset folder (default: data.source)")
     p.add_argument("--out", type=Path, metavar="DIR",
                    help="where worker_<i>_of_<N>/ and manifest.json go (default: data.shards)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
@@ -58,22 +61,26 @@ def _resolve(args: argparse.Namespace) -> tuple[int, Path, Path]:
     if source is None:
         source = getattr(data, "source", None)
         if source is None:
-            raise DataError("no dataset to split: --source is not given and cluster.yaml has no data.source",
+            raise DataError("no dataset to split: --source is not given and cluster.yaml "
+                            "has no data.source",
                             hint="pass --source DIR, or add `data: {source: DIR}` to cluster.yaml")
     if out is None:
         out = getattr(data, "shards", None)
         if out is None:
-            raise DataError("nowhere to write the shards: --out is not given and cluster.yaml has no data.shards",
+            raise DataError("nowhere to write the shards: --out is not given and cluster.yaml "
+                            "has no data.shards",
                             hint="pass --out DIR, or add `data: {shards: DIR}` to cluster.yaml")
     return workers, Path(source), Path(out)
 
 
 def _load_inventory(config: Path, args: argparse.Namespace) -> Any:
-    missing = [f for f, v in (("--workers", args.workers), ("--source", args.source), ("--out", args.out))
-               if v is None]
+    given = (("--workers", args.workers), ("--source", args.source), ("--out", args.out))
+    missing = [f for f, v in given if v is None]
     if not config.exists():
-        raise UsageError(f"{config} not found; it is needed for the defaults of {', '.join(missing)}",
-                         hint="pass --workers, --source and --out, or -c FILE to name the inventory")
+        raise UsageError(f"{config} not found; it is needed for the defaults of "
+                         f"{', '.join(missing)}",
+                         hint="pass --workers, --source and --out, "
+                              "or -c FILE to name the inventory")
     from orchestrator.inventory import load  # imported late: not needed when all three are given
 
     return load(config)
@@ -82,17 +89,23 @@ def _load_inventory(config: Path, args: argparse.Namespace) -> Any:
 def _packer(args: argparse.Namespace) -> splitdata.Packer | None:
     if not args.pack:
         if args.image_size is not None:
-            raise UsageError("--image-size only applies together with --pack", hint="add --pack, or drop --image-size")
+            raise UsageError("--image-size only applies together with --pack",
+                             hint="add --pack, or drop --image-size")
         return None
     size = DEFAULT_IMAGE_SIZE if args.image_size is None else args.image_size
     if size < 1:
-        raise UsageError(f"--image-size must be a positive number of pixels (got {size})", hint="e.g. --image-size 224")
+        raise UsageError(f"--image-size must be a positive number of pixels (got {size})",
+                         hint="e.g. --image-size 224")
     try:
         from worker.pack import pack_shard
     except ImportError as exc:
         raise DataError(f"--pack needs worker.pack.pack_shard, which cannot be imported ({exc})",
-                        hint="run from the orch checkout with the worker extras installed, or drop --pack") from None
-    return lambda shard_dir: pack_shard(shard_dir, size)
+                        hint="run from the orch checkout with the worker extras installed, "
+                             "or drop --pack") from None
+
+    def pack(shard_dir: Path) -> None:
+        pack_shard(shard_dir, size)
+    return pack
 
 
 # ---------------------------------------------------------------- output
@@ -125,7 +138,8 @@ def _row(shard: splitdata.Shard, kind: str) -> list[str]:
 
 def shard_table(p: splitdata.Plan) -> Table:
     unit, units = ("class", "classes") if p.kind == "imagefolder" else ("group", "groups")
-    table = Table(title=f"{p.workers} shards of {escape(str(p.source))} ({p.kind})", title_justify="left")
+    table = Table(title=f"{p.workers} shards of {escape(str(p.source))} ({p.kind})",
+                  title_justify="left")
     table.add_column("shard")
     for col in ("files", "bytes", units, f"files per {unit}"):
         table.add_column(col, justify="right")
@@ -151,7 +165,8 @@ def print_summary(console: Console, result: splitdata.SplitResult) -> None:
     sizes = [s.bytes for s in p.shards]
     total_s = sum(result.seconds.values())
     console.print(f"{sum(files)} files in {p.workers} shards: {min(files)}..{max(files)} files, "
-                  f"{_human(min(sizes))}..{_human(max(sizes))} per shard", markup=False, soft_wrap=True)
-    verb = "replaced" if result.replaced else "wrote"
-    console.print(f"{verb} {result.out}/worker_*_of_{p.workers} and {result.manifest} in {total_s:.1f} s",
+                  f"{_human(min(sizes))}..{_human(max(sizes))} per shard",
                   markup=False, soft_wrap=True)
+    verb = "replaced" if result.replaced else "wrote"
+    console.print(f"{verb} {result.out}/worker_*_of_{p.workers} and {result.manifest} "
+                  f"in {total_s:.1f} s", markup=False, soft_wrap=True)
