@@ -28,7 +28,8 @@ class ArrayMonitor(LineSink):
     def lines(self, host: int, rank: int, texts: list[bytes]) -> None:
         self.printer.lines(host, rank, texts)
 
-    def rank_exit(self, host: int, rank: int, code: int, when: float) -> None:
+    def rank_exit(self, host: int, rank: int, code: int, when: float,
+                  after_stop: bool = False) -> None:
         self.exits[rank] = code
         if code != 0:
             console.print(f"[yellow]task {rank} on {escape(self.labels[host])} failed "

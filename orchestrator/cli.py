@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import signal
 import sys
 from types import FrameType
@@ -12,13 +13,16 @@ from typing import Any, Callable, NoReturn
 from orchestrator import __version__
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, OrchError
 
-COMMANDS = ("up", "stop", "logs", "status", "results", "split_data")
+COMMANDS = ("up", "stop", "logs", "status", "results", "pull", "split_data")
 
 
 class Parser(argparse.ArgumentParser):
+    json_requested = False   # --json was on the command line: a usage error is a JSON document too
+
     def error(self, message: str) -> NoReturn:  # argparse's own exit code is 2, as SPEC's
         self.print_usage(sys.stderr)
         sys.stderr.write(f"orch: error: {message}{self.suggestion(message)}\n")
+        json_error(argparse.Namespace(json=Parser.json_requested), message, EXIT_USAGE)
         sys.exit(EXIT_USAGE)
 
     def suggestion(self, message: str) -> str:
@@ -43,11 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     common = Parser(add_help=False)
     common.add_argument("-c", "--config", default="cluster.yaml", metavar="FILE",
                         help="inventory file (default: cluster.yaml)")
+    common.add_argument("--json", action="store_true",
+                        help="one JSON document on stdout (messages stay on stderr)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
 
     class WithCommon:
-        """Every sub-command gets -c/--config."""
+        """Every sub-command gets -c/--config and --json."""
 
         def add_parser(self, name: str, **kw: Any) -> Parser:
             return sub.add_parser(name, parents=[common], **kw)
@@ -59,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Like parse_args, but an unknown option is reported with its own command's usage
     (`orch up --detatch` shows `usage: orch up ...`), not the top-level one."""
+    Parser.json_requested = "--json" in (sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
@@ -75,6 +82,17 @@ def interrupt_on_termination() -> None:
         signal.signal(sig, handler)
 
 
+def json_error(args: argparse.Namespace, message: str, code: int) -> int:
+    """Under --json a failure is still a JSON document on stdout (and its message on stderr)."""
+    if getattr(args, "json", False):
+        try:
+            sys.stdout.write(json.dumps({"error": message, "exit_code": code}) + "\n")
+            sys.stdout.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+    return code
+
+
 def cli(argv: list[str] | None = None) -> int:
     args = parse(argv)
     interrupt_on_termination()
@@ -83,10 +101,10 @@ def cli(argv: list[str] | None = None) -> int:
         return run(args)
     except OrchError as e:
         sys.stderr.write(f"orch: {e}\n")
-        return e.exit_code
+        return json_error(args, str(e), e.exit_code)
     except KeyboardInterrupt:
         sys.stderr.write("orch: interrupted\n")
-        return EXIT_INTERRUPTED
+        return json_error(args, "interrupted", EXIT_INTERRUPTED)
     except BrokenPipeError:
         return 0
 

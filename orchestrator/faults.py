@@ -14,6 +14,7 @@ from paramiko.ssh_exception import IncompatiblePeer  # not re-exported by the st
 from orchestrator.errors import HostError
 from orchestrator.inventory import Host
 from orchestrator.transport import HostKeyRefused, fingerprint, known_hosts_name
+from orchestrator.words import hint_cmd
 
 if TYPE_CHECKING:
     from orchestrator.connect import Target
@@ -153,7 +154,7 @@ def describe(target: Target, exc: BaseException) -> tuple[str, str]:
     step = exc.step if isinstance(exc, ConnectFailed) else "tcp"
     cause = exc.cause if isinstance(exc, ConnectFailed) else exc
     if isinstance(cause, HostKeyRefused):
-        return str(cause), cause.hint
+        return cause.message, cause.hint   # str() would repeat the hint
     if isinstance(cause, paramiko.BadHostKeyException):
         name = known_hosts_name(target.hostname, target.port)
         return (f"HOST KEY CHANGED: it now offers {fingerprint(cause.key)}, "
@@ -176,4 +177,4 @@ def explain_lost(host: Host, exc: BaseException) -> HostError:
         why = str(exc) or type(exc).__name__
     return HostError(f"{host.label}: the connection was lost during the command ({why})",
                      hint="check that the host is up and reachable, then run the command again "
-                          "(`orch status` shows what still runs)")
+                          f"(`{hint_cmd(None, 'status')}` shows what still runs)")

@@ -12,18 +12,21 @@ import sys
 import threading
 import time
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from orchestrator import timeouts
 from orchestrator.errors import OrchError
 from orchestrator.link import Link
+from orchestrator.termsafe import for_terminal, visible
 
 TAIL_KEEP = 20
 
 
 class Sink(Protocol):
     def output(self, host: int, rank: int, partial: bool, data: bytes) -> None: ...
+    # a host's `after_stop=True` comes as a keyword only when set (see Link._event)
     def rank_exit(self, host: int, rank: int, code: int, when: float) -> None: ...
     def host_done(self, host: int, info: dict) -> None: ...
     def host_lost(self, host: int, why: str) -> None: ...
@@ -64,8 +67,15 @@ class Tracker:
     def output(self, host: int, rank: int, partial: bool, data: bytes) -> None:
         self.sink.output(host, rank, partial, data)
 
-    def rank_exit(self, host: int, rank: int, code: int | None, when: float) -> None:
-        self.sink.rank_exit(host, rank, -1 if code is None else code, when)
+    def rank_start(self, host: int, rank: int, pid: int) -> None:
+        started = getattr(self.sink, "rank_start", None)
+        if started is not None:
+            started(host, rank, pid)
+
+    def rank_exit(self, host: int, rank: int, code: int | None, when: float,
+                  after_stop: bool = False) -> None:
+        extra = {"after_stop": True} if after_stop else {}
+        self.sink.rank_exit(host, rank, -1 if code is None else code, when, **extra)
 
     def _end(self, host: int) -> bool:
         with self.lock:
@@ -128,24 +138,33 @@ class PrefixPrinter(LineSink):
     """Prints `[r3 host] line` (`[t3 host]` for task 3 of an array, tag "t"), a colour per
     rank; keeps each rank's last lines."""
 
-    def __init__(self, labels: dict[int, str], out=None, tag: str = "r") -> None:
+    def __init__(self, labels: dict[int, str], out=None, tty: bool | None = None,
+                 tag: str = "r") -> None:
         self.out = out or sys.stdout.buffer
         self.tag = tag
         self.labels = labels
         self.color = use_color()
+        # on a terminal, rank output cannot move the cursor, retitle the window or hide
+        # a prefix (termsafe); piped, the bytes after the prefix are the rank's own
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        # a live status line steps aside while lines print
+        self.above: Callable[[], AbstractContextManager[None]] = nullcontext
         self.lock = threading.Lock()
         self.tails: dict[int, deque] = {}
 
     def prefix(self, host: int, rank: int) -> bytes:
         tag = f"[{self.tag}{rank} {self.labels[host]}]"
+        if self.tty:
+            tag = visible(tag, keep_sgr=False)
         if self.color:
             tag = f"\x1b[{COLORS[rank % len(COLORS)]}m{tag}\x1b[0m"
         return tag.encode() + b" "
 
     def lines(self, host: int, rank: int, texts: list[bytes]) -> None:
         pre = self.prefix(host, rank)
-        block = b"".join(pre + t + b"\n" for t in texts)
-        with self.lock:
+        shown = [for_terminal(t) for t in texts] if self.tty else texts
+        block = b"".join(pre + t + b"\n" for t in shown)
+        with self.lock, self.above():
             self.tails.setdefault(rank, deque(maxlen=TAIL_KEEP)).extend(texts[-TAIL_KEEP:])
             self.out.write(block)
             self.out.flush()

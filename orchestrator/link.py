@@ -19,8 +19,9 @@ from orchestrator.bundle import agent_argv, agent_stdin, bundle
 from orchestrator.errors import HostError, OrchError, for_category
 from orchestrator.transport import Channel, Transport
 
-# From a host: no file data; JSON and output frames within their caps.
-CAPS_IN = {protocol.JSON: protocol.MAX_JSON,
+# From a host: JSON, output and file-data frames within their caps (file data only while
+# a pull's stream is open, checked in _dispatch).
+CAPS_IN = {protocol.JSON: protocol.MAX_JSON, protocol.DATA: protocol.MAX_DATA,
            protocol.OUTPUT: protocol.MAX_OUTPUT + protocol.RANK.size}
 QUIET_SHELL = ("make the login shell quiet for non-interactive sessions (print nothing in "
                "~/.bashrc, ~/.profile or /etc/profile.d when $- has no `i`)")
@@ -35,6 +36,8 @@ class Pending:
     parts: list = field(default_factory=list)
     body: dict | None = None
     error: OrchError | None = None
+    stream: Any = None      # a pull's receiver: its parts and data frames go there
+    received: float = 0.0               # our clock when the reply arrived (clock samples)
 
 
 class Link:
@@ -48,12 +51,14 @@ class Link:
         self.pending: dict[int, Pending] = {}
         self.ids = itertools.count(1)
         self.sink: Any = None               # follow events go here (see follow.Sink)
+        self.stream: Any = None             # the open pull stream's receiver (pull.Receiver)
         self.follow_id: int | None = None
         self.follow_ranks: frozenset[int] = frozenset()
         self.hello: dict | None = None
         self.started = threading.Event()
         self.dead: OrchError | None = None
         self.last_seen = time.monotonic()
+        self.last_heard = time.time()       # the same moment on the wall clock (root cause)
 
     # ------------------------------------------------------------ start
 
@@ -83,7 +88,7 @@ class Link:
                 got = reader.read_frame()
                 if got is None:
                     return self._fail(HostError(f"{self.name}: the agent's connection ended"))
-                self.last_seen = time.monotonic()
+                self.last_seen, self.last_heard = time.monotonic(), time.time()
                 self._dispatch(*got)
         except protocol.ProtocolError as e:
             self._fail(HostError(f"{self.name}: the agent sent something orch does not "
@@ -144,6 +149,11 @@ class Link:
     # ------------------------------------------------------------ incoming
 
     def _dispatch(self, kind: bytes, payload: bytes) -> None:
+        if kind == protocol.DATA:
+            if self.stream is None:
+                raise protocol.ProtocolError("file data while nothing is pulled")
+            self.stream.data(payload)
+            return
         if kind == protocol.OUTPUT:
             rank, partial, data = protocol.split_output(payload)
             if self.sink is None or rank not in self.follow_ranks:
@@ -169,6 +179,10 @@ class Link:
         what = f"the reply to `{p.command}`"
         if t == "part":
             protocol.check(msg, {"kind": str, "body": dict}, what)
+            if p.stream is not None and msg["kind"] in protocol.PULL_STREAM:
+                p.stream.part(msg["kind"], protocol.check(
+                    msg["body"], protocol.PULL_STREAM[msg["kind"]], what))
+                return
             if msg["kind"] not in protocol.PARTS or len(p.parts) >= protocol.MAX_PARTS:
                 raise protocol.ProtocolError(f"{what}: unexpected part {msg['kind']!r}")
             p.parts.append(protocol.check(msg["body"], protocol.PARTS[msg["kind"]], what))
@@ -190,8 +204,11 @@ class Link:
             self.sink.host_lost(self.host.index, f"follow failed: {msg['message']}")
 
     def _finish(self, id: int, p: Pending) -> None:
+        p.received = time.time()
         with self.plock:
             self.pending.pop(id, None)
+        if p.stream is not None:
+            self.stream = None
         p.done.set()
 
     def _event(self, t: str, msg: dict) -> None:
@@ -200,7 +217,16 @@ class Link:
         if t == "exit":
             if msg["rank"] not in self.follow_ranks:
                 raise protocol.ProtocolError(f"exit of rank {msg['rank']}, which is not followed here")
-            self.sink.rank_exit(self.host.index, msg["rank"], msg["code"], msg["time"])
+            # after_stop only when set: sinks that do not care keep a 4-argument rank_exit
+            extra = {"after_stop": True} if msg.get("after_stop") else {}
+            self.sink.rank_exit(self.host.index, msg["rank"], msg["code"], msg["time"],
+                                **extra)
+        elif t == "start":
+            if msg["rank"] not in self.follow_ranks:
+                raise protocol.ProtocolError(f"start of rank {msg['rank']}, which is not followed here")
+            started = getattr(self.sink, "rank_start", None)   # optional for a sink
+            if started is not None:
+                started(self.host.index, msg["rank"], msg["pid"])
         elif t == "done":
             fid, self.follow_id = self.follow_id, None
             self.sink.host_done(self.host.index, {k: v for k, v in msg.items() if k != "t"})
@@ -226,6 +252,19 @@ class Link:
             self.pending[id] = p
         self.send(protocol.request(command, id, **fields))
         return id, p
+
+    def submit_stream(self, command: str, stream: Any, **fields: Any) -> Pending:
+        """A request whose reply is preceded by a stream of parts and file data (a
+        pull): they go to `stream`, in this link's reader thread. One at a time."""
+        if self.dead:
+            raise self.dead
+        assert self.stream is None, "one stream at a time per link"
+        id, p = next(self.ids), Pending(command, stream=stream)
+        with self.plock:
+            self.pending[id] = p
+        self.stream = stream
+        self.send(protocol.request(command, id, **fields))
+        return p
 
     def wait(self, p: Pending, timeout: float | None) -> dict:
         if not p.done.wait(timeout):

@@ -70,6 +70,18 @@ class DigestCache:
             self.dirty = True
         return digest
 
+    def known(self, path: str, st: os.stat_result) -> str | None:
+        """The digest remembered for path at this (size, mtime, inode), else None."""
+        with self.lock:
+            hit = self.entries.get(path)
+        key = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+        return hit[1] if isinstance(hit, list) and len(hit) == 2 and hit[0] == key else None
+
+    def remember(self, path: str, st: os.stat_result, digest: str) -> None:
+        with self.lock:
+            self.entries[path] = [f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}", digest]
+            self.dirty = True
+
     def save(self) -> None:
         if not self.dirty:
             return

@@ -9,6 +9,7 @@ from orchestrator.connect import GroupResult, fan_out
 from orchestrator.errors import HostError, UsageError
 from orchestrator.inventory import Cluster, Host
 from orchestrator.link import Link
+from orchestrator.words import hint_cmd
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ def preflight(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseEx
     running = [cluster.hosts[i].label for i, inf in infos.items() if inf.running]
     if running:
         raise UsageError(f"job '{cluster.name}' is already running on {', '.join(running)}",
-                         hint=f"stop it first with `orch stop {cluster.path.name}`, or give this job another name")
+                         hint=f"stop it first with `{hint_cmd(cluster, 'stop')}`, "
+                              "or give this job another name")
     if "port" not in result.ok[0][1]:
         raise HostError(f"{cluster.hosts[0].label}: preflight did not report a master port")
     return PreflightReport(infos, result.ok[0][1]["port"])

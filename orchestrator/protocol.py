@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
+from typing import Any
 
 MAGIC = b"\x00\x7fORCH-AGENT\x00"
 HEADER = struct.Struct(">cI")
@@ -32,6 +33,10 @@ MAX_OUTPUT = 64 << 10                # the bytes of one output frame
 MAX_GARBAGE = 64 << 10               # what may come before the agent's hello
 MANIFEST_PART = 20_000               # manifest entries per part, at most
 MAX_PARTS = 100                      # parts before one reply: 2 million files per folder
+MAX_PULL_FILES = 200_000             # files one pull may list (name the PATHs for more)
+MAX_PULL_SIZE = 1 << 40              # one pulled file: 1 TiB at most
+MAX_PULL_PATH = 1024                 # bytes of a pulled file's path (each part: 255)
+MAX_PULL_NOTES = 50                  # skipped entries named in a pull manifest's reply
 CAPS = {JSON: MAX_JSON, DATA: MAX_DATA, OUTPUT: MAX_OUTPUT + RANK.size}
 
 # Error categories of an error reply, and the exit code the controller gives them.
@@ -199,7 +204,7 @@ def manifest_files(value) -> str:
     return None
 
 
-REQUESTS = {
+REQUESTS: dict[str, dict[str, Any]] = {
     "preflight": {"job_dir": str, "master_port": int, "want_port": bool,
                   "folders": [str], "want_gpus": bool},
     "manifest": {"root": str},
@@ -214,6 +219,9 @@ REQUESTS = {
                                               "tasks": [{"i": int, "argv": [str], "args": str}]}},
     "array_status": {"job_dir": str, "tasks": [int]},
     "array_results": {"job_dir": str, "tasks": [int]},
+    "pull_manifest": {"job_dir": str, "paths": [str]},   # paths relative to output/
+    "pull_send": {"job_dir": str, "files": [str]},       # from the manifest
+    "clock": {},                          # the host's time now: offsets measured NTP-style
 }
 FOLLOW_MODES = ("events", "snapshot", "raw", "raw-follow")
 FOLLOW_UNITS = ("rank", "task")
@@ -221,11 +229,12 @@ FOLLOW_UNITS = ("rank", "task")
 SUPERVISOR = {"pid": int, "pgid": int, "start_ticks": OPT_INT, "torchrun_pid": int,
               "run_id": str, "started": NUM}
 RANK_STATUS = {"rank": int, "state": str, "last_line": str, "?pid": OPT_INT,
-               "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM, "?error_file": str}
+               "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM, "?error_file": str,
+               "?log_bytes": OPT_INT}
 TASK_STATUS = {"task": int, "state": str, "last_line": str, "?pid": OPT_INT, "?slot": OPT_INT,
                "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM}
 TASK_RESULT = {"task": int, "header": OPT_STR, "last": OPT_STR}
-REPLIES = {
+REPLIES: dict[str, dict[str, Any]] = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
                   "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool},
@@ -236,23 +245,55 @@ REPLIES = {
     "status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
                "time": NUM, "ranks": [RANK_STATUS]},
     "stop": {"found": int, "killed": int, "left": [int], "seconds": NUM},
-    "array_launch": {"supervisor": SUPERVISOR},
-    "array_status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
-                     "time": NUM, "tasks": [TASK_STATUS]},
-    "array_results": {"tasks": [TASK_RESULT]},
+    "pull_manifest": {"root": str, "files": int, "bytes": int,
+                      "skipped": [{"p": str, "why": str}], "skipped_count": int},
+    "pull_send": {"files": int, "bytes": int},
+    "clock": {"time": NUM},
 }
 # Parts that may come before a reply (with the request's id).
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}
-EVENTS = {
-    "exit": {"rank": int, "code": OPT_INT, "time": NUM},   # a rank ended (host clock)
+EVENTS: dict[str, dict[str, Any]] = {
+    # a rank ended (host clock); after_stop: it ended after this host received a stop,
+    # so it is a consequence of the stop, never a job's root cause
+    "exit": {"rank": int, "code": OPT_INT, "time": NUM, "?after_stop": bool},
+    "start": {"rank": int, "pid": int},                   # a rank's process is there
     "done": {"code": OPT_INT, "?time": OPT_NUM, "?lost": bool, "?snapshot": bool},
-    "beat": {},                                           # once a second while following
+    "beat": {"?time": NUM},                   # once a second while following (host clock)
 }
 ERROR = {"category": str, "message": str, "?traceback": str, "?fix": str}
+# A pull_send's stream, before its reply: per file a `pull_file` part, its data frames
+# (exactly "s" bytes), then `pull_end` with the sha256 of the bytes sent ("" when the
+# file changed size while it was read); `pull_skip` for a file that could not be opened.
+PULL_STREAM = {"pull_file": {"p": str, "s": int, "m": int},
+               "pull_end": {"p": str, "h": str},
+               "pull_skip": {"p": str, "why": str}}
 # The receive stream, after the receive request.
 STREAM = {"file": {"p": str, "s": int, "h": str, "m": int},
           "link": {"p": str, "link": str},
           "end": {"delete": [str]}}
+
+
+def pull_path_problem(rel) -> str:
+    """Why `rel` cannot be a pulled file's path (relative to output/), or "" when it can.
+    Both sides ask: the host skips such a file, the controller refuses a host that sends
+    one. Plain relative UTF-8 names only: no absolute path, no empty, . or .. part, no
+    backslash, no control character, no name orch gives its half-written files."""
+    if not isinstance(rel, str) or not rel:
+        return "an empty path"
+    try:
+        size = len(rel.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "a name that is not UTF-8"
+    parts = rel.split("/")
+    if size > MAX_PULL_PATH or any(len(p.encode("utf-8")) > 255 for p in parts):
+        return "a path longer than %d bytes (or a name longer than 255)" % MAX_PULL_PATH
+    if any(ord(c) < 32 or ord(c) == 127 for c in rel) or "\\" in rel:
+        return "a control character or backslash in the name"
+    if any(p in ("", ".", "..") for p in parts):
+        return "not a plain relative path"
+    if ".orch-part-" in rel:
+        return "a name orch gives its half-written files"
+    return ""
 
 
 def _type_name(spec) -> str:

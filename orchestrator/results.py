@@ -20,7 +20,8 @@ FOLD = "fold"
 
 
 def state_text(info: dict) -> str:
-    """exited 0, failed (exit code 3 / killed by SIGTERM), running, queued, stopped, lost."""
+    """exited 0, failed (exit code 3 / killed by SIGTERM), running, queued, stopped,
+    unreachable (the host did not answer)."""
     from orchestrator.watch import signal_name   # watch imports the session: late, no cycle
     if info["state"] != "exited":
         return info["state"]
@@ -36,7 +37,7 @@ def status_rows(cluster: Cluster, rec: ArrayRecord, status: GroupResult[dict]) -
             infos[info["task"]] = (info, offset)
     rows = []
     for i, host in enumerate(rec.host):
-        info, offset = infos.get(i, ({"state": "lost", "last_line": ""}, 0.0))
+        info, offset = infos.get(i, ({"state": "unreachable", "last_line": ""}, 0.0))
         runtime = None
         if info.get("started"):
             end = info.get("ended") or (time.time() + offset)

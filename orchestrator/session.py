@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import paramiko
@@ -20,12 +21,14 @@ from orchestrator.arrays import ArrayRecord
 from orchestrator import timeouts
 from orchestrator.connect import (Bastions, GroupResult, check_local_files, connect, fan_out,
                                   ssh_config)
-from orchestrator.errors import EXIT_USAGE, OrchError
+from orchestrator.errors import EXIT_USAGE, HostError, OrchError
 from orchestrator.inventory import Cluster, Host
 from orchestrator.launch import launch_all
 from orchestrator.link import Link
-from orchestrator.localfiles import Pushable
+from orchestrator.localfiles import DigestCache, Pushable
 from orchestrator.preflight import PreflightReport, preflight
+from orchestrator.pull import Progress, PullReport
+from orchestrator.pull import pull as pull_files
 from orchestrator.stopper import StopReport, stop_all
 from orchestrator.sync import LocalFile, SyncReport, push
 from orchestrator.transport import Transport
@@ -201,6 +204,18 @@ class Session:
         except Exception:  # the report is still useful without the error file
             return ""
         return reply["ranks"][0].get("error_file", "")[-2000:]
+
+    def pull(self, host: Host, paths: list[str], dest: Path, progress: Progress | None = None,
+             planned: Callable[[int], None] | None = None) -> PullReport:
+        """`paths` under the job's output/ on `host` (all of it when empty) into dest, on
+        the host's open link (no new login)."""
+        link = self.links.get(host.index)
+        if link is None:
+            self.require_all("to connect")
+            raise HostError(f"{host.label}: not connected")
+        cache = DigestCache(self.cluster.state_dir / "pull-digests.json")
+        return pull_files(link, self.records[host.index].job_dir, paths, dest, cache,
+                          progress, planned)
 
     # ------------------------------------------------------------ job arrays
 

@@ -22,6 +22,7 @@ from orchestrator.localfiles import (
     link_file,
     resolve_link,
 )
+from orchestrator.words import hint_cmd
 
 MAX_MANIFEST = 256 << 20       # bytes; orch split-data writes about 50 bytes per file
 MAX_FILES = 5_000_000          # entries in one split
@@ -34,7 +35,7 @@ class Manifest:
     def __init__(self, cluster: Cluster) -> None:
         self.path = f"{cluster.data.shards}/manifest.json"
         self.world = cluster.world_size
-        split = f"orch split-data --workers {self.world} -c {cluster.path}"
+        split = hint_cmd(cluster, f"split-data --workers {self.world}")
         self.fix = f"run `{split}`"
         self.fix_whole = f"move {self.path} away, then run `{split}`"
 
@@ -177,7 +178,7 @@ def shard_folder(cluster: Cluster, name: str) -> str:
     """The shard's folder, resolved; it must be a real folder where split-data puts it."""
     path = f"{cluster.data.shards}/{name}"
     real = os.path.realpath(path)
-    fix = f"run `orch split-data --workers {cluster.world_size} -c {cluster.path}`"
+    fix = f"run `{hint_cmd(cluster, f'split-data --workers {cluster.world_size}')}`"
     expected = os.path.join(os.path.realpath(str(cluster.data.shards)), name)
     if os.path.islink(path) or real != expected:
         raise DataError(f"{path}: the shard folder is a symlink (to {real})", hint=fix)
@@ -192,7 +193,7 @@ def shard_file(cluster: Cluster, where: tuple[str, str, str], listed: set[str],
     source; a link when it links to a listed path of the same shard; else refused."""
     folder, name, rel = where
     path = f"{cluster.data.shards}/{name}/{rel}"
-    fix = f"re-run `orch split-data --workers {cluster.world_size} -c {cluster.path}`"
+    fix = f"re-run `{hint_cmd(cluster, f'split-data --workers {cluster.world_size}')}`"
     if source is None:
         fix += ("; links into the dataset need data.source in cluster.yaml, "
                 "the folder that was split")

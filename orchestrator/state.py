@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Cluster
+from orchestrator.words import hint_cmd
 
 
 class StateDamaged(UsageError):
@@ -87,11 +88,11 @@ def load_or_warn(cluster: Cluster, warn: Callable[[str], None]) -> JobState | No
 
 def damaged(cluster: Cluster, why: str) -> StateDamaged:
     path = state_path(cluster)
-    inv = cluster.path.name if Path.cwd() == cluster.base_dir else str(cluster.path)
     return StateDamaged(
         f"{path}: the job state is damaged: {why}",
-        hint=f"`orch stop -c {inv}` still stops the job (it finds its processes on every host "
-             f"without the state); then remove {path} and start again with `orch up -c {inv}`")
+        hint=f"`{hint_cmd(cluster, 'stop')}` still stops the job (it finds its processes on every "
+             f"host without the state); then remove {path} and start again with "
+             f"`{hint_cmd(cluster, 'up')}`")
 
 
 def _check(raw: Any, cls: type, what: str) -> dict[str, Any]:

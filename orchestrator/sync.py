@@ -7,7 +7,6 @@ host writes each file beside its final name, checks the digest, then renames.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,6 +14,7 @@ from orchestrator import protocol, timeouts
 from orchestrator.errors import HostError
 from orchestrator.link import Link
 from orchestrator.localfiles import DigestCache, LocalFile, code_files  # noqa: F401 (re-exported)
+from orchestrator.words import hint_cmd
 
 BATCH = 1 << 20
 Progress = Callable[[int, int], None]   # (bytes, files) just sent
@@ -97,7 +97,8 @@ def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | Non
             link.send(protocol.stream_item("end", delete=delete))
     except (OSError, EOFError) as e:
         raise HostError(f"{link.name}: push to {dest} broke off: {e}",
-                        hint="run `orch up` again: only what is missing will be sent") from None
+                        hint=f"run `{hint_cmd(None, 'up')}` again: only what is missing "
+                             "will be sent") from None
     reply = link.wait(pending, timeouts.SYNC)
     return SyncReport(reply["files"], reply["bytes"], reply["deleted"],
                       tuple(f.rel for f in send))

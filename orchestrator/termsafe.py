@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from rich.markup import escape
 from rich.text import Text
 
 # SGR: ESC [ then parameters (digits, ; and :) then m. Colours and bold are harmless.
@@ -45,3 +46,15 @@ def for_terminal(data: bytes) -> bytes:
 def plain(text: str) -> Text:
     """Host text for a rich table or message: escaped, never parsed as markup, no colour."""
     return Text(visible(text, keep_sgr=False))
+
+
+def plain_block(text: str) -> Text:
+    """Like plain(), but line breaks stay line breaks: a message of several lines (an
+    error with its fix) that carries host text somewhere in it."""
+    return Text("\n".join(visible(line, keep_sgr=False) for line in text.split("\n")))
+
+
+def markup_safe(text: str) -> str:
+    """Host text to put inside a rich markup string: escaped twice over, for the
+    terminal (no control sequence) and for rich (no `[tag]` read as markup)."""
+    return escape("\n".join(visible(line, keep_sgr=False) for line in text.split("\n")))

@@ -19,6 +19,10 @@ STOP_GRACE = 10.0           # `orch stop`'s default --grace
 DRAIN = 5.0                 # after a stop: how long the last lines and exit codes may take
 CLOSE = 1.0             # waiting for an agent to end after its stdin was closed
 OPEN_SESSION = 30.0          # opening one SSH session (exec channel)
+PULL_MANIFEST = 600.0       # a pull's manifest (the host may hash big new checkpoints)
+PULL_IDLE = 60.0            # a pull's stream: no frame for this long and the host is lost
+CLOCK_REPLY = 2.0           # a `clock` sample's reply; a later one is not a useful sample
+CLOCK_PERIOD = 5.0          # a new clock sample per host this often while a job is watched
 
 # on the host (the agent)
 HEARTBEAT = 1.0             # a follow sends a heartbeat this often; HOST_LOST relies on it

@@ -1,28 +1,36 @@
 """Watching an attached job: print every rank, fail fast, stop on Ctrl-C, name the root cause.
 
-`attach(session, state)` returns the exit code and the outcome: a RankFailure (the
-earliest failing rank by the hosts' corrected clocks) or a host-level cause."""
+`attach(session, state)` returns the exit code; the root cause (rootcause.py) is the
+earliest real failure by the hosts' measured clocks, never a rank orch's stop ended, or
+a host that went silent before any rank failed."""
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rich.markup import escape
-
 from orchestrator import timeouts
+from orchestrator.clock import Clocks, HostClock
+from orchestrator.connect import GroupResult
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.inventory import Cluster
+from orchestrator.liveline import LiveLine, started_text
+from orchestrator.rootcause import Exit, Failure, Verdict, verdict
 from orchestrator.session import Session
 from orchestrator.state import JobState
+from orchestrator.stopper import StopReport
+from orchestrator.termsafe import markup_safe as escape
 from orchestrator.ui import console
+from orchestrator.words import hint_cmd, plural
 
 
 @dataclass(frozen=True)
 class RankFailure:
-    """The root cause of a failed job: the earliest non-zero rank exit."""
+    """A failed rank named in the report, with what it left behind."""
 
     host: str
     rank: int
@@ -39,18 +47,46 @@ class Monitor(LineSink):
     cluster: Cluster
     state: JobState
     printer: PrefixPrinter
-    exits: dict[int, tuple[int, float]] = field(default_factory=dict)
+    exits: dict[int, Exit] = field(default_factory=dict)
     host_exits: dict[int, dict] = field(default_factory=dict)
     lost: dict[int, str] = field(default_factory=dict)
     wake: threading.Event = field(default_factory=threading.Event)
     stop_started: float | None = None   # exits after this are our own stop's doing
+    live: LiveLine = field(default_factory=lambda: LiveLine(enabled=False))
+    started: set[int] = field(default_factory=set)   # a pid reported, output or an exit
+    printed: set[int] = field(default_factory=set)   # output or an exit
+    clocks: Clocks | None = None
 
     def lines(self, host: int, rank: int, texts: list[bytes]) -> None:
         self.printer.lines(host, rank, texts)
+        self.seen(rank, printed=True)
 
-    def rank_exit(self, host: int, rank: int, code: int, when: float) -> None:
-        # host clock -> ours, so that exits on different hosts can be ordered
-        self.exits[rank] = (code, when - self.state.host(host).clock_offset)
+    def rank_start(self, host: int, rank: int, pid: int) -> None:
+        self.seen(rank, printed=False)
+
+    def seen(self, rank: int, printed: bool) -> None:
+        """Until every rank has printed, the live line says which hosts are still quiet."""
+        if rank in self.printed or (not printed and rank in self.started):
+            return
+        self.started.add(rank)
+        if printed:
+            self.printed.add(rank)
+        if not self.live.enabled:
+            return
+        if len(self.printed) == self.cluster.world_size:
+            self.live.close()
+        else:
+            self.live.update(self.started_line())
+
+    def started_line(self) -> str:
+        hosts = [(h.label, sum(r in self.started for r in h.ranks), len(h.ranks))
+                 for h in self.cluster.hosts]
+        return started_text(hosts, len(self.printed))
+
+    def rank_exit(self, host: int, rank: int, code: int, when: float,
+                  after_stop: bool = False) -> None:
+        self.seen(rank, printed=True)
+        self.exits[rank] = Exit(host, rank, code, when, after_stop)
         if code != 0:
             self.wake.set()
 
@@ -63,33 +99,54 @@ class Monitor(LineSink):
         self.wake.set()
 
     def failed(self) -> bool:
-        return bool(self.lost) or any(c != 0 for c, _ in self.exits.values()) or any(
+        return bool(self.lost) or any(e.code != 0 for e in self.exits.values()) or any(
             i.get("code") != 0 for i in self.host_exits.values())
+
+    def host_clocks(self) -> dict[int, HostClock]:
+        """Each host's measured clock; the preflight offset where none was measured."""
+        out = {}
+        for h in self.state.hosts:
+            c = self.clocks.get(h.index) if self.clocks else HostClock()
+            if not c.samples:
+                c.fallback = h.clock_offset
+            out[h.index] = c
+        return out
 
 
 def attach(session: Session, state: JobState) -> int:
     """Follow the job to its end over the session's agents."""
     cluster = session.cluster
     printer = PrefixPrinter({h.index: h.label for h in cluster.hosts})
-    mon = Monitor(cluster, state, printer)
+    live = LiveLine(sys.stderr)   # the console's file: stderr
+    mon = Monitor(cluster, state, printer, live=live)
+    printer.above = live.above
+    live.update(mon.started_line())
     links = session.links
     streams = {h.index: HostStream(links[h.index], h.job_dir, h.ranks) for h in state.hosts}
-    finished = follow(streams, mon)
+    mon.clocks = Clocks(links).start()
     try:
+        finished = follow(streams, mon)
         while not finished() and not mon.failed():
             mon.wake.wait(0.2)
             mon.wake.clear()
     except KeyboardInterrupt:
+        live.close()
         interrupt_stop(session, mon)
         return EXIT_INTERRUPTED
+    finally:
+        live.close()
+        mon.clocks.close()
     if not mon.failed():
-        console.print(f"job '{cluster.name}' finished: all {cluster.world_size} ranks exited 0")
+        console.print(f"job '{cluster.name}' finished: "
+                      f"{'all ' if cluster.world_size > 1 else ''}"
+                      f"{plural(cluster.world_size, 'rank')} "
+                      f"exited 0")
         return EXIT_OK
     fail_fast(session, mon, finished)
     return EXIT_JOB_FAILED
 
 
-def fail_fast(session: Session, mon: Monitor, finished) -> None:
+def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool]) -> None:
     """Stop every other rank on every host at once, then report the earliest failure."""
     cluster = session.cluster
     started = time.monotonic()
@@ -98,10 +155,30 @@ def fail_fast(session: Session, mon: Monitor, finished) -> None:
     deadline = time.monotonic() + timeouts.DRAIN
     while not finished() and time.monotonic() < deadline:
         time.sleep(0.05)  # let the last lines and exit codes arrive
-    for i, exc in result.failed.items():
-        console.print(f"[red]could not stop {cluster.hosts[i].label}:[/] {escape(str(exc))}")
-    console.print(render_cause(cluster, mon, root_cause(session, mon)))
-    console.print(f"stopped the job on every host in {time.monotonic() - started:.1f} s")
+    for i, exc in result.failed.items():   # lost while we stopped (a frozen host)
+        mon.lost.setdefault(i, f"no answer to the stop: {exc}")
+    lost_at = {i: session.links[i].last_heard for i in mon.lost if i in session.links}
+    found = verdict(list(mon.exits.values()), mon.host_clocks(), mon.stop_started, lost_at)
+    console.print(render_verdict(session, mon, found))
+    console.print(stop_summary(cluster, mon, result, time.monotonic() - started))
+
+
+def stop_summary(cluster: Cluster, mon: Monitor, result: GroupResult[StopReport],
+                 seconds: float) -> str:
+    """What was stopped and what was not: a lost host's ranks may run on."""
+    not_stopped = {i: why for i, why in mon.lost.items() if i not in result.ok}
+    if not not_stopped:
+        return f"stopped the job on every host in {seconds:.1f} s"
+    done = [cluster.hosts[i].label for i in sorted(result.ok)]
+    lines = [f"stopped the job on {len(done)} of {plural(len(cluster.hosts), 'host')} in "
+             f"{seconds:.1f} s"
+             + (f" ({escape(', '.join(done))})" if done else "")]
+    for i, why in sorted(not_stopped.items()):
+        lines.append(f"[red]NOT stopped on {escape(cluster.hosts[i].label)}[/] "
+                     f"(lost: {escape(why)}): its ranks may still be running there")
+    lines.append(f"`{escape(hint_cmd(cluster, 'stop'))}` ends them once the host is "
+                 "reachable again")
+    return "\n".join(lines)
 
 
 def interrupt_stop(session: Session, mon: Monitor) -> None:
@@ -136,9 +213,9 @@ def print_stop_results(cluster: Cluster, results: list) -> None:
         return
     last = results[-1]
     for i, reply in sorted(last.ok.items()):
-        console.print(f"  {cluster.hosts[i].label}: {reply.describe()}")
+        console.print(f"  {escape(cluster.hosts[i].label)}: {reply.describe()}")
     for i, exc in sorted(last.failed.items()):
-        console.print(f"  [red]{cluster.hosts[i].label}:[/] {escape(str(exc))}")
+        console.print(f"  [red]{escape(cluster.hosts[i].label)}:[/] {escape(str(exc))}")
 
 
 def signal_name(code: int) -> str:
@@ -150,52 +227,63 @@ def signal_name(code: int) -> str:
         return f"killed by signal {-code}"
 
 
-def first_failure(mon: Monitor) -> tuple[int, int] | None:
-    """The earliest non-zero exit (host clocks corrected); at equal times a real exit
-    code wins over a rank killed by a signal as a consequence."""
-    cutoff = mon.stop_started if mon.stop_started is not None else float("inf")
-    failures = [(t, code < 0, rank, code) for rank, (code, t) in mon.exits.items()
-                if code != 0 and t < cutoff]
-    if not failures:
-        return None
-    _, _, rank, code = min(failures)
-    return rank, code
+def describe(cluster: Cluster, f: Failure) -> str:
+    return f"rank {f.rank} on {cluster.hosts[f.host].label} ({signal_name(f.code)})"
 
 
-def root_cause(session: Session, mon: Monitor) -> RankFailure | None:
-    first = first_failure(mon)
-    if first is None:
-        return None
-    rank, code = first
-    host = session.cluster.host_of(rank)
-    return RankFailure(host.label, rank, rank - host.first_rank, code,
-                       session.error_file(rank), tuple(mon.printer.tail(rank)[-10:]))
+def rank_failure(session: Session, mon: Monitor, f: Failure) -> RankFailure:
+    host = session.cluster.hosts[f.host]
+    return RankFailure(host.label, f.rank, f.rank - host.first_rank, f.code,
+                       session.error_file(f.rank), tuple(mon.printer.tail(f.rank)[-10:]))
 
 
-def render_cause(cluster: Cluster, mon: Monitor, cause: RankFailure | None) -> str:
-    if cause is None:
+def render_verdict(session: Session, mon: Monitor, v: Verdict) -> str:
+    cluster = session.cluster
+    if v.silent:
+        return render_silent(cluster, mon, v)
+    if not v.failures:
         return host_level_cause(cluster, mon)
+    lines = [render_cause(cluster, mon, rank_failure(session, mon, v.failures[0]))]
+    if len(v.failures) > 1:
+        spread = max(f.at for f in v.failures) - min(f.at for f in v.failures)
+        unc = max(f.uncertainty for f in v.failures)
+        lines.append(f"{escape(' and '.join(describe(cluster, f) for f in v.failures))} failed "
+                     f"within {spread * 1000:.0f} ms of each other (clock uncertainty "
+                     f"{unc * 1000:.0f} ms): either may be the cause")
+    return "\n".join(lines)
+
+
+def render_silent(cluster: Cluster, mon: Monitor, v: Verdict) -> str:
+    names = ", ".join(cluster.hosts[i].label for i in v.silent)
+    why = "; ".join(mon.lost[i] for i in v.silent)
+    lines = [f"[bold red]job '{cluster.name}' failed[/]: root cause host {escape(names)}: it "
+             f"went silent before any rank failed ({escape(why)})"]
+    for f in v.later:
+        lines.append(f"  then {escape(describe(cluster, f))}: a consequence")
+    return "\n".join(lines)
+
+
+def render_cause(cluster: Cluster, mon: Monitor, cause: RankFailure) -> str:
     rank = cause.rank
     lines = [f"[bold red]job '{cluster.name}' failed[/]: root cause rank {rank} on host "
-             f"{cause.host} (local rank {cause.local_rank}): {signal_name(cause.code)}"]
+             f"{escape(cause.host)} (local rank {cause.local_rank}): {signal_name(cause.code)}"]
     if cause.last_lines:
         lines.append(f"last lines of rank {rank}:")
-        lines += [f"  {escape(l)}" for l in cause.last_lines]
+        lines += [f"  {escape(text)}" for text in cause.last_lines]
     if cause.error_file:
-        lines.append(f"torchrun error file:\n  {escape(cause.error_file)}")
-    lines.append(f"full log: `orch logs --rank {rank}`")
+        lines.append("torchrun error file:\n  " + "\n  ".join(
+            escape(text) for text in cause.error_file.splitlines()))
+    lines.append(f"full log: `{escape(hint_cmd(cluster, f'logs --rank {rank}'))}`")
     for i, why in sorted(mon.lost.items()):
-        lines.append(f"also: host {cluster.hosts[i].label} was lost ({escape(why)})")
+        lines.append(f"also: host {escape(cluster.hosts[i].label)} was lost ({escape(why)})")
     return "\n".join(lines)
 
 
 def host_level_cause(cluster: Cluster, mon: Monitor) -> str:
-    for i, why in sorted(mon.lost.items()):
-        return (f"[bold red]job '{cluster.name}' failed[/]: host {cluster.hosts[i].label} "
-                f"was lost ({why}); the other hosts were stopped")
     for i, info in sorted(mon.host_exits.items()):
         if info.get("code") != 0:
             return (f"[bold red]job '{cluster.name}' failed[/]: torchrun on host "
-                    f"{cluster.hosts[i].label} ended with {info.get('code')} before its ranks "
+                    f"{escape(cluster.hosts[i].label)} ended with {info.get('code')} "
+                    f"before its ranks "
                     f"reported; see <job dir>/run/torchrun.log there")
     return f"job '{cluster.name}' failed"

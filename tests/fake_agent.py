@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import struct
 import threading
+import time
 from typing import Callable, Optional
 
 from orchestrator import protocol
@@ -16,9 +17,23 @@ from orchestrator.transport import Channel, Transport
 Handler = Callable[["FakeChannel", dict], None]
 
 
+def clock(chan: "FakeChannel", msg: dict) -> None:
+    """The host's time, `skew` seconds off ours, answered after `clock_delay` seconds."""
+    def answer() -> None:
+        chan.push(protocol.reply(msg["id"], {"time": time.time() + chan.skew}))
+    if chan.clock_delay:
+        later(chan.clock_delay, answer)
+    else:
+        answer()
+
+
+DEFAULTS: dict[str, Handler] = {"clock": clock}
+
+
 class FakeChannel(Channel):
     def __init__(self, host: Host, handlers: dict[str, Handler]) -> None:
-        self.host, self.handlers = host, handlers
+        self.host, self.handlers = host, dict(DEFAULTS, **handlers)
+        self.skew, self.clock_delay = 0.0, 0.0
         self.outq: queue.Queue = queue.Queue()
         self.inbuf, self.skip = bytearray(), len(agent_stdin())
         self.requests: list[dict] = []

@@ -140,5 +140,5 @@ def test_status_rows_states_and_lost_hosts(tmp_path: Path) -> None:
         {"task": 0, "state": "exited", "code": -15, "started": 1.0, "ended": 3.5, "slot": 1, "last_line": "x"},
         {"task": 2, "state": "queued", "last_line": ""}]}
     rows = results.status_rows(c, rec, GroupResult(ok={0: reply}, failed={1: OSError("gone")}))
-    assert [r["state"] for r in rows] == ["failed (killed by SIGTERM)", "lost", "queued"]
+    assert [r["state"] for r in rows] == ["failed (killed by SIGTERM)", "unreachable", "queued"]
     assert rows[0]["runtime_s"] == 2.5 and rows[0]["slot"] == 1 and rows[0]["args"] == "--fold 0"

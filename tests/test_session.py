@@ -28,6 +28,7 @@ def job(tmp_path: Path, handlers: dict):
 
     def connector(host):
         transports[host.index] = FakeTransport(host, handlers)
+        transports[host.index].channel.skew = 10.0 * host.index   # its clock, as in its exits
         return transports[host.index]
     state = JobState("fake", "run", "cluster.yaml", 0.0, 4, "127.0.0.1", 29500,
                      [HostState(h.index, h.label, f"/r{h.index}/fake", list(h.ranks),

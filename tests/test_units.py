@@ -9,7 +9,8 @@ from orchestrator.follow import HostStream, Tracker
 from orchestrator.link import Link
 from orchestrator.sync import LocalFile, plan
 from orchestrator.transport import remote_command
-from orchestrator.watch import Monitor, first_failure, signal_name
+from orchestrator.rootcause import verdict
+from orchestrator.watch import Monitor, signal_name
 
 
 def test_remote_command_quotes_every_word_but_keeps_tilde() -> None:
@@ -83,11 +84,20 @@ def test_parse_chunk_groups_lines_per_rank_and_keeps_order() -> None:
     assert stream.done
 
 
-def test_root_cause_is_earliest_failure_after_clock_correction() -> None:
+def first_failure(mon: Monitor):
+    """(rank, code) of the root cause rank, as fail_fast decides it."""
+    v = verdict(list(mon.exits.values()), mon.host_clocks(), mon.stop_started, {})
+    return (v.failures[0].rank, v.failures[0].code) if v.failures else None
+
+
+def bare_monitor(offsets: dict[int, float]) -> Monitor:
     from types import SimpleNamespace
-    offsets = {0: 0.0, 1: 10.0}   # host 1's clock runs 10 s ahead of ours
-    state = SimpleNamespace(host=lambda i: SimpleNamespace(clock_offset=offsets[i]))
-    mon = Monitor(cluster=None, state=state, printer=None)
+    hosts = [SimpleNamespace(index=i, clock_offset=o) for i, o in offsets.items()]
+    return Monitor(cluster=None, state=SimpleNamespace(hosts=hosts), printer=None)
+
+
+def test_root_cause_is_earliest_failure_after_clock_correction() -> None:
+    mon = bare_monitor({0: 0.0, 1: 10.0})   # host 1's clock runs 10 s ahead of ours
     mon.rank_exit(0, 3, 7, 100.0)    # host 0: rank 3 failed at 100
     mon.rank_exit(1, 5, 1, 105.0)    # host 1 says 105, which is 95 here: the earliest
     mon.rank_exit(0, 0, 0, 90.0)     # a clean exit is never the cause
@@ -96,16 +106,18 @@ def test_root_cause_is_earliest_failure_after_clock_correction() -> None:
 
 
 def test_signal_kill_loses_ties_to_real_exit_codes() -> None:
-    mon = Monitor.__new__(Monitor)
-    mon.exits = {1: (-15, 50.0), 2: (3, 50.0)}
+    mon = bare_monitor({0: 0.0})
+    mon.rank_exit(0, 1, -15, 50.0)
+    mon.rank_exit(0, 2, 3, 50.0)
     assert first_failure(mon) == (2, 3)
     assert signal_name(-9) == "killed by SIGKILL"
     assert signal_name(7) == "exit code 7"
 
 
 def test_exits_caused_by_our_own_stop_are_never_the_root_cause() -> None:
-    mon = Monitor.__new__(Monitor)
-    mon.exits = {0: (-15, 20.0), 1: (-15, 20.1)}
+    mon = bare_monitor({0: 0.0})
+    mon.rank_exit(0, 0, -15, 20.0, after_stop=True)   # the host says: after its stop
+    mon.rank_exit(0, 1, -15, 20.1, after_stop=True)
     mon.stop_started = 19.5          # a host was lost; then we stopped the others
     assert first_failure(mon) is None
 

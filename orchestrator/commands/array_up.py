@@ -9,7 +9,7 @@ from dataclasses import replace
 from orchestrator import arrays
 from orchestrator import state as job_state
 from orchestrator.arraywatch import attach_array
-from orchestrator.commands.common import console
+from orchestrator.commands.common import console, emit_json, hint_cmd
 from orchestrator.commands.results import show
 from orchestrator.errors import EXIT_OK
 from orchestrator.inventory import Cluster, RankSlot
@@ -51,12 +51,19 @@ def up_array(session: Session, pre: PreflightReport, args: argparse.Namespace) -
     st = job_state.new_state(cluster, rec.run_id, "-", 0, pre.hosts, sups)
     job_state.save(cluster, st)
     arrays.save(cluster, rec)
-    total = sum(arrays.slots(h, cluster.job.array) for h in cluster.hosts)  # type: ignore[arg-type]
+    spec = cluster.job.array
+    assert spec is not None
+    total = sum(arrays.slots(h, spec) for h in cluster.hosts)
     console.print(f"started job array '{cluster.name}': {len(rec.host)} tasks on "
                   f"{len(cluster.hosts)} hosts, {total} at a time")
     if args.detach:
-        console.print("detached: watch with `orch status`, `orch logs -f`; "
-                      "results with `orch results`; stop with `orch stop`")
+        console.print(f"detached: watch with `{hint_cmd(cluster, 'status')}`, "
+                      f"`{hint_cmd(cluster, 'logs -f')}`; results with `{hint_cmd(cluster, 'results')}`; "
+                      f"stop with `{hint_cmd(cluster, 'stop')}`", markup=False)
+        if args.json:
+            emit_json({"job": cluster.name, "run_id": rec.run_id, "tasks": len(rec.host),
+                       "hosts": [{"host": h.label, "job_dir": h.job_dir, "tasks": rec.tasks_of(h.index)}
+                                 for h in st.hosts]})
         return EXIT_OK
     code = attach_array(session, rec, args.fail_fast)
     show(session, rec, as_json=False)

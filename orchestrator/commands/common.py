@@ -2,17 +2,31 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from pathlib import Path
-
-from rich.markup import escape
+from typing import Any
 
 from orchestrator import state as job_state
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Cluster, load
 from orchestrator.session import Session
+from orchestrator.termsafe import plain
 from orchestrator.ui import console
+from orchestrator.words import hint_cmd, plural, set_inventory
 
-__all__ = ["console", "inventory", "require_state", "open_session", "warn_unreachable"]
+__all__ = [
+    "console",
+    "emit_json",
+    "hint_cmd",
+    "inventory",
+    "open_session",
+    "plural",
+    "require_state",
+    "unreachable",
+    "wants_json",
+    "warn_unreachable",
+]
 
 
 def inventory(args: argparse.Namespace) -> Cluster:
@@ -20,6 +34,7 @@ def inventory(args: argparse.Namespace) -> Cluster:
     if not path.exists():
         raise UsageError(f"{path}: no such inventory file",
                          hint="run in the folder of your cluster.yaml, or pass -c FILE")
+    set_inventory(path)
     return load(path)
 
 
@@ -36,12 +51,27 @@ def open_session(cluster: Cluster, state: job_state.JobState | None = None,
 
 def warn_unreachable(session: Session) -> None:
     for exc in session.failed.values():
-        console.print(f"[yellow]warning:[/] {escape(str(exc))}")
+        console.print("[yellow]warning:[/]", plain(str(exc)))
 
 
 def require_state(cluster: Cluster) -> job_state.JobState:
     st = job_state.load(cluster)
     if st is None:
         raise UsageError(f"job '{cluster.name}' has not been started from {cluster.path}",
-                         hint=f"start it with `orch up {cluster.path.name}`")
+                         hint=f"start it with `{hint_cmd(cluster, 'up')}`")
     return st
+
+
+def unreachable(cluster: Cluster, failed: dict[int, BaseException]) -> dict[str, str]:
+    """--json: the hosts that could not be reached or answer, and why."""
+    return {cluster.hosts[i].label: str(e) for i, e in sorted(failed.items())}
+
+
+def emit_json(obj: Any) -> None:
+    """The one JSON document of a command run with --json, on stdout."""
+    sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def wants_json(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "json", False))

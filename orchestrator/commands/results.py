@@ -3,14 +3,14 @@ grouped over folds (mean ± std); also written to `.orch/<name>/results.csv`."""
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from rich.table import Table
 
 from orchestrator import arrays
 from orchestrator import results as res
-from orchestrator.commands.common import console, inventory, open_session, require_state, warn_unreachable
+from orchestrator.commands.common import (console, emit_json, inventory, open_session, require_state,
+                                          warn_unreachable)
 from orchestrator.errors import EXIT_OK, UsageError
 from orchestrator.inventory import Cluster
 from orchestrator.session import Session
@@ -22,7 +22,6 @@ MAX_COLS = 6
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("results", help="a job array's results: one row per task, then grouped over folds")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
 
@@ -35,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     rec = arrays.load(cluster)
     session = open_session(cluster, require_state(cluster))
     try:
-        warn_unreachable(session)
+        if not args.json:
+            warn_unreachable(session)
         return show(session, rec, args.json)
     finally:
         session.close()
@@ -54,7 +54,7 @@ def show(session: Session, rec: arrays.ArrayRecord, as_json: bool) -> int:
     path = cluster.state_dir / "results.csv"
     res.write_csv(path, rows)
     if as_json:
-        print(json.dumps({"job": cluster.name, "tasks": rows, "groups": groups}, indent=1))
+        emit_json({"job": cluster.name, "tasks": rows, "groups": groups})
     else:
         render(cluster, rows, groups)
         console.print(f"results: {path}")

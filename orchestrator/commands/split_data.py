@@ -12,7 +12,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator import splitdata
+from orchestrator.commands.common import emit_json
 from orchestrator.errors import EXIT_OK, DataError, UsageError
+from orchestrator.words import plural
 
 DEFAULT_IMAGE_SIZE = 224
 # Beyond this many workers the table shows the first and last few rows and a summary line.
@@ -45,8 +47,21 @@ def run(args: argparse.Namespace) -> int:
     workers, source, out = _resolve(args)
     packer = _packer(args)
     result = splitdata.split(source, out, workers, seed=args.seed, pack=packer)
-    print_summary(Console(highlight=False), result)
+    if getattr(args, "json", False):
+        emit_json(summary(result))
+    else:
+        print_summary(Console(highlight=False), result)
     return EXIT_OK
+
+
+def summary(result: splitdata.SplitResult) -> dict[str, Any]:
+    """--json: what was written, per shard its counts (not its file list: manifest.json has it)."""
+    p = result.plan
+    return {"workers": p.workers, "kind": p.kind, "source": str(p.source), "seed": p.seed,
+            "out": str(result.out), "manifest": str(result.manifest), "replaced": result.replaced,
+            "seconds": result.seconds, "notes": list(p.notes),
+            "shards": [{"name": s.name, "files": len(s.files), "bytes": s.bytes,
+                        "classes": dict(s.classes)} for s in p.shards]}
 
 
 def _resolve(args: argparse.Namespace) -> tuple[int, Path, Path]:
@@ -138,7 +153,7 @@ def _row(shard: splitdata.Shard, kind: str) -> list[str]:
 
 def shard_table(p: splitdata.Plan) -> Table:
     unit, units = ("class", "classes") if p.kind == "imagefolder" else ("group", "groups")
-    table = Table(title=f"{p.workers} shards of {escape(str(p.source))} ({p.kind})",
+    table = Table(title=f"{plural(p.workers, 'shard')} of {escape(str(p.source))} ({p.kind})",
                   title_justify="left")
     table.add_column("shard")
     for col in ("files", "bytes", units, f"files per {unit}"):
@@ -164,7 +179,8 @@ def print_summary(console: Console, result: splitdata.SplitResult) -> None:
     files = [len(s.files) for s in p.shards]
     sizes = [s.bytes for s in p.shards]
     total_s = sum(result.seconds.values())
-    console.print(f"{sum(files)} files in {p.workers} shards: {min(files)}..{max(files)} files, "
+    console.print(f"{plural(sum(files), 'file')} in {plural(p.workers, 'shard')}: "
+                  f"{min(files)}..{max(files)} files, "
                   f"{_human(min(sizes))}..{_human(max(sizes))} per shard",
                   markup=False, soft_wrap=True)
     verb = "replaced" if result.replaced else "wrote"

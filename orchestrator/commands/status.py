@@ -2,49 +2,68 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 from orchestrator import arrays
-from orchestrator.commands.common import console, inventory, open_session, require_state, warn_unreachable
-from orchestrator.errors import EXIT_OK
+from orchestrator.commands.common import (
+    console,
+    emit_json,
+    inventory,
+    open_session,
+    require_state,
+    unreachable,
+    warn_unreachable,
+)
+from orchestrator.errors import EXIT_HOST, EXIT_OK
+from orchestrator.termsafe import plain, visible
 from orchestrator.inventory import Cluster
 from orchestrator.results import status_rows
-from orchestrator.termsafe import plain
 from orchestrator.watch import signal_name
+
+LAST_LINE_MAX = 200   # characters kept in a row (the table cuts it to the screen at the end)
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("status", help="per-rank state of the job")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit 3 when a host could not be reached or answer (its ranks read `unreachable`),
+    after the table is printed."""
     cluster = inventory(args)
     if cluster.job.array is not None:
         return array_status(cluster, args)
     session = open_session(cluster, require_state(cluster))
     try:
-        warn_unreachable(session)
+        if not args.json:
+            warn_unreachable(session)
         result = session.status()
     finally:
         session.close()
+    failed = dict(session.failed)
+    failed.update(result.failed)
     rows = []
     for h in cluster.hosts:
         reply = result.ok.get(h.index)
         for local, rank in enumerate(h.ranks):
-            info = reply["ranks"][local] if reply else {"state": "lost", "last_line": ""}
+            info = reply["ranks"][local] if reply else {"state": "unreachable", "last_line": ""}
             offset = reply["time"] - time.time() if reply else 0.0
             rows.append(row(rank, h.label, local, info, offset))
     if args.json:
-        print(json.dumps({"job": cluster.name, "ranks": rows}, indent=1))
+        emit_json({"job": cluster.name, "ranks": rows,
+                   "unreachable": unreachable(cluster, failed)})
     else:
-        console.print(table(cluster.name, rows), soft_wrap=False)
-    return EXIT_OK
+        for i, exc in sorted(result.failed.items()):
+            console.print("[yellow]warning:[/]", plain(f"{cluster.hosts[i].label}: {exc}"))
+        console.print(table(cluster.name, rows), soft_wrap=False, crop=True)
+    # a host that cannot be reached: its ranks' state is unknown, not "lost"
+    missing = failed or session.failed or len(result.ok) < len(session.links)
+    return EXIT_HOST if missing else EXIT_OK
 
 
 def row(rank: int, host: str, local: int, info: dict, offset: float) -> dict:
@@ -60,14 +79,51 @@ def row(rank: int, host: str, local: int, info: dict, offset: float) -> dict:
             "last_line": info.get("last_line", "")}
 
 
-def table(name: str, rows: list[dict]) -> Table:
-    t = Table(title=f"job {name}")
-    for col in ("rank", "host", "local", "pid", "state", "runtime", "last line"):
-        t.add_column(col, overflow="fold" if col == "last line" else "ellipsis")
-    for r in rows:
-        runtime = "-" if r["runtime_s"] is None else f"{r['runtime_s']:.1f}s"
-        t.add_row(str(r["rank"]), r["host"], str(r["local_rank"]), str(r["pid"] or "-"),
-                  r["state"], runtime, r["last_line"][-80:])
+COLUMNS = ("rank", "host", "local", "pid", "state", "runtime", "last line")
+CAPS = {"host": 20, "state": 26}       # wider than this: cut with an ellipsis
+NARROW_CAPS = {"host": 12, "state": 16}
+NARROW = 100                           # below this width the pid column is left out
+
+
+def cells(r: dict) -> dict[str, str]:
+    runtime = "-" if r["runtime_s"] is None else f"{r['runtime_s']:.1f}s"
+    shown = {"rank": str(r["rank"]), "host": r["host"], "local": str(r["local_rank"]),
+             "pid": str(r["pid"] or "-"), "state": r["state"], "runtime": runtime,
+             "last line": r["last_line"][:LAST_LINE_MAX]}
+    # measured and shown as the terminal will see them: control characters escaped
+    return {k: visible(v, keep_sgr=False) for k, v in shown.items()}
+
+
+def widths(rows: list[dict[str, str]], cols: list[str], total: int) -> dict[str, int]:
+    """Every column as wide as its content (host and state capped), the last line the
+    rest: one screen row per rank at any width."""
+    w = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in cols}
+    for c, cap in (CAPS if total >= NARROW else NARROW_CAPS).items():
+        w[c] = min(w[c], cap)
+    frame = 3 * len(cols) + 1          # borders and one space of padding each side
+    spare = total - frame - sum(v for c, v in w.items() if c != "last line")
+    if spare < 12:                     # a very narrow screen: host and state give way
+        for c in ("state", "host"):
+            give = min(w[c] - 6, 12 - spare)
+            if give > 0:
+                w[c] -= give
+                spare += give
+    w["last line"] = max(8, min(w["last line"], spare))
+    return w
+
+
+def table(name: str, rows: list[dict], width: int | None = None) -> Table:
+    """One row per rank at any width: the last line is cut at its end (its start is what
+    tells lines apart); host text is shown escaped, never read as markup."""
+    width = width or console.width
+    cols = [c for c in COLUMNS if c != "pid" or width >= NARROW]
+    texts = [cells(r) for r in rows]
+    w = widths(texts, cols, width)
+    t = Table(title=plain(f"job {name}"))
+    for c in cols:
+        t.add_column(c, no_wrap=True, overflow="ellipsis", width=w[c])
+    for r in texts:
+        t.add_row(*(Text(r[c]) for c in cols))   # Text: never read as markup
     return t
 
 
@@ -76,13 +132,17 @@ def array_status(cluster: Cluster, args: argparse.Namespace) -> int:
     rec = arrays.load(cluster)
     session = open_session(cluster, require_state(cluster))
     try:
-        warn_unreachable(session)
-        rows = status_rows(cluster, rec, session.array_request("array_status", rec))
+        if not args.json:
+            warn_unreachable(session)
+        result = session.array_request("array_status", rec)
+        rows = status_rows(cluster, rec, result)
     finally:
         session.close()
+    failed = dict(session.failed)
+    failed.update(result.failed)
     if args.json:
-        print(json.dumps({"job": cluster.name, "tasks": rows}, indent=1))
-        return EXIT_OK
+        emit_json({"job": cluster.name, "tasks": rows, "unreachable": unreachable(cluster, failed)})
+        return EXIT_HOST if failed else EXIT_OK
     t = Table(title=f"job array {cluster.name}")
     for col in ("task", "args", "host", "slot", "state", "runtime", "last line"):
         t.add_column(col, overflow="fold" if col in ("last line", "args") else "ellipsis")
@@ -92,4 +152,4 @@ def array_status(cluster: Cluster, args: argparse.Namespace) -> int:
         t.add_row(str(r["task"]), plain(r["args"]), r["host"], slot, r["state"], runtime,
                   plain(r["last_line"][-80:]))
     console.print(t, soft_wrap=False)
-    return EXIT_OK
+    return EXIT_HOST if failed else EXIT_OK

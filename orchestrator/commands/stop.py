@@ -4,13 +4,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rich.markup import escape
-
 from orchestrator import state as job_state
 from orchestrator import timeouts
-from orchestrator.commands.common import console, inventory, open_session
+from orchestrator.commands.common import console, emit_json, inventory, open_session, plural
 from orchestrator.connect import GroupResult
 from orchestrator.errors import EXIT_OK, HostError
+from orchestrator.inventory import Cluster
+from orchestrator.stopper import StopReport
+from orchestrator.termsafe import plain
 
 
 def add_parser(sub: Any) -> None:
@@ -27,22 +28,36 @@ def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
     # a damaged state.json must not keep a job from being stopped: the processes are
     # found by their marker under the inventory's job folders
-    st = job_state.load_or_warn(cluster, lambda m: console.print(f"[yellow]warning:[/] {escape(m)}"))
+    st = job_state.load_or_warn(cluster, lambda m: console.print("[yellow]warning:[/]", plain(m)))
     session = open_session(cluster, st)
     try:
         result = session.stop(max(0.0, args.grace))
     finally:
         session.close()
-    for i, report in sorted(result.ok.items()):
-        console.print(f"{cluster.hosts[i].label}: {report.describe()}")
     failures = dict(session.failed)
     failures.update(result.failed)
     left = [cluster.hosts[i].label for i, r in result.ok.items() if r.left]
+    if args.json:
+        emit_json(stop_doc(cluster, result, failures))
+    else:
+        for i, report in sorted(result.ok.items()):
+            console.print(plain(cluster.hosts[i].label), f": {report.describe()}", sep="")
     if failures:
         GroupResult(failed=failures).raise_failures(cluster.hosts, "to stop")
     if left:
         raise HostError(f"processes of job '{cluster.name}' survived SIGKILL on {', '.join(left)}",
                         hint="they may be stuck in the kernel (D state, e.g. a hung GPU driver); "
                              "check them with ps on those hosts")
-    console.print(f"job '{cluster.name}' stopped on {len(result.ok)} hosts")
+    if not args.json:
+        console.print(f"job '{cluster.name}' stopped on {plural(len(result.ok), 'host')}")
     return EXIT_OK
+
+
+def stop_doc(cluster: Cluster, result: GroupResult[StopReport],
+             failures: dict[int, BaseException]) -> dict[str, Any]:
+    """--json: per host what its stop did, and the hosts that could not be reached."""
+    return {"job": cluster.name,
+            "hosts": {cluster.hosts[i].label: {"found": r.found, "killed": r.killed,
+                                               "left": list(r.left), "seconds": r.seconds}
+                      for i, r in sorted(result.ok.items())},
+            "failed": {cluster.hosts[i].label: str(e) for i, e in sorted(failures.items())}}

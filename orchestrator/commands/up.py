@@ -9,8 +9,9 @@ import os
 from typing import Any
 
 from orchestrator import state as job_state
-from orchestrator.commands.common import console, inventory
-from orchestrator.errors import EXIT_OK
+from orchestrator.commands.common import console, emit_json, hint_cmd, inventory, plural
+from orchestrator.commands.pull import after_job
+from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
 from orchestrator.inventory import Cluster
 from orchestrator.launch import dry_run_plan, master_addr
 from orchestrator.localfiles import check_entrypoint
@@ -31,20 +32,30 @@ def add_parser(sub: Any) -> None:
                    help="print the plan and each host's command; touch no host")
     p.add_argument("--fail-fast", action="store_true",
                    help="job arrays: the first failing task stops every task (default: the others go on)")
+    p.add_argument("--no-pull", action="store_true",
+                   help="do not pull rank 0's output/ into outputs/<name>/ when the job ends")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
     if args.dry_run:
-        print(array_plan(cluster) if cluster.job.array else dry_run_plan(cluster))
+        plan = array_plan(cluster) if cluster.job.array else dry_run_plan(cluster)
+        if args.json:
+            emit_json({"job": cluster.name, "plan": plan})
+        else:
+            print(plan)
         return EXIT_OK
+    if args.json and not args.detach:
+        raise UsageError("`up --json` needs --detach: an attached job streams its ranks' output",
+                         hint=f"`{hint_cmd(cluster, 'up --detach --json')}`, then "
+                              f"`{hint_cmd(cluster, 'status --json')}`")
     files = local_files(cluster)   # bad data is refused before any host is touched
     session = Session(cluster)
     try:
         pre = connect_and_check(session)
         size = "a job array" if cluster.job.array else f"world size {cluster.world_size}"
-        console.print(f"preflight: {len(cluster.hosts)} hosts ok, {size}")
+        console.print(f"preflight: {plural(len(cluster.hosts), 'host')} ok, {size}")
         sync(session, files, pre)
         if cluster.job.array is not None:
             return up_array(session, pre, args)
@@ -52,14 +63,30 @@ def run(args: argparse.Namespace) -> int:
         st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
                                  pre.master_port, pre.hosts, sups)
         job_state.save(cluster, st)
-        console.print(f"started job '{cluster.name}' on {len(cluster.hosts)} hosts "
-                      f"({cluster.world_size} ranks, MASTER_ADDR={st.master_addr}:{st.master_port})")
+        console.print(f"started job '{cluster.name}' on {plural(len(cluster.hosts), 'host')} "
+                      f"({plural(cluster.world_size, 'rank')}, "
+                      f"MASTER_ADDR={st.master_addr}:{st.master_port})")
         if args.detach:
-            console.print("detached: follow with `orch logs -f`, stop with `orch stop`")
+            console.print(f"detached: follow with `{hint_cmd(cluster, 'logs -f')}`, "
+                          f"stop with `{hint_cmd(cluster, 'stop')}`, "
+                          f"get its output/ with `{hint_cmd(cluster, 'pull')}`", markup=False)
+            if args.json:
+                emit_json(detached_doc(cluster, st))
             return EXIT_OK
-        return attach(session, st)
+        code = attach(session, st)
+        if args.no_pull or code == EXIT_INTERRUPTED:
+            return code
+        return after_job(session, code)
     finally:
         session.close()
+
+
+def detached_doc(cluster: Cluster, st: job_state.JobState) -> dict[str, Any]:
+    """`up --detach --json`: where the job runs."""
+    return {"job": cluster.name, "run_id": st.run_id, "world_size": cluster.world_size,
+            "master_addr": st.master_addr, "master_port": st.master_port,
+            "hosts": [{"host": h.label, "job_dir": h.job_dir, "ranks": list(h.ranks)}
+                      for h in st.hosts]}
 
 
 def connect_and_check(session: Session) -> PreflightReport:
@@ -94,12 +121,12 @@ def sync(session: Session, files: dict[int, HostFiles], pre: PreflightReport) ->
     total = sum(sum(f.size for f in hf.code) + sum(f.size for f in hf.data or ())
                 for hf in files.values())
     with bytes_bar() as bar:
-        task = bar.add_task(f"sync 0/{len(cluster.hosts)} hosts", total=total or 1)
+        task = bar.add_task(f"sync 0/{plural(len(cluster.hosts), 'host')}", total=total or 1)
         done: list[int] = []
 
         def host_done(index: int) -> None:
             done.append(index)
-            bar.update(task, description=f"sync {len(done)}/{len(cluster.hosts)} hosts")
+            bar.update(task, description=f"sync {len(done)}/{plural(len(cluster.hosts), 'host')}")
         reports = session.sync(files, pre, lambda n: bar.advance(task, n), host_done)
     report_sync(cluster, reports)
 
@@ -109,7 +136,8 @@ def report_sync(cluster: Cluster, reports: dict[int, dict[str, SyncReport]]) -> 
     record = {}
     for i, parts in sorted(reports.items()):
         label = cluster.hosts[i].label
-        bits = [f"{k} {r.files} files {r.bytes} B sent, {r.deleted} deleted" for k, r in parts.items()]
+        bits = [f"{k} {plural(r.files, 'file')} {r.bytes} B sent, {r.deleted} deleted"
+                for k, r in parts.items()]
         if len(cluster.hosts) <= 16 or any(r.files for r in parts.values()):
             console.print(f"sync {label}: " + ("; ".join(bits) or "nothing to push"))
         record[label] = {k: {"files": r.files, "bytes": r.bytes, "deleted": r.deleted,

@@ -62,4 +62,5 @@ class Bundle:
 bundle = Bundle(sys.stdin.buffer.read(int(sys.argv[2])))
 sys.meta_path.insert(0, bundle)   # before sys.path: the bundle wins over any orchestrator there
 from orchestrator.host.main import main  # noqa: E402
+
 main(bundle.sha256, sys.argv[3:])

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from orchestrator import protocol, timeouts
 from orchestrator.host.common import AgentError, job_paths, read_json
-from orchestrator.host.procs import supervisor_alive
+from orchestrator.host.procs import stop_time, supervisor_alive
 
 READ = 1 << 20          # bytes read from a log per pass
 CHUNK = protocol.MAX_OUTPUT
@@ -121,6 +122,16 @@ def emit(send, log: RankLog, final: bool = False) -> int:
         total += len(got)
 
 
+def exit_event(p: dict[str, Any], rank: int, ex: dict[str, Any]) -> bytes:
+    """A rank's exit; tagged after_stop when it came after this host received a stop
+    (both times by this host's clock, so no offset is involved)."""
+    fields = {"rank": rank, "code": ex["code"], "time": ex["time"]}
+    stopped = stop_time(p)
+    if stopped is not None and ex["time"] >= stopped:
+        fields["after_stop"] = True
+    return protocol.event("exit", **fields)
+
+
 def send_exits(send, p: dict, logs: list, reported: set, events: bool, unit: str) -> bool:
     """Report rank exits as they land; True once nothing more will come."""
     for log in logs:
@@ -131,8 +142,22 @@ def send_exits(send, p: dict, logs: list, reported: set, events: bool, unit: str
             reported.add(log.rank)
             emit(send, log)
             if events:
-                send(protocol.event("exit", rank=log.rank, code=ex["code"], time=ex["time"]))
+                send(exit_event(p, log.rank, ex))
     return host_done(p) is not None or (not events and len(reported) == len(logs))
+
+
+def send_starts(send, p: dict, logs: list, started: set, unit: str = "rank") -> None:
+    """A `start` event once per rank, when its wrapper has recorded the rank's pid:
+    the controller can show that ranks run before their first line (torch imports).
+    A job array's task: when the runner has recorded its start."""
+    record = "run/rank-%d.pid" if unit == "rank" else "run/task-%d.start"
+    for log in logs:
+        if log.rank in started:
+            continue
+        pid = read_json(p["jd"], record % log.rank)
+        if isinstance(pid, dict) and isinstance(pid.get("pid"), int):
+            started.add(log.rank)
+            send(protocol.event("start", rank=log.rank, pid=pid["pid"]))
 
 
 def finish(send, p: dict, logs: list, mode: str) -> None:
@@ -167,14 +192,17 @@ def run(req) -> None:
             log.offset = tail_offset(log.f, a["tail"])
         logs.append(log)
     reported, beat, idle = set(), 0.0, 0
+    started = set()  # type: set
     while True:
+        if mode == "events" and len(started) < len(logs):
+            send_starts(send, p, logs, started, unit)
         busy = sum(emit(send, log) for log in logs)
         idle = 0 if busy else idle + 1
         if mode in ("raw", "snapshot") or send_exits(send, p, logs, reported, mode == "events",
                                                           unit):
             return finish(send, p, logs, mode)
         if mode == "events" and time.time() - beat >= timeouts.HEARTBEAT:
-            send(protocol.event("beat"))
+            send(protocol.event("beat", time=time.time()))
             beat = time.time()
         if not busy:
             # 50 ms while output flows; 200 ms after a quiet second (a long quiet job

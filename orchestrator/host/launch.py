@@ -27,8 +27,11 @@ def clean_run_dir(p: dict) -> None:
     with jd.dirfd("run") as fd:
         names = os.listdir(fd)
     for name in names:
-        if name.endswith((".exit", ".pid")) or name == "host.exit":
+        if name.endswith((".exit", ".pid")) or name in ("host.exit", "stop.json"):
             jd.unlink("run/" + name)
+    # torchrun's --log-dir: a none_<id>/ folder per run would pile up; only the new
+    # run's error files are of use (links inside are removed, never followed)
+    jd.rmtree("run/torchrun")
 
 
 def rankexec_source() -> bytes:

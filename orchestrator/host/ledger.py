@@ -23,8 +23,14 @@ import json
 import os
 import stat
 
-from orchestrator.host.paths import (READ_FLAGS, JobDir, UnsafePath, open_file_at,
-                                     split_parent, split_rel)
+from orchestrator.host.paths import (
+    READ_FLAGS,
+    JobDir,
+    UnsafePath,
+    open_file_at,
+    split_parent,
+    split_rel,
+)
 
 LEDGER_CAP = 1 << 30      # about 5 million entries; a bigger file is not orch's
 VERSION = 1

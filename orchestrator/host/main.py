@@ -12,9 +12,10 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from orchestrator import protocol
-from orchestrator.host import array, files, follow, launch, preflight, procs, status
+from orchestrator.host import array, files, follow, launch, preflight, procs, pull, status
 from orchestrator.host.common import AgentError
 from orchestrator.host.paths import UnsafePath
 
@@ -29,6 +30,9 @@ COMMANDS = {
     "array_launch": array.run_launch,
     "array_status": array.run_status,
     "array_results": array.run_results,
+    "pull_manifest": pull.run_manifest,
+    "pull_send": pull.run_send,
+    "clock": lambda req: {"time": time.time()},
 }
 IN_THREAD = {"follow": True, "stop": False}   # command -> daemon thread (not waited for)
 
@@ -69,7 +73,7 @@ def serve(req: Request) -> None:
         text = str(e) if known else "%s: %s" % (type(e).__name__, e)
         tb = ""
         if req.debug:
-            import traceback   # its imports (tokenize...) cost 20 ms at every start
+            import traceback  # its imports (tokenize...) cost 20 ms at every start
             tb = traceback.format_exc()
         try:
             req.out.send(protocol.error(req.id, category, text, tb, getattr(e, "fix", "")))

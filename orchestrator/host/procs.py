@@ -2,13 +2,17 @@
 verify)."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import time
+from typing import Any
 
 from orchestrator import timeouts
-from orchestrator.host.common import job_paths, read_json
+from orchestrator.host.common import job_paths, read_json, write_atomic
 
+STOP_FILE = "run/stop.json"   # when this host received a stop, by its own clock
 
 
 def proc_start_time(pid: int):
@@ -81,6 +85,8 @@ def stop(job_dir: str, grace: float) -> dict:
     sup = supervisor_alive(p)
     t0 = time.time()
     found = marked_pids(p["job"]) + ([sup["pid"]] if sup else [])
+    if found:
+        mark_stop(p, t0)
     # torchrun itself has nothing to save, and its own SIGTERM shutdown takes seconds;
     # the ranks (the user's code) get SIGTERM from us directly and the full grace.
     torchrun = sup.get("torchrun_pid") if sup else None
@@ -92,6 +98,21 @@ def stop(job_dir: str, grace: float) -> dict:
     left = wait_gone(p["job"], sup, time.time() + timeouts.STOP_VERIFY)
     return {"found": len(found), "killed": len(killed), "left": left,
             "seconds": round(time.time() - t0, 3)}
+
+
+def mark_stop(p: dict[str, Any], when: float) -> None:
+    """Record the stop before any signal: a rank that exits after this moment was ended
+    by orch (or by torchrun reacting to it) and is never reported as the job's cause.
+    A full disk must not keep the stop from happening."""
+    with contextlib.suppress(OSError):
+        write_atomic(p["jd"], STOP_FILE, json.dumps({"time": when}).encode(), 0o644)
+
+
+def stop_time(p: dict[str, Any]) -> float | None:
+    """The host time of the stop received during this run, or None."""
+    got = read_json(p["jd"], STOP_FILE)
+    when = got.get("time") if isinstance(got, dict) else None
+    return when if isinstance(when, (int, float)) and not isinstance(when, bool) else None
 
 
 def run_stop(req) -> dict:

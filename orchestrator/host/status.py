@@ -1,23 +1,52 @@
 """Status: per rank, its pid, state, exit code, times, last line and torchrun's error file."""
 from __future__ import annotations
 
+import os
+import stat
 import time
 
 from orchestrator.host.common import job_paths, read_json
-from orchestrator.host.follow import open_log, rank_exit, tail_offset
+from orchestrator.host.follow import open_log, rank_exit
 from orchestrator.host.procs import proc_start_time, supervisor_alive
-
 
 ERROR_FILE_CAP = 1 << 20
 
 
+LAST_LINE_WINDOW = 1 << 16
+
+
 def last_line(jd, rel: str) -> str:
+    """The log's last line that is not blank (a log that ends with an empty line still
+    shows what the rank said last), at most 4096 characters from its start."""
     f = open_log(jd, rel)
     if f is None:
         return ""
     with f:
-        f.seek(tail_offset(f, 1))
-        return f.read(4096).decode("utf-8", "replace").strip()
+        size = os.fstat(f.fileno()).st_size
+        f.seek(max(0, size - LAST_LINE_WINDOW))
+        text = f.read(LAST_LINE_WINDOW).decode("utf-8", "replace")
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip()[:4096] if lines else ""
+
+
+def log_size(jd, rel: str):  # type: ignore[no-untyped-def]  # as the module's other helpers
+    """The log's size; None when it is missing or not a plain file (a link is not followed)."""
+    try:
+        st = jd.lstat(rel)
+    except OSError:
+        return None
+    return st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
+
+
+def stopped(p: dict, info: dict) -> bool:
+    """A rank that ended badly (or vanished) after a stop orch made: the stop's doing."""
+    stop = read_json(p["jd"], "run/stop.json")
+    if not isinstance(stop, dict) or not isinstance(stop.get("time"), (int, float)):
+        return False
+    if info["state"] == "lost":
+        return True
+    ended = info.get("ended")
+    return info.get("code") != 0 and isinstance(ended, (int, float)) and ended >= stop["time"]
 
 
 def error_file(p: dict, local_rank: int) -> str:
@@ -33,7 +62,8 @@ def error_file(p: dict, local_rank: int) -> str:
 
 
 def rank_status(p: dict, rank: int, local_rank: int, sup) -> dict:
-    info = {"rank": rank, "last_line": last_line(p["jd"], "logs/rank-%d.log" % rank)}
+    log = "logs/rank-%d.log" % rank
+    info = {"rank": rank, "last_line": last_line(p["jd"], log), "log_bytes": log_size(p["jd"], log)}
     pid = read_json(p["jd"], "run/rank-%d.pid" % rank)
     pid = pid if isinstance(pid, dict) and isinstance(pid.get("pid"), int) else {}
     info["pid"], info["started"] = pid.get("pid"), pid.get("time")
@@ -47,6 +77,8 @@ def rank_status(p: dict, rank: int, local_rank: int, sup) -> dict:
         info["state"] = "lost"      # vanished without an exit code (e.g. the wrapper was killed)
     else:
         info["state"] = "starting" if sup else "lost"
+    if info["state"] in ("exited", "lost") and stopped(p, info):
+        info["state"] = "stopped"
     return info
 
 

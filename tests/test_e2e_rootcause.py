@@ -1,0 +1,114 @@
+"""The root cause at 16 hosts on a busy machine, over real sshd: one rank exits 3 a few
+seconds in; every other rank dies of orch's stop. The failing rank is always named
+(three runs), never a rank the stop killed, and nothing of the job is left."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import write_job
+from sshd_cluster import SshdCluster, free_port, pid_alive
+from test_e2e_up import Jobs, assert_nothing_left, jobs  # noqa: F401
+from orchestrator.inventory import load
+from orchestrator.words import hint_cmd
+
+pytestmark = [pytest.mark.ssh, pytest.mark.slow]
+HOSTS = 16
+FIRST_OCTET = 40      # 127.0.0.40-55: apart from the session cluster's addresses
+
+JOB = """\
+import os, sys, time
+rank = int(os.environ["RANK"])
+print("rank %d started" % rank, flush=True)
+if rank == int(os.environ["FAIL_RANK"]):
+    time.sleep(3)
+    print("failing now", flush=True)
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+@pytest.fixture(scope="module")
+def big_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
+    port = free_port([f"127.0.0.{FIRST_OCTET + i}" for i in range(HOSTS)])
+    cluster = SshdCluster(tmp_path_factory.mktemp("sshd16"), HOSTS, port=port,
+                          first_octet=FIRST_OCTET).start()
+    yield cluster
+    pids = [h.pid for h in cluster.all_hosts()]
+    cluster.stop()
+    assert not [p for p in pids if pid_alive(p)], "an sshd of the 16-host cluster survived"
+
+
+@pytest.fixture
+def busy_cores() -> Iterator[None]:
+    """Both cores busy with spinning processes for the length of the test."""
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for p in spin:
+        p.kill()
+        p.wait(10)
+    assert all(p.poll() is not None and not pid_alive(p.pid) for p in spin)
+
+
+@pytest.mark.parametrize("fail_rank", [9, 2, 15])
+def test_the_failing_rank_is_named_at_16_hosts_on_a_busy_machine(
+        big_cluster: SshdCluster, busy_cores: None, tmp_path: Path, jobs: Jobs,  # noqa: F811
+        fail_rank: int) -> None:
+    hosts, name = big_cluster.hosts, f"rc16-{fail_rank}"
+    write_job(tmp_path, JOB)
+    inv = big_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name,
+                                      env={"FAIL_RANK": str(fail_rank)})
+    jobs.add(inv, hosts, name)
+    run = jobs.start(tmp_path, "up", str(inv))
+    code = run.finish(timeout=240)
+    report = " ".join("\n".join(run.err).split())
+    assert code == 1, run.text()
+    address = re.escape(hosts[fail_rank].address)
+    cause = rf"root cause rank {fail_rank} on host {address} .*exit code 3"
+    assert re.search(cause, report), report
+    assert "SIGTERM" not in report.split("stopped the job")[0], report
+    assert "stopped the job on every host" in report, report
+    assert_nothing_left(hosts, name)
+
+
+SLEEP_JOB = """\
+import os, time
+print("rank %s ready" % os.environ["RANK"], flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_frozen_host_is_named_and_finished_once_it_is_back(
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:  # noqa: F811
+    """sshd and the agent SIGSTOPped mid-job (the job itself runs on, detached): the
+    frozen host is the root cause, the report says it was not stopped and how to finish
+    it; status exits 3 while it is away; `orch stop -c` finishes it once it is back."""
+    from test_e2e_up import orch
+    hosts, name = sshd_cluster.hosts[:2], "rc-frozen"
+    frozen = hosts[1]
+    write_job(tmp_path, SLEEP_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
+    jobs.add(inv, hosts, name)
+    up = jobs.start(tmp_path, "up", str(inv))
+    up.wait_for(r"\] rank \d ready$", count=2)
+    frozen.pause()
+    try:
+        code = up.finish(timeout=60)
+        report = " ".join("\n".join(up.err).split())
+        status = orch(tmp_path, "status", "-c", str(inv))
+    finally:
+        frozen.resume()
+    assert code == 1, up.text()
+    silent = f"root cause host {frozen.address}: it went silent before any rank failed"
+    assert silent in report, report
+    assert f"NOT stopped on {frozen.address}" in report and "every host" not in report, report
+    assert f"`{hint_cmd(load(inv), 'stop')}` ends them" in report, report
+    assert status.returncode == 3, status.stdout + status.stderr
+    stop = orch(tmp_path, "stop", "-c", str(inv), "--grace", "2")
+    assert stop.returncode == 0, stop.stderr
+    assert_nothing_left(hosts, name)

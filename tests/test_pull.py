@@ -1,0 +1,297 @@
+"""`orch pull` without SSH: the names a host may send, the destination's link safety
+(a planted link is never written through), the incremental plan, the receiver's
+checks, the host side (host/pull.py), and both sides together behind the real Link
+with an in-process agent (tests/fake_agent.py)."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from fake_agent import FakeTransport
+from orchestrator import protocol
+from orchestrator.errors import HostError, UsageError
+from orchestrator.host import pull as host_pull
+from orchestrator.host.common import AgentError
+from orchestrator.inventory import parse
+from orchestrator.localfiles import DigestCache
+from orchestrator.pull import PullReport, Receiver, check_manifest, check_paths, plan, raise_failed
+from orchestrator.pulldest import Dest
+from orchestrator.session import Session
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def entry(data: bytes) -> list:
+    return [len(data), sha(data)]
+
+
+# ---------------------------------------------------------------- names from the host
+
+HOSTILE = ["/etc/passwd", "../escape", "a/../../escape", "a/./b", "a//b", "", "a\0b",
+           "a\nb", "a\x1bb", "a\\b", "x" * 300, "/".join(["d"] * 600),
+           "a.orch-part-12", "bad\udcff"]
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_name_in_the_manifest_is_refused(name: str) -> None:
+    with pytest.raises(HostError, match="pull manifest is refused"):
+        check_manifest("h", {"ok.txt": entry(b"x"), name: entry(b"y")})
+
+
+@pytest.mark.parametrize("value", [[-1, sha(b"")], [protocol.MAX_PULL_SIZE + 1, sha(b"")],
+                                   [1, "0" * 63], [1, "G" * 64], [1, sha(b"").upper()]])
+def test_sizes_and_digests_out_of_range_are_refused(value: list) -> None:
+    with pytest.raises(HostError, match="out of range"):
+        check_manifest("h", {"f": value})
+
+
+def test_a_file_that_is_also_a_folder_and_too_many_files_are_refused(monkeypatch) -> None:
+    with pytest.raises(HostError, match="both a file and a folder"):
+        check_manifest("h", {"a": entry(b""), "a/b": entry(b"")})
+    monkeypatch.setattr(protocol, "MAX_PULL_FILES", 3)
+    with pytest.raises(HostError, match=r"4 files, more than 3"):
+        check_manifest("h", {str(i): entry(b"") for i in range(4)})
+
+
+def test_user_paths_are_relative_to_output() -> None:
+    assert check_paths(["ckpt/", "./metrics.csv", "ckpt"]) == ["ckpt", "metrics.csv"]
+    assert check_paths(["."]) == []
+    for bad in ("/etc", "../x", "a/../../b", "a\nb"):
+        with pytest.raises(UsageError, match="cannot pull"):
+            check_paths([bad])
+
+
+# ---------------------------------------------------------------- the destination
+
+def receive(dest: Dest, files: dict[str, bytes], digests: dict | None = None,
+            cache: DigestCache | None = None) -> PullReport:
+    """Feed the receiver a stream as a host would send it."""
+    report = PullReport("h", "/job/output", str(dest.root))
+    cache = cache or DigestCache(dest.root.parent / "cache.json")
+    rx = Receiver(dest, {rel: entry(d) for rel, d in files.items()}, cache, report, None)
+    for rel, data in files.items():
+        rx.part("pull_file", {"p": rel, "s": len(data), "m": 0o644})
+        for i in range(0, len(data), 7):
+            rx.data(data[i:i + 7])
+        rx.part("pull_end", {"p": rel, "h": (digests or {}).get(rel, sha(data))})
+    return report
+
+
+def test_a_link_planted_at_a_file_name_is_replaced_never_written_through(tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious\n")
+    before = os.stat(victim)
+    root = tmp_path / "dest"
+    root.mkdir()
+    (root / "metrics.csv").symlink_to(victim)
+    with Dest(root) as dest:
+        report = receive(dest, {"metrics.csv": b"epoch,loss\n"})
+    assert report.files == 1 and not report.failed
+    assert victim.read_bytes() == b"precious\n"
+    assert os.stat(victim).st_mtime_ns == before.st_mtime_ns
+    assert not (root / "metrics.csv").is_symlink()
+    assert (root / "metrics.csv").read_bytes() == b"epoch,loss\n"
+
+
+def test_a_link_planted_in_place_of_a_folder_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "dest"
+    (root / "ckpt").mkdir(parents=True)
+    (root / "ckpt" / "deep").symlink_to(outside)
+    with Dest(root) as dest:
+        report = receive(dest, {"ckpt/deep/w.bin": b"weights", "ok.txt": b"ok"})
+    assert report.files == 1 and (root / "ok.txt").read_bytes() == b"ok"
+    assert [f["p"] for f in report.failed] == ["ckpt/deep/w.bin"]
+    assert "symbolic link" in report.failed[0]["why"]
+    assert list(outside.iterdir()) == [], "a file was written through the link"
+    with pytest.raises(UsageError, match=r"could not write ckpt/deep/w\.bin"):
+        raise_failed(report)
+
+
+def test_a_digest_mismatch_leaves_nothing_behind(tmp_path: Path) -> None:
+    root = tmp_path / "dest"
+    with Dest(root) as dest:
+        report = receive(dest, {"a.bin": b"abc"}, digests={"a.bin": sha(b"abd")})
+    assert report.files == 0 and report.failed[0]["why"] == "sha256 mismatch after transfer"
+    assert list(root.iterdir()) == []
+
+
+def test_the_receiver_accepts_only_what_was_asked_once_and_no_more_bytes(tmp_path: Path) -> None:
+    with Dest(tmp_path / "dest") as dest:
+        report = PullReport("h", "", "")
+        rx = Receiver(dest, {"a": entry(b"ab")}, DigestCache(tmp_path / "c.json"), report, None)
+        with pytest.raises(protocol.ProtocolError, match="not asked for"):
+            rx.part("pull_file", {"p": "../../etc/passwd", "s": 1, "m": 0o644})
+        rx.part("pull_file", {"p": "a", "s": 2, "m": 0o644})
+        with pytest.raises(protocol.ProtocolError, match="beyond the announced size"):
+            rx.data(b"abc")
+        rx.data(b"ab")
+        rx.part("pull_end", {"p": "a", "h": sha(b"ab")})
+        with pytest.raises(protocol.ProtocolError, match="not asked for"):
+            rx.part("pull_file", {"p": "a", "s": 2, "m": 0o644})
+        with pytest.raises(protocol.ProtocolError, match="file data"):
+            rx.data(b"x")
+
+
+def test_part_files_of_a_killed_pull_are_swept_and_one_pull_at_a_time(tmp_path: Path) -> None:
+    root = tmp_path / "dest"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "big.bin.orch-part-4242").write_bytes(b"half")
+    (root / "keep.txt").write_text("mine\n")
+    with Dest(root) as dest:
+        assert dest.sweep() == 1
+        with pytest.raises(UsageError, match="another `orch pull`"):
+            Dest(root)
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == ["keep.txt", "sub"]
+
+
+def test_the_plan_asks_only_for_missing_or_different_files(tmp_path: Path) -> None:
+    root = tmp_path / "dest"
+    root.mkdir()
+    (root / "same.txt").write_bytes(b"same")
+    (root / "changed.txt").write_bytes(b"old!")
+    (root / "local-only.txt").write_bytes(b"kept")
+    remote = {"same.txt": entry(b"same"), "changed.txt": entry(b"new!"), "new/x": entry(b"x")}
+    cache = DigestCache(tmp_path / "cache.json")
+    with Dest(root) as dest:
+        todo = plan(remote, dest, cache)
+        assert sorted(todo.fetch) == ["changed.txt", "new/x"] and todo.unchanged == 1
+        hashed: list[str] = []
+        real = dest.digest
+
+        def counting(rel: str) -> str:
+            hashed.append(rel)
+            return real(rel)
+        dest.digest = counting  # type: ignore[method-assign]
+        again = plan(remote, dest, cache)
+    assert sorted(again.fetch) == sorted(todo.fetch) and hashed == [], "the cache was not used"
+    assert (root / "local-only.txt").read_bytes() == b"kept"
+
+
+# ---------------------------------------------------------------- the host side
+
+class FakeReq:
+    def __init__(self, **args) -> None:
+        self.args = args
+        self.parts: list[tuple[str, dict[str, Any]]] = []
+        self.frames: list[Any] = []
+        self.out = SimpleNamespace(send=self.frames.append)
+
+    def part(self, kind: str, body: dict) -> None:
+        self.parts.append((kind, body))
+        self.frames.append(("part", kind, body))
+
+
+def make_output(job: Path) -> None:
+    out = job / "output"
+    (out / "ckpt").mkdir(parents=True)
+    (out / "metrics.csv").write_text("epoch\n1\n")
+    (out / "ckpt" / "w.bin").write_bytes(b"w" * 3000)
+    (out / "escape").symlink_to("/etc/passwd")
+    (out / "ckpt" / "linked").symlink_to(out / "ckpt")
+    os.mkfifo(out / "pipe")
+    (out / "new\nline").write_text("x")
+
+
+def test_the_host_lists_regular_files_only_and_caches_digests(tmp_path: Path) -> None:
+    make_output(tmp_path / "job")
+    req = FakeReq(job_dir=str(tmp_path / "job"), paths=[])
+    reply = host_pull.run_manifest(req)
+    files = {k: v for kind, body in req.parts for k, v in body["files"].items()}
+    assert files == {"metrics.csv": entry(b"epoch\n1\n"), "ckpt/w.bin": entry(b"w" * 3000)}
+    assert (reply["files"], reply["bytes"], reply["skipped_count"]) == (2, 3008, 4)
+    whys = {n["p"]: n["why"] for n in reply["skipped"]}
+    assert "symbolic link" in whys["escape"] and "symbolic link" in whys["ckpt/linked"]
+    assert whys["pipe"] == "not a regular file" and "control character" in whys["new\nline"]
+    assert (tmp_path / "job/run/output-digests.json").exists()
+    one = host_pull.run_manifest(FakeReq(job_dir=str(tmp_path / "job"), paths=["ckpt/w.bin"]))
+    assert one["files"] == 1
+    with pytest.raises(AgentError, match="no such file or folder"):
+        host_pull.run_manifest(FakeReq(job_dir=str(tmp_path / "job"), paths=["nope"]))
+    empty = host_pull.run_manifest(FakeReq(job_dir=str(tmp_path / "none"), paths=[]))
+    assert empty["files"] == 0
+
+
+def test_the_host_sends_asked_files_and_skips_links(tmp_path: Path) -> None:
+    make_output(tmp_path / "job")
+    req = FakeReq(job_dir=str(tmp_path / "job"), files=["ckpt/w.bin", "escape", "gone"])
+    assert host_pull.run_send(req) == {"files": 1, "bytes": 3000}
+    kinds = [f[1] if isinstance(f, tuple) else "data" for f in req.frames]
+    assert kinds == ["pull_file", "data", "pull_end", "pull_skip", "pull_skip"]
+    assert req.parts[1][1]["h"] == sha(b"w" * 3000)
+    assert req.parts[2][1]["p"] == "escape" and req.parts[3][1]["why"] == "gone"
+
+
+# ---------------------------------------------------------------- both sides, one Link
+
+INVENTORY = """name: fake
+hosts:
+  - {address: localhost, connection: local, remote_dir: %s}
+job: {entrypoint: job.py}
+"""
+
+
+def agent_handlers(tweak=None) -> dict:
+    """The real host/pull.py behind an in-process channel; `tweak(kind, body)` may
+    rewrite the parts it sends."""
+    def serve(fn):
+        def handler(chan, msg: dict) -> None:
+            send = chan.push
+
+            def part(kind: str, body: dict) -> None:
+                send(protocol.part(msg["id"], kind, tweak(kind, body) if tweak else body))
+            req = SimpleNamespace(args=msg, out=SimpleNamespace(send=send), part=part)
+            try:
+                send(protocol.reply(msg["id"], fn(req)))
+            except AgentError as e:
+                send(protocol.error(msg["id"], e.category, str(e)))
+        return handler
+    return {"pull_manifest": serve(host_pull.run_manifest), "pull_send": serve(host_pull.run_send)}
+
+
+def session(tmp_path: Path, handlers: dict) -> Session:
+    cluster = parse(INVENTORY % (tmp_path / "remote"), tmp_path / "cluster.yaml")
+    return Session(cluster, connector=lambda h: FakeTransport(h, handlers)).open()
+
+
+def test_pull_over_a_link_then_nothing_then_the_change(tmp_path: Path) -> None:
+    job = tmp_path / "remote" / "fake"
+    make_output(job)
+    (job / "output" / "big.bin").write_bytes(os.urandom(3 << 20))
+    dest = tmp_path / "outputs" / "fake"
+    with session(tmp_path, agent_handlers()) as s:
+        host = s.cluster.hosts[0]
+        first = s.pull(host, [], dest)
+        assert (first.files, first.unchanged, first.skipped_count) == (3, 0, 4)
+        assert (dest / "big.bin").read_bytes() == (job / "output" / "big.bin").read_bytes()
+        again = s.pull(host, [], dest)
+        assert (again.files, again.unchanged) == (0, 3)
+        (job / "output" / "metrics.csv").write_text("epoch\n1\n2\n")
+        third = s.pull(host, [], dest)
+        assert (third.files, third.unchanged) == (1, 2)
+    assert (dest / "metrics.csv").read_text() == "epoch\n1\n2\n"
+    assert not list(dest.rglob("*.orch-part-*"))
+
+
+def test_a_host_that_sends_an_unasked_name_is_cut_off(tmp_path: Path) -> None:
+    """The agent is swapped for one that renames what it sends to ../../escaped: the link
+    ends with a protocol error, and nothing lands outside the destination."""
+    job = tmp_path / "remote" / "fake"
+    make_output(job)
+
+    def evil(kind: str, body: dict) -> dict:
+        return dict(body, p="../../escaped") if kind == "pull_file" else body
+    dest = tmp_path / "outputs" / "fake"
+    with session(tmp_path, agent_handlers(evil)) as s, \
+            pytest.raises(HostError, match="not asked for"):
+        s.pull(s.cluster.hosts[0], ["metrics.csv"], dest)
+    assert not (tmp_path / "escaped").exists() and not list(tmp_path.rglob("escaped"))
+    assert not list(dest.rglob("*.orch-part-*"))

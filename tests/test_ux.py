@@ -1,0 +1,286 @@
+"""What a user sees: hints that work as printed, counts, --json documents, the status
+table at 80 columns, host text that can neither drive the terminal nor be read as rich
+markup, the live "ranks started" line, and the host's stop record."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from fake_agent import FakeTransport
+from orchestrator import protocol
+from orchestrator.commands import logs as logs_cmd
+from orchestrator.commands import status as status_cmd
+from orchestrator.errors import EXIT_HOST, HostError
+from orchestrator.follow import PrefixPrinter
+from orchestrator.host import launch as host_launch
+from orchestrator.host import procs as host_procs
+from orchestrator.host import status as host_status
+from orchestrator.host.common import job_paths
+from orchestrator.inventory import parse
+from orchestrator.liveline import ERASE, LiveLine, started_text
+from orchestrator.session import Session
+from orchestrator.state import HostState, JobState
+from orchestrator.words import hint_cmd, plural
+
+ROOT = Path(__file__).resolve().parent.parent
+INVENTORY = """name: ux
+hosts:
+  - {address: localhost, connection: local, remote_dir: /r0, procs: 2}
+  - {address: localhost, connection: local, remote_dir: /r1, procs: 2}
+job: {entrypoint: job.py}
+"""
+
+
+# ---------------------------------------------------------------- words
+
+def test_plural() -> None:
+    assert [plural(1, "host"), plural(2, "host"), plural(0, "rank")] == [
+        "1 host", "2 hosts", "0 ranks"]
+    assert plural(1, "process") == "1 process" and plural(3, "process") == "3 processes"
+
+
+def test_hint_keeps_the_inventory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    default = parse(INVENTORY, tmp_path / "cluster.yaml")
+    other = parse(INVENTORY, tmp_path / "runs" / "b.yaml")
+    away = parse(INVENTORY, Path("/elsewhere/c c.yaml"))
+    assert hint_cmd(default, "logs --rank 2") == "orch logs --rank 2"
+    assert hint_cmd(other, "logs --rank 2") == "orch logs -c runs/b.yaml --rank 2"
+    assert hint_cmd(away, "stop") == "orch stop -c '/elsewhere/c c.yaml'"
+
+
+# ---------------------------------------------------------------- --json
+
+def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_json_errors_are_documents_with_the_same_exit_code(tmp_path: Path) -> None:
+    for args in (("status", "--json", "-c", "missing.yaml"), ("stop", "--json", "--bogus"),
+                 ("logs", "--list", "--json")):
+        r = run_cli(tmp_path, *args)
+        doc = json.loads(r.stdout)
+        assert r.returncode == 2 and doc["exit_code"] == 2 and doc["error"], (args, r)
+        assert r.stderr.startswith(("orch: ", "usage: ")) and "Traceback" not in r.stderr
+
+
+def test_logs_before_any_run_exits_2_with_a_working_hint(tmp_path: Path) -> None:
+    (tmp_path / "cluster.yaml").write_text(INVENTORY)
+    r = run_cli(tmp_path, "logs", "--rank", "0")
+    assert r.returncode == 2 and "has not been started" in r.stderr and "`orch up`" in r.stderr, r
+
+
+# ---------------------------------------------------------------- status
+
+def rows_of(last_line: str) -> list[dict]:
+    info = {"state": "exited", "code": -15, "pid": 4242, "started": 1.0, "ended": 20.5,
+            "last_line": last_line}
+    return [status_cmd.row(r, f"worker-node-{r:02d}.example.com", r % 2, info, 0.0)
+            for r in range(4)]
+
+
+@pytest.mark.parametrize("width", [80, 140])
+def test_status_table_one_row_per_rank_start_of_line_kept(width: int) -> None:
+    line = "epoch 3/5 step 120 loss 0.2345 " * 6
+    buf = io.StringIO()
+    console = Console(width=width, file=buf, color_system=None)
+    console.print(status_cmd.table("ux", rows_of(line), width), soft_wrap=False, crop=True)
+    out = buf.getvalue().splitlines()
+    body = [row for row in out if row.startswith("│")]
+    assert len(body) == 4, "\n".join(out)
+    assert all("epoch 3/5" in row and row.rstrip().endswith("│") for row in body)
+    assert max(len(row) for row in out) <= width
+
+
+def test_status_shows_markup_and_escapes_literally() -> None:
+    buf = io.StringIO()
+    console = Console(width=200, file=buf, color_system=None)
+    console.print(status_cmd.table("ux", rows_of("[/bold] \x1b]0;title\x07 done"), 200))
+    text = buf.getvalue()
+    assert "[/bold] \\x1b]0;title\\x07 done" in text and "\x1b" not in text
+
+
+def fake_session_factory(tmp_path: Path, last_line: str, down: int | None):
+    """open_session for commands: in-process agents; host `down` cannot be reached."""
+    def status(chan, msg: dict) -> None:
+        ranks = [{"rank": r, "state": "stopped", "last_line": last_line, "pid": 7, "code": -15,
+                  "log_bytes": 11} for r in msg["ranks"]]
+        chan.push(protocol.reply(msg["id"], {"supervisor": None, "host_exit": None,
+                                             "time": time.time(), "ranks": ranks}))
+
+    def connector(host):
+        if host.index == down:
+            raise HostError(f"{host.label}: connection refused")
+        return FakeTransport(host, {"status": status})
+
+    def open_session(cluster, state=None, hosts=None):
+        return Session(cluster, state, connector=connector).open(hosts)
+    return open_session
+
+
+def state_of(cluster) -> JobState:
+    return JobState("ux", "run", "cluster.yaml", 0.0, 4, "127.0.0.1", 29500,
+                    [HostState(h.index, h.label, f"/r{h.index}/ux", list(h.ranks), 0.0, {})
+                     for h in cluster.hosts])
+
+
+def command_args(tmp_path: Path, **kw) -> argparse.Namespace:
+    return argparse.Namespace(config=str(tmp_path / "cluster.yaml"), file=None, **kw)
+
+
+@pytest.fixture
+def fake_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    (tmp_path / "cluster.yaml").write_text(INVENTORY)
+    cluster = parse(INVENTORY, tmp_path / "cluster.yaml")
+    for mod in (status_cmd, logs_cmd):
+        monkeypatch.setattr(mod, "require_state", lambda c: state_of(c))
+
+    def use(last_line: str = "", down: int | None = None) -> None:
+        factory = fake_session_factory(tmp_path, last_line, down)
+        for mod in (status_cmd, logs_cmd):
+            monkeypatch.setattr(mod, "open_session", factory)
+    return cluster, use
+
+
+def test_status_markup_last_line_and_unreachable_host_exit_3(tmp_path: Path, fake_job,
+                                                              capsys) -> None:
+    _, use = fake_job
+    use(last_line="[/bold]", down=1)
+    code = status_cmd.run(command_args(tmp_path, json=False))
+    err = capsys.readouterr().err
+    assert code == EXIT_HOST
+    assert err.count("[/bold]") == 2 and "stopped" in err, err     # host 0's ranks, literally
+    assert err.count("unreachable") == 2 and "connection refused" in err, err
+
+
+def test_status_and_logs_list_json(tmp_path: Path, fake_job, capsys) -> None:
+    _, use = fake_job
+    use(last_line="ok")
+    assert status_cmd.run(command_args(tmp_path, json=True)) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["state"] for r in doc["ranks"]] == ["stopped"] * 4 and doc["unreachable"] == {}
+    use(down=0)
+    assert logs_cmd.run(command_args(tmp_path, json=True, list=True, rank=None,
+                                     follow=False, tail=-1)) == EXIT_HOST
+    doc = json.loads(capsys.readouterr().out)
+    assert [(r["rank"], r["state"], r["log_bytes"]) for r in doc["ranks"]] == [
+        (0, "unreachable", None), (1, "unreachable", None), (2, "stopped", 11), (3, "stopped", 11)]
+
+
+# ---------------------------------------------------------------- rank output
+
+NASTY = [b"\x1b]0;pwned\x07title", b"50%\r[r9 evil] forged", b"[/bold] \x1b[31mred\x1b[0m"]
+
+
+def test_prefixed_output_on_a_terminal_is_escaped() -> None:
+    out = io.BytesIO()
+    PrefixPrinter({0: "h0"}, out=out, tty=True).lines(0, 1, NASTY)
+    got = out.getvalue()
+    assert b"\\x1b]0;pwned\\x07title" in got and b"50%\\r[r9 evil] forged" in got
+    assert b"\x07" not in got and b"\r" not in got and b"\x1b[31mred" in got   # colours stay
+
+
+def test_prefixed_output_piped_is_byte_exact_after_the_prefix() -> None:
+    out = io.BytesIO()
+    PrefixPrinter({0: "h0"}, out=out, tty=False).lines(0, 1, NASTY)
+    assert out.getvalue() == b"".join(b"[r1 h0] " + t + b"\n" for t in NASTY)
+
+
+def test_raw_log_piped_is_byte_exact_terminal_escaped() -> None:
+    data = b"".join(t + b"\n" for t in NASTY) + b"\xff\xfe bytes\n"
+    piped, tty = logs_cmd.RawSink(tty=False), logs_cmd.RawSink(tty=True)
+    piped.out, tty.out = io.BytesIO(), io.BytesIO()
+    for sink in (piped, tty):
+        sink.output(0, 0, False, data)
+    assert piped.out.getvalue() == data
+    assert b"\x07" not in tty.out.getvalue() and b"\\xff\\xfe" in tty.out.getvalue()
+    assert tty.out.getvalue().count(b"\n") == data.count(b"\n")
+
+
+# ---------------------------------------------------------------- live line
+
+class FakeTty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_live_line_steps_aside_for_output() -> None:
+    err = FakeTty()
+    live = LiveLine(err)
+    live.update("ranks started 1/4")
+    with live.above():
+        err.write("<output>")
+    live.close()
+    assert err.getvalue() == (ERASE + "ranks started 1/4" + ERASE + "<output>" + ERASE
+                              + "ranks started 1/4" + ERASE)
+    silent = io.StringIO()
+    quiet = LiveLine(silent)     # not a terminal: nothing at all
+    quiet.update("x")
+    with quiet.above():
+        pass
+    quiet.close()
+    assert silent.getvalue() == ""
+
+
+def test_started_text_counts_per_host_and_abbreviates() -> None:
+    assert started_text([("h1", 2, 2), ("h2", 0, 2)], 1) == \
+        "ranks started 2/4: h1 2/2, h2 0/2; first output 1/4"
+    many = [(f"h{i}", 1, 1) for i in range(9)] + [("slow", 0, 1)]
+    text = started_text(many, 0)
+    assert text.startswith("ranks started 9/10: slow 0/1, h0 1/1") and "(+2 hosts)" in text
+
+
+# ---------------------------------------------------------------- host side
+
+def job_dir(tmp_path: Path) -> dict:
+    root = tmp_path / "job"
+    for d in ("run", "logs", "code", "output", "data"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    return job_paths(str(root))
+
+
+def test_last_line_skips_trailing_empty_lines(tmp_path: Path) -> None:
+    p = job_dir(tmp_path)
+    Path(p["logs"], "rank-0.log").write_bytes(b"first\nlast words\n\n  \n")
+    Path(p["logs"], "rank-1.log").write_bytes(b"")
+    assert host_status.last_line(p["jd"], "logs/rank-0.log") == "last words"
+    assert host_status.last_line(p["jd"], "logs/rank-1.log") == ""
+
+
+def test_a_rank_ended_by_a_stop_reads_stopped(tmp_path: Path) -> None:
+    p = job_dir(tmp_path)
+    run = Path(p["run"])
+    (run / "rank-0.exit").write_text(json.dumps({"code": 7, "time": 100.0}))    # failed first
+    (run / "rank-1.exit").write_text(json.dumps({"code": -15, "time": 105.0}))  # then stopped
+    assert host_status.rank_status(p, 1, 1, None)["state"] == "exited"
+    host_procs.mark_stop(p, 101.0)
+    assert host_status.rank_status(p, 0, 0, None)["state"] == "exited"
+    assert host_status.rank_status(p, 1, 1, None)["state"] == "stopped"
+    info = host_status.rank_status(p, 1, 1, None)
+    assert status_cmd.row(1, "h", 1, info, 0)["state"] == "stopped"
+
+
+def test_launch_clears_the_previous_runs_records(tmp_path: Path) -> None:
+    p = job_dir(tmp_path)
+    old = Path(p["run"], "torchrun", "none_abc", "attempt_0", "0")
+    old.mkdir(parents=True)
+    (old / "error.json").write_text("{}")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    os.symlink(outside, Path(p["run"], "torchrun", "none_link"))
+    Path(p["run"], "stop.json").write_text('{"time": 1}')
+    host_launch.clean_run_dir(p)
+    assert not Path(p["run"], "torchrun").exists() and not Path(p["run"], "stop.json").exists()
+    assert (outside / "keep").exists()
