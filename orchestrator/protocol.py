@@ -249,6 +249,10 @@ REPLIES: dict[str, dict[str, Any]] = {
                       "skipped": [{"p": str, "why": str}], "skipped_count": int},
     "pull_send": {"files": int, "bytes": int},
     "clock": {"time": NUM},
+    "array_launch": {"supervisor": SUPERVISOR},
+    "array_status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
+                     "time": NUM, "tasks": [TASK_STATUS]},
+    "array_results": {"tasks": [TASK_RESULT]},
 }
 # Parts that may come before a reply (with the request's id).
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}

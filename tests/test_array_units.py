@@ -142,3 +142,11 @@ def test_status_rows_states_and_lost_hosts(tmp_path: Path) -> None:
     rows = results.status_rows(c, rec, GroupResult(ok={0: reply}, failed={1: OSError("gone")}))
     assert [r["state"] for r in rows] == ["failed (killed by SIGTERM)", "unreachable", "queued"]
     assert rows[0]["runtime_s"] == 2.5 and rows[0]["slot"] == 1 and rows[0]["args"] == "--fold 0"
+
+
+def test_array_messages_have_schemas_both_ways() -> None:
+    from orchestrator import protocol
+    from orchestrator.host import main
+    for t in ("array_launch", "array_status", "array_results"):
+        assert t in protocol.REQUESTS and t in protocol.REPLIES and t in main.COMMANDS
+    assert "task" in protocol.FOLLOW_UNITS and "?unit" in protocol.REQUESTS["follow"]
