@@ -47,7 +47,13 @@ def bundle() -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def agent_argv(python: str, label: str = "") -> list[str]:
+# `python:` may not exist yet when setup makes it (a venv): the agent then runs with the
+# host's python3, and preflight says so (ORCH_PYTHON_MISSING)
+FALLBACK = ('p="$1"; shift; if ! command -v "$p" >/dev/null 2>&1; then '
+            'ORCH_PYTHON_MISSING="$p"; export ORCH_PYTHON_MISSING; p=python3; fi; exec "$p" "$@"')
+
+
+def agent_argv(python: str, label: str = "", fallback: bool = False) -> list[str]:
     """-S: the agent is stdlib only, and a venv's site set-up (.pth files) costs more
     than the agent itself; preflight loads site on its own to find torch. `label`
     (the job dir) is only there so that `ps` shows which job an agent serves."""
@@ -57,6 +63,8 @@ def agent_argv(python: str, label: str = "") -> list[str]:
         argv.append(label)
     if os.environ.get("ORCH_DEBUG") == "1":
         argv.append("debug")
+    if fallback:
+        return ["sh", "-c", FALLBACK, "orch-agent"] + argv
     return argv
 
 

@@ -52,12 +52,13 @@ from . import hostnames
 from .arrayspec import ArraySpec, parse_array
 from .jumps import parse_jump
 from .safefile import FileRefused, read_regular
+from .setupspec import SetupSpec, parse_setup
 from .yamlnodes import TAG, Section, Source, check_text, scalar_text, short
 
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "connect_timeout",
             "proxy_jump")
 HOST_KEYS = ("address", "connection", "gpus", "procs", "remote_dir", "python") + SSH_KEYS
-TOP_KEYS = ("name", "ssh", "hosts", "remote_dir", "python", "code", "data", "job")
+TOP_KEYS = ("name", "ssh", "hosts", "remote_dir", "python", "code", "data", "job", "setup")
 CODE_KEYS = ("paths", "exclude")
 DATA_KEYS = ("source", "shards")
 JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts", "array")
@@ -191,6 +192,7 @@ class Cluster:
     job: JobSpec
     world_size: int
     ranks: Tuple[RankSlot, ...]
+    setup: Optional[SetupSpec] = None   # `setup:` (setupspec.py), None when absent
 
     @property
     def base_dir(self) -> Path:
@@ -258,8 +260,10 @@ def parse(text: str, path: str | Path) -> Cluster:
     code = _code(top, base_dir)
     job = _job(top, code, base_dir, max(h.procs for h in hosts))
     data = _data(top, base_dir)
+    setup = parse_setup(top, code.paths, base_dir)
     ranks = tuple(RankSlot(r, h.index, r - h.first_rank) for h in hosts for r in h.ranks)
-    return Cluster(Path(os.path.abspath(path)), name, hosts, code, data, job, len(ranks), ranks)
+    return Cluster(Path(os.path.abspath(path)), name, hosts, code, data, job, len(ranks), ranks,
+                   setup)
 
 
 def _name(top: Section) -> str:

@@ -12,17 +12,18 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from orchestrator import protocol, timeouts
 from orchestrator.bundle import agent_argv, agent_stdin, bundle
 from orchestrator.errors import HostError, OrchError, for_category
 from orchestrator.transport import Channel, Transport
 
-# From a host: JSON, output and file-data frames within their caps (file data only while
-# a pull's stream is open, checked in _dispatch).
+# From a host: JSON, output and command-output frames within their caps, and file-data
+# frames (only while a pull's stream is open, checked in _dispatch).
 CAPS_IN = {protocol.JSON: protocol.MAX_JSON, protocol.DATA: protocol.MAX_DATA,
-           protocol.OUTPUT: protocol.MAX_OUTPUT + protocol.RANK.size}
+           protocol.OUTPUT: protocol.MAX_OUTPUT + protocol.RANK.size,
+           protocol.STREAM_OUT: protocol.MAX_OUTPUT + protocol.RANK.size}
 QUIET_SHELL = ("make the login shell quiet for non-interactive sessions (print nothing in "
                "~/.bashrc, ~/.profile or /etc/profile.d when $- has no `i`)")
 
@@ -45,6 +46,7 @@ class Link:
         self.transport, self.host = transport, transport.host
         self.name = transport.host.label
         self.argv_label = label
+        self.python_fallback = False        # python3 when `python:` is missing (setup makes it)
         self.chan: Channel | None = None
         self.wlock = threading.RLock()
         self.plock = threading.Lock()
@@ -54,6 +56,7 @@ class Link:
         self.stream: Any = None             # the open pull stream's receiver (pull.Receiver)
         self.follow_id: int | None = None
         self.follow_ranks: frozenset[int] = frozenset()
+        self.streams: dict[int, Callable[[bytes], None]] = {}   # request id -> its output
         self.hello: dict | None = None
         self.started = threading.Event()
         self.dead: OrchError | None = None
@@ -65,7 +68,8 @@ class Link:
     def start(self, timeout: float = timeouts.AGENT_START) -> dict:
         """Start the agent (one session) and wait for its hello; the bundle's hash must
         match ours, so the host runs exactly this controller's code."""
-        self.chan = self.transport.open(agent_argv(self.host.python, self.argv_label), timeout)
+        argv = agent_argv(self.host.python, self.argv_label, self.python_fallback)
+        self.chan = self.transport.open(argv, timeout)
         self.chan.settimeout(None)   # the reader thread waits; callers time out on events
         threading.Thread(target=self._read, daemon=True, name=f"link-{self.name}").start()
         with self.wlock:
@@ -154,6 +158,8 @@ class Link:
                 raise protocol.ProtocolError("file data while nothing is pulled")
             self.stream.data(payload)
             return
+        if kind == protocol.STREAM_OUT:
+            return self._command_output(payload)
         if kind == protocol.OUTPUT:
             rank, partial, data = protocol.split_output(payload)
             if self.sink is None or rank not in self.follow_ranks:
@@ -168,6 +174,14 @@ class Link:
             self._event(t, protocol.check(msg, protocol.EVENTS[t], f"event {t}"))
         else:
             raise protocol.ProtocolError(f"unexpected message {t!r}")
+
+    def _command_output(self, payload: bytes) -> None:
+        id, _, data = protocol.split_output(payload)
+        with self.plock:
+            to = self.streams.get(id)
+        if to is None:
+            raise protocol.ProtocolError(f"command output for request {id}, which runs no command")
+        to(data)
 
     def _answer(self, t: str, msg: dict) -> None:
         with self.plock:
@@ -207,6 +221,7 @@ class Link:
         p.received = time.time()
         with self.plock:
             self.pending.pop(id, None)
+            self.streams.pop(id, None)
         if p.stream is not None:
             self.stream = None
         p.done.set()
@@ -243,13 +258,17 @@ class Link:
         with self.wlock:
             self.chan.write(data)
 
-    def submit(self, command: str, **fields: Any) -> tuple[int, Pending]:
-        """Send a request; its Pending fills in when the reply comes."""
+    def submit(self, command: str, stream: Callable[[bytes], None] | None = None,
+               **fields: Any) -> tuple[int, Pending]:
+        """Send a request; its Pending fills in when the reply comes. `stream` gets the
+        output of the command it runs (setup, exec), piece by piece, until the reply."""
         if self.dead:
             raise self.dead
         id, p = next(self.ids), Pending(command)
         with self.plock:
             self.pending[id] = p
+            if stream is not None:
+                self.streams[id] = stream
         self.send(protocol.request(command, id, **fields))
         return id, p
 

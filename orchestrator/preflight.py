@@ -24,6 +24,7 @@ class HostInfo:
     running: bool
     ssh_connection: str
     manifests: dict       # {"code"|"data": {rel: [size, sha256]}} of what the host has
+    python_missing: str = ""   # `python:` not found (setup may make it): the agent ran with python3
 
 
 @dataclass(frozen=True)
@@ -57,17 +58,19 @@ def check_host(cluster: Cluster, link: Link) -> tuple[HostInfo, dict]:
     for part in pending.parts:
         manifests.setdefault(part["folder"], {}).update(part["files"])
     info = HostInfo(r["job_dir"], r["executable"], r["torch"], r["gpus"], offset,
-                    r["running"], r["ssh_connection"], manifests)
-    problems = host_problems(host, info, r)
+                    r["running"], r["ssh_connection"], manifests, r.get("python_missing", ""))
+    problems = host_problems(host, info, r, defer_torch=cluster.setup is not None)
     if problems:
         raise HostError(f"{host.label}: " + "; ".join(p for p, _ in problems),
                         hint="; ".join(h for _, h in problems if h))
     return info, r
 
 
-def host_problems(host: Host, info: HostInfo, r: dict) -> list[tuple[str, str]]:
+def host_problems(host: Host, info: HostInfo, r: dict,
+                  defer_torch: bool = False) -> list[tuple[str, str]]:
+    """`defer_torch`: setup may install torch or make the python: checked after it."""
     problems = []
-    if info.torch is None:
+    if info.torch is None and not defer_torch:
         problems.append((f"torch is not installed for {info.executable}",
                          "pip install torch there, or point `python:` at an interpreter that has it"))
     if host.gpus > info.gpus:
@@ -102,7 +105,8 @@ def preflight(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseEx
     failures = dict(failed)
     failures.update(result.failed)
     infos = {i: v[0] for i, v in result.ok.items()}
-    failures.update(torch_mismatch(cluster, infos))
+    if cluster.setup is None:   # with setup, checked after it (hostsetup.check_ready)
+        failures.update(torch_mismatch(cluster, infos))
     if failures:
         GroupResult(failed=failures).raise_failures(cluster.hosts, "preflight")
     running = [cluster.hosts[i].label for i, inf in infos.items() if inf.running]

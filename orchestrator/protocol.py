@@ -9,6 +9,8 @@ A frame is 1 byte kind + 4 bytes big-endian payload length + payload:
     D  raw file bytes (a receive stream: the bytes of the file announced before)
     O  rank output: 4-byte rank, 1 flag byte, then the bytes exactly as the rank wrote
        them. Output is data, never parsed, so nothing a rank prints can forge a frame.
+    S  a command's output (setup, exec): 4-byte request id, 1 flag byte (0), then the
+       bytes as the command wrote them (stdout and stderr together); agent -> controller.
 
 The agent's first frame is a hello, announced by MAGIC: whatever a login shell prints
 before the agent starts is skipped (up to MAX_GARBAGE bytes). Every frame kind has a
@@ -24,7 +26,7 @@ from typing import Any
 MAGIC = b"\x00\x7fORCH-AGENT\x00"
 HEADER = struct.Struct(">cI")
 RANK = struct.Struct(">IB")          # rank, flags of an output frame
-JSON, DATA, OUTPUT = b"J", b"D", b"O"
+JSON, DATA, OUTPUT, STREAM_OUT = b"J", b"D", b"O", b"S"
 PARTIAL = 1                          # output flag: a piece of a line, more follows
 
 MAX_JSON = 8 << 20                   # one JSON frame
@@ -38,6 +40,7 @@ MAX_PULL_SIZE = 1 << 40              # one pulled file: 1 TiB at most
 MAX_PULL_PATH = 1024                 # bytes of a pulled file's path (each part: 255)
 MAX_PULL_NOTES = 50                  # skipped entries named in a pull manifest's reply
 CAPS = {JSON: MAX_JSON, DATA: MAX_DATA, OUTPUT: MAX_OUTPUT + RANK.size}
+MAX_COMMANDS = 200                   # setup commands in one request
 
 # Error categories of an error reply, and the exit code the controller gives them.
 USAGE, HOST, JOB = "usage", "host", "job"
@@ -70,6 +73,11 @@ def message(t: str, **fields) -> bytes:
 
 def output(rank: int, data: bytes, partial: bool = False) -> bytes:
     return frame(OUTPUT, RANK.pack(rank, PARTIAL if partial else 0) + data)
+
+
+def command_output(id: int, data: bytes) -> bytes:
+    """An S frame: a piece of the output of the command that request `id` runs."""
+    return frame(STREAM_OUT, RANK.pack(id, 0) + data)
 
 
 def split_output(payload: bytes) -> tuple:
@@ -222,6 +230,15 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "pull_manifest": {"job_dir": str, "paths": [str]},   # paths relative to output/
     "pull_send": {"job_dir": str, "files": [str]},       # from the manifest
     "clock": {},                          # the host's time now: offsets measured NTP-style
+    # setup: `commands` (each run with the host's shell, -c) or `script` (a file in code/),
+    # in code/; skipped when run/setup.json holds `fingerprint` (unless `force`)
+    "setup": {"job_dir": str, "commands": [str], "script": OPT_STR, "env": dict,
+              "fingerprint": str, "force": bool},
+    # after setup: the configured python's executable, torch version, and the entrypoint
+    "probe": {"job_dir": str, "python": str, "entrypoint": str, "module": bool, "env": dict},
+    # orch exec: argv in the job folder (else remote_dir, else home), no shell
+    "exec": {"job_dir": str, "argv": [str], "env": dict},
+    "cancel": {"request": int},     # end the command of a running setup or exec (its group)
 }
 FOLLOW_MODES = ("events", "snapshot", "raw", "raw-follow")
 FOLLOW_UNITS = ("rank", "task")
@@ -237,7 +254,8 @@ TASK_RESULT = {"task": int, "header": OPT_STR, "last": OPT_STR}
 REPLIES: dict[str, dict[str, Any]] = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
-                  "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool},
+                  "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool,
+                  "?python_missing": str},
     "manifest": {"root": str},                            # the files come as parts
     "receive": {"files": int, "bytes": int, "deleted": int},
     "launch": {"supervisor": SUPERVISOR},
@@ -253,6 +271,11 @@ REPLIES: dict[str, dict[str, Any]] = {
     "array_status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
                      "time": NUM, "tasks": [TASK_STATUS]},
     "array_results": {"tasks": [TASK_RESULT]},
+    # code: the exit status (negative: killed by that signal); failed: the command that failed
+    "setup": {"skipped": bool, "code": int, "failed": OPT_STR, "shell": str, "seconds": NUM},
+    "probe": {"executable": OPT_STR, "torch": OPT_STR, "entrypoint": OPT_STR, "error": OPT_STR},
+    "exec": {"code": int, "cwd": str, "seconds": NUM},
+    "cancel": {"found": bool},
 }
 # Parts that may come before a reply (with the request's id).
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}

@@ -19,6 +19,8 @@ from orchestrator import arrays
 from orchestrator import state as job_state
 from orchestrator.arrays import ArrayRecord
 from orchestrator import timeouts
+from orchestrator import hostcmd, hostsetup
+from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.connect import (Bastions, GroupResult, check_local_files, connect, fan_out,
                                   ssh_config)
 from orchestrator.errors import EXIT_USAGE, HostError, OrchError
@@ -103,6 +105,7 @@ class Session:
         else:
             transport = connect(host, config or ssh_config(), self.cluster.base_dir, bastions)
         link = Link(transport, self.records[host.index].job_dir)
+        link.python_fallback = self.cluster.setup is not None
         try:
             link.start()
         except BaseException:
@@ -168,6 +171,26 @@ class Session:
         result = fan_out(self.cluster.hosts, one)
         result.raise_failures(self.cluster.hosts, "to receive code or data")
         return result.ok
+
+    def setup(self, pre: PreflightReport, code: list[LocalFile], force: bool,
+              printer: Printer) -> dict[int, dict]:
+        """`setup:` on every host, all or nothing (hostsetup.py); skipped on a host
+        while its fingerprint is unchanged there, unless `force`."""
+        digest = hostsetup.setup_fingerprint(self.cluster, code)
+        return hostsetup.run_setup(self.cluster, self.links, pre, digest, force, printer)
+
+    def check_ready(self, pre: PreflightReport) -> PreflightReport:
+        """After setup, or without pushed code: python, torch, entrypoint per host."""
+        return hostsetup.check_ready(self.cluster, self.links, pre)
+
+    def exec(self, argv: list[str], outputs: dict[int, HostOutput]) -> hostcmd.Outcome:
+        """argv on every host with an open agent (in its job folder, with the job's
+        env), in parallel; Ctrl-C cancels it everywhere (Outcome.interrupted)."""
+        links = {i: link for i, link in self.links.items() if i in outputs}
+        running, failed = hostcmd.submit_all(links, "exec", outputs, lambda i: dict(
+            job_dir=self.records[i].job_dir, argv=argv,
+            env=hostsetup.command_env(self.cluster, self.records[i].job_dir)))
+        return hostcmd.wait_all(running, None, failed)
 
     def launch(self, pre: PreflightReport) -> tuple[str, dict[int, dict]]:
         """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts

@@ -23,8 +23,13 @@ PULL_MANIFEST = 600.0       # a pull's manifest (the host may hash big new check
 PULL_IDLE = 60.0            # a pull's stream: no frame for this long and the host is lost
 CLOCK_REPLY = 2.0           # a `clock` sample's reply; a later one is not a useful sample
 CLOCK_PERIOD = 5.0          # a new clock sample per host this often while a job is watched
+SETUP = 6 * 3600.0          # one host's `setup:` (pip installs can be long)
+CANCEL = 15.0               # Ctrl-C during setup or exec: the hosts' replies after a cancel
 
 # on the host (the agent)
 HEARTBEAT = 1.0             # a follow sends a heartbeat this often; HOST_LOST relies on it
 STOP_VERIFY = 5.0           # after SIGKILL: how long a stop waits for the kernel to reap
 NVIDIA_SMI = 20.0           # preflight's `nvidia-smi -L`
+PROBE = 60.0                # after setup: the configured python's torch and entrypoint check
+COMMAND_DRAIN = 2.0         # setup/exec: output still read after the command ended (a background child)
+COMMAND_GRACE = 3.0         # setup/exec cancelled: SIGTERM -> SIGKILL of its process group

@@ -483,7 +483,7 @@ def sessions_of(hosts: Sequence[FakeHost], command) -> dict[str, int]:
 def test_one_session_per_host_per_command(sshd_cluster: SshdCluster, tmp_path: Path,
                                           jobs: Jobs) -> None:
     """orch up (preflight, sync, launch, follow) = 1 session per host, a repeat up = 1,
-    stop, status and logs = 1 each."""
+    stop, status, logs and exec = 1 each (up with setup: test_e2e_setupexec.py)."""
     hosts, name = sshd_cluster.hosts[:3], "e2e-sessions"
     write_job(tmp_path, QUICK_JOB)
     inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
@@ -502,5 +502,6 @@ def test_one_session_per_host_per_command(sshd_cluster: SshdCluster, tmp_path: P
     assert sessions_of(hosts, ok("logs", "-c", str(inv))) == ones
     assert sessions_of(hosts, ok("logs", "-c", str(inv), "--rank", "1")) == {
         h.address: int(i == 1) for i, h in enumerate(hosts)}
+    assert sessions_of(hosts, ok("exec", "-c", str(inv), "--", "true")) == ones
     assert sessions_of(hosts, ok("stop", str(inv))) == ones
     assert_nothing_left(hosts, name)

@@ -6,12 +6,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any
 
+from rich.markup import escape
+
 from orchestrator import state as job_state
+from orchestrator.cmdout import Printer
 from orchestrator.commands.common import console, emit_json, hint_cmd, inventory, plural
 from orchestrator.commands.pull import after_job
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
+from orchestrator.hostsetup import needs_check
 from orchestrator.inventory import Cluster
 from orchestrator.launch import dry_run_plan, master_addr
 from orchestrator.localfiles import check_entrypoint
@@ -28,6 +33,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("up", help="preflight, sync, start the job on every host, follow it")
     p.add_argument("file", nargs="?", help="inventory (default: -c, or cluster.yaml)")
     p.add_argument("--detach", action="store_true", help="return once every host has started")
+    p.add_argument("--setup", action="store_true",
+                   help="run `setup:` on every host even where it ran before, unchanged")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and each host's command; touch no host")
     p.add_argument("--fail-fast", action="store_true",
@@ -57,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         size = "a job array" if cluster.job.array else f"world size {cluster.world_size}"
         console.print(f"preflight: {plural(len(cluster.hosts), 'host')} ok, {size}")
         sync(session, files, pre)
+        pre = setup_and_check(session, files, pre, args.setup)
         if cluster.job.array is not None:
             return up_array(session, pre, args)
         run_id, sups = session.launch(pre)
@@ -98,6 +106,29 @@ def connect_and_check(session: Session) -> PreflightReport:
         session.open(done=lambda: bar.advance(task))
         bar.reset(task, description="preflight", total=n, completed=len(session.failed))
         return session.preflight(lambda: bar.advance(task))
+
+
+def setup_and_check(session: Session, files: dict[int, HostFiles], pre: PreflightReport,
+                    force: bool) -> PreflightReport:
+    """`setup:` everywhere (all or nothing), then the python, torch and entrypoint check
+    where setup may have changed them, or where nothing was pushed."""
+    cluster = session.cluster
+    for i, info in sorted(pre.hosts.items()):
+        if info.python_missing:
+            console.print(f"{escape(cluster.hosts[i].label)}: python {escape(info.python_missing)} "
+                          "is not there yet; checked after setup")
+    if cluster.setup is not None:
+        t0 = time.monotonic()
+        replies = session.setup(pre, files[0].code, force, Printer())
+        skipped = sum(1 for r in replies.values() if r["skipped"])
+        if skipped:
+            console.print(f"setup: skipped on {plural(skipped, 'host')} (unchanged since it last "
+                          f"succeeded there; `{hint_cmd(cluster, 'up --setup')}` runs it again)",
+                          markup=False)
+        if skipped < len(replies):
+            console.print(f"setup: done on {plural(len(replies) - skipped, 'host')} "
+                          f"({time.monotonic() - t0:.1f} s; logs/setup.log on each host)")
+    return session.check_ready(pre) if needs_check(cluster) else pre
 
 
 def local_files(cluster: Cluster) -> dict[int, HostFiles]:

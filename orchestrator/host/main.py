@@ -15,7 +15,8 @@ import threading
 import time
 
 from orchestrator import protocol
-from orchestrator.host import array, files, follow, launch, preflight, procs, pull, status
+from orchestrator.host import (array, commands, files, follow, launch, preflight, procs, pull,
+                                status)
 from orchestrator.host.common import AgentError
 from orchestrator.host.paths import UnsafePath
 
@@ -33,8 +34,13 @@ COMMANDS = {
     "pull_manifest": pull.run_manifest,
     "pull_send": pull.run_send,
     "clock": lambda req: {"time": time.time()},
+    "setup": commands.run_setup,
+    "probe": commands.run_probe,
+    "exec": commands.run_exec,
+    "cancel": commands.run_cancel,
 }
-IN_THREAD = {"follow": True, "stop": False}   # command -> daemon thread (not waited for)
+# command -> daemon thread (not waited for); setup and exec run beside a `cancel`
+IN_THREAD = {"follow": True, "stop": False, "setup": False, "exec": False}
 
 
 class Out:
@@ -125,6 +131,7 @@ def main(version: str, argv: list) -> None:
         out.send(protocol.error(None, protocol.HOST, "agent: %s" % e))
     except BrokenPipeError:
         pass
+    commands.end_all()   # a setup or exec does not outlive the controller
     for th in waited:
         th.join()
     sys.stdout.flush()

@@ -95,6 +95,8 @@ def run(req) -> dict:
         "ssh_connection": os.environ.get("SSH_CONNECTION", ""),
         "running": bool(supervisor_alive(p)),
     }
+    if os.environ.get("ORCH_PYTHON_MISSING"):   # bundle.FALLBACK: `python:` is not there yet
+        report["python_missing"] = os.environ["ORCH_PYTHON_MISSING"][:4096]
     for folder in a["folders"]:
         if folder not in ("code", "data"):
             raise ValueError("unknown folder %r" % folder)

@@ -1,0 +1,163 @@
+"""`setup:` on every host (after the code sync, before launch), all or nothing, and the
+check that follows it: the configured python runs, has torch (the same version
+everywhere) and finds the entrypoint. The check runs without setup too when nothing is
+pushed (`code:` absent): the entrypoint must then already be on every host."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from orchestrator import timeouts
+from orchestrator.cmdout import HostOutput, Printer
+from orchestrator.connect import GroupResult, fan_out
+from orchestrator.errors import HostError
+from orchestrator.hostcmd import Outcome, submit_all, wait_all
+from orchestrator.inventory import Cluster
+from orchestrator.link import Link
+from orchestrator.localfiles import LocalFile
+from orchestrator.preflight import HostInfo, PreflightReport, torch_mismatch
+from orchestrator.setupspec import fingerprint
+
+TAIL = 10  # lines of a failing host's setup output in the message
+
+
+def command_env(cluster: Cluster, job_dir: str) -> dict[str, str]:
+    """The environment of setup and exec: the job's `env:` and orch's folders. Not
+    ORCH_JOB_DIR: that marks the job's own processes, which `orch stop` ends."""
+    env = dict(cluster.job.env)
+    env.update(
+        ORCH_JOB=cluster.name,
+        ORCH_DATA_DIR=f"{job_dir}/data",
+        ORCH_OUTPUT_DIR=f"{job_dir}/output",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def setup_fingerprint(cluster: Cluster, code: list[LocalFile]) -> str:
+    assert cluster.setup is not None
+    digests = {f.rel: f.digest for f in code}
+    script = ""
+    if cluster.setup.script is not None:
+        local = next((f.path for f in code if f.rel == cluster.setup.script), None)
+        script = _read_text(local) if local else ""
+    return fingerprint(cluster.setup, digests, script)
+
+
+def _read_text(path: str, cap: int = 1 << 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(cap).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def run_setup(
+    cluster: Cluster,
+    links: dict[int, Link],
+    pre: PreflightReport,
+    digest: str,
+    force: bool,
+    printer: Printer,
+) -> dict[int, dict[str, Any]]:
+    """Setup on every host in parallel; HostError (exit 3) naming every failing host with
+    its last lines. KeyboardInterrupt after the hosts ended their commands."""
+    spec = cluster.setup
+    assert spec is not None
+    outputs = {i: HostOutput(printer, f"[setup {cluster.hosts[i].label}]", TAIL) for i in links}
+    running, failed = submit_all(
+        links,
+        "setup",
+        outputs,
+        lambda i: dict(
+            job_dir=pre.hosts[i].job_dir,
+            commands=list(spec.commands),
+            script=spec.script,
+            env=command_env(cluster, pre.hosts[i].job_dir),
+            fingerprint=digest,
+            force=force,
+        ),
+    )
+    outcome = wait_all(running, timeouts.SETUP, failed)
+    if outcome.interrupted:
+        raise KeyboardInterrupt
+    raise_setup_failures(cluster, outcome, outputs, {i: pre.hosts[i].job_dir for i in links})
+    return outcome.ok
+
+
+def raise_setup_failures(
+    cluster: Cluster, outcome: Outcome, outputs: dict[int, HostOutput], dirs: dict[int, str]
+) -> None:
+    failures = dict(outcome.failed)
+    for i, reply in outcome.ok.items():
+        if reply["code"] != 0:
+            label, failed = cluster.hosts[i].label, reply["failed"] or "?"
+            tail = "".join(f"\n      | {line}" for line in outputs[i].tail_text())
+            failures[i] = HostError(
+                f"{label}: `{failed}` exited with {_status(reply['code'])}; "
+                f"its last lines:{tail or ' (no output)'}",
+                hint=f"fix the command (the whole output is in "
+                f"{dirs[i]}/logs/setup.log on {label}), then run `orch up` again",
+            )
+    if failures:
+        GroupResult(failed=failures).raise_failures(cluster.hosts, "setup; nothing was started")
+
+
+def _status(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"code {code}"
+
+
+# ---------------------------------------------------------------- the check after it
+
+
+def check_ready(cluster: Cluster, links: dict[int, Link], pre: PreflightReport) -> PreflightReport:
+    """Each host's configured python, its torch and the entrypoint, checked where the
+    job will run; the report's executables and torch versions are this python's."""
+    result = fan_out(cluster.hosts, lambda h: _probe(cluster, links[h.index], pre.hosts[h.index]))
+    failures = dict(result.failed)
+    failures.update(torch_mismatch(cluster, result.ok))
+    if failures:
+        GroupResult(failed=failures).raise_failures(
+            cluster.hosts, "the check before launch; nothing was started"
+        )
+    return dataclasses.replace(pre, hosts=result.ok)
+
+
+def _probe(cluster: Cluster, link: Link, info: HostInfo) -> HostInfo:
+    host, job = link.host, cluster.job
+    r = link.request(
+        "probe",
+        timeouts.PROBE + 15,
+        job_dir=info.job_dir,
+        python=host.python,
+        entrypoint=job.entrypoint,
+        module=job.is_module,
+        env=command_env(cluster, info.job_dir),
+    )
+    after = " after setup" if cluster.setup else ""
+    if r["error"] or not r["executable"]:
+        raise HostError(
+            f"{host.label}: python `{host.python}` does not run{after}: {r['error']}",
+            hint="make setup create it, or point `python:` at an interpreter that exists there",
+        )
+    if r["torch"] is None:
+        raise HostError(
+            f"{host.label}: torch is not installed for {r['executable']}{after}",
+            hint="install torch there (e.g. in setup: `pip install torch==<version>`), "
+            "or point `python:` at an interpreter that has it",
+        )
+    if r["entrypoint"]:
+        raise HostError(
+            f"{host.label}: the entrypoint is not there{after}: {r['entrypoint']} "
+            f"(in {info.job_dir})",
+            hint="push it with `code: {paths: [...]}`, copy it to that folder, or fix "
+            "`job.entrypoint`",
+        )
+    return dataclasses.replace(info, executable=r["executable"], torch=r["torch"])
+
+
+def needs_check(cluster: Cluster) -> bool:
+    """After setup (python and torch may be new), or when nothing is pushed (the
+    entrypoint was never seen here)."""
+    return cluster.setup is not None or not cluster.code.paths
