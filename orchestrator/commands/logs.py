@@ -14,6 +14,7 @@ from orchestrator import arrays
 from orchestrator.commands.common import (
     console,
     emit_json,
+    hint_cmd,
     inventory,
     open_session,
     require_state,
@@ -43,6 +44,8 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
+    if args.rank is not None and cluster.job.array is None:
+        cluster.host_of(args.rank)   # a rank outside the job is a usage error, run or not
     st = require_state(cluster)
     if args.json and args.follow:
         raise UsageError("--json prints one document: it cannot follow (-f)",
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         return list_logs(cluster, st, args.json)
     if args.task is not None:
         raise UsageError(f"job '{cluster.name}' is not a job array: it has ranks, not tasks",
-                         hint=f"use `orch logs -c {cluster.path.name} --rank R`")
+                         hint=f"use `{hint_cmd(cluster, 'logs --rank R')}`")
     if args.rank is not None:
         host = cluster.host_of(args.rank)
         session = open_session(cluster, st, hosts=(host,))
