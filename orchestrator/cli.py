@@ -13,7 +13,7 @@ from typing import Any, Callable, NoReturn
 from orchestrator import __version__
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, OrchError
 
-COMMANDS = ("up", "stop", "logs", "status", "pull", "exec", "split_data")
+COMMANDS = ("up", "stop", "logs", "status", "results", "pull", "exec", "split_data")
 
 
 class Parser(argparse.ArgumentParser):

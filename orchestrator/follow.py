@@ -101,14 +101,17 @@ def watchdog(streams: dict[int, HostStream], tracker: Tracker, stop: threading.E
 
 
 def follow(streams: dict[int, HostStream], sink: Sink, tail: int = -1,
-           mode: str = "events") -> Callable[[], bool]:
+           mode: str = "events", unit: str | None = None) -> Callable[[], bool]:
     """Start following every host; returns `finished()`, true once every host is done.
-    mode "events" follows until the job ends; "snapshot" prints what is there and stops."""
+    mode "events" follows until the job ends; "snapshot" prints what is there and stops.
+    unit "task": a job array's tasks (their numbers stand where ranks do)."""
     tracker, stop = Tracker(streams, sink), threading.Event()
+    extra = {"unit": unit} if unit else {}
     for index, s in streams.items():
         s.link.last_seen = time.monotonic()
         try:
-            s.link.follow(tracker, job_dir=s.job_dir, ranks=list(s.ranks), tail=tail, mode=mode)
+            s.link.follow(tracker, job_dir=s.job_dir, ranks=list(s.ranks), tail=tail, mode=mode,
+                          **extra)
         except OrchError as e:
             tracker.host_lost(index, e.message)
     if mode == "events":
@@ -132,10 +135,13 @@ def use_color() -> bool:
 
 
 class PrefixPrinter(LineSink):
-    """Prints `[r3 host] line`, a colour per rank; keeps each rank's last lines."""
+    """Prints `[r3 host] line` (`[t3 host]` for task 3 of an array, tag "t"), a colour per
+    rank; keeps each rank's last lines."""
 
-    def __init__(self, labels: dict[int, str], out=None, tty: bool | None = None) -> None:
+    def __init__(self, labels: dict[int, str], out=None, tty: bool | None = None,
+                 tag: str = "r") -> None:
         self.out = out or sys.stdout.buffer
+        self.tag = tag
         self.labels = labels
         self.color = use_color()
         # on a terminal, rank output cannot move the cursor, retitle the window or hide
@@ -147,7 +153,7 @@ class PrefixPrinter(LineSink):
         self.tails: dict[int, deque] = {}
 
     def prefix(self, host: int, rank: int) -> bytes:
-        tag = f"[r{rank} {self.labels[host]}]"
+        tag = f"[{self.tag}{rank} {self.labels[host]}]"
         if self.tty:
             tag = visible(tag, keep_sgr=False)
         if self.color:

@@ -49,6 +49,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode
 
 from .errors import InventoryError, UsageError
 from . import hostnames
+from .arrayspec import ArraySpec, parse_array
 from .jumps import parse_jump
 from .safefile import FileRefused, read_regular
 from .setupspec import SetupSpec, parse_setup
@@ -60,7 +61,7 @@ HOST_KEYS = ("address", "connection", "gpus", "procs", "remote_dir", "python") +
 TOP_KEYS = ("name", "ssh", "hosts", "remote_dir", "python", "code", "data", "job", "setup")
 CODE_KEYS = ("paths", "exclude")
 DATA_KEYS = ("source", "shards")
-JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts")
+JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts", "array")
 HOST_KEY_POLICIES = ("strict", "accept-new")
 CONNECTIONS = ("ssh", "local")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -165,6 +166,7 @@ class JobSpec:
     env: Tuple[Tuple[str, str], ...]  # sorted by key
     master_port: Optional[int]   # None: a free port on the first host
     max_restarts: int
+    array: Optional[ArraySpec] = None   # a job array: independent tasks instead of one job
 
     @property
     def is_module(self) -> bool:
@@ -256,7 +258,7 @@ def parse(text: str, path: str | Path) -> Cluster:
     name = _name(top)
     hosts = _hosts(top, base_dir)
     code = _code(top, base_dir)
-    job = _job(top, code, base_dir)
+    job = _job(top, code, base_dir, max(h.procs for h in hosts))
     data = _data(top, base_dir)
     setup = parse_setup(top, code.paths, base_dir)
     ranks = tuple(RankSlot(r, h.index, r - h.first_rank) for h in hosts for r in h.ranks)
@@ -531,7 +533,7 @@ def _folder(value: Optional[str], base_dir: Path) -> Optional[Path]:
 
 # ---- job ----------------------------------------------------------------------------------
 
-def _job(top: Section, code: CodeSpec, base_dir: Path) -> JobSpec:
+def _job(top: Section, code: CodeSpec, base_dir: Path, max_procs: int) -> JobSpec:
     src = top.src
     if top.node("job") is None:
         src.fail(1, "missing `job:`", "add `job:` with at least `entrypoint: worker.train` "
@@ -544,7 +546,8 @@ def _job(top: Section, code: CodeSpec, base_dir: Path) -> JobSpec:
     env = _env(sec, sum(len(a.encode()) + 1 for a in args))
     return JobSpec(entrypoint=entrypoint, args=args, env=env,
                    master_port=sec.integer("master_port", None, 1, 65535, example=29500),
-                   max_restarts=sec.integer("max_restarts", 0, 0, example=0))
+                   max_restarts=sec.integer("max_restarts", 0, 0, example=0),
+                   array=parse_array(sec, max_procs))
 
 
 def _entrypoint(sec: Section) -> str:

@@ -219,9 +219,14 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "receive": {"root": str},
     "launch": {"job_dir": str, "spec": {"run_id": str, "ranks": [int], "argv": [str],
                                         "env": dict}},
-    "follow": {"job_dir": str, "ranks": [int], "tail": int, "mode": str},
+    "follow": {"job_dir": str, "ranks": [int], "tail": int, "mode": str, "?unit": str},
     "status": {"job_dir": str, "ranks": [int], "?first_local": int},
     "stop": {"job_dir": str, "grace": NUM},
+    # job arrays: a runner per host works through its queue of tasks
+    "array_launch": {"job_dir": str, "spec": {"run_id": str, "slots": int, "env": dict,
+                                              "tasks": [{"i": int, "argv": [str], "args": str}]}},
+    "array_status": {"job_dir": str, "tasks": [int]},
+    "array_results": {"job_dir": str, "tasks": [int]},
     "pull_manifest": {"job_dir": str, "paths": [str]},   # paths relative to output/
     "pull_send": {"job_dir": str, "files": [str]},       # from the manifest
     "clock": {},                          # the host's time now: offsets measured NTP-style
@@ -236,12 +241,16 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "cancel": {"request": int},     # end the command of a running setup or exec (its group)
 }
 FOLLOW_MODES = ("events", "snapshot", "raw", "raw-follow")
+FOLLOW_UNITS = ("rank", "task")
 
 SUPERVISOR = {"pid": int, "pgid": int, "start_ticks": OPT_INT, "torchrun_pid": int,
               "run_id": str, "started": NUM}
 RANK_STATUS = {"rank": int, "state": str, "last_line": str, "?pid": OPT_INT,
                "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM, "?error_file": str,
                "?log_bytes": OPT_INT}
+TASK_STATUS = {"task": int, "state": str, "last_line": str, "?pid": OPT_INT, "?slot": OPT_INT,
+               "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM}
+TASK_RESULT = {"task": int, "header": OPT_STR, "last": OPT_STR}
 REPLIES: dict[str, dict[str, Any]] = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
@@ -258,6 +267,10 @@ REPLIES: dict[str, dict[str, Any]] = {
                       "skipped": [{"p": str, "why": str}], "skipped_count": int},
     "pull_send": {"files": int, "bytes": int},
     "clock": {"time": NUM},
+    "array_launch": {"supervisor": SUPERVISOR},
+    "array_status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
+                     "time": NUM, "tasks": [TASK_STATUS]},
+    "array_results": {"tasks": [TASK_RESULT]},
     # code: the exit status (negative: killed by that signal); failed: the command that failed
     "setup": {"skipped": bool, "code": int, "failed": OPT_STR, "shell": str, "seconds": NUM},
     "probe": {"executable": OPT_STR, "torch": OPT_STR, "entrypoint": OPT_STR, "error": OPT_STR},

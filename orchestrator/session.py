@@ -15,7 +15,9 @@ from typing import Callable
 
 import paramiko
 
+from orchestrator import arrays
 from orchestrator import state as job_state
+from orchestrator.arrays import ArrayRecord
 from orchestrator import timeouts
 from orchestrator import hostcmd, hostsetup
 from orchestrator.cmdout import HostOutput, Printer
@@ -237,3 +239,30 @@ class Session:
         cache = DigestCache(self.cluster.state_dir / "pull-digests.json")
         return pull_files(link, self.records[host.index].job_dir, paths, dest, cache,
                           progress, planned)
+
+    # ------------------------------------------------------------ job arrays
+
+    def launch_array(self, pre: PreflightReport) -> tuple[ArrayRecord, dict[int, dict]]:
+        """Every host's runner, all or none (like `launch`)."""
+        try:
+            return arrays.launch_all(self.cluster, self.links, pre)
+        except BaseException:
+            self.stop(0)
+            raise
+
+    def array_request(self, command: str, rec: ArrayRecord, batch: int = 1000) -> GroupResult[dict]:
+        """`array_status` or `array_results` of each host's tasks, in batches (a reply
+        stays far under the frame cap); the host's replies merged."""
+        links = self.links
+        hosts = tuple(h for h in self.cluster.hosts if h.index in links)
+
+        def one(h: Host) -> dict:
+            mine, merged = rec.tasks_of(h.index), {}
+            for at in range(0, max(len(mine), 1), batch):
+                reply = links[h.index].request(command, timeouts.STATUS,
+                                               job_dir=self.records[h.index].job_dir,
+                                               tasks=mine[at:at + batch])
+                merged.setdefault("tasks", []).extend(reply.pop("tasks"))
+                merged.update(reply)
+            return merged
+        return fan_out(hosts, one)

@@ -14,8 +14,6 @@ import pytest
 from conftest import write_job
 from sshd_cluster import SshdCluster, free_port, pid_alive
 from test_e2e_up import Jobs, assert_nothing_left, jobs  # noqa: F401
-from orchestrator.inventory import load
-from orchestrator.words import hint_cmd
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 HOSTS = 16
@@ -107,7 +105,7 @@ def test_a_frozen_host_is_named_and_finished_once_it_is_back(
     silent = f"root cause host {frozen.address}: it went silent before any rank failed"
     assert silent in report, report
     assert f"NOT stopped on {frozen.address}" in report and "every host" not in report, report
-    assert f"`{hint_cmd(load(inv), 'stop')}` ends them" in report, report
+    assert "`orch stop" in report and "ends them once the host is reachable again" in report, report
     assert status.returncode == 3, status.stdout + status.stderr
     stop = orch(tmp_path, "stop", "-c", str(inv), "--grace", "2")
     assert stop.returncode == 0, stop.stderr

@@ -10,9 +10,11 @@ from typing import Any
 
 from rich.table import Table
 
+from orchestrator import arrays
 from orchestrator.commands.common import (
     console,
     emit_json,
+    hint_cmd,
     inventory,
     open_session,
     require_state,
@@ -32,6 +34,7 @@ from orchestrator.words import plural
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("logs", help="print a rank's output (or every rank's, prefixed)")
     p.add_argument("--rank", type=int, metavar="R", help="global rank (default: all, prefixed)")
+    p.add_argument("--task", type=int, metavar="I", help="job arrays: task I's output, raw")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     p.add_argument("--tail", type=int, default=-1, metavar="N", help="start with the last N lines")
     p.add_argument("--list", action="store_true",
@@ -41,12 +44,19 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
+    if args.rank is not None and cluster.job.array is None:
+        cluster.host_of(args.rank)   # a rank outside the job is a usage error, run or not
     st = require_state(cluster)
-    if args.list:
-        return list_logs(cluster, st, args.json)
     if args.json and args.follow:
         raise UsageError("--json prints one document: it cannot follow (-f)",
                          hint="leave out -f, or leave out --json")
+    if cluster.job.array is not None:
+        return array_logs(cluster, st, args)
+    if args.list:
+        return list_logs(cluster, st, args.json)
+    if args.task is not None:
+        raise UsageError(f"job '{cluster.name}' is not a job array: it has ranks, not tasks",
+                         hint=f"use `{hint_cmd(cluster, 'logs --rank R')}`")
     if args.rank is not None:
         host = cluster.host_of(args.rank)
         session = open_session(cluster, st, hosts=(host,))
@@ -142,18 +152,20 @@ class RawSink:
         self.ended.set()
 
 
-def raw_log(session: Session, host: int, args: argparse.Namespace) -> int:
+def raw_log(session: Session, host: int, args: argparse.Namespace, unit: str = "rank") -> int:
     sink = RawSink(collect=args.json)
     link = session.links[host]
-    link.follow(sink, job_dir=session.records[host].job_dir, ranks=[args.rank],
-                tail=args.tail, mode="raw-follow" if args.follow else "raw")
+    which = args.rank if unit == "rank" else args.task
+    extra = {"unit": unit} if unit != "rank" else {}
+    link.follow(sink, job_dir=session.records[host].job_dir, ranks=[which],
+                tail=args.tail, mode="raw-follow" if args.follow else "raw", **extra)
     while not sink.ended.wait(0.2):
         pass
     if sink.why and not sink.broken:
         console.print("[yellow]warning:[/]", plain(f"{link.name}: {sink.why}"))
     if sink.collect is not None:
         text = b"".join(sink.collect).decode("utf-8", "replace")
-        emit_json({"job": session.cluster.name, "rank": args.rank, "host": link.name,
+        emit_json({"job": session.cluster.name, unit: which, "host": link.name,
                    "lines": text.splitlines()})
     return EXIT_HOST if sink.why else EXIT_OK
 
@@ -181,6 +193,42 @@ class LogSink(LineSink):
         self.lost[host] = why
         if self.printer is not None:
             console.print("[yellow]warning:[/]", plain(f"host {self.labels[host]}: {why}"))
+
+
+def array_logs(cluster: Cluster, st: JobState, args: argparse.Namespace) -> int:
+    """`--task I`: task I's raw log; else every task, prefixed `[t<i> host]`."""
+    inv = cluster.path.name
+    if args.rank is not None or args.list:
+        raise UsageError(f"job '{cluster.name}' is a job array: it has tasks, not ranks",
+                         hint=f"use `orch logs -c {inv} --task I` (`orch status -c {inv}` lists the tasks)")
+    rec = arrays.load(cluster)
+    if args.task is not None:
+        host = cluster.hosts[arrays.task_of(rec, args.task)]
+        session = open_session(cluster, st, hosts=(host,))
+        try:
+            session.require_all("to connect")
+            return raw_log(session, host.index, args, unit="task")
+        finally:
+            session.close()
+    session = open_session(cluster, st)
+    try:
+        if not args.json:
+            warn_unreachable(session)
+        labels = {h.index: h.label for h in cluster.hosts}
+        sink = LogSink(None if args.json else PrefixPrinter(labels, tag="t"), labels)
+        streams = {i: HostStream(link, session.records[i].job_dir, rec.tasks_of(i))
+                   for i, link in session.links.items()}
+        finished = follow(streams, sink, args.tail, "events" if args.follow else "snapshot",
+                          unit="task")
+        while not finished():
+            time.sleep(0.1)
+    finally:
+        session.close()
+    if args.json:
+        emit_json({"job": cluster.name,
+                   "tasks": [{"task": i, "lines": sink.kept.get(i, [])} for i in range(len(rec.host))],
+                   "lost": {labels[i]: why for i, why in sorted(sink.lost.items())}})
+    return EXIT_HOST if sink.lost or session.failed else EXIT_OK
 
 
 def all_logs(session: Session, args: argparse.Namespace) -> int:

@@ -70,8 +70,8 @@ def _resolve(args: argparse.Namespace) -> tuple[int, Path, Path]:
     if workers is not None and source is not None and out is not None:
         return workers, source, out
     cluster = _load_inventory(Path(getattr(args, "config", None) or "cluster.yaml"), args)
-    if workers is None:
-        workers = cluster.world_size
+    if workers is None:   # a job array: one task is the world (every host gets all shards)
+        workers = cluster.job.array.procs_per_task if cluster.job.array else cluster.world_size
     data = getattr(cluster, "data", None)
     if source is None:
         source = getattr(data, "source", None)

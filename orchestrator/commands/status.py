@@ -8,6 +8,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from orchestrator import arrays
 from orchestrator.commands.common import (
     console,
     emit_json,
@@ -19,6 +20,8 @@ from orchestrator.commands.common import (
 )
 from orchestrator.errors import EXIT_HOST, EXIT_OK
 from orchestrator.termsafe import plain, visible
+from orchestrator.inventory import Cluster
+from orchestrator.results import status_rows
 from orchestrator.watch import signal_name
 
 LAST_LINE_MAX = 200   # characters kept in a row (the table cuts it to the screen at the end)
@@ -33,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     """Exit 3 when a host could not be reached or answer (its ranks read `unreachable`),
     after the table is printed."""
     cluster = inventory(args)
+    if cluster.job.array is not None:
+        return array_status(cluster, args)
     session = open_session(cluster, require_state(cluster))
     try:
         if not args.json:
@@ -120,3 +125,31 @@ def table(name: str, rows: list[dict], width: int | None = None) -> Table:
     for r in texts:
         t.add_row(*(Text(r[c]) for c in cols))   # Text: never read as markup
     return t
+
+
+def array_status(cluster: Cluster, args: argparse.Namespace) -> int:
+    """One row per task of a job array: index, args, host/slot, state, runtime, last line."""
+    rec = arrays.load(cluster)
+    session = open_session(cluster, require_state(cluster))
+    try:
+        if not args.json:
+            warn_unreachable(session)
+        result = session.array_request("array_status", rec)
+        rows = status_rows(cluster, rec, result)
+    finally:
+        session.close()
+    failed = dict(session.failed)
+    failed.update(result.failed)
+    if args.json:
+        emit_json({"job": cluster.name, "tasks": rows, "unreachable": unreachable(cluster, failed)})
+        return EXIT_HOST if failed else EXIT_OK
+    t = Table(title=f"job array {cluster.name}")
+    for col in ("task", "args", "host", "slot", "state", "runtime", "last line"):
+        t.add_column(col, overflow="fold" if col in ("last line", "args") else "ellipsis")
+    for r in rows:
+        runtime = "-" if r["runtime_s"] is None else f"{r['runtime_s']:.1f}s"
+        slot = "-" if r["slot"] is None else str(r["slot"])
+        t.add_row(str(r["task"]), plain(r["args"]), r["host"], slot, r["state"], runtime,
+                  plain(r["last_line"][-80:]))
+    console.print(t, soft_wrap=False)
+    return EXIT_HOST if failed else EXIT_OK

@@ -25,6 +25,7 @@ from orchestrator.session import HostFiles, Session
 from orchestrator.shards import host_files, load_split
 from orchestrator.sync import DigestCache, SyncReport, code_files
 from orchestrator.ui import bytes_bar, hosts_bar
+from orchestrator.commands.array_up import array_files, array_plan, up_array
 from orchestrator.watch import attach
 
 
@@ -36,6 +37,8 @@ def add_parser(sub: Any) -> None:
                    help="run `setup:` on every host even where it ran before, unchanged")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and each host's command; touch no host")
+    p.add_argument("--fail-fast", action="store_true",
+                   help="job arrays: the first failing task stops every task (default: the others go on)")
     p.add_argument("--no-pull", action="store_true",
                    help="do not pull rank 0's output/ into outputs/<name>/ when the job ends")
     p.set_defaults(func=run)
@@ -44,10 +47,11 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
     if args.dry_run:
+        plan = array_plan(cluster) if cluster.job.array else dry_run_plan(cluster)
         if args.json:
-            emit_json({"job": cluster.name, "plan": dry_run_plan(cluster)})
+            emit_json({"job": cluster.name, "plan": plan})
         else:
-            print(dry_run_plan(cluster))
+            print(plan)
         return EXIT_OK
     if args.json and not args.detach:
         raise UsageError("`up --json` needs --detach: an attached job streams its ranks' output",
@@ -57,10 +61,12 @@ def run(args: argparse.Namespace) -> int:
     session = Session(cluster)
     try:
         pre = connect_and_check(session)
-        console.print(f"preflight: {plural(len(cluster.hosts), 'host')} ok, "
-                      f"world size {cluster.world_size}")
+        size = "a job array" if cluster.job.array else f"world size {cluster.world_size}"
+        console.print(f"preflight: {plural(len(cluster.hosts), 'host')} ok, {size}")
         sync(session, files, pre)
         pre = setup_and_check(session, files, pre, args.setup)
+        if cluster.job.array is not None:
+            return up_array(session, pre, args)
         run_id, sups = session.launch(pre)
         st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
                                  pre.master_port, pre.hosts, sups)
@@ -127,6 +133,8 @@ def setup_and_check(session: Session, files: dict[int, HostFiles], pre: Prefligh
 
 def local_files(cluster: Cluster) -> dict[int, HostFiles]:
     """What each host must hold, hashed (cached) and checked here, before connecting."""
+    if cluster.job.array is not None:
+        return array_files(cluster)
     split = load_split(cluster) if cluster.data.shards else None
     cache = DigestCache(cluster.state_dir.parent / "digests.json")
     check_entrypoint(cluster.base_dir, cluster.code.paths, cluster.code.exclude,

@@ -96,8 +96,9 @@ def tail_offset(f, n: int) -> int:
     return 0
 
 
-def rank_exit(p: dict, rank: int):
-    ex = read_json(p["jd"], "run/rank-%d.exit" % rank)
+def rank_exit(p: dict, rank: int, unit: str = "rank"):
+    """run/<unit>-<n>.exit (unit "rank", or "task" for a job array)."""
+    ex = read_json(p["jd"], "run/%s-%d.exit" % (unit, rank))
     return ex if isinstance(ex, dict) and "code" in ex and "time" in ex else None
 
 
@@ -131,12 +132,12 @@ def exit_event(p: dict[str, Any], rank: int, ex: dict[str, Any]) -> bytes:
     return protocol.event("exit", **fields)
 
 
-def send_exits(send, p: dict, logs: list, reported: set, events: bool) -> bool:
+def send_exits(send, p: dict, logs: list, reported: set, events: bool, unit: str) -> bool:
     """Report rank exits as they land; True once nothing more will come."""
     for log in logs:
         if log.rank in reported:
             continue
-        ex = rank_exit(p, log.rank)
+        ex = rank_exit(p, log.rank, unit)
         if ex is not None:
             reported.add(log.rank)
             emit(send, log)
@@ -145,13 +146,15 @@ def send_exits(send, p: dict, logs: list, reported: set, events: bool) -> bool:
     return host_done(p) is not None or (not events and len(reported) == len(logs))
 
 
-def send_starts(send, p: dict, logs: list, started: set) -> None:
+def send_starts(send, p: dict, logs: list, started: set, unit: str = "rank") -> None:
     """A `start` event once per rank, when its wrapper has recorded the rank's pid:
-    the controller can show that ranks run before their first line (torch imports)."""
+    the controller can show that ranks run before their first line (torch imports).
+    A job array's task: when the runner has recorded its start."""
+    record = "run/rank-%d.pid" if unit == "rank" else "run/task-%d.start"
     for log in logs:
         if log.rank in started:
             continue
-        pid = read_json(p["jd"], "run/rank-%d.pid" % log.rank)
+        pid = read_json(p["jd"], record % log.rank)
         if isinstance(pid, dict) and isinstance(pid.get("pid"), int):
             started.add(log.rank)
             send(protocol.event("start", rank=log.rank, pid=pid["pid"]))
@@ -171,15 +174,19 @@ def finish(send, p: dict, logs: list, mode: str) -> None:
 def run(req) -> None:
     """mode: "events" (lines, exits, heartbeats until the host is done), "snapshot"
     (the lines there now), "raw-follow" (until the ranks end), "raw" (what is there now).
+    `unit` "task" follows a job array's task logs and exits instead of the ranks'.
     Ends with a `done` event in every mode."""
     a, send = req.args, req.out.send
     mode = a["mode"]
     if mode not in protocol.FOLLOW_MODES:
         raise AgentError("unknown follow mode %r" % mode, protocol.USAGE)
+    unit = a.get("unit", "rank")
+    if unit not in protocol.FOLLOW_UNITS:
+        raise AgentError("unknown follow unit %r" % unit, protocol.USAGE)
     p = job_paths(a["job_dir"])
     logs = []
     for r in a["ranks"]:
-        log = RankLog(r, p["jd"], "logs/rank-%d.log" % r, 0)
+        log = RankLog(r, p["jd"], "logs/%s-%d.log" % (unit, r), 0)
         if a["tail"] >= 0:
             log.f = open_log(p["jd"], log.rel)
             log.offset = tail_offset(log.f, a["tail"])
@@ -188,10 +195,11 @@ def run(req) -> None:
     started = set()  # type: set
     while True:
         if mode == "events" and len(started) < len(logs):
-            send_starts(send, p, logs, started)
+            send_starts(send, p, logs, started, unit)
         busy = sum(emit(send, log) for log in logs)
         idle = 0 if busy else idle + 1
-        if mode in ("raw", "snapshot") or send_exits(send, p, logs, reported, mode == "events"):
+        if mode in ("raw", "snapshot") or send_exits(send, p, logs, reported, mode == "events",
+                                                          unit):
             return finish(send, p, logs, mode)
         if mode == "events" and time.time() - beat >= timeouts.HEARTBEAT:
             send(protocol.event("beat", time=time.time()))

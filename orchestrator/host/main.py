@@ -15,7 +15,8 @@ import threading
 import time
 
 from orchestrator import protocol
-from orchestrator.host import commands, files, follow, launch, preflight, procs, pull, status
+from orchestrator.host import (array, commands, files, follow, launch, preflight, procs, pull,
+                                status)
 from orchestrator.host.common import AgentError
 from orchestrator.host.paths import UnsafePath
 
@@ -27,6 +28,9 @@ COMMANDS = {
     "follow": follow.run,
     "status": status.run,
     "stop": procs.run_stop,
+    "array_launch": array.run_launch,
+    "array_status": array.run_status,
+    "array_results": array.run_results,
     "pull_manifest": pull.run_manifest,
     "pull_send": pull.run_send,
     "clock": lambda req: {"time": time.time()},

@@ -1,0 +1,140 @@
+"""Job arrays on the controller: dealing tasks to hosts, each task's command line, the
+array's record in `.orch/<name>/array.json`, and the launch on every host.
+
+The controller deals the tasks up front (see `deal`); each host's runner
+(host/array.py) then works through its own queue, so the array goes on without the
+controller.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import uuid
+from dataclasses import dataclass
+
+from orchestrator import timeouts
+from orchestrator.arrayspec import ArraySpec
+from orchestrator.connect import fan_out
+from orchestrator.errors import UsageError
+from orchestrator.inventory import Cluster, Host
+from orchestrator.launch import rank_env
+from orchestrator.link import Link
+from orchestrator.preflight import PreflightReport
+
+
+@dataclass(frozen=True)
+class ArrayRecord:
+    """What later commands need: each task's args and host (from the `up` that dealt them)."""
+
+    run_id: str
+    keys: list[str]
+    args: list[list[str]]          # task i's own args
+    host: list[int]                # task i's host index
+    procs_per_task: int
+
+    def tasks_of(self, host: int) -> list[int]:
+        return [i for i, h in enumerate(self.host) if h == host]
+
+
+def slots(host: Host, spec: ArraySpec) -> int:
+    return host.procs // spec.procs_per_task
+
+
+def deal(cluster: Cluster, spec: ArraySpec) -> list[int]:
+    """The host of each task: round-robin over the slots, one slot of each host per round
+    (a host with 4 slots gets 4 tasks for every 1 of a host with 1 slot), so the first
+    tasks start at once everywhere and every host's queue is about as long, in tasks."""
+    order: list[int] = []
+    most = max(slots(h, spec) for h in cluster.hosts)
+    for r in range(most):
+        order += [h.index for h in cluster.hosts if slots(h, spec) > r]
+    return [order[i % len(order)] for i in range(len(spec.tasks))]
+
+
+def task_argv(cluster: Cluster, python: str, job_dir: str, i: int) -> list[str]:
+    """procs_per_task 1: the entrypoint with python itself (no torchrun, no process group);
+    more: a torchrun of its own (--standalone: its own rendezvous on a free port)."""
+    job, spec = cluster.job, cluster.job.array
+    assert spec is not None
+    target = ["-m", job.entrypoint] if job.is_module else [job.entrypoint]
+    args = [*job.args, *spec.tasks[i]]
+    if spec.procs_per_task == 1:
+        return [python, "-u", *target, *args]
+    return [python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc-per-node", str(spec.procs_per_task),
+            "--log-dir", f"{job_dir}/run/torchrun-task-{i}", *target, *args]
+
+
+def host_spec(cluster: Cluster, host: Host, python: str, job_dir: str, run_id: str,
+              tasks: list[int]) -> dict:
+    spec = cluster.job.array
+    assert spec is not None
+    env = rank_env(cluster, job_dir, run_id)
+    return {"run_id": run_id, "slots": slots(host, spec), "env": env,
+            "tasks": [{"i": i, "argv": task_argv(cluster, python, job_dir, i),
+                       "args": shlex.join(spec.tasks[i])} for i in tasks]}
+
+
+def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport
+               ) -> tuple[ArrayRecord, dict[int, dict]]:
+    """Start every host's runner in parallel; raise naming every host that failed."""
+    spec = cluster.job.array
+    assert spec is not None
+    rec = ArrayRecord(uuid.uuid4().hex, list(spec.keys), [list(t) for t in spec.tasks],
+                      deal(cluster, spec), spec.procs_per_task)
+
+    def one(h: Host) -> dict:
+        info = pre.hosts[h.index]
+        body = host_spec(cluster, h, info.executable, info.job_dir, rec.run_id, rec.tasks_of(h.index))
+        return links[h.index].request("array_launch", timeouts.LAUNCH, job_dir=info.job_dir,
+                                      spec=body)["supervisor"]
+    result = fan_out(cluster.hosts, one)
+    result.raise_failures(cluster.hosts, "to start")
+    return rec, result.ok
+
+
+# ---------------------------------------------------------------- the record
+
+def record_path(cluster: Cluster):
+    return cluster.state_dir / "array.json"
+
+
+def save(cluster: Cluster, rec: ArrayRecord) -> None:
+    path = record_path(cluster)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(rec.__dict__, f)
+    os.replace(tmp, path)
+
+
+def load(cluster: Cluster) -> ArrayRecord:
+    """The array `orch up` started from this inventory; a usage error naming the fix."""
+    path = record_path(cluster)
+    fix = f"start it with `orch up -c {cluster.path.name}`"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        rec = ArrayRecord(str(raw["run_id"]), list(raw["keys"]), raw["args"], raw["host"],
+                          int(raw["procs_per_task"]))
+    except FileNotFoundError:
+        raise UsageError(f"job array '{cluster.name}' has not been started from {cluster.path}",
+                         hint=fix) from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"{path}: the array's record is damaged ({exc})", hint=fix) from None
+    good = (len(rec.args) == len(rec.host)
+            and all(isinstance(h, int) and 0 <= h < len(cluster.hosts) for h in rec.host)
+            and all(isinstance(a, list) and all(isinstance(x, str) for x in a) for a in rec.args))
+    if not good:
+        raise UsageError(f"{path}: the array's record does not match {cluster.path.name}'s hosts",
+                         hint=fix)
+    return rec
+
+
+def task_of(rec: ArrayRecord, task: int) -> int:
+    """Task's host, or a usage error naming the tasks there are."""
+    if not 0 <= task < len(rec.host):
+        raise UsageError(f"task {task} does not exist: this array has tasks 0 to {len(rec.host) - 1}",
+                         hint=f"give a task from 0 to {len(rec.host) - 1}")
+    return rec.host[task]

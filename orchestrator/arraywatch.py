@@ -1,0 +1,87 @@
+"""Following an attached job array: every task's output as `[t<i> host] line`, each end
+recorded; a failing task does not stop the others unless --fail-fast; Ctrl-C stops all."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from rich.markup import escape
+
+from orchestrator import timeouts
+from orchestrator.arrays import ArrayRecord
+from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
+from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
+from orchestrator.session import Session
+from orchestrator.ui import console
+from orchestrator.watch import interrupt_stop, signal_name
+
+
+@dataclass
+class ArrayMonitor(LineSink):
+    printer: PrefixPrinter
+    labels: dict[int, str]
+    exits: dict[int, int] = field(default_factory=dict)
+    lost: dict[int, str] = field(default_factory=dict)
+    wake: threading.Event = field(default_factory=threading.Event)
+
+    def lines(self, host: int, rank: int, texts: list[bytes]) -> None:
+        self.printer.lines(host, rank, texts)
+
+    def rank_exit(self, host: int, rank: int, code: int, when: float,
+                  after_stop: bool = False) -> None:
+        self.exits[rank] = code
+        if code != 0:
+            console.print(f"[yellow]task {rank} on {escape(self.labels[host])} failed "
+                          f"({signal_name(code)})[/]; the others go on")
+            self.wake.set()
+
+    def host_done(self, host: int, info: dict) -> None:
+        self.wake.set()
+
+    def host_lost(self, host: int, why: str) -> None:
+        self.lost[host] = why
+        console.print(f"[red]host {escape(self.labels[host])} lost:[/] {escape(why)}")
+        self.wake.set()
+
+    def failures(self) -> list[int]:
+        return sorted(t for t, c in self.exits.items() if c != 0)
+
+
+def attach_array(session: Session, rec: ArrayRecord, fail_fast: bool) -> int:
+    """Follow every host's tasks to the end; the exit code (1 if any task failed)."""
+    cluster = session.cluster
+    labels = {h.index: h.label for h in cluster.hosts}
+    mon = ArrayMonitor(PrefixPrinter(labels, tag="t"), labels)
+    streams = {h.index: HostStream(session.links[h.index], session.records[h.index].job_dir,
+                                   rec.tasks_of(h.index)) for h in cluster.hosts}
+    finished = follow(streams, mon, unit="task")
+    try:
+        while not finished() and not (fail_fast and (mon.failures() or mon.lost)):
+            mon.wake.wait(0.2)
+            mon.wake.clear()
+    except KeyboardInterrupt:
+        interrupt_stop(session, mon)  # type: ignore[arg-type]  # needs only .lost
+        return EXIT_INTERRUPTED
+    if not finished():
+        fail_fast_stop(session, mon, finished)
+    failed, n = mon.failures(), len(rec.host)
+    if mon.lost or failed or len(mon.exits) < n:
+        done = sum(c == 0 for c in mon.exits.values())
+        console.print(f"[bold red]job array '{cluster.name}'[/]: {done} of {n} tasks exited 0; "
+                      f"failed: {', '.join(map(str, failed[:20])) or 'none'}"
+                      + (" ..." if len(failed) > 20 else "")
+                      + (f"; see `orch logs --task {failed[0]}`" if failed else ""))
+        return EXIT_JOB_FAILED
+    console.print(f"job array '{cluster.name}' finished: all {n} tasks exited 0")
+    return EXIT_OK
+
+
+def fail_fast_stop(session: Session, mon: ArrayMonitor, finished) -> None:
+    started = time.monotonic()
+    console.print("[yellow]--fail-fast: stopping every task on every host[/]")
+    session.stop(timeouts.FAILFAST_GRACE, skip=set(mon.lost))
+    deadline = time.monotonic() + timeouts.DRAIN
+    while not finished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    console.print(f"stopped the array on every host in {time.monotonic() - started:.1f} s")

@@ -1,0 +1,223 @@
+"""A job array on one host: a detached runner works through this host's queue of tasks,
+at most `slots` at once; each task's state lives in run/task-<i>.start|.exit, its output in
+logs/task-<i>.log and output/task-<i>/.
+
+The runner is the job's supervisor (run/supervisor.json, with itself as `torchrun_pid`):
+`stop` SIGKILLs it first, so no queued task starts after a stop began, then ends every
+task by the ORCH_JOB_DIR marker they all carry. Stdlib only, Python 3.8.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import sys
+import time
+
+from orchestrator import protocol
+from orchestrator.host.common import AgentError, job_paths, read_json, write_atomic
+from orchestrator.host.follow import open_log, rank_exit, tail_offset
+from orchestrator.host.launch import ALREADY_RUNNING, detach_stdio
+from orchestrator.host.procs import proc_start_time, supervisor_alive
+
+LINE_CAP = 4096          # bytes of one metrics.csv line sent back
+TAIL_READ = 64 << 10     # how far back from the end the last row is looked for
+
+
+def clean(p: dict, tasks: list) -> None:
+    jd = p["jd"]
+    for d in ("run", "logs", "output", "code"):
+        os.close(jd.open_dir(d, create=True))   # a link at any of them is refused
+    jd.check_layout()
+    with jd.dirfd("run") as fd:
+        names = os.listdir(fd)
+    for name in names:
+        if name.endswith((".exit", ".pid", ".start")):
+            jd.unlink("run/" + name)
+    for t in tasks:
+        os.close(jd.open_for_write("logs/task-%d.log" % t["i"]))   # emptied; a link is refused
+        os.close(jd.open_dir("output/task-%d" % t["i"], create=True))
+
+
+def run_launch(req) -> dict:
+    """Start the runner (double fork + setsid) and reply with its pid, like `launch`."""
+    spec = req.args["spec"]
+    p = job_paths(req.args["job_dir"])
+    if supervisor_alive(p):
+        raise AgentError(ALREADY_RUNNING, protocol.USAGE)
+    clean(p, spec["tasks"])
+    write_atomic(p["jd"], "run/launch.json", json.dumps(spec).encode(), 0o600)
+    rfd, wfd = os.pipe()
+    if os.fork() == 0:
+        os.close(rfd)
+        os.setsid()
+        if os.fork() == 0:
+            runner(p, spec, wfd)
+        os._exit(0)
+    os.close(wfd)
+    with os.fdopen(rfd) as r:
+        got = r.read()
+    info = json.loads(got) if got else {"error": "runner did not start"}
+    if "error" in info:
+        raise AgentError("array runner did not start: %s" % info["error"])
+    return {"supervisor": info}
+
+
+class Runner:
+    """The queue of one host: start tasks into free slots, record their ends."""
+
+    def __init__(self, p: dict, spec: dict) -> None:
+        self.p, self.jd, self.spec = p, p["jd"], spec
+        self.queue = collections.deque(spec["tasks"])
+        self.free = list(range(spec["slots"]))[::-1]
+        self.running = {}          # pid -> (task index, slot)
+        self.failed = 0
+        self.env = dict(os.environ)
+        self.env.update(spec["env"])
+
+    def stop_queue(self, signum, frame) -> None:
+        """SIGTERM to the runner itself: nothing more starts; the running tasks get it too."""
+        self.queue.clear()
+        for pid in list(self.running):
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
+
+    def start(self, task: dict) -> None:
+        i, slot = task["i"], self.free.pop()
+        env = dict(self.env, ORCH_TASK=str(i), ORCH_TASK_ARGS=task["args"],
+                   ORCH_TASK_SLOT=str(slot),
+                   ORCH_OUTPUT_DIR=os.path.join(self.p["job"], "output", "task-%d" % i))
+        log = self.jd.open_for_write("logs/task-%d.log" % i, 0o644, append=True)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.execve(task["argv"][0], task["argv"], env)
+            except OSError as e:
+                os.write(2, ("orch: cannot start %s: %s\n" % (task["argv"][0], e)).encode())
+            finally:
+                os._exit(127)
+        os.close(log)
+        self.running[pid] = (i, slot)
+        write_atomic(self.jd, "run/task-%d.start" % i, json.dumps(
+            {"pid": pid, "start_ticks": proc_start_time(pid), "time": time.time(),
+             "slot": slot}).encode(), 0o644)
+
+    def reap(self) -> None:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            self.running.clear()
+            return
+        if pid not in self.running:
+            return
+        i, slot = self.running.pop(pid)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        self.failed += code != 0
+        self.free.append(slot)
+        write_atomic(self.jd, "run/task-%d.exit" % i,
+                     json.dumps({"code": code, "time": time.time()}).encode(), 0o644)
+
+    def loop(self) -> int:
+        while self.queue or self.running:
+            while self.queue and self.free:
+                self.start(self.queue.popleft())
+            if self.running:
+                self.reap()
+        return 1 if self.failed else 0
+
+
+def runner(p: dict, spec: dict, wfd: int) -> None:
+    """The detached runner: the host's queue to its end, then run/host.exit; never returns."""
+    jd = p["jd"]
+    detach_stdio(jd, "run/runner.log")
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)   # the agent ignores them; tasks get the defaults
+    code = 1
+    try:
+        with jd.dirfd("code") as code_fd:
+            os.fchdir(code_fd)   # the tasks' cwd, reached without a link
+        run = Runner(p, spec)
+        me = os.getpid()
+        info = {"pid": me, "pgid": os.getpgid(0), "start_ticks": proc_start_time(me),
+                "torchrun_pid": me, "run_id": spec["run_id"], "started": time.time()}
+        write_atomic(jd, "run/supervisor.json", json.dumps(info).encode())
+        os.write(wfd, json.dumps(info).encode())
+        os.close(wfd)
+        signal.signal(signal.SIGTERM, run.stop_queue)
+        code = run.loop()
+    except BaseException as e:  # anything here must still leave host.exit behind
+        sys.stderr.write("orch array runner: %r\n" % (e,))
+        try:
+            os.write(wfd, json.dumps({"error": repr(e)}).encode())
+        except OSError:
+            pass
+    try:
+        write_atomic(jd, "run/host.exit", json.dumps({"code": code, "time": time.time()}).encode(),
+                     0o644)
+    except OSError as e:
+        sys.stderr.write("orch array runner: cannot write host.exit: %s\n" % e)
+    os._exit(0)
+
+
+# ---------------------------------------------------------------- status and results
+
+def last_line(jd, rel: str) -> str:
+    f = open_log(jd, rel)
+    if f is None:
+        return ""
+    with f:
+        f.seek(tail_offset(f, 1))
+        return f.read(4096).decode("utf-8", "replace").strip()
+
+
+def task_status(p: dict, i: int, sup) -> dict:
+    info = {"task": i, "last_line": last_line(p["jd"], "logs/task-%d.log" % i)}
+    start = read_json(p["jd"], "run/task-%d.start" % i)
+    start = start if isinstance(start, dict) and isinstance(start.get("pid"), int) else {}
+    info["pid"], info["started"], info["slot"] = start.get("pid"), start.get("time"), start.get("slot")
+    ex = rank_exit(p, i, "task")
+    if ex is not None:
+        info.update(state="exited", code=ex["code"], ended=ex["time"])
+    elif start and proc_start_time(start["pid"]) == start.get("start_ticks"):
+        info["state"] = "running"
+    elif sup:
+        info["state"] = "queued" if not start else "running"   # between its end and the record
+    else:
+        info["state"] = "stopped"   # the runner is gone: stopped (or killed) before it ended
+    return info
+
+
+def run_status(req) -> dict:
+    p = job_paths(req.args["job_dir"])
+    sup = supervisor_alive(p)
+    return {"supervisor": sup, "host_exit": read_json(p["jd"], "run/host.exit"),
+            "time": time.time(), "tasks": [task_status(p, i, sup) for i in req.args["tasks"]]}
+
+
+def csv_ends(jd, rel: str) -> tuple:
+    """(header, last non-empty row) of a CSV file, each capped; (None, None) if missing."""
+    try:
+        f = os.fdopen(jd.open_for_read(rel), "rb")
+    except OSError:
+        return None, None
+    with f:
+        header = f.readline(LINE_CAP).rstrip(b"\r\n")
+        size = os.fstat(f.fileno()).st_size
+        f.seek(max(0, size - TAIL_READ))
+        rows = [r for r in f.read(TAIL_READ).splitlines() if r.strip()]
+    last = rows[-1][:LINE_CAP] if rows else b""
+    return header.decode("utf-8", "replace"), last.decode("utf-8", "replace")
+
+
+def run_results(req) -> dict:
+    p = job_paths(req.args["job_dir"])
+    out = []
+    for i in req.args["tasks"]:
+        header, last = csv_ends(p["jd"], "output/task-%d/metrics.csv" % i)
+        out.append({"task": i, "header": header, "last": last})
+    return {"tasks": out}

@@ -1,0 +1,122 @@
+"""A job array's results: one row per task (its args, its state, the last row of the
+metrics.csv it wrote), the rows grouped over folds (mean and sample std), and
+`.orch/<name>/results.csv`."""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+from orchestrator.arrays import ArrayRecord
+from orchestrator.arrayspec import task_params
+from orchestrator.connect import GroupResult
+from orchestrator.inventory import Cluster
+
+FOLD = "fold"
+
+
+def state_text(info: dict) -> str:
+    """exited 0, failed (exit code 3 / killed by SIGTERM), running, queued, stopped,
+    unreachable (the host did not answer)."""
+    from orchestrator.watch import signal_name   # watch imports the session: late, no cycle
+    if info["state"] != "exited":
+        return info["state"]
+    return "exited 0" if info.get("code") == 0 else f"failed ({signal_name(info['code'])})"
+
+
+def status_rows(cluster: Cluster, rec: ArrayRecord, status: GroupResult[dict]) -> list[dict]:
+    """One row per task: index, args, host/slot, state, runtime, last line."""
+    infos: dict[int, tuple[dict, float]] = {}
+    for reply in status.ok.values():
+        offset = reply["time"] - time.time()
+        for info in reply["tasks"]:
+            infos[info["task"]] = (info, offset)
+    rows = []
+    for i, host in enumerate(rec.host):
+        info, offset = infos.get(i, ({"state": "unreachable", "last_line": ""}, 0.0))
+        runtime = None
+        if info.get("started"):
+            end = info.get("ended") or (time.time() + offset)
+            runtime = round(end - info["started"], 1)
+        rows.append({"task": i, "args": " ".join(rec.args[i]), "host": cluster.hosts[host].label,
+                     "slot": info.get("slot"), "state": state_text(info), "code": info.get("code"),
+                     "runtime_s": runtime, "last_line": info.get("last_line", "")})
+    return rows
+
+
+def parse_metrics(header: str | None, last: str | None) -> dict[str, str]:
+    """The last row of a metrics.csv as {column: text}; {} when there is none."""
+    if not header or not last or last == header:
+        return {}
+    try:
+        cols = next(csv.reader(io.StringIO(header)))
+        vals = next(csv.reader(io.StringIO(last)))
+    except (csv.Error, StopIteration):
+        return {}
+    return {c: v for c, v in zip(cols, vals)}
+
+
+def result_rows(rec: ArrayRecord, status_rows_: list[dict], results: GroupResult[dict]) -> list[dict]:
+    metrics: dict[int, dict] = {}
+    for reply in results.ok.values():
+        for item in reply["tasks"]:
+            metrics[item["task"]] = parse_metrics(item["header"], item["last"])
+    return [{"task": r["task"], "args": r["args"], "params": task_params(rec.args[r["task"]]),
+             "state": r["state"], "metrics": metrics.get(r["task"], {})} for r in status_rows_]
+
+
+def number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def group(rows: list[dict]) -> list[dict]:
+    """Rows with the same params other than `fold`: per numeric metric, mean and sample std
+    (0 for one row) over the rows that have it; groups in the order they first appear."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = tuple((k, v) for k, v in r["params"].items() if k != FOLD)
+        groups.setdefault(key, []).append(r)
+    out = []
+    for key, members in groups.items():
+        cols: dict[str, list[float]] = {}
+        for r in members:
+            for c, v in r["metrics"].items():
+                x = number(v)
+                if x is not None:
+                    cols.setdefault(c, []).append(x)
+        stats = {c: {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+                     "n": len(xs)} for c, xs in cols.items()}
+        out.append({"params": dict(key), "tasks": [r["task"] for r in members],
+                    "ok": sum(r["state"] == "exited 0" for r in members), "metrics": stats})
+    return out
+
+
+def columns(rows: list[dict]) -> list[str]:
+    seen: dict[str, None] = {}
+    for r in rows:
+        for c in r["metrics"]:
+            seen.setdefault(c, None)
+    return list(seen)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """results.csv: task, each param, state, each metric column of the last rows."""
+    params = list(dict.fromkeys(k for r in rows for k in r["params"]))
+    cols = columns(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["task", *params, "state", *cols])
+        for r in rows:
+            w.writerow([r["task"], *(r["params"].get(k, "") for k in params), r["state"],
+                        *(r["metrics"].get(c, "") for c in cols)])
+    os.replace(tmp, path)

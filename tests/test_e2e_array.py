@@ -1,0 +1,144 @@
+"""Job arrays over real SSH (the fake sshd cluster): more tasks than slots, the queue on
+each host, `[t<i> host]` output, a failing task that does not stop the others, results,
+status, logs --task; stop and --fail-fast end queued and running tasks, nothing left.
+
+The task is a stand-in script (no torch): it records its start and end times, sleeps,
+writes metrics.csv into ORCH_OUTPUT_DIR and prints."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_until, write_job
+from sshd_cluster import SshdCluster
+from test_e2e_up import Jobs, assert_nothing_left, jobs, orch  # noqa: F401  (jobs: fixture)
+
+pytestmark = [pytest.mark.ssh, pytest.mark.slow]
+
+TASK = r'''
+import json, os, sys, time
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+i = int(os.environ["ORCH_TASK"])
+rec = {"task": i, "job_dir": os.environ["ORCH_JOB_DIR"], "slot": os.environ["ORCH_TASK_SLOT"],
+       "args": os.environ["ORCH_TASK_ARGS"], "world": os.environ.get("WORLD_SIZE"),
+       "data": sorted(os.listdir(os.environ["ORCH_DATA_DIR"])), "start": time.time()}
+print("task", i, "starts", flush=True)
+time.sleep(float(os.environ["TASK_SLEEP"]) * (300 if args.get("--model") == "slow" else 1))
+if args.get("--model") == "bad" and args.get("--fold") == "1":
+    print("task", i, "fails", flush=True)
+    sys.exit(3)
+acc = 0.5 + 0.1 * int(args["--fold"])
+with open(os.path.join(os.environ["ORCH_OUTPUT_DIR"], "metrics.csv"), "w") as f:
+    f.write("epoch,val_acc,val_loss\n1,0.1,2.0\n2,%r,1.0\n" % acc)
+rec["end"] = time.time()
+with open(os.path.join(os.environ["TRACE"], "task-%d.json" % i), "w") as f:
+    json.dump(rec, f)
+print("task", i, "done", flush=True)
+'''
+PREFIX = re.compile(r"^\[t(\d+) (\S+)\] (.*)$")
+
+
+def inventory(cluster: SshdCluster, tmp_path: Path, name: str, matrix: dict, sleep: float) -> Path:
+    write_job(tmp_path, TASK, "task.py")
+    (tmp_path / "trace").mkdir()
+    # data for an array: one split for procs_per_task (1) that every host gets whole
+    shard = tmp_path / "shards" / "worker_0_of_1"
+    shard.mkdir(parents=True)
+    (shard / "x.bin").write_bytes(b"x" * 100)
+    (tmp_path / "shards" / "manifest.json").write_text(json.dumps({"version": 1, "splits": {"1": {
+        "kind": "files", "source": str(tmp_path), "seed": 0,
+        "shards": [{"name": "worker_0_of_1", "bytes": 100, "files": [["x.bin", 100]]}]}}}))
+    return cluster.write_inventory(
+        tmp_path / "cluster.yaml", hosts=cluster.hosts[:3], procs=[2, 1, 1], name=name,
+        entrypoint="task.py", code_paths=["task.py"], args=["--epochs", "1"],
+        env={"TRACE": str(tmp_path / "trace"), "TASK_SLEEP": str(sleep)},
+        top={"job": {"array": {"matrix": matrix}}, "data": {"shards": "shards"}})
+
+
+def traces(tmp_path: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((tmp_path / "trace").glob("*.json"))]
+
+
+def most_at_once(spans: list[tuple[float, float]]) -> int:
+    points = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    now = top = 0
+    for _, step in points:
+        now += step
+        top = max(top, now)
+    return top
+
+
+def test_array_queue_results_status_logs(sshd_cluster: SshdCluster, tmp_path: Path,
+                                         jobs: Jobs) -> None:  # noqa: F811
+    hosts, name = sshd_cluster.hosts[:3], "e2e-array"
+    inv = inventory(sshd_cluster, tmp_path, name, {"model": ["good", "bad"], "fold": [0, 1, 2, 3, 4]}, 0.4)
+    jobs.add(inv, hosts, name)
+    up = orch(tmp_path, "up", str(inv), timeout=180)
+    assert up.returncode == 1, up.stdout + up.stderr     # task 6 (bad, fold 1) failed
+    assert "task 6 on" in up.stderr and "the others go on" in up.stderr
+    lines = [PREFIX.match(l) for l in up.stdout.splitlines() if l.startswith("[t")]
+    assert {int(m[1]) for m in lines if m and m[3].endswith("starts")} == set(range(10))
+
+    done = traces(tmp_path)
+    assert sorted(t["task"] for t in done) == [i for i in range(10) if i != 6]
+    for t in done:   # no torchrun, no group; every host got the whole dataset
+        assert t["world"] is None and t["data"] == ["worker_0_of_1"]
+    assert done[0]["args"] == "--model good --fold 0"
+    by_host: dict[str, list[dict]] = {}
+    for t in done:
+        by_host.setdefault(t["job_dir"], []).append(t)
+    procs = {str(h.remote_dir / name): p for h, p in zip(hosts, [2, 1, 1])}
+    assert set(by_host) == set(procs)
+    for job_dir, mine in by_host.items():
+        assert most_at_once([(t["start"], t["end"]) for t in mine]) <= procs[job_dir]
+    first_end = min(t["end"] for t in done)
+    assert any(t["start"] >= first_end for t in done), "no task waited in a queue"
+
+    res = orch(tmp_path, "results", "-c", str(inv), "--json")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    rows = {r["task"]: r for r in got["tasks"]}
+    assert len(rows) == 10 and rows[6]["state"] == "failed (exit code 3)" and rows[6]["metrics"] == {}
+    assert rows[3]["metrics"] == {"epoch": "2", "val_acc": "0.8", "val_loss": "1.0"}
+    good = next(g for g in got["groups"] if g["params"] == {"model": "good"})
+    assert good["tasks"] == [0, 1, 2, 3, 4] and good["metrics"]["val_acc"]["mean"] == pytest.approx(0.7)
+    assert good["metrics"]["val_acc"]["std"] == pytest.approx(0.15811, abs=1e-4)
+    assert (tmp_path / ".orch" / name / "results.csv").read_text().splitlines()[0] == \
+        "task,model,fold,state,epoch,val_acc,val_loss"
+
+    st = json.loads(orch(tmp_path, "status", "-c", str(inv), "--json").stdout)
+    assert [r["state"] for r in st["tasks"]].count("exited 0") == 9
+    assert st["tasks"][6]["last_line"] == "task 6 fails" and st["tasks"][6]["host"] == hosts[2].address   # slots dealt h0 h1 h2 h0
+    logs = orch(tmp_path, "logs", "-c", str(inv), "--task", "7")
+    assert logs.stdout == "task 7 starts\ntask 7 done\n", logs.stdout
+    assert_nothing_left(hosts, name)
+
+
+def test_array_stop_and_fail_fast(sshd_cluster: SshdCluster, tmp_path: Path,
+                                  jobs: Jobs) -> None:  # noqa: F811
+    hosts, name = sshd_cluster.hosts[:3], "e2e-array-stop"
+    inv = inventory(sshd_cluster, tmp_path, name, {"model": ["slow"], "fold": list(range(8))}, 1.0)
+    jobs.add(inv, hosts, name)
+    up = orch(tmp_path, "up", str(inv), "--detach")
+    assert up.returncode == 0, up.stderr
+
+    def states() -> list[str]:
+        out = orch(tmp_path, "status", "-c", str(inv), "--json")
+        return [r["state"] for r in json.loads(out.stdout)["tasks"]]
+    wait_until(lambda: states().count("running") == 4, 60, "4 tasks running")
+    assert states().count("queued") == 4
+    stop = orch(tmp_path, "stop", str(inv), "--grace", "2")
+    assert stop.returncode == 0, stop.stderr
+    assert_nothing_left(hosts, name)
+    assert states() == ["stopped"] * 8
+
+    # --fail-fast: the first failure ends every running and queued task
+    fail = inventory(sshd_cluster, tmp_path / "ff", name, {"model": ["bad", "slow"], "fold": [1, 2, 3, 4]}, 1.0)
+    ff = orch(tmp_path / "ff", "up", str(fail), "--fail-fast", timeout=120)
+    assert ff.returncode == 1, ff.stdout + ff.stderr
+    assert "--fail-fast: stopping" in ff.stderr
+    assert_nothing_left(hosts, name)
+    assert not traces(tmp_path / "ff") or all(t["task"] < 4 for t in traces(tmp_path / "ff"))
