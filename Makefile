@@ -44,8 +44,9 @@ demo: install
 	$(VENV)/bin/orch split-data -c cluster.yaml
 	$(VENV)/bin/orch up cluster.yaml
 
+# BENCH_ARGS=--scale adds bench/scale.py (16, 64, 128 fake hosts; about 13 minutes)
 bench: install system-deps
-	$(VPY) bench/run_all.py
+	$(VPY) bench/run_all.py $(BENCH_ARGS)
 
 # The GPU proof: pytest -m gpu and bench/gpu.py, report in bench/out/gpu.md. It installs
 # nothing (a GPU machine may be offline): it uses .venv when its torch sees CUDA, else

@@ -92,13 +92,14 @@ def _fmt(value: object) -> str:
 
 
 @contextmanager
-def fake_cluster(n: int, root: Path | None = None, first_octet: int = 2) -> Iterator[SshdCluster]:
+def fake_cluster(n: int, root: Path | None = None, first_octet: int = 2,
+                 sshd_options: dict | None = None) -> Iterator[SshdCluster]:
     """A started n-host SshdCluster under a temp dir, stopped (and checked) on exit."""
     with tempfile.TemporaryDirectory(prefix="orch-bench-") as tmp:
         base = Path(root) if root else Path(tmp)
         addresses = [f"127.0.0.{first_octet + i}" for i in range(n)]
         cluster = SshdCluster(base / "cluster", n, port=free_port(addresses),
-                              first_octet=first_octet)
+                              first_octet=first_octet, sshd_options=sshd_options)
         with cluster:
             yield cluster
 

@@ -52,7 +52,8 @@ def check_host(cluster: Cluster, link: Link) -> tuple[HostInfo, dict]:
                              master_port=cluster.job.master_port or 0,
                              want_port=host.index == 0, folders=folders(cluster),
                              want_gpus=host.gpus > 0)
-    r = link.wait(pending, max(timeouts.PREFLIGHT, host.ssh.connect_timeout * 3))
+    r = link.wait(pending, max(timeouts.scaled(timeouts.PREFLIGHT, len(cluster.hosts)),
+                               host.ssh.connect_timeout * 3))
     offset = r["time"] - (sent + time.time()) / 2
     manifests: dict = {f: {} for f in folders(cluster)}
     for part in pending.parts:

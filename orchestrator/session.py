@@ -107,7 +107,7 @@ class Session:
         link = Link(transport, self.records[host.index].job_dir)
         link.python_fallback = self.cluster.setup is not None
         try:
-            link.start()
+            link.start(timeouts.scaled(timeouts.AGENT_START, len(self.cluster.hosts)))
         except BaseException:
             link.close(0)
             transport.close()

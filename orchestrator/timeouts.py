@@ -7,6 +7,9 @@ from __future__ import annotations
 KEEPALIVE = 5.0             # SSH keepalive on every connection
 AGENT_START = 60.0          # from opening the session to the agent's hello (login shell, python)
 PREFLIGHT = 60.0            # preflight's reply (at least 3x ssh.connect_timeout)
+# ... plus this per host of the command: every login's handshake runs on this machine's
+# CPU, and on a loaded one 128 logins of a heavy shell took 70 s (pdsh waits as long)
+PER_HOST = 0.5
 SYNC = 600.0                # one host's push (the reply after the last byte)
 LAUNCH = 60.0               # the supervisor's pid after the spec was sent
 STATUS = 30.0               # `orch status`
@@ -33,3 +36,8 @@ NVIDIA_SMI = 20.0           # preflight's `nvidia-smi -L`
 PROBE = 60.0                # after setup: the configured python's torch and entrypoint check
 COMMAND_DRAIN = 2.0         # setup/exec: output still read after the command ended (a background child)
 COMMAND_GRACE = 3.0         # setup/exec cancelled: SIGTERM -> SIGKILL of its process group
+
+
+def scaled(base: float, hosts: int) -> float:
+    """A timeout that covers one host's step while `hosts` do the same at once."""
+    return base + PER_HOST * max(0, hosts)

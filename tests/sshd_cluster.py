@@ -200,8 +200,10 @@ def _keygen(path: Path, comment: str) -> str:
     return " ".join(path.with_name(path.name + ".pub").read_text().split()[:2])
 
 
-def _sshd_config(home: Path, address: str, port: int, authorized_keys: Path) -> str:
-    return "\n".join([
+def _sshd_config(home: Path, address: str, port: int, authorized_keys: Path,
+                 options: Optional[dict] = None) -> str:
+    """The per-host sshd_config; `options` (keyword -> value) replace or add lines."""
+    lines = [
         f"ListenAddress {address}:{port}",
         f"HostKey {home / 'ssh_host_ed25519_key'}",
         f"AuthorizedKeysFile {authorized_keys}",
@@ -216,8 +218,12 @@ def _sshd_config(home: Path, address: str, port: int, authorized_keys: Path) -> 
         "LogLevel VERBOSE",   # one "Starting session: command ..." line per exec session
         "Subsystem sftp internal-sftp",
         "AllowTcpForwarding no",
-        "",
-    ])
+    ]
+    # a value may name this host's files: {authorized_keys} (the cluster's client key)
+    extra = {k: str(v).format(authorized_keys=authorized_keys) for k, v in (options or {}).items()}
+    lines = [f"{w.split()[0]} {extra.pop(w.split()[0])}" if w.split()[0] in extra else w
+             for w in lines]
+    return "\n".join(lines + [f"{k} {v}" for k, v in extra.items()] + [""])
 
 
 # ---------------------------------------------------------------- the cluster
@@ -226,8 +232,12 @@ class SshdCluster:
     """n sshd "hosts" on 127.0.0.<first_octet>.. sharing one port, one client key and
     one known_hosts file that trusts exactly the trusted hosts."""
 
-    def __init__(self, root: Path, n: int, *, port: int = 2222, first_octet: int = 2) -> None:
+    def __init__(self, root: Path, n: int, *, port: int = 2222, first_octet: int = 2,
+                 sshd_options: Optional[dict] = None) -> None:
+        """`sshd_options` (keyword -> value) replace or add lines of every sshd_config
+        (the scale benchmark raises MaxStartups, adds a user's own authorized_keys)."""
         self.root = Path(root).resolve()
+        self.sshd_options = dict(sshd_options or {})
         self.n = n
         self.port = port
         self.first_octet = first_octet
@@ -327,7 +337,8 @@ class SshdCluster:
         home.mkdir(parents=True, exist_ok=True)
         host_pub = _keygen(home / "ssh_host_ed25519_key", f"orch-test-host{index}")
         config = home / "sshd_config"
-        config.write_text(_sshd_config(home, address, self.port, self.authorized_keys))
+        config.write_text(_sshd_config(home, address, self.port, self.authorized_keys,
+                                       self.sshd_options))
         if not port_free(address, self.port):
             raise ClusterError(f"{address}:{self.port} is already in use; pick another port "
                                f"(sshd_cluster.free_port) or first_octet")

@@ -115,3 +115,19 @@ def test_bad_proxyjump_in_ssh_config_is_usage_error(tmp_path: Path) -> None:
     c = cluster(tmp_path)
     with pytest.raises(UsageError, match="ProxyJump"):
         resolve_target(c.hosts[0], config("Host *\n  ProxyJump a b\n"))
+
+
+def test_known_hosts_parsed_once_and_again_when_changed(tmp_path: Path) -> None:
+    """Every host of a command shares one parse of known_hosts (parsing it per host was
+    O(hosts x lines)); a changed file (accept-new, an edit) is parsed again."""
+    from orchestrator.connect import known_host_keys
+    path = tmp_path / "known_hosts"
+    lines = [f"[10.0.0.{i}]:22 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAI{'A' * 42}{i % 10}\n"
+             for i in range(3)]
+    path.write_text("".join(lines[:2]))
+    first = known_host_keys(str(path))
+    assert known_host_keys(str(path)) is first
+    assert len(first.keys()) == 2
+    path.write_text("".join(lines))
+    again = known_host_keys(str(path))
+    assert again is not first and len(again.keys()) == 3

@@ -67,13 +67,25 @@ def signal_all(pids, sig) -> None:
             pass
 
 
-def wait_gone(job_dir: str, sup, deadline: float) -> list:
+def wait_gone(job_dir: str, sup, deadline: float, known=()) -> list:
+    """Wait until the job's processes are gone; what is left at the deadline.
+
+    The pids already found are watched through their own /proc/<pid>/stat (cheap); only
+    once they have all ended is /proc scanned again for the marker (every process's
+    environment: the costly part, which the old 50 ms full-scan loop paid every time)
+    to verify that nothing new appeared; what that scan finds is watched in turn."""
+    watch = {p: proc_start_time(p) for p in known}
     while True:
-        left = marked_pids(job_dir)
-        if sup and proc_start_time(sup["pid"]) == sup.get("start_ticks"):
-            left.append(sup["pid"])
-        if not left or time.time() >= deadline:
-            return left
+        watch = {p: t for p, t in watch.items() if t is not None and proc_start_time(p) == t}
+        if not watch:
+            left = marked_pids(job_dir)
+            if sup and proc_start_time(sup["pid"]) == sup.get("start_ticks"):
+                left.append(sup["pid"])
+            if not left or time.time() >= deadline:
+                return left
+            watch = {p: proc_start_time(p) for p in left}
+        elif time.time() >= deadline:
+            return sorted(set(watch) | set(marked_pids(job_dir)))
         time.sleep(0.05)
 
 
@@ -92,10 +104,10 @@ def stop(job_dir: str, grace: float) -> dict:
     torchrun = sup.get("torchrun_pid") if sup else None
     signal_all([torchrun] if torchrun in found else [], signal.SIGKILL)
     signal_all([x for x in found if x != torchrun], signal.SIGTERM)
-    left = wait_gone(p["job"], sup, time.time() + grace)
+    left = wait_gone(p["job"], sup, time.time() + grace, found)
     killed = list(left)
     signal_all(left, signal.SIGKILL)
-    left = wait_gone(p["job"], sup, time.time() + timeouts.STOP_VERIFY)
+    left = wait_gone(p["job"], sup, time.time() + timeouts.STOP_VERIFY, left)
     return {"found": len(found), "killed": len(killed), "left": left,
             "seconds": round(time.time() - t0, 3)}
 

@@ -1,0 +1,606 @@
+"""Scale: orch against pdsh + torchrun on 16, 64 and 128 fake sshd hosts, in the same run.
+
+One sshd per loopback address (tests/sshd_cluster.py); each host count is a prefix of
+the same cluster. Two login shells:
+
+- root: root's own login shell as it is (bash; its .bashrc runs `pyenv init` on every
+  remote command, ~100 ms of CPU each);
+- plain: the user `orchbench` (created if missing, login shell /bin/sh, the cluster's
+  client key added to its ~/.ssh/authorized_keys and removed again at the end).
+
+Real torch at 16 hosts (`orch up` of bench/jobs/allreduce.py, a gloo all-reduce). At 64
+and 128 hosts, and for status/stop/rank death everywhere, a STAND-IN torchrun
+(bench/torchrun_standin.py: torchrun's arguments and environment, a rendezvous at the
+master, nproc children, the worst exit code) is put in front of the hosts' python by a
+wrapper script (the inventory's `python:` and the baseline's command both use it), so that
+the figures are the launchers' cost rather than 128 torch imports on 2 cores.
+
+Measures per host count and shell, interleaved (baseline, orch, baseline, orch...):
+  up      `orch up` to the job's end        vs  pdsh -R ssh -f N ... python -m torch.distributed.run ...
+  status  `orch status` of a running job    vs  pdsh -w ... true
+  stop    `orch stop` to verified empty     vs  pdsh -w ... true, and pdsh pkill of a sleeper per host
+  death   one rank exits 1: seconds from its exit until `orch up` returned, every host stopped
+  and the controller's peak RSS (VmHWM) and most threads during `orch up`.
+
+    .venv/bin/python bench/scale.py [--series root:16 root:64 plain:128] [--reps 3]
+
+Every sshd, job process and file it made is gone at the end (checked and printed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pwd
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import (ORCH, REPO, VENV_PY, Run, SshdCluster, clean_env, fake_cluster, free_port,
+                    median, save_json)
+from sshd_cluster import FakeHost, pid_alive
+
+BENCH = Path(__file__).resolve().parent
+ALLREDUCE = BENCH / "jobs" / "allreduce.py"
+STANDIN = BENCH / "torchrun_standin.py"
+PLAIN_USER = "orchbench"
+SYSTEM_PY = "/usr/bin/python3"
+FIRST_OCTET = 2
+TARGETS = {("root", 64, "up"): 1.0, ("plain", 128, "up"): 1.0,
+           ("plain", 128, "status"): 1.2, ("plain", 128, "stop"): 1.2}
+HELLO = 'import os\nprint("scale-ok rank=%s world=%s" % (os.environ["RANK"], os.environ["WORLD_SIZE"]), flush=True)\n'
+SLEEPER = 'import time\nprint("started", flush=True)\ntime.sleep(600)\n'
+CRASH = """\
+import os, time
+print("started", flush=True)
+if os.environ["RANK"] == "1":
+    time.sleep(1)
+    print("crash_at", repr(time.time()), flush=True)
+    os._exit(1)
+time.sleep(600)
+"""
+
+
+# ---------------------------------------------------------------- the test bed
+
+@dataclass
+class Shell:
+    name: str           # "root" or "plain"
+    user: str
+    home: Path
+
+
+@dataclass
+class Bed:
+    """One series: these hosts, logged in as this user, this python (wrapper or venv)."""
+    cluster: SshdCluster
+    hosts: list[FakeHost]
+    shell: Shell
+    python: str
+    work: Path                           # inventories and orch's state, on this machine
+    remote: Path                         # under it: host<i>/ (orch) and pdsh/ (baseline)
+    real_torch: bool = False
+    dirs: list[str] = field(default_factory=list)   # job dirs of the last inventory
+
+    @property
+    def n(self) -> int:
+        return len(self.hosts)
+
+
+def make_standin(root: Path) -> str:
+    """<root>/torch/distributed/run.py (the stand-in), a torch dist-info with the real
+    version (preflight compares versions) and <root>/python, the wrapper the hosts run."""
+    from importlib.metadata import version
+    pkg = root / "torch" / "distributed"
+    pkg.mkdir(parents=True)
+    (root / "torch" / "__init__.py").write_text('"""Stand-in torch for bench/scale.py."""\n')
+    (pkg / "__init__.py").write_text("")
+    shutil.copy(STANDIN, pkg / "run.py")
+    info = root / f"torch-{version('torch')}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version('torch')}\n")
+    wrapper = root / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}} '
+                       f'exec {SYSTEM_PY} "$@"\n')
+    for p in [root, *root.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() or p == wrapper else 0o644)
+    return str(wrapper)
+
+
+def plain_shell(pub_key: str) -> Shell:
+    """The plain user, made if missing; the cluster's client key authorized for it."""
+    try:
+        pw = pwd.getpwnam(PLAIN_USER)
+    except KeyError:
+        subprocess.run(["useradd", "-m", "-s", "/bin/sh", PLAIN_USER], check=True)
+        pw = pwd.getpwnam(PLAIN_USER)
+    unlock(PLAIN_USER)
+    ssh = Path(pw.pw_dir) / ".ssh"
+    ssh.mkdir(mode=0o700, exist_ok=True)
+    keys = ssh / "authorized_keys"
+    old = keys.read_text() if keys.exists() else ""
+    keys.write_text(old + pub_key + "\n")
+    for p in (ssh, keys):
+        os.chown(p, pw.pw_uid, pw.pw_gid)
+    keys.chmod(0o600)
+    return Shell("plain", PLAIN_USER, Path(pw.pw_dir))
+
+
+def unlock(user: str) -> None:
+    """useradd leaves the password `!` (locked); with UsePAM no, sshd then refuses even
+    keys. `*`: no password can match, but the account is not locked."""
+    for line in Path("/etc/shadow").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name == user and rest.startswith("!"):
+            subprocess.run(["usermod", "-p", "*", user], check=True)
+
+
+def unauthorize(shell: Shell, pub_key: str) -> None:
+    keys = shell.home / ".ssh" / "authorized_keys"
+    if keys.exists():
+        keys.write_text("".join(line for line in keys.read_text().splitlines(True)
+                                if line.strip() != pub_key))
+
+
+def remote_base(cluster: SshdCluster, shell: Shell) -> Path:
+    if shell.user == "root":
+        return cluster.root.parent / "remote"
+    return shell.home / f"orchscale-{os.getpid()}"
+
+
+def prepare_remote(path: Path, shell: Shell) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    if shell.user != "root":
+        pw = pwd.getpwnam(shell.user)
+        os.chown(path, pw.pw_uid, pw.pw_gid)
+
+
+# ---------------------------------------------------------------- running things
+
+def timed_probe(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 600) -> tuple[Run, float, int]:
+    """Run cmd, timing it and polling its /proc status: (run, peak RSS MiB, most threads)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = {"rss": 0.0, "threads": 0}
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            rss, threads = proc_status(proc.pid)
+            peak["rss"], peak["threads"] = max(peak["rss"], rss), max(peak["threads"], threads)
+            stop.wait(0.05)
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        code, err = 124, err + f"\ntimed out after {timeout:.0f} s"
+    seconds = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    return Run(seconds, code, out, err), peak["rss"], peak["threads"]
+
+
+def proc_status(pid: int) -> tuple[float, int]:
+    """(VmHWM in MiB, Threads) of a live pid; zeros once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0, 0
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    hwm = fields.get("VmHWM", "0 kB").split()[0]
+    return int(hwm) / 1024, int(fields.get("Threads", "0").strip() or 0)
+
+
+def run(cmd: list[str], *, env: dict, cwd: Path | None = None, timeout: float = 600) -> Run:
+    return timed_probe(cmd, env=env, cwd=cwd or Path.cwd(), timeout=timeout)[0]
+
+
+def orch_env() -> dict:
+    """An installed orch has its bytecode compiled (pip does it); where the environment
+    sets PYTHONDONTWRITEBYTECODE, every command would compile orch's sources again
+    (0.3-0.5 s of CPU here), which no user pays. main() compiles them once."""
+    env = clean_env()
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def orch(bed: Bed, verb: str, inventory: Path, *extra: str) -> tuple[Run, float, int]:
+    return timed_probe([str(ORCH), verb, *extra, "-c", str(inventory)], env=orch_env(),
+                       cwd=inventory.parent)
+
+
+def pdsh(bed: Bed, remote: str, timeout: float = 600) -> Run:
+    """pdsh over ssh to every host of the bed at once (-f N), as the bed's user."""
+    env = clean_env(PDSH_SSH_ARGS_APPEND=f"-F {bed.cluster.ssh_config}")
+    argv = ["pdsh", "-R", "ssh", "-f", str(bed.n), "-l", bed.shell.user,
+            "-w", ",".join(h.address for h in bed.hosts), remote]
+    return run(argv, env=env, timeout=timeout)
+
+
+def scan_marked(needles: list[str]) -> list[int]:
+    """Live pids whose environment or command line holds any needle (one /proc pass)."""
+    want = [n.encode() for n in needles]
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                blob = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                blob += f.read()
+        except OSError:
+            continue
+        if any(w in blob for w in want) and pid_alive(int(name)):
+            found.append(int(name))
+    return found
+
+
+def kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# ---------------------------------------------------------------- jobs and inventories
+
+def inventory(bed: Bed, name: str, source: str | Path, env: dict | None = None) -> Path:
+    """A job folder on this machine with its script, and its cluster.yaml for the bed."""
+    work = bed.work / name
+    work.mkdir(parents=True, exist_ok=True)
+    script = work / "job.py"
+    if isinstance(source, Path):
+        shutil.copy(source, script)
+    else:
+        script.write_text(source)
+    entries = []
+    for i, h in enumerate(bed.hosts):
+        d = bed.remote / f"host{i}"
+        prepare_remote(d, bed.shell)
+        entries.append({"address": h.address, "procs": 1, "remote_dir": str(d)})
+    bed.dirs = [f"{e['remote_dir']}/{name}" for e in entries]
+    return bed.cluster.write_inventory(
+        work / "cluster.yaml", hosts=bed.hosts, name=name, entrypoint="job.py",
+        code_paths=["job.py"], env=env,
+        top={"hosts": entries, "python": bed.python, "ssh": {"user": bed.shell.user}})
+
+
+def pdsh_dir(bed: Bed, source: str | Path) -> Path:
+    """The baseline's job folder (shared by the hosts, like an NFS home), filled beforehand."""
+    d = bed.remote / "pdsh"
+    prepare_remote(d, bed.shell)
+    if isinstance(source, Path):
+        shutil.copy(source, d / "job.py")
+    else:
+        (d / "job.py").write_text(source)
+    (d / "job.py").chmod(0o644)
+    return d
+
+
+def torchrun_remote(bed: Bed, d: Path, port: int) -> str:
+    """run_dist.sh style: the node rank from the address (127.0.0.<2 + rank>)."""
+    return (f"h=%h; R=$(( ${{h##*.}} - {FIRST_OCTET} )); cd {d} && {bed.python} -m "
+            f"torch.distributed.run --nnodes {bed.n} --node-rank $R --nproc-per-node 1 "
+            f"--master-addr {bed.hosts[0].address} --master-port {port} job.py")
+
+
+def job_ok(bed: Bed, r: Run) -> bool:
+    text = r.stdout + r.stderr
+    if bed.real_torch:
+        return r.ok and f"allreduce sum={4 * bed.n} expected={4 * bed.n}" in text
+    return r.ok and len(set(re.findall(r"scale-ok rank=(\d+)", text))) == bed.n
+
+
+def wait_started(bed: Bed, timeout: float = 180) -> bool:
+    """Every rank printed `started` (rank r runs on host r)."""
+    deadline = time.monotonic() + timeout
+    logs = [Path(d) / "logs" / f"rank-{r}.log" for r, d in enumerate(bed.dirs)]
+    while time.monotonic() < deadline:
+        if all(p.exists() and b"started" in p.read_bytes() for p in logs):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def left_over(bed: Bed) -> list[int]:
+    return scan_marked([f"ORCH_JOB_DIR={d}\0" for d in bed.dirs])
+
+
+# ---------------------------------------------------------------- the measures
+
+@dataclass
+class Series:
+    shell: str
+    n: int
+    torch: str
+    samples: dict = field(default_factory=dict)   # measure -> {"orch": [...], "base": [...]}
+    notes: list = field(default_factory=list)
+    rss_mib: float = 0.0
+    threads: int = 0
+
+    def add(self, measure: str, who: str, value: float) -> None:
+        self.samples.setdefault(measure, {}).setdefault(who, []).append(value)
+
+    def fail(self, what: str, r: Run) -> None:
+        note = f"{what} failed (exit {r.returncode}): {r.tail(600)}"
+        self.notes.append(note)
+        print(f"  ! {note}", flush=True)
+
+
+def measure_up(bed: Bed, s: Series, reps: int, clock: "Clock") -> None:
+    source = ALLREDUCE if bed.real_torch else HELLO
+    inv, d = inventory(bed, f"up{bed.n}", source), pdsh_dir(bed, source)
+    for rep in range(reps):
+        if rep and clock.over():
+            break
+        port = free_port([bed.hosts[0].address], 29500, 29900)
+        p = pdsh(bed, torchrun_remote(bed, d, port))
+        if job_ok(bed, p):
+            s.add("up", "base", p.seconds)
+        else:
+            s.fail("baseline up", p)
+        o, rss, threads = orch(bed, "up", inv)
+        s.rss_mib, s.threads = max(s.rss_mib, rss), max(s.threads, threads)
+        if job_ok(bed, o):
+            s.add("up", "orch", o.seconds)
+        else:
+            s.fail("orch up", o)
+        print(f"  up rep {rep + 1}: pdsh {p.seconds:.2f} s, orch {o.seconds:.2f} s "
+              f"(rss {rss:.0f} MiB, {threads} threads)", flush=True)
+
+
+def start_detached(bed: Bed, s: Series, inv: Path) -> bool:
+    o, _, _ = orch(bed, "up", inv, "--detach")
+    if not o.ok:
+        s.fail("orch up --detach", o)
+        return False
+    if not wait_started(bed):
+        s.notes.append("the sleeper job did not start on every host")
+        return False
+    return True
+
+
+def measure_status_stop(bed: Bed, s: Series, reps: int, clock: "Clock") -> None:
+    inv = inventory(bed, f"sleep{bed.n}", SLEEPER)
+    if not start_detached(bed, s, inv):
+        return
+    for rep in range(reps):
+        if rep and clock.over():
+            break
+        t = pdsh(bed, "true")
+        s.add("status", "base", t.seconds) if t.ok else s.fail("pdsh true", t)
+        o, _, _ = orch(bed, "status", inv)
+        s.add("status", "orch", o.seconds) if o.ok else s.fail("orch status", o)
+        print(f"  status rep {rep + 1}: pdsh true {t.seconds:.2f} s, orch {o.seconds:.2f} s",
+              flush=True)
+    for rep in range(reps):
+        if rep and (clock.over() or not start_detached(bed, s, inv)):
+            break
+        t = pdsh(bed, "true")
+        s.add("stop", "base", t.seconds) if t.ok else s.fail("pdsh true", t)
+        o, _, _ = orch(bed, "stop", inv)
+        left = left_over(bed)
+        if o.ok and not left:
+            s.add("stop", "orch", o.seconds)
+        else:
+            s.fail(f"orch stop (left {len(left)} processes)", o)
+            kill_pids(left)
+        k = pdsh_pkill(bed, s)
+        print(f"  stop rep {rep + 1}: pdsh true {t.seconds:.2f} s, orch {o.seconds:.2f} s "
+              f"(verified empty: {not left}), pdsh pkill {k:.2f} s", flush=True)
+
+
+def pdsh_pkill(bed: Bed, s: Series) -> float:
+    """The naive stop: a sleeper per host started by pdsh, then `pdsh pkill -f` of it
+    (no verification). The bracket keeps pkill from matching the shell that runs it."""
+    tag = f"orchscale{os.getpid()}x{bed.n}"
+    d = pdsh_dir(bed, SLEEPER)
+    start = pdsh(bed, f"cd {d} && (setsid {bed.python} -c 'import time; time.sleep(600)' "
+                      f"{tag}-%h-end </dev/null >/dev/null 2>&1 &)")
+    deadline = time.monotonic() + 60
+    while len(scan_marked([f"{tag}-"])) < bed.n and time.monotonic() < deadline:
+        time.sleep(0.2)
+    k = pdsh(bed, f"pkill -f '[{tag[0]}]{tag[1:]}-%h-end'")
+    time.sleep(0.5)
+    left = scan_marked([f"{tag}-"])
+    if start.ok and k.ok and not left:
+        s.add("stop", "pkill", k.seconds)
+    else:
+        s.fail(f"pdsh pkill (left {len(left)})", k if start.ok else start)
+    kill_pids(left)
+    return k.seconds
+
+
+def measure_death(bed: Bed, s: Series, reps: int, clock: "Clock") -> None:
+    inv = inventory(bed, f"crash{bed.n}", CRASH)
+    for rep in range(reps):
+        if rep and clock.over():
+            break
+        o, _, _ = orch(bed, "up", inv)
+        ended = time.time()
+        left = left_over(bed)
+        m = re.search(r"crash_at (\d+\.\d+)", o.stdout)
+        if o.returncode == 1 and m and not left:
+            s.add("death", "orch", ended - float(m.group(1)))
+            print(f"  death rep {rep + 1}: every host stopped {ended - float(m.group(1)):.2f} s "
+                  "after the rank's exit", flush=True)
+        else:
+            s.fail(f"orch up with a rank death (left {len(left)})", o)
+            kill_pids(left)
+
+
+class Clock:
+    """The benchmark's time budget: later reps are skipped once it is spent."""
+
+    def __init__(self, budget: float) -> None:
+        self.t0, self.budget = time.monotonic(), budget
+
+    def over(self) -> bool:
+        return time.monotonic() - self.t0 > self.budget
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+
+# ---------------------------------------------------------------- report
+
+def rows_of(s: Series) -> list[list]:
+    rows = []
+    for measure, base in (("up", "base"), ("status", "base"), ("stop", "base"),
+                          ("stop", "pkill"), ("death", None)):
+        got = s.samples.get(measure, {})
+        if not got:
+            continue
+        o = median(got.get("orch", []))
+        b = median(got.get(base, [])) if base else float("nan")
+        ratio = o / b if base and got.get("orch") and got.get(base) else float("nan")
+        target = TARGETS.get((s.shell, s.n, measure)) if base == "base" else None
+        met = "-" if target is None else ("yes" if ratio <= target else "NO")
+        if target is not None and not got.get("orch"):
+            met = "NO (failed)"
+        what = {"up": f"up ({s.torch})", "status": "status", "stop": "stop",
+                "death": "rank death -> all stopped"}[measure]
+        bname = {"up": "pdsh+torchrun", "base": "pdsh true", "pkill": "pdsh pkill",
+                 None: "-"}[base if measure != "up" else "up"]
+        rows.append([s.n, s.shell, what, o, bname, b, ratio,
+                     "-" if target is None else f"<= {target:g}", met])
+    return rows
+
+
+def markdown(headers: list[str], rows: list[list]) -> None:
+    """A Markdown table (what the README holds), never wrapped."""
+    def cell(v: object) -> str:
+        if isinstance(v, float):
+            return "-" if v != v else f"{v:.2f}"
+        return str(v)
+    print("| " + " | ".join(headers) + " |")
+    print("|" + "---|" * len(headers))
+    for r in rows:
+        print("| " + " | ".join(cell(v) for v in r) + " |")
+
+
+def report(series: list[Series], clock: Clock) -> None:
+    rows = [r for s in series for r in rows_of(s)]
+    print(f"\nscale: median seconds (load {os.getloadavg()[0]:.1f}, {clock.elapsed():.0f} s in all)")
+    markdown(["hosts", "shell", "measure", "orch s", "baseline", "baseline s", "orch/baseline",
+              "target", "met?"], rows)
+    print("\ncontroller during `orch up`")
+    markdown(["hosts", "shell", "peak RSS MiB", "threads"],
+             [[s.n, s.shell, s.rss_mib, s.threads] for s in series])
+    for s in series:
+        for note in s.notes:
+            print(f"note ({s.shell}, {s.n} hosts): {note[:300]}")
+    data = [{"shell": s.shell, "hosts": s.n, "torch": s.torch, "samples": s.samples,
+             "rss_mib": s.rss_mib, "threads": s.threads, "notes": s.notes} for s in series]
+    print(f"raw samples: {save_json('scale.json', data)}")
+
+
+# ---------------------------------------------------------------- main
+
+def parse_series(specs: list[str]) -> list[tuple[str, int]]:
+    out = []
+    for spec in specs:
+        shell, _, n = spec.partition(":")
+        if shell not in ("root", "plain") or not n.isdigit():
+            sys.exit(f"--series {spec}: write SHELL:HOSTS, SHELL root or plain (e.g. plain:128)")
+        out.append((shell, int(n)))
+    return out
+
+
+def run_series(cluster: SshdCluster, shell: Shell, n: int, python: str, work: Path,
+               args: argparse.Namespace, clock: Clock) -> Series:
+    real = n <= args.real_torch_max and shell.user == "root"
+    torch = "real torch" if real else "stand-in torchrun"
+    print(f"\n== {n} hosts, {shell.name} shell ({shell.user}), {torch} "
+          f"[{clock.elapsed():.0f} s]", flush=True)
+    reps = args.reps if n < 128 else args.reps_big
+    bed = Bed(cluster, cluster.hosts[:n], shell, str(VENV_PY) if real else python,
+              work / f"{shell.name}{n}", remote_base(cluster, shell) / f"n{n}", real)
+    s = Series(shell.name, n, torch)
+    measure_up(bed, s, args.reps_real if real else reps, clock)
+    bed.python, bed.real_torch = python, False   # the rest runs on the stand-in
+    measure_status_stop(bed, s, reps, clock)
+    measure_death(bed, s, max(1, reps - 1), clock)
+    return s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # the targets first: once the budget is spent, later series are skipped
+    ap.add_argument("--series", nargs="+", default=["plain:128", "root:64", "root:16",
+                                                    "root:128"],
+                    metavar="SHELL:HOSTS", help="root or plain, and a host count")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions below 128 hosts")
+    ap.add_argument("--reps-big", type=int, default=2, help="repetitions at 128 hosts and more")
+    ap.add_argument("--reps-real", type=int, default=1,
+                    help="repetitions of `up` with real torch (70 s each at 16 hosts here)")
+    ap.add_argument("--real-torch-max", type=int, default=16,
+                    help="real torch up to this many hosts (root shell), the stand-in above")
+    ap.add_argument("--budget", type=float, default=600,
+                    help="seconds; once spent, later reps and series are skipped")
+    args = ap.parse_args()
+    plan = parse_series(args.series)
+    subprocess.run([str(VENV_PY), "-m", "compileall", "-q", str(REPO / "orchestrator")],
+                   check=True, env=orch_env())
+    clock = Clock(args.budget)
+    series: list[Series] = []
+    standin = Path(tempfile.mkdtemp(prefix="orch-scale-standin-"))
+    sshds: list[int] = []
+    plain = None
+    try:
+        python = make_standin(standin)
+        # the plain user's own ~/.ssh/authorized_keys too (the cluster's file is root's only)
+        options = {"AuthorizedKeysFile": "{authorized_keys} .ssh/authorized_keys"}
+        with fake_cluster(max(n for _, n in plan), first_octet=FIRST_OCTET,
+                          sshd_options=options) as cluster:
+            tmp = cluster.root.parent
+            sshds = [h.pid for h in cluster.hosts]
+            pub = cluster.authorized_keys.read_text().strip()
+            root = Shell("root", "root", Path("/root"))
+            plain = plain_shell(pub) if any(sh == "plain" for sh, _ in plan) else None
+            work = cluster.root.parent / "work"
+            try:
+                for shell_name, n in plan:
+                    if series and clock.over():
+                        print(f"\n(budget spent: {shell_name}:{n} skipped)")
+                        continue
+                    shell = root if shell_name == "root" else plain
+                    assert shell is not None
+                    series.append(run_series(cluster, shell, n, python, work, args, clock))
+            finally:   # interrupted too: the jobs' supervisors are not under any sshd
+                kill_pids(scan_marked([str(tmp), f"orchscale-{os.getpid()}", str(standin)]))
+                if plain is not None:
+                    unauthorize(plain, pub)
+                    shutil.rmtree(remote_base(cluster, plain), ignore_errors=True)
+    finally:
+        shutil.rmtree(standin, ignore_errors=True)
+    report(series, clock)
+    prove_clean(sshds, [str(tmp), str(standin), f"orchscale{os.getpid()}x"])
+
+
+def prove_clean(sshds: list[int], needles: list[str]) -> None:
+    """Every sshd this run started is gone, and nothing of its jobs runs (no process
+    names this run's folders or markers in its command line or environment)."""
+    alive = [p for p in sshds if pid_alive(p)]
+    left = scan_marked(needles)
+    print(f"cleanup: {len(sshds)} sshd started, {len(alive)} still running; "
+          f"{len(left)} processes of the benchmark left" + (f": {left}" if left else ""))
+    if alive or left:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
