@@ -19,14 +19,13 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 import yaml
 
 from conftest import kill_all
-
 from orchestrator import splitdata
 from sshd_cluster import SshdCluster, pids_with_env
 

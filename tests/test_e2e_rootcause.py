@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from conftest import write_job
-from sshd_cluster import SshdCluster, free_port, pid_alive
-from test_e2e_up import Jobs, assert_nothing_left, jobs  # noqa: F401
 from orchestrator.inventory import load
 from orchestrator.words import hint_cmd
+from sshd_cluster import SshdCluster, free_port, pid_alive
+from test_e2e_up import Jobs, assert_nothing_left, jobs  # noqa: F401
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 HOSTS = 16
@@ -57,7 +57,7 @@ def busy_cores() -> Iterator[None]:
 
 @pytest.mark.parametrize("fail_rank", [9, 2, 15])
 def test_the_failing_rank_is_named_at_16_hosts_on_a_busy_machine(
-        big_cluster: SshdCluster, busy_cores: None, tmp_path: Path, jobs: Jobs,  # noqa: F811
+        big_cluster: SshdCluster, busy_cores: None, tmp_path: Path, jobs: Jobs,
         fail_rank: int) -> None:
     hosts, name = big_cluster.hosts, f"rc16-{fail_rank}"
     write_job(tmp_path, JOB)
@@ -84,7 +84,7 @@ time.sleep(600)
 
 
 def test_a_frozen_host_is_named_and_finished_once_it_is_back(
-        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:  # noqa: F811
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
     """sshd and the agent SIGSTOPped mid-job (the job itself runs on, detached): the
     frozen host is the root cause, the report says it was not stopped and how to finish
     it; status exits 3 while it is away; `orch stop -c` finishes it once it is back."""

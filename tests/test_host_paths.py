@@ -24,12 +24,10 @@ from typing import Callable
 import pytest
 
 from conftest import wait_until
-
 from orchestrator import bundle, protocol
 from orchestrator.host.files import manifest
 from orchestrator.host.ledger import Ledger
 from orchestrator.host.paths import JobDir, UnsafePath, check_link_target
-
 
 # ---------------------------------------------------------------- helpers
 

@@ -7,9 +7,9 @@ import shlex
 from orchestrator import protocol
 from orchestrator.follow import HostStream, Tracker
 from orchestrator.link import Link
+from orchestrator.rootcause import verdict
 from orchestrator.sync import LocalFile, plan
 from orchestrator.transport import remote_command
-from orchestrator.rootcause import verdict
 from orchestrator.watch import Monitor, signal_name
 
 
@@ -139,8 +139,10 @@ def test_tail_offset_counts_lines_from_the_end(tmp_path) -> None:
 def test_group_failures_keep_one_shared_exit_code() -> None:
     """"already running" (exit 2) from every host stays exit 2; mixed with an unreachable
     host, or an unexpected exception, it is a host failure (exit 3)."""
-    import pytest
     from types import SimpleNamespace
+
+    import pytest
+
     from orchestrator.connect import GroupResult
     from orchestrator.errors import HostError, UsageError
     hosts = tuple(SimpleNamespace(label=n, index=i, address=n, ssh=SimpleNamespace(port=22))

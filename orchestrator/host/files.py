@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from typing import Any
 
 from orchestrator import protocol
 from orchestrator.host.common import folder_of
@@ -22,7 +23,7 @@ def is_leftover(name: str) -> bool:
     return name.startswith(STAGING) or PART in name
 
 
-def manifest(jd, folder: str) -> dict:
+def manifest(jd, folder: str) -> dict[str, Any]:
     """{relpath: [size, sha256 or "link:<target>"]} of what orch pushed into the folder
     and is still there (host/ledger.py); digests kept by (size, mtime, inode).
 
@@ -53,12 +54,12 @@ def send_manifest(req, part_folder: str, jd, folder: str) -> str:
     return found["root"]
 
 
-def run_manifest(req) -> dict:
+def run_manifest(req) -> dict[str, Any]:
     jd, folder = folder_of(req.args["root"])
     return {"root": send_manifest(req, "", jd, folder)}
 
 
-def receive_file(reader, dirs, base: str, head: dict, staged: bool = False) -> tuple:
+def receive_file(reader, dirs, base: str, head: dict[str, Any], staged: bool = False) -> tuple[Any, ...]:
     """Write beside (.orch-part-, O_EXCL, no link followed), hash while writing, verify,
     then rename into place in the same folder descriptor. A staged file (inside a
     staging folder no one reads) is written under its name. Returns (stat, digest)."""
@@ -100,7 +101,7 @@ def place(jd, pfd: int, tmp: str, name: str, rel: str) -> None:
         raise
 
 
-def receive_link(dirs, base: str, head: dict) -> tuple:
+def receive_link(dirs, base: str, head: dict[str, Any]) -> tuple[Any, ...]:
     """{"p": rel, "link": target}: rel becomes a link to target (inside the folder only,
     checked by JobDir.symlink). Returns (stat of the link, "link:<target>")."""
     target = head["link"]
@@ -124,7 +125,7 @@ def receive_bytes(reader, fd: int, h, left: int, name: str) -> None:
         left -= len(data)
 
 
-def prune_empty_dirs(jd, base: str, removed: list) -> None:
+def prune_empty_dirs(jd, base: str, removed: list[Any]) -> None:
     """Remove the folders that deleting `removed` left empty (never base itself, never a
     folder that still holds anything, such as the job's own files)."""
     parents = set()
@@ -144,8 +145,8 @@ class Staging:
     def __init__(self, dirs, base: str) -> None:
         self.dirs, self.jd, self.base = dirs, dirs.jd, base
         self.dir = "%s/%s%d" % (base, STAGING, os.getpid())
-        self.tops: dict = {}
-        self.landed: list = []   # (rel, stat, digest) of staged files: recorded once in place
+        self.tops: dict[str, Any] = {}
+        self.landed: list[Any] = []   # (rel, stat, digest) of staged files: recorded once in place
 
     def wants(self, rel: str) -> bool:
         top = rel.split("/", 1)[0]
@@ -170,7 +171,7 @@ class Staging:
             self.jd.rmtree(self.dir)
 
 
-def receive_stream(reader, dirs, base: str, ledger, staging: Staging) -> tuple:
+def receive_stream(reader, dirs, base: str, ledger, staging: Staging) -> tuple[Any, ...]:
     count, nbytes = 0, 0
     while True:
         head = reader.read_json("the end of the receive stream")
@@ -202,7 +203,7 @@ def drain(reader) -> None:
             return
 
 
-def apply_deletes(jd, base: str, ledger, delete: list) -> int:
+def apply_deletes(jd, base: str, ledger, delete: list[Any]) -> int:
     """Delete only what orch pushed (in the ledger): a file or link the job made, or an
     excluded path, stays whatever the controller asks."""
     removed = []
@@ -216,7 +217,7 @@ def apply_deletes(jd, base: str, ledger, delete: list) -> int:
     return len(removed)
 
 
-def run_receive(req) -> dict:
+def run_receive(req) -> dict[str, Any]:
     """Apply a stream: a `file` message and its data frames per file (a `link` message
     for a link), then `end` with the files to delete."""
     jd, base = folder_of(req.args["root"])

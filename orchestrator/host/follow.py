@@ -19,7 +19,7 @@ READ = 1 << 20          # bytes read from a log per pass
 CHUNK = protocol.MAX_OUTPUT
 
 
-def pieces(data: bytes, final: bool) -> tuple:
+def pieces(data: bytes, final: bool) -> tuple[Any, ...]:
     """([(bytes, partial)], consumed): whole lines grouped up to CHUNK bytes; a line
     longer than CHUNK as CHUNK-sized partial pieces; the unterminated rest only if final."""
     out, pos, n = [], 0, len(data)
@@ -53,7 +53,7 @@ class RankLog:
     def __init__(self, rank: int, jd, rel: str, offset: int) -> None:
         self.rank, self.jd, self.rel, self.offset, self.f = rank, jd, rel, offset, None
 
-    def read(self, final: bool = False) -> list:
+    def read(self, final: bool = False) -> list[Any]:
         """The next pieces (see pieces()); [] when nothing complete is there yet."""
         if self.f is None:
             self.f = open_log(self.jd, self.rel)
@@ -96,12 +96,12 @@ def tail_offset(f, n: int) -> int:
     return 0
 
 
-def rank_exit(p: dict, rank: int):
+def rank_exit(p: dict[str, Any], rank: int):
     ex = read_json(p["jd"], "run/rank-%d.exit" % rank)
     return ex if isinstance(ex, dict) and "code" in ex and "time" in ex else None
 
 
-def host_done(p: dict):
+def host_done(p: dict[str, Any]):
     """host.exit once the supervisor finished; {"code": None, "lost": True} when it vanished."""
     done = read_json(p["jd"], "run/host.exit")
     if done is not None or supervisor_alive(p):
@@ -131,7 +131,7 @@ def exit_event(p: dict[str, Any], rank: int, ex: dict[str, Any]) -> bytes:
     return protocol.event("exit", **fields)
 
 
-def send_exits(send, p: dict, logs: list, reported: set, events: bool) -> bool:
+def send_exits(send, p: dict[str, Any], logs: list[Any], reported: set[Any], events: bool) -> bool:
     """Report rank exits as they land; True once nothing more will come."""
     for log in logs:
         if log.rank in reported:
@@ -145,7 +145,7 @@ def send_exits(send, p: dict, logs: list, reported: set, events: bool) -> bool:
     return host_done(p) is not None or (not events and len(reported) == len(logs))
 
 
-def send_starts(send, p: dict, logs: list, started: set) -> None:
+def send_starts(send, p: dict[str, Any], logs: list[Any], started: set[Any]) -> None:
     """A `start` event once per rank, when its wrapper has recorded the rank's pid:
     the controller can show that ranks run before their first line (torch imports)."""
     for log in logs:
@@ -157,7 +157,7 @@ def send_starts(send, p: dict, logs: list, started: set) -> None:
             send(protocol.event("start", rank=log.rank, pid=pid["pid"]))
 
 
-def finish(send, p: dict, logs: list, mode: str) -> None:
+def finish(send, p: dict[str, Any], logs: list[Any], mode: str) -> None:
     for log in logs:
         emit(send, log, final=True)
     if mode == "events":
@@ -185,7 +185,7 @@ def run(req) -> None:
             log.offset = tail_offset(log.f, a["tail"])
         logs.append(log)
     reported, beat, idle = set(), 0.0, 0
-    started = set()  # type: set
+    started = set()  # type: set[Any]
     while True:
         if mode == "events" and len(started) < len(logs):
             send_starts(send, p, logs, started)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 from orchestrator import protocol
 from orchestrator.host import rankexec
@@ -17,7 +18,7 @@ from orchestrator.host.procs import proc_start_time, supervisor_alive
 ALREADY_RUNNING = "already running"
 
 
-def clean_run_dir(p: dict) -> None:
+def clean_run_dir(p: dict[str, Any]) -> None:
     # code/ too: without `code:` in the inventory nothing was pushed, and a missing
     # entrypoint should fail as the rank's own error, not as a missing folder
     jd = p["jd"]
@@ -39,7 +40,7 @@ def rankexec_source() -> bytes:
     return rankexec.__loader__.get_source(rankexec.__name__).encode()
 
 
-def run(req) -> dict:
+def run(req) -> dict[str, Any]:
     """Start the supervisor (double fork + setsid), reply with its pid and more. The
     spec holds the job's env (secrets): it is kept in run/launch.json, mode 0600."""
     spec = req.args["spec"]
@@ -76,7 +77,7 @@ def detach_stdio(jd, log_rel: str) -> None:
     os.dup2(log, 2)
 
 
-def supervise(p: dict, spec: dict, wfd: int) -> None:
+def supervise(p: dict[str, Any], spec: dict[str, Any], wfd: int) -> None:
     """Runs torchrun, records its exit code in run/host.exit; never returns."""
     jd = p["jd"]
     detach_stdio(jd, "run/torchrun.log")

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 from orchestrator import protocol
 from orchestrator.host import commands, files, follow, launch, preflight, procs, pull, status
@@ -52,11 +53,11 @@ class Out:
 
 
 class Request:
-    def __init__(self, msg: dict, out: Out, reader, debug: bool) -> None:
+    def __init__(self, msg: dict[str, Any], out: Out, reader, debug: bool) -> None:
         self.t, self.id, self.args = msg["t"], msg.get("id"), msg
         self.out, self.reader, self.debug = out, reader, debug
 
-    def part(self, kind: str, body: dict) -> None:
+    def part(self, kind: str, body: dict[str, Any]) -> None:
         self.out.send(protocol.part(self.id, kind, body))
 
 
@@ -93,7 +94,7 @@ def grow_stdin_pipe() -> None:
         pass
 
 
-def dispatch(msg: dict, out: Out, reader, debug: bool, waited: list) -> None:
+def dispatch(msg: dict[str, Any], out: Out, reader, debug: bool, waited: list[Any]) -> None:
     req = Request(msg, out, reader, debug)
     if req.t not in COMMANDS:
         out.send(protocol.error(req.id, protocol.USAGE, "unknown request %r" % req.t))
@@ -106,7 +107,7 @@ def dispatch(msg: dict, out: Out, reader, debug: bool, waited: list) -> None:
         serve(req)
 
 
-def main(version: str, argv: list) -> None:
+def main(version: str, argv: list[Any]) -> None:
     # Ctrl-C on the controller's terminal (a local host) or a hang-up must not end the
     # agent: it still has to stop the job. It ends at the end of its stdin.
     for sig in (signal.SIGINT, signal.SIGHUP):

@@ -18,6 +18,7 @@ import os
 import shlex
 import stat
 from contextlib import contextmanager
+from typing import Any
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 # O_NONBLOCK: a FIFO planted where orch expects a file must not hang the agent
@@ -51,7 +52,7 @@ def not_a(kind: str, path: str) -> UnsafePath:
                       "move it away (mv %s %s.old) and run again" % (q, q))
 
 
-def split_rel(rel: str) -> list:
+def split_rel(rel: str) -> list[Any]:
     """The parts of a path relative to the job folder. Anything that could leave it
     (absolute, .., an empty or . part, a backslash, NUL) is refused."""
     if rel == "":
@@ -62,7 +63,7 @@ def split_rel(rel: str) -> list:
     return parts
 
 
-def split_parent(rel: str) -> tuple:
+def split_parent(rel: str) -> tuple[Any, ...]:
     """(parent, name) of a file's path; the name must be a plain name."""
     parts = split_rel(rel)
     if not parts:

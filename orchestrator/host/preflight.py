@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 from orchestrator import timeouts
 from orchestrator.host import files
@@ -19,7 +20,7 @@ def gpu_count() -> int:
     try:
         r = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL, timeout=timeouts.NVIDIA_SMI)
-        return sum(1 for l in r.stdout.decode().splitlines() if l.startswith("GPU "))
+        return sum(1 for line in r.stdout.decode().splitlines() if line.startswith("GPU "))
     except (OSError, subprocess.SubprocessError):
         return 0
 
@@ -64,7 +65,7 @@ def free_port() -> int:
     return port
 
 
-def dir_writable(p: dict):
+def dir_writable(p: dict[str, Any]):
     """None when the job folder can be made and written; else why not. A link at the job
     folder or at one of orch's folders or files in it is refused (UnsafePath) instead."""
     jd = p["jd"]
@@ -81,7 +82,7 @@ def dir_writable(p: dict):
         return "%s: %s" % (jd.path, e.strerror or e)
 
 
-def run(req) -> dict:
+def run(req) -> dict[str, Any]:
     """Everything preflight checks, plus the manifests of the job's folders named in
     `folders` (code, data), which saves the push a round trip per host."""
     a = req.args

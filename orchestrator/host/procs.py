@@ -38,7 +38,7 @@ def has_marker(pid: int, marker: bytes) -> bool:
         return False
 
 
-def marked_pids(job_dir: str) -> list:
+def marked_pids(job_dir: str) -> list[Any]:
     """Every process of this job: its environment carries ORCH_JOB_DIR=<abs job dir>.
 
     torchrun puts each worker in a session of its own, so a process group alone misses
@@ -50,7 +50,7 @@ def marked_pids(job_dir: str) -> list:
     return [p for p in pids if p != me and has_marker(p, marker)]
 
 
-def supervisor_alive(p: dict):
+def supervisor_alive(p: dict[str, Any]):
     sup = read_json(p["jd"], "run/supervisor.json")
     if not isinstance(sup, dict) or not isinstance(sup.get("pid"), int):
         return None
@@ -67,7 +67,7 @@ def signal_all(pids, sig) -> None:
             pass
 
 
-def wait_gone(job_dir: str, sup, deadline: float) -> list:
+def wait_gone(job_dir: str, sup, deadline: float) -> list[Any]:
     while True:
         left = marked_pids(job_dir)
         if sup and proc_start_time(sup["pid"]) == sup.get("start_ticks"):
@@ -77,7 +77,7 @@ def wait_gone(job_dir: str, sup, deadline: float) -> list:
         time.sleep(0.05)
 
 
-def stop(job_dir: str, grace: float) -> dict:
+def stop(job_dir: str, grace: float) -> dict[str, Any]:
     """SIGTERM every process of the job, wait up to grace, SIGKILL the rest, verify.
     Runs in a thread of its own that the agent waits for: a stop runs to the end even
     if the controller (and so the connection) goes away."""
@@ -115,5 +115,5 @@ def stop_time(p: dict[str, Any]) -> float | None:
     return when if isinstance(when, (int, float)) and not isinstance(when, bool) else None
 
 
-def run_stop(req) -> dict:
+def run_stop(req) -> dict[str, Any]:
     return stop(req.args["job_dir"], max(0.0, float(req.args["grace"])))

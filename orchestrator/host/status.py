@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+from typing import Any
 
 from orchestrator.host.common import job_paths, read_json
 from orchestrator.host.follow import open_log, rank_exit
@@ -38,7 +39,7 @@ def log_size(jd, rel: str):  # type: ignore[no-untyped-def]  # as the module's o
     return st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
 
 
-def stopped(p: dict, info: dict) -> bool:
+def stopped(p: dict[str, Any], info: dict[str, Any]) -> bool:
     """A rank that ended badly (or vanished) after a stop orch made: the stop's doing."""
     stop = read_json(p["jd"], "run/stop.json")
     if not isinstance(stop, dict) or not isinstance(stop.get("time"), (int, float)):
@@ -49,7 +50,7 @@ def stopped(p: dict, info: dict) -> bool:
     return info.get("code") != 0 and isinstance(ended, (int, float)) and ended >= stop["time"]
 
 
-def error_file(p: dict, local_rank: int) -> str:
+def error_file(p: dict[str, Any], local_rank: int) -> str:
     """torchrun's error file of a rank (written when the script uses @record)."""
     for rel, _ in p["jd"].walk("run/torchrun"):
         if rel.endswith("/%d/error.json" % local_rank):
@@ -61,7 +62,7 @@ def error_file(p: dict, local_rank: int) -> str:
     return ""
 
 
-def rank_status(p: dict, rank: int, local_rank: int, sup) -> dict:
+def rank_status(p: dict[str, Any], rank: int, local_rank: int, sup) -> dict[str, Any]:
     log = "logs/rank-%d.log" % rank
     info = {"rank": rank, "last_line": last_line(p["jd"], log), "log_bytes": log_size(p["jd"], log)}
     pid = read_json(p["jd"], "run/rank-%d.pid" % rank)
@@ -82,7 +83,7 @@ def rank_status(p: dict, rank: int, local_rank: int, sup) -> dict:
     return info
 
 
-def run(req) -> dict:
+def run(req) -> dict[str, Any]:
     """`ranks` are the host's ranks from its local rank `first_local` on (all: 0)."""
     p = job_paths(req.args["job_dir"])
     sup = supervisor_alive(p)
