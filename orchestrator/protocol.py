@@ -357,11 +357,11 @@ def request(t: str, id: int, **fields: Any) -> bytes:
     return message(t, id=id, **fields)
 
 
-def reply(id: int, body: dict[str, Any]) -> bytes:
+def reply(id: int | None, body: dict[str, Any]) -> bytes:
     return message("reply", id=id, body=body)
 
 
-def part(id: int, kind: str, body: dict[str, Any]) -> bytes:
+def part(id: int | None, kind: str, body: dict[str, Any]) -> bytes:
     return message("part", id=id, kind=kind, body=body)
 
 

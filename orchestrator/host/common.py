@@ -35,7 +35,7 @@ def folder_of(root: str) -> tuple[Any, ...]:
     return JobDir(os.path.dirname(root)), os.path.basename(root)
 
 
-def read_json(jd, rel: str):
+def read_json(jd: JobDir, rel: str) -> Any:
     """A JSON state file of the job, None when missing, unreadable, a link or too big."""
     try:
         data = jd.read(rel, STATE_CAP)
@@ -44,5 +44,5 @@ def read_json(jd, rel: str):
         return None
 
 
-def write_atomic(jd, rel: str, data: bytes, mode: int = 0o600) -> None:
+def write_atomic(jd: JobDir, rel: str, data: bytes, mode: int = 0o600) -> None:
     jd.write_file(rel, data, mode)

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
 from orchestrator import protocol, timeouts
 from orchestrator.host.common import AgentError, job_paths, read_json
 from orchestrator.host.procs import stop_time, supervisor_alive
 
+if TYPE_CHECKING:   # annotations only: main imports this module
+    from orchestrator.host.main import Request
+    from orchestrator.host.paths import JobDir
+
+    Send = Callable[[bytes], None]
+
 READ = 1 << 20          # bytes read from a log per pass
 CHUNK = protocol.MAX_OUTPUT
 
 
-def pieces(data: bytes, final: bool) -> tuple[Any, ...]:
+def pieces(data: bytes, final: bool) -> tuple[list[Any], int]:
     """([(bytes, partial)], consumed): whole lines grouped up to CHUNK bytes; a line
     longer than CHUNK as CHUNK-sized partial pieces; the unterminated rest only if final."""
     out, pos, n = [], 0, len(data)
@@ -39,7 +45,7 @@ def pieces(data: bytes, final: bool) -> tuple[Any, ...]:
     return out, pos
 
 
-def open_log(jd, rel: str):
+def open_log(jd: JobDir, rel: str) -> BinaryIO | None:
     """A log file opened for reading without following a link; None if it cannot be."""
     try:
         return os.fdopen(jd.open_for_read(rel), "rb")
@@ -50,8 +56,9 @@ def open_log(jd, rel: str):
 class RankLog:
     """A growing log file read in place from a byte offset (no link followed)."""
 
-    def __init__(self, rank: int, jd, rel: str, offset: int) -> None:
-        self.rank, self.jd, self.rel, self.offset, self.f = rank, jd, rel, offset, None
+    def __init__(self, rank: int, jd: JobDir, rel: str, offset: int) -> None:
+        self.rank, self.jd, self.rel, self.offset = rank, jd, rel, offset
+        self.f: BinaryIO | None = None
 
     def read(self, final: bool = False) -> list[Any]:
         """The next pieces (see pieces()); [] when nothing complete is there yet."""
@@ -66,7 +73,7 @@ class RankLog:
         return got
 
 
-def tail_offset(f, n: int) -> int:
+def tail_offset(f: BinaryIO | None, n: int) -> int:
     """Byte offset where the last n lines of open file f start (a final newline ends
     the last line); 0 when f is None."""
     if f is None:
@@ -96,12 +103,12 @@ def tail_offset(f, n: int) -> int:
     return 0
 
 
-def rank_exit(p: dict[str, Any], rank: int):
+def rank_exit(p: dict[str, Any], rank: int) -> dict[str, Any] | None:
     ex = read_json(p["jd"], "run/rank-%d.exit" % rank)
     return ex if isinstance(ex, dict) and "code" in ex and "time" in ex else None
 
 
-def host_done(p: dict[str, Any]):
+def host_done(p: dict[str, Any]) -> Any:
     """host.exit once the supervisor finished; {"code": None, "lost": True} when it vanished."""
     done = read_json(p["jd"], "run/host.exit")
     if done is not None or supervisor_alive(p):
@@ -109,7 +116,7 @@ def host_done(p: dict[str, Any]):
     return read_json(p["jd"], "run/host.exit") or {"code": None, "lost": True}
 
 
-def emit(send, log: RankLog, final: bool = False) -> int:
+def emit(send: Send, log: RankLog, final: bool = False) -> int:
     """Send what the log holds now; the number of frames sent."""
     total = 0
     while True:
@@ -131,7 +138,7 @@ def exit_event(p: dict[str, Any], rank: int, ex: dict[str, Any]) -> bytes:
     return protocol.event("exit", **fields)
 
 
-def send_exits(send, p: dict[str, Any], logs: list[Any], reported: set[Any], events: bool) -> bool:
+def send_exits(send: Send, p: dict[str, Any], logs: list[Any], reported: set[Any], events: bool) -> bool:
     """Report rank exits as they land; True once nothing more will come."""
     for log in logs:
         if log.rank in reported:
@@ -145,7 +152,7 @@ def send_exits(send, p: dict[str, Any], logs: list[Any], reported: set[Any], eve
     return host_done(p) is not None or (not events and len(reported) == len(logs))
 
 
-def send_starts(send, p: dict[str, Any], logs: list[Any], started: set[Any]) -> None:
+def send_starts(send: Send, p: dict[str, Any], logs: list[Any], started: set[Any]) -> None:
     """A `start` event once per rank, when its wrapper has recorded the rank's pid:
     the controller can show that ranks run before their first line (torch imports)."""
     for log in logs:
@@ -157,7 +164,7 @@ def send_starts(send, p: dict[str, Any], logs: list[Any], started: set[Any]) -> 
             send(protocol.event("start", rank=log.rank, pid=pid["pid"]))
 
 
-def finish(send, p: dict[str, Any], logs: list[Any], mode: str) -> None:
+def finish(send: Send, p: dict[str, Any], logs: list[Any], mode: str) -> None:
     for log in logs:
         emit(send, log, final=True)
     if mode == "events":
@@ -168,7 +175,7 @@ def finish(send, p: dict[str, Any], logs: list[Any], mode: str) -> None:
         send(protocol.event("done", code=None, snapshot=True))
 
 
-def run(req) -> None:
+def run(req: Request) -> None:
     """mode: "events" (lines, exits, heartbeats until the host is done), "snapshot"
     (the lines there now), "raw-follow" (until the ranks end), "raw" (what is there now).
     Ends with a `done` event in every mode."""
@@ -184,7 +191,8 @@ def run(req) -> None:
             log.f = open_log(p["jd"], log.rel)
             log.offset = tail_offset(log.f, a["tail"])
         logs.append(log)
-    reported, beat, idle = set(), 0.0, 0
+    reported: set[int] = set()
+    beat, idle = 0.0, 0
     started = set()  # type: set[Any]
     while True:
         if mode == "events" and len(started) < len(logs):

@@ -8,12 +8,16 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator import protocol
 from orchestrator.host import rankexec
 from orchestrator.host.common import AgentError, job_paths, write_atomic
 from orchestrator.host.procs import proc_start_time, supervisor_alive
+
+if TYPE_CHECKING:   # annotations only: main imports this module
+    from orchestrator.host.main import Request
+    from orchestrator.host.paths import JobDir
 
 ALREADY_RUNNING = "already running"
 
@@ -37,10 +41,12 @@ def clean_run_dir(p: dict[str, Any]) -> None:
 
 def rankexec_source() -> bytes:
     """The per-rank wrapper, from the bundle this agent was started from (or the file)."""
-    return rankexec.__loader__.get_source(rankexec.__name__).encode()
+    loader: Any = rankexec.__loader__   # a file or zip loader: both have get_source
+    source: str = loader.get_source(rankexec.__name__)
+    return source.encode()
 
 
-def run(req) -> dict[str, Any]:
+def run(req: Request) -> dict[str, Any]:
     """Start the supervisor (double fork + setsid), reply with its pid and more. The
     spec holds the job's env (secrets): it is kept in run/launch.json, mode 0600."""
     spec = req.args["spec"]
@@ -69,7 +75,7 @@ def run(req) -> dict[str, Any]:
     return {"supervisor": info}
 
 
-def detach_stdio(jd, log_rel: str) -> None:
+def detach_stdio(jd: JobDir, log_rel: str) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     log = jd.open_for_write(log_rel, 0o644, append=True)
     os.dup2(devnull, 0)

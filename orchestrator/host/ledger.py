@@ -37,7 +37,7 @@ LEDGER_CAP = 1 << 30      # about 5 million entries; a bigger file is not orch's
 VERSION = 1
 
 
-def stat_key(st) -> str:
+def stat_key(st: os.stat_result) -> str:
     return "%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
@@ -52,7 +52,7 @@ def hash_at(pfd: int, name: str, shown: str) -> str:
     return h.hexdigest()
 
 
-def valid_entry(rel, entry) -> bool:
+def valid_entry(rel: Any, entry: Any) -> bool:
     """An entry as orch writes it; anything else in the file is dropped (safe: an entry
     dropped is a file never deleted)."""
     try:
@@ -71,7 +71,7 @@ class Ledger:
         self.path = "run/%s-pushed.json" % folder
         self.journal_path = "run/%s-pushed.journal" % folder
         self.files: dict[str, Any] = {}
-        self.journal_fd = None
+        self.journal_fd: int | None = None
         self.found = False         # a ledger file was there
         self.interrupted = False   # a journal was there: a receiver did not finish
         self.dirty = False
@@ -123,7 +123,7 @@ class Ledger:
 
     # ------------------------------------------------------------ entries
 
-    def record(self, rel: str, st, digest: str) -> None:
+    def record(self, rel: str, st: os.stat_result, digest: str) -> None:
         """rel was placed by orch (st: its stat at that moment)."""
         self.record_many([(rel, st, digest)])
 

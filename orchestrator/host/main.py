@@ -8,12 +8,13 @@ at the end of its stdin.
 """
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from orchestrator import protocol
 from orchestrator.host import commands, files, follow, launch, preflight, procs, pull, status
@@ -43,7 +44,7 @@ IN_THREAD = {"follow": True, "stop": False, "setup": False, "exec": False}
 class Out:
     """Whole frames to stdout, one writer at a time (follow runs beside other requests)."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream: BinaryIO) -> None:
         self.stream, self.lock = stream, threading.Lock()
 
     def send(self, data: bytes) -> None:
@@ -53,7 +54,8 @@ class Out:
 
 
 class Request:
-    def __init__(self, msg: dict[str, Any], out: Out, reader, debug: bool) -> None:
+    def __init__(self, msg: dict[str, Any], out: Out, reader: protocol.FrameReader,
+                 debug: bool) -> None:
         self.t, self.id, self.args = msg["t"], msg.get("id"), msg
         self.out, self.reader, self.debug = out, reader, debug
 
@@ -94,7 +96,8 @@ def grow_stdin_pipe() -> None:
         pass
 
 
-def dispatch(msg: dict[str, Any], out: Out, reader, debug: bool, waited: list[Any]) -> None:
+def dispatch(msg: dict[str, Any], out: Out, reader: protocol.FrameReader, debug: bool,
+             waited: list[threading.Thread]) -> None:
     req = Request(msg, out, reader, debug)
     if req.t not in COMMANDS:
         out.send(protocol.error(req.id, protocol.USAGE, "unknown request %r" % req.t))
@@ -114,9 +117,10 @@ def main(version: str, argv: list[Any]) -> None:
         signal.signal(sig, signal.SIG_IGN)
     grow_stdin_pipe()
     out = Out(sys.stdout.buffer)
-    stdin = sys.stdin.buffer
+    stdin = cast(io.BufferedReader, sys.stdin.buffer)   # read1/readinto1: a buffered reader
     reader = protocol.FrameReader(stdin.read1, caps=protocol.CAPS, readinto=stdin.readinto1)
-    debug, waited = "debug" in argv, []
+    debug = "debug" in argv
+    waited: list[threading.Thread] = []
     out.send(protocol.hello(version, pid=os.getpid(), python=sys.version.split()[0]))
     try:
         while True:

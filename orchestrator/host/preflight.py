@@ -7,13 +7,16 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator import timeouts
 from orchestrator.host import files
 from orchestrator.host.common import job_paths
 from orchestrator.host.paths import UnsafePath
 from orchestrator.host.procs import supervisor_alive
+
+if TYPE_CHECKING:   # annotations only: main imports this module
+    from orchestrator.host.main import Request
 
 
 def gpu_count() -> int:
@@ -25,7 +28,7 @@ def gpu_count() -> int:
         return 0
 
 
-def torch_version():
+def torch_version() -> str | None:
     """torch's version from its dist-info folder name: no import (seconds), no
     importlib.metadata scan. The agent runs with -S, so the site folders are computed."""
     import glob
@@ -60,12 +63,12 @@ def port_free(port: int) -> bool:
 def free_port() -> int:
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.bind(("", 0))
-    port = s.getsockname()[1]
+    port: int = s.getsockname()[1]
     s.close()
     return port
 
 
-def dir_writable(p: dict[str, Any]):
+def dir_writable(p: dict[str, Any]) -> str | None:
     """None when the job folder can be made and written; else why not. A link at the job
     folder or at one of orch's folders or files in it is refused (UnsafePath) instead."""
     jd = p["jd"]
@@ -82,7 +85,7 @@ def dir_writable(p: dict[str, Any]):
         return "%s: %s" % (jd.path, e.strerror or e)
 
 
-def run(req) -> dict[str, Any]:
+def run(req: Request) -> dict[str, Any]:
     """Everything preflight checks, plus the manifests of the job's folders named in
     `folders` (code, data), which saves the push a round trip per host."""
     a = req.args

@@ -7,15 +7,18 @@ import json
 import os
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from orchestrator import timeouts
 from orchestrator.host.common import job_paths, read_json, write_atomic
 
+if TYPE_CHECKING:   # annotations only: main imports this module
+    from orchestrator.host.main import Request
+
 STOP_FILE = "run/stop.json"   # when this host received a stop, by its own clock
 
 
-def proc_start_time(pid: int):
+def proc_start_time(pid: int) -> int | None:
     """Field 22 of /proc/<pid>/stat: tells a live pid from a recycled one. None for a
     zombie: a container's init may never reap our double-forked supervisor."""
     try:
@@ -50,7 +53,7 @@ def marked_pids(job_dir: str) -> list[Any]:
     return [p for p in pids if p != me and has_marker(p, marker)]
 
 
-def supervisor_alive(p: dict[str, Any]):
+def supervisor_alive(p: dict[str, Any]) -> dict[str, Any] | None:
     sup = read_json(p["jd"], "run/supervisor.json")
     if not isinstance(sup, dict) or not isinstance(sup.get("pid"), int):
         return None
@@ -59,7 +62,7 @@ def supervisor_alive(p: dict[str, Any]):
     return sup
 
 
-def signal_all(pids, sig) -> None:
+def signal_all(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -67,7 +70,7 @@ def signal_all(pids, sig) -> None:
             pass
 
 
-def wait_gone(job_dir: str, sup, deadline: float) -> list[Any]:
+def wait_gone(job_dir: str, sup: dict[str, Any] | None, deadline: float) -> list[Any]:
     while True:
         left = marked_pids(job_dir)
         if sup and proc_start_time(sup["pid"]) == sup.get("start_ticks"):
@@ -90,7 +93,7 @@ def stop(job_dir: str, grace: float) -> dict[str, Any]:
     # torchrun itself has nothing to save, and its own SIGTERM shutdown takes seconds;
     # the ranks (the user's code) get SIGTERM from us directly and the full grace.
     torchrun = sup.get("torchrun_pid") if sup else None
-    signal_all([torchrun] if torchrun in found else [], signal.SIGKILL)
+    signal_all([torchrun] if torchrun is not None and torchrun in found else [], signal.SIGKILL)
     signal_all([x for x in found if x != torchrun], signal.SIGTERM)
     left = wait_gone(p["job"], sup, time.time() + grace)
     killed = list(left)
@@ -115,5 +118,5 @@ def stop_time(p: dict[str, Any]) -> float | None:
     return when if isinstance(when, (int, float)) and not isinstance(when, bool) else None
 
 
-def run_stop(req) -> dict[str, Any]:
+def run_stop(req: Request) -> dict[str, Any]:
     return stop(req.args["job_dir"], max(0.0, float(req.args["grace"])))

@@ -4,11 +4,15 @@ from __future__ import annotations
 import os
 import stat
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.host.common import job_paths, read_json
 from orchestrator.host.follow import open_log, rank_exit
 from orchestrator.host.procs import proc_start_time, supervisor_alive
+
+if TYPE_CHECKING:   # annotations only: main imports this module
+    from orchestrator.host.main import Request
+    from orchestrator.host.paths import JobDir
 
 ERROR_FILE_CAP = 1 << 20
 
@@ -16,7 +20,7 @@ ERROR_FILE_CAP = 1 << 20
 LAST_LINE_WINDOW = 1 << 16
 
 
-def last_line(jd, rel: str) -> str:
+def last_line(jd: JobDir, rel: str) -> str:
     """The log's last line that is not blank (a log that ends with an empty line still
     shows what the rank said last), at most 4096 characters from its start."""
     f = open_log(jd, rel)
@@ -62,7 +66,8 @@ def error_file(p: dict[str, Any], local_rank: int) -> str:
     return ""
 
 
-def rank_status(p: dict[str, Any], rank: int, local_rank: int, sup) -> dict[str, Any]:
+def rank_status(p: dict[str, Any], rank: int, local_rank: int,
+                sup: dict[str, Any] | None) -> dict[str, Any]:
     log = "logs/rank-%d.log" % rank
     info = {"rank": rank, "last_line": last_line(p["jd"], log), "log_bytes": log_size(p["jd"], log)}
     pid = read_json(p["jd"], "run/rank-%d.pid" % rank)
@@ -83,7 +88,7 @@ def rank_status(p: dict[str, Any], rank: int, local_rank: int, sup) -> dict[str,
     return info
 
 
-def run(req) -> dict[str, Any]:
+def run(req: Request) -> dict[str, Any]:
     """`ranks` are the host's ranks from its local rank `first_local` on (all: 0)."""
     p = job_paths(req.args["job_dir"])
     sup = supervisor_alive(p)
