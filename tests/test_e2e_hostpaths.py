@@ -71,7 +71,7 @@ def assert_no_job_left(job_dirs: Sequence[Path]) -> None:
 
 def snapshot(root: Path) -> dict:
     """Every entry under root (root included): kind, bytes or link target, mode, mtime."""
-    out = {}
+    out: dict[str, tuple[object, ...]] = {}
     entries = [root, *sorted(root.rglob("*"))] if root.is_dir() else [root]
     for p in entries:
         st = os.lstat(p)

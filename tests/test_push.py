@@ -123,7 +123,7 @@ def remote_data(host: FakeHost, name: str) -> dict[str, str]:
     entries = tree(job_dir(host, name) / "data")
     odd = {rel: kind for rel, (kind, _) in entries.items() if kind not in ("file", "dir")}
     assert not odd, f"{host.address}: data/ holds links or special files: {odd}"
-    return {rel: digest for rel, (kind, digest) in entries.items() if kind == "file"}
+    return {rel: digest for rel, (kind, digest) in entries.items() if kind == "file" and digest}
 
 
 def last_sync(base: Path, name: str) -> dict:
@@ -338,7 +338,8 @@ def test_interrupted_push_resends_only_what_is_missing(
         assert stopped_s < 10, f"Ctrl-C took {stopped_s:.1f} s to stop the push"
     for h in hosts:
         dest = job_dir(h, name) / "data"
-        wait_until(lambda dest=dest: not receivers_of(dest), 10, f"the receiver on {h.address} to end")
+        # wait_until calls the lambda before the next iteration: the late binding is harmless
+        wait_until(lambda: not receivers_of(dest), 10, f"the receiver on {h.address} to end")  # noqa: B023
     assert_no_job_left(hosts, name)
     missing = {h.address: sorted(set(data.host_files(r, 2).items()) - set(remote_data(h, name).items()))
                for h, r in zip(hosts, ranks_of(procs))}

@@ -254,6 +254,7 @@ def test_shared_momentum_is_the_optimizers_state() -> None:
     opt.step()
     for p, buf in zip(model.parameters(), buffers):
         state = opt.state[p]["momentum_buffer"]
+        assert p.grad is not None
         assert state.data_ptr() == buf.data_ptr() and torch.equal(buf, p.grad)  # step 1: buf = g
     assert hogwild.shared_momentum(model, 0.0) == []
 
