@@ -29,10 +29,10 @@ import sys
 if sys.path and sys.path[0] == __file__.rpartition("/")[0]:
     sys.path.pop(0)  # this file is array.py: the standard library's array must stay importable
 
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
+import argparse
+import csv
+import os
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -234,7 +234,7 @@ def kfold_tables(tasks: list[Task], walls: dict[str, float], orch_note: str,
              "| arm | wall time | vs serial |", "|---|---|---|"]
     lines.append(f"| serial (1 at a time) | {serial:.1f} s | 1.00x |")
     orch = walls.get("orch")
-    lines.append(f"| orch array (`orch up`, job.array, procs 2) | "
+    lines.append("| orch array (`orch up`, job.array, procs 2) | "
                  + (f"{orch:.1f} s | {serial / orch:.2f}x faster ({orch / serial:.2f} of serial) |"
                     if orch else f"{orch_note} | - |"))
     par = walls["pair"]

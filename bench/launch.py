@@ -115,7 +115,7 @@ def bench_hosts(cluster: SshdCluster, n: int, reps: int, workdir: Path,
             c = run_orch(other, compare)
             if job_ok(c, n):
                 other_s.append(c.seconds)
-            line += f", {compare.name} " + (f"{c.seconds:.2f} s" if job_ok(c, n) else "failed")
+            line += f", {compare.name} " + (f"{c.seconds:.2f} s" if job_ok(c, n) else "failed")  # type: ignore[union-attr]  # set with other
         print(line, flush=True)
     return {"hosts": n, "pdsh_s": pdsh_s, "orch_s": orch_s, "other_s": other_s,
             "orch_error": orch_err}

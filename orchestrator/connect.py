@@ -24,14 +24,25 @@ from typing import Any, Callable, Generic, TypeVar
 import paramiko
 
 from orchestrator import timeouts
-from orchestrator.errors import (EXIT_HOST, EXIT_USAGE, HostError, InventoryError, OrchError,
-                                 UsageError)
-from orchestrator.faults import (BastionError, ConnectFailed, ForwardFailed, describe,
-                                 explain_lost)
+from orchestrator.errors import (
+    EXIT_HOST,
+    EXIT_USAGE,
+    HostError,
+    InventoryError,
+    OrchError,
+    UsageError,
+)
+from orchestrator.faults import BastionError, ConnectFailed, ForwardFailed, describe, explain_lost
 from orchestrator.inventory import Host
 from orchestrator.jumps import parse_chain
-from orchestrator.transport import (AcceptNewPolicy, HostKeyRefused, LocalTransport,
-                                    SSHTransport, StrictPolicy, Transport)
+from orchestrator.transport import (
+    AcceptNewPolicy,
+    HostKeyRefused,
+    LocalTransport,
+    SSHTransport,
+    StrictPolicy,
+    Transport,
+)
 
 T = TypeVar("T")
 # aes128-gcm first: on a CPU-bound link it is 1.4-1.6x faster than the alternatives

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, BinaryIO, Callable, Protocol
 
 from orchestrator import timeouts
 from orchestrator.errors import OrchError
@@ -28,7 +28,7 @@ class Sink(Protocol):
     def output(self, host: int, rank: int, partial: bool, data: bytes) -> None: ...
     # a host's `after_stop=True` comes as a keyword only when set (see Link._event)
     def rank_exit(self, host: int, rank: int, code: int, when: float) -> None: ...
-    def host_done(self, host: int, info: dict) -> None: ...
+    def host_done(self, host: int, info: dict[str, Any]) -> None: ...
     def host_lost(self, host: int, why: str) -> None: ...
 
 
@@ -83,7 +83,7 @@ class Tracker:
             self.streams[host].done = True
         return first
 
-    def host_done(self, host: int, info: dict) -> None:
+    def host_done(self, host: int, info: dict[str, Any]) -> None:
         if self._end(host):
             self.sink.host_done(host, info)
 
@@ -138,8 +138,8 @@ class PrefixPrinter(LineSink):
     """Prints `[r3 host] line` (`[t3 host]` for task 3 of an array, tag "t"), a colour per
     rank; keeps each rank's last lines."""
 
-    def __init__(self, labels: dict[int, str], out=None, tty: bool | None = None,
-                 tag: str = "r") -> None:
+    def __init__(self, labels: dict[int, str], out: BinaryIO | None = None,
+                 tty: bool | None = None, tag: str = "r") -> None:
         self.out = out or sys.stdout.buffer
         self.tag = tag
         self.labels = labels
@@ -150,7 +150,7 @@ class PrefixPrinter(LineSink):
         # a live status line steps aside while lines print
         self.above: Callable[[], AbstractContextManager[None]] = nullcontext
         self.lock = threading.Lock()
-        self.tails: dict[int, deque] = {}
+        self.tails: dict[int, deque[Any]] = {}
 
     def prefix(self, host: int, rank: int) -> bytes:
         tag = f"[{self.tag}{rank} {self.labels[host]}]"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ipaddress
 import re
 import unicodedata
-from typing import List
 
 from ClusterShell.NodeSet import RESOLVER_NOGROUP, NodeSet, NodeSetException
 
@@ -42,7 +41,7 @@ def is_range(address: str) -> bool:
     return "[" in address or "]" in address
 
 
-def expand(address: str, room: int) -> List[str]:
+def expand(address: str, room: int) -> list[str]:
     """The hosts an address stands for, in order: itself, or a range's names ascending.
     `room` is how many hosts may still be added; a bigger range is refused before it is built."""
     _check_ascii(address)

@@ -43,13 +43,13 @@ import shlex
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
-from typing import Dict, List, Optional, Tuple, Union
+from typing import overload
 
 from yaml.nodes import MappingNode, Node, ScalarNode
 
-from .errors import InventoryError, UsageError
 from . import hostnames
 from .arrayspec import ArraySpec, parse_array
+from .errors import InventoryError, UsageError
 from .jumps import parse_jump
 from .safefile import FileRefused, read_regular
 from .setupspec import SetupSpec, parse_setup
@@ -83,7 +83,7 @@ _MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 # Where a key that is unknown here belongs instead, for the error's hint.
-_BELONGS: Dict[str, str] = {k: "under `ssh:` or directly on a host" for k in SSH_KEYS}
+_BELONGS: dict[str, str] = {k: "under `ssh:` or directly on a host" for k in SSH_KEYS}
 _BELONGS.update({k: "on a host, under `hosts:`" for k in ("address", "connection", "gpus", "procs")})
 _BELONGS.update({k: "under `code:`" for k in CODE_KEYS})
 _BELONGS.update({k: "under `data:`" for k in DATA_KEYS})
@@ -96,16 +96,16 @@ _BELONGS["ssh"] = "at the top level; on a host, write its ssh fields directly (e
 class SSHOptions:
     """How to reach a host; None means 'ask ~/.ssh/config' (resolved by the transport)."""
 
-    user: Optional[str]          # None: ~/.ssh/config, then the local user
-    port: Optional[int]          # None: ~/.ssh/config, then 22
-    identity_file: Optional[str] # absolute, ~ expanded
+    user: str | None          # None: ~/.ssh/config, then the local user
+    port: int | None          # None: ~/.ssh/config, then 22
+    identity_file: str | None # absolute, ~ expanded
     known_hosts: str             # absolute, ~ expanded
     host_key_policy: str         # "strict" | "accept-new"
     connect_timeout: float       # seconds
     # bastions, first hop first (`[user@]host[:port]`); None: ~/.ssh/config's ProxyJump
-    proxy_jump: Optional[Tuple[str, ...]] = None
+    proxy_jump: tuple[str, ...] | None = None
     # (inventory, line) that set identity_file, for messages; not part of the options' value
-    identity_file_at: Optional[Tuple[str, int]] = field(default=None, compare=False)
+    identity_file_at: tuple[str, int] | None = field(default=None, compare=False)
 
 
 DEFAULT_SSH = SSHOptions(None, None, None, os.path.expanduser("~/.ssh/known_hosts"), "strict", 10.0)
@@ -145,16 +145,16 @@ class Host:
 class CodeSpec:
     """What `up` pushes: paths relative to the inventory's folder (empty: push nothing)."""
 
-    paths: Tuple[str, ...]
-    exclude: Tuple[str, ...]
+    paths: tuple[str, ...]
+    exclude: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class DataSpec:
     """`split-data`'s source and output folders (absolute), or None when not given."""
 
-    source: Optional[Path]
-    shards: Optional[Path]
+    source: Path | None
+    shards: Path | None
 
 
 @dataclass(frozen=True)
@@ -162,9 +162,9 @@ class JobSpec:
     """What torchrun runs on every host."""
 
     entrypoint: str              # dotted module name, or a relative path ending in .py
-    args: Tuple[str, ...]
-    env: Tuple[Tuple[str, str], ...]  # sorted by key
-    master_port: Optional[int]   # None: a free port on the first host
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]  # sorted by key
+    master_port: int | None   # None: a free port on the first host
     max_restarts: int
     array: Optional[ArraySpec] = None   # a job array: independent tasks instead of one job
 
@@ -186,13 +186,13 @@ class Cluster:
 
     path: Path                   # absolute
     name: str
-    hosts: Tuple[Host, ...]
+    hosts: tuple[Host, ...]
     code: CodeSpec
     data: DataSpec
     job: JobSpec
     world_size: int
-    ranks: Tuple[RankSlot, ...]
-    setup: Optional[SetupSpec] = None   # `setup:` (setupspec.py), None when absent
+    ranks: tuple[RankSlot, ...]
+    setup: SetupSpec | None = None   # `setup:` (setupspec.py), None when absent
 
     @property
     def base_dir(self) -> Path:
@@ -278,7 +278,7 @@ def _name(top: Section) -> str:
 
 # ---- hosts -------------------------------------------------------------------------------
 
-def _hosts(top: Section, base_dir: Path) -> Tuple[Host, ...]:
+def _hosts(top: Section, base_dir: Path) -> tuple[Host, ...]:
     src = top.src
     node = top.node("hosts")
     items = src.sequence(node, "hosts") if node is not None else []
@@ -291,10 +291,10 @@ def _hosts(top: Section, base_dir: Path) -> Tuple[Host, ...]:
     ssh_section.check_keys(SSH_KEYS, _BELONGS)
     defaults = (_ssh_options(ssh_section, DEFAULT_SSH, base_dir), _remote_dir(top, DEFAULT_REMOTE_DIR),
                 top.text("python", DEFAULT_PYTHON))
-    hosts: List[Host] = []
-    names: List[str] = []  # each host as messages name it: `hosts[3]`, or `hosts[3] (gpu02)`
-    nodes: List[Node] = []
-    seen: Dict[tuple, int] = {}
+    hosts: list[Host] = []
+    names: list[str] = []  # each host as messages name it: `hosts[3]`, or `hosts[3] (gpu02)`
+    nodes: list[Node] = []
+    seen: dict[tuple[object, ...], int] = {}
     for entry, item in enumerate(items):
         template, addresses = _entry(src, item, entry, MAX_HOSTS - len(hosts), defaults, base_dir)
         for address in addresses:
@@ -311,7 +311,7 @@ def _hosts(top: Section, base_dir: Path) -> Tuple[Host, ...]:
 
 
 def _entry(src: Source, node: Node, entry: int, room: int,
-           defaults: Tuple[SSHOptions, str, str], base_dir: Path) -> Tuple[Host, List[str]]:
+           defaults: tuple[SSHOptions, str, str], base_dir: Path) -> tuple[Host, list[str]]:
     """One `hosts:` entry: its settings (as a Host for its first address) and its addresses."""
     ssh, remote_dir, python = defaults
     sec, address_node, address = _host_section(src, node, f"hosts[{entry}]")
@@ -333,7 +333,7 @@ def _entry(src: Source, node: Node, entry: int, room: int,
     return host, addresses
 
 
-def _host_section(src: Source, node: Node, name: str) -> Tuple[Section, Node, str]:
+def _host_section(src: Source, node: Node, name: str) -> tuple[Section, Node, str]:
     """A host's settings, its address node and address; `- 10.0.0.8` is short for
     `- address: 10.0.0.8`."""
     line = src.line(node)
@@ -374,7 +374,7 @@ def _ssh_options(sec: Section, base: SSHOptions, base_dir: Path) -> SSHOptions:
     )
 
 
-def _proxy_jump(sec: Section, default: Optional[Tuple[str, ...]]) -> Optional[Tuple[str, ...]]:
+def _proxy_jump(sec: Section, default: tuple[str, ...] | None) -> tuple[str, ...] | None:
     """`a`, `a,b` or a list [a, b]: a chain of bastions; `none` or []: direct."""
     node = sec.node("proxy_jump")
     if node is None or node.tag == TAG + "null":
@@ -393,7 +393,13 @@ def _proxy_jump(sec: Section, default: Optional[Tuple[str, ...]]) -> Optional[Tu
     return tuple(str(parse_jump(hop)) for hop, _ in hops)
 
 
-def _local_file(sec: Section, key: str, default: Optional[str], base_dir: Path) -> Optional[str]:
+@overload
+def _local_file(sec: Section, key: str, default: str, base_dir: Path) -> str: ...
+@overload
+def _local_file(sec: Section, key: str, default: str | None, base_dir: Path) -> str | None: ...
+
+
+def _local_file(sec: Section, key: str, default: str | None, base_dir: Path) -> str | None:
     value = sec.text(key, default)
     if value is None or key not in sec.items:
         return value
@@ -404,14 +410,14 @@ def _remote_dir(sec: Section, default: str) -> str:
     return sec.text("remote_dir", default)  # text() refuses line breaks and NULs
 
 
-def _check_duplicate(src: Source, node: Node, host: Host, name: str, seen: Dict[tuple, int],
-                     names: List[str], hosts: List[Host]) -> None:
+def _check_duplicate(src: Source, node: Node, host: Host, name: str, seen: dict[tuple[object, ...], int],
+                     names: list[str], hosts: list[Host]) -> None:
     """Refuse a host listed twice; `seen` maps each earlier host's identity to its index
     (a dict, not a scan of every earlier host: thousands of hosts stay fast)."""
     if host.is_local:
         # several local hosts stand for several nodes on this machine, but each needs a
         # job folder of its own (run/, logs/ hold per-node state)
-        key: tuple = ("local", host.remote_dir)
+        key: tuple[object, ...] = ("local", host.remote_dir)
         if key in seen:
             other = hosts[seen[key]]
             src.fail(node, f"`{name}` and {names[other.index]} (line {other.line}) "
@@ -436,7 +442,7 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-def _check_master_reachable(src: Source, nodes: List[Node], hosts: List[Host], names: List[str]) -> None:
+def _check_master_reachable(src: Source, nodes: list[Node], hosts: list[Host], names: list[str]) -> None:
     if not _is_loopback(hosts[0].address):
         return
     for host, node, name in zip(hosts[1:], nodes[1:], names[1:]):
@@ -447,7 +453,7 @@ def _check_master_reachable(src: Source, nodes: List[Node], hosts: List[Host], n
                      "(a `connection: local` host may use its network address)")
 
 
-def _labels(hosts: List[Host]) -> List[str]:
+def _labels(hosts: list[Host]) -> list[str]:
     shared = Counter(h.address for h in hosts)
     labels = [h.address if shared[h.address] == 1 or h.ssh.port is None or h.is_local
               else f"{h.address}:{h.ssh.port}" for h in hosts]
@@ -457,7 +463,7 @@ def _labels(hosts: List[Host]) -> List[str]:
 
 # ---- code, data ---------------------------------------------------------------------------
 
-def _text_items(sec: Section, key: str) -> Optional[List[Tuple[str, Node]]]:
+def _text_items(sec: Section, key: str) -> list[tuple[str, Node]] | None:
     """A list of non-empty strings (one string is a list of one), or None when absent."""
     node = sec.node(key)
     if node is None:
@@ -479,7 +485,7 @@ def _text_items(sec: Section, key: str) -> Optional[List[Tuple[str, Node]]]:
 def _code(top: Section, base_dir: Path) -> CodeSpec:
     sec = Section(top.src, top.node("code"), "code", top.key_line("code"))
     sec.check_keys(CODE_KEYS, _BELONGS)
-    paths: Dict[str, str] = {}  # name on the host -> path
+    paths: dict[str, str] = {}  # name on the host -> path
     for value, node in _text_items(sec, "paths") or []:
         path = _code_path(sec.src, node, value, base_dir)
         name = PurePosixPath(path).name
@@ -507,7 +513,7 @@ def _code_path(src: Source, node: Node, value: str, base_dir: Path) -> str:
     return str(pure)
 
 
-def _exists(src: Source, node: Optional[Node], path: Path, file: bool = False) -> bool:
+def _exists(src: Source, node: Node | None, path: Path, file: bool = False) -> bool:
     """path.exists() (or is_file()), with what the OS refuses (a name too long, ...) as the
     inventory's error rather than a traceback."""
     try:
@@ -527,7 +533,7 @@ def _data(top: Section, base_dir: Path) -> DataSpec:
     return DataSpec(source, shards)
 
 
-def _folder(value: Optional[str], base_dir: Path) -> Optional[Path]:
+def _folder(value: str | None, base_dir: Path) -> Path | None:
     return None if value is None else Path(os.path.normpath(base_dir / os.path.expanduser(value)))
 
 
@@ -593,7 +599,7 @@ def _check_entrypoint_pushed(sec: Section, entrypoint: str, code: CodeSpec, base
                      f"its name (pushed: {', '.join(sorted(pushed))})")
 
 
-def _args(sec: Section) -> Tuple[str, ...]:
+def _args(sec: Section) -> tuple[str, ...]:
     node = sec.node("args")
     if node is None or node.tag == TAG + "null":
         return ()
@@ -604,7 +610,7 @@ def _args(sec: Section) -> Tuple[str, ...]:
         except ValueError as exc:
             sec.src.fail(node, f"`job.args` cannot be split like a shell line: {exc}",
                          "close the quotes, or write args as a list: [--epochs, 5]")
-    args: List[str] = []
+    args: list[str] = []
     used = 0
     for i, item in enumerate(sec.src.sequence(node, "job.args")):
         args.append(scalar_text(sec.src, item, f"job.args[{i}]", hint))
@@ -613,7 +619,7 @@ def _args(sec: Section) -> Tuple[str, ...]:
     return tuple(args)
 
 
-def _check_job_bytes(src: Source, where: Union[Node, int], used: int) -> None:
+def _check_job_bytes(src: Source, where: Node | int, used: int) -> None:
     """args and env travel to every host and onto torchrun's command line or environment:
     their total is capped (checked item by item, as aliases can repeat a long value)."""
     if used > MAX_JOB_BYTES:
@@ -621,7 +627,7 @@ def _check_job_bytes(src: Source, where: Union[Node, int], used: int) -> None:
                  "pass fewer or shorter values: put long contents in a file that the job reads")
 
 
-def _env(sec: Section, used: int) -> Tuple[Tuple[str, str], ...]:
+def _env(sec: Section, used: int) -> tuple[tuple[str, str], ...]:
     node = sec.node("env")
     src = sec.src
     pairs = []
@@ -640,5 +646,15 @@ def _env(sec: Section, used: int) -> Tuple[Tuple[str, str], ...]:
     return tuple(sorted(pairs))
 
 
-__all__ = ["SSHOptions", "Host", "CodeSpec", "DataSpec", "JobSpec", "RankSlot", "Cluster",
-           "load", "parse", "InventoryError"]
+__all__ = [
+    "Cluster",
+    "CodeSpec",
+    "DataSpec",
+    "Host",
+    "InventoryError",
+    "JobSpec",
+    "RankSlot",
+    "SSHOptions",
+    "load",
+    "parse",
+]

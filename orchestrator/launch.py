@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from orchestrator import timeouts
 from orchestrator.connect import fan_out, resolve_target, ssh_config
@@ -51,7 +52,7 @@ def rank_env(cluster: Cluster, job_dir: str, run_id: str) -> dict[str, str]:
 
 
 def launch_spec(cluster: Cluster, host: Host, info: HostInfo, addr: str, port: int,
-                run_id: str) -> dict:
+                run_id: str) -> dict[str, Any]:
     return {
         "run_id": run_id, "ranks": list(host.ranks),
         "argv": torchrun_argv(cluster, host, info.executable, info.job_dir, addr, port),
@@ -59,14 +60,16 @@ def launch_spec(cluster: Cluster, host: Host, info: HostInfo, addr: str, port: i
     }
 
 
-def launch_host(link: Link, job_dir: str, spec: dict) -> dict:
+def launch_host(link: Link, job_dir: str, spec: dict[str, Any]) -> dict[str, Any]:
     """The agent starts the supervisor (detached: a dropped connection leaves it
     running) and replies with its pid, pgid, torchrun's pid and start time."""
-    return link.request("launch", timeouts.LAUNCH, job_dir=job_dir, spec=spec)["supervisor"]
+    supervisor: dict[str, Any] = link.request("launch", timeouts.LAUNCH, job_dir=job_dir,
+                                              spec=spec)["supervisor"]
+    return supervisor
 
 
 def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport
-               ) -> tuple[str, dict[int, dict]]:
+               ) -> tuple[str, dict[int, dict[str, Any]]]:
     """Start torchrun on every host in parallel; raise naming every host that failed."""
     run_id = uuid.uuid4().hex
     addr = master_addr(cluster, pre.hosts)

@@ -34,8 +34,8 @@ class Pending:
 
     command: str
     done: threading.Event = field(default_factory=threading.Event)
-    parts: list = field(default_factory=list)
-    body: dict | None = None
+    parts: list[Any] = field(default_factory=list)
+    body: dict[str, Any] | None = None
     error: OrchError | None = None
     stream: Any = None      # a pull's receiver: its parts and data frames go there
     received: float = 0.0               # our clock when the reply arrived (clock samples)
@@ -57,7 +57,7 @@ class Link:
         self.follow_id: int | None = None
         self.follow_ranks: frozenset[int] = frozenset()
         self.streams: dict[int, Callable[[bytes], None]] = {}   # request id -> its output
-        self.hello: dict | None = None
+        self.hello: dict[str, Any] | None = None
         self.started = threading.Event()
         self.dead: OrchError | None = None
         self.last_seen = time.monotonic()
@@ -65,7 +65,7 @@ class Link:
 
     # ------------------------------------------------------------ start
 
-    def start(self, timeout: float = timeouts.AGENT_START) -> dict:
+    def start(self, timeout: float = timeouts.AGENT_START) -> dict[str, Any]:
         """Start the agent (one session) and wait for its hello; the bundle's hash must
         match ours, so the host runs exactly this controller's code."""
         argv = agent_argv(self.host.python, self.argv_label, self.python_fallback)
@@ -152,7 +152,7 @@ class Link:
 
     # ------------------------------------------------------------ incoming
 
-    def _dispatch(self, kind: bytes, payload: bytes) -> None:
+    def _dispatch(self, kind: bytes, payload: bytes | bytearray) -> None:
         if kind == protocol.DATA:
             if self.stream is None:
                 raise protocol.ProtocolError("file data while nothing is pulled")
@@ -175,7 +175,7 @@ class Link:
         else:
             raise protocol.ProtocolError(f"unexpected message {t!r}")
 
-    def _command_output(self, payload: bytes) -> None:
+    def _command_output(self, payload: bytes | bytearray) -> None:
         id, _, data = protocol.split_output(payload)
         with self.plock:
             to = self.streams.get(id)
@@ -183,7 +183,7 @@ class Link:
             raise protocol.ProtocolError(f"command output for request {id}, which runs no command")
         to(data)
 
-    def _answer(self, t: str, msg: dict) -> None:
+    def _answer(self, t: str, msg: dict[str, Any]) -> None:
         with self.plock:
             p = self.pending.get(msg.get("id"))  # type: ignore[arg-type]
         if p is None:
@@ -208,7 +208,7 @@ class Link:
             p.body = protocol.check(body, protocol.REPLIES[p.command], what)
         self._finish(msg["id"], p)
 
-    def _error_reply(self, p: Pending, msg: dict) -> None:
+    def _error_reply(self, p: Pending, msg: dict[str, Any]) -> None:
         text = f"{self.name}: {p.command} failed: {msg['message']}"
         if os.environ.get("ORCH_DEBUG") == "1" and msg.get("traceback"):
             text += "\n  host traceback:\n    " + msg["traceback"].strip().replace("\n", "\n    ")
@@ -226,7 +226,7 @@ class Link:
             self.stream = None
         p.done.set()
 
-    def _event(self, t: str, msg: dict) -> None:
+    def _event(self, t: str, msg: dict[str, Any]) -> None:
         if self.sink is None:
             raise protocol.ProtocolError(f"event {t!r} while nothing is followed")
         if t == "exit":
@@ -285,7 +285,7 @@ class Link:
         self.send(protocol.request(command, id, **fields))
         return p
 
-    def wait(self, p: Pending, timeout: float | None) -> dict:
+    def wait(self, p: Pending, timeout: float | None) -> dict[str, Any]:
         if not p.done.wait(timeout):
             raise HostError(f"{self.name}: no answer to `{p.command}` within {timeout:g} s",
                             hint="check that the host is still reachable")
@@ -294,7 +294,7 @@ class Link:
         assert p.body is not None
         return p.body
 
-    def request(self, command: str, timeout: float | None, **fields: Any) -> dict:
+    def request(self, command: str, timeout: float | None, **fields: Any) -> dict[str, Any]:
         return self.wait(self.submit(command, **fields)[1], timeout)
 
     def follow(self, sink: Any, **fields: Any) -> None:

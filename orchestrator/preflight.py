@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from orchestrator import timeouts
 from orchestrator.connect import GroupResult, fan_out
@@ -23,7 +24,7 @@ class HostInfo:
     clock_offset: float   # host clock minus ours: corrects exit times for root cause
     running: bool
     ssh_connection: str
-    manifests: dict       # {"code"|"data": {rel: [size, sha256]}} of what the host has
+    manifests: dict[str, Any]       # {"code"|"data": {rel: [size, sha256]}} of what the host has
     python_missing: str = ""   # `python:` not found (setup may make it): the agent ran with python3
 
 
@@ -44,7 +45,7 @@ def folders(cluster: Cluster) -> list[str]:
     return [f for f, want in (("code", cluster.code.paths), ("data", cluster.data.shards)) if want]
 
 
-def check_host(cluster: Cluster, link: Link) -> tuple[HostInfo, dict]:
+def check_host(cluster: Cluster, link: Link) -> tuple[HostInfo, dict[str, Any]]:
     """One request: the checks and the folders' manifests (sent as parts)."""
     host = link.host
     sent = time.time()
@@ -55,7 +56,7 @@ def check_host(cluster: Cluster, link: Link) -> tuple[HostInfo, dict]:
     r = link.wait(pending, max(timeouts.scaled(timeouts.PREFLIGHT, len(cluster.hosts)),
                                host.ssh.connect_timeout * 3))
     offset = r["time"] - (sent + time.time()) / 2
-    manifests: dict = {f: {} for f in folders(cluster)}
+    manifests: dict[str, Any] = {f: {} for f in folders(cluster)}
     for part in pending.parts:
         manifests.setdefault(part["folder"], {}).update(part["files"])
     info = HostInfo(r["job_dir"], r["executable"], r["torch"], r["gpus"], offset,
@@ -67,7 +68,7 @@ def check_host(cluster: Cluster, link: Link) -> tuple[HostInfo, dict]:
     return info, r
 
 
-def host_problems(host: Host, info: HostInfo, r: dict,
+def host_problems(host: Host, info: HostInfo, r: dict[str, Any],
                   defer_torch: bool = False) -> list[tuple[str, str]]:
     """`defer_torch`: setup may install torch or make the python: checked after it."""
     problems = []
@@ -98,11 +99,12 @@ def torch_mismatch(cluster: Cluster, infos: dict[int, HostInfo]) -> dict[int, Ho
 
 
 def preflight(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseException],
-              done=None) -> PreflightReport:
+              done: Callable[[], None] | None = None) -> PreflightReport:
     """Check every host whose agent runs; report every failing host together (connection
     failures included), so that one bad host never hides another."""
-    result: GroupResult = fan_out(tuple(cluster.hosts[i] for i in links),
-                                  lambda h: check_host(cluster, links[h.index]), done=done)
+    result: GroupResult[tuple[HostInfo, dict[str, Any]]] = fan_out(
+        tuple(cluster.hosts[i] for i in links),
+        lambda h: check_host(cluster, links[h.index]), done=done)
     failures = dict(failed)
     failures.update(result.failed)
     infos = {i: v[0] for i, v in result.ok.items()}

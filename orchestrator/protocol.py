@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any
+from typing import Any, Callable
 
 MAGIC = b"\x00\x7fORCH-AGENT\x00"
 HEADER = struct.Struct(">cI")
@@ -65,7 +65,7 @@ def frame(kind: bytes, payload: bytes) -> bytes:
     return HEADER.pack(kind, len(payload)) + payload
 
 
-def message(t: str, **fields) -> bytes:
+def message(t: str, **fields: Any) -> bytes:
     """A JSON frame of message type t."""
     fields["t"] = t
     return frame(JSON, json.dumps(fields).encode())
@@ -80,7 +80,7 @@ def command_output(id: int, data: bytes) -> bytes:
     return frame(STREAM_OUT, RANK.pack(id, 0) + data)
 
 
-def split_output(payload: bytes) -> tuple:
+def split_output(payload: bytes | bytearray) -> tuple[Any, ...]:
     """(rank, partial, data) of an output frame's payload."""
     if len(payload) < RANK.size:
         raise ProtocolError("output frame of %d bytes has no rank" % len(payload))
@@ -88,7 +88,7 @@ def split_output(payload: bytes) -> tuple:
     return rank, bool(flags & PARTIAL), payload[RANK.size:]
 
 
-def hello(version: str, **fields) -> bytes:
+def hello(version: str, **fields: Any) -> bytes:
     return MAGIC + message("hello", version=version, **fields)
 
 
@@ -96,7 +96,9 @@ class FrameReader:
     """Frames from a byte source: `read(n)` returns up to n bytes, b"" at the end.
     Buffers at most one frame plus one read; every size is checked against `caps`."""
 
-    def __init__(self, read, caps=None, chunk: int = 1 << 16, readinto=None) -> None:
+    def __init__(self, read: Callable[[int], bytes], caps: dict[bytes, int] | None = None,
+                 chunk: int = 1 << 16,
+                 readinto: Callable[[memoryview], int] | None = None) -> None:
         """`readinto(view)`, when given, fills a big payload in place: one copy less
         per file-data frame than going through the buffer."""
         self._read, self.caps, self.chunk = read, caps or CAPS, chunk
@@ -133,7 +135,7 @@ class FrameReader:
                 ended = seen <= limit + len(MAGIC)
                 raise Garbage(seen, bytes(self.buf[self.pos:self.pos + 400]), ended)
 
-    def read_frame(self):
+    def read_frame(self) -> tuple[bytes, bytes | bytearray] | None:
         """(kind, payload), or None at a clean end of stream (between frames)."""
         if not self._fill(HEADER.size):
             if len(self.buf) > self.pos:
@@ -148,12 +150,12 @@ class FrameReader:
                                 % (kind.decode("latin-1"), size, cap))
         self.pos += HEADER.size
         if self._readinto is not None and size - (len(self.buf) - self.pos) >= self.chunk:
-            return kind, self._read_big(size)
+            return kind, self._read_big(size, self._readinto)
         if not self._fill(size):
             raise ProtocolError("stream ended inside a frame of %d bytes" % size)
         return kind, self._take(size)
 
-    def _read_big(self, size: int) -> bytearray:
+    def _read_big(self, size: int, readinto: Callable[[memoryview], int]) -> bytearray:
         out = bytearray(size)
         got = len(self.buf) - self.pos
         out[:got] = self.buf[self.pos:]
@@ -161,13 +163,13 @@ class FrameReader:
         self.pos = 0
         view = memoryview(out)
         while got < size:
-            n = self._readinto(view[got:])
+            n = readinto(view[got:])
             if not n:
                 raise ProtocolError("stream ended inside a frame of %d bytes" % size)
             got += n
         return out
 
-    def read_json(self, what: str) -> dict:
+    def read_json(self, what: str) -> dict[str, Any]:
         """The next frame, which must be a JSON object."""
         got = self.read_frame()
         if got is None:
@@ -175,14 +177,14 @@ class FrameReader:
         return decode(got, what)
 
 
-def decode(got: tuple, what: str) -> dict:
+def decode(got: tuple[bytes, bytes | bytearray], what: str) -> dict[str, Any]:
     kind, payload = got
     if kind != JSON:
         raise ProtocolError("%s: expected a JSON frame, got kind %r" % (what, kind))
     try:
         obj = json.loads(payload.decode("utf-8"))
     except ValueError as e:
-        raise ProtocolError("%s: not JSON (%s)" % (what, e))
+        raise ProtocolError("%s: not JSON (%s)" % (what, e)) from e
     if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
         raise ProtocolError("%s: not a message object" % what)
     return obj
@@ -200,7 +202,7 @@ OPT_INT = (int, type(None))
 OPT_STR = (str, type(None))
 
 
-def manifest_files(value) -> str:
+def manifest_files(value: Any) -> str | None:
     if not isinstance(value, dict):
         return "must be an object"
     if len(value) > MANIFEST_PART:
@@ -291,16 +293,16 @@ ERROR = {"category": str, "message": str, "?traceback": str, "?fix": str}
 # A pull_send's stream, before its reply: per file a `pull_file` part, its data frames
 # (exactly "s" bytes), then `pull_end` with the sha256 of the bytes sent ("" when the
 # file changed size while it was read); `pull_skip` for a file that could not be opened.
-PULL_STREAM = {"pull_file": {"p": str, "s": int, "m": int},
+PULL_STREAM: dict[str, dict[str, Any]] = {"pull_file": {"p": str, "s": int, "m": int},
                "pull_end": {"p": str, "h": str},
                "pull_skip": {"p": str, "why": str}}
 # The receive stream, after the receive request.
-STREAM = {"file": {"p": str, "s": int, "h": str, "m": int},
+STREAM: dict[str, dict[str, Any]] = {"file": {"p": str, "s": int, "h": str, "m": int},
           "link": {"p": str, "link": str},
           "end": {"delete": [str]}}
 
 
-def pull_path_problem(rel) -> str:
+def pull_path_problem(rel: Any) -> str:
     """Why `rel` cannot be a pulled file's path (relative to output/), or "" when it can.
     Both sides ask: the host skips such a file, the controller refuses a host that sends
     one. Plain relative UTF-8 names only: no absolute path, no empty, . or .. part, no
@@ -323,12 +325,12 @@ def pull_path_problem(rel) -> str:
     return ""
 
 
-def _type_name(spec) -> str:
+def _type_name(spec: Any) -> str:
     types = spec if isinstance(spec, tuple) else (spec,)
     return " or ".join("null" if t is type(None) else t.__name__ for t in types)
 
 
-def check_value(value, spec, where: str) -> None:
+def check_value(value: Any, spec: Any, where: str) -> None:
     if isinstance(spec, dict):
         if not isinstance(value, dict):
             raise ProtocolError("%s must be an object" % where)
@@ -350,7 +352,7 @@ def check_value(value, spec, where: str) -> None:
                                                            type(value).__name__))
 
 
-def check(obj: dict, schema: dict, what: str) -> dict:
+def check(obj: dict[str, Any], schema: dict[str, Any], what: str) -> dict[str, Any]:
     """obj, if it has every field of schema with the right types; else ProtocolError
     naming `what` and the field."""
     for key, spec in schema.items():
@@ -363,20 +365,20 @@ def check(obj: dict, schema: dict, what: str) -> dict:
     return obj
 
 
-def request(t: str, id: int, **fields) -> bytes:
+def request(t: str, id: int, **fields: Any) -> bytes:
     check(fields, REQUESTS[t], "request " + t)
     return message(t, id=id, **fields)
 
 
-def reply(id: int, body: dict) -> bytes:
+def reply(id: int | None, body: dict[str, Any]) -> bytes:
     return message("reply", id=id, body=body)
 
 
-def part(id: int, kind: str, body: dict) -> bytes:
+def part(id: int | None, kind: str, body: dict[str, Any]) -> bytes:
     return message("part", id=id, kind=kind, body=body)
 
 
-def error(id, category: str, text: str, traceback: str = "", fix: str = "") -> bytes:
+def error(id: int | None, category: str, text: str, traceback: str = "", fix: str = "") -> bytes:
     fields = {"category": category, "message": text}
     if fix:
         fields["fix"] = fix[:800]
@@ -385,10 +387,10 @@ def error(id, category: str, text: str, traceback: str = "", fix: str = "") -> b
     return message("error", id=id, **fields)
 
 
-def event(t: str, **fields) -> bytes:
+def event(t: str, **fields: Any) -> bytes:
     check(fields, EVENTS[t], "event " + t)
     return message(t, **fields)
 
 
-def stream_item(t: str, **fields) -> bytes:
+def stream_item(t: str, **fields: Any) -> bytes:
     return message(t, **fields)

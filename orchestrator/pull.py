@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from orchestrator import protocol, timeouts
-from orchestrator.words import hint_cmd
 from orchestrator.errors import HostError, UsageError
 from orchestrator.link import Link, Pending
 from orchestrator.localfiles import DigestCache
 from orchestrator.pulldest import Dest, Refused, Writing
+from orchestrator.words import hint_cmd
 
 Progress = Callable[[int], None]     # bytes just received
 BATCH_NAMES = 2 << 20                # bytes of names per pull_send request (a JSON frame)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import List
 
 
 class FileRefused(Exception):
@@ -43,7 +42,7 @@ def _check_regular(mode: int) -> None:
 
 
 def _read_at_most(fd: int, limit: int) -> bytes:
-    chunks: List[bytes] = []
+    chunks: list[bytes] = []
     size = 0
     while size < limit:
         chunk = os.read(fd, min(1 << 16, limit - size))

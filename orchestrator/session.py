@@ -11,28 +11,32 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import paramiko
 
-from orchestrator import arrays
+from orchestrator import arrays, hostcmd, hostsetup, timeouts
 from orchestrator import state as job_state
 from orchestrator.arrays import ArrayRecord
-from orchestrator import timeouts
-from orchestrator import hostcmd, hostsetup
 from orchestrator.cmdout import HostOutput, Printer
-from orchestrator.connect import (Bastions, GroupResult, check_local_files, connect, fan_out,
-                                  ssh_config)
+from orchestrator.connect import (
+    Bastions,
+    GroupResult,
+    check_local_files,
+    connect,
+    fan_out,
+    ssh_config,
+)
 from orchestrator.errors import EXIT_USAGE, HostError, OrchError
 from orchestrator.inventory import Cluster, Host
 from orchestrator.launch import launch_all
 from orchestrator.link import Link
-from orchestrator.localfiles import DigestCache, Pushable
+from orchestrator.localfiles import DigestCache, LocalFile, Pushable
 from orchestrator.preflight import PreflightReport, preflight
 from orchestrator.pull import Progress, PullReport
 from orchestrator.pull import pull as pull_files
 from orchestrator.stopper import StopReport, stop_all
-from orchestrator.sync import LocalFile, SyncReport, push
+from orchestrator.sync import SyncReport, push
 from orchestrator.transport import Transport
 
 
@@ -44,7 +48,7 @@ class HostRecord:
     job_dir: str                       # the inventory's (or state's); absolute after preflight
     link: Link | None = None           # its agent, once started
     error: BaseException | None = None  # why it could not be reached
-    reports: dict = field(default_factory=dict)
+    reports: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class Session:
         return {i: r.error for i, r in self.records.items() if r.error is not None}
 
     def open(self, hosts: tuple[Host, ...] | None = None,
-             done: Callable[[], None] | None = None) -> "Session":
+             done: Callable[[], None] | None = None) -> Session:
         """Connect to every host (or `hosts`) and start its agent, all in parallel. A
         mistake on this machine (exit 2: a missing identity file, an unreadable ssh config)
         is raised, not collected: it is the same for every host and no host is at fault."""
@@ -133,7 +137,7 @@ class Session:
             except Exception:  # closing is best effort; the process is ending anyway
                 pass
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -173,7 +177,7 @@ class Session:
         return result.ok
 
     def setup(self, pre: PreflightReport, code: list[LocalFile], force: bool,
-              printer: Printer) -> dict[int, dict]:
+              printer: Printer) -> dict[int, dict[str, Any]]:
         """`setup:` on every host, all or nothing (hostsetup.py); skipped on a host
         while its fingerprint is unchanged there, unless `force`."""
         digest = hostsetup.setup_fingerprint(self.cluster, code)
@@ -192,7 +196,7 @@ class Session:
             env=hostsetup.command_env(self.cluster, self.records[i].job_dir)))
         return hostcmd.wait_all(running, None, failed)
 
-    def launch(self, pre: PreflightReport) -> tuple[str, dict[int, dict]]:
+    def launch(self, pre: PreflightReport) -> tuple[str, dict[int, dict[str, Any]]]:
         """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts
         that did start are stopped again before the error is reported."""
         try:
@@ -208,7 +212,7 @@ class Session:
         links = {i: link for i, link in self.links.items() if i not in skip}
         return stop_all(self.cluster, links, self.dirs(), grace)
 
-    def status(self) -> GroupResult[dict]:
+    def status(self) -> GroupResult[dict[str, Any]]:
         links = self.links
         hosts = tuple(h for h in self.cluster.hosts if h.index in links)
         return fan_out(hosts, lambda h: links[h.index].request(
@@ -226,7 +230,8 @@ class Session:
                                  ranks=[rank], first_local=rank - host.first_rank)
         except Exception:  # the report is still useful without the error file
             return ""
-        return reply["ranks"][0].get("error_file", "")[-2000:]
+        error_file: str = reply["ranks"][0].get("error_file", "")[-2000:]
+        return error_file
 
     def pull(self, host: Host, paths: list[str], dest: Path, progress: Progress | None = None,
              planned: Callable[[int], None] | None = None) -> PullReport:

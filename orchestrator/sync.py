@@ -8,7 +8,7 @@ host writes each file beside its final name, checks the digest, then renames.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from orchestrator import protocol, timeouts
 from orchestrator.errors import HostError
@@ -30,7 +30,7 @@ class SyncReport:
 
 # ---------------------------------------------------------------- the stream
 
-def plan(local: list[LocalFile], remote: dict[str, list]) -> tuple[list[LocalFile], list[str]]:
+def plan(local: list[LocalFile], remote: dict[str, list[Any]]) -> tuple[list[LocalFile], list[str]]:
     """What to send (new or different digest) and what to delete on the host."""
     wanted = {f.rel for f in local}
     send = [f for f in local if remote.get(f.rel, [None, None])[1] != f.digest]
@@ -42,7 +42,7 @@ def file_head(f: LocalFile) -> bytes:
     return protocol.stream_item("file", p=f.rel, s=f.size, h=f.digest, m=f.mode)
 
 
-def stream_files(send: Callable[[bytes], None], files: list[LocalFile],
+def stream_files(send: Callable[[bytes | memoryview], None], files: list[LocalFile],
                  progress: Progress | None) -> None:
     """A `file` message and data frames (at most 1 MiB each) per file; small files are
     batched into 1 MiB writes."""
@@ -80,7 +80,7 @@ def stream_files(send: Callable[[bytes], None], files: list[LocalFile],
 
 
 def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | None = None,
-         remote: dict[str, list] | None = None) -> SyncReport:
+         remote: dict[str, list[Any]] | None = None) -> SyncReport:
     """Make `dest` on the host hold exactly `local` (by content); send only differences.
     `remote` is the host's manifest of dest when the caller has it already."""
     if remote is None:

@@ -7,6 +7,7 @@ One transport per host is opened in parallel and reused for every step of a comm
 from __future__ import annotations
 
 import base64
+import io
 import os
 import shlex
 import socket
@@ -15,6 +16,7 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import paramiko
 
@@ -53,7 +55,8 @@ class Channel(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def settimeout(self, timeout: float | None) -> None:
+    # Not abstract: a channel that cannot block forever (local pipes) needs no timeout.
+    def settimeout(self, timeout: float | None) -> None:  # noqa: B027
         """How long read() may wait; None: forever (a follow that heartbeats)."""
 
     @abstractmethod
@@ -92,6 +95,10 @@ class LocalChannel(Channel):
     def __init__(self, argv: list[str], cwd: str | None, timeout: float | None) -> None:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, cwd=cwd)
+        # all three are PIPEs, so never None; the buffered types give read1()
+        self._stdin = cast(io.BufferedWriter, self.proc.stdin)
+        self._stdout = cast(io.BufferedReader, self.proc.stdout)
+        self._stderr = cast(io.BufferedReader, self.proc.stderr)
         self.timeout = timeout
         self._err = bytearray()
         # stderr is drained on the side so a chatty command can never block on it
@@ -99,7 +106,7 @@ class LocalChannel(Channel):
         self._err_thread.start()
 
     def _drain_err(self) -> None:
-        for block in iter(lambda: self.proc.stderr.read1(CHUNK), b""):
+        for block in iter(lambda: self._stderr.read1(CHUNK), b""):
             self._err += block
             del self._err[:-STDERR_KEEP]
 
@@ -110,20 +117,20 @@ class LocalChannel(Channel):
         return self.proc.poll()
 
     def write(self, data: bytes | memoryview) -> None:
-        self.proc.stdin.write(data)
-        self.proc.stdin.flush()   # a request must reach the agent now, not at close
+        self._stdin.write(data)
+        self._stdin.flush()   # a request must reach the agent now, not at close
 
     def close_stdin(self) -> None:
         try:
-            self.proc.stdin.close()
+            self._stdin.close()
         except BrokenPipeError:
             pass
 
     def read(self, n: int = CHUNK) -> bytes:
-        return self.proc.stdout.read1(n)
+        return self._stdout.read1(n)
 
     def finish(self) -> Result:
-        out = self.proc.stdout.read()
+        out = self._stdout.read()
         code = self.proc.wait(self.timeout)
         self._err_thread.join(5)
         return Result(code, out, bytes(self._err))
@@ -132,7 +139,7 @@ class LocalChannel(Channel):
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
+        for f in (self._stdin, self._stdout):
             try:
                 f.close()
             except OSError:
@@ -176,7 +183,7 @@ class SSHChannel(Channel):
         view = memoryview(data)
         # memoryview slices: sendall of bytes would re-slice (copy) on every packet
         for i in range(0, len(view), CHUNK):
-            self.chan.sendall(view[i:i + CHUNK])
+            self.chan.sendall(view[i:i + CHUNK])  # type: ignore[arg-type]  # stubs say bytes; any buffer works
 
     def close_stdin(self) -> None:
         self.chan.shutdown_write()
@@ -254,7 +261,7 @@ class StrictPolicy(paramiko.MissingHostKeyPolicy):
     def __init__(self, known_hosts: str, port: int) -> None:
         self.known_hosts, self.port = known_hosts, port
 
-    def missing_host_key(self, client, hostname, key) -> None:
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         name = hostname if hostname.startswith("[") else known_hosts_name(hostname, self.port)
         raise HostKeyRefused(
             f"host key not trusted: {name} offers {key.get_name()} {fingerprint(key)}, "
@@ -273,7 +280,7 @@ class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
     def __init__(self, known_hosts: str, port: int) -> None:
         self.known_hosts, self.port = known_hosts, port
 
-    def missing_host_key(self, client, hostname, key) -> None:
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         name = hostname if hostname.startswith("[") else known_hosts_name(hostname, self.port)
         line = f"{name} {key.get_name()} {key.get_base64()}\n"
         try:

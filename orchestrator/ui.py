@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TransferSpeedColumn)
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TransferSpeedColumn,
+)
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 

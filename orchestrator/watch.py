@@ -11,6 +11,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
 
 from orchestrator import timeouts
 from orchestrator.clock import Clocks, HostClock
@@ -48,7 +50,7 @@ class Monitor(LineSink):
     state: JobState
     printer: PrefixPrinter
     exits: dict[int, Exit] = field(default_factory=dict)
-    host_exits: dict[int, dict] = field(default_factory=dict)
+    host_exits: dict[int, dict[str, Any]] = field(default_factory=dict)
     lost: dict[int, str] = field(default_factory=dict)
     wake: threading.Event = field(default_factory=threading.Event)
     stop_started: float | None = None   # exits after this are our own stop's doing
@@ -90,7 +92,7 @@ class Monitor(LineSink):
         if code != 0:
             self.wake.set()
 
-    def host_done(self, host: int, info: dict) -> None:
+    def host_done(self, host: int, info: dict[str, Any]) -> None:
         self.host_exits[host] = info
         self.wake.set()
 
@@ -188,11 +190,11 @@ def interrupt_stop(session: Session, mon: Monitor) -> None:
     console.print(f"\n[yellow]interrupted: stopping job '{cluster.name}' on every host "
                   f"(Ctrl-C again to kill at once)[/]")
     skip = set(mon.lost)
-    results: list = []
+    results: list[Any] = []
     stops = [threading.Thread(target=lambda: results.append(
         session.stop(timeouts.INTERRUPT_GRACE, skip)), daemon=True)]
 
-    def force(signum, frame) -> None:
+    def force(signum: int, frame: FrameType | None) -> None:
         console.print("[yellow]killing every process of the job now[/]")
         th = threading.Thread(target=lambda: results.append(session.stop(0, skip)), daemon=True)
         stops.append(th)
@@ -208,7 +210,7 @@ def interrupt_stop(session: Session, mon: Monitor) -> None:
     print_stop_results(cluster, results)
 
 
-def print_stop_results(cluster: Cluster, results: list) -> None:
+def print_stop_results(cluster: Cluster, results: list[Any]) -> None:
     if not results:
         return
     last = results[-1]

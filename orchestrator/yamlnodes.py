@@ -17,7 +17,8 @@ import bisect
 import datetime
 import difflib
 import re
-from typing import Any, Dict, List, Mapping, NoReturn, Optional, Sequence, Set, Tuple, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn, overload
 
 import yaml
 from yaml.constructor import SafeConstructor
@@ -29,7 +30,7 @@ from .errors import InventoryError
 TAG = "tag:yaml.org,2002:"
 REQUIRED: Any = object()  # default meaning "the key must be given"
 
-Items = Dict[str, Tuple[Node, Node]]  # key -> (key node, value node)
+Items = dict[str, tuple[Node, Node]]  # key -> (key node, value node)
 
 # Limits: far above any real inventory, low enough that no file can make reading it
 # slow or big (an alias costs a few bytes but may stand for a whole subtree).
@@ -105,10 +106,10 @@ class Source:
         self.path = path
         self.text = text
         self._constructor = SafeConstructor()
-        self._breaks: Optional[List[int]] = None
+        self._breaks: list[int] | None = None
         self._last = 1
         self._merge_work = 0
-        self.checked: Set[int] = set()  # ids of nodes check_text() passed
+        self.checked: set[int] = set()  # ids of nodes check_text() passed
 
     def line(self, where: Any) -> int:
         """1-based line of a node or a mark (PyYAML's or libyaml's)."""
@@ -130,11 +131,11 @@ class Source:
             lines.pop()
         return len(lines)
 
-    def fail(self, where: Union[Node, Mark, int, None], message: str, hint: str = "") -> NoReturn:
+    def fail(self, where: Node | Mark | int | None, message: str, hint: str = "") -> NoReturn:
         line = where if isinstance(where, int) or where is None else self.line(where)
         raise InventoryError(self.path, line, message, hint)
 
-    def compose(self) -> Optional[Node]:
+    def compose(self) -> Node | None:
         """The root node, or None for a file with nothing but comments."""
         bad = _NON_PRINTABLE.search(self.text)
         if bad:
@@ -144,7 +145,8 @@ class Source:
             _check_events(self.text)
             loader = _Loader(self.text)
             try:
-                return loader.get_single_node()
+                root: Node | None = loader.get_single_node()
+                return root
             finally:
                 loader.dispose()
         except _Limit as exc:
@@ -198,14 +200,14 @@ class Source:
         """The keys of a mapping node, in order; null means empty (a section all commented out)."""
         return self._mapping(node, what, ())
 
-    def _mapping(self, node: Node, what: str, merging: Tuple[Tuple[Node, Node], ...]) -> Items:
+    def _mapping(self, node: Node, what: str, merging: tuple[tuple[Node, Node], ...]) -> Items:
         if _is_null(node):
             return {}
         if not isinstance(node, MappingNode) or node.tag != TAG + "map":
             self.fail(node, f"`{what}` must be a mapping of `key: value` lines, got {self.describe(node)}",
                       f"indent the settings of `{what}` under it as `key: value` lines")
         items: Items = {}
-        merges: List[Tuple[Node, Node]] = []
+        merges: list[tuple[Node, Node]] = []
         for key_node, value_node in node.value:
             if key_node.tag == TAG + "merge":
                 merges.append((key_node, value_node))
@@ -220,7 +222,7 @@ class Source:
             self._merge_into(items, merged, what, merging + ((node, key_node),))
         return items
 
-    def _merge_into(self, items: Items, node: Node, what: str, merging: Tuple[Tuple[Node, Node], ...]) -> None:
+    def _merge_into(self, items: Items, node: Node, what: str, merging: tuple[tuple[Node, Node], ...]) -> None:
         # YAML merge keys (`<<: *defaults`): keys given explicitly win, earlier sources win.
         # `merging` holds (mapping, its `<<` key) for each mapping being merged into, from
         # the outermost: to refuse a mapping merging itself, and to name the `<<` written
@@ -255,9 +257,10 @@ class Source:
             where = "at the top level" if what == "the top level" else f"in `{what}`"
             self.fail(node, f"a key {where} is {self.describe(node)}",
                       "keys are plain names such as `address` or `gpus`")
-        return node.value  # as written: `ON:` is a name here, not YAML 1.1's true
+        key: str = node.value  # as written: `ON:` is a name here, not YAML 1.1's true
+        return key
 
-    def sequence(self, node: Node, what: str) -> List[Node]:
+    def sequence(self, node: Node, what: str) -> list[Node]:
         """The items of a list node; null means empty."""
         if _is_null(node):
             return []
@@ -270,7 +273,7 @@ class Source:
 class Section:
     """One mapping (the top level, ssh, a host, code, data, job) read key by key."""
 
-    def __init__(self, src: Source, node: Optional[Node], name: str, line: int) -> None:
+    def __init__(self, src: Source, node: Node | None, name: str, line: int) -> None:
         self.src = src
         self.name = name  # "" for the top level, else e.g. "ssh" or "hosts[2]"
         self.line = line  # where a missing key is reported
@@ -279,7 +282,7 @@ class Section:
     def what(self, key: str) -> str:
         return _join(self.name, key)
 
-    def node(self, key: str) -> Optional[Node]:
+    def node(self, key: str) -> Node | None:
         pair = self.items.get(key)
         return pair[1] if pair else None
 
@@ -301,7 +304,7 @@ class Section:
                 hint = "valid keys here: " + ", ".join(allowed)
             self.src.fail(key_node, f"unknown key `{self.what(key)}`", hint)
 
-    def _given(self, key: str, default: Any) -> Optional[Node]:
+    def _given(self, key: str, default: Any) -> Node | None:
         """The value node, or None when the default applies; refuses a missing required key."""
         node = self.node(key)
         if node is None and default is REQUIRED:
@@ -315,7 +318,16 @@ class Section:
             self.src.fail(node, f"`{self.what(key)}` has no value", hint)
         return node
 
-    def text(self, key: str, default: Any = REQUIRED) -> Optional[str]:
+    # The default decides the result's type: REQUIRED or a string gives a string, None
+    # (the key may be left out) gives str | None.
+    @overload
+    def text(self, key: str) -> str: ...
+    @overload
+    def text(self, key: str, default: str) -> str: ...
+    @overload
+    def text(self, key: str, default: None) -> str | None: ...
+
+    def text(self, key: str, default: str | None = REQUIRED) -> str | None:
         """A non-empty string (quoted or not); numbers and true/false are refused."""
         node = self._given(key, default)
         if node is None:
@@ -327,10 +339,18 @@ class Section:
         if not value.strip():
             self.src.fail(node, f"`{self.what(key)}` is empty", f"give `{key}` a value")
         check_text(self.src, node, self.what(key), value)
-        return value
+        text: str = value
+        return text
 
-    def integer(self, key: str, default: Any, low: int, high: Optional[int] = None,
-                example: int = 1) -> Optional[int]:
+    @overload
+    def integer(self, key: str, default: int, low: int, high: int | None = None,
+                example: int = 1) -> int: ...
+    @overload
+    def integer(self, key: str, default: None, low: int, high: int | None = None,
+                example: int = 1) -> int | None: ...
+
+    def integer(self, key: str, default: int | None, low: int, high: int | None = None,
+                example: int = 1) -> int | None:
         """A whole number in [low, high]; true/false (YAML's yes/no) is not a number."""
         node = self._given(key, default)
         if node is None:
@@ -342,9 +362,15 @@ class Section:
             got = self.src.describe(node) if not ok else short(str(value))
             self.src.fail(node, f"`{self.what(key)}` must be {wanted}, got {got}",
                           f"write e.g. `{key}: {example}`")
-        return value
+        number: int = value
+        return number
 
-    def number(self, key: str, default: Any) -> Optional[float]:
+    @overload
+    def number(self, key: str, default: float) -> float: ...
+    @overload
+    def number(self, key: str, default: None) -> float | None: ...
+
+    def number(self, key: str, default: float | None) -> float | None:
         """A number above zero (seconds)."""
         node = self._given(key, default)
         if node is None:
@@ -375,7 +401,8 @@ def scalar_text(src: Source, node: Node, what: str, hint: str) -> str:
         src.fail(node, f"`{what}` has no value", hint)
     src.value(node, what)  # refuses unknown tags
     check_text(src, node, what, node.value)
-    return node.value
+    text: str = node.value
+    return text
 
 
 def check_text(src: Source, node: Node, what: str, value: str) -> None:

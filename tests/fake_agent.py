@@ -7,7 +7,7 @@ import queue
 import struct
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 from orchestrator import protocol
 from orchestrator.bundle import agent_stdin, bundle
@@ -17,7 +17,7 @@ from orchestrator.transport import Channel, Transport
 Handler = Callable[["FakeChannel", dict], None]
 
 
-def clock(chan: "FakeChannel", msg: dict) -> None:
+def clock(chan: FakeChannel, msg: dict) -> None:
     """The host's time, `skew` seconds off ours, answered after `clock_delay` seconds."""
     def answer() -> None:
         chan.push(protocol.reply(msg["id"], {"time": time.time() + chan.skew}))
@@ -73,7 +73,7 @@ class FakeChannel(Channel):
     def stderr_tail(self) -> bytes:
         return b""
 
-    def exit_code(self) -> Optional[int]:
+    def exit_code(self) -> int | None:
         return 0 if self.closed else None
 
     def close(self) -> None:
@@ -87,7 +87,7 @@ class FakeTransport(Transport):
         super().__init__(host)
         self.channel = FakeChannel(host, handlers)
 
-    def open(self, argv: list[str], timeout: Optional[float] = None) -> Channel:
+    def open(self, argv: list[str], timeout: float | None = None) -> Channel:
         return self.channel
 
     def close(self) -> None:

@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 import pytest
 import yaml
@@ -35,7 +35,7 @@ def netns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsCluster]:
     assert not [p for p in pids if pid_alive(p)]
 
 
-def inventory(netns: NetnsCluster, path: Path, name: str, proxy_jump: Optional[object] = None,
+def inventory(netns: NetnsCluster, path: Path, name: str, proxy_jump: object | None = None,
               **ssh: object) -> Path:
     opts = {"user": "root", "identity_file": str(netns.client_key),
             "known_hosts": str(netns.known_hosts), "connect_timeout": 5, **ssh}
@@ -50,7 +50,7 @@ def inventory(netns: NetnsCluster, path: Path, name: str, proxy_jump: Optional[o
     return path
 
 
-def orch(netns: NetnsCluster, cwd: Path, *args: str, ssh_config: Optional[Path] = None,
+def orch(netns: NetnsCluster, cwd: Path, *args: str, ssh_config: Path | None = None,
          timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, ORCH_SSH_CONFIG=str(ssh_config or os.devnull))
     return netns.run_in_client([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env,

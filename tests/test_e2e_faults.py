@@ -10,8 +10,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable
 
 import paramiko
 import pytest
@@ -73,7 +74,7 @@ def write_inventory(path: Path, address: str, port: int, key: Path, known_hosts:
     return path
 
 
-def run(cwd: Path, *args: str, env: Optional[dict] = None,
+def run(cwd: Path, *args: str, env: dict | None = None,
         prefix: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
     result = subprocess.run(list(prefix) + ORCH + list(args), cwd=cwd, capture_output=True,
@@ -273,7 +274,7 @@ def test_accept_new_with_unwritable_known_hosts(servers, client_key: Path, serve
     ("Host node*\n  User root\n  Port\n", ":3: the SSH config cannot be used"),
     (None, "cannot read the SSH config"),
 ])
-def test_bad_ssh_config_is_exit_2(content: Optional[str], wanted: str, servers,
+def test_bad_ssh_config_is_exit_2(content: str | None, wanted: str, servers,
                                   client_key: Path, tmp_path: Path) -> None:
     server = servers(fs.silent)
     config = tmp_path / "ssh_config"

@@ -19,14 +19,13 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 import yaml
 
 from conftest import kill_all
-
 from orchestrator import splitdata
 from sshd_cluster import SshdCluster, pids_with_env
 
@@ -72,7 +71,7 @@ def assert_no_job_left(job_dirs: Sequence[Path]) -> None:
 
 def snapshot(root: Path) -> dict:
     """Every entry under root (root included): kind, bytes or link target, mode, mtime."""
-    out = {}
+    out: dict[str, tuple[object, ...]] = {}
     entries = [root, *sorted(root.rglob("*"))] if root.is_dir() else [root]
     for p in entries:
         st = os.lstat(p)

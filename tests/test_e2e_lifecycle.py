@@ -19,8 +19,18 @@ import pytest
 
 from conftest import write_job
 from sshd_cluster import SshdCluster, pid_alive, pids_with_env
-from test_e2e_up import (ORCH, Jobs, assert_nothing_left, job_dir, job_pids, jobs,  # noqa: F401
-                         marker, orch, prefixed, wait_until)
+from test_e2e_up import (  # noqa: F401
+    ORCH,
+    Jobs,
+    assert_nothing_left,
+    job_dir,
+    job_pids,
+    jobs,
+    marker,
+    orch,
+    prefixed,
+    wait_until,
+)
 
 pytestmark = pytest.mark.ssh
 
@@ -258,7 +268,7 @@ def test_logs_of_a_rank_that_printed_100k_lines(sshd_cluster: SshdCluster, tmp_p
     up = orch(tmp_path, "up", str(inv))
     assert up.returncode == 0, up.stderr
     lines = prefixed(up.stdout.splitlines())
-    assert [t for r, _, t in lines if r == 0] == ["line %06d" % i for i in range(LINES)]
+    assert [t for r, _, t in lines if r == 0] == [f"line {i:06d}" for i in range(LINES)]
 
     cmd = " ".join(map(str, ORCH)) + f" logs --rank 0 -c {inv} | wc -l"
     counted = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True,

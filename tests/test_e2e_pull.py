@@ -45,7 +45,7 @@ def pull_json(cwd: Path, *args: str) -> dict:
 
 @pytest.mark.ssh
 def test_up_pulls_then_pull_is_incremental(sshd_cluster: SshdCluster, tmp_path: Path,
-                                           jobs: Jobs) -> None:  # noqa: F811  # noqa: F811
+                                           jobs: Jobs) -> None:
     hosts, name = sshd_cluster.hosts[:2], "e2e-pull"
     write_job(tmp_path, WRITER_JOB)
     inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
@@ -81,7 +81,7 @@ def test_up_pulls_then_pull_is_incremental(sshd_cluster: SshdCluster, tmp_path: 
 
 @pytest.mark.ssh
 def test_pull_killed_mid_file_resumes(sshd_cluster: SshdCluster, tmp_path: Path,
-                                      jobs: Jobs) -> None:  # noqa: F811
+                                      jobs: Jobs) -> None:
     """SIGKILL the controller while a big file is half written: the destination holds
     complete files and a part file only; the next pull sends the rest and sweeps it."""
     host, name = sshd_cluster.hosts[2], "e2e-pull-cut"

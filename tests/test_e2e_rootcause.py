@@ -55,7 +55,7 @@ def busy_cores() -> Iterator[None]:
 
 @pytest.mark.parametrize("fail_rank", [9, 2, 15])
 def test_the_failing_rank_is_named_at_16_hosts_on_a_busy_machine(
-        big_cluster: SshdCluster, busy_cores: None, tmp_path: Path, jobs: Jobs,  # noqa: F811
+        big_cluster: SshdCluster, busy_cores: None, tmp_path: Path, jobs: Jobs,
         fail_rank: int) -> None:
     hosts, name = big_cluster.hosts, f"rc16-{fail_rank}"
     write_job(tmp_path, JOB)
@@ -82,7 +82,7 @@ time.sleep(600)
 
 
 def test_a_frozen_host_is_named_and_finished_once_it_is_back(
-        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:  # noqa: F811
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
     """sshd and the agent SIGSTOPped mid-job (the job itself runs on, detached): the
     frozen host is the root cause, the report says it was not stopped and how to finish
     it; status exits 3 while it is away; `orch stop -c` finishes it once it is back."""

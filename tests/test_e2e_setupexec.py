@@ -80,7 +80,7 @@ def venv_inventory(
 
 @pytest.mark.slow
 def test_setup_makes_a_venv_once_and_the_job_uses_it(
-    sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs  # noqa: F811 (the fixture)
+    sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs
 ) -> None:
     hosts, name = sshd_cluster.hosts[:2], "e2e-setup"
     token = secrets.token_hex(4)
@@ -130,7 +130,7 @@ def test_setup_makes_a_venv_once_and_the_job_uses_it(
 
 
 def test_a_failing_setup_starts_nothing_anywhere(
-    sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs  # noqa: F811 (the fixture)
+    sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs
 ) -> None:
     hosts, name = sshd_cluster.hosts[:2], "e2e-setup-fail"
     write_job(tmp_path, "import time\nprint('started', flush=True)\ntime.sleep(60)\n")

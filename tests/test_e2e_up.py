@@ -18,8 +18,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import pytest
 
@@ -85,7 +85,7 @@ class Running:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"orch still running after {timeout} s\n{self.text()}")
+            raise AssertionError(f"orch still running after {timeout} s\n{self.text()}") from None
         for th in self._readers:
             th.join(10)
         return code
@@ -397,7 +397,7 @@ def test_accept_new_records_key_and_refuses_changed_key(
     jobs.add(inv, [host], name)
     result = orch(tmp_path, "up", str(inv))
     assert result.returncode == 0, result.stderr
-    assert "[r0 %s] rank 0 ok" % host.address in result.stdout.splitlines()
+    assert f"[r0 {host.address}] rank 0 ok" in result.stdout.splitlines()
     recorded = known.read_text().splitlines()
     assert recorded.count(host.known_hosts_line()) == 1, recorded
 

@@ -27,7 +27,7 @@ NASTY_LOG = b"title \x1b]0;pwned\x07 50%\r[r9 evil] forged\n[/bold]\n\n"
 
 
 def test_host_text_is_shown_literally_and_piped_exactly(
-        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:  # noqa: F811
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
     hosts, name = sshd_cluster.hosts[:2], "e2e-ux"
     write_job(tmp_path, NASTY_JOB)
     inv = sshd_cluster.write_inventory(tmp_path / "other.yaml", hosts=hosts, procs=1, name=name)

@@ -241,7 +241,7 @@ OPTIONS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_option_trains_the_demo_to_target_on_gpu(name: str, torchrun: Torchrun,  # noqa: F811
+def test_option_trains_the_demo_to_target_on_gpu(name: str, torchrun: Torchrun,
                                                  demo: dict[int, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     log = train(torchrun, RANKS, [*DEMO, "--epochs", "30", *OPTIONS[name]], demo[RANKS], out)
@@ -251,7 +251,7 @@ def test_option_trains_the_demo_to_target_on_gpu(name: str, torchrun: Torchrun, 
 
 
 @pytest.mark.slow
-def test_checkpoint_moves_between_cpu_and_gpu(torchrun: Torchrun,  # noqa: F811
+def test_checkpoint_moves_between_cpu_and_gpu(torchrun: Torchrun,
                                               demo: dict[int, Path], tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     out, args = tmp_path / "out", [*DEMO[:-4], "--checkpoint-every", "1"]  # no early stop

@@ -18,24 +18,23 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
 from conftest import wait_until
-
 from orchestrator import bundle, protocol
 from orchestrator.host.files import manifest
 from orchestrator.host.ledger import Ledger
 from orchestrator.host.paths import JobDir, UnsafePath, check_link_target
 
-
 # ---------------------------------------------------------------- helpers
 
 def snapshot(root: Path) -> dict:
     """Every entry under root (root itself included): kind, bytes or link target, mode."""
-    out = {}
+    out: dict[str, tuple[object, ...]] = {}
     entries = [root, *sorted(root.rglob("*"))] if root.is_dir() else [root]
     for p in entries:
         st = os.lstat(p)
@@ -49,7 +48,7 @@ def snapshot(root: Path) -> dict:
 
 
 @pytest.fixture
-def box(tmp_path: Path) -> dict:
+def box(tmp_path: Path) -> Iterator[dict]:
     """A job folder (not made yet), a victim folder and a victim file outside it."""
     victim = tmp_path / "victim"
     (victim / "sub").mkdir(parents=True)
@@ -340,6 +339,7 @@ def test_a_killed_receiver_leaves_a_journal_of_what_it_placed(tmp_path: Path) ->
     (code).mkdir(parents=True)
     proc = subprocess.Popen(bundle.agent_argv(sys.executable),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin and proc.stdout and proc.stderr
     try:
         proc.stdin.write(bundle.agent_stdin() + request("receive", str(code)) +
                          frame("done.bin", b"d" * 1000) + frame("big.bin", b"b" * 5000)[:-4000])

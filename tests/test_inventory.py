@@ -14,9 +14,18 @@ import yaml
 
 from orchestrator import yamlnodes
 from orchestrator.errors import InventoryError, UsageError
+from orchestrator.inventory import (
+    MAX_FILE_BYTES,
+    MAX_HOSTS,
+    MAX_WORLD_SIZE,
+    Cluster,
+    Host,
+    RankSlot,
+    SSHOptions,
+    load,
+    parse,
+)
 from orchestrator.yamlnodes import MAX_VALUE_BYTES
-from orchestrator.inventory import (MAX_FILE_BYTES, MAX_HOSTS, MAX_WORLD_SIZE, Cluster, Host,
-                                    RankSlot, SSHOptions, load, parse)
 
 CORPUS = Path(__file__).parent / "inventories"
 HOME = os.path.expanduser("~")

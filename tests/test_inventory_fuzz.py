@@ -14,7 +14,7 @@ import copy
 import time
 import tracemalloc
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable
 
 import pytest
 import yaml
@@ -27,7 +27,7 @@ from orchestrator.inventory import MAX_HOSTS, MAX_WORLD_SIZE, Cluster, parse
 MAX_SECONDS = 2.0
 MAX_BYTES = 200 << 20
 
-VALID: Dict[str, Any] = {
+VALID: dict[str, Any] = {
     "name": "fuzz",
     "ssh": {"user": "ubuntu", "port": 22, "host_key_policy": "strict", "connect_timeout": 10},
     "hosts": [
@@ -98,7 +98,7 @@ def check(text: str, path: Path) -> None:
 
 def run_fuzz(strategy: st.SearchStrategy[str], examples: int, path: Path) -> None:
     """Run `check` on `examples` documents and prove that they did run."""
-    seen: List[int] = []
+    seen: list[int] = []
 
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
@@ -146,9 +146,9 @@ def replaced_documents(draw: Callable) -> str:
         return yaml.safe_dump(VALID)
 
 
-def _slots(doc: Any) -> List[tuple]:
+def _slots(doc: Any) -> list[tuple]:
     """Every (container, key) whose value may be replaced, walking the document."""
-    slots: List[tuple] = []
+    slots: list[tuple] = []
     stack, seen = [doc], {id(doc)}
     while stack and len(slots) < 200:
         node = stack.pop()
@@ -161,7 +161,7 @@ def _slots(doc: Any) -> List[tuple]:
     return slots
 
 
-def _values(doc: Dict[str, Any]) -> List[Any]:
+def _values(doc: dict[str, Any]) -> list[Any]:
     return [parent[key] for parent, key in _slots(doc) if isinstance(parent[key], (dict, list))][:20]
 
 

@@ -40,13 +40,19 @@ def reader(data: bytes) -> protocol.FrameReader:
     return protocol.FrameReader(io.BytesIO(data).read)
 
 
+def frame_of(r: protocol.FrameReader) -> tuple[bytes, bytes | bytearray]:
+    got = r.read_frame()
+    assert got is not None, "the stream ended early"
+    return got
+
+
 def test_frames_round_trip_in_order() -> None:
     data = (protocol.message("beat") + protocol.output(3, b"a\nb\n") +
             protocol.output(3, b"x" * 10, partial=True) + protocol.frame(protocol.DATA, b"\0\1"))
     r = reader(data)
-    assert protocol.decode(r.read_frame(), "m") == {"t": "beat"}
-    assert protocol.split_output(r.read_frame()[1]) == (3, False, b"a\nb\n")
-    assert protocol.split_output(r.read_frame()[1]) == (3, True, b"x" * 10)
+    assert protocol.decode(frame_of(r), "m") == {"t": "beat"}
+    assert protocol.split_output(frame_of(r)[1]) == (3, False, b"a\nb\n")
+    assert protocol.split_output(frame_of(r)[1]) == (3, True, b"x" * 10)
     assert r.read_frame() == (protocol.DATA, b"\0\1")
     assert r.read_frame() is None
 
@@ -56,9 +62,9 @@ def test_big_payloads_read_in_place_are_the_same_bytes() -> None:
     data = protocol.message("beat") + protocol.frame(protocol.DATA, payload) + protocol.message("beat")
     src = io.BytesIO(data)
     r = protocol.FrameReader(src.read, readinto=src.readinto)
-    assert protocol.decode(r.read_frame(), "m") == {"t": "beat"}
+    assert protocol.decode(frame_of(r), "m") == {"t": "beat"}
     assert r.read_frame() == (protocol.DATA, payload)
-    assert protocol.decode(r.read_frame(), "m") == {"t": "beat"} and r.read_frame() is None
+    assert protocol.decode(frame_of(r), "m") == {"t": "beat"} and r.read_frame() is None
     cut = io.BytesIO(data[:-100_000 - len(protocol.message("beat"))])
     with pytest.raises(protocol.ProtocolError, match="ended inside a frame"):
         r = protocol.FrameReader(cut.read, readinto=cut.readinto)
@@ -220,6 +226,7 @@ def test_rank_output_is_data_whatever_it_holds(tmp_path: Path) -> None:
 
 def test_agent_ends_when_its_stdin_closes(tmp_path: Path) -> None:
     link = started(tmp_path)
+    assert link.hello is not None
     pid = link.hello["pid"]
     assert pid_alive(pid)
     link.close()

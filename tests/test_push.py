@@ -21,14 +21,14 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable
 
 import pytest
 
 from conftest import kill_all, wait_until
-
 from orchestrator import bundle, protocol, splitdata
 from sshd_cluster import FakeHost, SshdCluster, pid_alive, pids_with_env
 
@@ -97,10 +97,10 @@ def receivers_of(dest: Path) -> list[int]:
     return found
 
 
-def tree(root: Path) -> dict[str, tuple[str, Optional[str]]]:
+def tree(root: Path) -> dict[str, tuple[str, str | None]]:
     """Every entry under root: rel -> (kind, sha256 of a regular file). Links are
     reported as links, never followed: the host must hold real files."""
-    out: dict[str, tuple[str, Optional[str]]] = {}
+    out: dict[str, tuple[str, str | None]] = {}
     for top, dirs, names in os.walk(root):
         for n in dirs + names:
             p = Path(top, n)
@@ -123,7 +123,7 @@ def remote_data(host: FakeHost, name: str) -> dict[str, str]:
     entries = tree(job_dir(host, name) / "data")
     odd = {rel: kind for rel, (kind, _) in entries.items() if kind not in ("file", "dir")}
     assert not odd, f"{host.address}: data/ holds links or special files: {odd}"
-    return {rel: digest for rel, (kind, digest) in entries.items() if kind == "file"}
+    return {rel: digest for rel, (kind, digest) in entries.items() if kind == "file" and digest}
 
 
 def last_sync(base: Path, name: str) -> dict:
@@ -301,7 +301,7 @@ def test_file_changed_on_host_is_sent_again(pushed: Pushed) -> None:
 def count_data_files(hosts: Sequence[FakeHost], name: str) -> int:
     total = 0
     for h in hosts:
-        for top, dirs, names in os.walk(job_dir(h, name) / "data"):
+        for _top, _dirs, names in os.walk(job_dir(h, name) / "data"):
             total += sum(1 for n in names if n.startswith("train-") and ".orch-part-" not in n)
     return total
 
@@ -326,7 +326,7 @@ def test_interrupted_push_resends_only_what_is_missing(
                    60, "the first shard files on the hosts", step=0.005)
         proc.send_signal(sig)
         t0 = time.monotonic()
-        out, err = proc.communicate(timeout=30)
+        _out, err = proc.communicate(timeout=30)
         stopped_s = time.monotonic() - t0
     finally:
         if proc.poll() is None:
@@ -338,7 +338,8 @@ def test_interrupted_push_resends_only_what_is_missing(
         assert stopped_s < 10, f"Ctrl-C took {stopped_s:.1f} s to stop the push"
     for h in hosts:
         dest = job_dir(h, name) / "data"
-        wait_until(lambda: not receivers_of(dest), 10, f"the receiver on {h.address} to end")
+        # wait_until calls the lambda before the next iteration: the late binding is harmless
+        wait_until(lambda: not receivers_of(dest), 10, f"the receiver on {h.address} to end")  # noqa: B023
     assert_no_job_left(hosts, name)
     missing = {h.address: sorted(set(data.host_files(r, 2).items()) - set(remote_data(h, name).items()))
                for h, r in zip(hosts, ranks_of(procs))}
@@ -476,7 +477,7 @@ def test_receive_into_a_root_reached_through_a_link(tmp_path: Path) -> None:
     assert (real / "job" / "data" / "worker_0_of_1" / "x.bin").read_bytes() == b"x" * 10
 
 
-def frame(rel: str, payload: bytes, digest: Optional[str] = None) -> bytes:
+def frame(rel: str, payload: bytes, digest: str | None = None) -> bytes:
     head = protocol.stream_item("file", p=rel, s=len(payload), m=0o644,
                                 h=digest or hashlib.sha256(payload).hexdigest())
     return head + (protocol.frame(protocol.DATA, payload) if payload else b"")

@@ -70,7 +70,7 @@ def failing_job_handlers(stopped: threading.Event) -> dict:
 
 def test_fail_fast_stops_every_host_and_names_the_root_cause(tmp_path: Path, capsys) -> None:
     stopped = threading.Event()
-    cluster, session, state, transports = job(tmp_path, failing_job_handlers(stopped))
+    _cluster, session, state, transports = job(tmp_path, failing_job_handlers(stopped))
     t0 = time.monotonic()
     try:
         code = attach(session, state)
@@ -90,7 +90,7 @@ def test_fail_fast_stops_every_host_and_names_the_root_cause(tmp_path: Path, cap
 
 def test_stop_reaches_every_host_once(tmp_path: Path) -> None:
     stopped = threading.Event()
-    cluster, session, state, transports = job(tmp_path, failing_job_handlers(stopped))
+    _cluster, session, _state, transports = job(tmp_path, failing_job_handlers(stopped))
     try:
         result = session.stop(1.5)
     finally:

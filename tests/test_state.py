@@ -98,7 +98,7 @@ def test_status_and_logs_refuse_a_damaged_state(command: list[str], tmp_path: Pa
 @pytest.mark.ssh
 @pytest.mark.slow
 def test_stop_works_with_a_damaged_state(sshd_cluster: SshdCluster, tmp_path: Path,
-                                         jobs: Jobs) -> None:  # noqa: F811 (fixture)
+                                         jobs: Jobs) -> None:
     hosts, name = sshd_cluster.hosts[:2], "state-damaged"
     write_job(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(120)\n")
     inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)

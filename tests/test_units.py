@@ -7,9 +7,10 @@ import shlex
 from orchestrator import protocol
 from orchestrator.follow import HostStream, Tracker
 from orchestrator.link import Link
-from orchestrator.sync import LocalFile, plan
-from orchestrator.transport import remote_command
+from orchestrator.localfiles import LocalFile
 from orchestrator.rootcause import verdict
+from orchestrator.sync import plan
+from orchestrator.transport import remote_command
 from orchestrator.watch import Monitor, signal_name
 
 
@@ -71,9 +72,9 @@ def feed(link: Link, frames: bytes) -> None:
 
 def test_parse_chunk_groups_lines_per_rank_and_keeps_order() -> None:
     rec = Recorder()
-    stream = HostStream(link=None, job_dir="/j", ranks=[0, 1])
+    stream = HostStream(link=None, job_dir="/j", ranks=[0, 1])  # type: ignore[arg-type]  # a test double
     link = Link.__new__(Link)
-    link.host, link.sink, link.follow_ranks, link.follow_id = FakeHost(), None, frozenset(), None
+    link.host, link.sink, link.follow_ranks, link.follow_id = FakeHost(), None, frozenset(), None  # type: ignore[assignment]
     link.sink, link.follow_ranks = Tracker({0: stream}, rec), frozenset([0, 1])
     data = (protocol.output(0, b"a\nb c\n") + protocol.output(1, b"x\n") + protocol.event("beat")
             + protocol.output(0, b"\n") + protocol.event("exit", rank=1, code=7, time=12.5)
@@ -93,7 +94,7 @@ def first_failure(mon: Monitor):
 def bare_monitor(offsets: dict[int, float]) -> Monitor:
     from types import SimpleNamespace
     hosts = [SimpleNamespace(index=i, clock_offset=o) for i, o in offsets.items()]
-    return Monitor(cluster=None, state=SimpleNamespace(hosts=hosts), printer=None)
+    return Monitor(cluster=None, state=SimpleNamespace(hosts=hosts), printer=None)  # type: ignore[arg-type]  # a test double
 
 
 def test_root_cause_is_earliest_failure_after_clock_correction() -> None:
@@ -139,8 +140,10 @@ def test_tail_offset_counts_lines_from_the_end(tmp_path) -> None:
 def test_group_failures_keep_one_shared_exit_code() -> None:
     """"already running" (exit 2) from every host stays exit 2; mixed with an unreachable
     host, or an unexpected exception, it is a host failure (exit 3)."""
-    import pytest
     from types import SimpleNamespace
+
+    import pytest
+
     from orchestrator.connect import GroupResult
     from orchestrator.errors import HostError, UsageError
     hosts = tuple(SimpleNamespace(label=n, index=i, address=n, ssh=SimpleNamespace(port=22))
@@ -149,5 +152,5 @@ def test_group_failures_keep_one_shared_exit_code() -> None:
                          ({0: UsageError("a: already running"), 1: HostError("b: no answer")}, 3),
                          ({0: RuntimeError("boom")}, 3)):
         with pytest.raises(HostError) as err:
-            GroupResult(failed=failed).raise_failures(hosts, "to start")
+            GroupResult(failed=failed).raise_failures(hosts, "to start")  # type: ignore[arg-type]  # a test double
         assert err.value.exit_code == code, failed

@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -235,12 +235,12 @@ def test_share_sampler_splits_each_epoch() -> None:
     parts = [hogwild.ShareSampler(23, 4, 0, p, 3) for p in range(3)]
     for s in parts:
         s.set_epoch(2)
-    got = [sum(list(s), []) for s in parts]
-    assert sorted(sum(got, [])) == list(range(23)) and [len(g) for g in got] == [8, 8, 7]
+    got = [[i for batch in s for i in batch] for s in parts]
+    assert sorted(i for g in got for i in g) == list(range(23)) and [len(g) for g in got] == [8, 8, 7]
     assert [len(s) for s in parts] == [2, 2, 2]
     before = got[0]
     parts[0].set_epoch(3)
-    assert sum(list(parts[0]), []) != before  # a fresh order every epoch
+    assert [i for batch in parts[0] for i in batch] != before  # a fresh order every epoch
 
 
 def test_shared_momentum_is_the_optimizers_state() -> None:
@@ -254,6 +254,7 @@ def test_shared_momentum_is_the_optimizers_state() -> None:
     opt.step()
     for p, buf in zip(model.parameters(), buffers):
         state = opt.state[p]["momentum_buffer"]
+        assert p.grad is not None
         assert state.data_ptr() == buf.data_ptr() and torch.equal(buf, p.grad)  # step 1: buf = g
     assert hogwild.shared_momentum(model, 0.0) == []
 

@@ -142,7 +142,7 @@ def test_unequal_shards_run_the_same_number_of_steps() -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_learn_with_fp16_gradients(torchrun: Torchrun,  # noqa: F811
+def test_two_processes_learn_with_fp16_gradients(torchrun: Torchrun,
                                                  shards: dict[int, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     rc, output = torchrun.run(2, [*FAST, "--epochs", "3", "--lr-scaling", "none",
@@ -161,7 +161,7 @@ def test_two_processes_learn_with_fp16_gradients(torchrun: Torchrun,  # noqa: F8
 
 
 @pytest.mark.slow
-def test_kill_then_resume_continues_on_both_ranks(torchrun: Torchrun,  # noqa: F811
+def test_kill_then_resume_continues_on_both_ranks(torchrun: Torchrun,
                                                   shards: dict[int, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = torchrun.start(2, [*FAST, "--epochs", "200"], shards[2], out)
@@ -190,7 +190,7 @@ def test_kill_then_resume_continues_on_both_ranks(torchrun: Torchrun,  # noqa: F
 
 
 @pytest.mark.slow
-def test_missing_shard_stops_every_rank_with_one_line(torchrun: Torchrun,  # noqa: F811
+def test_missing_shard_stops_every_rank_with_one_line(torchrun: Torchrun,
                                                       shards: dict[int, Path],
                                                       tmp_path: Path) -> None:
     data_dir = tmp_path / "data"

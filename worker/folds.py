@@ -8,7 +8,8 @@ The shard's own ValidationData is not used in this mode.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch

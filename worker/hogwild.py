@@ -26,8 +26,9 @@ import queue as queue_mod
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -181,7 +182,7 @@ def proc_main(proc: int, args: argparse.Namespace, model: nn.Module, buffers: li
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed + 1000 * (proc + 1))  # its own augmentation draws
     sampler = ShareSampler(len(train_set), args.batch_size, args.seed, proc, args.procs)
-    loader = make_loader(train_set, sampler, args.workers)
+    loader = make_loader(train_set, sampler, args.workers)  # type: ignore[arg-type]  # same methods as EpochSampler
     opt = make_sgd(model, args, buffers)
     steps = len(sampler)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule_factor(
@@ -287,7 +288,7 @@ def epoch_row(epoch: int, parts: list[dict[str, float]], wall: float, val: tuple
 def open_sets(args: argparse.Namespace, ctx: Ctx) -> tuple[Any, Any, list[str]]:
     train_set, val_set, classes, source = _open_local(args, ctx)
     if args.folds:
-        train_set, val_set = folds.apply(train_set, args.folds, args.fold, f"rank {ctx.rank}")
+        train_set, val_set = folds.apply(train_set, args.folds, args.fold, f"rank {ctx.rank}")  # type: ignore[assignment]  # FoldView: same interface
         source += f", fold {args.fold} of {args.folds} validates"
     if len(val_set) == 0:
         raise WorkerError(f"{source}: no validation images",

@@ -227,7 +227,7 @@ def open_data(args: argparse.Namespace, ctx: Ctx) -> Data:
     assert opened is not None  # agree() raised on every rank otherwise
     train, val, classes, source = opened
     if args.folds:  # the same deterministic folds on every rank's own shard
-        train, val = folds.apply(train, args.folds, args.fold, f"rank {ctx.rank}")
+        train, val = folds.apply(train, args.folds, args.fold, f"rank {ctx.rank}")  # type: ignore[assignment]  # FoldView: same interface
         source += f", fold {args.fold} of {args.folds} validates"
     everyone = distrib.gather_all((classes, len(train), len(val)))
     classes = _check_classes(everyone)
@@ -335,7 +335,7 @@ def build_state(args: argparse.Namespace, ctx: Ctx, data: Data) -> State:
     scheduler = make_scheduler(optimizer, steps, args.warmup_epochs, ctx.world,
                                args.lr_schedule, args.epochs, args.restart_epochs)
     wrapped, comm = _wrap(model, args, ctx, logits)
-    st = State(wrapped, optimizer, scheduler,
+    st = State(wrapped, optimizer, scheduler,  # type: ignore[arg-type]  # _wrap gives DDP or Local
                torch.amp.GradScaler(ctx.device.type, enabled=args.amp), comm)
     # Ranks draw different augmentations and dropout masks; a resume restores the draws.
     torch.manual_seed(args.seed + 1000 * ctx.rank)
@@ -445,7 +445,7 @@ def run_epoch(args: argparse.Namespace, ctx: Ctx, st: State, epoch: int, loaders
         [tr["loss_sum"], tr["correct"], tr["seen"], tr["images_per_s"], v_loss, v_correct, v_seen],
         ctx.device)
     if ctx.world == 1:
-        sent = 0  # one process sends no gradients
+        sent: float = 0  # one process sends no gradients
     elif st.comm is not None:
         sent = st.comm.bytes_sent - sent_before
     else:

@@ -9,7 +9,7 @@ from typing import Any
 
 from orchestrator import state as job_state
 from orchestrator.errors import UsageError
-from orchestrator.inventory import Cluster, load
+from orchestrator.inventory import Cluster, Host, load
 from orchestrator.session import Session
 from orchestrator.termsafe import plain
 from orchestrator.ui import console
@@ -39,7 +39,7 @@ def inventory(args: argparse.Namespace) -> Cluster:
 
 
 def open_session(cluster: Cluster, state: job_state.JobState | None = None,
-                 hosts=None) -> Session:
+                 hosts: tuple[Host, ...] | None = None) -> Session:
     """A session with every host's (or `hosts`') agent started; the caller closes it."""
     session = Session(cluster, state)
     try:

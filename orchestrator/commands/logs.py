@@ -144,7 +144,7 @@ class RawSink:
                   after_stop: bool = False) -> None:
         pass
 
-    def host_done(self, host: int, info: dict) -> None:
+    def host_done(self, host: int, info: dict[str, Any]) -> None:
         self.ended.set()
 
     def host_lost(self, host: int, why: str) -> None:
@@ -186,7 +186,7 @@ class LogSink(LineSink):
                   after_stop: bool = False) -> None:
         pass
 
-    def host_done(self, host: int, info: dict) -> None:
+    def host_done(self, host: int, info: dict[str, Any]) -> None:
         pass
 
     def host_lost(self, host: int, why: str) -> None:

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_HOST if missing else EXIT_OK
 
 
-def row(rank: int, host: str, local: int, info: dict, offset: float) -> dict:
+def row(rank: int, host: str, local: int, info: dict[str, Any], offset: float) -> dict[str, Any]:
     state = info["state"]
     if state == "exited":
         state = "exited 0" if info["code"] == 0 else f"failed ({signal_name(info['code'])})"
@@ -85,7 +85,7 @@ NARROW_CAPS = {"host": 12, "state": 16}
 NARROW = 100                           # below this width the pid column is left out
 
 
-def cells(r: dict) -> dict[str, str]:
+def cells(r: dict[str, Any]) -> dict[str, str]:
     runtime = "-" if r["runtime_s"] is None else f"{r['runtime_s']:.1f}s"
     shown = {"rank": str(r["rank"]), "host": r["host"], "local": str(r["local_rank"]),
              "pid": str(r["pid"] or "-"), "state": r["state"], "runtime": runtime,
@@ -112,7 +112,7 @@ def widths(rows: list[dict[str, str]], cols: list[str], total: int) -> dict[str,
     return w
 
 
-def table(name: str, rows: list[dict], width: int | None = None) -> Table:
+def table(name: str, rows: list[dict[str, Any]], width: int | None = None) -> Table:
     """One row per rank at any width: the last line is cut at its end (its start is what
     tells lines apart); host text is shown escaped, never read as markup."""
     width = width or console.width

@@ -19,11 +19,11 @@ from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
 from orchestrator.hostsetup import needs_check
 from orchestrator.inventory import Cluster
 from orchestrator.launch import dry_run_plan, master_addr
-from orchestrator.localfiles import check_entrypoint
+from orchestrator.localfiles import DigestCache, check_entrypoint, code_files
 from orchestrator.preflight import PreflightReport
 from orchestrator.session import HostFiles, Session
 from orchestrator.shards import host_files, load_split
-from orchestrator.sync import DigestCache, SyncReport, code_files
+from orchestrator.sync import SyncReport
 from orchestrator.ui import bytes_bar, hosts_bar
 from orchestrator.commands.array_up import array_files, array_plan, up_array
 from orchestrator.watch import attach

@@ -9,8 +9,14 @@ import sys
 import zlib
 from importlib.machinery import ModuleSpec
 
+MYPY = False
+if MYPY:   # names for the type comments, never imported when the agent starts
+    import types  # noqa: F401
+    from typing import Any  # noqa: F401
+
 
 def unzip(data):
+    # type: (bytes) -> dict[str, bytes]
     """{name: bytes} of a zip whose members are stored or deflated (as bundle() writes)."""
     end = data.rfind(b"PK\x05\x06")
     count, _, offset = struct.unpack_from("<HII", data, end + 10)
@@ -31,10 +37,13 @@ class Bundle:
     """A meta_path finder and loader over the zip in memory (zipimport needs a file)."""
 
     def __init__(self, data):
+        # type: (bytes) -> None
         self.files = unzip(data)
         self.sha256 = hashlib.sha256(data).hexdigest()
 
     def _path(self, name):
+        # type: (str) -> tuple[Any, bool]
+        # (the path is None only for a name not in the bundle: find_spec filters those)
         base = name.replace(".", "/")
         for path, package in ((base + "/__init__.py", True), (base + ".py", False)):
             if path in self.files:
@@ -42,20 +51,25 @@ class Bundle:
         return None, False
 
     def find_spec(self, name, path=None, target=None):
+        # type: (str, object, object) -> ModuleSpec | None
         where, package = self._path(name)
         if where is None:
             return None
-        return ModuleSpec(name, self, origin="orch-bundle/" + where, is_package=package)
+        return ModuleSpec(name, self, origin="orch-bundle/" + where,  # type: ignore[arg-type]
+                          is_package=package)  # (a loader by its methods, not by class)
 
     def create_module(self, spec):
+        # type: (ModuleSpec) -> None
         return None
 
     def exec_module(self, module):
+        # type: (types.ModuleType) -> None
         where = self._path(module.__name__)[0]
         module.__file__ = "orch-bundle/" + where
         exec(compile(self.files[where], module.__file__, "exec"), module.__dict__)
 
     def get_source(self, name):
+        # type: (str) -> str
         return self.files[self._path(name)[0]].decode("utf-8")
 
 

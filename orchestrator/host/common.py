@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from orchestrator import protocol
 from orchestrator.host.paths import JobDir
@@ -20,7 +21,7 @@ class AgentError(Exception):
         self.category = category
 
 
-def job_paths(job_dir: str) -> dict:
+def job_paths(job_dir: str) -> dict[str, Any]:
     """The job folder (remote_dir resolved once: it may be a link) and its JobDir ("jd"),
     through which every read, write and delete inside it goes."""
     jd = JobDir(job_dir)
@@ -28,13 +29,13 @@ def job_paths(job_dir: str) -> dict:
     return dict({"job": jd.path, "jd": jd}, **{n: os.path.join(jd.path, n) for n in names})
 
 
-def folder_of(root: str) -> tuple:
+def folder_of(root: str) -> tuple[Any, ...]:
     """(JobDir, folder name) of a pushed folder given as <job dir>/<folder>."""
     root = os.path.abspath(os.path.expanduser(root)).rstrip("/")
     return JobDir(os.path.dirname(root)), os.path.basename(root)
 
 
-def read_json(jd, rel: str):
+def read_json(jd: JobDir, rel: str) -> Any:
     """A JSON state file of the job, None when missing, unreadable, a link or too big."""
     try:
         data = jd.read(rel, STATE_CAP)
@@ -43,5 +44,5 @@ def read_json(jd, rel: str):
         return None
 
 
-def write_atomic(jd, rel: str, data: bytes, mode: int = 0o600) -> None:
+def write_atomic(jd: JobDir, rel: str, data: bytes, mode: int = 0o600) -> None:
     jd.write_file(rel, data, mode)

@@ -6,11 +6,15 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from typing import TYPE_CHECKING, Any
 
 from orchestrator import protocol
 from orchestrator.host.common import folder_of
 from orchestrator.host.ledger import Ledger
-from orchestrator.host.paths import PART, Dirs, create_excl, lstat_at, not_a, split_parent
+from orchestrator.host.paths import PART, Dirs, JobDir, create_excl, lstat_at, not_a, split_parent
+
+if TYPE_CHECKING:   # annotations only: main imports this module
+    from orchestrator.host.main import Request
 
 UMASK = os.umask(0)
 os.umask(UMASK)
@@ -22,7 +26,7 @@ def is_leftover(name: str) -> bool:
     return name.startswith(STAGING) or PART in name
 
 
-def manifest(jd, folder: str) -> dict:
+def manifest(jd: JobDir, folder: str) -> dict[str, Any]:
     """{relpath: [size, sha256 or "link:<target>"]} of what orch pushed into the folder
     and is still there (host/ledger.py); digests kept by (size, mtime, inode).
 
@@ -43,22 +47,24 @@ def manifest(jd, folder: str) -> dict:
     return {"root": jd.show(folder), "files": files}
 
 
-def send_manifest(req, part_folder: str, jd, folder: str) -> str:
+def send_manifest(req: Request, part_folder: str, jd: JobDir, folder: str) -> str:
     """A folder's manifest as parts of at most MANIFEST_PART entries (a big data/ never
     makes one frame larger than the controller accepts); the folder as the host shows it."""
     found = manifest(jd, folder)
     items, step = list(found["files"].items()), protocol.MANIFEST_PART
     for i in range(0, max(len(items), 1), step):
         req.part("manifest", {"folder": part_folder, "files": dict(items[i:i + step])})
-    return found["root"]
+    root: str = found["root"]
+    return root
 
 
-def run_manifest(req) -> dict:
+def run_manifest(req: Request) -> dict[str, Any]:
     jd, folder = folder_of(req.args["root"])
     return {"root": send_manifest(req, "", jd, folder)}
 
 
-def receive_file(reader, dirs, base: str, head: dict, staged: bool = False) -> tuple:
+def receive_file(reader: protocol.FrameReader, dirs: Dirs, base: str, head: dict[str, Any],
+                 staged: bool = False) -> tuple[Any, ...]:
     """Write beside (.orch-part-, O_EXCL, no link followed), hash while writing, verify,
     then rename into place in the same folder descriptor. A staged file (inside a
     staging folder no one reads) is written under its name. Returns (stat, digest)."""
@@ -87,7 +93,7 @@ def receive_file(reader, dirs, base: str, head: dict, staged: bool = False) -> t
     return st, h.hexdigest()
 
 
-def place(jd, pfd: int, tmp: str, name: str, rel: str) -> None:
+def place(jd: JobDir, pfd: int, tmp: str, name: str, rel: str) -> None:
     """Rename tmp over name (a file or link there is replaced, never followed); a folder
     there (the job's) is refused with a fix."""
     try:
@@ -100,7 +106,7 @@ def place(jd, pfd: int, tmp: str, name: str, rel: str) -> None:
         raise
 
 
-def receive_link(dirs, base: str, head: dict) -> tuple:
+def receive_link(dirs: Dirs, base: str, head: dict[str, Any]) -> tuple[Any, ...]:
     """{"p": rel, "link": target}: rel becomes a link to target (inside the folder only,
     checked by JobDir.symlink). Returns (stat of the link, "link:<target>")."""
     target = head["link"]
@@ -108,7 +114,7 @@ def receive_link(dirs, base: str, head: dict) -> tuple:
     return st, "link:" + target
 
 
-def receive_bytes(reader, fd: int, h, left: int, name: str) -> None:
+def receive_bytes(reader: protocol.FrameReader, fd: int, h: Any, left: int, name: str) -> None:
     """The file's bytes: data frames adding up to exactly `left` bytes."""
     while left:
         got = reader.read_frame()
@@ -124,10 +130,10 @@ def receive_bytes(reader, fd: int, h, left: int, name: str) -> None:
         left -= len(data)
 
 
-def prune_empty_dirs(jd, base: str, removed: list) -> None:
+def prune_empty_dirs(jd: JobDir, base: str, removed: list[Any]) -> None:
     """Remove the folders that deleting `removed` left empty (never base itself, never a
     folder that still holds anything, such as the job's own files)."""
-    parents = set()
+    parents: set[str] = set()
     for rel in removed:
         parts = rel.split("/")[:-1]
         parents.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
@@ -141,11 +147,11 @@ class Staging:
     whole at the end: one rename per folder instead of one per file. Folders the host
     has are updated file by file (write beside, rename)."""
 
-    def __init__(self, dirs, base: str) -> None:
+    def __init__(self, dirs: Dirs, base: str) -> None:
         self.dirs, self.jd, self.base = dirs, dirs.jd, base
         self.dir = "%s/%s%d" % (base, STAGING, os.getpid())
-        self.tops: dict = {}
-        self.landed: list = []   # (rel, stat, digest) of staged files: recorded once in place
+        self.tops: dict[str, bool] = {}
+        self.landed: list[Any] = []   # (rel, stat, digest) of staged files: recorded once in place
 
     def wants(self, rel: str) -> bool:
         top = rel.split("/", 1)[0]
@@ -155,7 +161,7 @@ class Staging:
                 self.dirs.fd(self.dir)
         return self.tops[top]
 
-    def promote(self, ledger) -> None:
+    def promote(self, ledger: Ledger) -> None:
         """Every staged file was verified when written: move the folders into place
         (also after a broken stream, so that a resumed push sends only the rest)."""
         moved = set()
@@ -170,7 +176,8 @@ class Staging:
             self.jd.rmtree(self.dir)
 
 
-def receive_stream(reader, dirs, base: str, ledger, staging: Staging) -> tuple:
+def receive_stream(reader: protocol.FrameReader, dirs: Dirs, base: str, ledger: Ledger,
+                   staging: Staging) -> tuple[Any, ...]:
     count, nbytes = 0, 0
     while True:
         head = reader.read_json("the end of the receive stream")
@@ -193,7 +200,7 @@ def receive_stream(reader, dirs, base: str, ledger, staging: Staging) -> tuple:
         count, nbytes = count + 1, nbytes + head.get("s", 0)
 
 
-def drain(reader) -> None:
+def drain(reader: protocol.FrameReader) -> None:
     """After a refused file: skip the rest of the stream, so that the next request is
     read as one (the controller sends to the end before it reads the reply)."""
     while True:
@@ -202,7 +209,7 @@ def drain(reader) -> None:
             return
 
 
-def apply_deletes(jd, base: str, ledger, delete: list) -> int:
+def apply_deletes(jd: JobDir, base: str, ledger: Ledger, delete: list[Any]) -> int:
     """Delete only what orch pushed (in the ledger): a file or link the job made, or an
     excluded path, stays whatever the controller asks."""
     removed = []
@@ -216,7 +223,7 @@ def apply_deletes(jd, base: str, ledger, delete: list) -> int:
     return len(removed)
 
 
-def run_receive(req) -> dict:
+def run_receive(req: Request) -> dict[str, Any]:
     """Apply a stream: a `file` message and its data frames per file (a `link` message
     for a link), then `end` with the files to delete."""
     jd, base = folder_of(req.args["root"])

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
 from orchestrator import protocol, timeouts
 from orchestrator.host.common import AgentError, job_paths, read_json
 from orchestrator.host.procs import stop_time, supervisor_alive
 
+if TYPE_CHECKING:   # annotations only: main imports this module
+    from orchestrator.host.main import Request
+    from orchestrator.host.paths import JobDir
+
+    Send = Callable[[bytes], None]
+
 READ = 1 << 20          # bytes read from a log per pass
 CHUNK = protocol.MAX_OUTPUT
 
 
-def pieces(data: bytes, final: bool) -> tuple:
+def pieces(data: bytes, final: bool) -> tuple[list[Any], int]:
     """([(bytes, partial)], consumed): whole lines grouped up to CHUNK bytes; a line
     longer than CHUNK as CHUNK-sized partial pieces; the unterminated rest only if final."""
     out, pos, n = [], 0, len(data)
@@ -39,7 +45,7 @@ def pieces(data: bytes, final: bool) -> tuple:
     return out, pos
 
 
-def open_log(jd, rel: str):
+def open_log(jd: JobDir, rel: str) -> BinaryIO | None:
     """A log file opened for reading without following a link; None if it cannot be."""
     try:
         return os.fdopen(jd.open_for_read(rel), "rb")
@@ -50,10 +56,11 @@ def open_log(jd, rel: str):
 class RankLog:
     """A growing log file read in place from a byte offset (no link followed)."""
 
-    def __init__(self, rank: int, jd, rel: str, offset: int) -> None:
-        self.rank, self.jd, self.rel, self.offset, self.f = rank, jd, rel, offset, None
+    def __init__(self, rank: int, jd: JobDir, rel: str, offset: int) -> None:
+        self.rank, self.jd, self.rel, self.offset = rank, jd, rel, offset
+        self.f: BinaryIO | None = None
 
-    def read(self, final: bool = False) -> list:
+    def read(self, final: bool = False) -> list[Any]:
         """The next pieces (see pieces()); [] when nothing complete is there yet."""
         if self.f is None:
             self.f = open_log(self.jd, self.rel)
@@ -66,7 +73,7 @@ class RankLog:
         return got
 
 
-def tail_offset(f, n: int) -> int:
+def tail_offset(f: BinaryIO | None, n: int) -> int:
     """Byte offset where the last n lines of open file f start (a final newline ends
     the last line); 0 when f is None."""
     if f is None:
@@ -96,13 +103,13 @@ def tail_offset(f, n: int) -> int:
     return 0
 
 
-def rank_exit(p: dict, rank: int, unit: str = "rank"):
+def rank_exit(p: dict[str, Any], rank: int, unit: str = "rank") -> dict[str, Any] | None:
     """run/<unit>-<n>.exit (unit "rank", or "task" for a job array)."""
     ex = read_json(p["jd"], "run/%s-%d.exit" % (unit, rank))
     return ex if isinstance(ex, dict) and "code" in ex and "time" in ex else None
 
 
-def host_done(p: dict):
+def host_done(p: dict[str, Any]) -> Any:
     """host.exit once the supervisor finished; {"code": None, "lost": True} when it vanished."""
     done = read_json(p["jd"], "run/host.exit")
     if done is not None or supervisor_alive(p):
@@ -110,7 +117,7 @@ def host_done(p: dict):
     return read_json(p["jd"], "run/host.exit") or {"code": None, "lost": True}
 
 
-def emit(send, log: RankLog, final: bool = False) -> int:
+def emit(send: Send, log: RankLog, final: bool = False) -> int:
     """Send what the log holds now; the number of frames sent."""
     total = 0
     while True:
@@ -132,7 +139,8 @@ def exit_event(p: dict[str, Any], rank: int, ex: dict[str, Any]) -> bytes:
     return protocol.event("exit", **fields)
 
 
-def send_exits(send, p: dict, logs: list, reported: set, events: bool, unit: str) -> bool:
+def send_exits(send: Send, p: dict[str, Any], logs: list[Any], reported: set[Any],
+               events: bool, unit: str) -> bool:
     """Report rank exits as they land; True once nothing more will come."""
     for log in logs:
         if log.rank in reported:
@@ -146,7 +154,8 @@ def send_exits(send, p: dict, logs: list, reported: set, events: bool, unit: str
     return host_done(p) is not None or (not events and len(reported) == len(logs))
 
 
-def send_starts(send, p: dict, logs: list, started: set, unit: str = "rank") -> None:
+def send_starts(send: Send, p: dict[str, Any], logs: list[Any], started: set[Any],
+                unit: str = "rank") -> None:
     """A `start` event once per rank, when its wrapper has recorded the rank's pid:
     the controller can show that ranks run before their first line (torch imports).
     A job array's task: when the runner has recorded its start."""
@@ -160,7 +169,7 @@ def send_starts(send, p: dict, logs: list, started: set, unit: str = "rank") -> 
             send(protocol.event("start", rank=log.rank, pid=pid["pid"]))
 
 
-def finish(send, p: dict, logs: list, mode: str) -> None:
+def finish(send: Send, p: dict[str, Any], logs: list[Any], mode: str) -> None:
     for log in logs:
         emit(send, log, final=True)
     if mode == "events":
@@ -171,7 +180,7 @@ def finish(send, p: dict, logs: list, mode: str) -> None:
         send(protocol.event("done", code=None, snapshot=True))
 
 
-def run(req) -> None:
+def run(req: Request) -> None:
     """mode: "events" (lines, exits, heartbeats until the host is done), "snapshot"
     (the lines there now), "raw-follow" (until the ranks end), "raw" (what is there now).
     `unit` "task" follows a job array's task logs and exits instead of the ranks'.
@@ -191,8 +200,9 @@ def run(req) -> None:
             log.f = open_log(p["jd"], log.rel)
             log.offset = tail_offset(log.f, a["tail"])
         logs.append(log)
-    reported, beat, idle = set(), 0.0, 0
-    started = set()  # type: set
+    reported: set[int] = set()
+    beat, idle = 0.0, 0
+    started = set()  # type: set[Any]
     while True:
         if mode == "events" and len(started) < len(logs):
             send_starts(send, p, logs, started, unit)

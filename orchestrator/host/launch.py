@@ -8,16 +8,21 @@ import signal
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from orchestrator import protocol
 from orchestrator.host import rankexec
 from orchestrator.host.common import AgentError, job_paths, write_atomic
 from orchestrator.host.procs import proc_start_time, supervisor_alive
 
+if TYPE_CHECKING:   # annotations only: main imports this module
+    from orchestrator.host.main import Request
+    from orchestrator.host.paths import JobDir
+
 ALREADY_RUNNING = "already running"
 
 
-def clean_run_dir(p: dict) -> None:
+def clean_run_dir(p: dict[str, Any]) -> None:
     # code/ too: without `code:` in the inventory nothing was pushed, and a missing
     # entrypoint should fail as the rank's own error, not as a missing folder
     jd = p["jd"]
@@ -36,10 +41,12 @@ def clean_run_dir(p: dict) -> None:
 
 def rankexec_source() -> bytes:
     """The per-rank wrapper, from the bundle this agent was started from (or the file)."""
-    return rankexec.__loader__.get_source(rankexec.__name__).encode()
+    loader: Any = rankexec.__loader__   # a file or zip loader: both have get_source
+    source: str = loader.get_source(rankexec.__name__)
+    return source.encode()
 
 
-def run(req) -> dict:
+def run(req: Request) -> dict[str, Any]:
     """Start the supervisor (double fork + setsid), reply with its pid and more. The
     spec holds the job's env (secrets): it is kept in run/launch.json, mode 0600."""
     spec = req.args["spec"]
@@ -68,7 +75,7 @@ def run(req) -> dict:
     return {"supervisor": info}
 
 
-def detach_stdio(jd, log_rel: str) -> None:
+def detach_stdio(jd: JobDir, log_rel: str) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     log = jd.open_for_write(log_rel, 0o644, append=True)
     os.dup2(devnull, 0)
@@ -76,7 +83,7 @@ def detach_stdio(jd, log_rel: str) -> None:
     os.dup2(log, 2)
 
 
-def supervise(p: dict, spec: dict, wfd: int) -> None:
+def supervise(p: dict[str, Any], spec: dict[str, Any], wfd: int) -> None:
     """Runs torchrun, records its exit code in run/host.exit; never returns."""
     jd = p["jd"]
     detach_stdio(jd, "run/torchrun.log")

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import stat
+from typing import Any
 
 from orchestrator.host.paths import (
     READ_FLAGS,
@@ -36,7 +37,7 @@ LEDGER_CAP = 1 << 30      # about 5 million entries; a bigger file is not orch's
 VERSION = 1
 
 
-def stat_key(st) -> str:
+def stat_key(st: os.stat_result) -> str:
     return "%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
@@ -51,7 +52,7 @@ def hash_at(pfd: int, name: str, shown: str) -> str:
     return h.hexdigest()
 
 
-def valid_entry(rel, entry) -> bool:
+def valid_entry(rel: Any, entry: Any) -> bool:
     """An entry as orch writes it; anything else in the file is dropped (safe: an entry
     dropped is a file never deleted)."""
     try:
@@ -69,8 +70,8 @@ class Ledger:
         self.jd, self.folder = jd, folder
         self.path = "run/%s-pushed.json" % folder
         self.journal_path = "run/%s-pushed.journal" % folder
-        self.files: dict = {}
-        self.journal_fd = None
+        self.files: dict[str, Any] = {}
+        self.journal_fd: int | None = None
         self.found = False         # a ledger file was there
         self.interrupted = False   # a journal was there: a receiver did not finish
         self.dirty = False
@@ -122,11 +123,11 @@ class Ledger:
 
     # ------------------------------------------------------------ entries
 
-    def record(self, rel: str, st, digest: str) -> None:
+    def record(self, rel: str, st: os.stat_result, digest: str) -> None:
         """rel was placed by orch (st: its stat at that moment)."""
         self.record_many([(rel, st, digest)])
 
-    def record_many(self, placed: list) -> None:
+    def record_many(self, placed: list[Any]) -> None:
         """[(rel, stat, digest)] placed by orch: one journal write for all of them."""
         lines, dumps = [], json.dumps
         for rel, st, digest in placed:
@@ -148,16 +149,16 @@ class Ledger:
 
     # ------------------------------------------------------------ the manifest
 
-    def manifest(self) -> dict:
+    def manifest(self) -> dict[str, Any]:
         """{rel: [size, digest]} of the ledger's entries still there as orch left them
         (a regular file, or the link orch made). A file changed since (new size, mtime
         or inode) is hashed again; one gone, or replaced by a folder or another kind of
         entry, is dropped from the ledger: it is no longer orch's."""
-        by_parent: dict = {}
+        by_parent: dict[str, Any] = {}
         for rel in self.files:
             parent, name = split_parent(rel)
             by_parent.setdefault(parent, []).append(name)
-        report: dict = {}
+        report: dict[str, Any] = {}
         for parent in sorted(by_parent):
             where = self.folder + "/" + parent if parent else self.folder
             try:
@@ -173,7 +174,7 @@ class Ledger:
                 os.close(fd)
         return report
 
-    def check(self, pfd: int, rel: str, name: str, report: dict) -> None:
+    def check(self, pfd: int, rel: str, name: str, report: dict[str, Any]) -> None:
         entry = self.files[rel]
         try:
             st = os.stat(name, dir_fd=pfd, follow_symlinks=False)

@@ -8,11 +8,13 @@ at the end of its stdin.
 """
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
 import threading
 import time
+from typing import Any, BinaryIO, cast
 
 from orchestrator import protocol
 from orchestrator.host import (array, commands, files, follow, launch, preflight, procs, pull,
@@ -46,7 +48,7 @@ IN_THREAD = {"follow": True, "stop": False, "setup": False, "exec": False}
 class Out:
     """Whole frames to stdout, one writer at a time (follow runs beside other requests)."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream: BinaryIO) -> None:
         self.stream, self.lock = stream, threading.Lock()
 
     def send(self, data: bytes) -> None:
@@ -56,11 +58,12 @@ class Out:
 
 
 class Request:
-    def __init__(self, msg: dict, out: Out, reader, debug: bool) -> None:
+    def __init__(self, msg: dict[str, Any], out: Out, reader: protocol.FrameReader,
+                 debug: bool) -> None:
         self.t, self.id, self.args = msg["t"], msg.get("id"), msg
         self.out, self.reader, self.debug = out, reader, debug
 
-    def part(self, kind: str, body: dict) -> None:
+    def part(self, kind: str, body: dict[str, Any]) -> None:
         self.out.send(protocol.part(self.id, kind, body))
 
 
@@ -97,7 +100,8 @@ def grow_stdin_pipe() -> None:
         pass
 
 
-def dispatch(msg: dict, out: Out, reader, debug: bool, waited: list) -> None:
+def dispatch(msg: dict[str, Any], out: Out, reader: protocol.FrameReader, debug: bool,
+             waited: list[threading.Thread]) -> None:
     req = Request(msg, out, reader, debug)
     if req.t not in COMMANDS:
         out.send(protocol.error(req.id, protocol.USAGE, "unknown request %r" % req.t))
@@ -110,16 +114,17 @@ def dispatch(msg: dict, out: Out, reader, debug: bool, waited: list) -> None:
         serve(req)
 
 
-def main(version: str, argv: list) -> None:
+def main(version: str, argv: list[Any]) -> None:
     # Ctrl-C on the controller's terminal (a local host) or a hang-up must not end the
     # agent: it still has to stop the job. It ends at the end of its stdin.
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     grow_stdin_pipe()
     out = Out(sys.stdout.buffer)
-    stdin = sys.stdin.buffer
+    stdin = cast(io.BufferedReader, sys.stdin.buffer)   # read1/readinto1: a buffered reader
     reader = protocol.FrameReader(stdin.read1, caps=protocol.CAPS, readinto=stdin.readinto1)
-    debug, waited = "debug" in argv, []
+    debug = "debug" in argv
+    waited: list[threading.Thread] = []
     out.send(protocol.hello(version, pid=os.getpid(), python=sys.version.split()[0]))
     try:
         while True:

@@ -18,6 +18,7 @@ import os
 import shlex
 import stat
 from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 # O_NONBLOCK: a FIFO planted where orch expects a file must not hang the agent
@@ -51,7 +52,7 @@ def not_a(kind: str, path: str) -> UnsafePath:
                       "move it away (mv %s %s.old) and run again" % (q, q))
 
 
-def split_rel(rel: str) -> list:
+def split_rel(rel: str) -> list[Any]:
     """The parts of a path relative to the job folder. Anything that could leave it
     (absolute, .., an empty or . part, a backslash, NUL) is refused."""
     if rel == "":
@@ -62,7 +63,7 @@ def split_rel(rel: str) -> list:
     return parts
 
 
-def split_parent(rel: str) -> tuple:
+def split_parent(rel: str) -> tuple[Any, ...]:
     """(parent, name) of a file's path; the name must be a plain name."""
     parts = split_rel(rel)
     if not parts:
@@ -141,7 +142,7 @@ def create_excl(pfd: int, name: str, mode: int) -> int:
         return os.open(name, EXCL_FLAGS, mode, dir_fd=pfd)
 
 
-def lstat_at(pfd: int, name: str):
+def lstat_at(pfd: int, name: str) -> os.stat_result | None:
     try:
         return os.stat(name, dir_fd=pfd, follow_symlinks=False)
     except FileNotFoundError:
@@ -170,7 +171,7 @@ def rmtree_at(pfd: int, name: str) -> None:
     os.rmdir(name, dir_fd=pfd)
 
 
-def write_all(fd: int, data) -> None:
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
@@ -189,7 +190,7 @@ class JobDir:
         self.parent = os.path.realpath(parent)   # remote_dir may be a link: resolved once
         self.name = name
         self.path = os.path.join(self.parent, name)
-        self._fd = None
+        self._fd: int | None = None
 
     def show(self, rel: str) -> str:
         return self.path + "/" + rel if rel else self.path
@@ -231,7 +232,7 @@ class JobDir:
         return fd
 
     @contextmanager
-    def dirfd(self, rel: str = "", create: bool = False):
+    def dirfd(self, rel: str = "", create: bool = False) -> Iterator[int]:
         fd = self.open_dir(rel, create)
         try:
             yield fd
@@ -261,7 +262,7 @@ class JobDir:
 
     # ------------------------------------------------------------ files
 
-    def lstat(self, rel: str):
+    def lstat(self, rel: str) -> os.stat_result | None:
         """The entry at rel itself (a link is not followed); None when missing."""
         parent, name = split_parent(rel)
         try:
@@ -270,7 +271,7 @@ class JobDir:
         except FileNotFoundError:
             return None
 
-    def write_file(self, rel: str, data, mode: int = 0o600) -> None:
+    def write_file(self, rel: str, data: bytes, mode: int = 0o600) -> None:
         """Atomically: written beside (O_EXCL), then renamed over rel. A link at rel is
         refused, not replaced: rel is one of orch's own files."""
         parent, name = split_parent(rel)
@@ -315,7 +316,7 @@ class JobDir:
         with self.dirfd(parent) as pfd:
             return open_file_at(pfd, name, self.show(rel), READ_FLAGS)
 
-    def read(self, rel: str, cap: int):
+    def read(self, rel: str, cap: int) -> bytes | None:
         """rel's bytes, None when it is missing; more than `cap` bytes is refused
         (nothing on a host is trusted to be small)."""
         try:
@@ -393,7 +394,7 @@ class JobDir:
 
     # ------------------------------------------------------------ walking
 
-    def walk(self, rel: str = ""):
+    def walk(self, rel: str = "") -> Iterator[tuple[str, os.stat_result]]:
         """(path relative to the job folder, stat) of every regular file under rel; a
         link is neither reported nor entered."""
         try:
@@ -402,7 +403,7 @@ class JobDir:
             return
         yield from walk_fd(fd, rel)
 
-    def sweep(self, rel: str, is_leftover) -> int:
+    def sweep(self, rel: str, is_leftover: Callable[[str], bool]) -> int:
         """Remove every entry under rel whose name is_leftover(name) says orch left
         there (a folder with its content); nothing else is touched. Returns the count."""
         try:
@@ -412,7 +413,7 @@ class JobDir:
         return sweep_fd(fd, is_leftover)
 
 
-def walk_fd(fd: int, rel: str):
+def walk_fd(fd: int, rel: str) -> Iterator[tuple[str, os.stat_result]]:
     """Closes fd when done."""
     try:
         with os.scandir(fd) as it:
@@ -431,7 +432,7 @@ def walk_fd(fd: int, rel: str):
         os.close(fd)
 
 
-def sweep_fd(fd: int, is_leftover) -> int:
+def sweep_fd(fd: int, is_leftover: Callable[[str], bool]) -> int:
     """Closes fd when done."""
     count = 0
     try:
@@ -457,7 +458,8 @@ class Dirs:
     files in few folders walks each folder once."""
 
     def __init__(self, jd: JobDir, create: bool = True) -> None:
-        self.jd, self.create, self.fds = jd, create, {}
+        self.jd, self.create = jd, create
+        self.fds: dict[str, int] = {}
 
     def fd(self, rel: str) -> int:
         fd = self.fds.get(rel)

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from orchestrator import timeouts
 from orchestrator.host import files
@@ -14,17 +15,20 @@ from orchestrator.host.common import job_paths
 from orchestrator.host.paths import UnsafePath
 from orchestrator.host.procs import supervisor_alive
 
+if TYPE_CHECKING:   # annotations only: main imports this module
+    from orchestrator.host.main import Request
+
 
 def gpu_count() -> int:
     try:
         r = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL, timeout=timeouts.NVIDIA_SMI)
-        return sum(1 for l in r.stdout.decode().splitlines() if l.startswith("GPU "))
+        return sum(1 for line in r.stdout.decode().splitlines() if line.startswith("GPU "))
     except (OSError, subprocess.SubprocessError):
         return 0
 
 
-def torch_version():
+def torch_version() -> str | None:
     """torch's version from its dist-info folder name: no import (seconds), no
     importlib.metadata scan. The agent runs with -S, so the site folders are computed."""
     import glob
@@ -59,12 +63,12 @@ def port_free(port: int) -> bool:
 def free_port() -> int:
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.bind(("", 0))
-    port = s.getsockname()[1]
+    port: int = s.getsockname()[1]
     s.close()
     return port
 
 
-def dir_writable(p: dict):
+def dir_writable(p: dict[str, Any]) -> str | None:
     """None when the job folder can be made and written; else why not. A link at the job
     folder or at one of orch's folders or files in it is refused (UnsafePath) instead."""
     jd = p["jd"]
@@ -81,7 +85,7 @@ def dir_writable(p: dict):
         return "%s: %s" % (jd.path, e.strerror or e)
 
 
-def run(req) -> dict:
+def run(req: Request) -> dict[str, Any]:
     """Everything preflight checks, plus the manifests of the job's folders named in
     `folders` (code, data), which saves the push a round trip per host."""
     a = req.args

@@ -7,15 +7,18 @@ import json
 import os
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from orchestrator import timeouts
 from orchestrator.host.common import job_paths, read_json, write_atomic
 
+if TYPE_CHECKING:   # annotations only: main imports this module
+    from orchestrator.host.main import Request
+
 STOP_FILE = "run/stop.json"   # when this host received a stop, by its own clock
 
 
-def proc_start_time(pid: int):
+def proc_start_time(pid: int) -> int | None:
     """Field 22 of /proc/<pid>/stat: tells a live pid from a recycled one. None for a
     zombie: a container's init may never reap our double-forked supervisor."""
     try:
@@ -38,7 +41,7 @@ def has_marker(pid: int, marker: bytes) -> bool:
         return False
 
 
-def marked_pids(job_dir: str) -> list:
+def marked_pids(job_dir: str) -> list[Any]:
     """Every process of this job: its environment carries ORCH_JOB_DIR=<abs job dir>.
 
     torchrun puts each worker in a session of its own, so a process group alone misses
@@ -50,7 +53,7 @@ def marked_pids(job_dir: str) -> list:
     return [p for p in pids if p != me and has_marker(p, marker)]
 
 
-def supervisor_alive(p: dict):
+def supervisor_alive(p: dict[str, Any]) -> dict[str, Any] | None:
     sup = read_json(p["jd"], "run/supervisor.json")
     if not isinstance(sup, dict) or not isinstance(sup.get("pid"), int):
         return None
@@ -59,7 +62,7 @@ def supervisor_alive(p: dict):
     return sup
 
 
-def signal_all(pids, sig) -> None:
+def signal_all(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -67,7 +70,8 @@ def signal_all(pids, sig) -> None:
             pass
 
 
-def wait_gone(job_dir: str, sup, deadline: float, known=()) -> list:
+def wait_gone(job_dir: str, sup: dict[str, Any] | None, deadline: float,
+              known: Iterable[int] = ()) -> list[Any]:
     """Wait until the job's processes are gone; what is left at the deadline.
 
     The pids already found are watched through their own /proc/<pid>/stat (cheap); only
@@ -89,7 +93,7 @@ def wait_gone(job_dir: str, sup, deadline: float, known=()) -> list:
         time.sleep(0.05)
 
 
-def stop(job_dir: str, grace: float) -> dict:
+def stop(job_dir: str, grace: float) -> dict[str, Any]:
     """SIGTERM every process of the job, wait up to grace, SIGKILL the rest, verify.
     Runs in a thread of its own that the agent waits for: a stop runs to the end even
     if the controller (and so the connection) goes away."""
@@ -102,7 +106,7 @@ def stop(job_dir: str, grace: float) -> dict:
     # torchrun itself has nothing to save, and its own SIGTERM shutdown takes seconds;
     # the ranks (the user's code) get SIGTERM from us directly and the full grace.
     torchrun = sup.get("torchrun_pid") if sup else None
-    signal_all([torchrun] if torchrun in found else [], signal.SIGKILL)
+    signal_all([torchrun] if torchrun is not None and torchrun in found else [], signal.SIGKILL)
     signal_all([x for x in found if x != torchrun], signal.SIGTERM)
     left = wait_gone(p["job"], sup, time.time() + grace, found)
     killed = list(left)
@@ -127,5 +131,5 @@ def stop_time(p: dict[str, Any]) -> float | None:
     return when if isinstance(when, (int, float)) and not isinstance(when, bool) else None
 
 
-def run_stop(req) -> dict:
+def run_stop(req: Request) -> dict[str, Any]:
     return stop(req.args["job_dir"], max(0.0, float(req.args["grace"])))

@@ -21,6 +21,7 @@ import time
 
 
 def start_ticks(pid):
+    # type: (int) -> int | None
     try:
         with open("/proc/%d/stat" % pid) as f:
             return int(f.read().rsplit(")", 1)[1].split()[19])
@@ -32,6 +33,7 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
 def open_dirs(job_dir):
+    # type: (str) -> tuple[int, int]
     """Descriptors of <job>/run and <job>/logs, never through a link (the agent made and
     checked them; a link put there since is refused here too: ELOOP)."""
     job = os.open(job_dir, DIR_FLAGS)
@@ -42,6 +44,7 @@ def open_dirs(job_dir):
 
 
 def write_json(run_fd, name, text):
+    # type: (int, str, str) -> None
     tmp = "%s.orch-part-%d" % (name, os.getpid())
     try:
         os.unlink(tmp, dir_fd=run_fd)
@@ -56,12 +59,14 @@ def write_json(run_fd, name, text):
 
 
 def child_argv(kind, target, args):
+    # type: (str, str, list[str]) -> list[str]
     if kind == "module":
         return [sys.executable, "-u", "-m", target] + args
     return [sys.executable, "-u", target] + args
 
 
 def spawn(argv, logs_fd, log_name):
+    # type: (list[str], int, str) -> int
     pid = os.fork()
     if pid == 0:
         try:
@@ -80,6 +85,7 @@ def spawn(argv, logs_fd, log_name):
 
 
 def wait_code(pid):
+    # type: (int) -> int
     while True:
         try:
             _, status = os.waitpid(pid, 0)
@@ -92,6 +98,7 @@ def wait_code(pid):
 
 
 def main():
+    # type: () -> int
     job_dir, kind, target, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     rank = int(os.environ["RANK"])
     run_fd, logs_fd = open_dirs(job_dir)

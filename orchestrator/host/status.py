@@ -4,10 +4,15 @@ from __future__ import annotations
 import os
 import stat
 import time
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.host.common import job_paths, read_json
 from orchestrator.host.follow import open_log, rank_exit
 from orchestrator.host.procs import proc_start_time, supervisor_alive
+
+if TYPE_CHECKING:   # annotations only: main imports this module
+    from orchestrator.host.main import Request
+    from orchestrator.host.paths import JobDir
 
 ERROR_FILE_CAP = 1 << 20
 
@@ -15,7 +20,7 @@ ERROR_FILE_CAP = 1 << 20
 LAST_LINE_WINDOW = 1 << 16
 
 
-def last_line(jd, rel: str) -> str:
+def last_line(jd: JobDir, rel: str) -> str:
     """The log's last line that is not blank (a log that ends with an empty line still
     shows what the rank said last), at most 4096 characters from its start."""
     f = open_log(jd, rel)
@@ -38,7 +43,7 @@ def log_size(jd, rel: str):  # type: ignore[no-untyped-def]  # as the module's o
     return st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
 
 
-def stopped(p: dict, info: dict) -> bool:
+def stopped(p: dict[str, Any], info: dict[str, Any]) -> bool:
     """A rank that ended badly (or vanished) after a stop orch made: the stop's doing."""
     stop = read_json(p["jd"], "run/stop.json")
     if not isinstance(stop, dict) or not isinstance(stop.get("time"), (int, float)):
@@ -49,7 +54,7 @@ def stopped(p: dict, info: dict) -> bool:
     return info.get("code") != 0 and isinstance(ended, (int, float)) and ended >= stop["time"]
 
 
-def error_file(p: dict, local_rank: int) -> str:
+def error_file(p: dict[str, Any], local_rank: int) -> str:
     """torchrun's error file of a rank (written when the script uses @record)."""
     for rel, _ in p["jd"].walk("run/torchrun"):
         if rel.endswith("/%d/error.json" % local_rank):
@@ -61,7 +66,8 @@ def error_file(p: dict, local_rank: int) -> str:
     return ""
 
 
-def rank_status(p: dict, rank: int, local_rank: int, sup) -> dict:
+def rank_status(p: dict[str, Any], rank: int, local_rank: int,
+                sup: dict[str, Any] | None) -> dict[str, Any]:
     log = "logs/rank-%d.log" % rank
     info = {"rank": rank, "last_line": last_line(p["jd"], log), "log_bytes": log_size(p["jd"], log)}
     pid = read_json(p["jd"], "run/rank-%d.pid" % rank)
@@ -82,7 +88,7 @@ def rank_status(p: dict, rank: int, local_rank: int, sup) -> dict:
     return info
 
 
-def run(req) -> dict:
+def run(req: Request) -> dict[str, Any]:
     """`ranks` are the host's ranks from its local rank `first_local` on (all: 0)."""
     p = job_paths(req.args["job_dir"])
     sup = supervisor_alive(p)
