@@ -42,8 +42,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import (ORCH, REPO, VENV_PY, Run, SshdCluster, clean_env, fake_cluster, free_port,
-                    median, save_json)
+from common import (
+    ORCH,
+    REPO,
+    VENV_PY,
+    Run,
+    SshdCluster,
+    clean_env,
+    fake_cluster,
+    free_port,
+    median,
+    save_json,
+)
 from sshd_cluster import FakeHost, pid_alive
 
 BENCH = Path(__file__).resolve().parent
@@ -163,7 +173,7 @@ def prepare_remote(path: Path, shell: Shell) -> None:
 
 # ---------------------------------------------------------------- running things
 
-def timed_probe(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 600) -> tuple[Run, float, int]:
+def timed_probe(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 600) -> tuple[Run, float, float]:
     """Run cmd, timing it and polling its /proc status: (run, peak RSS MiB, most threads)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
@@ -215,7 +225,7 @@ def orch_env() -> dict:
     return env
 
 
-def orch(bed: Bed, verb: str, inventory: Path, *extra: str) -> tuple[Run, float, int]:
+def orch(bed: Bed, verb: str, inventory: Path, *extra: str) -> tuple[Run, float, float]:
     return timed_probe([str(ORCH), verb, *extra, "-c", str(inventory)], env=orch_env(),
                        cwd=inventory.parent)
 
@@ -340,7 +350,7 @@ class Series:
         print(f"  ! {note}", flush=True)
 
 
-def measure_up(bed: Bed, s: Series, reps: int, clock: "Clock") -> None:
+def measure_up(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
     source = ALLREDUCE if bed.real_torch else HELLO
     inv, d = inventory(bed, f"up{bed.n}", source), pdsh_dir(bed, source)
     for rep in range(reps):
@@ -353,7 +363,7 @@ def measure_up(bed: Bed, s: Series, reps: int, clock: "Clock") -> None:
         else:
             s.fail("baseline up", p)
         o, rss, threads = orch(bed, "up", inv)
-        s.rss_mib, s.threads = max(s.rss_mib, rss), max(s.threads, threads)
+        s.rss_mib, s.threads = max(s.rss_mib, rss), max(s.threads, int(threads))
         if job_ok(bed, o):
             s.add("up", "orch", o.seconds)
         else:
@@ -373,7 +383,7 @@ def start_detached(bed: Bed, s: Series, inv: Path) -> bool:
     return True
 
 
-def measure_status_stop(bed: Bed, s: Series, reps: int, clock: "Clock") -> None:
+def measure_status_stop(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
     inv = inventory(bed, f"sleep{bed.n}", SLEEPER)
     if not start_detached(bed, s, inv):
         return
@@ -424,7 +434,7 @@ def pdsh_pkill(bed: Bed, s: Series) -> float:
     return k.seconds
 
 
-def measure_death(bed: Bed, s: Series, reps: int, clock: "Clock") -> None:
+def measure_death(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
     inv = inventory(bed, f"crash{bed.n}", CRASH)
     for rep in range(reps):
         if rep and clock.over():

@@ -12,6 +12,8 @@ import os
 import shlex
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from orchestrator import timeouts
 from orchestrator.arrayspec import ArraySpec
@@ -67,7 +69,7 @@ def task_argv(cluster: Cluster, python: str, job_dir: str, i: int) -> list[str]:
 
 
 def host_spec(cluster: Cluster, host: Host, python: str, job_dir: str, run_id: str,
-              tasks: list[int]) -> dict:
+              tasks: list[int]) -> dict[str, Any]:
     spec = cluster.job.array
     assert spec is not None
     env = rank_env(cluster, job_dir, run_id)
@@ -77,18 +79,19 @@ def host_spec(cluster: Cluster, host: Host, python: str, job_dir: str, run_id: s
 
 
 def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport
-               ) -> tuple[ArrayRecord, dict[int, dict]]:
+               ) -> tuple[ArrayRecord, dict[int, dict[str, Any]]]:
     """Start every host's runner in parallel; raise naming every host that failed."""
     spec = cluster.job.array
     assert spec is not None
     rec = ArrayRecord(uuid.uuid4().hex, list(spec.keys), [list(t) for t in spec.tasks],
                       deal(cluster, spec), spec.procs_per_task)
 
-    def one(h: Host) -> dict:
+    def one(h: Host) -> dict[str, Any]:
         info = pre.hosts[h.index]
         body = host_spec(cluster, h, info.executable, info.job_dir, rec.run_id, rec.tasks_of(h.index))
-        return links[h.index].request("array_launch", timeouts.LAUNCH, job_dir=info.job_dir,
-                                      spec=body)["supervisor"]
+        reply = links[h.index].request("array_launch", timeouts.LAUNCH, job_dir=info.job_dir,
+                                       spec=body)
+        return dict(reply["supervisor"])
     result = fan_out(cluster.hosts, one)
     result.raise_failures(cluster.hosts, "to start")
     return rec, result.ok
@@ -96,7 +99,7 @@ def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport
 
 # ---------------------------------------------------------------- the record
 
-def record_path(cluster: Cluster):
+def record_path(cluster: Cluster) -> Path:
     return cluster.state_dir / "array.json"
 
 

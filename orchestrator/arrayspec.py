@@ -11,12 +11,12 @@ the matrix's order; tasks are numbered row-major (the last key varies fastest).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from yaml.nodes import Node
 
-from .yamlnodes import Section, scalar_text, short
+from .yamlnodes import Section, Source, scalar_text, short
 
 ARRAY_KEYS = ("matrix", "tasks", "procs_per_task")
 MAX_TASKS = 100_000
@@ -28,17 +28,17 @@ _KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 class ArraySpec:
     """The tasks of a job array: `tasks[i]` are task i's own args (after job.args)."""
 
-    keys: Tuple[str, ...]                  # matrix keys in order; () for a `tasks:` list
-    tasks: Tuple[Tuple[str, ...], ...]
+    keys: tuple[str, ...]                  # matrix keys in order; () for a `tasks:` list
+    tasks: tuple[tuple[str, ...], ...]
     procs_per_task: int
 
-    def params(self, i: int) -> Dict[str, str]:
+    def params(self, i: int) -> dict[str, str]:
         """Task i's `--key value` pairs, as a dict (what results group by)."""
         return task_params(self.tasks[i])
 
 
-def task_params(args: Sequence[str]) -> Dict[str, str]:
-    out: Dict[str, str] = {}
+def task_params(args: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
     i = 0
     while i < len(args):
         if args[i].startswith("--") and i + 1 < len(args) and not args[i + 1].startswith("--"):
@@ -50,15 +50,15 @@ def task_params(args: Sequence[str]) -> Dict[str, str]:
     return out
 
 
-def expand(matrix: Sequence[Tuple[str, Sequence[str]]]) -> List[Tuple[str, ...]]:
+def expand(matrix: Sequence[tuple[str, Sequence[str]]]) -> list[tuple[str, ...]]:
     """Row-major: the first key varies slowest, the last fastest."""
-    tasks: List[Tuple[str, ...]] = [()]
+    tasks: list[tuple[str, ...]] = [()]
     for key, values in matrix:
         tasks = [t + ("--" + key, v) for t in tasks for v in values]
     return tasks
 
 
-def parse_array(job: Section, max_procs: int) -> Optional[ArraySpec]:
+def parse_array(job: Section, max_procs: int) -> ArraySpec | None:
     """The `job.array` section, or None when absent."""
     node = job.node("array")
     if node is None:
@@ -86,8 +86,9 @@ def parse_array(job: Section, max_procs: int) -> Optional[ArraySpec]:
     return ArraySpec(keys, tuple(tasks), ppt)
 
 
-def _matrix(sec: Section) -> Tuple[Tuple[str, ...], List[Tuple[str, ...]]]:
+def _matrix(sec: Section) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
     src, node = sec.src, sec.node("matrix")
+    assert node is not None   # the caller saw the key
     items = src.mapping(node, "job.array.matrix")
     if not items:
         src.fail(node, "`job.array.matrix` is empty", "give at least one key with a list of values, "
@@ -104,7 +105,7 @@ def _matrix(sec: Section) -> Tuple[Tuple[str, ...], List[Tuple[str, ...]]]:
     return tuple(k for k, _ in matrix), expand(matrix)
 
 
-def _values(src, node: Node, what: str) -> List[str]:
+def _values(src: Source, node: Node, what: str) -> list[str]:
     hint = "write a list of values, e.g. `[0, 1, 2]`"
     items = src.sequence(node, what)   # refuses a single value or a mapping
     if not items:
@@ -112,8 +113,9 @@ def _values(src, node: Node, what: str) -> List[str]:
     return [scalar_text(src, item, f"{what}[{i}]", hint) for i, item in enumerate(items)]
 
 
-def _task_list(sec: Section) -> List[Tuple[str, ...]]:
+def _task_list(sec: Section) -> list[tuple[str, ...]]:
     src, node = sec.src, sec.node("tasks")
+    assert node is not None   # the caller saw the key
     items = src.sequence(node, "job.array.tasks")
     if not items:
         src.fail(node, "`job.array.tasks` is an empty list", "give one list of args per task, "
@@ -128,7 +130,7 @@ def _task_list(sec: Section) -> List[Tuple[str, ...]]:
     return tasks
 
 
-def _check_count(src, node: Node, count: int) -> None:
+def _check_count(src: Source, node: Node, count: int) -> None:
     if count > MAX_TASKS:
         src.fail(node, f"`job.array` makes {count} tasks, more than {MAX_TASKS} (the limit)",
                  "use fewer values, or split the sweep into several inventories")

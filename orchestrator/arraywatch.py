@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rich.markup import escape
 
@@ -36,7 +38,7 @@ class ArrayMonitor(LineSink):
                           f"({signal_name(code)})[/]; the others go on")
             self.wake.set()
 
-    def host_done(self, host: int, info: dict) -> None:
+    def host_done(self, host: int, info: dict[str, Any]) -> None:
         self.wake.set()
 
     def host_lost(self, host: int, why: str) -> None:
@@ -77,7 +79,7 @@ def attach_array(session: Session, rec: ArrayRecord, fail_fast: bool) -> int:
     return EXIT_OK
 
 
-def fail_fast_stop(session: Session, mon: ArrayMonitor, finished) -> None:
+def fail_fast_stop(session: Session, mon: ArrayMonitor, finished: Callable[[], bool]) -> None:
     started = time.monotonic()
     console.print("[yellow]--fail-fast: stopping every task on every host[/]")
     session.stop(timeouts.FAILFAST_GRACE, skip=set(mon.lost))

@@ -166,7 +166,7 @@ class JobSpec:
     env: tuple[tuple[str, str], ...]  # sorted by key
     master_port: int | None   # None: a free port on the first host
     max_restarts: int
-    array: Optional[ArraySpec] = None   # a job array: independent tasks instead of one job
+    array: ArraySpec | None = None   # a job array: independent tasks instead of one job
 
     @property
     def is_module(self) -> bool:

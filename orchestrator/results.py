@@ -10,6 +10,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from orchestrator.arrays import ArrayRecord
 from orchestrator.arrayspec import task_params
@@ -19,18 +20,18 @@ from orchestrator.inventory import Cluster
 FOLD = "fold"
 
 
-def state_text(info: dict) -> str:
+def state_text(info: dict[str, Any]) -> str:
     """exited 0, failed (exit code 3 / killed by SIGTERM), running, queued, stopped,
     unreachable (the host did not answer)."""
-    from orchestrator.watch import signal_name   # watch imports the session: late, no cycle
+    from orchestrator.watch import signal_name  # watch imports the session: late, no cycle
     if info["state"] != "exited":
-        return info["state"]
+        return str(info["state"])
     return "exited 0" if info.get("code") == 0 else f"failed ({signal_name(info['code'])})"
 
 
-def status_rows(cluster: Cluster, rec: ArrayRecord, status: GroupResult[dict]) -> list[dict]:
+def status_rows(cluster: Cluster, rec: ArrayRecord, status: GroupResult[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per task: index, args, host/slot, state, runtime, last line."""
-    infos: dict[int, tuple[dict, float]] = {}
+    infos: dict[int, tuple[dict[str, Any], float]] = {}
     for reply in status.ok.values():
         offset = reply["time"] - time.time()
         for info in reply["tasks"]:
@@ -60,8 +61,9 @@ def parse_metrics(header: str | None, last: str | None) -> dict[str, str]:
     return {c: v for c, v in zip(cols, vals)}
 
 
-def result_rows(rec: ArrayRecord, status_rows_: list[dict], results: GroupResult[dict]) -> list[dict]:
-    metrics: dict[int, dict] = {}
+def result_rows(rec: ArrayRecord, status_rows_: list[dict[str, Any]],
+                results: GroupResult[dict[str, Any]]) -> list[dict[str, Any]]:
+    metrics: dict[int, dict[str, Any]] = {}
     for reply in results.ok.values():
         for item in reply["tasks"]:
             metrics[item["task"]] = parse_metrics(item["header"], item["last"])
@@ -77,10 +79,10 @@ def number(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def group(rows: list[dict]) -> list[dict]:
+def group(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows with the same params other than `fold`: per numeric metric, mean and sample std
     (0 for one row) over the rows that have it; groups in the order they first appear."""
-    groups: dict[tuple, list[dict]] = {}
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in rows:
         key = tuple((k, v) for k, v in r["params"].items() if k != FOLD)
         groups.setdefault(key, []).append(r)
@@ -99,7 +101,7 @@ def group(rows: list[dict]) -> list[dict]:
     return out
 
 
-def columns(rows: list[dict]) -> list[str]:
+def columns(rows: list[dict[str, Any]]) -> list[str]:
     seen: dict[str, None] = {}
     for r in rows:
         for c in r["metrics"]:
@@ -107,7 +109,7 @@ def columns(rows: list[dict]) -> list[str]:
     return list(seen)
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     """results.csv: task, each param, state, each metric column of the last rows."""
     params = list(dict.fromkeys(k for r in rows for k in r["params"]))
     cols = columns(rows)

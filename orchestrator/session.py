@@ -247,7 +247,7 @@ class Session:
 
     # ------------------------------------------------------------ job arrays
 
-    def launch_array(self, pre: PreflightReport) -> tuple[ArrayRecord, dict[int, dict]]:
+    def launch_array(self, pre: PreflightReport) -> tuple[ArrayRecord, dict[int, dict[str, Any]]]:
         """Every host's runner, all or none (like `launch`)."""
         try:
             return arrays.launch_all(self.cluster, self.links, pre)
@@ -255,14 +255,14 @@ class Session:
             self.stop(0)
             raise
 
-    def array_request(self, command: str, rec: ArrayRecord, batch: int = 1000) -> GroupResult[dict]:
+    def array_request(self, command: str, rec: ArrayRecord, batch: int = 1000) -> GroupResult[dict[str, Any]]:
         """`array_status` or `array_results` of each host's tasks, in batches (a reply
         stays far under the frame cap); the host's replies merged."""
         links = self.links
         hosts = tuple(h for h in self.cluster.hosts if h.index in links)
 
-        def one(h: Host) -> dict:
-            mine, merged = rec.tasks_of(h.index), {}
+        def one(h: Host) -> dict[str, Any]:
+            mine, merged = rec.tasks_of(h.index), dict[str, Any]()
             for at in range(0, max(len(mine), 1), batch):
                 reply = links[h.index].request(command, timeouts.STATUS,
                                                job_dir=self.records[h.index].job_dir,

@@ -201,7 +201,7 @@ def _keygen(path: Path, comment: str) -> str:
 
 
 def _sshd_config(home: Path, address: str, port: int, authorized_keys: Path,
-                 options: Optional[dict] = None) -> str:
+                 options: dict[str, Any] | None = None) -> str:
     """The per-host sshd_config; `options` (keyword -> value) replace or add lines."""
     lines = [
         f"ListenAddress {address}:{port}",
@@ -233,7 +233,7 @@ class SshdCluster:
     one known_hosts file that trusts exactly the trusted hosts."""
 
     def __init__(self, root: Path, n: int, *, port: int = 2222, first_octet: int = 2,
-                 sshd_options: Optional[dict] = None) -> None:
+                 sshd_options: dict[str, Any] | None = None) -> None:
         """`sshd_options` (keyword -> value) replace or add lines of every sshd_config
         (the scale benchmark raises MaxStartups, adds a user's own authorized_keys)."""
         self.root = Path(root).resolve()

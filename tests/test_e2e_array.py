@@ -72,7 +72,7 @@ def most_at_once(spans: list[tuple[float, float]]) -> int:
 
 
 def test_array_queue_results_status_logs(sshd_cluster: SshdCluster, tmp_path: Path,
-                                         jobs: Jobs) -> None:  # noqa: F811
+                                         jobs: Jobs) -> None:
     hosts, name = sshd_cluster.hosts[:3], "e2e-array"
     inv = inventory(sshd_cluster, tmp_path, name, {"model": ["good", "bad"], "fold": [0, 1, 2, 3, 4]}, 0.4)
     jobs.add(inv, hosts, name)
@@ -111,14 +111,16 @@ def test_array_queue_results_status_logs(sshd_cluster: SshdCluster, tmp_path: Pa
 
     st = json.loads(orch(tmp_path, "status", "-c", str(inv), "--json").stdout)
     assert [r["state"] for r in st["tasks"]].count("exited 0") == 9
-    assert st["tasks"][6]["last_line"] == "task 6 fails" and st["tasks"][6]["host"] == hosts[2].address   # slots dealt h0 h1 h2 h0
+    # slots are dealt h0 h1 h2 h0 ...: task 6 ran on the third host
+    assert st["tasks"][6]["last_line"] == "task 6 fails"
+    assert st["tasks"][6]["host"] == hosts[2].address
     logs = orch(tmp_path, "logs", "-c", str(inv), "--task", "7")
     assert logs.stdout == "task 7 starts\ntask 7 done\n", logs.stdout
     assert_nothing_left(hosts, name)
 
 
 def test_array_stop_and_fail_fast(sshd_cluster: SshdCluster, tmp_path: Path,
-                                  jobs: Jobs) -> None:  # noqa: F811
+                                  jobs: Jobs) -> None:
     hosts, name = sshd_cluster.hosts[:3], "e2e-array-stop"
     inv = inventory(sshd_cluster, tmp_path, name, {"model": ["slow"], "fold": list(range(8))}, 1.0)
     jobs.add(inv, hosts, name)

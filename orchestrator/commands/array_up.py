@@ -13,11 +13,10 @@ from orchestrator.commands.common import console, emit_json, hint_cmd
 from orchestrator.commands.results import show
 from orchestrator.errors import EXIT_OK
 from orchestrator.inventory import Cluster, RankSlot
-from orchestrator.localfiles import check_entrypoint
+from orchestrator.localfiles import DigestCache, check_entrypoint, code_files
 from orchestrator.preflight import PreflightReport
 from orchestrator.session import HostFiles, Session
 from orchestrator.shards import host_files, load_split
-from orchestrator.sync import DigestCache, code_files
 from orchestrator.transport import remote_command
 
 

@@ -9,8 +9,14 @@ from rich.table import Table
 
 from orchestrator import arrays
 from orchestrator import results as res
-from orchestrator.commands.common import (console, emit_json, inventory, open_session, require_state,
-                                          warn_unreachable)
+from orchestrator.commands.common import (
+    console,
+    emit_json,
+    inventory,
+    open_session,
+    require_state,
+    warn_unreachable,
+)
 from orchestrator.errors import EXIT_OK, UsageError
 from orchestrator.inventory import Cluster
 from orchestrator.session import Session
@@ -41,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         session.close()
 
 
-def collect(session: Session, rec: arrays.ArrayRecord) -> list[dict]:
+def collect(session: Session, rec: arrays.ArrayRecord) -> list[dict[str, Any]]:
     status = session.array_request("array_status", rec)
     fetched = session.array_request("array_results", rec)
     return res.result_rows(rec, res.status_rows(session.cluster, rec, status), fetched)
@@ -61,13 +67,13 @@ def show(session: Session, rec: arrays.ArrayRecord, as_json: bool) -> int:
     return EXIT_OK
 
 
-def shown_columns(rows: list[dict]) -> list[str]:
+def shown_columns(rows: list[dict[str, Any]]) -> list[str]:
     cols = res.columns(rows)
     first = [c for c in SHOWN if c in cols]
     return (first + [c for c in cols if c not in first])[:MAX_COLS]
 
 
-def render(cluster: Cluster, rows: list[dict], groups: list[dict]) -> None:
+def render(cluster: Cluster, rows: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
     cols = shown_columns(rows)
     t = Table(title=f"job array {cluster.name}: {len(rows)} tasks")
     for c in ("task", "args", "state", *cols):

@@ -19,9 +19,9 @@ from orchestrator.commands.common import (
     warn_unreachable,
 )
 from orchestrator.errors import EXIT_HOST, EXIT_OK
-from orchestrator.termsafe import plain, visible
 from orchestrator.inventory import Cluster
 from orchestrator.results import status_rows
+from orchestrator.termsafe import plain, visible
 from orchestrator.watch import signal_name
 
 LAST_LINE_MAX = 200   # characters kept in a row (the table cuts it to the screen at the end)

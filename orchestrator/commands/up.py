@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from orchestrator import state as job_state
 from orchestrator.cmdout import Printer
+from orchestrator.commands.array_up import array_files, array_plan, up_array
 from orchestrator.commands.common import console, emit_json, hint_cmd, inventory, plural
 from orchestrator.commands.pull import after_job
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
@@ -25,7 +26,6 @@ from orchestrator.session import HostFiles, Session
 from orchestrator.shards import host_files, load_split
 from orchestrator.sync import SyncReport
 from orchestrator.ui import bytes_bar, hosts_bar
-from orchestrator.commands.array_up import array_files, array_plan, up_array
 from orchestrator.watch import attach
 
 

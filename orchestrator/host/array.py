@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 from orchestrator import protocol
 from orchestrator.host.common import AgentError, job_paths, read_json, write_atomic
@@ -25,7 +26,7 @@ LINE_CAP = 4096          # bytes of one metrics.csv line sent back
 TAIL_READ = 64 << 10     # how far back from the end the last row is looked for
 
 
-def clean(p: dict, tasks: list) -> None:
+def clean(p: dict[str, Any], tasks: list[Any]) -> None:
     jd = p["jd"]
     for d in ("run", "logs", "output", "code"):
         os.close(jd.open_dir(d, create=True))   # a link at any of them is refused
@@ -40,7 +41,7 @@ def clean(p: dict, tasks: list) -> None:
         os.close(jd.open_dir("output/task-%d" % t["i"], create=True))
 
 
-def run_launch(req) -> dict:
+def run_launch(req: Any) -> dict[str, Any]:
     """Start the runner (double fork + setsid) and reply with its pid, like `launch`."""
     spec = req.args["spec"]
     p = job_paths(req.args["job_dir"])
@@ -67,16 +68,16 @@ def run_launch(req) -> dict:
 class Runner:
     """The queue of one host: start tasks into free slots, record their ends."""
 
-    def __init__(self, p: dict, spec: dict) -> None:
+    def __init__(self, p: dict[str, Any], spec: dict[str, Any]) -> None:
         self.p, self.jd, self.spec = p, p["jd"], spec
         self.queue = collections.deque(spec["tasks"])
         self.free = list(range(spec["slots"]))[::-1]
-        self.running = {}          # pid -> (task index, slot)
+        self.running: dict[int, Any] = {}          # pid -> (task index, slot)
         self.failed = 0
         self.env = dict(os.environ)
         self.env.update(spec["env"])
 
-    def stop_queue(self, signum, frame) -> None:
+    def stop_queue(self, signum: int, frame: Any) -> None:
         """SIGTERM to the runner itself: nothing more starts; the running tasks get it too."""
         self.queue.clear()
         for pid in list(self.running):
@@ -85,7 +86,7 @@ class Runner:
             except OSError:
                 pass
 
-    def start(self, task: dict) -> None:
+    def start(self, task: dict[str, Any]) -> None:
         i, slot = task["i"], self.free.pop()
         env = dict(self.env, ORCH_TASK=str(i), ORCH_TASK_ARGS=task["args"],
                    ORCH_TASK_SLOT=str(slot),
@@ -131,7 +132,7 @@ class Runner:
         return 1 if self.failed else 0
 
 
-def runner(p: dict, spec: dict, wfd: int) -> None:
+def runner(p: dict[str, Any], spec: dict[str, Any], wfd: int) -> None:
     """The detached runner: the host's queue to its end, then run/host.exit; never returns."""
     jd = p["jd"]
     detach_stdio(jd, "run/runner.log")
@@ -166,7 +167,7 @@ def runner(p: dict, spec: dict, wfd: int) -> None:
 
 # ---------------------------------------------------------------- status and results
 
-def last_line(jd, rel: str) -> str:
+def last_line(jd: Any, rel: str) -> str:
     f = open_log(jd, rel)
     if f is None:
         return ""
@@ -175,7 +176,7 @@ def last_line(jd, rel: str) -> str:
         return f.read(4096).decode("utf-8", "replace").strip()
 
 
-def task_status(p: dict, i: int, sup) -> dict:
+def task_status(p: dict[str, Any], i: int, sup: Any) -> dict[str, Any]:
     info = {"task": i, "last_line": last_line(p["jd"], "logs/task-%d.log" % i)}
     start = read_json(p["jd"], "run/task-%d.start" % i)
     start = start if isinstance(start, dict) and isinstance(start.get("pid"), int) else {}
@@ -192,14 +193,14 @@ def task_status(p: dict, i: int, sup) -> dict:
     return info
 
 
-def run_status(req) -> dict:
+def run_status(req: Any) -> dict[str, Any]:
     p = job_paths(req.args["job_dir"])
     sup = supervisor_alive(p)
     return {"supervisor": sup, "host_exit": read_json(p["jd"], "run/host.exit"),
             "time": time.time(), "tasks": [task_status(p, i, sup) for i in req.args["tasks"]]}
 
 
-def csv_ends(jd, rel: str) -> tuple:
+def csv_ends(jd: Any, rel: str) -> tuple[Any, ...]:
     """(header, last non-empty row) of a CSV file, each capped; (None, None) if missing."""
     try:
         f = os.fdopen(jd.open_for_read(rel), "rb")
@@ -214,7 +215,7 @@ def csv_ends(jd, rel: str) -> tuple:
     return header.decode("utf-8", "replace"), last.decode("utf-8", "replace")
 
 
-def run_results(req) -> dict:
+def run_results(req: Any) -> dict[str, Any]:
     p = job_paths(req.args["job_dir"])
     out = []
     for i in req.args["tasks"]:

@@ -17,8 +17,7 @@ import time
 from typing import Any, BinaryIO, cast
 
 from orchestrator import protocol
-from orchestrator.host import (array, commands, files, follow, launch, preflight, procs, pull,
-                                status)
+from orchestrator.host import array, commands, files, follow, launch, preflight, procs, pull, status
 from orchestrator.host.common import AgentError
 from orchestrator.host.paths import UnsafePath
 
