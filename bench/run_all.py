@@ -11,7 +11,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHES = ["launch.py", "lifecycle.py", "push.py", "split.py", "loader.py", "terngrad.py",
-           "array.py", "gpu.py"]  # gpu.py: skipped (exit 0) without CUDA
+           "kfold_hogwild.py", "gpu.py"]  # gpu.py: skipped (exit 0) without CUDA
 
 
 def main() -> int:

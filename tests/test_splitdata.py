@@ -331,7 +331,8 @@ def fake_inventory(monkeypatch: pytest.MonkeyPatch, world_size: int, source: Pat
     def load(path: Path) -> types.SimpleNamespace:
         calls.append(Path(path))
         return types.SimpleNamespace(world_size=world_size,
-                                     data=types.SimpleNamespace(source=source, shards=shards))
+                                     data=types.SimpleNamespace(source=source, shards=shards),
+                                     job=types.SimpleNamespace(array=None))
 
     module = types.ModuleType("orchestrator.inventory")
     module.load = load  # type: ignore[attr-defined]

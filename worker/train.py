@@ -13,6 +13,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -511,6 +512,10 @@ class Stopped(BaseException):
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    # From here on, a background thread that breaks because its peer is going away too
+    # (the data loader's fd-sharing listener, a gloo thread) is the stop, not an error:
+    # its traceback would bury the one line a stop prints.
+    threading.excepthook = lambda args: None
     raise Stopped()
 
 

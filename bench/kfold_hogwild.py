@@ -1,7 +1,7 @@
 """Job-array workloads on this machine: AsyncKFold (many independent tasks) and HOGWILD!.
 
-    .venv/bin/python bench/array.py                  # both parts, a few minutes
-    .venv/bin/python bench/array.py --epochs 3 --per-class 80 --hogwild-epochs 6
+    .venv/bin/python bench/kfold_hogwild.py                  # both parts, a few minutes
+    .venv/bin/python bench/kfold_hogwild.py --epochs 3 --per-class 80 --hogwild-epochs 6
 
 (a) AsyncKFold: models (lenet, mobilenet) x schedules (cosine, warm) x 3 folds, each task a
     ``python -m worker.train --folds 3 --fold k`` on the demo data. Arms:
@@ -25,9 +25,6 @@ Prints markdown tables and writes bench/out/array.md.
 from __future__ import annotations
 
 import sys
-
-if sys.path and sys.path[0] == __file__.rpartition("/")[0]:
-    sys.path.pop(0)  # this file is array.py: the standard library's array must stay importable
 
 import argparse
 import csv
@@ -82,7 +79,7 @@ def make_data(root: Path, per_class: int, val_per_class: int = 10) -> Path:
 def run(cmd: list[str]) -> None:
     done = subprocess.run(cmd, env=env1(), capture_output=True, text=True)
     if done.returncode:
-        sys.exit(f"bench/array.py: {' '.join(cmd[:4])} ... failed:\n{done.stdout}{done.stderr}")
+        sys.exit(f"bench/kfold_hogwild.py: {' '.join(cmd[:4])} ... failed:\n{done.stdout}{done.stderr}")
 
 
 def common_args(args: argparse.Namespace) -> list[str]:
@@ -288,7 +285,7 @@ def main() -> int:
     p.add_argument("--hogwild-per-class", type=int, default=300)
     p.add_argument("--skip-kfold", action="store_true")
     args = p.parse_args()
-    report = [f"# bench/array.py ({os.cpu_count()} cores)", ""]
+    report = [f"# bench/kfold_hogwild.py ({os.cpu_count()} cores)", ""]
     with tempfile.TemporaryDirectory(prefix="orch-bench-array-") as tmp:
         root = Path(tmp)
         if not args.skip_kfold:
