@@ -24,12 +24,11 @@ Prints markdown tables and writes bench/out/array.md.
 """
 from __future__ import annotations
 
-import sys
-
 import argparse
 import csv
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field

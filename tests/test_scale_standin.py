@@ -13,7 +13,10 @@ STANDIN = Path(__file__).resolve().parent.parent / "bench" / "torchrun_standin.p
 JOB = """\
 import os, sys
 keys = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT".split()
-print(" ".join(k + "=" + os.environ[k] for k in keys), sys.argv[1:], flush=True)
+# one write: the ranks share the stream, and a line must not be cut by another
+line = " ".join(k + "=" + os.environ[k] for k in keys) + " " + str(sys.argv[1:])
+sys.stdout.write(line + "\\n")
+sys.stdout.flush()
 sys.exit(int(os.environ["RANK"]) == int(os.environ.get("FAIL_RANK", "-1")) and 3)
 """
 

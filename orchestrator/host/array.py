@@ -19,7 +19,7 @@ from typing import Any
 from orchestrator import protocol
 from orchestrator.host.common import AgentError, job_paths, read_json, write_atomic
 from orchestrator.host.follow import open_log, rank_exit, tail_offset
-from orchestrator.host.launch import ALREADY_RUNNING, detach_stdio
+from orchestrator.host.launch import ALREADY_RUNNING, detach_stdio, start_detached
 from orchestrator.host.procs import proc_start_time, supervisor_alive
 
 LINE_CAP = 4096          # bytes of one metrics.csv line sent back
@@ -49,20 +49,7 @@ def run_launch(req: Any) -> dict[str, Any]:
         raise AgentError(ALREADY_RUNNING, protocol.USAGE)
     clean(p, spec["tasks"])
     write_atomic(p["jd"], "run/launch.json", json.dumps(spec).encode(), 0o600)
-    rfd, wfd = os.pipe()
-    if os.fork() == 0:
-        os.close(rfd)
-        os.setsid()
-        if os.fork() == 0:
-            runner(p, spec, wfd)
-        os._exit(0)
-    os.close(wfd)
-    with os.fdopen(rfd) as r:
-        got = r.read()
-    info = json.loads(got) if got else {"error": "runner did not start"}
-    if "error" in info:
-        raise AgentError("array runner did not start: %s" % info["error"])
-    return {"supervisor": info}
+    return start_detached(runner, p, spec, "array runner")
 
 
 class Runner:

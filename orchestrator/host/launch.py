@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from orchestrator import protocol
 from orchestrator.host import rankexec
@@ -59,19 +59,26 @@ def run(req: Request) -> dict[str, Any]:
     write_atomic(jd, "run/rankexec.py", rankexec_source(), 0o644)
     for r in spec["ranks"]:
         os.close(jd.open_for_write("logs/rank-%d.log" % r))   # emptied; a link is refused
+    return start_detached(supervise, p, spec, "supervisor")
+
+
+def start_detached(body: Callable[[dict[str, Any], dict[str, Any], int], None],
+                   p: dict[str, Any], spec: dict[str, Any], what: str) -> dict[str, Any]:
+    """Double fork + setsid: `body(p, spec, wfd)` runs detached (a dropped connection
+    does not end it) and writes its record (or {"error"}) to wfd; that record is the reply."""
     rfd, wfd = os.pipe()
     if os.fork() == 0:
         os.close(rfd)
         os.setsid()
         if os.fork() == 0:
-            supervise(p, spec, wfd)
+            body(p, spec, wfd)
         os._exit(0)
     os.close(wfd)
     with os.fdopen(rfd) as r:
         reply = r.read()
-    info = json.loads(reply) if reply else {"error": "supervisor did not start"}
+    info = json.loads(reply) if reply else {"error": "%s did not start" % what}
     if "error" in info:
-        raise AgentError("supervisor did not start: %s" % info["error"])
+        raise AgentError("%s did not start: %s" % (what, info["error"]))
     return {"supervisor": info}
 
 
