@@ -39,9 +39,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cpuacct
 from common import (
     ORCH,
     REPO,
@@ -173,11 +176,15 @@ def prepare_remote(path: Path, shell: Shell) -> None:
 
 # ---------------------------------------------------------------- running things
 
+LAST_PID = [0]   # the last command's pid (its process accounting records)
+
+
 def timed_probe(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 600) -> tuple[Run, float, float]:
     """Run cmd, timing it and polling its /proc status: (run, peak RSS MiB, most threads)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    LAST_PID[0] = proc.pid
     peak = {"rss": 0.0, "threads": 0}
     stop = threading.Event()
 
@@ -337,6 +344,7 @@ class Series:
     n: int
     torch: str
     samples: dict = field(default_factory=dict)   # measure -> {"orch": [...], "base": [...]}
+    cpu: dict = field(default_factory=dict)       # "orch"/"base" -> [{kind: [cpu s, ...]}]
     notes: list = field(default_factory=list)
     rss_mib: float = 0.0
     threads: int = 0
@@ -357,12 +365,14 @@ def measure_up(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
         if rep and clock.over():
             break
         port = free_port([bed.hosts[0].address], 29500, 29900)
-        p = pdsh(bed, torchrun_remote(bed, d, port))
+        with counted(bed, s, "base"):
+            p = pdsh(bed, torchrun_remote(bed, d, port))
         if job_ok(bed, p):
             s.add("up", "base", p.seconds)
         else:
             s.fail("baseline up", p)
-        o, rss, threads = orch(bed, "up", inv)
+        with counted(bed, s, "orch"):
+            o, rss, threads = orch(bed, "up", inv)
         s.rss_mib, s.threads = max(s.rss_mib, rss), max(s.threads, int(threads))
         if job_ok(bed, o):
             s.add("up", "orch", o.seconds)
@@ -370,6 +380,26 @@ def measure_up(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
             s.fail("orch up", o)
         print(f"  up rep {rep + 1}: pdsh {p.seconds:.2f} s, orch {o.seconds:.2f} s "
               f"(rss {rss:.0f} MiB, {threads} threads)", flush=True)
+
+
+@contextmanager
+def counted(bed: Bed, s: Series, who: str) -> Iterator[None]:
+    """With --cpu (plain shell only: its uid tells the hosts' processes from the
+    machine's others), the command's CPU seconds per process kind (bench/cpuacct.py)."""
+    if not COUNT_CPU[0] or bed.shell.user == "root":
+        yield
+        return
+    with cpuacct.Accounting() as acct:
+        yield
+    sshds = {h.pid for h in bed.hosts}
+    k = cpuacct.kinds(acct.records, sshds, pwd.getpwnam(bed.shell.user).pw_uid, LAST_PID[0],
+                      "orch" if who == "orch" else "pdsh")
+    s.cpu.setdefault(who, []).append(k)
+    print(f"  cpu {who}: " + ", ".join(f"{name} {n} x {c:.2f} s"
+                                       for name, n, c in cpuacct.summary(k)), flush=True)
+
+
+COUNT_CPU = [False]
 
 
 def start_detached(bed: Bed, s: Series, inv: Path) -> bool:
@@ -490,6 +520,14 @@ def rows_of(s: Series) -> list[list]:
     return rows
 
 
+def median_kinds(ks: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """The repetition whose host-side total is the median one."""
+    def total(k: dict[str, list[float]]) -> float:
+        return sum(sum(v) for name, v in k.items() if name != "controller")
+    ordered = sorted(ks, key=total)
+    return ordered[len(ordered) // 2]
+
+
 def markdown(headers: list[str], rows: list[list]) -> None:
     """A Markdown table (what the README holds), never wrapped."""
     def cell(v: object) -> str:
@@ -510,11 +548,17 @@ def report(series: list[Series], clock: Clock) -> None:
     print("\ncontroller during `orch up`")
     markdown(["hosts", "shell", "peak RSS MiB", "threads"],
              [[s.n, s.shell, s.rss_mib, s.threads] for s in series])
+    cpu_rows = [[s.n, s.shell, who, *row] for s in series for who, ks in s.cpu.items()
+                for row in cpuacct.summary(median_kinds(ks))]
+    if cpu_rows:
+        print("\nCPU seconds per `up` by process kind (process accounting, median of the reps)")
+        markdown(["hosts", "shell", "side", "kind", "processes", "CPU s"], cpu_rows)
     for s in series:
         for note in s.notes:
             print(f"note ({s.shell}, {s.n} hosts): {note[:300]}")
     data = [{"shell": s.shell, "hosts": s.n, "torch": s.torch, "samples": s.samples,
-             "rss_mib": s.rss_mib, "threads": s.threads, "notes": s.notes} for s in series]
+             "rss_mib": s.rss_mib, "threads": s.threads, "notes": s.notes,
+             "cpu": s.cpu} for s in series]
     print(f"raw samples: {save_json('scale.json', data)}")
 
 
@@ -541,6 +585,8 @@ def run_series(cluster: SshdCluster, shell: Shell, n: int, python: str, work: Pa
               work / f"{shell.name}{n}", remote_base(cluster, shell) / f"n{n}", real)
     s = Series(shell.name, n, torch)
     measure_up(bed, s, args.reps_real if real else reps, clock)
+    if args.up_only:
+        return s
     bed.python, bed.real_torch = python, False   # the rest runs on the stand-in
     measure_status_stop(bed, s, reps, clock)
     measure_death(bed, s, max(1, reps - 1), clock)
@@ -561,7 +607,12 @@ def main() -> None:
                     help="real torch up to this many hosts (root shell), the stand-in above")
     ap.add_argument("--budget", type=float, default=600,
                     help="seconds; once spent, later reps and series are skipped")
+    ap.add_argument("--cpu", action="store_true",
+                    help="count CPU seconds per process kind of each `up` (plain shell series; "
+                         "process accounting, root only)")
+    ap.add_argument("--up-only", action="store_true", help="measure `up` only")
     args = ap.parse_args()
+    COUNT_CPU[0] = args.cpu
     plan = parse_series(args.series)
     subprocess.run([str(VENV_PY), "-m", "compileall", "-q", str(REPO / "orchestrator")],
                    check=True, env=orch_env())
