@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import io
+import marshal
 import os
 import zipfile
 from pathlib import Path
@@ -23,13 +25,23 @@ EPOCH = (1980, 1, 1, 0, 0, 0)   # zip's earliest date: the same bytes on every b
 
 def bundle_files() -> list[tuple[str, bytes]]:
     """(name in the zip, content), sorted; the package's __init__ is an empty stand-in
-    (the real one belongs to the controller)."""
+    (the real one belongs to the controller). Each module also comes compiled by this
+    Python (`<name>.pyc`: its code object, marshalled; `orchestrator/MAGIC` says for
+    which bytecode): a host whose Python has the same bytecode loads that instead of
+    compiling the source, ~20 ms of CPU less at every agent start (most of its start)."""
     files = [("orchestrator/__init__.py", b""),
              ("orchestrator/protocol.py", (PACKAGE / "protocol.py").read_bytes()),
              ("orchestrator/timeouts.py", (PACKAGE / "timeouts.py").read_bytes())]
     for path in sorted((PACKAGE / "host").glob("*.py")):
         files.append((f"orchestrator/host/{path.name}", path.read_bytes()))
-    return sorted(files)
+    compiled = [(name + "c", compiled_code(name, data)) for name, data in files]
+    return sorted(files + compiled + [("orchestrator/MAGIC", importlib.util.MAGIC_NUMBER)])
+
+
+def compiled_code(name: str, source: bytes) -> bytes:
+    """The module's code object as the host's loader (host/boot.py) would compile it:
+    the same file name, no __future__ flags of this module inherited."""
+    return marshal.dumps(compile(source, "orch-bundle/" + name, "exec", dont_inherit=True))
 
 
 @functools.lru_cache(maxsize=1)

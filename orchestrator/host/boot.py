@@ -4,10 +4,13 @@
 # The zip is read with struct and zlib, not zipfile: zipfile's imports (pathlib, re,
 # urllib...) cost 40-60 ms at every agent start, more than the rest of the agent.
 import hashlib
+import marshal
 import struct
 import sys
 import zlib
 from importlib.machinery import ModuleSpec
+
+from _frozen_importlib_external import MAGIC_NUMBER  # (already loaded: costs nothing)
 
 MYPY = False
 if MYPY:   # names for the type comments, never imported when the agent starts
@@ -16,8 +19,9 @@ if MYPY:   # names for the type comments, never imported when the agent starts
 
 
 def unzip(data):
-    # type: (bytes) -> dict[str, bytes]
-    """{name: bytes} of a zip whose members are stored or deflated (as bundle() writes)."""
+    # type: (bytes) -> dict[str, tuple[int, bytes]]
+    """{name: (method, raw bytes)} of a zip whose members are stored (0) or deflated (8),
+    as bundle() writes; a member is inflated when it is read (see Bundle.read)."""
     end = data.rfind(b"PK\x05\x06")
     count, _, offset = struct.unpack_from("<HII", data, end + 10)
     files, pos = {}, offset
@@ -27,8 +31,8 @@ def unzip(data):
         local, = struct.unpack_from("<I", data, pos + 42)
         name = data[pos + 46:pos + 46 + nlen].decode("utf-8")
         lnlen, lxlen = struct.unpack_from("<HH", data, local + 26)
-        raw = data[local + 30 + lnlen + lxlen:][:csize]
-        files[name] = zlib.decompress(raw, -15) if method == 8 else raw
+        start = local + 30 + lnlen + lxlen
+        files[name] = (method, data[start:start + csize])
         pos += 46 + nlen + xlen + clen
     return files
 
@@ -40,6 +44,15 @@ class Bundle:
         # type: (bytes) -> None
         self.files = unzip(data)
         self.sha256 = hashlib.sha256(data).hexdigest()
+        # the controller's Python compiled each module too: its bytecode is ours
+        self.compiled = ("orchestrator/MAGIC" in self.files
+                         and self.read("orchestrator/MAGIC") == MAGIC_NUMBER)
+
+    def read(self, name):
+        # type: (str) -> bytes
+        """A member's bytes (inflated now: most of the bundle is never imported)."""
+        method, raw = self.files[name]
+        return zlib.decompress(raw, -15) if method == 8 else raw
 
     def _path(self, name):
         # type: (str) -> tuple[Any, bool]
@@ -66,11 +79,15 @@ class Bundle:
         # type: (types.ModuleType) -> None
         where = self._path(module.__name__)[0]
         module.__file__ = "orch-bundle/" + where
-        exec(compile(self.files[where], module.__file__, "exec"), module.__dict__)
+        if self.compiled and where + "c" in self.files:
+            code = marshal.loads(self.read(where + "c"))
+        else:
+            code = compile(self.read(where), module.__file__, "exec")
+        exec(code, module.__dict__)
 
     def get_source(self, name):
         # type: (str) -> str
-        return self.files[self._path(name)[0]].decode("utf-8")
+        return self.read(self._path(name)[0]).decode("utf-8")
 
 
 bundle = Bundle(sys.stdin.buffer.read(int(sys.argv[2])))

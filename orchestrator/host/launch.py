@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -90,6 +89,20 @@ def detach_stdio(jd: JobDir, log_rel: str) -> None:
     os.dup2(log, 2)
 
 
+def spawn(argv: list[str], env: dict[str, str]) -> int:
+    """torchrun's pid. posix_spawn instead of subprocess: subprocess's imports cost more
+    than the rest of a launch, at every host. Only stdio passes to torchrun: the agent's
+    descriptors are close-on-exec (Python's default), any inherited one is made so here;
+    an argv that cannot be started raises OSError, as Popen does."""
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        if int(name) > 2:
+            try:
+                os.set_inheritable(int(name), False)
+            except OSError:   # the listing's own descriptor, closed by now
+                pass
+    return os.posix_spawnp(argv[0], argv, env)
+
+
 def supervise(p: dict[str, Any], spec: dict[str, Any], wfd: int) -> None:
     """Runs torchrun, records its exit code in run/host.exit; never returns."""
     jd = p["jd"]
@@ -104,16 +117,16 @@ def supervise(p: dict[str, Any], spec: dict[str, Any], wfd: int) -> None:
     try:
         with jd.dirfd("code") as code_fd:
             os.fchdir(code_fd)   # the cwd of torchrun and the ranks, reached without a link
-        proc = subprocess.Popen(spec["argv"], env=env)
+        pid = spawn(spec["argv"], env)
         me = os.getpid()
         info = {"pid": me, "pgid": os.getpgid(0), "start_ticks": proc_start_time(me),
-                "torchrun_pid": proc.pid, "run_id": spec["run_id"], "started": time.time()}
+                "torchrun_pid": pid, "run_id": spec["run_id"], "started": time.time()}
         write_atomic(jd, "run/supervisor.json", json.dumps(info).encode())
         os.write(wfd, json.dumps(info).encode())
         os.close(wfd)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda s, f: proc.send_signal(s))
-        code = proc.wait()
+            signal.signal(sig, lambda s, f: os.kill(pid, s))
+        code = rankexec.wait_code(pid)   # -N when killed by signal N, as Popen.wait()
     except BaseException as e:  # anything here must still leave host.exit behind
         sys.stderr.write("orch supervisor: %r\n" % (e,))
         try:

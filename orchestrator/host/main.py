@@ -8,40 +8,53 @@ at the end of its stdin.
 """
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, Callable, cast
 
 from orchestrator import protocol
-from orchestrator.host import array, commands, files, follow, launch, preflight, procs, pull, status
 from orchestrator.host.common import AgentError
 from orchestrator.host.paths import UnsafePath
 
+# request -> (module of orchestrator.host, function). A module is imported at its first
+# request: an agent runs a few of them, and every import is CPU at every host's start.
 COMMANDS = {
-    "preflight": preflight.run,
-    "manifest": files.run_manifest,
-    "receive": files.run_receive,
-    "launch": launch.run,
-    "follow": follow.run,
-    "status": status.run,
-    "stop": procs.run_stop,
-    "array_launch": array.run_launch,
-    "array_status": array.run_status,
-    "array_results": array.run_results,
-    "pull_manifest": pull.run_manifest,
-    "pull_send": pull.run_send,
-    "clock": lambda req: {"time": time.time()},
-    "setup": commands.run_setup,
-    "probe": commands.run_probe,
-    "exec": commands.run_exec,
-    "cancel": commands.run_cancel,
+    "preflight": ("preflight", "run"),
+    "manifest": ("files", "run_manifest"),
+    "receive": ("files", "run_receive"),
+    "launch": ("launch", "run"),
+    "follow": ("follow", "run"),
+    "status": ("status", "run"),
+    "stop": ("procs", "run_stop"),
+    "array_launch": ("array", "run_launch"),
+    "array_status": ("array", "run_status"),
+    "array_results": ("array", "run_results"),
+    "pull_manifest": ("pull", "run_manifest"),
+    "pull_send": ("pull", "run_send"),
+    "clock": ("main", "run_clock"),
+    "setup": ("commands", "run_setup"),
+    "probe": ("commands", "run_probe"),
+    "exec": ("commands", "run_exec"),
+    "cancel": ("commands", "run_cancel"),
 }
 # command -> daemon thread (not waited for); setup and exec run beside a `cancel`
 IN_THREAD = {"follow": True, "stop": False, "setup": False, "exec": False}
+
+
+def run_clock(req: Request) -> dict[str, Any]:
+    return {"time": time.time()}
+
+
+def handler(command: str) -> Callable[[Request], Any]:
+    module, name = COMMANDS[command]
+    found: Callable[[Request], Any] = getattr(
+        importlib.import_module("orchestrator.host." + module), name)
+    return found
 
 
 class Out:
@@ -70,7 +83,7 @@ def serve(req: Request) -> None:
     try:
         protocol.check(req.args, {"id": int}, "request " + req.t)
         protocol.check(req.args, protocol.REQUESTS[req.t], "request " + req.t)
-        body = COMMANDS[req.t](req)
+        body = handler(req.t)(req)
         if body is not None:
             req.out.send(protocol.reply(req.id, body))
     except (BrokenPipeError, KeyboardInterrupt):
@@ -135,7 +148,8 @@ def main(version: str, argv: list[Any]) -> None:
         out.send(protocol.error(None, protocol.HOST, "agent: %s" % e))
     except BrokenPipeError:
         pass
-    commands.end_all()   # a setup or exec does not outlive the controller
+    if "orchestrator.host.commands" in sys.modules:   # a setup or exec does not outlive
+        sys.modules["orchestrator.host.commands"].end_all()   # the controller
     for th in waited:
         th.join()
     sys.stdout.flush()

@@ -2,9 +2,10 @@
 remote_dir, master port, a running job) plus the manifests of code/ and data/."""
 from __future__ import annotations
 
+# _socket, not socket: socket.py wraps its constants in enums at import (5-7 ms of CPU
+# at every host's preflight); binding a port and the host name need only the C module
+import _socket
 import os
-import socket
-import subprocess
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ if TYPE_CHECKING:   # annotations only: main imports this module
 
 
 def gpu_count() -> int:
+    import subprocess   # only with GPUs asked for: its imports cost more than preflight
     try:
         r = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL, timeout=timeouts.NVIDIA_SMI)
@@ -50,7 +52,7 @@ def torch_version() -> str | None:
 
 
 def port_free(port: int) -> bool:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
     try:
         s.bind(("", port))
         return True
@@ -61,7 +63,7 @@ def port_free(port: int) -> bool:
 
 
 def free_port() -> int:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
     s.bind(("", 0))
     port: int = s.getsockname()[1]
     s.close()
@@ -95,7 +97,7 @@ def run(req: Request) -> dict[str, Any]:
         "torch": torch_version(), "job_dir": p["job"],
         "gpus": gpu_count() if a["want_gpus"] else 0,   # nvidia-smi costs 0.1-0.5 s
         "writable": dir_writable(p), "time": time.time(),
-        "hostname": socket.gethostname(),
+        "hostname": _socket.gethostname(),
         "ssh_connection": os.environ.get("SSH_CONNECTION", ""),
         "running": bool(supervisor_alive(p)),
     }
