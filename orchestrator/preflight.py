@@ -98,13 +98,21 @@ def torch_mismatch(cluster: Cluster, infos: dict[int, HostInfo]) -> dict[int, Ho
             for i, v in versions.items() if v != master}
 
 
+Checked = GroupResult[tuple[HostInfo, dict[str, Any]]]
+
+
 def preflight(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseException],
-              done: Callable[[], None] | None = None) -> PreflightReport:
+              done: Callable[[], None] | None = None, checked: Checked | None = None
+              ) -> PreflightReport:
     """Check every host whose agent runs; report every failing host together (connection
-    failures included), so that one bad host never hides another."""
-    result: GroupResult[tuple[HostInfo, dict[str, Any]]] = fan_out(
-        tuple(cluster.hosts[i] for i in links),
-        lambda h: check_host(cluster, links[h.index]), done=done)
+    failures included), so that one bad host never hides another. `checked`: hosts
+    already checked (check_host, as each agent came up); the others are checked now."""
+    result: Checked = checked if checked is not None else GroupResult()
+    todo = tuple(cluster.hosts[i] for i in links
+                 if i not in result.ok and i not in result.failed)
+    rest = fan_out(todo, lambda h: check_host(cluster, links[h.index]), done=done)
+    result.ok.update(rest.ok)
+    result.failed.update(rest.failed)
     failures = dict(failed)
     failures.update(result.failed)
     infos = {i: v[0] for i, v in result.ok.items()}

@@ -32,7 +32,7 @@ from orchestrator.inventory import Cluster, Host
 from orchestrator.launch import launch_all
 from orchestrator.link import Link
 from orchestrator.localfiles import DigestCache, LocalFile, Pushable
-from orchestrator.preflight import PreflightReport, preflight
+from orchestrator.preflight import Checked, PreflightReport, check_host, preflight
 from orchestrator.pull import Progress, PullReport
 from orchestrator.pull import pull as pull_files
 from orchestrator.stopper import StopReport, stop_all
@@ -79,17 +79,26 @@ class Session:
         return {i: r.error for i, r in self.records.items() if r.error is not None}
 
     def open(self, hosts: tuple[Host, ...] | None = None,
-             done: Callable[[], None] | None = None) -> Session:
+             done: Callable[[], None] | None = None,
+             then: Callable[[Host, Link], None] | None = None) -> Session:
         """Connect to every host (or `hosts`) and start its agent, all in parallel. A
         mistake on this machine (exit 2: a missing identity file, an unreadable ssh config)
-        is raised, not collected: it is the same for every host and no host is at fault."""
+        is raised, not collected: it is the same for every host and no host is at fault.
+        `then(host, link)` runs in the host's thread once its agent is up (it must not
+        raise): a first request goes out while slower logins go on."""
         hosts = self.cluster.hosts if hosts is None else hosts
         config = ssh_config() if self.connector is None else None
         if self.connector is None:
             check_local_files(hosts)
         bastions = Bastions()   # one connection per bastion, shared by its hosts
+
+        def one(h: Host) -> Link:
+            link = self._open(h, config, bastions)
+            if then is not None:
+                then(h, link)
+            return link
         try:
-            result = fan_out(hosts, lambda h: self._open(h, config, bastions), done=done)
+            result = fan_out(hosts, one, done=done)
         finally:
             bastions.seal()
         for i, link in result.ok.items():
@@ -145,11 +154,34 @@ class Session:
 
     # ------------------------------------------------------------ verbs
 
-    def preflight(self, done: Callable[[], None] | None = None) -> PreflightReport:
-        pre = preflight(self.cluster, self.links, self.failed, done)
+    def preflight(self, done: Callable[[], None] | None = None,
+                  checked: Checked | None = None) -> PreflightReport:
+        pre = preflight(self.cluster, self.links, self.failed, done, checked)
         for i, info in pre.hosts.items():
             self.records[i].job_dir = info.job_dir
         return pre
+
+    def open_and_preflight(self, opened: Callable[[], None] | None = None,
+                           checked: Callable[[], None] | None = None) -> PreflightReport:
+        """`open` and `preflight` in one pass per host: each host is checked as soon as
+        its agent is up, while the slower logins go on (at 64 hosts the last logins take
+        seconds). The verdict still waits for every host: all or nothing, as `preflight`.
+        `opened` / `checked`: called as each host is up / checked (progress)."""
+        early: Checked = GroupResult()
+        lock = threading.Lock()
+
+        def check(h: Host, link: Link) -> None:
+            try:
+                got = check_host(self.cluster, link)
+                with lock:
+                    early.ok[h.index] = got
+            except Exception as exc:  # collected: judged with every other host's
+                with lock:
+                    early.failed[h.index] = exc
+            if checked is not None:
+                checked()
+        self.open(done=opened, then=check)
+        return self.preflight(checked, early)
 
     def sync(self, files: dict[int, HostFiles], pre: PreflightReport,
              progress: Callable[[int], None] | None = None,

@@ -98,14 +98,12 @@ def detached_doc(cluster: Cluster, st: job_state.JobState) -> dict[str, Any]:
 
 
 def connect_and_check(session: Session) -> PreflightReport:
-    """Connect to every host, start its agent and preflight it, all in parallel, with a
-    hosts-done display."""
+    """Connect to every host, start its agent and preflight it, all in parallel (a host
+    is checked as soon as its agent is up), with a hosts-done display."""
     n = len(session.cluster.hosts)
     with hosts_bar() as bar:
-        task = bar.add_task("connect", total=n)
-        session.open(done=lambda: bar.advance(task))
-        bar.reset(task, description="preflight", total=n, completed=len(session.failed))
-        return session.preflight(lambda: bar.advance(task))
+        task = bar.add_task("connect + preflight", total=n)
+        return session.open_and_preflight(checked=lambda: bar.advance(task))
 
 
 def setup_and_check(session: Session, files: dict[int, HostFiles], pre: PreflightReport,

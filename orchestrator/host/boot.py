@@ -8,9 +8,8 @@ import marshal
 import struct
 import sys
 import zlib
-from importlib.machinery import ModuleSpec
-
 from _frozen_importlib_external import MAGIC_NUMBER  # (already loaded: costs nothing)
+from importlib.machinery import ModuleSpec
 
 MYPY = False
 if MYPY:   # names for the type comments, never imported when the agent starts

@@ -21,7 +21,7 @@ if TYPE_CHECKING:   # annotations only: main imports this module
 
 
 def gpu_count() -> int:
-    import subprocess   # only with GPUs asked for: its imports cost more than preflight
+    import subprocess  # only with GPUs asked for: its imports cost more than preflight
     try:
         r = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL, timeout=timeouts.NVIDIA_SMI)
