@@ -18,6 +18,7 @@ import paramiko
 from orchestrator import arrays, hostcmd, hostsetup, timeouts
 from orchestrator import state as job_state
 from orchestrator.arrays import ArrayRecord
+from orchestrator.bundle import bundle
 from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.connect import (
     Bastions,
@@ -91,6 +92,8 @@ class Session:
         if self.connector is None:
             check_local_files(hosts)
         bastions = Bastions()   # one connection per bastion, shared by its hosts
+        bundle()   # built once here: the hosts' threads would each build it (lru_cache
+        # does not hold them back), 64 builds of ~40 ms of CPU at 64 hosts
 
         def one(h: Host) -> Link:
             link = self._open(h, config, bastions)
