@@ -1,0 +1,88 @@
+"""Controller logic behind the phase faults (tests/test_e2e_phasefaults.py), over the
+in-process fake agent: `orch status` after an `up` that was killed once its launch
+request had reached the hosts, so that no state was saved, still tells the truth."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from fake_agent import FakeTransport
+from orchestrator import protocol
+from orchestrator.commands import status as status_cmd
+from orchestrator.errors import EXIT_HOST, EXIT_OK, HostError, UsageError
+from orchestrator.session import Session
+
+INVENTORY = """name: killed
+hosts:
+  - {address: localhost, connection: local, remote_dir: /r0, procs: 2}
+  - {address: localhost, connection: local, remote_dir: /r1, procs: 1}
+job: {entrypoint: job.py}
+"""
+
+
+def use_hosts(monkeypatch: pytest.MonkeyPatch, ranks: dict[int, dict] | None,
+              down: int | None = None) -> list[dict]:
+    """Every host answers `status` with `ranks` (rank -> info; None: nothing ever ran
+    there); host `down` cannot be reached. Returns the requests the hosts got."""
+    seen: list[dict] = []
+
+    def status(chan, msg: dict) -> None:
+        seen.append(msg)
+        rows = [dict({"rank": r, "state": "not started", "last_line": "", "pid": None,
+                      "log_bytes": None}, **(ranks or {}).get(r, {})) for r in msg["ranks"]]
+        sup = {"pid": 99, "run_id": "x"} if ranks else None
+        chan.push(protocol.reply(msg["id"], {"supervisor": sup, "host_exit": None,
+                                             "time": time.time(), "ranks": rows}))
+
+    def connector(host):
+        if host.index == down:
+            raise HostError(f"{host.label}: connection refused")
+        return FakeTransport(host, {"status": status})
+
+    def open_session(cluster, state=None, hosts=None):
+        return Session(cluster, state, connector=connector).open(hosts)
+    monkeypatch.setattr(status_cmd, "open_session", open_session)
+    return seen
+
+
+def status(tmp_path: Path) -> int:
+    (tmp_path / "cluster.yaml").write_text(INVENTORY)
+    return status_cmd.run(argparse.Namespace(config=str(tmp_path / "cluster.yaml"), file=None,
+                                             json=True))
+
+
+def test_status_without_state_shows_a_job_that_runs(tmp_path: Path, capsys,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    running = {r: {"state": "running", "pid": 100 + r, "started": time.time(),
+                   "last_line": f"rank {r} up"} for r in range(3)}
+    seen = use_hosts(monkeypatch, running)
+    assert not (tmp_path / ".orch").exists()
+    assert status(tmp_path) == EXIT_OK
+    doc = json.loads(capsys.readouterr().out)
+    assert [(r["rank"], r["state"], r["pid"]) for r in doc["ranks"]] == [
+        (0, "running", 100), (1, "running", 101), (2, "running", 102)]
+    # asked at the inventory's job folders, as `orch stop` does without a state
+    assert sorted(m["job_dir"] for m in seen) == ["/r0/killed", "/r1/killed"]
+
+
+def test_status_without_state_or_any_run_says_not_started(tmp_path: Path, capsys,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    use_hosts(monkeypatch, None)
+    with pytest.raises(UsageError, match="has not been started") as err:
+        status(tmp_path)
+    assert err.value.exit_code == 2 and "orch up" in (err.value.hint or "")
+    assert capsys.readouterr().out == ""
+
+
+def test_status_without_state_and_a_host_down_is_exit_3(tmp_path: Path, capsys,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing can be said of the host that did not answer: its ranks are unreachable."""
+    use_hosts(monkeypatch, None, down=1)
+    assert status(tmp_path) == EXIT_HOST
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["state"] for r in doc["ranks"]] == ["not started", "not started", "unreachable"]
+    assert len(doc["unreachable"]) == 1, doc
