@@ -14,6 +14,8 @@ from fake_agent import FakeTransport
 from orchestrator import protocol
 from orchestrator.commands import status as status_cmd
 from orchestrator.errors import EXIT_HOST, EXIT_OK, HostError, UsageError
+from orchestrator.host import status as host_status
+from orchestrator.host.common import job_paths
 from orchestrator.session import Session
 
 INVENTORY = """name: killed
@@ -86,3 +88,16 @@ def test_status_without_state_and_a_host_down_is_exit_3(tmp_path: Path, capsys,
     doc = json.loads(capsys.readouterr().out)
     assert [r["state"] for r in doc["ranks"]] == ["not started", "not started", "unreachable"]
     assert len(doc["unreachable"]) == 1, doc
+
+
+def test_a_rank_no_launch_reached_reads_not_started(tmp_path: Path) -> None:
+    """A host the killed `up` never sent its launch to: `not started`, not `lost`; once a
+    launch reached it, a rank without a pid or a supervisor has vanished: `lost`."""
+    root = tmp_path / "job"
+    for d in ("run", "logs"):
+        (root / d).mkdir(parents=True)
+    p = job_paths(str(root))
+    assert host_status.rank_status(p, 0, 0, None)["state"] == "not started"
+    (root / "run" / "launch.json").write_text("{}")
+    assert host_status.rank_status(p, 0, 0, None)["state"] == "lost"
+    assert host_status.rank_status(p, 0, 0, {"pid": 1})["state"] == "starting"
