@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import stat
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -59,7 +58,7 @@ def make_code(base: Path, files: int, size: int) -> dict[str, str]:
     for i in range(2):
         (base / f"blob{i}.bin").write_bytes(os.urandom(32 * size))
     for i in range(files):
-        write_job(base, f"# module {i}\n" + "x = %r\n" % os.urandom(size // 2).hex(),
+        write_job(base, f"# module {i}\nx = {os.urandom(size // 2).hex()!r}\n",
                   f"pkg/m{i:03d}.py")
     return {str(p.relative_to(base)): sha(p) for p in sorted(base.rglob("*"))
             if p.is_file() and p.name != "cluster.yaml"}
@@ -278,7 +277,8 @@ def test_killed_at_launch(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs)
     def running() -> list[dict] | None:
         code, rows = status(tmp_path, inv)
         return rows if code == 0 and [r["state"] for r in rows] == ["running"] * 2 else None
-    rows = wait_until(running, 30, "status to show both ranks running", step=0.5)
+    rows: list[dict] = wait_until(running, 30, "status to show both ranks running",  # type: ignore[assignment]
+                                  step=0.5)
     before = set(job_pids(hosts, name)[hosts[0].address])
     assert {r["pid"] for r in rows} <= before, (rows, before)
 
