@@ -1,10 +1,15 @@
-"""Controller logic behind the phase faults (tests/test_e2e_phasefaults.py), over the
-in-process fake agent: `orch status` after an `up` that was killed once its launch
-request had reached the hosts, so that no state was saved, still tells the truth."""
+"""The logic behind the phase faults (tests/test_e2e_phasefaults.py) without SSH: `orch
+status` over the in-process fake agent after an `up` that was killed once its launch
+request had reached the hosts (no state saved) still tells the truth; on the host side,
+a rank no launch reached reads `not started`, and a job whose stop was cut short still
+runs while any of its processes lives."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +19,7 @@ from fake_agent import FakeTransport
 from orchestrator import protocol
 from orchestrator.commands import status as status_cmd
 from orchestrator.errors import EXIT_HOST, EXIT_OK, HostError, UsageError
+from orchestrator.host import procs as host_procs
 from orchestrator.host import status as host_status
 from orchestrator.host.common import job_paths
 from orchestrator.session import Session
@@ -101,3 +107,25 @@ def test_a_rank_no_launch_reached_reads_not_started(tmp_path: Path) -> None:
     (root / "run" / "launch.json").write_text("{}")
     assert host_status.rank_status(p, 0, 0, None)["state"] == "lost"
     assert host_status.rank_status(p, 0, 0, {"pid": 1})["state"] == "starting"
+
+
+def test_a_job_runs_while_any_marked_process_lives(tmp_path: Path) -> None:
+    """After a stop cut short, the supervisor is gone but ranks wait out their grace:
+    the job still runs (preflight and launch refuse a second copy beside them)."""
+    root = tmp_path / "job"
+    (root / "run").mkdir(parents=True)
+    p = job_paths(str(root))
+    assert not host_procs.job_running(p)
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, "ORCH_JOB_DIR": p["job"]})
+    try:
+        wait = time.monotonic() + 10
+        while not host_procs.job_running(p) and time.monotonic() < wait:
+            time.sleep(0.02)
+        assert host_procs.job_running(p)
+        other = job_paths(str(tmp_path / "jo"))   # a prefix of the marker is another job
+        assert not host_procs.job_running(other)
+    finally:
+        rank.kill()
+        rank.wait()
+    assert not host_procs.job_running(p)
