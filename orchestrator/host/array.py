@@ -19,7 +19,7 @@ from orchestrator import protocol
 from orchestrator.host.common import AgentError, job_paths, read_json, write_atomic
 from orchestrator.host.follow import open_log, rank_exit, tail_offset
 from orchestrator.host.launch import ALREADY_RUNNING, run_supervisor, start_detached
-from orchestrator.host.procs import proc_start_time, supervisor_alive
+from orchestrator.host.procs import job_running, proc_start_time, supervisor_alive
 
 LINE_CAP = 4096          # bytes of one metrics.csv line sent back
 TAIL_READ = 64 << 10     # how far back from the end the last row is looked for
@@ -44,7 +44,7 @@ def run_launch(req: Any) -> dict[str, Any]:
     """Start the runner (double fork + setsid) and reply with its pid, like `launch`."""
     spec = req.args["spec"]
     p = job_paths(req.args["job_dir"])
-    if supervisor_alive(p):
+    if job_running(p):
         raise AgentError(ALREADY_RUNNING, protocol.USAGE)
     clean(p, spec["tasks"])
     write_atomic(p["jd"], "run/launch.json", json.dumps(spec).encode(), 0o600)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from orchestrator import protocol
 from orchestrator.host import rankexec
 from orchestrator.host.common import AgentError, job_paths, write_atomic
-from orchestrator.host.procs import proc_start_time, supervisor_alive
+from orchestrator.host.procs import job_running, proc_start_time
 
 if TYPE_CHECKING:   # annotations only: main imports this module
     from orchestrator.host.main import Request
@@ -51,7 +51,7 @@ def run(req: Request) -> dict[str, Any]:
     spec holds the job's env (secrets): it is kept in run/launch.json, mode 0600."""
     spec = req.args["spec"]
     p = job_paths(req.args["job_dir"])
-    if supervisor_alive(p):
+    if job_running(p):
         raise AgentError(ALREADY_RUNNING, protocol.USAGE)
     clean_run_dir(p)
     jd = p["jd"]
