@@ -88,8 +88,8 @@ class Stall:
     host's connection is closed, which ends a send blocked on the SSH window and the
     wait for the reply. Progress = a send returned, or any frame from the host."""
 
-    def __init__(self, link: Link, idle: float = timeouts.PUSH_IDLE) -> None:
-        self.link, self.idle = link, idle
+    def __init__(self, link: Link, idle: float | None = None) -> None:
+        self.link, self.idle = link, timeouts.PUSH_IDLE if idle is None else idle
         self.sent = time.monotonic()
         self.fired = False
         self.done = threading.Event()

@@ -4,8 +4,9 @@ test can pull out and plug back in, one host at a time.
     namespace C ("client": orch runs here)      namespace H<i> (host i)
     veth c<i>  10.251.<i>.1/30  <------------>  veth h<i>  10.251.<i>.2/30, sshd on :22
 
-`cut(i)` takes h<i> down: packets to host i are dropped (no reset, no error: TCP waits,
-as over a dead link), the other hosts are untouched; `restore(i)` brings it back.
+C forwards between the hosts (torchrun's rendezvous). `cut(i)` takes h<i> down:
+packets to host i are dropped (no reset, no error: TCP waits, as over a dead link),
+the other hosts are untouched; `restore(i)` brings it back.
 `pause(i)`/`resume(i)` SIGSTOP/SIGCONT host i's sshd and everything under it. The root
 namespace is not touched. Needs root and iproute2. `stop()` ends every sshd (proving the
 pids are gone) and deletes the namespaces, which removes their veths.
@@ -78,6 +79,9 @@ class NsHosts:
         try:
             ip("netns", "add", self.client_ns)
             ip("link", "set", "lo", "up", ns=self.client_ns)
+            # the hosts reach each other (torchrun's rendezvous) through C, which forwards
+            subprocess.run(["ip", "netns", "exec", self.client_ns, "sysctl", "-qw",
+                            "net.ipv4.ip_forward=1"], check=True)
             for h in self.hosts:
                 self._wire(h)
                 self._spawn(h)
@@ -97,6 +101,7 @@ class NsHosts:
         ip("addr", "add", f"{h.address}/30", "dev", v, ns=h.ns)
         ip("link", "set", v, "up", ns=h.ns)
         ip("link", "set", "lo", "up", ns=h.ns)
+        ip("route", "add", f"{NET}.0.0/16", "via", f"{NET}.{h.index}.1", ns=h.ns)
 
     def _spawn(self, h: NsHost) -> None:
         h.home.mkdir(parents=True, exist_ok=True)
