@@ -2,12 +2,15 @@
 points (the `orch` console script and `python -m orchestrator`). No host is contacted."""
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import orchestrator
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "orch"
 SUBCOMMANDS = ("up", "stop", "logs", "status", "split-data")
@@ -72,6 +75,9 @@ def test_console_script_and_module_agree(tmp_path: Path) -> None:
     script, module = run(tmp_path, "--version", entry="script"), run(tmp_path, "--version")
     assert script.returncode == module.returncode == 0, script.stderr + module.stderr
     assert script.stdout == module.stdout and script.stdout.startswith("orch ")
+    # the version is written once (orchestrator/__init__.py); the package metadata reads it
+    assert script.stdout.split() == ["orch", orchestrator.__version__]
+    assert importlib.metadata.version("orch") == orchestrator.__version__
     helped = run(tmp_path, "--help", entry="script")
     assert helped.returncode == 0 and helped.stdout == run(tmp_path, "--help").stdout
 
