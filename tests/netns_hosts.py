@@ -101,7 +101,12 @@ class NsHosts:
         ip("addr", "add", f"{h.address}/30", "dev", v, ns=h.ns)
         ip("link", "set", v, "up", ns=h.ns)
         ip("link", "set", "lo", "up", ns=h.ns)
-        ip("route", "add", f"{NET}.0.0/16", "via", f"{NET}.{h.index}.1", ns=h.ns)
+        self._route(h)
+
+    @staticmethod
+    def _route(h: NsHost) -> None:
+        """To the other hosts through C (the kernel drops it when the veth goes down)."""
+        ip("route", "replace", f"{NET}.0.0/16", "via", f"{NET}.{h.index}.1", ns=h.ns)
 
     def _spawn(self, h: NsHost) -> None:
         h.home.mkdir(parents=True, exist_ok=True)
@@ -125,6 +130,7 @@ class NsHosts:
 
     def restore(self, i: int) -> None:
         ip("link", "set", self.hosts[i].veth[1], "up", ns=self.hosts[i].ns)
+        self._route(self.hosts[i])
 
     def pause(self, i: int) -> None:
         """SIGSTOP the host's sshd and everything under it (its sessions, the agent)."""
@@ -151,7 +157,9 @@ class NsHosts:
         for h in self.hosts:
             if h.paused:
                 self.resume(h.index)
-            ip("link", "set", h.veth[1], "up", ns=h.ns, check=False)
+            if ip("link", "set", h.veth[1], "up", ns=h.ns, check=False).returncode == 0:
+                ip("route", "replace", f"{NET}.0.0/16", "via", f"{NET}.{h.index}.1", ns=h.ns,
+                   check=False)
 
     def stop(self) -> None:
         """Every sshd (and its sessions) ended, then the namespaces deleted; raises if a

@@ -250,8 +250,11 @@ def test_a_host_cut_off_mid_job_is_named_and_stop_finishes_it(net: NsHosts, tmp_
     inv = write_inventory(net, tmp_path, name)
     up = Background(net, tmp_path, "up", str(inv))
     try:
-        wait_until(lambda: sum("ready" in line for line in up.out) >= 2 or up.proc.poll() is not None,
-                   60, "both ranks ready", step=0.05)
+        try:
+            wait_until(lambda: sum("ready" in line for line in up.out) >= 2 or up.proc.poll() is not None,
+                       60, "both ranks ready", step=0.05)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{up.out[-20:]}\n{up.err}") from None
         assert up.proc.poll() is None, up.err
         net.cut(1)
         code, took = up.finish(timeouts.HOST_LOST + 40)
