@@ -3,7 +3,6 @@ points (the `orch` console script and `python -m orchestrator`). No host is cont
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +10,15 @@ from pathlib import Path
 import pytest
 
 import orchestrator
+from helpers import ORCH, orch
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "orch"
 SUBCOMMANDS = ("up", "stop", "logs", "status", "split-data")
 
 
 def run(cwd: Path, *args: str, entry: str = "module") -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "orchestrator"] if entry == "module" else [str(CONSOLE_SCRIPT)]
-    return subprocess.run(argv + list(args), cwd=cwd, capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ), stdin=subprocess.DEVNULL)
+    return orch(cwd, *args, timeout=60,
+                command=ORCH if entry == "module" else [str(CONSOLE_SCRIPT)])
 
 
 def test_help_lists_every_command(tmp_path: Path) -> None:

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_until, write_job
+from helpers import Jobs, assert_nothing_left, orch, wait_until, write_job
 from sshd_cluster import SshdCluster
-from test_e2e_up import Jobs, assert_nothing_left, jobs, orch  # noqa: F401  (jobs: fixture)
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_job
+from helpers import Jobs, assert_nothing_left, write_job
 from sshd_cluster import SshdCluster, free_port, pid_alive
-from test_e2e_up import Jobs, assert_nothing_left, jobs  # noqa: F401
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 HOSTS = 16

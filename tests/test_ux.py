@@ -8,7 +8,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from rich.console import Console
 
 from fake_agent import FakeTransport
+from helpers import orch
 from orchestrator import protocol
 from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
@@ -61,9 +61,7 @@ def test_hint_keeps_the_inventory(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 # ---------------------------------------------------------------- --json
 
 def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return orch(cwd, *args, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
 
 
 def test_json_errors_are_documents_with_the_same_exit_code(tmp_path: Path) -> None:
@@ -243,7 +241,7 @@ def test_started_text_counts_per_host_and_abbreviates() -> None:
 
 # ---------------------------------------------------------------- host side
 
-def job_dir(tmp_path: Path) -> dict:
+def host_job(tmp_path: Path) -> dict:
     root = tmp_path / "job"
     for d in ("run", "logs", "code", "output", "data"):
         (root / d).mkdir(parents=True, exist_ok=True)
@@ -251,7 +249,7 @@ def job_dir(tmp_path: Path) -> dict:
 
 
 def test_last_line_skips_trailing_empty_lines(tmp_path: Path) -> None:
-    p = job_dir(tmp_path)
+    p = host_job(tmp_path)
     Path(p["logs"], "rank-0.log").write_bytes(b"first\nlast words\n\n  \n")
     Path(p["logs"], "rank-1.log").write_bytes(b"")
     assert host_status.last_line(p["jd"], "logs/rank-0.log") == "last words"
@@ -259,7 +257,7 @@ def test_last_line_skips_trailing_empty_lines(tmp_path: Path) -> None:
 
 
 def test_a_rank_ended_by_a_stop_reads_stopped(tmp_path: Path) -> None:
-    p = job_dir(tmp_path)
+    p = host_job(tmp_path)
     run = Path(p["run"])
     (run / "rank-0.exit").write_text(json.dumps({"code": 7, "time": 100.0}))    # failed first
     (run / "rank-1.exit").write_text(json.dumps({"code": -15, "time": 105.0}))  # then stopped
@@ -272,7 +270,7 @@ def test_a_rank_ended_by_a_stop_reads_stopped(tmp_path: Path) -> None:
 
 
 def test_launch_clears_the_previous_runs_records(tmp_path: Path) -> None:
-    p = job_dir(tmp_path)
+    p = host_job(tmp_path)
     old = Path(p["run"], "torchrun", "none_abc", "attempt_0", "0")
     old.mkdir(parents=True)
     (old / "error.json").write_text("{}")
