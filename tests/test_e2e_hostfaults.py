@@ -25,14 +25,22 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import wait_until
+from helpers import (
+    ORCH,
+    assert_nothing_left,
+    job_pids,
+    kill_all,
+    last_sync,
+    orch,
+    wait_until,
+    write_job,
+)
 from netns_hosts import NsHost, NsHosts
 from orchestrator import timeouts
-from sshd_cluster import SshdCluster, pid_alive, pids_with_env
-from test_push import Dataset, last_sync, make_records, sha, split
+from sshd_cluster import SshdCluster, pid_alive
+from test_push import Dataset, make_records, sha, split
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
-ORCH = [sys.executable, "-m", "orchestrator"]
 SLEEP_JOB = """\
 import os, time
 print("rank %s ready" % os.environ["RANK"], flush=True)
@@ -65,13 +73,13 @@ def _heal(request: pytest.FixtureRequest) -> Iterator[None]:
 
 # ---------------------------------------------------------------- helpers
 
-def orch_cmd(net: NsHosts, cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return net.run_in_client(ORCH + list(args), cwd=cwd, capture_output=True, text=True,
-                             timeout=timeout, stdin=subprocess.DEVNULL, env=dict(os.environ))
+def orch_cmd(net: NsHosts, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """orch run in the client namespace, as a user there runs it."""
+    return orch(cwd, *args, run=net.run_in_client)
 
 
 def write_inventory(net: NsHosts, base: Path, name: str, data: Dataset | None = None) -> Path:
-    (base / "job.py").write_text(SLEEP_JOB)
+    write_job(base, SLEEP_JOB)
     doc: dict[str, Any] = {
         "name": name,
         "ssh": {"user": "root", "identity_file": str(net.client_key),
@@ -86,20 +94,9 @@ def write_inventory(net: NsHosts, base: Path, name: str, data: Dataset | None = 
     return path
 
 
-def job_pids(hosts: Sequence[Any], name: str) -> dict[str, list[int]]:
-    return {h.address: pids_with_env(f"ORCH_JOB_DIR={h.remote_dir / name}") for h in hosts}
-
-
-def assert_nothing_left(hosts: Sequence[Any], name: str) -> None:
-    wait_until(lambda: not any(job_pids(hosts, name).values()), 10,
-               f"no process of job {name} left", step=0.1)
-
-
 def kill_job(hosts: Sequence[Any], name: str) -> None:
-    for pids in job_pids(hosts, name).values():
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
+    """A failed test's leftovers (the test has failed already)."""
+    kill_all(job_pids(hosts, name))
 
 
 def complete_files(host: Any, name: str, want: dict[str, str]) -> set[str]:
@@ -235,7 +232,7 @@ def test_a_push_to_a_host_that_goes_silent_ends_and_resumes(
         wait_until(lambda: all(job_pids(net.hosts, name).values()), 30, "both ranks running")
         stop = orch_cmd(net, tmp_path, "stop", "--grace", "1", "-c", str(inv))
         assert stop.returncode == 0, stop.stderr
-        assert_nothing_left(net.hosts, name)
+        assert_nothing_left(net.hosts, name, wait=10)
     finally:
         kill_job(net.hosts, name)
 
@@ -271,7 +268,7 @@ def test_a_host_cut_off_mid_job_is_named_and_stop_finishes_it(net: NsHosts, tmp_
         assert job_pids([cut], name)[cut.address], "the job on the cut-off host should run on"
         stop = orch_cmd(net, tmp_path, "stop", "--grace", "2", "-c", str(inv))
         assert stop.returncode == 0, stop.stdout + stop.stderr
-        assert_nothing_left(net.hosts, name)
+        assert_nothing_left(net.hosts, name, wait=10)
     finally:
         up.kill()
         kill_job(net.hosts, name)
@@ -303,7 +300,7 @@ def test_a_full_disk_is_named_and_the_push_resumes_once_there_is_room(
     make_records(tmp_path / "src", 48, RECORD)
     data = split(tmp_path, tmp_path / "src", 2)
     want = {r: data.host_files([r], 2) for r in (0, 1)}
-    (tmp_path / "job.py").write_text(SLEEP_JOB)
+    write_job(tmp_path, SLEEP_JOB)
     inv = sshd_cluster.write_inventory(
         tmp_path / "cluster.yaml", hosts=list(hosts), name=name,
         top={"data": {"source": str(data.source), "shards": str(data.shards)}})
@@ -313,8 +310,7 @@ def test_a_full_disk_is_named_and_the_push_resumes_once_there_is_room(
     full = type("Full", (), {"address": hosts[1].address, "remote_dir": small_disk})()
     everyone = [hosts[0], full]
     try:
-        up = subprocess.run(ORCH + ["up", "--detach", str(inv)], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=120, stdin=subprocess.DEVNULL)
+        up = orch(tmp_path, "up", "--detach", str(inv))
         report = one_message(up.stderr)
         assert up.returncode == 3, report
         line = next((x for x in up.stderr.splitlines() if "no space left" in x), up.stderr)
@@ -327,16 +323,14 @@ def test_a_full_disk_is_named_and_the_push_resumes_once_there_is_room(
         assert kept and len(kept) < len(want[1]), kept
 
         subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
-        again = subprocess.run(ORCH + ["up", "--detach", str(inv)], cwd=tmp_path,
-                               capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        again = orch(tmp_path, "up", "--detach", str(inv))
         assert again.returncode == 0, again.stderr
         sent = set(last_sync(tmp_path, name)[hosts[1].address]["data"]["sent"])
         assert sent == set(want[1]) - kept, sorted(sent ^ (set(want[1]) - kept))
         assert complete_files(full, name, want[1]) == set(want[1])
         wait_until(lambda: all(job_pids(everyone, name).values()), 30, "both ranks running")
-        stop = subprocess.run(ORCH + ["stop", "--grace", "1", "-c", str(inv)], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        stop = orch(tmp_path, "stop", "--grace", "1", "-c", str(inv))
         assert stop.returncode == 0, stop.stderr
-        assert_nothing_left(everyone, name)
+        assert_nothing_left(everyone, name, wait=10)
     finally:
         kill_job(everyone, name)
