@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Jobs, assert_nothing_left, write_job
+from helpers import Jobs, assert_nothing_left, orch, write_job
 from sshd_cluster import SshdCluster, free_port, pid_alive
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
@@ -85,7 +85,6 @@ def test_a_frozen_host_is_named_and_finished_once_it_is_back(
     """sshd and the agent SIGSTOPped mid-job (the job itself runs on, detached): the
     frozen host is the root cause, the report says it was not stopped and how to finish
     it; status exits 3 while it is away; `orch stop -c` finishes it once it is back."""
-    from test_e2e_up import orch
     hosts, name = sshd_cluster.hosts[:2], "rc-frozen"
     frozen = hosts[1]
     write_job(tmp_path, SLEEP_JOB)
