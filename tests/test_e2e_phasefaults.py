@@ -289,6 +289,8 @@ def test_killed_at_launch(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs)
                                   step=0.5)
     before = set(job_pids(hosts, name)[hosts[0].address])
     assert {r["pid"] for r in rows} <= before, (rows, before)
+    logs = orch(tmp_path, "logs", "-c", str(inv), "--rank", "1")   # found without the state too
+    assert logs.returncode == 0 and "rank 1 running" in logs.stdout, logs.stdout + logs.stderr
 
     again = orch(tmp_path, "up", str(inv))
     assert again.returncode == 2, again.stderr

@@ -17,6 +17,8 @@ import pytest
 
 from fake_agent import FakeTransport
 from orchestrator import protocol
+from orchestrator.commands import common as common_cmd
+from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
 from orchestrator.errors import EXIT_HOST, EXIT_OK, HostError, UsageError
 from orchestrator.host import procs as host_procs
@@ -54,6 +56,7 @@ def use_hosts(monkeypatch: pytest.MonkeyPatch, ranks: dict[int, dict] | None,
     def open_session(cluster, state=None, hosts=None):
         return Session(cluster, state, connector=connector).open(hosts)
     monkeypatch.setattr(status_cmd, "open_session", open_session)
+    monkeypatch.setattr(common_cmd, "open_session", open_session)   # open_job (logs)
     return seen
 
 
@@ -84,6 +87,18 @@ def test_status_without_state_or_any_run_says_not_started(tmp_path: Path, capsys
         status(tmp_path)
     assert err.value.exit_code == 2 and "orch up" in (err.value.hint or "")
     assert capsys.readouterr().out == ""
+
+
+def test_logs_without_state_or_any_run_says_not_started(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`orch logs` asks the hosts as `status` does, on the same agents (one login)."""
+    seen = use_hosts(monkeypatch, None)
+    (tmp_path / "cluster.yaml").write_text(INVENTORY)
+    args = argparse.Namespace(config=str(tmp_path / "cluster.yaml"), file=None, json=False,
+                              rank=1, task=None, follow=False, tail=-1, list=False)
+    with pytest.raises(UsageError, match="has not been started") as err:
+        logs_cmd.run(args)
+    assert err.value.exit_code == 2 and [m["t"] for m in seen] == ["status"]
 
 
 def test_status_without_state_and_a_host_down_is_exit_3(tmp_path: Path, capsys,

@@ -17,6 +17,7 @@ from rich.console import Console
 from fake_agent import FakeTransport
 from helpers import orch
 from orchestrator import protocol
+from orchestrator.commands import common as common_cmd
 from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
 from orchestrator.errors import EXIT_HOST, HostError
@@ -142,11 +143,11 @@ def fake_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     (tmp_path / "cluster.yaml").write_text(INVENTORY)
     cluster = parse(INVENTORY, tmp_path / "cluster.yaml")
     for mod in (status_cmd, logs_cmd):
-        monkeypatch.setattr(mod, "require_state", lambda c: state_of(c))
+        monkeypatch.setattr(mod, "saved_state", lambda c: state_of(c))
 
     def use(last_line: str = "", down: int | None = None) -> None:
         factory = fake_session_factory(tmp_path, last_line, down)
-        for mod in (status_cmd, logs_cmd):
+        for mod in (status_cmd, logs_cmd, common_cmd):   # common: open_job
             monkeypatch.setattr(mod, "open_session", factory)
     return cluster, use
 

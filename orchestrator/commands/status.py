@@ -9,18 +9,18 @@ from rich.table import Table
 from rich.text import Text
 
 from orchestrator import arrays
-from orchestrator import state as job_state
 from orchestrator.commands.common import (
     console,
     emit_json,
     inventory,
     open_session,
+    require_a_run,
     require_state,
+    saved_state,
     unreachable,
     warn_unreachable,
 )
-from orchestrator.connect import GroupResult
-from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
+from orchestrator.errors import EXIT_HOST, EXIT_OK
 from orchestrator.inventory import Cluster
 from orchestrator.results import status_rows
 from orchestrator.termsafe import plain, visible
@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
         result = session.status()
     finally:
         session.close()
-    if st is None and not session.failed and not result.failed and not ran(result):
-        require_state(cluster)   # no state and no trace of a run on any host: not started
+    if st is None:
+        require_a_run(session, result)
     failed = dict(session.failed)
     failed.update(result.failed)
     rows = []
@@ -69,25 +69,6 @@ def run(args: argparse.Namespace) -> int:
     # a host that cannot be reached: its ranks' state is unknown, not "lost"
     missing = failed or session.failed or len(result.ok) < len(session.links)
     return EXIT_HOST if missing else EXIT_OK
-
-
-def saved_state(cluster: Cluster) -> job_state.JobState | None:
-    """The state `up` saved; None when there is none. An `up` killed after its launch
-    request reached the hosts saved no state, yet the job runs: the hosts are asked at
-    the inventory's job folders all the same. A damaged state is still refused."""
-    try:
-        return require_state(cluster)
-    except job_state.StateDamaged:
-        raise
-    except UsageError:
-        return None
-
-
-def ran(result: GroupResult[dict[str, Any]]) -> bool:
-    """Whether any host holds a trace of a run: a supervisor, its exit, a rank's pid."""
-    return any(reply.get("supervisor") or reply.get("host_exit")
-               or any(r.get("pid") is not None for r in reply["ranks"])
-               for reply in result.ok.values())
 
 
 def row(rank: int, host: str, local: int, info: dict[str, Any], offset: float) -> dict[str, Any]:
