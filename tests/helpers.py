@@ -8,6 +8,7 @@ fault_servers.py, fake_agent.py); the fixtures themselves are in conftest.py.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any, Callable, Protocol
 
-from sshd_cluster import pids_with_env
+from sshd_cluster import pid_alive, pids_with_env
 
 ORCH = [sys.executable, "-m", "orchestrator"]
 PREFIXED = re.compile(r"^\[r(\d+) (\S+)\] (.*)$")
@@ -166,6 +167,24 @@ def assert_nothing_left(hosts: Sequence[JobHost], name: str, wait: float = 0.0,
     """No process of job `name` on any of hosts. Without `kill`, the `jobs` fixture's
     teardown stops what is left (`orch stop`, then SIGKILL)."""
     assert_no_job_left([job_dir(h, name) for h in hosts], wait=wait, kill=kill)
+
+
+def file_sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def agents_of(job_dirs: Iterable[Path | str]) -> list[int]:
+    """Live orch agents serving any of these job folders (their argv names the folder)."""
+    dirs = {str(d).encode() for d in job_dirs}
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"orch-agent" in argv and dirs & set(argv) and pid_alive(pid):
+            found.append(pid)
+    return found
 
 
 def kill_all(pids_by_host: dict) -> None:

@@ -28,6 +28,7 @@ import yaml
 from helpers import (
     ORCH,
     assert_nothing_left,
+    file_sha,
     job_pids,
     kill_all,
     last_sync,
@@ -38,7 +39,7 @@ from helpers import (
 from netns_hosts import NsHost, NsHosts
 from orchestrator import timeouts
 from sshd_cluster import SshdCluster, pid_alive
-from test_push import Dataset, make_records, sha, split
+from test_push import Dataset, make_records, split
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 SLEEP_JOB = """\
@@ -113,7 +114,7 @@ def complete_files(host: Any, name: str, want: dict[str, str]) -> set[str]:
                 continue
             rel = re.sub(r"^\.orch-staging-\d+/", "", rel)
             with contextlib.suppress(FileNotFoundError):   # renamed into place meanwhile
-                if path.stat().st_size == RECORD and sha(path) == want.get(rel):
+                if path.stat().st_size == RECORD and file_sha(path) == want.get(rel):
                     done.add(rel)
     return done
 
@@ -123,7 +124,7 @@ def real_names_are_whole(host: Any, name: str, want: dict[str, str]) -> None:
     for path in data.rglob("*"):
         rel = str(path.relative_to(data))
         if path.is_file() and not LEFTOVER.search(rel):
-            assert want.get(rel) == sha(path), f"{host.address}: {rel} is not a whole shard file"
+            assert want.get(rel) == file_sha(path), f"{host.address}: {rel} is not a whole shard file"
 
 
 def shaped(net: NsHosts, h: NsHost, rate: str | None) -> None:

@@ -11,7 +11,6 @@ tests/test_push.py (interrupted push) and tests/test_e2e_lifecycle.py (reattach)
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -24,14 +23,17 @@ import pytest
 from helpers import (
     Jobs,
     Running,
+    agents_of,
     assert_nothing_left,
+    file_sha,
+    job_dir,
     job_pids,
     kill_all,
     orch,
     wait_until,
     write_job,
 )
-from sshd_cluster import FakeHost, SshdCluster, pid_alive, pids_with_env
+from sshd_cluster import FakeHost, SshdCluster, pids_with_env
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
@@ -51,14 +53,6 @@ LEFTOVER = (".orch-part-", ".orch-staging-")
 
 # ---------------------------------------------------------------- helpers
 
-def job_dir(host: FakeHost, name: str) -> Path:
-    return host.remote_dir / name
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def make_code(base: Path, files: int, size: int) -> dict[str, str]:
     """job.py, two big top-level files (written beside: .orch-part-) and pkg/ with many
     files (a new folder: staged). Returns rel -> sha256 of everything pushed."""
@@ -68,7 +62,7 @@ def make_code(base: Path, files: int, size: int) -> dict[str, str]:
     for i in range(files):
         write_job(base, f"# module {i}\nx = {os.urandom(size // 2).hex()!r}\n",
                   f"pkg/m{i:03d}.py")
-    return {str(p.relative_to(base)): sha(p) for p in sorted(base.rglob("*"))
+    return {str(p.relative_to(base)): file_sha(p) for p in sorted(base.rglob("*"))
             if p.is_file() and p.name != "cluster.yaml"}
 
 
@@ -79,7 +73,7 @@ def host_files(root: Path) -> dict[str, str]:
         for n in names:
             p = Path(top, n)
             assert stat.S_ISREG(os.lstat(p).st_mode), f"{p}: not a plain file"
-            out[str(p.relative_to(root))] = sha(p)
+            out[str(p.relative_to(root))] = file_sha(p)
     return out
 
 
@@ -89,17 +83,8 @@ def leftovers(hosts: Sequence[FakeHost], name: str) -> list[str]:
 
 
 def agents(hosts: Sequence[FakeHost], name: str) -> list[int]:
-    """Live agents serving this job on these hosts (their argv names the job folder)."""
-    dirs = {str(job_dir(h, name)).encode() for h in hosts}
-    found = []
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"orch-agent" in argv and dirs & set(argv) and pid_alive(pid):
-            found.append(pid)
-    return found
+    """Live agents serving this job on these hosts."""
+    return agents_of(job_dir(h, name) for h in hosts)
 
 
 def every_agent(run: Running, hosts: Sequence[FakeHost], name: str) -> list[int]:
@@ -172,7 +157,7 @@ def setup(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs, name: str,
           hosts: Sequence[FakeHost], procs: int = 1, files: int = 0, size: int = 0,
           stubborn: bool = False, top: dict | None = None) -> tuple[Path, Path, dict[str, str]]:
     go = tmp_path / "go"
-    want = make_code(tmp_path, files, size) if files else {"job.py": sha(write_job(tmp_path, JOB))}
+    want = make_code(tmp_path, files, size) if files else {"job.py": file_sha(write_job(tmp_path, JOB))}
     paths = sorted({rel.split("/")[0] for rel in want})
     inv = sshd_cluster.write_inventory(
         tmp_path / "cluster.yaml", hosts=list(hosts), procs=procs, name=name,

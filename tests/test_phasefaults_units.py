@@ -15,16 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from fake_agent import FakeTransport
+from fake_agent import session_factory
 from orchestrator import protocol
 from orchestrator.commands import common as common_cmd
 from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
-from orchestrator.errors import EXIT_HOST, EXIT_OK, HostError, UsageError
+from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
 from orchestrator.host import procs as host_procs
 from orchestrator.host import status as host_status
 from orchestrator.host.common import job_paths
-from orchestrator.session import Session
 
 INVENTORY = """name: killed
 hosts:
@@ -48,13 +47,7 @@ def use_hosts(monkeypatch: pytest.MonkeyPatch, ranks: dict[int, dict] | None,
         chan.push(protocol.reply(msg["id"], {"supervisor": sup, "host_exit": None,
                                              "time": time.time(), "ranks": rows}))
 
-    def connector(host):
-        if host.index == down:
-            raise HostError(f"{host.label}: connection refused")
-        return FakeTransport(host, {"status": status})
-
-    def open_session(cluster, state=None, hosts=None):
-        return Session(cluster, state, connector=connector).open(hosts)
+    open_session = session_factory({"status": status}, down)
     monkeypatch.setattr(status_cmd, "open_session", open_session)
     monkeypatch.setattr(common_cmd, "open_session", open_session)   # open_job (logs)
     return seen

@@ -28,9 +28,18 @@ from typing import Callable
 
 import pytest
 
-from helpers import ORCH, assert_nothing_left, job_dir, last_sync, orch, wait_until
+from helpers import (
+    ORCH,
+    agents_of,
+    assert_nothing_left,
+    file_sha,
+    job_dir,
+    last_sync,
+    orch,
+    wait_until,
+)
 from orchestrator import bundle, protocol, splitdata
-from sshd_cluster import FakeHost, SshdCluster, pid_alive
+from sshd_cluster import FakeHost, SshdCluster
 
 PROCS = [1, 2, 1]   # host 0: rank 0, host 1: ranks 1 and 2, host 2: rank 3
 WORLD = sum(PROCS)
@@ -52,23 +61,6 @@ print("DATA " + json.dumps({"rank": int(rank), "dir": data, "files": files}), fl
 
 # ---------------------------------------------------------------- helpers
 
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def receivers_of(dest: Path) -> list[int]:
-    """Live agents serving the job whose data/ is dest (their argv names the job dir)."""
-    found = []
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"orch-agent" in argv and str(dest.parent).encode() in argv and pid_alive(pid):
-            found.append(pid)
-    return found
-
-
 def tree(root: Path) -> dict[str, tuple[str, str | None]]:
     """Every entry under root: rel -> (kind, sha256 of a regular file). Links are
     reported as links, never followed: the host must hold real files."""
@@ -81,7 +73,7 @@ def tree(root: Path) -> dict[str, tuple[str, str | None]]:
             if stat.S_ISLNK(mode):
                 out[rel] = ("link", None)
             elif stat.S_ISREG(mode):
-                out[rel] = ("file", sha(p))
+                out[rel] = ("file", file_sha(p))
             elif stat.S_ISDIR(mode):
                 out[rel] = ("dir", None)
             else:
@@ -138,7 +130,7 @@ def split(base: Path, source: Path, workers: int) -> Dataset:
     expected = {}
     for rank, shard in enumerate(manifest["splits"][str(workers)]["shards"]):
         assert shard["name"] == f"worker_{rank}_of_{workers}"
-        expected[rank] = {rel: sha(source / rel) for rel, _size in shard["files"]}
+        expected[rank] = {rel: file_sha(source / rel) for rel, _size in shard["files"]}
     return Dataset(base, source, shards, expected)
 
 
@@ -256,7 +248,7 @@ def test_file_changed_on_host_is_sent_again(pushed: Pushed) -> None:
     assert report[host.address]["data"]["deleted"] == 0
     for other in (pushed.hosts[0], pushed.hosts[2]):
         assert report[other.address]["data"]["files"] == 0
-    assert sha(victim) == pushed.data.expected[2][victim_rel]
+    assert file_sha(victim) == pushed.data.expected[2][victim_rel]
     assert stray.read_bytes() == b"not part of the split"
     stray.unlink()
     check_hosts(pushed.data, pushed.hosts, PROCS, pushed.name)
@@ -319,7 +311,7 @@ def test_interrupted_push_resends_only_what_is_missing(
     for h in hosts:
         dest = job_dir(h, name) / "data"
         # wait_until calls the lambda before the next iteration: the late binding is harmless
-        wait_until(lambda: not receivers_of(dest), 10, f"the receiver on {h.address} to end")  # noqa: B023
+        wait_until(lambda: not agents_of([dest.parent]), 10, f"the receiver on {h.address} to end")  # noqa: B023
     assert_nothing_left(hosts, name, wait=10, kill=True)
     missing = {h.address: sorted(set(data.host_files(r, 2).items()) - set(remote_data(h, name).items()))
                for h, r in zip(hosts, ranks_of(procs))}

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from fake_agent import FakeTransport
+from fake_agent import session_factory
 from helpers import orch
 from orchestrator import protocol
 from orchestrator.commands import common as common_cmd
 from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
-from orchestrator.errors import EXIT_HOST, HostError
+from orchestrator.errors import EXIT_HOST
 from orchestrator.follow import PrefixPrinter
 from orchestrator.host import launch as host_launch
 from orchestrator.host import procs as host_procs
@@ -28,7 +28,6 @@ from orchestrator.host import status as host_status
 from orchestrator.host.common import job_paths
 from orchestrator.inventory import parse
 from orchestrator.liveline import ERASE, LiveLine, started_text
-from orchestrator.session import Session
 from orchestrator.state import HostState, JobState
 from orchestrator.words import hint_cmd, plural
 
@@ -118,14 +117,7 @@ def fake_session_factory(tmp_path: Path, last_line: str, down: int | None):
         chan.push(protocol.reply(msg["id"], {"supervisor": None, "host_exit": None,
                                              "time": time.time(), "ranks": ranks}))
 
-    def connector(host):
-        if host.index == down:
-            raise HostError(f"{host.label}: connection refused")
-        return FakeTransport(host, {"status": status})
-
-    def open_session(cluster, state=None, hosts=None):
-        return Session(cluster, state, connector=connector).open(hosts)
-    return open_session
+    return session_factory({"status": status}, down)
 
 
 def state_of(cluster) -> JobState:
