@@ -46,3 +46,10 @@ def read_json(jd: JobDir, rel: str) -> Any:
 
 def write_atomic(jd: JobDir, rel: str, data: bytes, mode: int = 0o600) -> None:
     jd.write_file(rel, data, mode)
+
+
+class StreamIdle(EOFError):
+    """No byte of a receive stream for RECEIVE_IDLE seconds: the controller is gone (a
+    frozen or cut connection that sshd has not noticed). An EOFError: the agent ends.
+    (Here, not in files.py where it is raised: the agent's main catches it without
+    importing files.py before a push needs it.)"""

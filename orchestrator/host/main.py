@@ -18,7 +18,7 @@ import time
 from typing import Any, BinaryIO, Callable, cast
 
 from orchestrator import protocol
-from orchestrator.host.common import AgentError
+from orchestrator.host.common import AgentError, StreamIdle
 from orchestrator.host.paths import UnsafePath
 
 # request -> (module of orchestrator.host, function). A module is imported at its first
@@ -88,6 +88,8 @@ def serve(req: Request) -> None:
             req.out.send(protocol.reply(req.id, body))
     except (BrokenPipeError, KeyboardInterrupt):
         os._exit(1)   # the controller is gone
+    except StreamIdle:
+        raise   # the stream stopped half way: no later frame can be read; the agent ends
     except Exception as e:  # every failure becomes an error reply naming its command
         category = e.category if isinstance(e, AgentError) else protocol.HOST
         known = isinstance(e, (AgentError, UnsafePath))   # messages written for the user
