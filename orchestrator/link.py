@@ -68,6 +68,7 @@ class Link:
         self.argv_label = label
         self.python_fallback = False        # python3 when `python:` is missing (setup makes it)
         self.chan: Channel | None = None
+        self.boot: threading.Thread | None = None   # writes the loader and the bundle
         self.wlock = threading.RLock()
         self.plock = threading.Lock()
         self.pending: dict[int, Pending] = {}
@@ -91,8 +92,11 @@ class Link:
         self.chan = self.transport.open(argv, timeout)
         self.chan.settimeout(None)   # the reader thread waits; callers time out on events
         threading.Thread(target=self._read, daemon=True, name=f"link-{self.name}").start()
-        with self.wlock:
-            self.chan.write(agent_stdin())
+        # written beside: the bundle (~170 KiB with its bytecode) is more than a pipe
+        # holds, and a login shell that never reads its stdin must not block us here
+        self.boot = threading.Thread(target=self._write_boot, daemon=True,
+                                     name=f"boot-{self.name}")
+        self.boot.start()
         if not self.started.wait(timeout):
             self.close()
             raise HostError(f"{self.name}: the agent did not start within {timeout:g} s "
@@ -101,6 +105,16 @@ class Link:
         if self.dead:
             raise self.dead
         return self.hello or {}
+
+    def _write_boot(self) -> None:
+        """The loader and the bundle; requests queue behind them on the write lock (the
+        hello, which start() waits for, comes only after the agent read all of it)."""
+        assert self.chan is not None
+        try:
+            with self.wlock:
+                self.chan.write(agent_stdin())
+        except Exception:  # the channel is gone: the reader reports why
+            pass
 
     def _read(self) -> None:
         assert self.chan is not None
@@ -267,6 +281,8 @@ class Link:
     # ------------------------------------------------------------ outgoing
 
     def send(self, data: bytes | memoryview) -> None:
+        while self.boot is not None and self.boot.is_alive() and not self.dead:
+            self.boot.join(0.05)   # behind the bundle, unless the host is found broken
         if self.dead:
             raise self.dead
         assert self.chan is not None
@@ -310,6 +326,11 @@ class Link:
     def close(self, wait: float = timeouts.CLOSE) -> None:
         """End the agent: its stdin closes, it finishes a running stop, then exits."""
         if self.chan is None:
+            return
+        if self.boot is not None and self.boot.is_alive():
+            # the host never read its bundle (no agent runs there): closing its stdin
+            # would wait behind the blocked write; closing the channel ends both
+            self.chan.close()
             return
         if self.dead:
             wait = 0.0
