@@ -100,9 +100,9 @@ def first_stop(bed: Bed) -> float:
     return min(times, default=float("inf"))
 
 
-def orch_up(inv: Path, **kw: object) -> subprocess.Popen:
+def orch_up(inv: Path) -> subprocess.Popen:
     return subprocess.Popen([str(ORCH), "up", "-c", str(inv)], env=orch_env(), cwd=inv.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def crash_env(bed: Bed, name: str) -> dict:
