@@ -8,8 +8,8 @@
     - serial: the 12 tasks one after another (interleaved with the next arm per model, so
       that a change in the machine's load weighs on both);
     - orch array: ``orch up`` of a generated cluster.yaml whose ``job.array`` matrix is the
-      same 12 tasks on one local host with procs: 2 (reported 'not available' while orch
-      refuses ``job.array``);
+      same 12 tasks on one local host with procs: 2; each task's accuracy comes from
+      ``orch results --json`` (the last row of the metrics.csv the task wrote);
     - 2 at a time (subprocess): the same commands, two running at any moment (a task starts
       when a slot frees; longest first), labelled as such: it measures what the array
       arm should reach.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -158,8 +159,10 @@ job:
     return path
 
 
-def orch_arm(args: argparse.Namespace, root: Path, data: Path) -> tuple[float | None, str]:
-    """(wall seconds, note) of ``orch up`` on the array inventory; None when unsupported."""
+def orch_arm(args: argparse.Namespace, root: Path, data: Path,
+             tasks: list[Task]) -> tuple[float | None, str]:
+    """(wall seconds, note) of ``orch up`` on the array inventory (None when it failed);
+    each task's accuracy from ``orch results --json``."""
     arm_root = root / "orch"
     arm_root.mkdir()
     cfg = array_yaml(args, arm_root, root / "demo", data)
@@ -172,6 +175,16 @@ def orch_arm(args: argparse.Namespace, root: Path, data: Path) -> tuple[float | 
         return None, f"not available (orch up exit 2: {first[0] if first else ''})"
     if done.returncode:
         return None, f"failed (orch up exit {done.returncode})"
+    results = subprocess.run([str(ORCH), "results", "-c", str(cfg), "--json"], env=env1(),
+                             capture_output=True, text=True, cwd=arm_root, timeout=600)
+    if results.returncode:
+        return None, f"failed (orch results exit {results.returncode}: {results.stderr.strip()[:200]})"
+    def key(p: dict[str, str]) -> tuple[str, str, str]:
+        return p["model"], p["lr-schedule"], p["fold"]
+    by_params = {key(r["params"]): r for r in json.loads(results.stdout)["tasks"]}
+    for task in tasks:
+        row = by_params[(task.model, task.schedule, str(task.fold))]
+        task.acc["orch"] = float(row["metrics"].get("val_acc", "nan"))
     return wall, "orch up with job.array"
 
 
@@ -236,13 +249,15 @@ def kfold_tables(tasks: list[Task], walls: dict[str, float], orch_note: str,
     par = walls["pair"]
     lines.append(f"| 2 at a time (subprocess fallback) | {par:.1f} s | "
                  f"{serial / par:.2f}x faster ({par / serial:.2f} of serial) |")
-    lines += ["", "| model | schedule | fold | serial acc | 2-at-a-time acc | difference | "
-              "serial task s | 2-at-a-time task s |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | schedule | fold | serial acc | orch array acc | 2-at-a-time acc | "
+              "largest difference | serial task s | 2-at-a-time task s |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for t in tasks:
-        diff = t.acc["pair"] - t.acc["serial"]
+        orch_acc = t.acc.get("orch", float("nan"))
+        diff = max(abs(t.acc["pair"] - t.acc["serial"]), abs(orch_acc - t.acc["serial"]))
         lines.append(f"| {t.model} | {t.schedule} | {t.fold} | {t.acc['serial']:.4f} | "
-                     f"{t.acc['pair']:.4f} | {diff:+.4f} | {t.seconds['serial']:.1f} | "
-                     f"{t.seconds['pair']:.1f} |")
+                     f"{orch_acc:.4f} | {t.acc['pair']:.4f} | {diff:.4f} | "
+                     f"{t.seconds['serial']:.1f} | {t.seconds['pair']:.1f} |")
     lines += ["", "| model | schedule | mean accuracy over the 3 folds (serial) |", "|---|---|---|"]
     for m in MODELS:
         for s in SCHEDULES:
@@ -283,13 +298,15 @@ def main() -> int:
     p.add_argument("--hogwild-runs", type=int, default=3, help="runs per process count")
     p.add_argument("--hogwild-per-class", type=int, default=300)
     p.add_argument("--skip-kfold", action="store_true")
+    p.add_argument("--skip-hogwild", action="store_true")
     args = p.parse_args()
     report = [f"# bench/kfold_hogwild.py ({os.cpu_count()} cores)", ""]
     with tempfile.TemporaryDirectory(prefix="orch-bench-array-") as tmp:
         root = Path(tmp)
         if not args.skip_kfold:
             report += kfold_part(args, root / "kfold")
-        report += hogwild_part(args, root / "hogwild")
+        if not args.skip_hogwild:
+            report += hogwild_part(args, root / "hogwild")
     text = "\n".join(report) + "\n"
     print(text)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -312,7 +329,7 @@ def kfold_part(args: argparse.Namespace, root: Path) -> list[str]:
         for arm, slots in ((("serial", 1), ("pair", 2)) if i % 2 == 0 else (("pair", 2), ("serial", 1))):
             walls[arm] += run_arm(arm, chunk, slots, args, data, root)
             print(f"{model}: {arm} {walls[arm]:.1f} s so far", flush=True)
-    orch_wall, orch_note = orch_arm(args, root, data)
+    orch_wall, orch_note = orch_arm(args, root, data, tasks)
     if orch_wall is not None:
         walls["orch"] = orch_wall
     print(f"orch array: {orch_note}", flush=True)

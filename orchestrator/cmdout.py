@@ -10,6 +10,7 @@ from collections import deque
 from typing import BinaryIO
 
 from orchestrator import termsafe
+from orchestrator.link import Stream
 
 MAX_LINE = 64 << 10  # a longer line without a newline is printed in pieces
 TAIL_LINE = 400  # characters of a line kept for a message
@@ -42,8 +43,9 @@ def _isatty(out: BinaryIO) -> bool:
         return False
 
 
-class HostOutput:
-    """Feed it the pieces of one host's output; it prints whole lines as they complete."""
+class HostOutput(Stream):
+    """Feed it the pieces of one host's output; it prints whole lines as they complete.
+    As a link's stream, it gets its request's command output."""
 
     def __init__(self, printer: Printer, prefix: str, tail: int = 10, keep: int = 0) -> None:
         self.printer, self.prefix = printer, prefix.encode("utf-8", "replace") + b" "
@@ -51,6 +53,9 @@ class HostOutput:
         self.last: deque[bytes] = deque(maxlen=tail)
         self.keep, self.kept, self.dropped = keep, bytearray(), 0
         self.lock = threading.Lock()
+
+    def output(self, data: bytes) -> None:
+        self.feed(data)
 
     def feed(self, data: bytes) -> None:
         with self.lock:

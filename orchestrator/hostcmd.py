@@ -41,7 +41,7 @@ def submit_all(
     failed: dict[int, BaseException] = {}
     for i, link in links.items():
         try:
-            id, p = link.submit(command, stream=outputs[i].feed, **fields(i))
+            id, p = link.submit(command, stream=outputs[i], **fields(i))
             running[i] = Running(link, id, p, outputs[i])
         except Exception as e:  # that host's link is gone: reported with the others
             failed[i] = e

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from orchestrator import protocol, timeouts
 from orchestrator.bundle import agent_argv, agent_stdin, bundle
@@ -20,12 +20,33 @@ from orchestrator.errors import HostError, OrchError, for_category
 from orchestrator.transport import Channel, Transport
 
 # From a host: JSON, output and command-output frames within their caps, and file-data
-# frames (only while a pull's stream is open, checked in _dispatch).
+# frames (only while a pull's stream is open, checked in _stream).
 CAPS_IN = {protocol.JSON: protocol.MAX_JSON, protocol.DATA: protocol.MAX_DATA,
            protocol.OUTPUT: protocol.MAX_OUTPUT + protocol.RANK.size,
            protocol.STREAM_OUT: protocol.MAX_OUTPUT + protocol.RANK.size}
 QUIET_SHELL = ("make the login shell quiet for non-interactive sessions (print nothing in "
                "~/.bashrc, ~/.profile or /etc/profile.d when $- has no `i`)")
+
+
+class Stream:
+    """What a host sends for one request before its reply, in the link's reader thread:
+    the output of the command it runs (setup, exec: `S` frames with the request's id) or
+    a pull's parts and file data. A receiver overrides what its request produces; all
+    else from the host is a breach (ProtocolError ends the link)."""
+
+    takes_data = False   # file-data frames carry no id: one such stream at a time per link
+
+    def output(self, data: bytes) -> None:
+        raise protocol.ProtocolError("command output for a request that runs no command")
+
+    def part(self, kind: str, body: dict[str, Any]) -> None:
+        raise protocol.ProtocolError(f"a stream part {kind!r} for a request that streams none")
+
+    def data(self, payload: bytes | bytearray) -> None:
+        raise protocol.ProtocolError("file data while nothing is pulled")
+
+
+NO_STREAM = Stream()
 
 
 @dataclass
@@ -37,7 +58,6 @@ class Pending:
     parts: list[Any] = field(default_factory=list)
     body: dict[str, Any] | None = None
     error: OrchError | None = None
-    stream: Any = None      # a pull's receiver: its parts and data frames go there
     received: float = 0.0               # our clock when the reply arrived (clock samples)
 
 
@@ -53,10 +73,9 @@ class Link:
         self.pending: dict[int, Pending] = {}
         self.ids = itertools.count(1)
         self.sink: Any = None               # follow events go here (see follow.Sink)
-        self.stream: Any = None             # the open pull stream's receiver (pull.Receiver)
         self.follow_id: int | None = None
         self.follow_ranks: frozenset[int] = frozenset()
-        self.streams: dict[int, Callable[[bytes], None]] = {}   # request id -> its output
+        self.streams: dict[int, Stream] = {}   # request id -> what the host streams for it
         self.hello: dict[str, Any] | None = None
         self.started = threading.Event()
         self.dead: OrchError | None = None
@@ -159,12 +178,10 @@ class Link:
 
     def _dispatch(self, kind: bytes, payload: bytes | bytearray) -> None:
         if kind == protocol.DATA:
-            if self.stream is None:
-                raise protocol.ProtocolError("file data while nothing is pulled")
-            self.stream.data(payload)
-            return
+            return self._stream(None).data(payload)
         if kind == protocol.STREAM_OUT:
-            return self._command_output(payload)
+            id, _, data = protocol.split_output(payload)
+            return self._stream(id).output(bytes(data))
         if kind == protocol.OUTPUT:
             rank, partial, data = protocol.split_output(payload)
             if self.sink is None or rank not in self.follow_ranks:
@@ -180,13 +197,13 @@ class Link:
         else:
             raise protocol.ProtocolError(f"unexpected message {t!r}")
 
-    def _command_output(self, payload: bytes | bytearray) -> None:
-        id, _, data = protocol.split_output(payload)
+    def _stream(self, id: int | None) -> Stream:
+        """The stream of request `id`; for file data (no id), the one that takes data.
+        None open: NO_STREAM, which refuses everything."""
         with self.plock:
-            to = self.streams.get(id)
-        if to is None:
-            raise protocol.ProtocolError(f"command output for request {id}, which runs no command")
-        to(data)
+            if id is None:
+                return next((s for s in self.streams.values() if s.takes_data), NO_STREAM)
+            return self.streams.get(id, NO_STREAM)
 
     def _answer(self, t: str, msg: dict[str, Any]) -> None:
         with self.plock:
@@ -198,8 +215,8 @@ class Link:
         what = f"the reply to `{p.command}`"
         if t == "part":
             protocol.check(msg, {"kind": str, "body": dict}, what)
-            if p.stream is not None and msg["kind"] in protocol.PULL_STREAM:
-                p.stream.part(msg["kind"], protocol.check(
+            if msg["kind"] in protocol.PULL_STREAM:
+                self._stream(msg["id"]).part(msg["kind"], protocol.check(
                     msg["body"], protocol.PULL_STREAM[msg["kind"]], what))
                 return
             if msg["kind"] not in protocol.PARTS or len(p.parts) >= protocol.MAX_PARTS:
@@ -227,8 +244,6 @@ class Link:
         with self.plock:
             self.pending.pop(id, None)
             self.streams.pop(id, None)
-        if p.stream is not None:
-            self.stream = None
         p.done.set()
 
     def _event(self, t: str, msg: dict[str, Any]) -> None:
@@ -263,32 +278,22 @@ class Link:
         with self.wlock:
             self.chan.write(data)
 
-    def submit(self, command: str, stream: Callable[[bytes], None] | None = None,
+    def submit(self, command: str, stream: Stream | None = None,
                **fields: Any) -> tuple[int, Pending]:
-        """Send a request; its Pending fills in when the reply comes. `stream` gets the
-        output of the command it runs (setup, exec), piece by piece, until the reply."""
+        """Send a request; its Pending fills in when the reply comes. `stream` gets what
+        the host streams for it until the reply (a command's output, a pull's files)."""
         if self.dead:
             raise self.dead
         id, p = next(self.ids), Pending(command)
         with self.plock:
+            if stream is not None and stream.takes_data:
+                assert not any(s.takes_data for s in self.streams.values()), \
+                    "one file-data stream at a time per link"
             self.pending[id] = p
             if stream is not None:
                 self.streams[id] = stream
         self.send(protocol.request(command, id, **fields))
         return id, p
-
-    def submit_stream(self, command: str, stream: Any, **fields: Any) -> Pending:
-        """A request whose reply is preceded by a stream of parts and file data (a
-        pull): they go to `stream`, in this link's reader thread. One at a time."""
-        if self.dead:
-            raise self.dead
-        assert self.stream is None, "one stream at a time per link"
-        id, p = next(self.ids), Pending(command, stream=stream)
-        with self.plock:
-            self.pending[id] = p
-        self.stream = stream
-        self.send(protocol.request(command, id, **fields))
-        return p
 
     def wait(self, p: Pending, timeout: float | None) -> dict[str, Any]:
         if not p.done.wait(timeout):

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from orchestrator import protocol, timeouts
 from orchestrator.errors import HostError, UsageError
-from orchestrator.link import Link, Pending
+from orchestrator.link import Link, Pending, Stream
 from orchestrator.localfiles import DigestCache
 from orchestrator.pulldest import Dest, Refused, Writing
 from orchestrator.words import hint_cmd
@@ -151,11 +151,13 @@ def check_space(dest: Dest, fetch: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------- the stream
 
-class Receiver:
+class Receiver(Stream):
     """The pull stream's sink, called in the link's reader thread. A breach of the
     stream (a name not asked for, more bytes than announced) raises ProtocolError,
     which ends the link; a file that cannot be written here is noted and its bytes
     dropped, and the stream goes on."""
+
+    takes_data = True
 
     def __init__(self, dest: Dest, wanted: dict[str, Any], cache: DigestCache, report: PullReport,
                  progress: Progress | None) -> None:
@@ -206,7 +208,7 @@ class Receiver:
             self.out.abandon()
             self.out = None
 
-    def data(self, payload: bytes) -> None:
+    def data(self, payload: bytes | bytearray) -> None:
         with self.lock:
             if self.rel is None or len(payload) > self.left:
                 raise protocol.ProtocolError("pull: file data beyond the announced size")
@@ -278,7 +280,7 @@ def batches(names: list[str]) -> list[list[str]]:
 def receive(link: Link, job_dir: str, rx: Receiver) -> None:
     for names in batches(sorted(rx.wanted)):
         link.last_seen = time.monotonic()
-        p = link.submit_stream("pull_send", rx, job_dir=job_dir, files=names)
+        _, p = link.submit("pull_send", stream=rx, job_dir=job_dir, files=names)
         try:
             wait_stream(link, p)
         except BaseException:   # host lost, an error reply, Ctrl-C: no half file stays

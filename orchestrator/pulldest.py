@@ -152,7 +152,7 @@ class Writing:
     def __init__(self, dest: Dest, rel: str, pfd: int, name: str, tmp: str, fd: int) -> None:
         self.dest, self.rel, self.pfd, self.name, self.tmp, self.fd = dest, rel, pfd, name, tmp, fd
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(self.fd, view):]

@@ -7,6 +7,8 @@ host writes each file beside its final name, checks the digest, then renames.
 """
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,6 +19,7 @@ from orchestrator.localfiles import DigestCache, LocalFile, code_files  # noqa: 
 from orchestrator.words import hint_cmd
 
 BATCH = 1 << 20
+STALL_STEP = 1 << 18   # bytes per send between two progress stamps (13 KB/s at PUSH_IDLE)
 Progress = Callable[[int, int], None]   # (bytes, files) just sent
 
 
@@ -79,6 +82,55 @@ def stream_files(send: Callable[[bytes | memoryview], None], files: list[LocalFi
         progress(len(batch), pending)
 
 
+class Stall:
+    """A push's watchdog: when the host takes no byte and sends no frame for `idle`
+    seconds (sshd frozen, link cut: TCP itself may wait a quarter of an hour), the
+    host's connection is closed, which ends a send blocked on the SSH window and the
+    wait for the reply. Progress = a send returned, or any frame from the host."""
+
+    def __init__(self, link: Link, idle: float | None = None) -> None:
+        self.link, self.idle = link, timeouts.PUSH_IDLE if idle is None else idle
+        self.sent = time.monotonic()
+        self.fired = False
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True,
+                                       name=f"push-stall-{link.name}")
+
+    def __enter__(self) -> Stall:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def send(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        for i in range(0, len(view), STALL_STEP):   # progress on a slow link too
+            self.link.send(view[i:i + STALL_STEP])
+            self.sent = time.monotonic()
+
+    def quiet(self) -> float:
+        return time.monotonic() - max(self.sent, self.link.last_seen)
+
+    def _watch(self) -> None:
+        while not self.done.wait(min(0.5, self.idle / 4)):
+            if self.quiet() > self.idle:
+                self.fired = True
+                try:
+                    self.link.transport.close()   # unblocks the sender and the reader
+                except Exception:  # closing is best effort; the host is gone either way
+                    pass
+                return
+
+    def error(self, dest: str) -> HostError:
+        return HostError(f"{self.link.name}: the push to {dest} stalled: the host took no "
+                         f"data and sent nothing for {self.idle:g} s (frozen, or its network "
+                         "is down); nothing was started on any host",
+                         hint=f"once the host answers again, run `{hint_cmd(None, 'up')}`: the "
+                              "files that landed are kept, only the rest is sent")
+
+
 def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | None = None,
          remote: dict[str, list[Any]] | None = None) -> SyncReport:
     """Make `dest` on the host hold exactly `local` (by content); send only differences.
@@ -90,15 +142,31 @@ def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | Non
     send, delete = plan(local, remote)
     if not send and not delete:
         return SyncReport(0, 0, 0, ())
+    with Stall(link) as stall:
+        try:
+            reply = stream_and_wait(link, stall, dest, send, delete, progress)
+        except Exception:
+            if stall.fired:
+                raise stall.error(dest) from None
+            raise
+    return SyncReport(reply["files"], reply["bytes"], reply["deleted"],
+                      tuple(f.rel for f in send))
+
+
+def stream_and_wait(link: Link, stall: Stall, dest: str, send: list[LocalFile],
+                    delete: list[str], progress: Progress | None) -> dict[str, Any]:
     try:
         with link.wlock:   # the stream follows its request with nothing in between
             _, pending = link.submit("receive", root=dest)
-            stream_files(link.send, send, progress)
+            stream_files(stall.send, send, progress)
             link.send(protocol.stream_item("end", delete=delete))
     except (OSError, EOFError) as e:
         raise HostError(f"{link.name}: push to {dest} broke off: {e}",
                         hint=f"run `{hint_cmd(None, 'up')}` again: only what is missing "
                              "will be sent") from None
-    reply = link.wait(pending, timeouts.SYNC)
-    return SyncReport(reply["files"], reply["bytes"], reply["deleted"],
-                      tuple(f.rel for f in send))
+    stall.sent = time.monotonic()
+    deadline = time.monotonic() + timeouts.SYNC
+    # the stall watchdog ends a silent host sooner (its reader then fails the wait)
+    while not pending.done.wait(0.5) and time.monotonic() < deadline:
+        pass
+    return link.wait(pending, max(0.0, deadline - time.monotonic()))

@@ -11,6 +11,8 @@ PREFLIGHT = 60.0            # preflight's reply (at least 3x ssh.connect_timeout
 # CPU, and on a loaded one 128 logins of a heavy shell took 70 s (pdsh waits as long)
 PER_HOST = 0.5
 SYNC = 600.0                # one host's push (the reply after the last byte)
+PUSH_IDLE = 20.0            # a push: no byte taken by the host and no frame from it for this
+                            # long (sshd frozen, link cut): the host is lost, the push ends
 LAUNCH = 60.0               # the supervisor's pid after the spec was sent
 STATUS = 30.0               # `orch status`
 ERROR_FILE = 15.0           # fetching torchrun's error file for the root cause
@@ -33,6 +35,9 @@ CANCEL = 15.0               # Ctrl-C during setup or exec: the hosts' replies af
 HEARTBEAT = 1.0             # a follow sends a heartbeat this often; HOST_LOST relies on it
 STOP_VERIFY = 5.0           # after SIGKILL: how long a stop waits for the kernel to reap
 NVIDIA_SMI = 20.0           # preflight's `nvidia-smi -L`
+RECEIVE_IDLE = 30.0         # a receive stream: no byte from the controller for this long and
+                            # the receiver keeps what landed and ends (its controller is gone)
+RECEIVE_LOCK = RECEIVE_IDLE + 10.0   # a new push waits this long for such a receiver to end
 PROBE = 60.0                # after setup: the configured python's torch and entrypoint check
 COMMAND_DRAIN = 2.0         # setup/exec: output still read after the command ended (a background child)
 COMMAND_GRACE = 3.0         # setup/exec cancelled: SIGTERM -> SIGKILL of its process group

@@ -1,18 +1,14 @@
-"""Shared fixtures: a session-wide fake SSH cluster (tests/sshd_cluster.py) and helpers
-to prove that no process of a job is left behind."""
+"""Shared fixtures: a session-wide fake SSH cluster (tests/sshd_cluster.py), the `jobs`
+teardown; the markers. Helper functions are in tests/helpers.py."""
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Callable
 
 import pytest
 
-from sshd_cluster import FakeHost, SshdCluster, free_port, pid_alive, pids_with_env, ssh_cmd  # noqa: F401
+from helpers import TORCHRUN_VARS, Jobs
+from sshd_cluster import FakeHost, SshdCluster, free_port, pid_alive
 
 CLUSTER_SIZE = 4
 
@@ -22,12 +18,21 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "ssh: end-to-end test against the fake sshd cluster (slow)")
 
 
+# The markers follow from the fixtures a test uses (directly or through another fixture):
+# one that starts sshd makes it an `ssh` test; one that runs a whole job or trains makes
+# it `slow`. A test that does either without these fixtures is marked by hand.
+SSHD_FIXTURES = {"sshd_cluster", "untrusted_host", "netns", "big_cluster"}
+JOB_FIXTURES = {"jobs", "pushed", "torchrun"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that uses the fake cluster starts sshd: it is an `ssh` test, marked or not
-    (`make test-fast` leaves those out)."""
+    """`make test-fast` leaves out `ssh` and `slow` tests."""
     for item in items:
-        if "sshd_cluster" in getattr(item, "fixturenames", ()):
+        used = set(getattr(item, "fixturenames", ()))
+        if used & SSHD_FIXTURES:
             item.add_marker(pytest.mark.ssh)
+        if used & JOB_FIXTURES:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -76,29 +81,21 @@ def untrusted_host(sshd_cluster: SshdCluster) -> FakeHost:
     return sshd_cluster.add_host(trusted=False)
 
 
-def write_job(tmp_path: Path, source: str, name: str = "job.py") -> Path:
-    """Write a job script (dedented by the caller if needed) and return its path."""
-    path = Path(tmp_path) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(source)
-    return path
+@pytest.fixture
+def jobs(request: pytest.FixtureRequest) -> Iterator[Jobs]:
+    """Register every job a test starts: at teardown, what is left of it is stopped and
+    the test fails (unless it already failed for another reason)."""
+    failed_before = request.session.testsfailed
+    registry = Jobs()
+    yield registry
+    problems = registry.cleanup()
+    # A test that already failed has said what went wrong; its leftovers are cleaned anyway.
+    if request.session.testsfailed == failed_before:
+        assert not problems, "\n".join(problems)
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str,
-               step: float = 0.05) -> object:
-    """Poll until predicate() is truthy; its value, or AssertionError after timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def kill_all(pids_by_host: dict) -> None:
-    """SIGKILL every pid of {host: [pids]} (a test's own leftovers, after it failed)."""
-    for pids in pids_by_host.values():
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+@pytest.fixture
+def single(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No torchrun variables: worker.train runs as one process, without a process group."""
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)

@@ -7,11 +7,13 @@ import queue
 import struct
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from orchestrator import protocol
 from orchestrator.bundle import agent_stdin, bundle
+from orchestrator.errors import HostError
 from orchestrator.inventory import Host
+from orchestrator.session import Session
 from orchestrator.transport import Channel, Transport
 
 Handler = Callable[["FakeChannel", dict], None]
@@ -98,3 +100,17 @@ def later(seconds: float, fn: Callable[[], None]) -> None:
     timer = threading.Timer(seconds, fn)
     timer.daemon = True
     timer.start()
+
+
+def session_factory(handlers: dict[str, Callable[[FakeChannel, dict], None]],
+                    down: int | None = None) -> Callable[..., Any]:
+    """`open_session` for the commands (monkeypatched in): in-process agents answering
+    with `handlers`; host `down` cannot be reached."""
+    def connector(host: Any) -> FakeTransport:
+        if host.index == down:
+            raise HostError(f"{host.label}: connection refused")
+        return FakeTransport(host, handlers)
+
+    def open_session(cluster: Any, state: Any = None, hosts: Any = None) -> Session:
+        return Session(cluster, state, connector=connector).open(hosts)
+    return open_session

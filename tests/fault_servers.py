@@ -12,6 +12,7 @@ import contextlib
 import socket
 import struct
 import threading
+from collections.abc import Iterator
 from typing import Callable
 
 import paramiko
@@ -95,16 +96,27 @@ def reset_at_once(conn: socket.socket, stop: threading.Event) -> None:
     reset(conn)
 
 
+def _chunks(conn: socket.socket, *stops: threading.Event) -> Iterator[bytes]:
+    """What conn receives, chunk by chunk, until the peer closes, a socket error, or one of
+    `stops` is set (polled every 0.2 s: a blocked recv() would not notice it)."""
+    conn.settimeout(0.2)
+    while not any(e.is_set() for e in stops):
+        try:
+            data = conn.recv(65536)
+        except socket.timeout:
+            continue
+        except OSError:
+            return
+        if not data:
+            return
+        yield data
+
+
 def banner_then_stall(conn: socket.socket, stop: threading.Event) -> None:
     """Sends an SSH banner, reads what the client sends, never answers the key exchange."""
     conn.sendall(BANNER)
-    conn.settimeout(0.2)
-    while not stop.is_set():
-        try:
-            if not conn.recv(65536):
-                return
-        except socket.timeout:
-            continue
+    for _ in _chunks(conn, stop):
+        pass
 
 
 class _StallAuth(paramiko.ServerInterface):
@@ -119,37 +131,37 @@ class _StallAuth(paramiko.ServerInterface):
         return AUTH_FAILED
 
 
-def auth_stall(host_key: paramiko.PKey) -> Callable[[socket.socket, threading.Event], None]:
-    """A real SSH server (paramiko's) whose authentication never answers."""
+class _RefuseAuth(_StallAuth):
+    def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
+        return AUTH_FAILED
+
+
+def _ssh_server(host_key: paramiko.PKey, interface: type[_StallAuth]
+                ) -> Callable[[socket.socket, threading.Event], None]:
+    """A real SSH server (paramiko's) whose logins `interface` answers, until stop."""
     def behaviour(conn: socket.socket, stop: threading.Event) -> None:
         t = paramiko.Transport(conn)
         t.add_server_key(host_key)
         try:
-            t.start_server(server=_StallAuth(stop))
+            t.start_server(server=interface(stop))
             stop.wait()
         finally:
             t.close()
     return behaviour
+
+
+def auth_stall(host_key: paramiko.PKey) -> Callable[[socket.socket, threading.Event], None]:
+    """A real SSH server (paramiko's) whose authentication never answers."""
+    return _ssh_server(host_key, _StallAuth)
 
 
 def refuse_auth(host_key: paramiko.PKey) -> Callable[[socket.socket, threading.Event], None]:
     """A real SSH server (paramiko's) that refuses every key."""
-    class Refuse(_StallAuth):
-        def check_auth_publickey(self, username: str, key: paramiko.PKey) -> int:
-            return AUTH_FAILED
-
-    def behaviour(conn: socket.socket, stop: threading.Event) -> None:
-        t = paramiko.Transport(conn)
-        t.add_server_key(host_key)
-        try:
-            t.start_server(server=Refuse(stop))
-            stop.wait()
-        finally:
-            t.close()
-    return behaviour
+    return _ssh_server(host_key, _RefuseAuth)
 
 
-def reset_proxy(upstream: tuple[str, int], after_bytes: int):
+def reset_proxy(upstream: tuple[str, int], after_bytes: int
+                ) -> Callable[[socket.socket, threading.Event], None]:
     """Relays to a real sshd; resets both sides once the client sent `after_bytes`
     (past the login, while a command's input is being sent)."""
     def behaviour(conn: socket.socket, stop: threading.Event) -> None:
@@ -158,16 +170,7 @@ def reset_proxy(upstream: tuple[str, int], after_bytes: int):
         done = threading.Event()
 
         def pump(src: socket.socket, dst: socket.socket, count: bool) -> None:
-            src.settimeout(0.2)
-            while not (stop.is_set() or done.is_set()):
-                try:
-                    data = src.recv(65536)
-                except socket.timeout:
-                    continue
-                except OSError:
-                    break
-                if not data:
-                    break
+            for data in _chunks(src, stop, done):
                 if count:
                     sent[0] += len(data)
                     if sent[0] > after_bytes:

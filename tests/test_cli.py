@@ -2,21 +2,23 @@
 points (the `orch` console script and `python -m orchestrator`). No host is contacted."""
 from __future__ import annotations
 
-import os
+import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import orchestrator
+from helpers import ORCH, orch
+
 CONSOLE_SCRIPT = Path(sys.executable).parent / "orch"
 SUBCOMMANDS = ("up", "stop", "logs", "status", "split-data")
 
 
 def run(cwd: Path, *args: str, entry: str = "module") -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "orchestrator"] if entry == "module" else [str(CONSOLE_SCRIPT)]
-    return subprocess.run(argv + list(args), cwd=cwd, capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ), stdin=subprocess.DEVNULL)
+    return orch(cwd, *args, timeout=60,
+                command=ORCH if entry == "module" else [str(CONSOLE_SCRIPT)])
 
 
 def test_help_lists_every_command(tmp_path: Path) -> None:
@@ -72,6 +74,9 @@ def test_console_script_and_module_agree(tmp_path: Path) -> None:
     script, module = run(tmp_path, "--version", entry="script"), run(tmp_path, "--version")
     assert script.returncode == module.returncode == 0, script.stderr + module.stderr
     assert script.stdout == module.stdout and script.stdout.startswith("orch ")
+    # the version is written once (orchestrator/__init__.py); the package metadata reads it
+    assert script.stdout.split() == ["orch", orchestrator.__version__]
+    assert importlib.metadata.version("orch") == orchestrator.__version__
     helped = run(tmp_path, "--help", entry="script")
     assert helped.returncode == 0 and helped.stdout == run(tmp_path, "--help").stdout
 

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_until, write_job
+from helpers import Jobs, assert_nothing_left, orch, wait_until, write_job
 from sshd_cluster import SshdCluster
-from test_e2e_up import Jobs, assert_nothing_left, jobs, orch  # noqa: F401  (jobs: fixture)
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
@@ -144,3 +143,55 @@ def test_array_stop_and_fail_fast(sshd_cluster: SshdCluster, tmp_path: Path,
     assert "--fail-fast: stopping" in ff.stderr
     assert_nothing_left(hosts, name)
     assert not traces(tmp_path / "ff") or all(t["task"] < 4 for t in traces(tmp_path / "ff"))
+
+
+RANK_TASK = r'''
+import json, os, time
+rank = int(os.environ["RANK"])
+rec = {k: os.environ.get(k) for k in ("ORCH_TASK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                      "ORCH_OUTPUT_DIR", "MASTER_PORT")}
+rec["data"] = sorted(os.listdir(os.environ["ORCH_DATA_DIR"]))
+rec["start"] = time.time()
+time.sleep(0.5)
+rec["end"] = time.time()
+if rank == 0:
+    with open(os.path.join(os.environ["ORCH_OUTPUT_DIR"], "metrics.csv"), "w") as f:
+        f.write("val_acc\n0.%s\n" % os.environ["ORCH_TASK"])
+with open(os.path.join(os.environ["TRACE"], "task-%s-rank-%d.json" % (os.environ["ORCH_TASK"], rank)), "w") as f:
+    json.dump(rec, f)
+print("rank", rank, "of task", os.environ["ORCH_TASK"], flush=True)
+'''
+
+
+def test_procs_per_task_2_is_a_small_torchrun_per_task(sshd_cluster: SshdCluster, tmp_path: Path,
+                                                       jobs: Jobs) -> None:
+    """procs_per_task: 2 on one host with procs 2: each task is a torchrun of 2 ranks
+    (WORLD_SIZE 2), the tasks run one after another, rank r reads worker_<r>_of_2."""
+    host, name = sshd_cluster.hosts[0], "e2e-array-ppt"
+    write_job(tmp_path, RANK_TASK, "task.py")
+    (tmp_path / "trace").mkdir()
+    shards = []
+    for r in range(2):
+        (tmp_path / "shards" / f"worker_{r}_of_2").mkdir(parents=True)
+        (tmp_path / "shards" / f"worker_{r}_of_2" / "x.bin").write_bytes(b"x" * 10)
+        shards.append({"name": f"worker_{r}_of_2", "bytes": 10, "files": [["x.bin", 10]]})
+    (tmp_path / "shards" / "manifest.json").write_text(json.dumps({"version": 1, "splits": {"2": {
+        "kind": "files", "source": str(tmp_path), "seed": 0, "shards": shards}}}))
+    inv = sshd_cluster.write_inventory(
+        tmp_path / "cluster.yaml", hosts=[host], procs=[2], name=name, entrypoint="task.py",
+        code_paths=["task.py"], env={"TRACE": str(tmp_path / "trace")},
+        top={"job": {"array": {"matrix": {"fold": [0, 1]}, "procs_per_task": 2}},
+             "data": {"shards": "shards"}})
+    jobs.add(inv, [host], name)
+    up = orch(tmp_path, "up", str(inv), timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    recs = traces(tmp_path)
+    assert sorted((r["ORCH_TASK"], r["RANK"]) for r in recs) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert {(r["WORLD_SIZE"], r["LOCAL_WORLD_SIZE"]) for r in recs} == {("2", "2")}
+    assert all(r["data"] == ["worker_0_of_2", "worker_1_of_2"] for r in recs)
+    spans = {t: (min(r["start"] for r in recs if r["ORCH_TASK"] == t),
+                 max(r["end"] for r in recs if r["ORCH_TASK"] == t)) for t in ("0", "1")}
+    assert most_at_once(list(spans.values())) == 1, f"2 slots hold one 2-process task at a time: {spans}"
+    res = json.loads(orch(tmp_path, "results", "-c", str(inv), "--json").stdout)
+    assert [r["metrics"] for r in res["tasks"]] == [{"val_acc": "0.0"}, {"val_acc": "0.1"}]
+    assert_nothing_left([host], name)

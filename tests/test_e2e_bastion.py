@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import wait_until, write_job
+import helpers
+from helpers import job_pids, wait_until, write_job
 from netns_cluster import HIDDEN, LINK, NetnsCluster
-from sshd_cluster import pid_alive, pids_with_env
+from sshd_cluster import pid_alive
 
 pytestmark = pytest.mark.ssh
 BASTION = f"root@{LINK}.2"
@@ -53,13 +54,7 @@ def inventory(netns: NetnsCluster, path: Path, name: str, proxy_jump: object | N
 def orch(netns: NetnsCluster, cwd: Path, *args: str, ssh_config: Path | None = None,
          timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, ORCH_SSH_CONFIG=str(ssh_config or os.devnull))
-    return netns.run_in_client([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env,
-                               capture_output=True, text=True, timeout=timeout,
-                               stdin=subprocess.DEVNULL)
-
-
-def job_pids(netns: NetnsCluster, name: str) -> dict[str, list[int]]:
-    return {h.address: pids_with_env(f"ORCH_JOB_DIR={h.remote_dir / name}") for h in netns.hosts}
+    return helpers.orch(cwd, *args, env=env, timeout=timeout, run=netns.run_in_client)
 
 
 def test_direct_connection_to_hidden_hosts_fails(netns: NetnsCluster, tmp_path: Path) -> None:
@@ -78,7 +73,7 @@ def test_up_logs_stop_through_the_bastion(netns: NetnsCluster, tmp_path: Path) -
     try:
         up = orch(netns, tmp_path, "up", "-c", str(inv), "--detach")
         assert up.returncode == 0, up.stderr
-        wait_until(lambda: all(job_pids(netns, name).values()), 30, "both ranks running")
+        wait_until(lambda: all(job_pids(netns.hosts, name).values()), 30, "both ranks running")
 
         # the same job, reached through ~/.ssh/config's ProxyJump instead of the inventory's
         config = tmp_path / "ssh_config"
@@ -108,9 +103,9 @@ def test_up_logs_stop_through_the_bastion(netns: NetnsCluster, tmp_path: Path) -
         stop = orch(netns, tmp_path, "stop", "-c", str(inv), "--grace", "1")
         assert stop.returncode == 0, stop.stderr
         assert f"job '{name}' stopped on 2 hosts" in stop.stderr
-        assert not any(job_pids(netns, name).values())
+        assert not any(job_pids(netns.hosts, name).values())
     finally:
-        for pids in job_pids(netns, name).values():
+        for pids in job_pids(netns.hosts, name).values():
             for pid in pids:
                 os.kill(pid, 9)
 

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 import fault_servers as fs
+from helpers import ORCH, orch
 from sshd_cluster import SshdCluster
 
 # Each case runs the CLI against SSH servers and waits out connect timeouts: not for
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.ssh
 
 TIMEOUT = 2          # connect_timeout in the inventories
 BOUND_S = 20         # whole command, python start-up included, on a loaded 2-core machine
-ORCH = [sys.executable, "-m", "orchestrator"]
+
 _octet = iter(range(60, 120))
 
 
@@ -77,9 +78,7 @@ def write_inventory(path: Path, address: str, port: int, key: Path, known_hosts:
 def run(cwd: Path, *args: str, env: dict | None = None,
         prefix: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    result = subprocess.run(list(prefix) + ORCH + list(args), cwd=cwd, capture_output=True,
-                            text=True, timeout=120, env=env or dict(os.environ),
-                            stdin=subprocess.DEVNULL)
+    result = orch(cwd, *args, env=env, command=[*prefix, *ORCH])
     return result, time.monotonic() - start
 
 

@@ -13,25 +13,17 @@ Jobs are plain Python (no torch import); each test proves no process of its job 
 """
 from __future__ import annotations
 
-import json
 import os
-import stat
-import subprocess
-import sys
-import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import kill_all
+from helpers import assert_no_job_left, last_sync, orch, plant_link, snapshot
 from orchestrator import splitdata
-from sshd_cluster import SshdCluster, pids_with_env
+from sshd_cluster import SshdCluster
 
-pytestmark = pytest.mark.ssh
-
-ORCH = [sys.executable, "-m", "orchestrator"]
+pytestmark = [pytest.mark.ssh, pytest.mark.slow]  # every test runs `orch up`
 
 # Writes what training code writes into its working folder, once (a second run keeps the
 # first run's bytes, so the test can tell a kept file from a rewritten one).
@@ -48,44 +40,6 @@ print("HELPER " + helper.WORD, flush=True)
 """
 OUTPUTS = ["lightning_logs/version_0/checkpoints/epoch=0.ckpt", "snapshot.pt", "__pycache__/x.pyc"]
 PLAIN_JOB = 'import os\nprint("JOBDIR " + os.environ["ORCH_JOB_DIR"] + " CWD " + os.getcwd(), flush=True)\n'
-
-
-def orch(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(ORCH + list(args), cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ), stdin=subprocess.DEVNULL)
-
-
-def assert_no_job_left(job_dirs: Sequence[Path]) -> None:
-    """No process carries the job's marker (a finished supervisor may take a moment);
-    leftovers are killed so later tests are not disturbed, and the test fails."""
-    def left() -> dict[str, list[int]]:
-        found = {str(d): pids_with_env(f"ORCH_JOB_DIR={d}") for d in job_dirs}
-        return {d: p for d, p in found.items() if p}
-    deadline = time.monotonic() + 10
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    stray = left()
-    kill_all(stray)
-    assert not stray, f"processes of the job are left: {stray}"
-
-
-def snapshot(root: Path) -> dict:
-    """Every entry under root (root included): kind, bytes or link target, mode, mtime."""
-    out: dict[str, tuple[object, ...]] = {}
-    entries = [root, *sorted(root.rglob("*"))] if root.is_dir() else [root]
-    for p in entries:
-        st = os.lstat(p)
-        if stat.S_ISLNK(st.st_mode):
-            out[str(p)] = ("link", os.readlink(p))
-        elif stat.S_ISREG(st.st_mode):
-            out[str(p)] = ("file", p.read_bytes(), st.st_mode, st.st_mtime_ns)
-        else:
-            out[str(p)] = ("dir", st.st_mode)
-    return out
-
-
-def last_sync(base: Path, name: str) -> dict:
-    return json.loads((base / ".orch" / name / "last_sync.json").read_text())
 
 
 # ---------------------------------------------------------------- (a) the job's own files
@@ -166,9 +120,7 @@ def test_a_link_planted_in_the_job_folder_is_refused_and_not_followed(
     inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=[host], procs=1,
                                        name=name, top=top)
     job = host.remote_dir / name
-    link = job / where
-    link.parent.mkdir(parents=True, exist_ok=True)
-    link.symlink_to(victims / PLANTED[where])
+    link = plant_link(job, where, victims / PLANTED[where])
 
     res = orch(tmp_path, "up", str(inv))
     assert res.returncode == 3, res.stdout[-2000:] + res.stderr

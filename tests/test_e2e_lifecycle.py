@@ -17,20 +17,19 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_job
-from sshd_cluster import SshdCluster, pid_alive, pids_with_env
-from test_e2e_up import (  # noqa: F401
+from helpers import (
     ORCH,
     Jobs,
     assert_nothing_left,
     job_dir,
     job_pids,
-    jobs,
     marker,
     orch,
     prefixed,
     wait_until,
+    write_job,
 )
+from sshd_cluster import SshdCluster, pid_alive, pids_with_env
 
 pytestmark = pytest.mark.ssh
 
@@ -146,7 +145,7 @@ def test_stop_ends_process_trees_and_nothing_else(sshd_cluster: SshdCluster, tmp
     marked = {p for pids in job_pids(hosts, name).values() for p in pids}
     assert len(children) == 8 and set(children) <= marked, "children carry the job's marker"
     jd = job_dir(hosts[0], name)
-    other = start_other_job(f"{jd}/code/job.py", jd + "-other", name)
+    other = start_other_job(f"{jd}/code/job.py", f"{jd}-other", name)
     try:
         stop = orch(tmp_path, "stop", str(inv), "--grace", "2")
         assert stop.returncode == 0, stop.stderr

@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 
-from conftest import wait_until, write_job
+from helpers import Jobs, assert_nothing_left, job_dir, orch, sessions_of, wait_until, write_job
 from sshd_cluster import SshdCluster
-from test_e2e_up import Jobs, assert_nothing_left, job_dir, jobs, orch, sessions_of  # noqa: F401  (jobs: the fixture)
 
 WRITER_JOB = """\
 import os

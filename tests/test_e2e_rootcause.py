@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_job
+from helpers import Jobs, assert_nothing_left, orch, write_job
 from sshd_cluster import SshdCluster, free_port, pid_alive
-from test_e2e_up import Jobs, assert_nothing_left, jobs  # noqa: F401
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 HOSTS = 16
@@ -86,7 +85,6 @@ def test_a_frozen_host_is_named_and_finished_once_it_is_back(
     """sshd and the agent SIGSTOPped mid-job (the job itself runs on, detached): the
     frozen host is the root cause, the report says it was not stopped and how to finish
     it; status exits 3 while it is away; `orch stop -c` finishes it once it is back."""
-    from test_e2e_up import orch
     hosts, name = sshd_cluster.hosts[:2], "rc-frozen"
     frozen = hosts[1]
     write_job(tmp_path, SLEEP_JOB)

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import write_job
+from helpers import Jobs, Running, assert_nothing_left, orch, sessions_of, write_job
 from sshd_cluster import FakeHost, SshdCluster, pids_with_env
-from test_e2e_up import Jobs, Running, assert_nothing_left, jobs, orch, sessions_of  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.ssh
 PY = sys.executable

@@ -4,24 +4,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import write_job
+from helpers import Jobs, assert_nothing_left, orch, write_job
 from sshd_cluster import SshdCluster, pid_alive
-from test_e2e_up import Jobs, assert_nothing_left, jobs  # noqa: F401  (fixture)
 
 JOB = "import os\nprint('master', os.environ['MASTER_ADDR'], 'rank', os.environ['RANK'])\n"
 pytestmark = pytest.mark.ssh
-
-
-def run_orch(cwd: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 
 def bare_inventory(cluster: SshdCluster, tmp_path: Path, name: str, addresses: list[str]) -> Path:
@@ -47,7 +40,7 @@ def test_ssh_config_alias_user_port_and_key(sshd_cluster: SshdCluster, tmp_path:
     inv = bare_inventory(sshd_cluster, tmp_path, "e2e-sshconfig", ["node0", "node1"])
     jobs.add(inv, hosts, "e2e-sshconfig")
     env = dict(os.environ, ORCH_SSH_CONFIG=str(config))
-    up = run_orch(tmp_path, env, "up", str(inv))
+    up = orch(tmp_path, "up", str(inv), env=env)
     assert up.returncode == 0, up.stderr
     # the alias was resolved: MASTER_ADDR is the HostName, which the other host can reach
     assert f"[r1 node1] master {hosts[0].address} rank 1" in up.stdout
@@ -75,11 +68,11 @@ def test_key_from_ssh_agent_only(sshd_cluster: SshdCluster, tmp_path: Path, jobs
     jobs.add(inv, [host], "e2e-agent")
     env = dict(os.environ, ORCH_SSH_CONFIG=str(config), HOME=str(tmp_path))  # no ~/.ssh keys
     env.pop("SSH_AUTH_SOCK", None)
-    without = run_orch(tmp_path, env, "up", str(inv))
+    without = orch(tmp_path, "up", str(inv), env=env)
     assert without.returncode == 3 and "authentication failed" in without.stderr
     agent, sock = start_agent(tmp_path, sshd_cluster.client_key)
     try:
-        up = run_orch(tmp_path, dict(env, SSH_AUTH_SOCK=sock), "up", str(inv))
+        up = orch(tmp_path, "up", str(inv), env=dict(env, SSH_AUTH_SOCK=sock))
         assert up.returncode == 0, up.stderr
         assert "[r0 agentbox] master" in up.stdout
     finally:

@@ -1,8 +1,8 @@
 """`orch up` over real SSH (the fake sshd cluster): placement, environment, secrets,
 output, incremental sync, preflight, host keys, --dry-run, broken inventories.
 
-The helpers at the top (running orch as a subprocess, proving that nothing of a job is
-left) are shared with test_e2e_lifecycle.py. Jobs are plain Python except the one test
+The helpers (running orch as a subprocess, proving that nothing of a job is left) are in
+helpers.py. Jobs are plain Python except the one test
 that is about collectives: every rank that imports torch costs seconds of CPU here.
 """
 from __future__ import annotations
@@ -16,157 +16,26 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from conftest import kill_all, wait_until, write_job  # noqa: F401  (wait_until: shared with lifecycle)
-from sshd_cluster import FakeHost, SshdCluster, pids_with_env
+from helpers import (
+    Jobs,
+    assert_nothing_left,
+    job_dir,
+    marker,
+    orch,
+    prefixed,
+    session_counts,
+    sessions_of,
+    write_job,
+)
+from sshd_cluster import FakeHost, SshdCluster
 
-ORCH = [sys.executable, "-m", "orchestrator"]
-PREFIXED = re.compile(r"^\[r(\d+) (\S+)\] (.*)$")
 CORPUS = Path(__file__).parent / "inventories"
-
-
-# ---------------------------------------------------------------- helpers (shared)
-
-def orch(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """One orch command to its end, as a user runs it (a new process, cwd = inventory folder)."""
-    return subprocess.run(ORCH + list(args), cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ), stdin=subprocess.DEVNULL)
-
-
-class Running:
-    """An orch command in the background; its stdout and stderr lines are collected as
-    they come, so a test can wait for a line, signal the process, then collect the rest."""
-
-    def __init__(self, cwd: Path, *args: str) -> None:
-        self.proc = subprocess.Popen(ORCH + list(args), cwd=cwd, env=dict(os.environ),
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE)
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._readers = [threading.Thread(target=self._read, args=(s, l), daemon=True)
-                         for s, l in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
-        for th in self._readers:
-            th.start()
-
-    @staticmethod
-    def _read(stream, into: list[str]) -> None:
-        for raw in iter(stream.readline, b""):
-            into.append(raw.decode("utf-8", "replace").rstrip("\n"))
-
-    def text(self) -> str:
-        return "--- stdout:\n" + "\n".join(self.out[-50:]) + "\n--- stderr:\n" + "\n".join(self.err)
-
-    def wait_for(self, pattern: str, count: int = 1, timeout: float = 90) -> list[str]:
-        """Wait until `count` stdout lines match `pattern`; fail if orch ends first."""
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = [line for line in list(self.out) if regex.search(line)]
-            if len(found) >= count:
-                return found
-            if self.proc.poll() is not None:
-                time.sleep(0.2)  # let the readers take the last lines
-                found = [line for line in list(self.out) if regex.search(line)]
-                if len(found) >= count:
-                    return found
-                raise AssertionError(f"orch ended ({self.proc.returncode}) before {count} lines "
-                                     f"matched {pattern!r}\n{self.text()}")
-            time.sleep(0.05)
-        raise AssertionError(f"no {count} lines matched {pattern!r} in {timeout} s\n{self.text()}")
-
-    def finish(self, timeout: float = 60) -> int:
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"orch still running after {timeout} s\n{self.text()}") from None
-        for th in self._readers:
-            th.join(10)
-        return code
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-def job_dir(host: FakeHost, name: str) -> str:
-    return str(host.remote_dir / name)
-
-
-def marker(host: FakeHost, name: str) -> str:
-    return "ORCH_JOB_DIR=" + job_dir(host, name)
-
-
-def job_pids(hosts: Sequence[FakeHost], name: str) -> dict[str, list[int]]:
-    """Live processes of the job, per host; empty lists when nothing is left."""
-    return {h.address: pids_with_env(marker(h, name)) for h in hosts}
-
-
-def assert_nothing_left(hosts: Sequence[FakeHost], name: str) -> None:
-    left = {a: p for a, p in job_pids(hosts, name).items() if p}
-    assert not left, f"processes of job {name} are left: {left}"
-
-
-class Jobs:
-    """Teardown for every test that starts a job: if anything of it is still alive,
-    `orch stop` it (then SIGKILL what even that left, so later tests are not disturbed),
-    and fail. Background orch processes are killed too."""
-
-    def __init__(self) -> None:
-        self.jobs: list[tuple[Path, Sequence[FakeHost], str]] = []
-        self.running: list[Running] = []
-
-    def add(self, inventory: Path, hosts: Sequence[FakeHost], name: str) -> None:
-        self.jobs.append((inventory, hosts, name))
-
-    def start(self, cwd: Path, *args: str) -> Running:
-        run = Running(cwd, *args)
-        self.running.append(run)
-        return run
-
-    def cleanup(self) -> list[str]:
-        for run in self.running:
-            run.kill()
-        problems = []
-        for inventory, hosts, name in self.jobs:
-            if not any(job_pids(hosts, name).values()):
-                continue
-            stop = orch(inventory.parent, "stop", str(inventory), "--grace", "1")
-            left = {a: p for a, p in job_pids(hosts, name).items() if p}
-            problems.append(f"job {name} was still running at teardown (orch stop: "
-                            f"{stop.returncode}; still left after it: {left})")
-            kill_all(left)
-        return problems
-
-
-@pytest.fixture
-def jobs(request: pytest.FixtureRequest) -> Iterator[Jobs]:
-    failed_before = request.session.testsfailed
-    registry = Jobs()
-    yield registry
-    problems = registry.cleanup()
-    # A test that already failed has said what went wrong; its leftovers are cleaned anyway.
-    if request.session.testsfailed == failed_before:
-        assert not problems, "\n".join(problems)
-
-
-def prefixed(lines: Sequence[str]) -> list[tuple[int, str, str]]:
-    """(rank, host label, text) of every `[r<rank> <host>] text` line; others fail."""
-    parsed = []
-    for line in lines:
-        m = PREFIXED.match(line)
-        assert m, f"stdout line without a rank prefix: {line!r}"
-        parsed.append((int(m[1]), m[2], m[3]))
-    return parsed
-
-
 
 
 # ---------------------------------------------------------------- the whole path
@@ -252,7 +121,7 @@ def check_allreduce_output(out: list[str], hosts: Sequence[FakeHost], name: str,
     for rank, texts in by_rank.items():
         info = json.loads(next(t for t in texts if t.startswith("INFO "))[5:])
         host, local = hosts[rank // 2], rank % 2
-        jd = job_dir(host, name)
+        jd = str(job_dir(host, name))
         assert info == {
             "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": "6",
             "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2),
@@ -465,19 +334,6 @@ def test_broken_inventory_through_cli(stem: str, tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- one login per host
-
-def session_counts(hosts: Sequence[FakeHost]) -> dict[str, int]:
-    return {h.address: h.sessions() for h in hosts}
-
-
-def sessions_of(hosts: Sequence[FakeHost], command) -> dict[str, int]:
-    """Exec sessions each host's sshd started while `command()` ran (sshd logs each at
-    LogLevel VERBOSE; the log is written before the session runs)."""
-    before = session_counts(hosts)
-    command()
-    after = session_counts(hosts)
-    return {a: after[a] - before[a] for a in after}
-
 
 @pytest.mark.ssh
 def test_one_session_per_host_per_command(sshd_cluster: SshdCluster, tmp_path: Path,

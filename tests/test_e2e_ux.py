@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_job
+from helpers import ORCH, Jobs, assert_nothing_left, orch, wait_until, write_job
 from sshd_cluster import SshdCluster
-from test_e2e_up import ORCH, Jobs, assert_nothing_left, jobs, orch, wait_until  # noqa: F401
 
 pytestmark = pytest.mark.ssh
 

@@ -16,10 +16,8 @@ import copy
 import csv
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,10 +26,10 @@ from typing import Callable
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from helpers import orch, spawn_ranks
 from sshd_cluster import pids_with_env
 from test_worker_common import Torchrun, split, torchrun  # noqa: F401 (torchrun: fixture)
 from worker import compression as C
@@ -182,8 +180,7 @@ def _orch(tmp: Path, *argv: str, timeout: float = 600) -> subprocess.CompletedPr
     # extends PYTHONPATH: offline, paramiko may come from carried wheels (README, "GPU check")
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path, ORCH_NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "orchestrator", *argv], cwd=tmp, env=env,
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return orch(tmp, *argv, env=env, timeout=timeout)
 
 
 @pytest.fixture
@@ -272,27 +269,9 @@ def test_checkpoint_moves_between_cpu_and_gpu(torchrun: Torchrun,
 # ---------------------------------------------------------------- 2 ranks, NCCL, spawned
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _spawn(fn: Callable[..., None], world: int) -> None:
     """Run fn(rank, world, port) in ``world`` spawned processes; fail on any error or hang."""
-    ctx = mp.start_processes(fn, args=(world, _free_port()), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{world}-process NCCL run did not finish in {SPAWN_TIMEOUT_S} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5)
-        assert not any(p.is_alive() for p in ctx.processes), "a worker process survived"
+    spawn_ranks(fn, world, SPAWN_TIMEOUT_S)
 
 
 def _init_nccl(rank: int, world: int, port: int) -> torch.device:

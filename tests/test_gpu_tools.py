@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import gpu as bench_gpu  # noqa: E402
 import gpu_check  # noqa: E402
 import gputable  # noqa: E402
-from conftest import wait_until  # noqa: E402
+from helpers import wait_until  # noqa: E402
 from sshd_cluster import pids_with_env  # noqa: E402
 from worker import compression as C  # noqa: E402
 from worker.augment import crops_by_grid, crops_by_interpolate, draw_boxes, resized_crop_flip  # noqa: E402

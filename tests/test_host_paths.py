@@ -24,28 +24,13 @@ from typing import Callable
 
 import pytest
 
-from conftest import wait_until
+from helpers import plant_link, snapshot, wait_until
 from orchestrator import bundle, protocol
 from orchestrator.host.files import manifest
 from orchestrator.host.ledger import Ledger
 from orchestrator.host.paths import JobDir, UnsafePath, check_link_target
 
 # ---------------------------------------------------------------- helpers
-
-def snapshot(root: Path) -> dict:
-    """Every entry under root (root itself included): kind, bytes or link target, mode."""
-    out: dict[str, tuple[object, ...]] = {}
-    entries = [root, *sorted(root.rglob("*"))] if root.is_dir() else [root]
-    for p in entries:
-        st = os.lstat(p)
-        if stat.S_ISLNK(st.st_mode):
-            out[str(p)] = ("link", os.readlink(p))
-        elif stat.S_ISREG(st.st_mode):
-            out[str(p)] = ("file", p.read_bytes(), st.st_mode, st.st_mtime_ns)
-        else:
-            out[str(p)] = ("dir", st.st_mode)
-    return out
-
 
 @pytest.fixture
 def box(tmp_path: Path) -> Iterator[dict]:
@@ -61,13 +46,6 @@ def box(tmp_path: Path) -> Iterator[dict]:
     yield {"job": job, "victim": victim, "vfile": vfile}
     after = {**snapshot(victim), **snapshot(vfile)}
     assert after == before, "something outside the job folder changed"
-
-
-def plant(job: Path, rel: str, target: Path) -> Path:
-    link = job / rel
-    link.parent.mkdir(parents=True, exist_ok=True)
-    link.symlink_to(target)
-    return link
 
 
 def refused(fn: Callable[[], object], path: Path) -> UnsafePath:
@@ -135,7 +113,7 @@ def end(delete=()) -> bytes:
 def test_a_link_at_an_orch_folder_is_refused(box: dict, folder: str) -> None:
     job = box["job"]
     job.mkdir(parents=True)
-    link = plant(job, folder, box["victim"])
+    link = plant_link(job, folder, box["victim"])
     jd = JobDir(str(job))
     refused(lambda: jd.open_dir(folder, create=True), link)
     refused(lambda: jd.write_file(folder + "/x.json", b"{}"), link)
@@ -163,7 +141,7 @@ def test_a_link_as_the_job_folder_is_refused(box: dict) -> None:
 
 def test_a_link_at_a_shard_folder_is_refused(box: dict) -> None:
     job = box["job"]
-    link = plant(job, "data/worker_0_of_2", box["victim"])
+    link = plant_link(job, "data/worker_0_of_2", box["victim"])
     jd = JobDir(str(job))
     refused(lambda: jd.open_dir("data/worker_0_of_2/cls", create=True), link)
     res = agent("receive", str(job / "data"),
@@ -176,7 +154,7 @@ def test_a_link_at_a_shard_folder_is_refused(box: dict) -> None:
                                  "run/host.exit"])
 def test_a_link_at_an_orch_file_is_refused(box: dict, rel: str) -> None:
     job = box["job"]
-    link = plant(job, rel, box["vfile"])
+    link = plant_link(job, rel, box["vfile"])
     jd = JobDir(str(job))
     refused(lambda: jd.write_file(rel, b"{}"), link)
     refused(lambda: jd.open_for_write(rel), link)
@@ -188,10 +166,10 @@ def test_a_link_at_an_orch_file_is_refused(box: dict, rel: str) -> None:
 
 def test_unlink_and_rmtree_remove_links_never_their_targets(box: dict) -> None:
     job = box["job"]
-    plant(job, "code/to-dir", box["victim"])
-    plant(job, "code/to-file", box["vfile"])
-    plant(job, "code/.orch-staging-1/inner", box["victim"])
-    plant(job, "code/pkg/.orch-staging-7", box["victim"])   # a link with a staging name
+    plant_link(job, "code/to-dir", box["victim"])
+    plant_link(job, "code/to-file", box["vfile"])
+    plant_link(job, "code/.orch-staging-1/inner", box["victim"])
+    plant_link(job, "code/pkg/.orch-staging-7", box["victim"])   # a link with a staging name
     (job / "code" / "pkg" / "a.py.orch-part-5").symlink_to(box["vfile"])
     jd = JobDir(str(job))
     assert jd.unlink("code/to-file") and jd.unlink("code/to-dir")
@@ -205,8 +183,8 @@ def test_walk_reports_regular_files_and_enters_no_link(box: dict) -> None:
     job = box["job"]
     (job / "code" / "pkg").mkdir(parents=True)
     (job / "code" / "pkg" / "a.py").write_text("a")
-    plant(job, "code/pkg/linked-dir", box["victim"])
-    plant(job, "code/linked-file", box["vfile"])
+    plant_link(job, "code/pkg/linked-dir", box["victim"])
+    plant_link(job, "code/linked-file", box["vfile"])
     assert [rel for rel, _ in JobDir(str(job)).walk("code")] == ["code/pkg/a.py"]
 
 

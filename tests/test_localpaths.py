@@ -20,6 +20,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
+from helpers import orch
 from orchestrator import protocol, splitdata
 from orchestrator.errors import DataError
 from orchestrator.inventory import load
@@ -80,9 +81,7 @@ def write_inventory(base: Path, *, paths: tuple[str, ...] = ("job",),
 
 def orch_up(inventory: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, ORCH_NO_COLOR="1", ORCH_SSH_CONFIG=os.devnull)
-    return subprocess.run([sys.executable, "-m", "orchestrator", "up", "-c", str(inventory)],
-                          cwd=inventory.parent, capture_output=True, text=True, timeout=120,
-                          env=env, stdin=subprocess.DEVNULL)
+    return orch(inventory.parent, "up", "-c", str(inventory), env=env)
 
 
 def assert_refused(res: subprocess.CompletedProcess, base: Path, *words: str) -> None:

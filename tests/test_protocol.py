@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_until
+from helpers import wait_until
 from orchestrator import protocol
 from orchestrator.bundle import agent_argv, agent_stdin, bundle
 from orchestrator.errors import HostError, OrchError

@@ -28,13 +28,19 @@ from typing import Callable
 
 import pytest
 
-from conftest import kill_all, wait_until
+from helpers import (
+    ORCH,
+    agents_of,
+    assert_nothing_left,
+    file_sha,
+    job_dir,
+    last_sync,
+    orch,
+    wait_until,
+)
 from orchestrator import bundle, protocol, splitdata
-from sshd_cluster import FakeHost, SshdCluster, pid_alive, pids_with_env
+from sshd_cluster import FakeHost, SshdCluster
 
-pytestmark = pytest.mark.ssh
-
-ORCH = [sys.executable, "-m", "orchestrator"]
 PROCS = [1, 2, 1]   # host 0: rank 0, host 1: ranks 1 and 2, host 2: rank 3
 WORLD = sum(PROCS)
 
@@ -55,48 +61,6 @@ print("DATA " + json.dumps({"rank": int(rank), "dir": data, "files": files}), fl
 
 # ---------------------------------------------------------------- helpers
 
-def orch(cwd: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(ORCH + list(args), cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ), stdin=subprocess.DEVNULL)
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def job_dir(host: FakeHost, name: str) -> Path:
-    return host.remote_dir / name
-
-
-
-
-def assert_no_job_left(hosts: Sequence[FakeHost], name: str) -> None:
-    """No process of the job on any host (a finished job's supervisor may take a moment);
-    whatever is left is killed so that later tests are not disturbed, and the test fails."""
-    def left() -> dict[str, list[int]]:
-        found = {h.address: pids_with_env(f"ORCH_JOB_DIR={job_dir(h, name)}") for h in hosts}
-        return {a: p for a, p in found.items() if p}
-    deadline = time.monotonic() + 10
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    stray = left()
-    kill_all(stray)
-    assert not stray, f"processes of job {name} are left: {stray}"
-
-
-def receivers_of(dest: Path) -> list[int]:
-    """Live agents serving the job whose data/ is dest (their argv names the job dir)."""
-    found = []
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"orch-agent" in argv and str(dest.parent).encode() in argv and pid_alive(pid):
-            found.append(pid)
-    return found
-
-
 def tree(root: Path) -> dict[str, tuple[str, str | None]]:
     """Every entry under root: rel -> (kind, sha256 of a regular file). Links are
     reported as links, never followed: the host must hold real files."""
@@ -109,7 +73,7 @@ def tree(root: Path) -> dict[str, tuple[str, str | None]]:
             if stat.S_ISLNK(mode):
                 out[rel] = ("link", None)
             elif stat.S_ISREG(mode):
-                out[rel] = ("file", sha(p))
+                out[rel] = ("file", file_sha(p))
             elif stat.S_ISDIR(mode):
                 out[rel] = ("dir", None)
             else:
@@ -124,10 +88,6 @@ def remote_data(host: FakeHost, name: str) -> dict[str, str]:
     odd = {rel: kind for rel, (kind, _) in entries.items() if kind not in ("file", "dir")}
     assert not odd, f"{host.address}: data/ holds links or special files: {odd}"
     return {rel: digest for rel, (kind, digest) in entries.items() if kind == "file" and digest}
-
-
-def last_sync(base: Path, name: str) -> dict:
-    return json.loads((base / ".orch" / name / "last_sync.json").read_text())
 
 
 @dataclass
@@ -170,7 +130,7 @@ def split(base: Path, source: Path, workers: int) -> Dataset:
     expected = {}
     for rank, shard in enumerate(manifest["splits"][str(workers)]["shards"]):
         assert shard["name"] == f"worker_{rank}_of_{workers}"
-        expected[rank] = {rel: sha(source / rel) for rel, _size in shard["files"]}
+        expected[rank] = {rel: file_sha(source / rel) for rel, _size in shard["files"]}
     return Dataset(base, source, shards, expected)
 
 
@@ -245,9 +205,9 @@ def pushed(sshd_cluster: SshdCluster, tmp_path_factory: pytest.TempPathFactory) 
     report = last_sync(base, name)
     for host, ranks in zip(hosts, ranks_of(PROCS)):
         assert sorted(report[host.address]["data"]["sent"]) == sorted(data.host_files(ranks, WORLD))
-    assert_no_job_left(hosts, name)
+    assert_nothing_left(hosts, name, wait=10, kill=True)
     yield Pushed(data, hosts, name, inv)
-    assert_no_job_left(hosts, name)
+    assert_nothing_left(hosts, name, wait=10, kill=True)
 
 
 def test_each_host_holds_exactly_its_shards(pushed: Pushed) -> None:
@@ -265,7 +225,7 @@ def test_second_up_sends_no_data(pushed: Pushed) -> None:
         data = report[host.address]["data"]
         assert data == {"files": 0, "bytes": 0, "deleted": 0, "sent": []}, (host.address, data)
     check_hosts(pushed.data, pushed.hosts, PROCS, pushed.name)
-    assert_no_job_left(pushed.hosts, pushed.name)
+    assert_nothing_left(pushed.hosts, pushed.name, wait=10, kill=True)
 
 
 def test_file_changed_on_host_is_sent_again(pushed: Pushed) -> None:
@@ -288,12 +248,12 @@ def test_file_changed_on_host_is_sent_again(pushed: Pushed) -> None:
     assert report[host.address]["data"]["deleted"] == 0
     for other in (pushed.hosts[0], pushed.hosts[2]):
         assert report[other.address]["data"]["files"] == 0
-    assert sha(victim) == pushed.data.expected[2][victim_rel]
+    assert file_sha(victim) == pushed.data.expected[2][victim_rel]
     assert stray.read_bytes() == b"not part of the split"
     stray.unlink()
     check_hosts(pushed.data, pushed.hosts, PROCS, pushed.name)
     check_job_output(again.stdout, pushed.data, pushed.hosts, pushed.name)
-    assert_no_job_left(pushed.hosts, pushed.name)
+    assert_nothing_left(pushed.hosts, pushed.name, wait=10, kill=True)
 
 
 # ---------------------------------------------------------------- interrupted push
@@ -317,6 +277,7 @@ def file_size(path: Path) -> int:
         return -1
 
 
+@pytest.mark.slow  # runs `orch up` (without the `pushed` fixture)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
 def test_interrupted_push_resends_only_what_is_missing(
         sshd_cluster: SshdCluster, tmp_path: Path, sig: signal.Signals) -> None:
@@ -350,8 +311,8 @@ def test_interrupted_push_resends_only_what_is_missing(
     for h in hosts:
         dest = job_dir(h, name) / "data"
         # wait_until calls the lambda before the next iteration: the late binding is harmless
-        wait_until(lambda: not receivers_of(dest), 10, f"the receiver on {h.address} to end")  # noqa: B023
-    assert_no_job_left(hosts, name)
+        wait_until(lambda: not agents_of([dest.parent]), 10, f"the receiver on {h.address} to end")  # noqa: B023
+    assert_nothing_left(hosts, name, wait=10, kill=True)
     missing = {h.address: sorted(set(data.host_files(r, 2).items()) - set(remote_data(h, name).items()))
                for h, r in zip(hosts, ranks_of(procs))}
     missed = sum(map(len, missing.values()))
@@ -369,7 +330,7 @@ def test_interrupted_push_resends_only_what_is_missing(
     for h in hosts:
         parts = list((job_dir(h, name) / "data").rglob("*.orch-part-*"))
         assert not parts, f"{h.address}: half-written files left beside the shards: {parts}"
-    assert_no_job_left(hosts, name)
+    assert_nothing_left(hosts, name, wait=10, kill=True)
 
 
 # ---------------------------------------------------------------- refusals
@@ -399,7 +360,7 @@ def test_wrong_world_size_is_refused_before_any_host_is_touched(
     assert "Traceback" not in res.stderr
     for h in hosts:
         assert not job_dir(h, name).exists(), f"{h.address}: the job folder was created"
-    assert_no_job_left(hosts, name)
+    assert_nothing_left(hosts, name, wait=10, kill=True)
 
 
 def _dotdot(data: Dataset, shard: dict) -> str:
@@ -436,7 +397,7 @@ def _refused_and_nothing_written(sshd_cluster: SshdCluster, data: Dataset, name:
     jd = job_dir(hosts[0], name)
     written = [str(p) for p in jd.rglob("*") if not p.is_dir()] if jd.exists() else []
     assert written == [], f"files written on the host: {written}"
-    assert_no_job_left(hosts, name)
+    assert_nothing_left(hosts, name, wait=10, kill=True)
 
 
 @pytest.mark.parametrize("kind", sorted(UNSAFE_PATHS))

@@ -4,7 +4,6 @@ of its processes under the inventory's job folders)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,10 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import wait_until, write_job
+from helpers import Jobs, assert_nothing_left, job_pids, orch, wait_until, write_job
 from orchestrator import inventory, state
 from sshd_cluster import SshdCluster
-from test_e2e_up import Jobs, assert_nothing_left, job_pids, jobs, orch  # noqa: F401 (fixture)
 
 GOOD: dict[str, Any] = {
     "name": "st", "run_id": "r1", "inventory": "/x/cluster.yaml", "started": 1.5,
@@ -77,18 +75,13 @@ def test_missing_state_is_none_and_unreadable_is_damaged(tmp_path: Path) -> None
         state.load(cluster)
 
 
-def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-
-
 @pytest.mark.parametrize("command", [["status"], ["logs"], ["logs", "--rank", "0"]])
 def test_status_and_logs_refuse_a_damaged_state(command: list[str], tmp_path: Path) -> None:
     cluster = local_cluster(tmp_path)
     cluster.state_dir.mkdir(parents=True)
     path = state.state_path(cluster)
     path.write_text('{"name": "st", "hosts": [')
-    result = run_cli(tmp_path, *command, "-c", str(cluster.path))
+    result = orch(tmp_path, *command, "-c", str(cluster.path))
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert f"{path}: the job state is damaged" in result.stderr

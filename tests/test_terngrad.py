@@ -4,17 +4,15 @@ from __future__ import annotations
 import copy
 import math
 import os
-import socket
 import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from helpers import spawn_ranks
 from worker import compression as C
 
 SIZE_TO_BINARIZE = 100
@@ -258,25 +256,7 @@ def _worker(rank: int, world: int, port: int) -> None:
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_hooks_in_multiprocess_gloo_run(world: int) -> None:
-    ctx = mp.start_processes(_worker, args=(world, _free_port()), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{world}-process run did not finish in {SPAWN_TIMEOUT_S} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5)
-        assert not any(p.is_alive() for p in ctx.processes), "a worker process survived"
+    spawn_ranks(_worker, world, SPAWN_TIMEOUT_S)

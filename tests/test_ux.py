@@ -8,18 +8,19 @@ import io
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-from fake_agent import FakeTransport
+from fake_agent import session_factory
+from helpers import orch
 from orchestrator import protocol
+from orchestrator.commands import common as common_cmd
 from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
-from orchestrator.errors import EXIT_HOST, HostError
+from orchestrator.errors import EXIT_HOST
 from orchestrator.follow import PrefixPrinter
 from orchestrator.host import launch as host_launch
 from orchestrator.host import procs as host_procs
@@ -27,7 +28,6 @@ from orchestrator.host import status as host_status
 from orchestrator.host.common import job_paths
 from orchestrator.inventory import parse
 from orchestrator.liveline import ERASE, LiveLine, started_text
-from orchestrator.session import Session
 from orchestrator.state import HostState, JobState
 from orchestrator.words import hint_cmd, plural
 
@@ -61,9 +61,7 @@ def test_hint_keeps_the_inventory(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 # ---------------------------------------------------------------- --json
 
 def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return orch(cwd, *args, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
 
 
 def test_json_errors_are_documents_with_the_same_exit_code(tmp_path: Path) -> None:
@@ -119,14 +117,7 @@ def fake_session_factory(tmp_path: Path, last_line: str, down: int | None):
         chan.push(protocol.reply(msg["id"], {"supervisor": None, "host_exit": None,
                                              "time": time.time(), "ranks": ranks}))
 
-    def connector(host):
-        if host.index == down:
-            raise HostError(f"{host.label}: connection refused")
-        return FakeTransport(host, {"status": status})
-
-    def open_session(cluster, state=None, hosts=None):
-        return Session(cluster, state, connector=connector).open(hosts)
-    return open_session
+    return session_factory({"status": status}, down)
 
 
 def state_of(cluster) -> JobState:
@@ -144,11 +135,11 @@ def fake_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     (tmp_path / "cluster.yaml").write_text(INVENTORY)
     cluster = parse(INVENTORY, tmp_path / "cluster.yaml")
     for mod in (status_cmd, logs_cmd):
-        monkeypatch.setattr(mod, "require_state", lambda c: state_of(c))
+        monkeypatch.setattr(mod, "saved_state", lambda c: state_of(c))
 
     def use(last_line: str = "", down: int | None = None) -> None:
         factory = fake_session_factory(tmp_path, last_line, down)
-        for mod in (status_cmd, logs_cmd):
+        for mod in (status_cmd, logs_cmd, common_cmd):   # common: open_job
             monkeypatch.setattr(mod, "open_session", factory)
     return cluster, use
 
@@ -243,7 +234,7 @@ def test_started_text_counts_per_host_and_abbreviates() -> None:
 
 # ---------------------------------------------------------------- host side
 
-def job_dir(tmp_path: Path) -> dict:
+def host_job(tmp_path: Path) -> dict:
     root = tmp_path / "job"
     for d in ("run", "logs", "code", "output", "data"):
         (root / d).mkdir(parents=True, exist_ok=True)
@@ -251,7 +242,7 @@ def job_dir(tmp_path: Path) -> dict:
 
 
 def test_last_line_skips_trailing_empty_lines(tmp_path: Path) -> None:
-    p = job_dir(tmp_path)
+    p = host_job(tmp_path)
     Path(p["logs"], "rank-0.log").write_bytes(b"first\nlast words\n\n  \n")
     Path(p["logs"], "rank-1.log").write_bytes(b"")
     assert host_status.last_line(p["jd"], "logs/rank-0.log") == "last words"
@@ -259,7 +250,7 @@ def test_last_line_skips_trailing_empty_lines(tmp_path: Path) -> None:
 
 
 def test_a_rank_ended_by_a_stop_reads_stopped(tmp_path: Path) -> None:
-    p = job_dir(tmp_path)
+    p = host_job(tmp_path)
     run = Path(p["run"])
     (run / "rank-0.exit").write_text(json.dumps({"code": 7, "time": 100.0}))    # failed first
     (run / "rank-1.exit").write_text(json.dumps({"code": -15, "time": 105.0}))  # then stopped
@@ -272,7 +263,7 @@ def test_a_rank_ended_by_a_stop_reads_stopped(tmp_path: Path) -> None:
 
 
 def test_launch_clears_the_previous_runs_records(tmp_path: Path) -> None:
-    p = job_dir(tmp_path)
+    p = host_job(tmp_path)
     old = Path(p["run"], "torchrun", "none_abc", "attempt_0", "0")
     old.mkdir(parents=True)
     (old / "error.json").write_text("{}")

@@ -17,21 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import TORCHRUN_VARS
 from sshd_cluster import pids_with_env
 from test_worker_common import REPO, make_data, split, torchrun  # noqa: F401 (torchrun: fixture)
 from worker import distrib, folds, hogwild, metrics, optim, train
 from worker.data import ImageFolderBatches, scan_shard
 from worker.models import build_model
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "ORCH_DATA_DIR", "ORCH_OUTPUT_DIR", "OMP_NUM_THREADS")
 FAST = ["--model", "lenet", "--image-size", "16", "--batch-size", "16", "--workers", "0"]
-
-
-@pytest.fixture
-def single(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -142,23 +135,22 @@ def lambda_lrs(schedule: str, steps: int, spe: int, epochs: int, warmup: float =
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
     sched = optim.make_scheduler(opt, spe, warmup, world, schedule, epochs, restart_epochs=2)
-    out = []
-    for _ in range(steps):
-        out.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return out
+    return stepped_lrs(opt, sched, steps)
 
 
 def torch_lrs(make: object, steps: int) -> list[float]:
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
-    sched = make(opt)  # type: ignore[operator]
+    return stepped_lrs(opt, make(opt), steps)  # type: ignore[operator]
+
+
+def stepped_lrs(opt: torch.optim.Optimizer, sched: object, steps: int) -> list[float]:
+    """The learning rate of each of `steps` steps."""
     out = []
     for _ in range(steps):
         out.append(opt.param_groups[0]["lr"])
         opt.step()
-        sched.step()
+        sched.step()  # type: ignore[attr-defined]
     return out
 
 

@@ -26,13 +26,6 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     return {w: split(data, root / f"shards{w}", w) for w in (1, 2)}
 
 
-@pytest.fixture
-def single(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No torchrun variables: worker.train runs as one process, without a process group."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ORCH_DATA_DIR"):
-        monkeypatch.delenv(var, raising=False)
-
-
 def rows(out: Path) -> list[dict[str, str]]:
     with open(out / "metrics.csv", newline="") as f:
         return list(csv.DictReader(f))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import state as job_state
+from orchestrator.connect import GroupResult
 from orchestrator.errors import UsageError
 from orchestrator.inventory import Cluster, Host, load
 from orchestrator.session import Session
@@ -20,9 +21,12 @@ __all__ = [
     "emit_json",
     "hint_cmd",
     "inventory",
+    "open_job",
     "open_session",
     "plural",
+    "require_a_run",
     "require_state",
+    "saved_state",
     "unreachable",
     "wants_json",
     "warn_unreachable",
@@ -60,6 +64,43 @@ def require_state(cluster: Cluster) -> job_state.JobState:
         raise UsageError(f"job '{cluster.name}' has not been started from {cluster.path}",
                          hint=f"start it with `{hint_cmd(cluster, 'up')}`")
     return st
+
+
+def saved_state(cluster: Cluster) -> job_state.JobState | None:
+    """The state `up` saved; None when there is none. An `up` killed after its launch
+    request reached the hosts saved no state, yet the job runs: the hosts are asked at
+    the inventory's job folders all the same. A damaged state is still refused."""
+    try:
+        return require_state(cluster)
+    except job_state.StateDamaged:
+        raise
+    except UsageError:
+        return None
+
+
+def require_a_run(session: Session, result: GroupResult[dict[str, Any]]) -> None:
+    """With no saved state: "not started" (exit 2) when every host answered `status` and
+    none holds a trace of a run (a supervisor, its exit, a rank's pid)."""
+    ran = any(reply.get("supervisor") or reply.get("host_exit")
+              or any(r.get("pid") is not None for r in reply["ranks"])
+              for reply in result.ok.values())
+    if not ran and not session.failed and not result.failed:
+        require_state(session.cluster)
+
+
+def open_job(cluster: Cluster, st: job_state.JobState | None,
+             hosts: tuple[Host, ...] | None = None) -> Session:
+    """open_session for a job that may have run without saving its state (see
+    saved_state): then one `status` round trip on the same agents tells whether it ran."""
+    session = open_session(cluster, st, hosts)
+    if st is not None:
+        return session
+    try:
+        require_a_run(session, session.status())
+    except BaseException:
+        session.close()
+        raise
+    return session
 
 
 def unreachable(cluster: Cluster, failed: dict[int, BaseException]) -> dict[str, str]:

@@ -16,8 +16,10 @@ from orchestrator.commands.common import (
     emit_json,
     hint_cmd,
     inventory,
+    open_job,
     open_session,
     require_state,
+    saved_state,
     unreachable,
     warn_unreachable,
 )
@@ -46,12 +48,12 @@ def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
     if args.rank is not None and cluster.job.array is None:
         cluster.host_of(args.rank)   # a rank outside the job is a usage error, run or not
-    st = require_state(cluster)
     if args.json and args.follow:
         raise UsageError("--json prints one document: it cannot follow (-f)",
                          hint="leave out -f, or leave out --json")
     if cluster.job.array is not None:
-        return array_logs(cluster, st, args)
+        return array_logs(cluster, require_state(cluster), args)
+    st = saved_state(cluster)   # None: an `up` killed mid-launch; open_job asks the hosts
     if args.list:
         return list_logs(cluster, st, args.json)
     if args.task is not None:
@@ -59,13 +61,13 @@ def run(args: argparse.Namespace) -> int:
                          hint=f"use `{hint_cmd(cluster, 'logs --rank R')}`")
     if args.rank is not None:
         host = cluster.host_of(args.rank)
-        session = open_session(cluster, st, hosts=(host,))
+        session = open_job(cluster, st, hosts=(host,))
         try:
             session.require_all("to connect")
             return raw_log(session, host.index, args)
         finally:
             session.close()
-    session = open_session(cluster, st)
+    session = open_job(cluster, st)
     try:
         if not args.json:
             warn_unreachable(session)
@@ -75,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_HOST if session.failed and code == EXIT_OK else code
 
 
-def list_logs(cluster: Cluster, st: JobState, as_json: bool) -> int:
+def list_logs(cluster: Cluster, st: JobState | None, as_json: bool) -> int:
     """`logs --list`: the status of each rank, reduced to what finding a log needs."""
-    session = open_session(cluster, st)
+    session = open_job(cluster, st)
     try:
         result = session.status()
     finally:
@@ -204,7 +206,7 @@ def array_logs(cluster: Cluster, st: JobState, args: argparse.Namespace) -> int:
     rec = arrays.load(cluster)
     if args.task is not None:
         host = cluster.hosts[arrays.task_of(rec, args.task)]
-        session = open_session(cluster, st, hosts=(host,))
+        session = open_job(cluster, st, hosts=(host,))
         try:
             session.require_all("to connect")
             return raw_log(session, host.index, args, unit="task")

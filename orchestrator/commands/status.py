@@ -14,7 +14,9 @@ from orchestrator.commands.common import (
     emit_json,
     inventory,
     open_session,
+    require_a_run,
     require_state,
+    saved_state,
     unreachable,
     warn_unreachable,
 )
@@ -38,13 +40,16 @@ def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
     if cluster.job.array is not None:
         return array_status(cluster, args)
-    session = open_session(cluster, require_state(cluster))
+    st = saved_state(cluster)
+    session = open_session(cluster, st)
     try:
         if not args.json:
             warn_unreachable(session)
         result = session.status()
     finally:
         session.close()
+    if st is None:
+        require_a_run(session, result)
     failed = dict(session.failed)
     failed.update(result.failed)
     rows = []

@@ -12,15 +12,14 @@ import collections
 import json
 import os
 import signal
-import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from orchestrator import protocol
 from orchestrator.host.common import AgentError, job_paths, read_json, write_atomic
 from orchestrator.host.follow import open_log, rank_exit, tail_offset
-from orchestrator.host.launch import ALREADY_RUNNING, detach_stdio, start_detached
-from orchestrator.host.procs import proc_start_time, supervisor_alive
+from orchestrator.host.launch import ALREADY_RUNNING, run_supervisor, start_detached
+from orchestrator.host.procs import job_running, proc_start_time, supervisor_alive
 
 LINE_CAP = 4096          # bytes of one metrics.csv line sent back
 TAIL_READ = 64 << 10     # how far back from the end the last row is looked for
@@ -45,7 +44,7 @@ def run_launch(req: Any) -> dict[str, Any]:
     """Start the runner (double fork + setsid) and reply with its pid, like `launch`."""
     spec = req.args["spec"]
     p = job_paths(req.args["job_dir"])
-    if supervisor_alive(p):
+    if job_running(p):
         raise AgentError(ALREADY_RUNNING, protocol.USAGE)
     clean(p, spec["tasks"])
     write_atomic(p["jd"], "run/launch.json", json.dumps(spec).encode(), 0o600)
@@ -120,36 +119,16 @@ class Runner:
 
 
 def runner(p: dict[str, Any], spec: dict[str, Any], wfd: int) -> None:
-    """The detached runner: the host's queue to its end, then run/host.exit; never returns."""
-    jd = p["jd"]
-    detach_stdio(jd, "run/runner.log")
-    for sig in (signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)   # the agent ignores them; tasks get the defaults
-    code = 1
-    try:
-        with jd.dirfd("code") as code_fd:
-            os.fchdir(code_fd)   # the tasks' cwd, reached without a link
+    """The detached runner: the host's queue to its end, then run/host.exit; never returns.
+    It is its own `torchrun_pid`: `stop` kills it before any task."""
+    def start() -> tuple[int, Callable[[], int]]:
         run = Runner(p, spec)
-        me = os.getpid()
-        info = {"pid": me, "pgid": os.getpgid(0), "start_ticks": proc_start_time(me),
-                "torchrun_pid": me, "run_id": spec["run_id"], "started": time.time()}
-        write_atomic(jd, "run/supervisor.json", json.dumps(info).encode())
-        os.write(wfd, json.dumps(info).encode())
-        os.close(wfd)
-        signal.signal(signal.SIGTERM, run.stop_queue)
-        code = run.loop()
-    except BaseException as e:  # anything here must still leave host.exit behind
-        sys.stderr.write("orch array runner: %r\n" % (e,))
-        try:
-            os.write(wfd, json.dumps({"error": repr(e)}).encode())
-        except OSError:
-            pass
-    try:
-        write_atomic(jd, "run/host.exit", json.dumps({"code": code, "time": time.time()}).encode(),
-                     0o644)
-    except OSError as e:
-        sys.stderr.write("orch array runner: cannot write host.exit: %s\n" % e)
-    os._exit(0)
+
+        def wait() -> int:
+            signal.signal(signal.SIGTERM, run.stop_queue)
+            return run.loop()
+        return os.getpid(), wait
+    run_supervisor(p, spec, wfd, "array runner", "run/runner.log", start)
 
 
 # ---------------------------------------------------------------- status and results

@@ -3,13 +3,18 @@ the receive stream (write beside, verify, rename; new top folders staged and ren
 whole). Every path goes through the job's JobDir (host/paths.py): no link followed."""
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
+import signal
 import stat
-from typing import TYPE_CHECKING, Any
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Union
 
-from orchestrator import protocol
-from orchestrator.host.common import folder_of
+from orchestrator import protocol, timeouts
+from orchestrator.host.common import AgentError, folder_of
 from orchestrator.host.ledger import Ledger
 from orchestrator.host.paths import PART, Dirs, JobDir, create_excl, lstat_at, not_a, split_parent
 
@@ -19,6 +24,92 @@ if TYPE_CHECKING:   # annotations only: main imports this module
 UMASK = os.umask(0)
 os.umask(UMASK)
 STAGING = ".orch-staging-"
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class StreamIdle(EOFError):
+    """No byte of a receive stream for RECEIVE_IDLE seconds: the controller is gone (a
+    frozen or cut connection that sshd has not noticed). An EOFError: the agent ends."""
+
+
+class NoSpace(AgentError, OSError):
+    """The host's disk (or quota) is full: one line naming the file, the folder and the fix."""
+
+    def __init__(self, shown: str, size: int, folder: str) -> None:
+        super().__init__("no space left on device writing %s (%d bytes) into %s%s"
+                         % (shown, size, folder, free_space(folder)))
+        self.fix = ("free space on that disk, or set `remote_dir` in cluster.yaml to a larger "
+                    "one; the next push keeps the files that landed and sends only the rest")
+
+
+def free_space(folder: str) -> str:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return ""
+    return ", %d bytes free of %d" % (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
+
+
+class IdleReader:
+    """The request's frame reader with a deadline per frame (SIGALRM, in the agent's
+    main thread only): a stream that stops half way ends the receiver in bounded time,
+    keeping what landed, instead of blocking it (and its folder's lock) until sshd notices."""
+
+    def __init__(self, reader: protocol.FrameReader, idle: float) -> None:
+        self.reader, self.idle = reader, idle
+        self.armed = threading.current_thread() is threading.main_thread()
+        self.old: Any = None
+
+    def __enter__(self) -> "IdleReader":
+        if self.armed:
+            self.old = signal.signal(signal.SIGALRM, self._expired)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.old)
+
+    def disarm(self) -> None:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def _expired(self, signum: int, frame: Any) -> None:
+        raise StreamIdle("the receive stream stopped: nothing came for %g s" % self.idle)
+
+    def read_frame(self) -> Any:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, self.idle)
+        return self.reader.read_frame()
+
+    def read_json(self, what: str) -> Any:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, self.idle)
+        return self.reader.read_json(what)
+
+
+Reader = Union[protocol.FrameReader, IdleReader]
+
+
+def receive_lock(jd: JobDir, folder: str, wait: float = timeouts.RECEIVE_LOCK) -> int:
+    """One receiver per folder: a push (or a manifest) waits for an earlier receiver whose
+    connection broke to give up (it does within RECEIVE_IDLE). The lock ends with its
+    process. Returns the descriptor to close."""
+    fd = jd.open_for_write("run/%s-receive.lock" % folder, 0o644, append=True)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                err = AgentError("an earlier push into %s is still being received (its "
+                                 "connection broke) and did not end within %g s"
+                                 % (jd.show(folder), wait))
+                err.fix = "try again in a minute"   # type: ignore[attr-defined]
+                raise err from None
+            time.sleep(0.1)
 
 
 def is_leftover(name: str) -> bool:
@@ -37,13 +128,17 @@ def manifest(jd: JobDir, folder: str) -> dict[str, Any]:
     """
     if jd.lstat(folder) is None:
         return {"root": jd.show(folder), "files": {}}
-    ledger = Ledger(jd, folder)
-    if ledger.interrupted or not ledger.found:
-        jd.sweep(folder, is_leftover)
-    if not ledger.found:   # the cache of orch before the ledger: every file, the job's too
-        jd.unlink("run/%s-digests.json" % folder)
-    files = ledger.manifest()
-    ledger.save()
+    lock = receive_lock(jd, folder)
+    try:
+        ledger = Ledger(jd, folder)
+        if ledger.interrupted or not ledger.found:
+            jd.sweep(folder, is_leftover)
+        if not ledger.found:   # the cache of orch before the ledger: every file, the job's too
+            jd.unlink("run/%s-digests.json" % folder)
+        files = ledger.manifest()
+        ledger.save()
+    finally:
+        os.close(lock)
     return {"root": jd.show(folder), "files": files}
 
 
@@ -63,7 +158,7 @@ def run_manifest(req: Request) -> dict[str, Any]:
     return {"root": send_manifest(req, "", jd, folder)}
 
 
-def receive_file(reader: protocol.FrameReader, dirs: Dirs, base: str, head: dict[str, Any],
+def receive_file(reader: Reader, dirs: Dirs, base: str, head: dict[str, Any],
                  staged: bool = False) -> tuple[Any, ...]:
     """Write beside (.orch-part-, O_EXCL, no link followed), hash while writing, verify,
     then rename into place in the same folder descriptor. A staged file (inside a
@@ -80,9 +175,12 @@ def receive_file(reader: protocol.FrameReader, dirs: Dirs, base: str, head: dict
         if mode & UMASK:
             os.fchmod(fd, mode)
         st = os.fstat(fd)
-    except BaseException:
+    except BaseException as e:
         os.close(fd)
         os.unlink(tmp, dir_fd=pfd)   # a broken stream never leaves a half-written file behind
+        if isinstance(e, OSError) and e.errno in NO_SPACE:
+            top = base.split("/", 1)[0]   # code or data, also from a staging folder
+            raise NoSpace(top + "/" + head["p"], head["s"], dirs.jd.show(top)) from None
         raise
     os.close(fd)
     if h.hexdigest() != head["h"]:
@@ -114,7 +212,7 @@ def receive_link(dirs: Dirs, base: str, head: dict[str, Any]) -> tuple[Any, ...]
     return st, "link:" + target
 
 
-def receive_bytes(reader: protocol.FrameReader, fd: int, h: Any, left: int, name: str) -> None:
+def receive_bytes(reader: Reader, fd: int, h: Any, left: int, name: str) -> None:
     """The file's bytes: data frames adding up to exactly `left` bytes."""
     while left:
         got = reader.read_frame()
@@ -176,7 +274,7 @@ class Staging:
             self.jd.rmtree(self.dir)
 
 
-def receive_stream(reader: protocol.FrameReader, dirs: Dirs, base: str, ledger: Ledger,
+def receive_stream(reader: Reader, dirs: Dirs, base: str, ledger: Ledger,
                    staging: Staging) -> tuple[Any, ...]:
     count, nbytes = 0, 0
     while True:
@@ -200,7 +298,7 @@ def receive_stream(reader: protocol.FrameReader, dirs: Dirs, base: str, ledger: 
         count, nbytes = count + 1, nbytes + head.get("s", 0)
 
 
-def drain(reader: protocol.FrameReader) -> None:
+def drain(reader: Reader) -> None:
     """After a refused file: skip the rest of the stream, so that the next request is
     read as one (the controller sends to the end before it reads the reply)."""
     while True:
@@ -228,16 +326,27 @@ def run_receive(req: Request) -> dict[str, Any]:
     for a link), then `end` with the files to delete."""
     jd, base = folder_of(req.args["root"])
     os.close(jd.open_dir(base, create=True))   # a remote_dir under a linked folder is fine
+    lock = receive_lock(jd, base)
+    try:
+        with IdleReader(req.reader, timeouts.RECEIVE_IDLE) as reader:
+            return receive_into(reader, jd, base)
+    finally:
+        os.close(lock)
+
+
+def receive_into(reader: Reader, jd: JobDir, base: str) -> dict[str, Any]:
     ledger, dirs = Ledger(jd, base), Dirs(jd, create=True)
     ledger.begin()
     staging = Staging(dirs, base)
     try:
         try:
-            head, count, nbytes = receive_stream(req.reader, dirs, base, ledger, staging)
-        except (ValueError, OSError):   # a refused file: the stream goes on to its end
-            drain(req.reader)
+            head, count, nbytes = receive_stream(reader, dirs, base, ledger, staging)
+        except (ValueError, OSError):   # a refused file, a full disk: the stream goes on to its end
+            drain(reader)
             raise
         finally:
+            if isinstance(reader, IdleReader):
+                reader.disarm()   # the stream is over: what is left is this host's own work
             staging.promote(ledger)   # also after a broken stream: a resumed push sends the rest
         deleted = apply_deletes(jd, base, ledger, head["delete"])
     finally:

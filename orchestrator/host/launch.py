@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from orchestrator import protocol
 from orchestrator.host import rankexec
 from orchestrator.host.common import AgentError, job_paths, write_atomic
-from orchestrator.host.procs import proc_start_time, supervisor_alive
+from orchestrator.host.procs import job_running, proc_start_time
 
 if TYPE_CHECKING:   # annotations only: main imports this module
     from orchestrator.host.main import Request
@@ -51,7 +51,7 @@ def run(req: Request) -> dict[str, Any]:
     spec holds the job's env (secrets): it is kept in run/launch.json, mode 0600."""
     spec = req.args["spec"]
     p = job_paths(req.args["job_dir"])
-    if supervisor_alive(p):
+    if job_running(p):
         raise AgentError(ALREADY_RUNNING, protocol.USAGE)
     clean_run_dir(p)
     jd = p["jd"]
@@ -92,30 +92,46 @@ def detach_stdio(jd: JobDir, log_rel: str) -> None:
 
 def supervise(p: dict[str, Any], spec: dict[str, Any], wfd: int) -> None:
     """Runs torchrun, records its exit code in run/host.exit; never returns."""
+    env = dict(os.environ)
+    env.update(spec["env"])
+
+    def start() -> tuple[int, Callable[[], int]]:
+        proc = subprocess.Popen(spec["argv"], env=env)
+
+        def wait() -> int:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, lambda s, f: proc.send_signal(s))
+            return proc.wait()
+        return proc.pid, wait
+    run_supervisor(p, spec, wfd, "supervisor", "run/torchrun.log", start)
+
+
+def run_supervisor(p: dict[str, Any], spec: dict[str, Any], wfd: int, what: str, log_rel: str,
+                   start: Callable[[], tuple[int, Callable[[], int]]]) -> None:
+    """The life of a detached supervisor (the job's or an array's runner): output to
+    log_rel, default signals, cwd code/; `start()` gives the pid `stop` kills first and
+    how to wait for the exit code; the record goes to run/supervisor.json and wfd (the
+    launch reply); run/host.exit is written whatever happened. Never returns."""
     jd = p["jd"]
-    detach_stdio(jd, "run/torchrun.log")
+    detach_stdio(jd, log_rel)
     # the agent ignores SIGINT and SIGHUP; an ignored signal survives exec, and the
     # user's code must get the defaults
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
-    env = dict(os.environ)
-    env.update(spec["env"])
     code = 1
     try:
         with jd.dirfd("code") as code_fd:
-            os.fchdir(code_fd)   # the cwd of torchrun and the ranks, reached without a link
-        proc = subprocess.Popen(spec["argv"], env=env)
+            os.fchdir(code_fd)   # the cwd of what it starts, reached without a link
+        worker_pid, wait = start()
         me = os.getpid()
         info = {"pid": me, "pgid": os.getpgid(0), "start_ticks": proc_start_time(me),
-                "torchrun_pid": proc.pid, "run_id": spec["run_id"], "started": time.time()}
+                "torchrun_pid": worker_pid, "run_id": spec["run_id"], "started": time.time()}
         write_atomic(jd, "run/supervisor.json", json.dumps(info).encode())
         os.write(wfd, json.dumps(info).encode())
         os.close(wfd)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda s, f: proc.send_signal(s))
-        code = proc.wait()
+        code = wait()
     except BaseException as e:  # anything here must still leave host.exit behind
-        sys.stderr.write("orch supervisor: %r\n" % (e,))
+        sys.stderr.write("orch %s: %r\n" % (what, e))
         try:
             os.write(wfd, json.dumps({"error": repr(e)}).encode())
         except OSError:
@@ -124,5 +140,5 @@ def supervise(p: dict[str, Any], spec: dict[str, Any], wfd: int) -> None:
         write_atomic(jd, "run/host.exit", json.dumps({"code": code, "time": time.time()}).encode(),
                      0o644)
     except OSError as e:
-        sys.stderr.write("orch supervisor: cannot write host.exit: %s\n" % e)
+        sys.stderr.write("orch %s: cannot write host.exit: %s\n" % (what, e))
     os._exit(0)

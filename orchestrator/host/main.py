@@ -75,6 +75,8 @@ def serve(req: Request) -> None:
             req.out.send(protocol.reply(req.id, body))
     except (BrokenPipeError, KeyboardInterrupt):
         os._exit(1)   # the controller is gone
+    except files.StreamIdle:
+        raise   # the stream stopped half way: no later frame can be read; the agent ends
     except Exception as e:  # every failure becomes an error reply naming its command
         category = e.category if isinstance(e, AgentError) else protocol.HOST
         known = isinstance(e, (AgentError, UnsafePath))   # messages written for the user

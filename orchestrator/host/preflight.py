@@ -13,7 +13,7 @@ from orchestrator import timeouts
 from orchestrator.host import files
 from orchestrator.host.common import job_paths
 from orchestrator.host.paths import UnsafePath
-from orchestrator.host.procs import supervisor_alive
+from orchestrator.host.procs import job_running
 
 if TYPE_CHECKING:   # annotations only: main imports this module
     from orchestrator.host.main import Request
@@ -97,7 +97,7 @@ def run(req: Request) -> dict[str, Any]:
         "writable": dir_writable(p), "time": time.time(),
         "hostname": socket.gethostname(),
         "ssh_connection": os.environ.get("SSH_CONNECTION", ""),
-        "running": bool(supervisor_alive(p)),
+        "running": job_running(p),
     }
     if os.environ.get("ORCH_PYTHON_MISSING"):   # bundle.FALLBACK: `python:` is not there yet
         report["python_missing"] = os.environ["ORCH_PYTHON_MISSING"][:4096]

@@ -78,6 +78,14 @@ def supervisor_alive(p: dict[str, Any]) -> dict[str, Any] | None:
     return sup
 
 
+def job_running(p: dict[str, Any]) -> bool:
+    """The job's supervisor lives, or any process with the job's marker does: after a
+    stop that was cut short (its `orch stop` killed), torchrun and the supervisor are gone
+    while ranks wait out their grace; a new launch beside them would be a second copy
+    (and the unfinished stop, still running on the host, would kill it)."""
+    return bool(supervisor_alive(p)) or bool(marked_pids(p["job"]))
+
+
 def signal_all(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
         try:

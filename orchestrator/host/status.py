@@ -81,8 +81,10 @@ def rank_status(p: dict[str, Any], rank: int, local_rank: int,
         info["state"] = "running"
     elif pid:
         info["state"] = "lost"      # vanished without an exit code (e.g. the wrapper was killed)
-    else:
-        info["state"] = "starting" if sup else "lost"
+    elif sup:
+        info["state"] = "starting"
+    else:   # no launch ever reached this folder (an `up` killed before it): not "lost"
+        info["state"] = "lost" if p["jd"].lstat("run/launch.json") else "not started"
     if info["state"] in ("exited", "lost") and stopped(p, info):
         info["state"] = "stopped"
     return info

@@ -1,0 +1,175 @@
+"""A push to a host that goes silent, without SSH: the controller's stall watchdog
+(sync.Stall over an in-process fake agent) and the agent's side (a receive stream that
+stops half way, one receiver per folder, a full disk), called in this process."""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fake_agent import FakeChannel, FakeTransport, Handler
+from orchestrator import protocol, sync, timeouts
+from orchestrator.errors import EXIT_HOST, HostError
+from orchestrator.host import files
+from orchestrator.host.common import AgentError
+from orchestrator.host.ledger import Ledger
+from orchestrator.host.paths import JobDir
+from orchestrator.inventory import parse
+from orchestrator.link import Link
+from orchestrator.localfiles import LocalFile
+
+INVENTORY = """name: fake
+hosts:
+  - {address: localhost, connection: local, remote_dir: /r0}
+job: {entrypoint: job.py}
+"""
+
+
+class SilentChannel(FakeChannel):
+    """A host that takes `accept` bytes of a push, then nothing more (frozen sshd, cut
+    link): a write blocks until the connection is closed, as paramiko's does."""
+
+    def __init__(self, *args: Any, accept: int) -> None:
+        super().__init__(*args)
+        self.accept, self.taken = accept, 0
+        self.gone = threading.Event()
+
+    def write(self, data) -> None:
+        if self.skip or len(data) + self.taken <= self.accept:
+            self.taken += 0 if self.skip else len(data)
+            return super().write(data)
+        self.gone.wait(30)
+        raise OSError("Socket is closed")
+
+    def close(self) -> None:
+        self.gone.set()
+        super().close()
+
+
+def local_file(tmp_path: Path, name: str, size: int) -> LocalFile:
+    path = tmp_path / name
+    data = os.urandom(size)
+    path.write_bytes(data)
+    return LocalFile(name, str(path), size, 0o644, hashlib.sha256(data).hexdigest())
+
+
+def silent_link(tmp_path: Path, accept: int) -> tuple[Link, SilentChannel]:
+    host = parse(INVENTORY, tmp_path / "cluster.yaml").hosts[0]
+    def ignore(chan: FakeChannel, msg: dict) -> None:
+        pass
+    # takes the stream (its file and end messages too), never answers
+    handlers: dict[str, Handler] = {"receive": ignore, "file": ignore, "end": ignore}
+    transport = FakeTransport(host, handlers)
+    chan = SilentChannel(host, handlers, accept=accept)
+    transport.channel = chan
+    link = Link(transport)
+    link.start(5)
+    return link, chan
+
+
+@pytest.mark.parametrize("accept", [200_000, 1 << 30], ids=["mid-stream", "after-the-stream"])
+def test_a_push_to_a_silent_host_ends_after_push_idle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     accept: int) -> None:
+    """Blocked in a send (the host took no more) or waiting for a reply that never
+    comes: the push ends after PUSH_IDLE with the host's name, not after SYNC."""
+    monkeypatch.setattr(timeouts, "PUSH_IDLE", 0.5)
+    link, chan = silent_link(tmp_path, accept)
+    local = [local_file(tmp_path, f"f{i}", 300_000) for i in range(4)]
+    t0 = time.monotonic()
+    with pytest.raises(HostError) as caught:
+        sync.push(link, "/r0/fake/data", local, remote={})
+    took = time.monotonic() - t0
+    assert caught.value.exit_code == EXIT_HOST
+    assert "localhost: the push to /r0/fake/data stalled" in caught.value.message
+    assert "only the rest is sent" in caught.value.hint
+    assert took < 5, f"{took:.1f} s"
+    assert chan.closed, "the stalled host's connection was left open"
+
+
+def test_a_host_that_keeps_taking_data_is_not_stalled(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slow is not silent: each send that returns is progress."""
+    monkeypatch.setattr(timeouts, "PUSH_IDLE", 0.3)
+    link, chan = silent_link(tmp_path, 1 << 30)
+    stall = sync.Stall(link)
+    with stall:
+        for _ in range(8):
+            stall.send(b"x" * 10)
+            time.sleep(0.1)
+    assert not stall.fired and not chan.closed
+
+
+# ---------------------------------------------------------------- the agent's side
+
+def stream_frames(name: str, data: bytes) -> bytes:
+    head = protocol.stream_item("file", p=name, s=len(data), h=hashlib.sha256(data).hexdigest(),
+                                m=0o644)
+    return head + protocol.frame(protocol.DATA, data)
+
+
+def test_a_stream_that_stops_half_way_ends_the_receiver_and_keeps_what_landed(tmp_path: Path) -> None:
+    jd = JobDir(str(tmp_path / "job"))
+    whole, half = os.urandom(5000), os.urandom(5000)
+    r, w = os.pipe()
+    os.write(w, stream_frames("w0/whole.bin", whole) + stream_frames("w0/half.bin", half)[:3000])
+    reader = protocol.FrameReader(lambda n: os.read(r, n), caps=protocol.CAPS)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(files.StreamIdle), files.IdleReader(reader, 0.5) as idle:
+            files.receive_into(idle, jd, "data")
+    finally:
+        os.close(r)
+        os.close(w)
+    assert 0.4 < time.monotonic() - t0 < 5
+    data = tmp_path / "job" / "data"
+    assert (data / "w0" / "whole.bin").read_bytes() == whole
+    names = [p.name for p in data.rglob("*")]
+    assert sorted(names) == ["w0", "whole.bin"], names   # no half file, no staging folder
+    assert list(Ledger(jd, "data").manifest()) == ["w0/whole.bin"]
+
+
+def test_one_receiver_per_folder(tmp_path: Path) -> None:
+    jd = JobDir(str(tmp_path / "job"))
+    first = files.receive_lock(jd, "data")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(AgentError) as caught:
+            files.receive_lock(jd, "data", wait=0.3)
+        assert time.monotonic() - t0 >= 0.3
+        assert "still being received" in str(caught.value)
+    finally:
+        os.close(first)
+    os.close(files.receive_lock(jd, "data", wait=0.3))   # free again once the first ended
+    fd = os.open(str(tmp_path / "job" / "run" / "data-receive.lock"), os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # nothing holds it now
+    os.close(fd)
+
+
+def test_a_full_disk_names_the_file_the_folder_and_the_fix(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    jd = JobDir(str(tmp_path / "job"))
+    real_write = os.write
+
+    def full(fd: int, data: Any) -> int:
+        if len(data) > 100:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+    stream = stream_frames("w0/big.bin", os.urandom(4000)) + protocol.stream_item("end", delete=[])
+    chunks = iter([stream, b""])
+    reader = protocol.FrameReader(lambda n: next(chunks), caps=protocol.CAPS)
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(files.NoSpace) as caught:
+        files.receive_into(reader, jd, "data")
+    monkeypatch.undo()
+    text = str(caught.value)
+    assert "no space left on device writing data/w0/big.bin (4000 bytes) into " in text
+    assert str(tmp_path / "job" / "data") in text and "bytes free of" in text
+    assert "remote_dir" in caught.value.fix   # type: ignore[attr-defined]
+    assert not [p for p in (tmp_path / "job" / "data").rglob("*") if p.is_file()]
