@@ -1,8 +1,14 @@
-"""Shared helpers for the benchmarks: timing, tables, a fake SSH cluster."""
+"""Shared helpers for the benchmarks: timing, tables, a fake SSH cluster, and the test
+bed of the fault and scale benchmarks (login users, the stand-in torchrun, pdsh, the
+check that nothing is left)."""
 from __future__ import annotations
 
 import json
 import os
+import pwd
+import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -10,19 +16,22 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the fake cluster lives beside the tests
 
-from sshd_cluster import SshdCluster, free_port  # noqa: E402
+from sshd_cluster import FakeHost, SshdCluster, free_port, pid_alive  # noqa: E402
 
 VENV = REPO / ".venv"
 VENV_PY = VENV / "bin" / "python"
 ORCH = VENV / "bin" / "orch"
 OUT_DIR = REPO / "bench" / "out"
+STANDIN = REPO / "bench" / "torchrun_standin.py"
+PLAIN_USER = "orchbench"
+SYSTEM_PY = "/usr/bin/python3"
 
 
 @dataclass
@@ -85,6 +94,18 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[obje
     Console().print(table)
 
 
+def markdown(headers: list[str], rows: list[list]) -> None:
+    """A Markdown table (what the README holds), never wrapped."""
+    def cell(v: object) -> str:
+        if isinstance(v, float):
+            return "-" if v != v else f"{v:.2f}"
+        return str(v)
+    print("| " + " | ".join(headers) + " |")
+    print("|" + "---|" * len(headers))
+    for r in rows:
+        print("| " + " | ".join(cell(v) for v in r) + " |")
+
+
 def _fmt(value: object) -> str:
     if isinstance(value, float):
         return "-" if value != value else f"{value:.2f}"
@@ -116,3 +137,285 @@ def save_json(name: str, data: object) -> Path:
     path = OUT_DIR / name
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def pdsh_env(cluster: SshdCluster) -> dict:
+    """pdsh -R ssh reads the fake cluster's ssh config (host keys, port, identity)."""
+    return clean_env(PDSH_SSH_ARGS_APPEND=f"-F {cluster.ssh_config}")
+
+
+def orch_env() -> dict:
+    """An installed orch has its bytecode compiled (pip does it); where the environment
+    sets PYTHONDONTWRITEBYTECODE, every command would compile orch's sources again
+    (0.3-0.5 s of CPU here), which no user pays. compile_orch() compiles them once."""
+    env = clean_env()
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def compile_orch() -> None:
+    subprocess.run([str(VENV_PY), "-m", "compileall", "-q", str(REPO / "orchestrator")],
+                   check=True, env=orch_env())
+
+
+# ---------------------------------------------------------------- login users
+
+@dataclass
+class Shell:
+    name: str           # "root" or "plain"
+    user: str
+    home: Path
+
+
+ROOT_SHELL = Shell("root", "root", Path("/root"))
+
+
+def plain_shell(pub_key: str) -> Shell:
+    """The user `orchbench` with /bin/sh, made if missing; the cluster's client key
+    authorized for it (unauthorize() removes it again)."""
+    try:
+        pw = pwd.getpwnam(PLAIN_USER)
+    except KeyError:
+        subprocess.run(["useradd", "-m", "-s", "/bin/sh", PLAIN_USER], check=True)
+        pw = pwd.getpwnam(PLAIN_USER)
+    unlock(PLAIN_USER)
+    ssh = Path(pw.pw_dir) / ".ssh"
+    ssh.mkdir(mode=0o700, exist_ok=True)
+    keys = ssh / "authorized_keys"
+    old = keys.read_text() if keys.exists() else ""
+    keys.write_text(old + pub_key + "\n")
+    for p in (ssh, keys):
+        os.chown(p, pw.pw_uid, pw.pw_gid)
+    keys.chmod(0o600)
+    return Shell("plain", PLAIN_USER, Path(pw.pw_dir))
+
+
+def unlock(user: str) -> None:
+    """useradd leaves the password `!` (locked); with UsePAM no, sshd then refuses even
+    keys. `*`: no password can match, but the account is not locked."""
+    for line in Path("/etc/shadow").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name == user and rest.startswith("!"):
+            subprocess.run(["usermod", "-p", "*", user], check=True)
+
+
+def unauthorize(shell: Shell, pub_key: str) -> None:
+    keys = shell.home / ".ssh" / "authorized_keys"
+    if keys.exists():
+        keys.write_text("".join(line for line in keys.read_text().splitlines(True)
+                                if line.strip() != pub_key))
+
+
+def remote_base(cluster: SshdCluster, shell: Shell) -> Path:
+    """Where the hosts' job folders go: beside the cluster for root, in the plain
+    user's home (under a name of this run, removed at the end) for the plain user."""
+    if shell.user == "root":
+        return cluster.root.parent / "remote"
+    return shell.home / f"orchscale-{os.getpid()}"
+
+
+def prepare_remote(path: Path, shell: Shell) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    if shell.user != "root":
+        pw = pwd.getpwnam(shell.user)
+        os.chown(path, pw.pw_uid, pw.pw_gid)
+
+
+# ---------------------------------------------------------------- the stand-in torchrun
+
+def make_standin(root: Path) -> str:
+    """<root>/torch/distributed/run.py (bench/torchrun_standin.py), a torch dist-info with
+    the real version (preflight compares versions) and <root>/python, the wrapper the
+    hosts run: `python -m torch.distributed.run` then starts the stand-in."""
+    from importlib.metadata import version
+    pkg = root / "torch" / "distributed"
+    pkg.mkdir(parents=True)
+    (root / "torch" / "__init__.py").write_text('"""Stand-in torch for the benchmarks."""\n')
+    (pkg / "__init__.py").write_text("")
+    shutil.copy(STANDIN, pkg / "run.py")
+    info = root / f"torch-{version('torch')}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version('torch')}\n")
+    wrapper = root / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}} '
+                       f'exec {SYSTEM_PY} "$@"\n')
+    for p in [root, *root.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() or p == wrapper else 0o644)
+    return str(wrapper)
+
+
+# ---------------------------------------------------------------- processes
+
+def scan_marked(needles: list[str]) -> list[int]:
+    """Live pids whose environment or command line holds any needle (one /proc pass)."""
+    want = [n.encode() for n in needles]
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                blob = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                blob += f.read()
+        except OSError:
+            continue
+        if any(w in blob for w in want) and pid_alive(int(name)):
+            found.append(int(name))
+    return found
+
+
+def kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def prove_clean(sshds: list[int], needles: list[str]) -> bool:
+    """Every sshd this run started is gone, and nothing of its jobs runs (no process
+    names this run's folders or markers in its command line or environment); printed."""
+    alive = [p for p in sshds if pid_alive(p)]
+    left = scan_marked(needles)
+    print(f"cleanup: {len(sshds)} sshd started, {len(alive)} still running; "
+          f"{len(left)} processes of the benchmark left" + (f": {left}" if left else ""))
+    return not alive and not left
+
+
+# ---------------------------------------------------------------- the bed
+
+@dataclass
+class Bed:
+    """Some hosts of a fake cluster, logged in as this user, running this python
+    (the venv's, or the stand-in's wrapper)."""
+    cluster: SshdCluster
+    hosts: list[FakeHost]
+    shell: Shell
+    python: str
+    work: Path                           # inventories and orch's state, on this machine
+    remote: Path                         # under it: host<i>/ (orch) and pdsh/ (baseline)
+    real_torch: bool = False
+    dirs: list[str] = field(default_factory=list)   # job dirs of the last inventory
+
+    @property
+    def n(self) -> int:
+        return len(self.hosts)
+
+    def inventory(self, name: str, source: str | Path, env: dict | None = None) -> Path:
+        """A job folder on this machine with its script, and its cluster.yaml."""
+        work = self.work / name
+        work.mkdir(parents=True, exist_ok=True)
+        write_script(work / "job.py", source)
+        entries = []
+        for i, h in enumerate(self.hosts):
+            d = self.remote / f"host{i}"
+            prepare_remote(d, self.shell)
+            entries.append({"address": h.address, "procs": 1, "remote_dir": str(d)})
+        self.dirs = [f"{e['remote_dir']}/{name}" for e in entries]
+        return self.cluster.write_inventory(
+            work / "cluster.yaml", hosts=self.hosts, name=name, entrypoint="job.py",
+            code_paths=["job.py"], env=env,
+            top={"hosts": entries, "python": self.python, "ssh": {"user": self.shell.user}})
+
+    def left_over(self) -> list[int]:
+        """The last inventory's job processes still alive on any host."""
+        return scan_marked([f"ORCH_JOB_DIR={d}\0" for d in self.dirs])
+
+    def pdsh_dir(self, source: str | Path) -> Path:
+        """The baseline's job folder (shared by the hosts, like an NFS home), filled beforehand."""
+        d = self.remote / "pdsh"
+        prepare_remote(d, self.shell)
+        write_script(d / "job.py", source)
+        return d
+
+    def pdsh_argv(self, remote: str) -> list[str]:
+        """pdsh over ssh to every host of the bed at once (-f N), as the bed's user."""
+        return ["pdsh", "-R", "ssh", "-f", str(self.n), "-l", self.shell.user,
+                "-w", ",".join(h.address for h in self.hosts), remote]
+
+    def torchrun_remote(self, d: Path, port: int, env: str = "") -> str:
+        """run_dist.sh style: the node rank from the address (127.0.0.<first + rank>);
+        env: `K=V ...` put before the command."""
+        first = int(self.hosts[0].address.rsplit(".", 1)[1])
+        return (f"h=%h; R=$(( ${{h##*.}} - {first} )); cd {d} && {env + ' ' if env else ''}"
+                f"{self.python} -m torch.distributed.run --nnodes {self.n} --node-rank $R "
+                f"--nproc-per-node 1 --master-addr {self.hosts[0].address} "
+                f"--master-port {port} job.py")
+
+
+def write_script(path: Path, source: str | Path) -> None:
+    if isinstance(source, Path):
+        shutil.copy(source, path)
+    else:
+        path.write_text(source)
+    path.chmod(0o644)
+
+
+@dataclass
+class Beds:
+    """What bed_cluster() made: the cluster, the stand-in's python, the shells; clean is
+    set on the way out (nothing of the run left)."""
+    cluster: SshdCluster
+    python: str
+    shells: dict[str, Shell]
+    clean: bool = False
+
+
+@contextmanager
+def bed_cluster(n: int, shells: Sequence[str], first_octet: int = 2) -> Iterator[Beds]:
+    """An n-host cluster whose sshd also reads the plain user's ~/.ssh/authorized_keys,
+    the stand-in torchrun, and the asked login shells ("root", "plain"). On the way out,
+    interrupted too: every process naming this run's folders is killed, the plain user's
+    key and folders removed, and the check that nothing is left printed (beds.clean)."""
+    standin = Path(tempfile.mkdtemp(prefix="orch-bench-standin-"))
+    sshds: list[int] = []
+    needles = [str(standin), f"orchscale-{os.getpid()}", f"orchscale{os.getpid()}x"]
+    beds = None
+    try:
+        python = make_standin(standin)
+        options = {"AuthorizedKeysFile": "{authorized_keys} .ssh/authorized_keys"}
+        with fake_cluster(n, first_octet=first_octet, sshd_options=options) as cluster:
+            sshds = [h.pid for h in cluster.hosts]
+            needles.append(str(cluster.root.parent))
+            pub = cluster.authorized_keys.read_text().strip()
+            made = {"root": ROOT_SHELL}
+            if "plain" in shells:
+                made["plain"] = plain_shell(pub)
+            beds = Beds(cluster, python, made)
+            try:
+                yield beds
+            finally:   # the jobs' supervisors are not under any sshd
+                kill_pids(scan_marked(needles))
+                if "plain" in made:
+                    unauthorize(made["plain"], pub)
+                    shutil.rmtree(remote_base(cluster, made["plain"]), ignore_errors=True)
+    finally:
+        shutil.rmtree(standin, ignore_errors=True)
+        clean = prove_clean(sshds, needles)
+        if beds is not None:
+            beds.clean = clean
+
+
+# ---------------------------------------------------------------- a rank crash under pdsh
+
+def crash_time(output: str) -> float:
+    """The clock the crashing rank printed (`crash_at <time>`) just before exiting."""
+    m = re.search(r"crash_at (\d+\.\d+)", output)
+    if not m:
+        raise SystemExit(f"no crash line in the output:\n{output[-1500:]}")
+    return float(m.group(1))
+
+
+def pdsh_crash(bed: Bed, source: str | Path, env: str, timeout: float) -> tuple[float, Run]:
+    """The baseline of a rank crash: `source` launched run_dist.sh style (pdsh + torchrun,
+    no fail-fast) with `K=V` env; seconds from the crash to pdsh returning, and the run.
+    Whatever is left (a timed-out run) is killed by the marker this adds."""
+    d = bed.pdsh_dir(source)
+    port = free_port([bed.hosts[0].address], 29500, 29900)
+    marker = f"ORCH_JOB_DIR={d}/marker"   # lets the bench find and end what it started
+    remote = bed.torchrun_remote(d, port, f"{marker} {env}".strip())
+    run = timed_run(bed.pdsh_argv(remote), env=pdsh_env(bed.cluster), timeout=timeout)
+    ended = time.time()
+    kill_pids(scan_marked([marker + "\0"]))
+    return ended - crash_time(run.stdout), run

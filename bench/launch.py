@@ -26,6 +26,7 @@ from common import (
     fake_cluster,
     free_port,
     median,
+    pdsh_env,
     print_table,
     save_json,
     timed_run,
@@ -58,8 +59,7 @@ def pdsh_command(cluster: SshdCluster, dirs: dict[str, Path], port: int) -> list
 
 def run_pdsh(cluster: SshdCluster, dirs: dict[str, Path]) -> Run:
     port = free_port([MASTER], 29500, 29900)
-    env = clean_env(PDSH_SSH_ARGS_APPEND=f"-F {cluster.ssh_config}")
-    return timed_run(pdsh_command(cluster, dirs, port), env=env, timeout=300)
+    return timed_run(pdsh_command(cluster, dirs, port), env=pdsh_env(cluster), timeout=300)
 
 
 def orch_setup(cluster: SshdCluster, hosts: list, workdir: Path, name: str = "allreduce") -> Path:

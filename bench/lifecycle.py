@@ -16,24 +16,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import signal
 import time
-from pathlib import Path
 
 from common import (
     ORCH,
+    ROOT_SHELL,
     VENV_PY,
-    SshdCluster,
+    Bed,
     clean_env,
+    crash_time,
     fake_cluster,
-    free_port,
+    kill_pids,
     median,
+    pdsh_crash,
     print_table,
     save_json,
+    scan_marked,
     timed_run,
 )
-from sshd_cluster import pids_with_env
 
 HOSTS = 4
 JOB = """\
@@ -50,57 +50,43 @@ child.kill()
 """
 
 
-def inventory(cluster: SshdCluster, work: Path, name: str, env: dict) -> Path:
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "job.py").write_text(JOB)
-    return cluster.write_inventory(work / "cluster.yaml", hosts=cluster.hosts[:HOSTS],
-                                   name=name, entrypoint="job.py", code_paths=["job.py"], env=env)
-
-
-def wait_running(job_dirs: list[str], timeout: float = 120) -> None:
+def wait_running(bed: Bed, timeout: float = 120) -> None:
     """Every host's worker and its child are up (2 marked processes per host at least)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if all(len(pids_with_env(f"ORCH_JOB_DIR={d}")) >= 4 for d in job_dirs):
+        if all(len(scan_marked([f"ORCH_JOB_DIR={d}\0"])) >= 4 for d in bed.dirs):
             return
         time.sleep(0.2)
     raise SystemExit("the job did not start on every host")
 
 
-def bench_stop(cluster: SshdCluster, work: Path, reps: int) -> list[float]:
-    inv = inventory(cluster, work / "stop", "bench-stop", {})
-    dirs = [f"{h.remote_dir}/bench-stop" for h in cluster.hosts[:HOSTS]]
+def bench_stop(bed: Bed, reps: int) -> list[float]:
+    inv = bed.inventory("bench-stop", JOB)
     samples = []
     for rep in range(reps):
         up = timed_run([str(ORCH), "up", "--detach", str(inv)], env=clean_env(), cwd=inv.parent)
         if not up.ok:
             raise SystemExit(f"orch up --detach failed: {up.tail()}")
-        wait_running(dirs)
+        wait_running(bed)
         stop = timed_run([str(ORCH), "stop", str(inv)], env=clean_env(), cwd=inv.parent)
-        left = [p for d in dirs for p in pids_with_env(f"ORCH_JOB_DIR={d}")]
+        left = bed.left_over()
         if not stop.ok or left:
+            kill_pids(left)
             raise SystemExit(f"orch stop failed or left {left}: {stop.tail()}")
         samples.append(stop.seconds)
         print(f"  stop rep {rep + 1}: {stop.seconds:.2f} s, verified empty", flush=True)
     return samples
 
 
-def crash_time(output: str) -> float:
-    m = re.search(r"crash_at (\d+\.\d+)", output)
-    if not m:
-        raise SystemExit(f"no crash line in the output:\n{output[-1500:]}")
-    return float(m.group(1))
-
-
-def bench_crash_orch(cluster: SshdCluster, work: Path, reps: int) -> list[float]:
-    inv = inventory(cluster, work / "crash", "bench-crash", {"CRASH": "1"})
-    dirs = [f"{h.remote_dir}/bench-crash" for h in cluster.hosts[:HOSTS]]
+def bench_crash_orch(bed: Bed, reps: int) -> list[float]:
+    inv = bed.inventory("bench-crash", JOB, {"CRASH": "1"})
     samples = []
     for rep in range(reps):
         run = timed_run([str(ORCH), "up", str(inv)], env=clean_env(), cwd=inv.parent)
         ended = time.time()
-        left = [p for d in dirs for p in pids_with_env(f"ORCH_JOB_DIR={d}")]
+        left = bed.left_over()
         if run.returncode != 1 or left:
+            kill_pids(left)
             raise SystemExit(f"expected exit 1 and nothing left, got {run.returncode}, {left}")
         samples.append(ended - crash_time(run.stdout))
         print(f"  crash rep {rep + 1}: every host stopped {samples[-1]:.2f} s after the crash",
@@ -108,25 +94,9 @@ def bench_crash_orch(cluster: SshdCluster, work: Path, reps: int) -> list[float]
     return samples
 
 
-def bench_crash_pdsh(cluster: SshdCluster, work: Path, cap: float) -> float:
+def bench_crash_pdsh(bed: Bed, cap: float) -> float:
     """run_dist.sh style: pdsh + torchrun, no fail-fast. Returns crash -> pdsh returned."""
-    hosts = cluster.hosts[:HOSTS]
-    d = work / "pdsh"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "job.py").write_text(JOB)
-    port = free_port([hosts[0].address], 29500, 29900)
-    cases = " ".join(f"{h.address}) R={i};;" for i, h in enumerate(hosts))
-    marker = f"ORCH_JOB_DIR={d}/marker"   # lets this bench find and end what it started
-    remote = (f"case %h in {cases} esac; cd {d} && {marker} CRASH=1 WORK_S={cap:g} "
-              f"{VENV_PY} -m torch.distributed.run --nnodes {HOSTS} --node-rank $R "
-              f"--nproc-per-node 1 --master-addr {hosts[0].address} --master-port {port} job.py")
-    env = clean_env(PDSH_SSH_ARGS_APPEND=f"-F {cluster.ssh_config}")
-    run = timed_run(["pdsh", "-R", "ssh", "-f", "64", "-w", ",".join(h.address for h in hosts),
-                     remote], env=env, timeout=cap + 120)
-    ended = time.time()
-    for pid in pids_with_env(marker):
-        os.kill(pid, signal.SIGKILL)
-    return ended - crash_time(run.stdout)
+    return pdsh_crash(bed, JOB, f"CRASH=1 WORK_S={cap:g}", timeout=cap + 120)[0]
 
 
 def main() -> None:
@@ -137,9 +107,10 @@ def main() -> None:
     args = ap.parse_args()
     with fake_cluster(HOSTS) as cluster:
         work = cluster.root.parent / "lifecycle"
-        stop = bench_stop(cluster, work, args.reps)
-        crash = bench_crash_orch(cluster, work, args.reps)
-        base = bench_crash_pdsh(cluster, work, args.cap)
+        bed = Bed(cluster, cluster.hosts[:HOSTS], ROOT_SHELL, str(VENV_PY), work, work)
+        stop = bench_stop(bed, args.reps)
+        crash = bench_crash_orch(bed, args.reps)
+        base = bench_crash_pdsh(bed, args.cap)
     rows = [["orch stop -> verified empty (4 hosts)", median(stop), "-", "target <= 2 s"],
             ["rank crash -> every host stopped (4 hosts)", median(crash), base,
              f"baseline/orch = {base / median(crash):.0f}x"]]

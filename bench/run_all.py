@@ -15,8 +15,10 @@ BENCHES = ["launch.py", "lifecycle.py", "push.py", "split.py", "loader.py", "ter
 
 
 def main() -> int:
-    # --scale adds bench/scale.py (16-128 fake hosts, ~13 minutes): `make bench BENCH_ARGS=--scale`
-    benches = BENCHES + (["scale.py"] if "--scale" in sys.argv[1:] else [])
+    # --scale adds bench/scale.py (16-128 fake hosts, ~13 minutes): `make bench BENCH_ARGS=--scale`;
+    # --faults bench/faults.py (4-64 fake hosts, two login shells, ~10 minutes)
+    benches = BENCHES + (["scale.py"] if "--scale" in sys.argv[1:] else []) + (
+        ["faults.py"] if "--faults" in sys.argv[1:] else [])
     failed = []
     for name in benches:
         if not (HERE / name).exists():

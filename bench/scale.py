@@ -32,11 +32,8 @@ import argparse
 import os
 import pwd
 import re
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -47,23 +44,26 @@ from pathlib import Path
 import cpuacct
 from common import (
     ORCH,
-    REPO,
     VENV_PY,
+    Bed,
     Run,
+    Shell,
     SshdCluster,
-    clean_env,
-    fake_cluster,
+    bed_cluster,
+    compile_orch,
     free_port,
+    kill_pids,
+    markdown,
     median,
+    orch_env,
+    pdsh_env,
+    remote_base,
     save_json,
+    scan_marked,
 )
-from sshd_cluster import FakeHost, pid_alive
 
 BENCH = Path(__file__).resolve().parent
 ALLREDUCE = BENCH / "jobs" / "allreduce.py"
-STANDIN = BENCH / "torchrun_standin.py"
-PLAIN_USER = "orchbench"
-SYSTEM_PY = "/usr/bin/python3"
 FIRST_OCTET = 2
 TARGETS = {("root", 64, "up"): 1.0, ("plain", 128, "up"): 1.0,
            ("plain", 128, "status"): 1.2, ("plain", 128, "stop"): 1.2}
@@ -80,103 +80,11 @@ time.sleep(600)
 """
 
 
-# ---------------------------------------------------------------- the test bed
-
-@dataclass
-class Shell:
-    name: str           # "root" or "plain"
-    user: str
-    home: Path
-
-
-@dataclass
-class Bed:
-    """One series: these hosts, logged in as this user, this python (wrapper or venv)."""
-    cluster: SshdCluster
-    hosts: list[FakeHost]
-    shell: Shell
-    python: str
-    work: Path                           # inventories and orch's state, on this machine
-    remote: Path                         # under it: host<i>/ (orch) and pdsh/ (baseline)
-    real_torch: bool = False
-    dirs: list[str] = field(default_factory=list)   # job dirs of the last inventory
-
-    @property
-    def n(self) -> int:
-        return len(self.hosts)
-
-
-def make_standin(root: Path) -> str:
-    """<root>/torch/distributed/run.py (the stand-in), a torch dist-info with the real
-    version (preflight compares versions) and <root>/python, the wrapper the hosts run."""
-    from importlib.metadata import version
-    pkg = root / "torch" / "distributed"
-    pkg.mkdir(parents=True)
-    (root / "torch" / "__init__.py").write_text('"""Stand-in torch for bench/scale.py."""\n')
-    (pkg / "__init__.py").write_text("")
-    shutil.copy(STANDIN, pkg / "run.py")
-    info = root / f"torch-{version('torch')}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version('torch')}\n")
-    wrapper = root / "python"
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}} '
-                       f'exec {SYSTEM_PY} "$@"\n')
-    for p in [root, *root.rglob("*")]:
-        p.chmod(0o755 if p.is_dir() or p == wrapper else 0o644)
-    return str(wrapper)
-
-
-def plain_shell(pub_key: str) -> Shell:
-    """The plain user, made if missing; the cluster's client key authorized for it."""
-    try:
-        pw = pwd.getpwnam(PLAIN_USER)
-    except KeyError:
-        subprocess.run(["useradd", "-m", "-s", "/bin/sh", PLAIN_USER], check=True)
-        pw = pwd.getpwnam(PLAIN_USER)
-    unlock(PLAIN_USER)
-    ssh = Path(pw.pw_dir) / ".ssh"
-    ssh.mkdir(mode=0o700, exist_ok=True)
-    keys = ssh / "authorized_keys"
-    old = keys.read_text() if keys.exists() else ""
-    keys.write_text(old + pub_key + "\n")
-    for p in (ssh, keys):
-        os.chown(p, pw.pw_uid, pw.pw_gid)
-    keys.chmod(0o600)
-    return Shell("plain", PLAIN_USER, Path(pw.pw_dir))
-
-
-def unlock(user: str) -> None:
-    """useradd leaves the password `!` (locked); with UsePAM no, sshd then refuses even
-    keys. `*`: no password can match, but the account is not locked."""
-    for line in Path("/etc/shadow").read_text().splitlines():
-        name, _, rest = line.partition(":")
-        if name == user and rest.startswith("!"):
-            subprocess.run(["usermod", "-p", "*", user], check=True)
-
-
-def unauthorize(shell: Shell, pub_key: str) -> None:
-    keys = shell.home / ".ssh" / "authorized_keys"
-    if keys.exists():
-        keys.write_text("".join(line for line in keys.read_text().splitlines(True)
-                                if line.strip() != pub_key))
-
-
-def remote_base(cluster: SshdCluster, shell: Shell) -> Path:
-    if shell.user == "root":
-        return cluster.root.parent / "remote"
-    return shell.home / f"orchscale-{os.getpid()}"
-
-
-def prepare_remote(path: Path, shell: Shell) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    if shell.user != "root":
-        pw = pwd.getpwnam(shell.user)
-        os.chown(path, pw.pw_uid, pw.pw_gid)
-
-
 # ---------------------------------------------------------------- running things
 
+
 LAST_PID = [0]   # the last command's pid (its process accounting records)
+COUNT_CPU = [False]
 
 
 def timed_probe(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 600) -> tuple[Run, float, float]:
@@ -223,15 +131,6 @@ def run(cmd: list[str], *, env: dict, cwd: Path | None = None, timeout: float = 
     return timed_probe(cmd, env=env, cwd=cwd or Path.cwd(), timeout=timeout)[0]
 
 
-def orch_env() -> dict:
-    """An installed orch has its bytecode compiled (pip does it); where the environment
-    sets PYTHONDONTWRITEBYTECODE, every command would compile orch's sources again
-    (0.3-0.5 s of CPU here), which no user pays. main() compiles them once."""
-    env = clean_env()
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    return env
-
-
 def orch(bed: Bed, verb: str, inventory: Path, *extra: str) -> tuple[Run, float, float]:
     return timed_probe([str(ORCH), verb, *extra, "-c", str(inventory)], env=orch_env(),
                        cwd=inventory.parent)
@@ -239,80 +138,10 @@ def orch(bed: Bed, verb: str, inventory: Path, *extra: str) -> tuple[Run, float,
 
 def pdsh(bed: Bed, remote: str, timeout: float = 600) -> Run:
     """pdsh over ssh to every host of the bed at once (-f N), as the bed's user."""
-    env = clean_env(PDSH_SSH_ARGS_APPEND=f"-F {bed.cluster.ssh_config}")
-    argv = ["pdsh", "-R", "ssh", "-f", str(bed.n), "-l", bed.shell.user,
-            "-w", ",".join(h.address for h in bed.hosts), remote]
-    return run(argv, env=env, timeout=timeout)
-
-
-def scan_marked(needles: list[str]) -> list[int]:
-    """Live pids whose environment or command line holds any needle (one /proc pass)."""
-    want = [n.encode() for n in needles]
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                blob = f.read()
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                blob += f.read()
-        except OSError:
-            continue
-        if any(w in blob for w in want) and pid_alive(int(name)):
-            found.append(int(name))
-    return found
-
-
-def kill_pids(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    return run(bed.pdsh_argv(remote), env=pdsh_env(bed.cluster), timeout=timeout)
 
 
 # ---------------------------------------------------------------- jobs and inventories
-
-def inventory(bed: Bed, name: str, source: str | Path, env: dict | None = None) -> Path:
-    """A job folder on this machine with its script, and its cluster.yaml for the bed."""
-    work = bed.work / name
-    work.mkdir(parents=True, exist_ok=True)
-    script = work / "job.py"
-    if isinstance(source, Path):
-        shutil.copy(source, script)
-    else:
-        script.write_text(source)
-    entries = []
-    for i, h in enumerate(bed.hosts):
-        d = bed.remote / f"host{i}"
-        prepare_remote(d, bed.shell)
-        entries.append({"address": h.address, "procs": 1, "remote_dir": str(d)})
-    bed.dirs = [f"{e['remote_dir']}/{name}" for e in entries]
-    return bed.cluster.write_inventory(
-        work / "cluster.yaml", hosts=bed.hosts, name=name, entrypoint="job.py",
-        code_paths=["job.py"], env=env,
-        top={"hosts": entries, "python": bed.python, "ssh": {"user": bed.shell.user}})
-
-
-def pdsh_dir(bed: Bed, source: str | Path) -> Path:
-    """The baseline's job folder (shared by the hosts, like an NFS home), filled beforehand."""
-    d = bed.remote / "pdsh"
-    prepare_remote(d, bed.shell)
-    if isinstance(source, Path):
-        shutil.copy(source, d / "job.py")
-    else:
-        (d / "job.py").write_text(source)
-    (d / "job.py").chmod(0o644)
-    return d
-
-
-def torchrun_remote(bed: Bed, d: Path, port: int) -> str:
-    """run_dist.sh style: the node rank from the address (127.0.0.<2 + rank>)."""
-    return (f"h=%h; R=$(( ${{h##*.}} - {FIRST_OCTET} )); cd {d} && {bed.python} -m "
-            f"torch.distributed.run --nnodes {bed.n} --node-rank $R --nproc-per-node 1 "
-            f"--master-addr {bed.hosts[0].address} --master-port {port} job.py")
-
 
 def job_ok(bed: Bed, r: Run) -> bool:
     text = r.stdout + r.stderr
@@ -330,10 +159,6 @@ def wait_started(bed: Bed, timeout: float = 180) -> bool:
             return True
         time.sleep(0.2)
     return False
-
-
-def left_over(bed: Bed) -> list[int]:
-    return scan_marked([f"ORCH_JOB_DIR={d}\0" for d in bed.dirs])
 
 
 # ---------------------------------------------------------------- the measures
@@ -358,30 +183,6 @@ class Series:
         print(f"  ! {note}", flush=True)
 
 
-def measure_up(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
-    source = ALLREDUCE if bed.real_torch else HELLO
-    inv, d = inventory(bed, f"up{bed.n}", source), pdsh_dir(bed, source)
-    for rep in range(reps):
-        if rep and clock.over():
-            break
-        port = free_port([bed.hosts[0].address], 29500, 29900)
-        with counted(bed, s, "base"):
-            p = pdsh(bed, torchrun_remote(bed, d, port))
-        if job_ok(bed, p):
-            s.add("up", "base", p.seconds)
-        else:
-            s.fail("baseline up", p)
-        with counted(bed, s, "orch"):
-            o, rss, threads = orch(bed, "up", inv)
-        s.rss_mib, s.threads = max(s.rss_mib, rss), max(s.threads, int(threads))
-        if job_ok(bed, o):
-            s.add("up", "orch", o.seconds)
-        else:
-            s.fail("orch up", o)
-        print(f"  up rep {rep + 1}: pdsh {p.seconds:.2f} s, orch {o.seconds:.2f} s "
-              f"(rss {rss:.0f} MiB, {threads} threads)", flush=True)
-
-
 @contextmanager
 def counted(bed: Bed, s: Series, who: str) -> Iterator[None]:
     """With --cpu (plain shell only: its uid tells the hosts' processes from the
@@ -399,7 +200,36 @@ def counted(bed: Bed, s: Series, who: str) -> Iterator[None]:
                                        for name, n, c in cpuacct.summary(k)), flush=True)
 
 
-COUNT_CPU = [False]
+def median_kinds(ks: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """The repetition whose host-side total is the median one."""
+    def total(k: dict[str, list[float]]) -> float:
+        return sum(sum(v) for name, v in k.items() if name != "controller")
+    ordered = sorted(ks, key=total)
+    return ordered[len(ordered) // 2]
+
+
+def measure_up(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
+    source = ALLREDUCE if bed.real_torch else HELLO
+    inv, d = bed.inventory(f"up{bed.n}", source), bed.pdsh_dir(source)
+    for rep in range(reps):
+        if rep and clock.over():
+            break
+        port = free_port([bed.hosts[0].address], 29500, 29900)
+        with counted(bed, s, "base"):
+            p = pdsh(bed, bed.torchrun_remote(d, port))
+        if job_ok(bed, p):
+            s.add("up", "base", p.seconds)
+        else:
+            s.fail("baseline up", p)
+        with counted(bed, s, "orch"):
+            o, rss, threads = orch(bed, "up", inv)
+        s.rss_mib, s.threads = max(s.rss_mib, rss), max(s.threads, int(threads))
+        if job_ok(bed, o):
+            s.add("up", "orch", o.seconds)
+        else:
+            s.fail("orch up", o)
+        print(f"  up rep {rep + 1}: pdsh {p.seconds:.2f} s, orch {o.seconds:.2f} s "
+              f"(rss {rss:.0f} MiB, {threads} threads)", flush=True)
 
 
 def start_detached(bed: Bed, s: Series, inv: Path) -> bool:
@@ -414,7 +244,7 @@ def start_detached(bed: Bed, s: Series, inv: Path) -> bool:
 
 
 def measure_status_stop(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
-    inv = inventory(bed, f"sleep{bed.n}", SLEEPER)
+    inv = bed.inventory(f"sleep{bed.n}", SLEEPER)
     if not start_detached(bed, s, inv):
         return
     for rep in range(reps):
@@ -432,7 +262,7 @@ def measure_status_stop(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
         t = pdsh(bed, "true")
         s.add("stop", "base", t.seconds) if t.ok else s.fail("pdsh true", t)
         o, _, _ = orch(bed, "stop", inv)
-        left = left_over(bed)
+        left = bed.left_over()
         if o.ok and not left:
             s.add("stop", "orch", o.seconds)
         else:
@@ -447,7 +277,7 @@ def pdsh_pkill(bed: Bed, s: Series) -> float:
     """The naive stop: a sleeper per host started by pdsh, then `pdsh pkill -f` of it
     (no verification). The bracket keeps pkill from matching the shell that runs it."""
     tag = f"orchscale{os.getpid()}x{bed.n}"
-    d = pdsh_dir(bed, SLEEPER)
+    d = bed.pdsh_dir(SLEEPER)
     start = pdsh(bed, f"cd {d} && (setsid {bed.python} -c 'import time; time.sleep(600)' "
                       f"{tag}-%h-end </dev/null >/dev/null 2>&1 &)")
     deadline = time.monotonic() + 60
@@ -465,13 +295,13 @@ def pdsh_pkill(bed: Bed, s: Series) -> float:
 
 
 def measure_death(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
-    inv = inventory(bed, f"crash{bed.n}", CRASH)
+    inv = bed.inventory(f"crash{bed.n}", CRASH)
     for rep in range(reps):
         if rep and clock.over():
             break
         o, _, _ = orch(bed, "up", inv)
         ended = time.time()
-        left = left_over(bed)
+        left = bed.left_over()
         m = re.search(r"crash_at (\d+\.\d+)", o.stdout)
         if o.returncode == 1 and m and not left:
             s.add("death", "orch", ended - float(m.group(1)))
@@ -518,26 +348,6 @@ def rows_of(s: Series) -> list[list]:
         rows.append([s.n, s.shell, what, o, bname, b, ratio,
                      "-" if target is None else f"<= {target:g}", met])
     return rows
-
-
-def median_kinds(ks: list[dict[str, list[float]]]) -> dict[str, list[float]]:
-    """The repetition whose host-side total is the median one."""
-    def total(k: dict[str, list[float]]) -> float:
-        return sum(sum(v) for name, v in k.items() if name != "controller")
-    ordered = sorted(ks, key=total)
-    return ordered[len(ordered) // 2]
-
-
-def markdown(headers: list[str], rows: list[list]) -> None:
-    """A Markdown table (what the README holds), never wrapped."""
-    def cell(v: object) -> str:
-        if isinstance(v, float):
-            return "-" if v != v else f"{v:.2f}"
-        return str(v)
-    print("| " + " | ".join(headers) + " |")
-    print("|" + "---|" * len(headers))
-    for r in rows:
-        print("| " + " | ".join(cell(v) for v in r) + " |")
 
 
 def report(series: list[Series], clock: Clock) -> None:
@@ -614,52 +424,20 @@ def main() -> None:
     args = ap.parse_args()
     COUNT_CPU[0] = args.cpu
     plan = parse_series(args.series)
-    subprocess.run([str(VENV_PY), "-m", "compileall", "-q", str(REPO / "orchestrator")],
-                   check=True, env=orch_env())
+    compile_orch()
     clock = Clock(args.budget)
     series: list[Series] = []
-    standin = Path(tempfile.mkdtemp(prefix="orch-scale-standin-"))
-    sshds: list[int] = []
-    plain = None
-    try:
-        python = make_standin(standin)
-        # the plain user's own ~/.ssh/authorized_keys too (the cluster's file is root's only)
-        options = {"AuthorizedKeysFile": "{authorized_keys} .ssh/authorized_keys"}
-        with fake_cluster(max(n for _, n in plan), first_octet=FIRST_OCTET,
-                          sshd_options=options) as cluster:
-            tmp = cluster.root.parent
-            sshds = [h.pid for h in cluster.hosts]
-            pub = cluster.authorized_keys.read_text().strip()
-            root = Shell("root", "root", Path("/root"))
-            plain = plain_shell(pub) if any(sh == "plain" for sh, _ in plan) else None
-            work = cluster.root.parent / "work"
-            try:
-                for shell_name, n in plan:
-                    if series and clock.over():
-                        print(f"\n(budget spent: {shell_name}:{n} skipped)")
-                        continue
-                    shell = root if shell_name == "root" else plain
-                    assert shell is not None
-                    series.append(run_series(cluster, shell, n, python, work, args, clock))
-            finally:   # interrupted too: the jobs' supervisors are not under any sshd
-                kill_pids(scan_marked([str(tmp), f"orchscale-{os.getpid()}", str(standin)]))
-                if plain is not None:
-                    unauthorize(plain, pub)
-                    shutil.rmtree(remote_base(cluster, plain), ignore_errors=True)
-    finally:
-        shutil.rmtree(standin, ignore_errors=True)
+    with bed_cluster(max(n for _, n in plan), [sh for sh, _ in plan],
+                     first_octet=FIRST_OCTET) as beds:
+        work = beds.cluster.root.parent / "work"
+        for shell_name, n in plan:
+            if series and clock.over():
+                print(f"\n(budget spent: {shell_name}:{n} skipped)")
+                continue
+            series.append(run_series(beds.cluster, beds.shells[shell_name], n, beds.python,
+                                     work, args, clock))
     report(series, clock)
-    prove_clean(sshds, [str(tmp), str(standin), f"orchscale{os.getpid()}x"])
-
-
-def prove_clean(sshds: list[int], needles: list[str]) -> None:
-    """Every sshd this run started is gone, and nothing of its jobs runs (no process
-    names this run's folders or markers in its command line or environment)."""
-    alive = [p for p in sshds if pid_alive(p)]
-    left = scan_marked(needles)
-    print(f"cleanup: {len(sshds)} sshd started, {len(alive)} still running; "
-          f"{len(left)} processes of the benchmark left" + (f": {left}" if left else ""))
-    if alive or left:
+    if not beds.clean:
         sys.exit(1)
 
 

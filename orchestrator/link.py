@@ -183,6 +183,11 @@ class Link:
             self.follow_id = None
             self.sink.host_lost(self.host.index, error.message)
 
+    def lost(self, why: str) -> None:
+        """The host stopped answering (not even a heartbeat): whatever waits on it fails,
+        nothing more is asked of it, and closing does not wait for its agent to end."""
+        self._fail(HostError(f"{self.name}: {why}"))
+
     # ------------------------------------------------------------ incoming
 
     def _dispatch(self, kind: bytes, payload: bytes | bytearray) -> None:
