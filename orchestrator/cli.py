@@ -75,11 +75,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def interrupt_on_termination() -> None:
-    """SIGTERM and SIGHUP (a closed terminal) act like Ctrl-C: the job is stopped, not orphaned."""
+    """SIGTERM and SIGHUP (a closed terminal) act like Ctrl-C: the job is stopped, not
+    orphaned. A signal ignored when orch started stays ignored: `nohup orch up` must
+    outlive its terminal."""
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, handler)
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            signal.signal(sig, handler)
 
 
 def json_error(args: argparse.Namespace, message: str, code: int) -> int:

@@ -3,6 +3,7 @@ teardown; the markers. Helper functions are in tests/helpers.py."""
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +15,12 @@ CLUSTER_SIZE = 4
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Started in the background by a non-interactive shell (`bash .ci/run &`), pytest
+    # inherits SIGINT ignored, and so would every orch it starts: the tests that press
+    # Ctrl-C on orch (a SIGINT) would test nothing. A handler here becomes the default
+    # action in each child at exec.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line(
         "markers", "ssh: end-to-end test against the fake sshd cluster (slow)")
 

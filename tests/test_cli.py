@@ -92,3 +92,18 @@ def test_unknown_option_shows_its_commands_usage(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.startswith("usage: orch up"), result.stderr
     assert "did you mean `--detach`?" in result.stderr
+
+
+@pytest.mark.parametrize("ignored", [False, True], ids=["terminal", "nohup"])
+def test_hangup_stops_the_job_unless_orch_was_started_with_nohup(ignored: bool) -> None:
+    """SIGHUP (a closed terminal) is Ctrl-C for orch, unless it was ignored at start, as
+    `nohup orch up` does: then orch outlives its terminal."""
+    code = ("import signal, sys\n"
+            f"if {ignored}: signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+            "from orchestrator.cli import interrupt_on_termination\n"
+            "interrupt_on_termination()\n"
+            "print(signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,\n"
+            "      callable(signal.getsignal(signal.SIGTERM)))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(ignored), "True"]
