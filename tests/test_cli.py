@@ -99,7 +99,7 @@ def test_hangup_stops_the_job_unless_orch_was_started_with_nohup(ignored: bool) 
     """SIGHUP (a closed terminal) is Ctrl-C for orch, unless it was ignored at start, as
     `nohup orch up` does: then orch outlives its terminal."""
     code = ("import signal, sys\n"
-            f"if {ignored}: signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+            f"signal.signal(signal.SIGHUP, signal.SIG_IGN if {ignored} else signal.SIG_DFL)\n"
             "from orchestrator.cli import interrupt_on_termination\n"
             "interrupt_on_termination()\n"
             "print(signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,\n"

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -187,3 +189,30 @@ def test_metrics_csv_restarts_and_keeps_rows_on_resume(tmp_path: Path) -> None:
     metrics.append(path, {**row, "epoch": 1})
     metrics.plot(path, tmp_path / "metrics.png")
     assert (tmp_path / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _hook_args(filename: str, exc: type[BaseException]) -> threading.ExceptHookArgs:
+    """What threading passes its excepthook for `exc` raised in code from `filename`."""
+    code = compile("raise exc('peer gone')", filename, "exec")
+    try:
+        exec(code, {"exc": exc})
+    except exc as e:
+        return threading.ExceptHookArgs([exc, e, e.__traceback__, None])  # type: ignore[call-arg]
+    raise AssertionError("not raised")
+
+
+def test_a_broken_fd_sharing_thread_is_quiet_any_other_thread_error_is_printed(capsys) -> None:
+    """The data loader's resource_sharer thread breaks when its loader process is gone
+    (a stop ends both): no traceback; the same error elsewhere is printed."""
+    from worker.train import _quiet_sys_hook, _quiet_thread_hook
+    sharer = os.path.join("lib", "multiprocessing", "resource_sharer.py")
+    for exc in (BrokenPipeError, ConnectionResetError):
+        _quiet_thread_hook(_hook_args(sharer, exc))
+        a = _hook_args(sharer, exc)   # the sharer itself reports through sys.excepthook
+        _quiet_sys_hook(a.exc_type, a.exc_value, a.exc_traceback)
+    assert capsys.readouterr().err == ""
+    for args in (_hook_args(sharer, ValueError), _hook_args("mine.py", BrokenPipeError)):
+        _quiet_thread_hook(args)
+        _quiet_sys_hook(args.exc_type, args.exc_value, args.exc_traceback)
+    err = capsys.readouterr().err
+    assert err.count("Traceback") == 4 and "ValueError" in err and "BrokenPipeError" in err

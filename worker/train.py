@@ -519,6 +519,32 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Stopped()
 
 
+def _peer_gone(exc_type: type[BaseException], tb: Any) -> bool:
+    """The data loader's fd-sharing thread (multiprocessing.resource_sharer) broke because
+    the loader process it serves is gone, as when a stop ends both: that is the stop,
+    which our SIGTERM handler may not have seen yet (the main thread waits in C)."""
+    if not issubclass(exc_type, (BrokenPipeError, ConnectionResetError)):
+        return False
+    sharer = os.path.join("multiprocessing", "resource_sharer.py")
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(sharer):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _quiet_sys_hook(exc_type: type[BaseException], exc: Any, tb: Any) -> None:
+    """sys.excepthook: the resource sharer reports its own errors through it."""
+    if not _peer_gone(exc_type, tb):
+        sys.__excepthook__(exc_type, exc, tb)
+
+
+def _quiet_thread_hook(args: Any) -> None:
+    """threading.excepthook, for the same error in any thread that does not catch it."""
+    if not _peer_gone(args.exc_type, args.exc_traceback):
+        threading.__excepthook__(args)
+
+
 def _stop_follows(seconds: float = 2.0) -> bool:
     """After a collective failed: was it because the job is being stopped?
 
@@ -536,6 +562,7 @@ def _stop_follows(seconds: float = 2.0) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    sys.excepthook, threading.excepthook = _quiet_sys_hook, _quiet_thread_hook
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     ctx, stopped = None, False
     try:
