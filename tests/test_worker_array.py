@@ -58,6 +58,11 @@ class Procs:
 def procs(tmp_path: Path) -> Iterator[Procs]:
     runner = Procs(tmp_path)
     yield runner
+    # a spawned child (HOGWILD!'s workers, multiprocessing's resource tracker) may still
+    # be on its way out when the parent has exited: a moment, not a leak
+    deadline = time.monotonic() + 10
+    while runner.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
     left = runner.alive()
     for pid in left:
         os.kill(pid, signal.SIGKILL)
