@@ -18,7 +18,7 @@ from typing import Any, Callable
 from orchestrator import protocol
 from orchestrator.host.common import AgentError, job_paths, read_json, write_atomic
 from orchestrator.host.follow import open_log, rank_exit, tail_offset
-from orchestrator.host.launch import ALREADY_RUNNING, run_supervisor, start_detached
+from orchestrator.host.launch import ALREADY_RUNNING, job_folders, run_supervisor, start_detached
 from orchestrator.host.procs import job_running, proc_start_time, supervisor_alive
 
 LINE_CAP = 4096          # bytes of one metrics.csv line sent back
@@ -27,12 +27,7 @@ TAIL_READ = 64 << 10     # how far back from the end the last row is looked for
 
 def clean(p: dict[str, Any], tasks: list[Any]) -> None:
     jd = p["jd"]
-    for d in ("run", "logs", "output", "code"):
-        os.close(jd.open_dir(d, create=True))   # a link at any of them is refused
-    jd.check_layout()
-    with jd.dirfd("run") as fd:
-        names = os.listdir(fd)
-    for name in names:
+    for name in job_folders(jd):
         if name.endswith((".exit", ".pid", ".start")):
             jd.unlink("run/" + name)
     for t in tasks:

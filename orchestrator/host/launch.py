@@ -21,16 +21,20 @@ if TYPE_CHECKING:   # annotations only: main imports this module
 ALREADY_RUNNING = "already running"
 
 
-def clean_run_dir(p: dict[str, Any]) -> None:
-    # code/ too: without `code:` in the inventory nothing was pushed, and a missing
-    # entrypoint should fail as the rank's own error, not as a missing folder
-    jd = p["jd"]
+def job_folders(jd: Any) -> list[str]:
+    """Make the job's folders (a link at any of them is refused) and return run/'s names.
+    code/ too: without `code:` in the inventory nothing was pushed, and a missing
+    entrypoint should fail as the rank's own error, not as a missing folder."""
     for d in ("run", "logs", "output", "code"):
-        os.close(jd.open_dir(d, create=True))   # a link at any of them is refused
+        os.close(jd.open_dir(d, create=True))
     jd.check_layout()
     with jd.dirfd("run") as fd:
-        names = os.listdir(fd)
-    for name in names:
+        return os.listdir(fd)
+
+
+def clean_run_dir(p: dict[str, Any]) -> None:
+    jd = p["jd"]
+    for name in job_folders(jd):
         if name.endswith((".exit", ".pid")) or name in ("host.exit", "stop.json"):
             jd.unlink("run/" + name)
     # torchrun's --log-dir: a none_<id>/ folder per run would pile up; only the new
