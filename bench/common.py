@@ -223,6 +223,14 @@ def prepare_remote(path: Path, shell: Shell) -> None:
 
 # ---------------------------------------------------------------- the stand-in torchrun
 
+# The stand-in torch package. ORCH_BENCH_IMPORT_DELAY (scale.py --import-delay): its import
+# takes that long, as latency: on a real cluster every host imports torch (seconds) on its
+# own CPU and disk, all at once; here the hosts share 2 cores, so a sleep stands for it.
+STANDIN_TORCH = ('"""Stand-in torch for the benchmarks."""\n'
+                 "import os\nimport time\n"
+                 'time.sleep(float(os.environ.get("ORCH_BENCH_IMPORT_DELAY") or 0))\n')
+
+
 def make_standin(root: Path) -> str:
     """<root>/torch/distributed/run.py (bench/torchrun_standin.py), a torch dist-info with
     the real version (preflight compares versions) and <root>/python, the wrapper the
@@ -230,7 +238,7 @@ def make_standin(root: Path) -> str:
     from importlib.metadata import version
     pkg = root / "torch" / "distributed"
     pkg.mkdir(parents=True)
-    (root / "torch" / "__init__.py").write_text('"""Stand-in torch for the benchmarks."""\n')
+    (root / "torch" / "__init__.py").write_text(STANDIN_TORCH)
     (pkg / "__init__.py").write_text("")
     shutil.copy(STANDIN, pkg / "run.py")
     info = root / f"torch-{version('torch')}.dist-info"

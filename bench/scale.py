@@ -131,9 +131,10 @@ def run(cmd: list[str], *, env: dict, cwd: Path | None = None, timeout: float = 
     return timed_probe(cmd, env=env, cwd=cwd or Path.cwd(), timeout=timeout)[0]
 
 
-def orch(bed: Bed, verb: str, inventory: Path, *extra: str) -> tuple[Run, float, float]:
-    return timed_probe([str(ORCH), verb, *extra, "-c", str(inventory)], env=orch_env(),
-                       cwd=inventory.parent)
+def orch(bed: Bed, verb: str, inventory: Path, *extra: str,
+         env: dict | None = None) -> tuple[Run, float, float]:
+    return timed_probe([str(ORCH), verb, *extra, "-c", str(inventory)],
+                       env=dict(orch_env(), **(env or {})), cwd=inventory.parent)
 
 
 def pdsh(bed: Bed, remote: str, timeout: float = 600) -> Run:
@@ -208,15 +209,21 @@ def median_kinds(ks: list[dict[str, list[float]]]) -> dict[str, list[float]]:
     return ordered[len(ordered) // 2]
 
 
+IMPORT_DELAY = [0.0]   # --import-delay: the stand-in torch's import, in seconds of latency
+
+
 def measure_up(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
     source = ALLREDUCE if bed.real_torch else HELLO
-    inv, d = bed.inventory(f"up{bed.n}", source), bed.pdsh_dir(source)
+    delay = IMPORT_DELAY[0] if not bed.real_torch else 0.0
+    env = {"ORCH_BENCH_IMPORT_DELAY": f"{delay:g}"} if delay else None
+    inv, d = bed.inventory(f"up{bed.n}", source, env), bed.pdsh_dir(source)
     for rep in range(reps):
         if rep and clock.over():
             break
         port = free_port([bed.hosts[0].address], 29500, 29900)
         with counted(bed, s, "base"):
-            p = pdsh(bed, bed.torchrun_remote(d, port))
+            p = pdsh(bed, bed.torchrun_remote(d, port, f"ORCH_BENCH_IMPORT_DELAY={delay:g}"
+                                              if delay else ""))
         if job_ok(bed, p):
             s.add("up", "base", p.seconds)
         else:
@@ -230,6 +237,14 @@ def measure_up(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
             s.fail("orch up", o)
         print(f"  up rep {rep + 1}: pdsh {p.seconds:.2f} s, orch {o.seconds:.2f} s "
               f"(rss {rss:.0f} MiB, {threads} threads)", flush=True)
+        if delay:   # the same with torchrun started cold (after every host's preflight)
+            c, _, _ = orch(bed, "up", inv, env={"ORCH_WARM_START": "0"})
+            if job_ok(bed, c):
+                s.add("up-cold", "orch", c.seconds)
+                s.add("up-cold", "base", p.seconds)
+            else:
+                s.fail("orch up (ORCH_WARM_START=0)", c)
+            print(f"  up rep {rep + 1}, warm start off: orch {c.seconds:.2f} s", flush=True)
 
 
 def start_detached(bed: Bed, s: Series, inv: Path) -> bool:
@@ -329,8 +344,8 @@ class Clock:
 
 def rows_of(s: Series) -> list[list]:
     rows = []
-    for measure, base in (("up", "base"), ("status", "base"), ("stop", "base"),
-                          ("stop", "pkill"), ("death", None)):
+    for measure, base in (("up", "base"), ("up-cold", "base"), ("status", "base"),
+                          ("stop", "base"), ("stop", "pkill"), ("death", None)):
         got = s.samples.get(measure, {})
         if not got:
             continue
@@ -341,10 +356,12 @@ def rows_of(s: Series) -> list[list]:
         met = "-" if target is None else ("yes" if ratio <= target else "NO")
         if target is not None and not got.get("orch"):
             met = "NO (failed)"
-        what = {"up": f"up ({s.torch})", "status": "status", "stop": "stop",
-                "death": "rank death -> all stopped"}[measure]
+        torch = s.torch + (f", torch import {IMPORT_DELAY[0]:g} s" if IMPORT_DELAY[0]
+                           and s.torch.startswith("stand-in") else "")
+        what = {"up": f"up ({torch})", "up-cold": f"up, warm start off ({torch})",
+                "status": "status", "stop": "stop", "death": "rank death -> all stopped"}[measure]
         bname = {"up": "pdsh+torchrun", "base": "pdsh true", "pkill": "pdsh pkill",
-                 None: "-"}[base if measure != "up" else "up"]
+                 None: "-"}[base if not measure.startswith("up") else "up"]
         rows.append([s.n, s.shell, what, o, bname, b, ratio,
                      "-" if target is None else f"<= {target:g}", met])
     return rows
@@ -421,8 +438,13 @@ def main() -> None:
                     help="count CPU seconds per process kind of each `up` (plain shell series; "
                          "process accounting, root only)")
     ap.add_argument("--up-only", action="store_true", help="measure `up` only")
+    ap.add_argument("--import-delay", type=float, default=0.0, metavar="S",
+                    help="the stand-in torch's import takes S seconds (a sleep: the latency "
+                         "of a host's own torch import, which on a real cluster every host "
+                         "pays on its own CPU and disk); adds `up` with ORCH_WARM_START=0")
     args = ap.parse_args()
     COUNT_CPU[0] = args.cpu
+    IMPORT_DELAY[0] = args.import_delay
     plan = parse_series(args.series)
     compile_orch()
     clock = Clock(args.budget)

@@ -35,6 +35,7 @@ def parse(argv):
     ap.add_argument("--max-restarts", "--max_restarts", type=int, default=0)
     ap.add_argument("--log-dir", "--log_dir", default=None)
     ap.add_argument("-m", "--module", action="store_true")
+    ap.add_argument("--no-python", "--no_python", action="store_true")
     ap.add_argument("target")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     return ap.parse_args(argv)
@@ -83,7 +84,8 @@ def child_env(a, local_rank):
 def main(argv=None):
     a = parse(sys.argv[1:] if argv is None else argv)
     rendezvous(a)
-    head = [sys.executable, "-u"] + (["-m", a.target] if a.module else [a.target])
+    python = [sys.executable, "-u"] + (["-m", a.target] if a.module else [a.target])
+    head = [a.target] if a.no_python else python
     children = [subprocess.Popen(head + a.args, env=child_env(a, i))
                 for i in range(a.nproc_per_node)]
     for sig in (signal.SIGTERM, signal.SIGINT):

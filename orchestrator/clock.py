@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from orchestrator import timeouts
@@ -70,10 +71,12 @@ class Clocks:
         self.lock = threading.Lock()
         self.closed = threading.Event()
 
-    def measure(self, timeout: float = timeouts.CLOCK_REPLY) -> None:
-        """One sample per host, all requests in flight at once."""
+    def measure(self, timeout: float = timeouts.CLOCK_REPLY, skip: Iterable[int] = ()) -> None:
+        """One sample per host (but `skip`), all requests in flight at once."""
         sent = {}
         for i, link in self.links.items():
+            if i in skip:
+                continue
             try:
                 t0 = time.time()
                 sent[i] = (t0, link.submit("clock")[1])
@@ -88,9 +91,13 @@ class Clocks:
                     self.hosts[i].add(t0, pending.body["time"], pending.received)
 
     def start(self, first: int = 5) -> Clocks:
-        """`first` quick samples now (the best of them is usually tight), then one every
-        CLOCK_PERIOD seconds in the background."""
+        """`first` quick samples after CLOCK_FIRST seconds (the best of them is usually
+        tight; not at once, where they would compete with every host's job starting),
+        then one every CLOCK_PERIOD seconds, in the background. A failure before then is
+        judged with fresh samples (`measure` in watch.fail_fast)."""
         def loop() -> None:
+            if self.closed.wait(timeouts.CLOCK_FIRST):
+                return
             for _ in range(first):
                 if self.closed.is_set():
                     return

@@ -9,6 +9,7 @@ bastion (`Bastions`), each hop's host key checked under the host's policy.
 """
 from __future__ import annotations
 
+import _thread
 import contextlib
 import getpass
 import logging
@@ -16,7 +17,6 @@ import os
 import socket
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Generic, TypeVar
@@ -547,31 +547,48 @@ def fan_out(hosts: tuple[Host, ...], fn: Callable[[Host], T], limit: int = 256,
     """Run fn for every host in parallel threads; collect each result or exception.
     `done` is called as each host finishes (progress displays). The limit is above the
     host counts orch is used with: a second wave of hosts would wait for the first
-    one's slowest login (a 64-thread limit made 128 hosts take two logins' time)."""
+    one's slowest login (a 64-thread limit made 128 hosts take two logins' time).
+
+    Threads are started without waiting for each one to run (threading.Thread.start and
+    a thread pool do wait): under the load of a login storm that wait took a scheduling
+    slot per thread, and the 64th host's login began a second after the first's."""
     result: GroupResult[T] = GroupResult()
     if not hosts:
         return result
+    slots = threading.BoundedSemaphore(min(limit, len(hosts)))
+    lock, finished, left = threading.Lock(), threading.Event(), [len(hosts)]
+    fatal: list[BaseException] = []
 
-    def one(h: Host) -> T:
+    def one(h: Host) -> None:
         try:
-            return fn(h)
+            value = fn(h)
+            with lock:
+                result.ok[h.index] = value
+        except Exception as exc:  # collected: reported together, per host
+            with lock:
+                result.failed[h.index] = exc
+        except BaseException as exc:  # raised in the caller's thread, as a pool's result() would
+            fatal.append(exc)
         finally:
-            if done:
-                done()
-    pool = ThreadPoolExecutor(max_workers=min(limit, len(hosts)))
-    try:
-        futures = {h.index: pool.submit(one, h) for h in hosts}
-        for index, fut in futures.items():
             try:
-                result.ok[index] = fut.result()
-            except Exception as exc:  # collected: reported together, per host
-                result.failed[index] = exc
-    except BaseException:
-        # Ctrl-C: do not wait for the hosts' threads; the caller closes the connections,
-        # which ends their blocked sends and reads at once
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    pool.shutdown()
+                if done:
+                    done()
+            finally:
+                slots.release()
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        finished.set()
+    for h in hosts:
+        slots.acquire()
+        _thread.start_new_thread(one, (h,))
+    # Ctrl-C raises here: the hosts' threads are not waited for; the caller closes the
+    # connections, which ends their blocked sends and reads at once
+    finished.wait()
+    if fatal:
+        raise fatal[0]
+    result.ok = dict(sorted(result.ok.items()))
+    result.failed = dict(sorted(result.failed.items()))
     return result
 
 

@@ -1,6 +1,7 @@
 """What runs on each host: the torchrun command line and the environment of the ranks."""
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Any
 
@@ -8,7 +9,7 @@ from orchestrator import timeouts
 from orchestrator.connect import fan_out, resolve_target, ssh_config
 from orchestrator.inventory import Cluster, Host
 from orchestrator.link import Link
-from orchestrator.preflight import HostInfo, PreflightReport
+from orchestrator.preflight import HostInfo, PreflightReport, job_dir
 from orchestrator.transport import remote_command
 
 
@@ -39,6 +40,9 @@ def torchrun_argv(cluster: Cluster, host: Host, python: str, job_dir: str,
         "--master-addr", addr, "--master-port", str(port),
         "--max-restarts", str(job.max_restarts),
         "--log-dir", f"{job_dir}/run/torchrun",
+        # the per-rank wrapper runs isolated and without site (-I -S): a third of the
+        # interpreter's start, once per rank; the rank itself starts as torchrun would
+        "--no-python", python, "-I", "-S",
         f"{job_dir}/run/rankexec.py", job_dir, kind, job.entrypoint, *job.args,
     ]
 
@@ -68,10 +72,27 @@ def launch_host(link: Link, job_dir: str, spec: dict[str, Any]) -> dict[str, Any
     return supervisor
 
 
-def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport
+def warm_start(cluster: Cluster) -> bool:
+    """torchrun may start warm at preflight unless `setup:` can still change the python
+    or torch, the job is an array (its runner starts one torchrun per task), or
+    ORCH_WARM_START=0 turns it off."""
+    return os.environ.get("ORCH_WARM_START") != "0" and cluster.setup is None \
+        and cluster.job.array is None
+
+
+def warm_env(cluster: Cluster, host: Host, run_id: str) -> dict[str, str]:
+    """The ranks' environment as the preflight request carries it for a warm start
+    (the job folder as configured; the host puts its resolved path in its place)."""
+    return rank_env(cluster, job_dir(cluster, host), run_id)
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport, run_id: str
                ) -> tuple[str, dict[int, dict[str, Any]]]:
     """Start torchrun on every host in parallel; raise naming every host that failed."""
-    run_id = uuid.uuid4().hex
     addr = master_addr(cluster, pre.hosts)
     specs = {h.index: launch_spec(cluster, h, pre.hosts[h.index], addr, pre.master_port, run_id)
              for h in cluster.hosts}

@@ -45,14 +45,18 @@ def folders(cluster: Cluster) -> list[str]:
     return [f for f, want in (("code", cluster.code.paths), ("data", cluster.data.shards)) if want]
 
 
-def check_host(cluster: Cluster, link: Link) -> tuple[HostInfo, dict[str, Any]]:
-    """One request: the checks and the folders' manifests (sent as parts)."""
+def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None
+               ) -> tuple[HostInfo, dict[str, Any]]:
+    """One request: the checks and the folders' manifests (sent as parts). `warm`: the
+    ranks' environment: a host whose own checks pass starts torchrun warm at once
+    (host/warm.py), before its reply."""
     host = link.host
     sent = time.time()
+    extra: dict[str, Any] = {"warm": {"env": warm}} if warm is not None else {}
     _, pending = link.submit("preflight", job_dir=job_dir(cluster, host),
                              master_port=cluster.job.master_port or 0,
                              want_port=host.index == 0, folders=folders(cluster),
-                             want_gpus=host.gpus > 0)
+                             want_gpus=host.gpus > 0, **extra)
     r = link.wait(pending, max(timeouts.scaled(timeouts.PREFLIGHT, len(cluster.hosts)),
                                host.ssh.connect_timeout * 3))
     offset = r["time"] - (sent + time.time()) / 2

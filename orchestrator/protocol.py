@@ -215,8 +215,9 @@ def manifest_files(value: Any) -> str | None:
 
 
 REQUESTS: dict[str, dict[str, Any]] = {
+    # warm: where the host's own checks pass, torchrun starts warm (env: the ranks')
     "preflight": {"job_dir": str, "master_port": int, "want_port": bool,
-                  "folders": [str], "want_gpus": bool},
+                  "folders": [str], "want_gpus": bool, "?warm": {"env": dict}},
     "manifest": {"root": str},
     "receive": {"root": str},
     "launch": {"job_dir": str, "spec": {"run_id": str, "ranks": [int], "argv": [str],

@@ -30,7 +30,7 @@ from orchestrator.connect import (
 )
 from orchestrator.errors import EXIT_USAGE, HostError, OrchError
 from orchestrator.inventory import Cluster, Host
-from orchestrator.launch import launch_all
+from orchestrator.launch import launch_all, new_run_id, warm_env, warm_start
 from orchestrator.link import Link
 from orchestrator.localfiles import DigestCache, LocalFile, Pushable
 from orchestrator.preflight import Checked, PreflightReport, check_host, preflight
@@ -66,6 +66,7 @@ class Session:
         """`connector` opens one host's transport (default: SSH or local, per the
         inventory); unit tests pass an in-process fake."""
         self.cluster, self.connector = cluster, connector
+        self.run_id = new_run_id()   # known before preflight: a warm start's environment
         dirs = job_state.job_dirs(cluster, state)
         self.records = {h.index: HostRecord(h, dirs[h.index]) for h in cluster.hosts}
 
@@ -172,10 +173,12 @@ class Session:
         `opened` / `checked`: called as each host is up / checked (progress)."""
         early: Checked = GroupResult()
         lock = threading.Lock()
+        warm = warm_start(self.cluster)
 
         def check(h: Host, link: Link) -> None:
             try:
-                got = check_host(self.cluster, link)
+                got = check_host(self.cluster, link, warm_env(self.cluster, h, self.run_id)
+                                 if warm else None)
                 with lock:
                     early.ok[h.index] = got
             except Exception as exc:  # collected: judged with every other host's
@@ -235,7 +238,7 @@ class Session:
         """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts
         that did start are stopped again before the error is reported."""
         try:
-            return launch_all(self.cluster, self.links, pre)
+            return launch_all(self.cluster, self.links, pre, self.run_id)
         except BaseException:
             self.stop(0)
             raise

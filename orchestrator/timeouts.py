@@ -27,6 +27,7 @@ OPEN_SESSION = 30.0          # opening one SSH session (exec channel)
 PULL_MANIFEST = 600.0       # a pull's manifest (the host may hash big new checkpoints)
 PULL_IDLE = 60.0            # a pull's stream: no frame for this long and the host is lost
 CLOCK_REPLY = 2.0           # a `clock` sample's reply; a later one is not a useful sample
+CLOCK_FIRST = 2.0           # the first clock samples of a followed job, after its start
 CLOCK_PERIOD = 5.0          # a new clock sample per host this often while a job is watched
 SETUP = 6 * 3600.0          # one host's `setup:` (pip installs can be long)
 CANCEL = 15.0               # Ctrl-C during setup or exec: the hosts' replies after a cancel

@@ -160,6 +160,9 @@ def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool]) -> N
     for i, exc in result.failed.items():   # lost while we stopped (a frozen host)
         mon.lost.setdefault(i, f"no answer to the stop: {exc}")
     lost_at = {i: session.links[i].last_heard for i in mon.lost if i in session.links}
+    if mon.clocks is not None:   # fresh samples: the failure may come before the first ones
+        for _ in range(2):
+            mon.clocks.measure(timeouts.CLOCK_REPLY / 2, skip=set(mon.lost))
     found = verdict(list(mon.exits.values()), mon.host_clocks(), mon.stop_started, lost_at)
     console.print(render_verdict(session, mon, found))
     console.print(stop_summary(cluster, mon, result, time.monotonic() - started))

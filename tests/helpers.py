@@ -144,7 +144,7 @@ def stray_pids(job_dirs: Iterable[Path | str], wait: float = 0.0) -> dict[str, l
     dirs = [str(d) for d in job_dirs]
 
     def left() -> dict[str, list[int]]:
-        found = {d: pids_with_env(f"ORCH_JOB_DIR={d}") for d in dirs}
+        found = {d: pids_with_env(f"ORCH_JOB_DIR={d}") + warm_pids(d) for d in dirs}
         return {d: p for d, p in found.items() if p}
     deadline = time.monotonic() + wait
     while left() and time.monotonic() < deadline:
@@ -171,6 +171,21 @@ def assert_nothing_left(hosts: Sequence[JobHost], name: str, wait: float = 0.0,
 
 def file_sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def warm_pids(job_dir: Path | str) -> list[int]:
+    """A warm-started torchrun of this job folder (host/warm.py): before its go it has no
+    marker, so `argv` (orch-warm-torchrun <job dir>) is how it is found."""
+    want = [b"orch-warm-torchrun", str(job_dir).encode()]
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[-3:-1] == want and pid_alive(pid):
+            found.append(pid)
+    return found
 
 
 def agents_of(job_dirs: Iterable[Path | str]) -> list[int]:

@@ -88,11 +88,12 @@ def agents(hosts: Sequence[FakeHost], name: str) -> list[int]:
 
 
 def every_agent(run: Running, hosts: Sequence[FakeHost], name: str) -> list[int]:
-    """The agents of `run` once one runs on each host (found before a kill that must be quick)."""
+    """The agents of `run` once one runs on each host (found before a kill that must be
+    quick), and their forks: a warm start's waiting supervisor has the agent's argv."""
     def found() -> list[int] | None:
         assert run.proc.poll() is None, run.text()
-        pids = agents(hosts, name)
-        return pids if len(pids) == len(hosts) else None
+        each = [agents([h], name) for h in hosts]
+        return [p for pids in each for p in pids] if all(each) else None
     return wait_until(found, 30, "an agent on every host")  # type: ignore[return-value]
 
 

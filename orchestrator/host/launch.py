@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from orchestrator import protocol
 from orchestrator.host import rankexec
 from orchestrator.host.common import AgentError, job_paths, write_atomic
-from orchestrator.host.procs import job_running, proc_start_time
+from orchestrator.host.procs import LOCKED, job_running, proc_start_time
 
 if TYPE_CHECKING:   # annotations only: main imports this module
     from orchestrator.host.main import Request
@@ -50,19 +50,33 @@ def rankexec_source() -> bytes:
 
 
 def run(req: Request) -> dict[str, Any]:
-    """Start the supervisor (double fork + setsid), reply with its pid and more. The
+    """Start the job: the supervisor this host's prewarm left waiting (host/warm.py), or
+    one started now, gets the spec and starts torchrun; its record is the reply. The
     spec holds the job's env (secrets): it is kept in run/launch.json, mode 0600."""
+    from orchestrator.host import warm  # warm imports this module
     spec = req.args["spec"]
     p = job_paths(req.args["job_dir"])
-    if job_running(p):
-        raise AgentError(ALREADY_RUNNING, protocol.USAGE)
-    clean_run_dir(p)
-    jd = p["jd"]
-    write_atomic(jd, "run/launch.json", json.dumps(spec).encode(), 0o600)
-    write_atomic(jd, "run/rankexec.py", rankexec_source(), 0o644)
-    for r in spec["ranks"]:
-        os.close(jd.open_for_write("logs/rank-%d.log" % r))   # emptied; a link is refused
-    return start_detached(supervise, p, spec, "supervisor")
+    waiting = warm.take(p["job"])
+    try:
+        # this agent's preflight found it not running and holds its lock since: no other
+        # `up` can have started it (no second scan of every process)
+        if p["job"] not in LOCKED and job_running(p):
+            raise AgentError(ALREADY_RUNNING, protocol.USAGE)
+        clean_run_dir(p)
+        jd = p["jd"]
+        write_atomic(jd, "run/launch.json", json.dumps(spec).encode(), 0o600)
+        write_atomic(jd, "run/rankexec.py", rankexec_source(), 0o644)
+        for r in spec["ranks"]:
+            os.close(jd.open_for_write("logs/rank-%d.log" % r))   # emptied; a link is refused
+        if waiting is None or not waiting.matches(spec):
+            if waiting is not None:
+                waiting.cancel()
+            waiting = warm.start(p, spec["argv"][0], spec["env"])
+        return waiting.go(spec)
+    except BaseException:
+        if waiting is not None:
+            waiting.cancel()
+        raise
 
 
 def start_detached(body: Callable[[dict[str, Any], dict[str, Any], int], None],
@@ -105,22 +119,6 @@ def spawn(argv: list[str], env: dict[str, str]) -> int:
             except OSError:   # the listing's own descriptor, closed by now
                 pass
     return os.posix_spawnp(argv[0], argv, env)
-
-
-def supervise(p: dict[str, Any], spec: dict[str, Any], wfd: int) -> None:
-    """Runs torchrun, records its exit code in run/host.exit; never returns."""
-    env = dict(os.environ)
-    env.update(spec["env"])
-
-    def start() -> tuple[int, Callable[[], int]]:
-        pid = spawn(spec["argv"], env)
-
-        def wait() -> int:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, lambda s, f: os.kill(pid, s))
-            return rankexec.wait_code(pid)   # -N when killed by signal N, as Popen.wait()
-        return pid, wait
-    run_supervisor(p, spec, wfd, "supervisor", "run/torchrun.log", start)
 
 
 def run_supervisor(p: dict[str, Any], spec: dict[str, Any], wfd: int, what: str, log_rel: str,

@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from orchestrator import timeouts
-from orchestrator.host import files
+from orchestrator.host import files, procs
 from orchestrator.host.common import job_paths
 from orchestrator.host.paths import UnsafePath
 from orchestrator.host.procs import job_running
@@ -87,6 +87,19 @@ def dir_writable(p: dict[str, Any]) -> str | None:
         return "%s: %s" % (jd.path, e.strerror or e)
 
 
+def running(p: dict[str, Any], folder_made: bool) -> bool:
+    """Another `up` of this job under way (it holds the job folder's lock), or any of its
+    processes alive. A clean answer keeps the lock until this agent ends: its launch
+    then needs no second look at every process (host/launch.py)."""
+    claimed = procs.claim(p) if folder_made else None
+    if claimed is False:
+        return True
+    if job_running(p):
+        procs.release(p["job"])
+        return True
+    return False
+
+
 def run(req: Request) -> dict[str, Any]:
     """Everything preflight checks, plus the manifests of the job's folders named in
     `folders` (code, data), which saves the push a round trip per host."""
@@ -99,8 +112,9 @@ def run(req: Request) -> dict[str, Any]:
         "writable": dir_writable(p), "time": time.time(),
         "hostname": _socket.gethostname(),
         "ssh_connection": os.environ.get("SSH_CONNECTION", ""),
-        "running": job_running(p),
+        "running": False,
     }
+    report["running"] = running(p, report["writable"] is None)
     if os.environ.get("ORCH_PYTHON_MISSING"):   # bundle.FALLBACK: `python:` is not there yet
         report["python_missing"] = os.environ["ORCH_PYTHON_MISSING"][:4096]
     for folder in a["folders"]:
@@ -110,4 +124,8 @@ def run(req: Request) -> dict[str, Any]:
     if a["want_port"]:
         port = a["master_port"] or free_port()
         report["port"], report["port_free"] = port, port_free(port)
+    if "warm" in a and not report["running"] and report["writable"] is None \
+            and report["torch"] and "python_missing" not in report:
+        from orchestrator.host import warm
+        warm.prewarm(p, a["job_dir"], a["warm"]["env"])
     return report

@@ -15,6 +15,7 @@ from orchestrator.host.common import job_paths, read_json, write_atomic
 if TYPE_CHECKING:   # annotations only: main imports this module
     from orchestrator.host.main import Request
 
+MARKER = "ORCH_JOB_DIR"        # in the environment of every process of a job
 STOP_FILE = "run/stop.json"   # when this host received a stop, by its own clock
 
 
@@ -29,6 +30,15 @@ def proc_start_time(pid: int) -> int | None:
     if fields[0] in ("Z", "X"):
         return None
     return int(fields[19])
+
+
+def child_of(pid: int, parent: int) -> bool:
+    """pid lives and is parent's child (field 4 of its stat): not a recycled pid."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1]) == parent
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def read_environ(pid: int) -> bytes:
@@ -60,7 +70,7 @@ def marked_pids(job_dir: str) -> list[Any]:
     torchrun puts each worker in a session of its own, so a process group alone misses
     them; the marker is inherited by torchrun, the workers and their data-loader children.
     """
-    marker = b"\0ORCH_JOB_DIR=" + job_dir.encode() + b"\0"   # a whole entry, not a prefix
+    marker = b"\0%s=%s\0" % (MARKER.encode(), job_dir.encode())   # a whole entry, not a prefix
     me = os.getpid()
     out = []
     for name in os.listdir("/proc"):
@@ -84,6 +94,35 @@ def job_running(p: dict[str, Any]) -> bool:
     while ranks wait out their grace; a new launch beside them would be a second copy
     (and the unfinished stop, still running on the host, would kill it)."""
     return bool(supervisor_alive(p)) or bool(marked_pids(p["job"]))
+
+
+LOCKED: dict[str, int] = {}   # job dir -> a descriptor of it, holding its lock (claim)
+
+
+def claim(p: dict[str, Any]) -> bool | None:
+    """Lock the job folder for this agent's life (flock on the folder itself: nothing is
+    written): one `orch up` at a time prepares and starts a job. False: another agent
+    holds it (an `up` of this job is under way). None: this filesystem has no locks."""
+    if p["job"] in LOCKED:
+        return True
+    import fcntl
+    fd = os.dup(p["jd"].fd())
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    except OSError:
+        os.close(fd)
+        return None
+    LOCKED[p["job"]] = fd
+    return True
+
+
+def release(job: str) -> None:
+    fd = LOCKED.pop(job, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def signal_all(pids: Iterable[int], sig: int) -> None:
@@ -128,11 +167,13 @@ def stop(job_dir: str, grace: float) -> dict[str, Any]:
     sup = supervisor_alive(p)
     t0 = time.time()
     found = marked_pids(p["job"]) + ([sup["pid"]] if sup else [])
+    torchrun: int | None = sup.get("torchrun_pid") if sup else None
+    if sup and torchrun is not None and torchrun not in found and child_of(torchrun, sup["pid"]):
+        found.append(torchrun)   # a warm-started torchrun has no marker of its own
     if found:
         mark_stop(p, t0)
     # torchrun itself has nothing to save, and its own SIGTERM shutdown takes seconds;
     # the ranks (the user's code) get SIGTERM from us directly and the full grace.
-    torchrun = sup.get("torchrun_pid") if sup else None
     signal_all([torchrun] if torchrun is not None and torchrun in found else [], signal.SIGKILL)
     signal_all([x for x in found if x != torchrun], signal.SIGTERM)
     left = wait_gone(p["job"], sup, time.time() + grace, found)

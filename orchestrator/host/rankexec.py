@@ -1,7 +1,7 @@
 """Per-rank wrapper that torchrun starts on a host (stdlib only; launch copies it from
 the bundle to <job>/run/rankexec.py).
 
-    torchrun ... <job>/run/rankexec.py <job dir> module|script <target> [args...]
+    torchrun ... --no-python <python> -I -S <job>/run/rankexec.py <job dir> module|script <target> [args...]
 
 It sends the rank's stdout and stderr straight into logs/rank-<RANK>.log (the child
 writes the file itself: nothing is piped, so nothing is lost when the controller is
@@ -60,9 +60,12 @@ def write_json(run_fd, name, text):
 
 def child_argv(kind, target, args):
     # type: (str, str, list[str]) -> list[str]
+    """The rank's command as torchrun would start it (PYTHON_EXEC is torchrun's own
+    override of the interpreter)."""
+    python = os.environ.get("PYTHON_EXEC") or sys.executable
     if kind == "module":
-        return [sys.executable, "-u", "-m", target] + args
-    return [sys.executable, "-u", target] + args
+        return [python, "-u", "-m", target] + args
+    return [python, "-u", target] + args
 
 
 def spawn(argv, logs_fd, log_name):
@@ -76,7 +79,7 @@ def spawn(argv, logs_fd, log_name):
             os.dup2(fd, 2)
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
-            os.execv(argv[0], argv)
+            os.execvp(argv[0], argv)
         except OSError as e:
             os.write(2, ("orch: cannot start %s: %s\n" % (argv[0], e)).encode())
         finally:

@@ -1,0 +1,120 @@
+"""The job's torchrun, started warm (stdlib only; the user's python runs this source).
+
+The supervisor starts it as soon as the host passed preflight, while the controller
+still waits for slower hosts: `python -c BOOT orch-warm-torchrun <job dir>` with this
+source on stdin, the job's environment but its marker, stdout and stderr kept in
+memory, and a Unix socket at descriptor 3. It imports torch.distributed.run (the
+seconds a torchrun start costs) and then waits. Nothing of the job runs before the go.
+
+The go is torchrun's arguments (after `-m torch.distributed.run`) and the ranks'
+environment (JSON; the marker ORCH_JOB_DIR comes only now) with two descriptors: the
+job's run/torchrun.log and its code/ folder, both opened by the agent's JobDir (no link
+followed). It then runs torch.distributed.run as `python -m` would, in code/, writing
+to the log. The end of the socket without a go (the job was not started after all)
+ends it at once, even mid-import, having run nothing.
+"""
+import os
+import sys
+
+MYPY = False
+if MYPY:   # names for the type comments, never imported by the warm torchrun
+    from typing import Any  # noqa: F401
+
+GO_MAX = 1 << 22      # the go's arguments, JSON
+EARLY_MAX = 1 << 20   # what the import printed before the go, copied to the log
+
+
+def receive(sock):
+    # type: (Any) -> tuple[Any, list[int]]
+    """(arguments, [log fd, code fd]); (None, []) at the end without a go."""
+    import array
+    import socket
+    fds = array.array("i")
+    data, anc, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(2 * fds.itemsize))
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    chunks = [data]
+    while data and sum(len(c) for c in chunks) <= GO_MAX:
+        data = sock.recv(65536)
+        chunks.append(data)
+    body = b"".join(chunks)
+    if not body or len(fds) != 2 or len(body) > GO_MAX:
+        return None, list(fds)
+    import json
+    return json.loads(body.decode()), list(fds)
+
+
+def wait_for_go(sock):
+    # type: (Any) -> dict[str, Any]
+    """Receive the go in a thread, beside the import: the end of the socket without a go
+    (the supervisor ended or was killed) ends this process at once, even mid-import,
+    which may take seconds: nothing of it may outlive its supervisor."""
+    import array  # noqa: F401  (imported here, not in the thread, beside torch's imports)
+    import json  # noqa: F401
+    import threading
+    got = {"ready": threading.Event(), "go": None}  # type: dict[str, Any]
+
+    def wait():
+        # type: () -> None
+        try:
+            args, fds = receive(sock)
+        except OSError:
+            args, fds = None, []
+        if args is None:
+            os._exit(0)
+        sock.close()
+        got["go"] = (args, fds)
+        got["ready"].set()
+    threading.Thread(target=wait, daemon=True).start()
+    return got
+
+
+def keep_early_output(log):
+    # type: (int) -> None
+    """What the import wrote (warnings) goes to the log first, as a cold start's would."""
+    try:
+        os.lseek(1, 0, os.SEEK_SET)
+        early = os.read(1, EARLY_MAX)
+    except OSError:
+        return
+    while early:
+        early = early[os.write(log, early):]
+
+
+def main():
+    # type: () -> None
+    import socket
+    null = os.open(os.devnull, os.O_RDONLY)   # stdin carried this source: done with it
+    os.dup2(null, 0)
+    os.close(null)
+    sock = socket.socket(fileno=3)
+    if sys.path and sys.path[0] == "":   # -c: the start folder, not code/ (set at the go)
+        sys.path.pop(0)
+    got = wait_for_go(sock)
+    try:
+        import torch.distributed.run  # noqa: F401  (the warm part)
+    except BaseException:   # a half-done import is no base to run from: the supervisor
+        os._exit(0)         # sees this process gone at the go and starts torchrun cold
+    got["ready"].wait()
+    go, fds = got["go"]
+    os.environ.update(go["env"])   # with the job's marker: the ranks inherit it
+    args = go["args"]
+    log, code = fds
+    keep_early_output(log)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.fchdir(code)
+    os.close(code)
+    sys.path.insert(0, os.getcwd())   # what `python -m` puts first
+    # run as `python -m` runs it: as __main__, never imported under its name (runpy warns
+    # otherwise); the packages it imported stay, which is what the warm start kept
+    sys.modules.pop("torch.distributed.run", None)
+    sys.argv = ["torchrun"] + [str(a) for a in args]
+    import runpy
+    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
