@@ -134,7 +134,15 @@ def marker(host: JobHost, name: str) -> str:
 
 
 def job_pids(hosts: Sequence[JobHost], name: str) -> dict[str, list[int]]:
-    """Live processes of the job, per host; empty lists when nothing is left."""
+    """Live processes of the job, per host; empty lists when nothing is left. A warm
+    torchrun too (found by argv: its marker is set in memory at the go)."""
+    return {h.address: pids_with_env(marker(h, name)) + warm_pids(job_dir(h, name))
+            for h in hosts}
+
+
+def rank_pids(hosts: Sequence[JobHost], name: str) -> dict[str, list[int]]:
+    """Live processes carrying the job's marker (ranks and their children): what runs
+    once a launch happened; a warm torchrun waiting for its go has no marker."""
     return {h.address: pids_with_env(marker(h, name)) for h in hosts}
 
 

@@ -33,6 +33,7 @@ from helpers import (
     kill_all,
     last_sync,
     orch,
+    rank_pids,
     wait_until,
     write_job,
 )
@@ -213,7 +214,7 @@ def test_a_push_to_a_host_that_goes_silent_ends_and_resumes(
     assert f"{silent.address}: the push to" in report and "stalled" in report, report
     assert "nothing was started on any host" in report and "orch up" in report, report
     assert took < timeouts.PUSH_IDLE + 25, f"orch up took {took:.0f} s to give up"
-    assert not any(job_pids(net.hosts, name).values()), "a rank started though a push failed"
+    assert not any(rank_pids(net.hosts, name).values()), "a rank started though a push failed"
     real_names_are_whole(silent, name, want[1])
     assert len(landed) < len(want[1]), "every file had landed before the fault"
 
@@ -318,7 +319,7 @@ def test_a_full_disk_is_named_and_the_push_resumes_once_there_is_room(
         assert hosts[1].address in line and "data/worker_1_of_2/train-" in line, line
         assert str(small_disk / name / "data") in line, line
         assert "fix:" in report and "remote_dir" in report and "sends only the rest" in report, report
-        assert not any(job_pids(everyone, name).values()), "a rank started though a push failed"
+        assert not any(rank_pids(everyone, name).values()), "a rank started though a push failed"
         real_names_are_whole(full, name, want[1])
         kept = complete_files(full, name, want[1])
         assert kept and len(kept) < len(want[1]), kept

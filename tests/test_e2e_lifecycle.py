@@ -342,7 +342,7 @@ def test_running_name_refused_finished_name_reused(sshd_cluster: SshdCluster, tm
     assert running <= set(pids_with_env(marker(host, name))), "the refused up touched the job"
 
     go.touch()
-    wait_until(lambda: not pids_with_env(marker(host, name)), 30, "the job to finish")
+    wait_until(lambda: not any(job_pids([host], name).values()), 30, "the job to finish")
     reuse = orch(tmp_path, "up", str(inv))
     assert reuse.returncode == 0, reuse.stderr
     # the new run's output only: the finished run's log lines are not replayed

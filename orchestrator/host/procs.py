@@ -91,11 +91,52 @@ def supervisor_alive(p: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def job_running(p: dict[str, Any]) -> bool:
-    """The job's supervisor lives, or any process with the job's marker does: after a
-    stop that was cut short (its `orch stop` killed), torchrun and the supervisor are gone
-    while ranks wait out their grace; a new launch beside them would be a second copy
-    (and the unfinished stop, still running on the host, would kill it)."""
-    return bool(supervisor_alive(p)) or bool(marked_pids(p["job"]))
+    """The job's supervisor lives, or one of its ranks, or any process with the job's
+    marker does: after a stop that was cut short (its `orch stop` killed), torchrun and
+    the supervisor are gone while ranks wait out their grace; a new launch beside them
+    would be a second copy (and the unfinished stop, still running on the host, would
+    kill it).
+
+    The marker scan reads every process's environment (on a fake cluster of N hosts on
+    one machine, N agents each read all N hosts' processes: seconds of CPU at 128). It
+    is skipped when the last run ended by itself: torchrun ended after its ranks, no stop
+    came, and no recorded rank lives (the ranks' own records, run/rank-<r>.pid)."""
+    if supervisor_alive(p):
+        return True
+    alive = ranks_alive(p)
+    if alive is not None and (alive or ended_by_itself(p)):
+        return alive
+    return bool(marked_pids(p["job"]))
+
+
+def ranks_alive(p: dict[str, Any]) -> bool | None:
+    """Whether a rank (or task) of the last run still lives, by its record (pid and start
+    time: not a recycled pid); None when a record cannot tell."""
+    try:
+        with p["jd"].dirfd("run") as fd:
+            names = [n for n in os.listdir(fd) if n.startswith(("rank-", "task-"))
+                     and n.endswith((".pid", ".start"))]
+    except OSError:   # no run/ (never launched here): nothing recorded
+        return False
+    if len(names) > 4096:
+        return None
+    for name in names:
+        rec = read_json(p["jd"], "run/" + name)
+        if not (isinstance(rec, dict) and isinstance(rec.get("pid"), int)
+                and isinstance(rec.get("start_ticks"), int)):
+            return None
+        if proc_start_time(rec["pid"]) == rec["start_ticks"]:
+            return True
+    return False
+
+
+def ended_by_itself(p: dict[str, Any]) -> bool:
+    """Never launched here, or the last run's supervisor recorded torchrun's end
+    (host.exit) and no stop was received during it."""
+    jd = p["jd"]
+    if jd.lstat("run") is None:
+        return True
+    return jd.lstat("run/host.exit") is not None and jd.lstat(STOP_FILE) is None
 
 
 LOCKED: dict[str, int] = {}   # job dir -> a descriptor of it, holding its lock (claim)
