@@ -7,12 +7,14 @@ import json
 import os
 import signal
 import time
-from typing import TYPE_CHECKING, Any, Iterable
 
 from orchestrator import timeouts
 from orchestrator.host.common import job_paths, read_json, write_atomic
 
-if TYPE_CHECKING:   # annotations only: main imports this module
+MYPY = False
+if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
+    from typing import Any, Iterable
+
     from orchestrator.host.main import Request
 
 MARKER = "ORCH_JOB_DIR"        # in the environment of every process of a job
