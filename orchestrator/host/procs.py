@@ -149,7 +149,9 @@ def claim(p: dict[str, Any]) -> bool | None:
     if p["job"] in LOCKED:
         return True
     import fcntl
-    fd = os.dup(p["jd"].fd())
+    # a description of its own (not a dup of the JobDir's): flock belongs to the open
+    # file description, and release() must end the lock while the JobDir stays open
+    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=p["jd"].fd())
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

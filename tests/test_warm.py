@@ -1,0 +1,331 @@
+"""Warm start on one host (orchestrator/host/warm.py, host/launcher.py) and the job
+folder's lock (host/procs.claim), with real local processes and no sshd.
+
+torch is a stand-in on PYTHONPATH (a few lines; the real import would cost seconds of
+CPU per test): its torch.distributed.run, run as __main__, prints what a warm start must
+get right (argv, cwd, the marker, sys.path[0]) as a `GO {json}` line, waits until the
+test creates its release file, and exits with STANDIN_EXIT. Every test proves that the
+supervisor and torchrun it started are gone at its end.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import snapshot, stray_pids, wait_until
+from orchestrator.host import preflight, procs, warm
+from orchestrator.host.common import job_paths, read_json, write_atomic
+from orchestrator.host.launch import job_folders
+from sshd_cluster import _read_stat, pid_alive
+
+PY = sys.executable
+TORCHRUN = [PY, "-m", "torch.distributed.run"]
+ARGS = ["--nnodes", "1", "--nproc-per-node", "1", "train.py", "--lr", "0.1"]
+
+STANDIN_RUN = """\
+import json, os, sys, time
+if __name__ == "__main__":
+    print("GO " + json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(),
+                              "marker": os.environ.get("ORCH_JOB_DIR"),
+                              "path0": sys.path[0]}), flush=True)
+    deadline = time.time() + 60
+    while not os.path.exists(os.environ["STANDIN_RELEASE"]) and time.time() < deadline:
+        time.sleep(0.02)
+    sys.exit(int(os.environ.get("STANDIN_EXIT", "0")))
+"""
+EARLY = "import sys; print('EARLY import output', file=sys.stderr, flush=True)\n"
+# the import announces itself, then takes 5 s (a real torch import on a busy host)
+SLOW = ("import os, time\nopen(os.environ['STANDIN_IMPORTING'], 'w').close()\n"
+        "time.sleep(5)\n")
+# only the warm launcher (`python -c BOOT orch-warm-torchrun <job>`) cannot import torch
+WARM_BROKEN = ("import sys\nif 'orch-warm-torchrun' in sys.argv:\n"
+               "    raise ImportError('no torch for the warm launcher')\n")
+ALL_BROKEN = "raise RuntimeError('torch is broken on this host')\n"
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    return dict(e.split("=", 1) for e in entries if "=" in e)
+
+
+def parent_of(pid: int) -> int:
+    stat = _read_stat(pid)
+    assert stat is not None, f"pid {pid} is gone"
+    return stat[0]
+
+
+def all_gone(pids: list[int], timeout: float = 5.0) -> None:
+    wait_until(lambda: not [p for p in pids if pid_alive(p)], timeout,
+               f"processes {pids} to end")
+
+
+class Job:
+    """A job folder (its folders made as a launch makes them) with a stand-in torch."""
+
+    def __init__(self, tmp_path: Path, torch_init: str = "", exit_code: int = 0) -> None:
+        self.path = tmp_path / "remote" / "warmjob"
+        self.path.mkdir(parents=True)
+        self.p = job_paths(str(self.path))
+        job_folders(self.p["jd"])
+        self.code = str(self.path / "code")
+        standin = tmp_path / "standin"
+        (standin / "torch" / "distributed").mkdir(parents=True)
+        (standin / "torch" / "__init__.py").write_text(torch_init)
+        (standin / "torch" / "distributed" / "__init__.py").write_text("")
+        (standin / "torch" / "distributed" / "run.py").write_text(STANDIN_RUN)
+        self.run_py = standin / "torch" / "distributed" / "run.py"
+        self.release_file = tmp_path / "release"
+        self.importing = tmp_path / "importing"
+        self.env = {"ORCH_JOB_DIR": str(self.path), "ORCH_JOB": "warmjob",
+                    "PYTHONPATH": str(standin), "STANDIN_RELEASE": str(self.release_file),
+                    "STANDIN_IMPORTING": str(self.importing), "STANDIN_EXIT": str(exit_code)}
+
+    def spec(self, argv: list[str] | None = None, env: dict[str, str] | None = None
+             ) -> dict[str, Any]:
+        return {"run_id": "r1", "ranks": [0], "argv": argv or TORCHRUN + ARGS,
+                "env": env or dict(self.env)}
+
+    def release(self) -> None:
+        self.release_file.touch()
+
+    def log(self) -> str:
+        path = self.path / "run" / "torchrun.log"
+        return path.read_text() if path.exists() else ""
+
+    def go_line(self, timeout: float = 10) -> dict[str, Any]:
+        line = wait_until(lambda: [x for x in self.log().splitlines() if x.startswith("GO ")],
+                          timeout, "the stand-in's GO line in run/torchrun.log")
+        assert isinstance(line, list) and len(line) == 1, self.log()
+        got: dict[str, Any] = json.loads(line[0][3:])
+        return got
+
+    def host_exit(self, timeout: float = 10) -> dict[str, Any]:
+        got = wait_until(lambda: read_json(self.p["jd"], "run/host.exit"), timeout,
+                         f"run/host.exit; torchrun.log:\n{self.log()}")
+        assert isinstance(got, dict)
+        return got
+
+
+@pytest.fixture
+def started() -> Iterator[list[int]]:
+    """Pids a test started (supervisors, torchruns): whatever a failed test left is
+    SIGKILLed (if still the same process), so that later tests are not disturbed."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def start(job: Job, started: list[int], env: dict[str, str] | None = None) -> warm.Warm:
+    waiting = warm.start(job.p, PY, env or dict(job.env))
+    started += [waiting.launcher, parent_of(waiting.launcher)]
+    return waiting
+
+
+def test_go_runs_torchrun_warm(tmp_path: Path, started: list[int]) -> None:
+    job = Job(tmp_path, torch_init=EARLY)
+    waiting = start(job, started)
+    supervisor = parent_of(waiting.launcher)
+    record = waiting.go(job.spec())["supervisor"]
+    assert record["pid"] == supervisor and record["torchrun_pid"] == waiting.launcher
+    got = job.go_line()
+    # the job runs in the process started at preflight: the one tagged for ps
+    argv = cmdline(record["torchrun_pid"])
+    assert argv[:2] == [PY, "-c"] and argv[-2:] == [warm.TAG, str(job.path)], argv
+    assert got == {"argv": ARGS, "cwd": job.code, "marker": str(job.path),
+                   "path0": job.code}, got
+    job.release()
+    assert job.host_exit()["code"] == 0
+    # what the import printed before the go is in the log, once, before the job's output
+    log = job.log()
+    assert log.count("EARLY import output") == 1 and log.index("EARLY") < log.index("GO "), log
+    all_gone([supervisor, waiting.launcher])
+    assert not stray_pids([job.path], wait=2)
+
+
+def test_no_marker_before_go_and_cancel_ends_both(tmp_path: Path, started: list[int]) -> None:
+    job = Job(tmp_path)
+    before = snapshot(job.path)
+    waiting = start(job, started)
+    supervisor = parent_of(waiting.launcher)
+    env = environ(waiting.launcher)
+    # no process of the job yet: `stop` and "already running" must not see it
+    assert "ORCH_JOB_DIR" not in env and env["ORCH_JOB"] == "warmjob", sorted(env)
+    assert procs.marked_pids(str(job.path)) == []
+    assert not procs.job_running(job.p)
+    t0 = time.monotonic()
+    waiting.cancel()
+    all_gone([supervisor, waiting.launcher], timeout=5)
+    assert time.monotonic() - t0 < 3
+    assert snapshot(job.path) == before, "a warm start that got no go wrote in the job folder"
+    assert not stray_pids([job.path])
+
+
+def test_supervisor_killed_mid_import_ends_the_launcher(tmp_path: Path,
+                                                        started: list[int]) -> None:
+    job = Job(tmp_path, torch_init=SLOW)
+    waiting = start(job, started)
+    supervisor = parent_of(waiting.launcher)
+    wait_until(job.importing.exists, 10, "the warm launcher to start importing torch")
+    os.kill(supervisor, signal.SIGKILL)
+    t0 = time.monotonic()
+    all_gone([waiting.launcher], timeout=4)   # the import alone takes 5 s
+    assert time.monotonic() - t0 < 1.5
+    waiting.cancel()
+    all_gone([supervisor])
+    assert not stray_pids([job.path])
+
+
+@pytest.mark.parametrize("differs", ["env", "argv"])
+def test_spec_not_the_warm_one_starts_cold(tmp_path: Path, started: list[int],
+                                           differs: str) -> None:
+    job = Job(tmp_path, exit_code=4)
+    waiting = start(job, started)
+    supervisor = parent_of(waiting.launcher)
+    # env: the job's environment changed between preflight and launch; argv: not
+    # torchrun at all (the stand-in run as a plain script)
+    spec = (job.spec(env=dict(job.env, EXTRA="1")) if differs == "env"
+            else job.spec(argv=[PY, str(job.run_py), *ARGS]))
+    record = waiting.go(spec)["supervisor"]
+    started.append(record["torchrun_pid"])
+    got = job.go_line()
+    assert record["torchrun_pid"] != waiting.launcher
+    assert cmdline(record["torchrun_pid"]) == spec["argv"]
+    assert not pid_alive(waiting.launcher)
+    assert got["argv"] == ARGS and got["cwd"] == job.code and got["marker"] == str(job.path)
+    # a cold torchrun carries the marker itself
+    assert environ(record["torchrun_pid"])["ORCH_JOB_DIR"] == str(job.path)
+    job.release()
+    assert job.host_exit()["code"] == 4
+    all_gone([supervisor, record["torchrun_pid"]])
+    assert not stray_pids([job.path], wait=2)
+
+
+@pytest.mark.parametrize("broken", ["warm only", "everywhere"])
+def test_launcher_gone_before_go_starts_cold(tmp_path: Path, started: list[int],
+                                             broken: str) -> None:
+    job = Job(tmp_path, torch_init=WARM_BROKEN if broken == "warm only" else ALL_BROKEN,
+              exit_code=3)
+    waiting = start(job, started)
+    supervisor = parent_of(waiting.launcher)
+    all_gone([waiting.launcher], timeout=10)   # its import failed: it ended by itself
+    record = waiting.go(job.spec())["supervisor"]
+    started.append(record["torchrun_pid"])
+    assert record["torchrun_pid"] != waiting.launcher
+    if broken == "warm only":
+        assert cmdline(record["torchrun_pid"]) == TORCHRUN + ARGS
+        assert job.go_line()["marker"] == str(job.path)
+        job.release()
+        assert job.host_exit()["code"] == 3
+    else:   # the cold torchrun's own error is what the user reads
+        assert job.host_exit()["code"] == 1
+        assert "RuntimeError: torch is broken on this host" in job.log(), job.log()
+    assert "no torch for the warm launcher" not in job.log()
+    all_gone([supervisor, record["torchrun_pid"]])
+    assert not stray_pids([job.path], wait=2)
+
+
+HOLDER = """\
+import sys
+from orchestrator.host import procs
+from orchestrator.host.common import job_paths
+print(procs.claim(job_paths(sys.argv[1])), flush=True)
+sys.stdin.read()
+"""
+
+
+def hold_lock(job: Path) -> subprocess.Popen[str]:
+    """Another agent: claims the job folder and keeps it until its stdin closes."""
+    holder = subprocess.Popen([PY, "-c", HOLDER, str(job)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None
+    assert holder.stdout.readline().strip() == "True"
+    return holder
+
+
+def end(holder: subprocess.Popen[str]) -> None:
+    assert holder.stdin is not None
+    holder.stdin.close()
+    assert holder.wait(10) == 0
+    assert not pid_alive(holder.pid)
+
+
+def test_claim_refused_while_another_agent_holds_the_lock(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    p = job.p
+    holder = hold_lock(job.path)
+    try:
+        assert procs.claim(p) is False
+        assert preflight.running(p, True) is True   # "already running"
+        assert str(job.path) not in procs.LOCKED
+    finally:
+        end(holder)
+    try:
+        assert procs.claim(p) is True and str(job.path) in procs.LOCKED
+        assert procs.claim(p) is True   # this agent's own lock: claimed again
+        assert preflight.running(p, True) is False   # and kept for its launch
+        assert str(job.path) in procs.LOCKED
+        other = subprocess.run([PY, "-c", HOLDER, str(job.path)], input="",
+                               capture_output=True, text=True, timeout=30)
+        assert other.stdout.strip() == "False", other
+    finally:
+        procs.release(str(job.path))
+    assert str(job.path) not in procs.LOCKED
+    end(hold_lock(job.path))   # released: another agent gets it
+
+
+def test_running_job_releases_the_lock(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    me = os.getpid()
+    # a live supervisor of the job (this process stands in for it)
+    record = {"pid": me, "start_ticks": procs.proc_start_time(me), "torchrun_pid": None}
+    write_atomic(job.p["jd"], "run/supervisor.json", json.dumps(record).encode())
+    try:
+        assert preflight.running(job.p, True) is True
+        assert str(job.path) not in procs.LOCKED   # a job found running: no lock kept
+    finally:
+        procs.release(str(job.path))
+    end(hold_lock(job.path))
+
+
+def test_resolved_puts_the_hosts_path_for_the_configured_one() -> None:
+    configured, job = "~/orch/j", "/home/u/orch/j"
+    assert warm.resolved("~/orch/j", configured, job) == job
+    assert warm.resolved("~/orch/j/data", configured, job) == job + "/data"
+    assert warm.resolved("~/orch/jx", configured, job) == "~/orch/jx"   # not the folder
+    assert warm.resolved("x ~/orch/j", configured, job) == "x ~/orch/j"
+    assert warm.resolved("", configured, job) == ""
+    assert warm.resolved("/elsewhere", configured, job) == "/elsewhere"
+
+
+def test_stop_finds_the_unmarked_warm_torchrun(tmp_path: Path, started: list[int]) -> None:
+    job = Job(tmp_path)
+    waiting = start(job, started)
+    supervisor = parent_of(waiting.launcher)
+    record = waiting.go(job.spec())["supervisor"]
+    job.go_line()   # running, and never released
+    torchrun = record["torchrun_pid"]
+    assert torchrun == waiting.launcher and parent_of(torchrun) == supervisor
+    # its marker came with the go, after its exec: not in /proc/<pid>/environ
+    assert "ORCH_JOB_DIR" not in environ(torchrun)
+    assert torchrun not in procs.marked_pids(str(job.path))
+    report = procs.stop(str(job.path), 2.0)
+    assert report["found"] == 2 and report["left"] == [], report
+    all_gone([supervisor, torchrun], timeout=2)
+    assert not stray_pids([job.path])
