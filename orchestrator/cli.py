@@ -10,8 +10,10 @@ import sys
 from types import FrameType
 from typing import Any, Callable, NoReturn
 
-from orchestrator import __version__
+from orchestrator import __version__, lazyimport
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, OrchError
+
+lazyimport.hold_back()   # before anything imports paramiko
 
 COMMANDS = ("up", "stop", "logs", "status", "results", "pull", "exec", "split_data")
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 import paramiko
 
-from orchestrator import timeouts
+from orchestrator import lazyimport, timeouts
 from orchestrator.errors import (
     EXIT_HOST,
     EXIT_USAGE,
@@ -114,6 +114,8 @@ def ssh_config() -> paramiko.SSHConfig:
     if not path or not os.path.exists(path) or path == os.devnull:
         return paramiko.SSHConfig()
     try:
+        if may_run_commands(path):
+            lazyimport.give_back()
         return paramiko.SSHConfig.from_path(path)
     except OSError as exc:
         raise UsageError(f"{path}: cannot read the SSH config: {exc.strerror or exc}",
@@ -121,6 +123,13 @@ def ssh_config() -> paramiko.SSHConfig:
                               "at another file") from None
     except Exception as exc:  # paramiko.ConfigParseError and what its parser trips on
         raise _config_error(path, exc) from None
+
+
+def may_run_commands(path: str) -> bool:
+    """The config has a `Match exec` (run with invoke), or includes files that may."""
+    with open(path, "rb") as f:
+        text = f.read().lower()
+    return b"exec" in text or b"include" in text
 
 
 def _config_error(path: str, exc: BaseException) -> UsageError:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import io
 import shlex
+import types
+from pathlib import Path
 
 from orchestrator import protocol
 from orchestrator.follow import HostStream, Tracker
@@ -154,3 +156,31 @@ def test_group_failures_keep_one_shared_exit_code() -> None:
         with pytest.raises(HostError) as err:
             GroupResult(failed=failed).raise_failures(hosts, "to start")  # type: ignore[arg-type]  # a test double
         assert err.value.exit_code == code, failed
+
+
+def test_follow_reads_the_run_records_only_when_run_changed(tmp_path: Path, monkeypatch) -> None:
+    """host/follow.RunDir: a poll reads the exit records after a change of run/ (a record
+    renamed into place), and at least once a second; not on every quiet poll."""
+    from orchestrator.host import follow
+    from orchestrator.host.common import job_paths, write_atomic
+    p = job_paths(str(tmp_path / "job"))
+    (tmp_path / "job" / "run").mkdir(parents=True)
+    clock = [1000.0]
+    monkeypatch.setattr(follow, "time", types.SimpleNamespace(
+        time=lambda: clock[0], time_ns=lambda: int(clock[0] * 1e9)))
+    rundir = follow.RunDir(p["jd"])
+    try:
+        assert rundir.changed()                       # the first look
+        clock[0] = (tmp_path / "job" / "run").stat().st_mtime + 0.5   # long after the last change
+        assert rundir.changed()                       # the first mtime seen counts as new
+        clock[0] += 0.05
+        assert not rundir.changed()                   # quiet: nothing read
+        write_atomic(p["jd"], "run/rank-0.exit", b'{"code": 0, "time": 1}')
+        clock[0] = (tmp_path / "job" / "run").stat().st_mtime + 0.5
+        assert rundir.changed()                       # a record landed
+        clock[0] += 0.05
+        assert not rundir.changed()
+        clock[0] += 1.0
+        assert rundir.changed()                       # once a second whatever happens
+    finally:
+        rundir.close()

@@ -7,13 +7,13 @@ import argparse
 import json
 import os
 import time
+from types import ModuleType
 from typing import Any
 
 from rich.markup import escape
 
 from orchestrator import state as job_state
 from orchestrator.cmdout import Printer
-from orchestrator.commands.array_up import array_files, array_plan, up_array
 from orchestrator.commands.common import console, emit_json, hint_cmd, inventory, plural
 from orchestrator.commands.pull import after_job
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
@@ -47,7 +47,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
     if args.dry_run:
-        plan = array_plan(cluster) if cluster.job.array else dry_run_plan(cluster)
+        plan = array_up().array_plan(cluster) if cluster.job.array else dry_run_plan(cluster)
         if args.json:
             emit_json({"job": cluster.name, "plan": plan})
         else:
@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         sync(session, files, pre)
         pre = setup_and_check(session, files, pre, args.setup)
         if cluster.job.array is not None:
-            return up_array(session, pre, args)
+            code: int = array_up().up_array(session, pre, args)
+            return code
         run_id, sups = session.launch(pre)
         st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
                                  pre.master_port, pre.hosts, sups)
@@ -87,6 +88,12 @@ def run(args: argparse.Namespace) -> int:
         return after_job(session, code)
     finally:
         session.close()
+
+
+def array_up() -> ModuleType:
+    """Job arrays' module, imported for an array only (its imports cost every `up`)."""
+    from orchestrator.commands import array_up
+    return array_up
 
 
 def detached_doc(cluster: Cluster, st: job_state.JobState) -> dict[str, Any]:
@@ -132,7 +139,8 @@ def setup_and_check(session: Session, files: dict[int, HostFiles], pre: Prefligh
 def local_files(cluster: Cluster) -> dict[int, HostFiles]:
     """What each host must hold, hashed (cached) and checked here, before connecting."""
     if cluster.job.array is not None:
-        return array_files(cluster)
+        files: dict[int, HostFiles] = array_up().array_files(cluster)
+        return files
     split = load_split(cluster) if cluster.data.shards else None
     cache = DigestCache(cluster.state_dir.parent / "digests.json")
     check_entrypoint(cluster.base_dir, cluster.code.paths, cluster.code.exclude,

@@ -182,6 +182,39 @@ def finish(send: Send, p: dict[str, Any], logs: list[Any], mode: str) -> None:
         send(protocol.event("done", code=None, snapshot=True))
 
 
+class RunDir:
+    """Whether run/ changed since the last look (its mtime: every record lands by a
+    rename there), so that a poll reads the pid, exit and host.exit records only then,
+    and at least once a second (a supervisor that vanished). At 20 polls a second on
+    every host, reading them every time was most of a follow's CPU. A change within the
+    last 0.1 s counts as new: the filesystem's clock may be coarser than two renames."""
+
+    RECENT_NS, EVERY = 100_000_000, 1.0
+
+    def __init__(self, jd: JobDir) -> None:
+        try:
+            self.fd: int | None = jd.open_dir("run")
+        except OSError:   # not launched here: every poll reads the records
+            self.fd = None
+        self.mtime, self.checked = -1, 0.0
+
+    def changed(self) -> bool:
+        if self.fd is None:
+            return True
+        now, mtime = time.time(), os.fstat(self.fd).st_mtime_ns
+        fresh = (mtime != self.mtime or time.time_ns() - mtime < self.RECENT_NS
+                 or now - self.checked >= self.EVERY)
+        self.mtime = mtime
+        if fresh:
+            self.checked = now
+        return fresh
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def run(req: Request) -> None:
     """mode: "events" (lines, exits, heartbeats until the host is done), "snapshot"
     (the lines there now), "raw-follow" (until the ranks end), "raw" (what is there now).
@@ -205,18 +238,30 @@ def run(req: Request) -> None:
     reported: set[int] = set()
     beat, idle = 0.0, 0
     started = set()  # type: set[Any]
-    while True:
-        if mode == "events" and len(started) < len(logs):
-            send_starts(send, p, logs, started, unit)
-        busy = sum(emit(send, log) for log in logs)
-        idle = 0 if busy else idle + 1
-        if mode in ("raw", "snapshot") or send_exits(send, p, logs, reported, mode == "events",
-                                                          unit):
-            return finish(send, p, logs, mode)
-        if mode == "events" and time.time() - beat >= timeouts.HEARTBEAT:
-            send(protocol.event("beat", time=time.time()))
-            beat = time.time()
-        if not busy:
-            # 50 ms while output flows; 200 ms after a quiet second (a long quiet job
-            # should not cost the host CPU; exits are still seen within 0.2 s)
-            time.sleep(0.05 if idle < 20 else 0.2)
+    rundir = RunDir(p["jd"])
+    try:
+        while True:
+            records = rundir.changed()
+            if records and mode == "events" and len(started) < len(logs):
+                send_starts(send, p, logs, started, unit)
+            busy = sum(emit(send, log) for log in logs)
+            idle = 0 if busy else idle + 1
+            if mode in ("raw", "snapshot") or (records and send_exits(
+                    send, p, logs, reported, mode == "events", unit)):
+                return finish(send, p, logs, mode)
+            beat = heartbeat(send, mode, beat)
+            if not busy:
+                # 50 ms while output flows; 200 ms after a quiet second (a long quiet job
+                # should not cost the host CPU; exits are still seen within 0.2 s)
+                time.sleep(0.05 if idle < 20 else 0.2)
+    finally:
+        rundir.close()
+
+
+def heartbeat(send: Send, mode: str, beat: float) -> float:
+    """A `beat` event once every HEARTBEAT seconds while following; the last one's time."""
+    if mode == "events" and time.time() - beat >= timeouts.HEARTBEAT:
+        send(protocol.event("beat", time=time.time()))
+        return time.time()
+    return beat
+
