@@ -8,7 +8,6 @@ the outcome; nothing here parses arguments, and messages go through `ui`.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -60,6 +59,14 @@ class HostFiles:
     data: list[LocalFile] | None
 
 
+def end_link(link: Link) -> None:
+    """The agent's stdin closed (it ends, a running stop finished first), then the connection."""
+    try:
+        link.close()
+    finally:
+        link.transport.close()
+
+
 class Session:
     def __init__(self, cluster: Cluster, state: job_state.JobState | None = None,
                  connector: Callable[[Host], Transport] | None = None) -> None:
@@ -69,6 +76,7 @@ class Session:
         self.run_id = new_run_id()   # known before preflight: a warm start's environment
         dirs = job_state.job_dirs(cluster, state)
         self.records = {h.index: HostRecord(h, dirs[h.index]) for h in cluster.hosts}
+        self.releasing: list[threading.Thread] = []
 
     # ------------------------------------------------------------ connections
 
@@ -136,19 +144,24 @@ class Session:
             GroupResult(failed=self.failed).raise_failures(self.cluster.hosts, what)
 
     def close(self) -> None:
-        """Close every agent's stdin, give them a moment to end, close the connections."""
-        links = list(self.links.values())
-        threads = [threading.Thread(target=link.close, daemon=True) for link in links]
-        for th in threads:
-            th.start()
-        deadline = time.monotonic() + timeouts.CLOSE + 1
-        for th in threads:
-            th.join(max(0.0, deadline - time.monotonic()))
-        for link in links:
-            try:
-                link.transport.close()
-            except Exception:  # closing is best effort; the process is ending anyway
-                pass
+        """Close every agent's stdin, give them a moment to end, close the connections:
+        all hosts at once (one after the other, 128 connections took a quarter second)."""
+        links = {link.host.index: link for link in self.links.values()}
+        fan_out(tuple(link.host for link in links.values()), lambda h: end_link(links[h.index]))
+        for th in self.releasing:
+            th.join(timeouts.CLOSE + 1)
+
+    def release(self, index: int) -> None:
+        """Close one host's agent now, in the background: a host whose part of the job
+        ended well is not needed again (fail-fast stops the others; the pull is rank 0's
+        host). At 128 hosts, closing them all at the end cost a third of a second."""
+        link = self.records[index].link
+        if link is None:
+            return
+        self.records[index].link = None
+        th = threading.Thread(target=end_link, args=(link,), daemon=True)
+        th.start()
+        self.releasing.append(th)
 
     def __enter__(self) -> Session:
         return self

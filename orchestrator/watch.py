@@ -126,11 +126,15 @@ def attach(session: Session, state: JobState) -> int:
     links = session.links
     streams = {h.index: HostStream(links[h.index], h.job_dir, h.ranks) for h in state.hosts}
     mon.clocks = Clocks(links).start()
+    keep = cluster.host_of(0).index   # `up` pulls rank 0's output/ from it afterwards
     try:
         finished = follow(streams, mon)
         while not finished() and not mon.failed():
             mon.wake.wait(0.2)
             mon.wake.clear()
+            for i, info in list(mon.host_exits.items()):
+                if info.get("code") == 0 and i != keep and not mon.failed():
+                    session.release(i)
     except KeyboardInterrupt:
         live.close()
         interrupt_stop(session, mon)

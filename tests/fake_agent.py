@@ -40,6 +40,7 @@ class FakeChannel(Channel):
         self.inbuf, self.skip = bytearray(), len(agent_stdin())
         self.requests: list[dict] = []
         self.closed = False
+        self.stdin_closed_at: float | None = None   # when the controller ended this agent
         self.push(protocol.hello(bundle()[1]))
 
     def push(self, data: bytes) -> None:
@@ -63,6 +64,8 @@ class FakeChannel(Channel):
                 self.handlers[msg["t"]](self, msg)
 
     def close_stdin(self) -> None:
+        if self.stdin_closed_at is None:
+            self.stdin_closed_at = time.monotonic()
         self.close()
 
     def read(self, n: int = 1 << 20) -> bytes:

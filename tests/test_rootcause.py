@@ -204,3 +204,26 @@ def test_a_host_lost_after_the_failure_is_not_the_cause() -> None:
     assert [f.rank for f in v.failures] == [0] and v.also_lost == (1,) and not v.silent
     v = verdict([Exit(0, 0, 3, 100.0)], clocks, None, {1: 90.0})
     assert v.silent == (1,) and [f.rank for f in v.later] == [0]
+
+
+def test_a_host_that_ended_well_is_released_and_not_stopped_later(tmp_path, capsys) -> None:
+    """Host 1's ranks exit 0 and its torchrun ends (done, code 0): its agent is closed at
+    once (watch.attach -> Session.release), not at the end. Rank 0 on host 0 fails later:
+    the fail-fast stop goes to host 0 only, and the root cause is still rank 0."""
+    stopped = threading.Event()
+    base = handlers(fail=(0, 3, 0.8, 0.0), stopped=stopped)
+
+    def follow(chan: FakeChannel, msg: dict) -> None:
+        if chan.host.index == 0:
+            return base["follow"](chan, msg)
+        for r in msg["ranks"]:
+            chan.push(protocol.event("exit", rank=r, code=0, time=time.time() + chan.skew))
+        chan.push(protocol.event("done", code=0, time=time.time() + chan.skew))
+    started = time.monotonic()
+    code, transports, requests = run_job(tmp_path, dict(base, follow=follow))
+    err = flat(capsys)
+    assert code == EXIT_JOB_FAILED
+    assert "root cause rank 0 on host localhost#0" in err, err
+    assert "stop" not in requests[1] and requests[0].count("stop") == 1, requests
+    closed = transports[1].channel.stdin_closed_at
+    assert closed is not None and closed - started < 0.7, "host 1's agent was kept until the end"

@@ -14,10 +14,14 @@ run/ are opened with O_NOFOLLOW relative to the job folder, the log with
 O_NOFOLLOW|O_APPEND, and the pid and exit files are written beside (O_EXCL) and renamed
 relative to run/'s descriptor.
 """
+import importlib
 import os
-import signal
 import sys
 import time
+
+# the C module: `signal` wraps it in enums, a third of this wrapper's start
+signal = importlib.import_module("_signal" if "_signal" in sys.builtin_module_names
+                                 else "signal")
 
 
 def start_ticks(pid):
