@@ -223,12 +223,12 @@ def prepare_remote(path: Path, shell: Shell) -> None:
 
 # ---------------------------------------------------------------- the stand-in torchrun
 
-# The stand-in torch package. ORCH_BENCH_IMPORT_DELAY (scale.py --import-delay): its import
+# The stand-in torch package. BENCH_TORCH_IMPORT_DELAY (scale.py --import-delay): its import
 # takes that long, as latency: on a real cluster every host imports torch (seconds) on its
 # own CPU and disk, all at once; here the hosts share 2 cores, so a sleep stands for it.
 STANDIN_TORCH = ('"""Stand-in torch for the benchmarks."""\n'
                  "import os\nimport time\n"
-                 'time.sleep(float(os.environ.get("ORCH_BENCH_IMPORT_DELAY") or 0))\n')
+                 'time.sleep(float(os.environ.get("BENCH_TORCH_IMPORT_DELAY") or 0))\n')
 
 
 def make_standin(root: Path) -> str:

@@ -215,14 +215,14 @@ IMPORT_DELAY = [0.0]   # --import-delay: the stand-in torch's import, in seconds
 def measure_up(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
     source = ALLREDUCE if bed.real_torch else HELLO
     delay = IMPORT_DELAY[0] if not bed.real_torch else 0.0
-    env = {"ORCH_BENCH_IMPORT_DELAY": f"{delay:g}"} if delay else None
+    env = {"BENCH_TORCH_IMPORT_DELAY": f"{delay:g}"} if delay else None
     inv, d = bed.inventory(f"up{bed.n}", source, env), bed.pdsh_dir(source)
     for rep in range(reps):
         if rep and clock.over():
             break
         port = free_port([bed.hosts[0].address], 29500, 29900)
         with counted(bed, s, "base"):
-            p = pdsh(bed, bed.torchrun_remote(d, port, f"ORCH_BENCH_IMPORT_DELAY={delay:g}"
+            p = pdsh(bed, bed.torchrun_remote(d, port, f"BENCH_TORCH_IMPORT_DELAY={delay:g}"
                                               if delay else ""))
         if job_ok(bed, p):
             s.add("up", "base", p.seconds)
