@@ -181,33 +181,30 @@ def file_sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def warm_pids(job_dir: Path | str) -> list[int]:
-    """A warm-started torchrun of this job folder (host/warm.py): before its go it has no
-    marker, so `argv` (orch-warm-torchrun <job dir>) is how it is found."""
-    want = [b"orch-warm-torchrun", str(job_dir).encode()]
+def argv_pids(match: Callable[[list[bytes]], bool]) -> list[int]:
+    """Live pids whose command line (split at its NULs) `match` accepts."""
     found = []
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if argv[-3:-1] == want and pid_alive(pid):
+        if match(argv) and pid_alive(pid):
             found.append(pid)
     return found
+
+
+def warm_pids(job_dir: Path | str) -> list[int]:
+    """A warm-started torchrun of this job folder (host/warm.py): before its go it has no
+    marker, so `argv` (orch-warm-torchrun <job dir>) is how it is found."""
+    want = [b"orch-warm-torchrun", str(job_dir).encode()]
+    return argv_pids(lambda argv: argv[-3:-1] == want)
 
 
 def agents_of(job_dirs: Iterable[Path | str]) -> list[int]:
     """Live orch agents serving any of these job folders (their argv names the folder)."""
     dirs = {str(d).encode() for d in job_dirs}
-    found = []
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"orch-agent" in argv and dirs & set(argv) and pid_alive(pid):
-            found.append(pid)
-    return found
+    return argv_pids(lambda argv: b"orch-agent" in argv and bool(dirs & set(argv)))
 
 
 def kill_all(pids_by_host: dict) -> None:

@@ -104,7 +104,7 @@ def _state(pid: int) -> str:
     """The process state letter, or "gone" once it has ended and been reaped."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):   # reaped before, or while, it was read
         return "gone"
 
 
