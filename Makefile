@@ -27,7 +27,7 @@ system-deps:
 test: install system-deps
 	$(VPY) -m pytest
 
-# The unit tests only: no sshd, no training (well under 30 s).
+# The unit tests only: no sshd, no training (about a minute).
 test-fast: install
 	$(VPY) -m pytest -m "not ssh and not slow"
 

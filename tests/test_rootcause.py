@@ -161,6 +161,10 @@ def test_a_failure_after_a_host_went_silent_is_a_consequence(tmp_path, capsys, m
     the silent host is named, the rank's failure is listed as what followed."""
     monkeypatch.setattr(timeouts, "HOST_LOST", 30.0)   # the failure is seen first
     monkeypatch.setattr(timeouts, "STOP_EXTRA", 1.0)
+    # the silent host never answers the stop nor ends: the grace and the drain are waited
+    # out whole (fake agents: nothing to give time to)
+    monkeypatch.setattr(timeouts, "FAILFAST_GRACE", 0.5)
+    monkeypatch.setattr(timeouts, "DRAIN", 1.0)
     stopped = threading.Event()
     code, _, _ = run_job(tmp_path, handlers(fail=(0, 1, 2.5, 0.0), stopped=stopped, silent=1))
     assert code == EXIT_JOB_FAILED
