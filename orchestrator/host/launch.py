@@ -81,17 +81,30 @@ def run(req: Request) -> dict[str, Any]:
         raise
 
 
+def detach(body: Callable[[], None]) -> None:
+    """Double fork + setsid: body() runs in a grandchild, in a session of its own (a
+    dropped connection does not end it), and must not return; the middle child is reaped."""
+    child = os.fork()
+    if child == 0:
+        try:
+            os.setsid()
+            if os.fork() == 0:
+                body()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+
+
 def start_detached(body: Callable[[dict[str, Any], dict[str, Any], int], None],
                    p: dict[str, Any], spec: dict[str, Any], what: str) -> dict[str, Any]:
     """Double fork + setsid: `body(p, spec, wfd)` runs detached (a dropped connection
     does not end it) and writes its record (or {"error"}) to wfd; that record is the reply."""
     rfd, wfd = os.pipe()
-    if os.fork() == 0:
+
+    def detached() -> None:
         os.close(rfd)
-        os.setsid()
-        if os.fork() == 0:
-            body(p, spec, wfd)
-        os._exit(0)
+        body(p, spec, wfd)
+    detach(detached)
     os.close(wfd)
     with os.fdopen(rfd) as r:
         reply = r.read()

@@ -22,6 +22,7 @@ import sys
 
 from orchestrator.host import launch
 from orchestrator.host.common import AgentError, job_paths
+from orchestrator.host.paths import write_all
 from orchestrator.host.procs import MARKER
 from orchestrator.host.rankexec import wait_code
 
@@ -44,8 +45,7 @@ class Warm:
         self.python, self.env = python, env
 
     def matches(self, spec: dict[str, Any]) -> bool:
-        return bool(spec["argv"][:3] == [self.python, "-m", "torch.distributed.run"]
-                    and spec["env"] == self.env)
+        return matches(spec, self.python, self.env)
 
     def go(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Start the job: the supervisor's record (launch's reply)."""
@@ -100,9 +100,10 @@ def take(job: str) -> Warm | None:
     return WAITING.pop(job, None)
 
 
-def write_all(fd: int, data: bytes) -> None:
-    while data:
-        data = data[os.write(fd, data):]
+def matches(spec: dict[str, Any], python: str, env: dict[str, str]) -> bool:
+    """The launch's spec is the warm torchrun's: its python running torchrun, its env."""
+    return bool(spec["argv"][:3] == [python, "-m", "torch.distributed.run"]
+                and spec["env"] == env)
 
 
 def read_all(fd: int, cap: int) -> bytes:
@@ -131,17 +132,9 @@ def start(p: dict[str, Any], python: str, env: dict[str, str]) -> Warm:
     warm torchrun's pid (or why it could not start)."""
     go_r, go_w = os.pipe()
     rec_r, rec_w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            os.setsid()
-            if os.fork() == 0:
-                waiting(p, python, env, go_r, rec_w)
-        finally:
-            os._exit(0)
+    launch.detach(lambda: waiting(p, python, env, go_r, rec_w))
     os.close(go_r)
     os.close(rec_w)
-    os.waitpid(child, 0)
     first = read_line(rec_r)
     got = json.loads(first) if first.strip() else {"error": "it ended at once"}
     if "error" in got:
@@ -189,7 +182,7 @@ def waiting(p: dict[str, Any], python: str, env: dict[str, str], go_r: int, rec_
         os.waitpid(pid, 0)
         os._exit(0)
     spec = json.loads(raw)
-    warm = spec["argv"][:3] == [python, "-m", "torch.distributed.run"] and spec["env"] == env
+    warm = matches(spec, python, env)
 
     def begin() -> tuple[int, Any]:
         torchrun = pid if warm and hand_over(sock, spec) else cold(pid, spec)
