@@ -17,8 +17,8 @@ from typing import Any
 
 from orchestrator import timeouts
 from orchestrator.arrayspec import ArraySpec
-from orchestrator.connect import fan_out
 from orchestrator.errors import UsageError
+from orchestrator.fanout import fan_out
 from orchestrator.inventory import Cluster, Host
 from orchestrator.launch import rank_env
 from orchestrator.link import Link

@@ -15,7 +15,19 @@ from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, OrchError
 
 lazyimport.hold_back()   # before anything imports paramiko
 
-COMMANDS = ("up", "stop", "logs", "status", "results", "pull", "exec", "split_data")
+# `orch COMMAND`: its module under orchestrator/commands/ and its line in `orch --help`.
+# Only the named command's module is imported and its arguments defined (pip does the
+# same): the others' imports would cost every start, `--help` and a broken inventory too.
+COMMANDS = {
+    "up": ("up", "preflight, sync, start the job on every host, follow it"),
+    "stop": ("stop", "stop every process of the job on every host"),
+    "logs": ("logs", "print a rank's output (or every rank's, prefixed)"),
+    "status": ("status", "per-rank state of the job"),
+    "results": ("results", "a job array's results: one row per task, then grouped over folds"),
+    "pull": ("pull", "bring files back from a host's job output/ folder"),
+    "exec": ("exec", "run a command on every host (or --hosts) in the job folder"),
+    "split-data": ("split_data", "split a dataset into one shard (folder of links) per worker"),
+}
 
 
 class Parser(argparse.ArgumentParser):
@@ -42,7 +54,9 @@ class Parser(argparse.ArgumentParser):
         return f"\n  did you mean `{close[0]}`?" if close else ""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
+    """Every command is listed; the `chosen` one (the first word that is not an option:
+    the top level has only --help and --version, which take no value) gets its arguments."""
     from importlib import import_module
     parser = Parser(prog="orch", description="SSH launcher for PyTorch distributed training")
     parser.add_argument("--version", action="version", version=f"orch {__version__}")
@@ -58,17 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
         """Every sub-command gets -c/--config and --json."""
 
         def add_parser(self, name: str, **kw: Any) -> Parser:
-            return sub.add_parser(name, parents=[common], **kw)
-    for name in COMMANDS:
-        import_module(f"orchestrator.commands.{name}").add_parser(WithCommon())
+            return sub.add_parser(name, parents=[common], help=COMMANDS[name][1], **kw)
+    for name, (module, summary) in COMMANDS.items():
+        if name == chosen:
+            import_module(f"orchestrator.commands.{module}").add_parser(WithCommon())
+        else:
+            sub.add_parser(name, help=summary)
     return parser
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Like parse_args, but an unknown option is reported with its own command's usage
     (`orch up --detatch` shows `usage: orch up ...`), not the top-level one."""
-    Parser.json_requested = "--json" in (sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    Parser.json_requested = "--json" in words
+    parser = build_parser(next((w for w in words if not w.startswith("-")), None))
     args, extra = parser.parse_known_args(argv)
     if extra:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

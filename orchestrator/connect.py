@@ -9,7 +9,6 @@ bastion (`Bastions`), each hop's host key checked under the host's policy.
 """
 from __future__ import annotations
 
-import _thread
 import contextlib
 import getpass
 import logging
@@ -19,32 +18,25 @@ import threading
 import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable
 
 import paramiko
 
 from orchestrator import lazyimport, timeouts
 from orchestrator.errors import (
-    EXIT_HOST,
     EXIT_USAGE,
     HostError,
     InventoryError,
     OrchError,
     UsageError,
 )
-from orchestrator.faults import BastionError, ConnectFailed, ForwardFailed, describe, explain_lost
+from orchestrator.fanout import GroupResult, fan_out
+from orchestrator.faults import BastionError, ConnectFailed, ForwardFailed, describe
 from orchestrator.inventory import Host
 from orchestrator.jumps import parse_chain
-from orchestrator.transport import (
-    AcceptNewPolicy,
-    HostKeyRefused,
-    LocalTransport,
-    SSHTransport,
-    StrictPolicy,
-    Transport,
-)
+from orchestrator.sshtransport import AcceptNewPolicy, HostKeyRefused, SSHTransport, StrictPolicy
+from orchestrator.transport import LocalTransport, Transport
 
-T = TypeVar("T")
 # aes128-gcm first: on a CPU-bound link it is 1.4-1.6x faster than the alternatives
 # (measured on loopback sshd); the others stay allowed for servers that lack it.
 CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "aes128-ctr",
@@ -518,87 +510,6 @@ def connect(host: Host, config: paramiko.SSHConfig, base_dir: Path,
     finally:
         if own:
             hops.seal()
-
-
-@dataclass
-class GroupResult(Generic[T]):
-    """One outcome per host, like Fabric's GroupResult: every failure, not just the first."""
-
-    ok: dict[int, T] = field(default_factory=dict)
-    failed: dict[int, BaseException] = field(default_factory=dict)
-
-    def raise_failures(self, hosts: tuple[Host, ...], what: str) -> None:
-        if not self.failed:
-            return
-        by_index = {h.index: h for h in hosts}
-        lines = [f"{len(self.failed)} of {len(hosts)} hosts failed {what}:"]
-        for i in sorted(self.failed):
-            exc = self.failed[i]
-            lost = connection_error(by_index[i]) if i in by_index else None
-            if i in by_index and (lost is not None or not isinstance(exc, OrchError)):
-                exc = explain_lost(by_index[i], lost or exc)
-            text = exc.message if isinstance(exc, OrchError) else f"host {i}: {exc}"
-            lines.append(f"  - {text}")
-            hint = getattr(exc, "hint", "")
-            if hint:
-                lines.append(f"      fix: {hint}")
-        # one kind of failure everywhere keeps its exit code ("already running" is 2);
-        # anything mixed, or not orch's own, is a host failure (3)
-        codes = {getattr(self.failed[i], "exit_code", EXIT_HOST) for i in self.failed}
-        error = HostError("\n".join(lines))
-        if len(codes) == 1:
-            error.exit_code = codes.pop()
-        raise error
-
-
-def fan_out(hosts: tuple[Host, ...], fn: Callable[[Host], T], limit: int = 256,
-            done: Callable[[], None] | None = None) -> GroupResult[T]:
-    """Run fn for every host in parallel threads; collect each result or exception.
-    `done` is called as each host finishes (progress displays). The limit is above the
-    host counts orch is used with: a second wave of hosts would wait for the first
-    one's slowest login (a 64-thread limit made 128 hosts take two logins' time).
-
-    Threads are started without waiting for each one to run (threading.Thread.start and
-    a thread pool do wait): under the load of a login storm that wait took a scheduling
-    slot per thread, and the 64th host's login began a second after the first's."""
-    result: GroupResult[T] = GroupResult()
-    if not hosts:
-        return result
-    slots = threading.BoundedSemaphore(min(limit, len(hosts)))
-    lock, finished, left = threading.Lock(), threading.Event(), [len(hosts)]
-    fatal: list[BaseException] = []
-
-    def one(h: Host) -> None:
-        try:
-            value = fn(h)
-            with lock:
-                result.ok[h.index] = value
-        except Exception as exc:  # collected: reported together, per host
-            with lock:
-                result.failed[h.index] = exc
-        except BaseException as exc:  # raised in the caller's thread, as a pool's result() would
-            fatal.append(exc)
-        finally:
-            try:
-                if done:
-                    done()
-            finally:
-                slots.release()
-                with lock:
-                    left[0] -= 1
-                    if not left[0]:
-                        finished.set()
-    for h in hosts:
-        slots.acquire()
-        _thread.start_new_thread(one, (h,))
-    # Ctrl-C raises here: the hosts' threads are not waited for; the caller closes the
-    # connections, which ends their blocked sends and reads at once
-    finished.wait()
-    if fatal:
-        raise fatal[0]
-    result.ok = dict(sorted(result.ok.items()))
-    result.failed = dict(sorted(result.failed.items()))
-    return result
 
 
 def connect_all(hosts: tuple[Host, ...], base_dir: Path,

@@ -13,7 +13,7 @@ from paramiko.ssh_exception import IncompatiblePeer  # not re-exported by the st
 
 from orchestrator.errors import HostError
 from orchestrator.inventory import Host
-from orchestrator.transport import HostKeyRefused, fingerprint, known_hosts_name
+from orchestrator.sshtransport import HostKeyRefused, fingerprint, known_hosts_name
 from orchestrator.words import hint_cmd
 
 if TYPE_CHECKING:

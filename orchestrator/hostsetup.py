@@ -10,8 +10,8 @@ from typing import Any
 
 from orchestrator import timeouts
 from orchestrator.cmdout import HostOutput, Printer
-from orchestrator.connect import GroupResult, fan_out
 from orchestrator.errors import HostError
+from orchestrator.fanout import GroupResult, fan_out
 from orchestrator.hostcmd import Outcome, submit_all, wait_all
 from orchestrator.inventory import Cluster
 from orchestrator.link import Link

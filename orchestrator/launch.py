@@ -6,7 +6,7 @@ import uuid
 from typing import Any
 
 from orchestrator import timeouts
-from orchestrator.connect import fan_out, resolve_target, ssh_config
+from orchestrator.fanout import fan_out
 from orchestrator.inventory import Cluster, Host
 from orchestrator.link import Link
 from orchestrator.preflight import HostInfo, PreflightReport, job_dir
@@ -22,6 +22,7 @@ def master_addr(cluster: Cluster, infos: dict[int, HostInfo] | None = None) -> s
     """
     master = cluster.hosts[0]
     if not master.is_local:
+        from orchestrator.connect import resolve_target, ssh_config  # paramiko: see Session._ssh
         return resolve_target(master, ssh_config()).hostname
     for h in cluster.hosts:
         if not h.is_local and infos and infos.get(h.index) and infos[h.index].ssh_connection:

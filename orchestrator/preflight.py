@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from orchestrator import timeouts
-from orchestrator.connect import GroupResult, fan_out
 from orchestrator.errors import HostError, UsageError
+from orchestrator.fanout import GroupResult, fan_out
 from orchestrator.inventory import Cluster, Host
 from orchestrator.link import Link
 from orchestrator.words import hint_cmd

@@ -14,7 +14,7 @@ from typing import Any
 
 from orchestrator.arrays import ArrayRecord
 from orchestrator.arrayspec import task_params
-from orchestrator.connect import GroupResult
+from orchestrator.fanout import GroupResult
 from orchestrator.inventory import Cluster
 
 FOLD = "fold"

@@ -12,22 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import paramiko
-
 from orchestrator import arrays, hostcmd, hostsetup, timeouts
 from orchestrator import state as job_state
 from orchestrator.arrays import ArrayRecord
 from orchestrator.bundle import bundle
 from orchestrator.cmdout import HostOutput, Printer
-from orchestrator.connect import (
-    Bastions,
-    GroupResult,
-    check_local_files,
-    connect,
-    fan_out,
-    ssh_config,
-)
 from orchestrator.errors import EXIT_USAGE, HostError, OrchError
+from orchestrator.fanout import GroupResult, fan_out
 from orchestrator.inventory import Cluster, Host
 from orchestrator.launch import launch_all, new_run_id, warm_env, warm_start
 from orchestrator.link import Link
@@ -97,22 +88,20 @@ class Session:
         `then(host, link)` runs in the host's thread once its agent is up (it must not
         raise): a first request goes out while slower logins go on."""
         hosts = self.cluster.hosts if hosts is None else hosts
-        config = ssh_config() if self.connector is None else None
-        if self.connector is None:
-            check_local_files(hosts)
-        bastions = Bastions()   # one connection per bastion, shared by its hosts
+        opener, seal = (self.connector, None) if self.connector else self._ssh(hosts)
         bundle()   # built once here: the hosts' threads would each build it (lru_cache
         # does not hold them back), 64 builds of ~40 ms of CPU at 64 hosts
 
         def one(h: Host) -> Link:
-            link = self._open(h, config, bastions)
+            link = self._start(h, opener(h))
             if then is not None:
                 then(h, link)
             return link
         try:
             result = fan_out(hosts, one, done=done)
         finally:
-            bastions.seal()
+            if seal is not None:
+                seal()
         for i, link in result.ok.items():
             self.records[i].link = link
         for i, exc in result.failed.items():
@@ -124,11 +113,19 @@ class Session:
             raise local[0]
         return self
 
-    def _open(self, host: Host, config: paramiko.SSHConfig | None, bastions: Bastions) -> Link:
-        if self.connector is not None:
-            transport = self.connector(host)
-        else:
-            transport = connect(host, config or ssh_config(), self.cluster.base_dir, bastions)
+    def _ssh(self, hosts: tuple[Host, ...]) -> tuple[Callable[[Host], Transport], Callable[[], None]]:
+        """A connector over SSH, and what ends its bastions' sharing. connect.py is imported
+        here, not at the top: it brings paramiko, which commands that reach no host (help,
+        a broken inventory) would load for nothing."""
+        from orchestrator import connect
+        config = connect.ssh_config()   # exit 2 for an unreadable ~/.ssh/config, files next
+        connect.check_local_files(hosts)
+        bastions = connect.Bastions()   # one connection per bastion, shared by its hosts
+        base_dir = self.cluster.base_dir
+        return (lambda h: connect.connect(h, config, base_dir, bastions)), bastions.seal
+
+    def _start(self, host: Host, transport: Transport) -> Link:
+        """The host's agent over its new connection."""
         link = Link(transport, self.records[host.index].job_dir)
         link.python_fallback = self.cluster.setup is not None
         try:

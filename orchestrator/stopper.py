@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator import timeouts
-from orchestrator.connect import GroupResult, fan_out
+from orchestrator.fanout import GroupResult, fan_out
 from orchestrator.inventory import Cluster
 from orchestrator.link import Link
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from orchestrator import timeouts
 from orchestrator.clock import Clocks, HostClock
-from orchestrator.connect import GroupResult
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
+from orchestrator.fanout import GroupResult
 from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.inventory import Cluster
 from orchestrator.liveline import LiveLine, started_text

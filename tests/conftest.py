@@ -7,11 +7,18 @@ import signal
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 from helpers import TORCHRUN_VARS, Jobs
 from sshd_cluster import FakeHost, SshdCluster, free_port, pid_alive
 
 CLUSTER_SIZE = 4
+
+# Fuzz tests scale their document counts with the profile's max_examples: `make test` runs
+# "full"; `make test-fast` passes --hypothesis-profile=fast, a quarter of it.
+settings.register_profile("full", max_examples=400)
+settings.register_profile("fast", max_examples=100)
+settings.load_profile("full")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -27,7 +34,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # The markers follow from the fixtures a test uses (directly or through another fixture):
 # one that starts sshd makes it an `ssh` test; one that runs a whole job or trains makes
-# it `slow`. A test that does either without these fixtures is marked by hand.
+# it `slow`. A test that does either without these fixtures is marked by hand, and so is
+# one that starts a training program in a new process (its torch import alone is 3 s of
+# CPU here).
 SSHD_FIXTURES = {"sshd_cluster", "untrusted_host", "netns", "big_cluster"}
 JOB_FIXTURES = {"jobs", "pushed", "torchrun"}
 

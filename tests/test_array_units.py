@@ -10,8 +10,8 @@ import pytest
 
 from orchestrator import arrays, results
 from orchestrator.arrayspec import MAX_TASKS, expand, task_params
-from orchestrator.connect import GroupResult
 from orchestrator.errors import InventoryError
+from orchestrator.fanout import GroupResult
 from orchestrator.inventory import parse
 
 HEAD = """name: arr

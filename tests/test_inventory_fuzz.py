@@ -2,7 +2,7 @@
 one InventoryError (exit 2, `file:LINE:` with a line inside the file, a fix), never in
 another exception, within 2 s and 200 MB per document.
 
-Three generators, over 1,000 documents in all: valid inventories with parts replaced by
+Three generators, 1,500 documents in all (375 in `make test-fast`): valid inventories with parts replaced by
 random YAML values (dumped with anchors and aliases where values are shared), valid
 inventories mutated as text (nasty snippets, random characters, lines moved), and
 anchor/merge-key chains of random shape (the billion-laughs family). Runs are
@@ -96,8 +96,10 @@ def check(text: str, path: Path) -> None:
     assert peak < MAX_BYTES, f"{peak >> 20} MB for {text[:200]!r}"
 
 
-def run_fuzz(strategy: st.SearchStrategy[str], examples: int, path: Path) -> None:
-    """Run `check` on `examples` documents and prove that they did run."""
+def run_fuzz(strategy: st.SearchStrategy[str], weight: float, path: Path) -> None:
+    """Run `check` on `weight` x the profile's max_examples documents (tests/conftest.py:
+    400 in `make test`, 100 in `make test-fast`) and prove that they did run."""
+    examples = round(weight * settings().max_examples)   # the loaded profile
     seen: list[int] = []
 
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
@@ -166,7 +168,7 @@ def _values(doc: dict[str, Any]) -> list[Any]:
 
 
 def test_fuzz_replaced_values(inventory_path: Path) -> None:
-    run_fuzz(replaced_documents(), 400, inventory_path)
+    run_fuzz(replaced_documents(), 1, inventory_path)
 
 
 # ---- 2. valid inventories mutated as text -------------------------------------------------
@@ -203,7 +205,7 @@ def mutated_documents(draw: Callable) -> str:
 
 
 def test_fuzz_text_mutations(inventory_path: Path) -> None:
-    run_fuzz(mutated_documents(), 800, inventory_path)
+    run_fuzz(mutated_documents(), 2, inventory_path)
 
 
 # ---- 3. anchors, aliases and merge keys of random shape ----------------------------------
@@ -232,7 +234,7 @@ def anchor_documents(draw: Callable) -> str:
 
 
 def test_fuzz_anchors_and_merge_keys(inventory_path: Path) -> None:
-    run_fuzz(anchor_documents(), 300, inventory_path)
+    run_fuzz(anchor_documents(), 0.75, inventory_path)
 
 
 def test_seeds_are_valid(inventory_path: Path) -> None:

@@ -143,7 +143,7 @@ def test_a_rank_our_stop_killed_is_never_the_cause(tmp_path, capsys) -> None:
 
 def test_a_frozen_host_is_the_root_cause_and_the_report_says_it_was_not_stopped(
         tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(timeouts, "HOST_LOST", 1.5)
+    monkeypatch.setattr(timeouts, "HOST_LOST", 1.0)
     stopped = threading.Event()
     code, _, requests = run_job(tmp_path, handlers(fail=None, stopped=stopped, silent=1))
     err = flat(capsys)
@@ -157,16 +157,17 @@ def test_a_frozen_host_is_the_root_cause_and_the_report_says_it_was_not_stopped(
 
 
 def test_a_failure_after_a_host_went_silent_is_a_consequence(tmp_path, capsys, monkeypatch) -> None:
-    """Host 1 freezes at once; rank 0 on host 0 fails 1 s later (a collective timed out):
-    the silent host is named, the rank's failure is listed as what followed."""
+    """Host 1 freezes at once; rank 0 on host 0 fails 1.5 s later (a collective timed
+    out), more than a heartbeat after host 1's last frame: the silent host is named, the
+    rank's failure is listed as what followed."""
     monkeypatch.setattr(timeouts, "HOST_LOST", 30.0)   # the failure is seen first
-    monkeypatch.setattr(timeouts, "STOP_EXTRA", 1.0)
+    monkeypatch.setattr(timeouts, "STOP_EXTRA", 0.5)
     # the silent host never answers the stop nor ends: the grace and the drain are waited
     # out whole (fake agents: nothing to give time to)
-    monkeypatch.setattr(timeouts, "FAILFAST_GRACE", 0.5)
-    monkeypatch.setattr(timeouts, "DRAIN", 1.0)
+    monkeypatch.setattr(timeouts, "FAILFAST_GRACE", 0.2)
+    monkeypatch.setattr(timeouts, "DRAIN", 0.5)
     stopped = threading.Event()
-    code, _, _ = run_job(tmp_path, handlers(fail=(0, 1, 2.5, 0.0), stopped=stopped, silent=1))
+    code, _, _ = run_job(tmp_path, handlers(fail=(0, 1, 1.5, 0.0), stopped=stopped, silent=1))
     assert code == EXIT_JOB_FAILED
     err = flat(capsys)
     assert "root cause host localhost#1" in err, err

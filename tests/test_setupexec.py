@@ -16,7 +16,7 @@ from typing import Any, cast
 import pytest
 
 from fake_agent import FakeChannel, FakeTransport
-from orchestrator import protocol
+from orchestrator import protocol, timeouts
 from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.commands.exec import select, split_selection
 from orchestrator.errors import InventoryError, UsageError
@@ -256,8 +256,9 @@ def group_alive(pgid: int) -> bool:
     return commands.group_alive(pgid)
 
 
-def test_agent_cancel_ends_the_whole_group(tmp_path: Path) -> None:
+def test_agent_cancel_ends_the_whole_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A command and its children: cancel SIGTERMs the group, then SIGKILLs what ignores it."""
+    monkeypatch.setattr(timeouts, "COMMAND_GRACE", 0.5)
     req = Req(
         "exec",
         job_dir=str(tmp_path),

@@ -146,8 +146,8 @@ def test_group_failures_keep_one_shared_exit_code() -> None:
 
     import pytest
 
-    from orchestrator.connect import GroupResult
     from orchestrator.errors import HostError, UsageError
+    from orchestrator.fanout import GroupResult
     hosts = tuple(SimpleNamespace(label=n, index=i, address=n, ssh=SimpleNamespace(port=22))
                   for i, n in enumerate("ab"))
     for failed, code in (({0: UsageError("a: already running"), 1: UsageError("b: already running")}, 2),

@@ -119,6 +119,7 @@ def test_fold_options_are_checked(single, argv: list[str], message: str, capsys)
     assert exc.value.code == 2 and message in err and err.count("\n") == 1
 
 
+@pytest.mark.slow   # trains
 @pytest.mark.parametrize("data_format", ["imagefolder", "packed"])
 def test_training_validates_on_the_fold(single, tmp_path: Path, data_format: str, capsys) -> None:
     from worker.pack import pack_shard
@@ -181,6 +182,7 @@ def test_schedule_starts_after_the_warmup() -> None:
     assert lrs[spe:] == pytest.approx([0.5 * (1 + math.cos(math.pi * s / rest)) for s in range(rest)])
 
 
+@pytest.mark.slow   # trains
 def test_cosine_in_a_run_ends_near_zero(single, shard_root: Path, tmp_path: Path) -> None:
     rc = train.main([*FAST, "--epochs", "3", "--lr-schedule", "cosine", "--checkpoint-every", "0",
                      "--data-dir", str(shard_root), "--output-dir", str(tmp_path / "out")])
@@ -214,6 +216,7 @@ def test_one_process_sets_up_no_process_group(single, monkeypatch: pytest.Monkey
     assert distrib.setup().world == 1 and not dist.is_initialized()
 
 
+@pytest.mark.slow   # trains
 def test_plain_python_run_without_torchrun_env(procs: Procs, shard_root: Path, tmp_path: Path) -> None:
     log = tmp_path / "log"
     p = procs.start(["-m", "worker.train", *FAST, "--epochs", "2", "--resume", "--data-dir",
@@ -273,6 +276,7 @@ def test_hogwild_two_processes_learn_the_demo(procs: Procs, tmp_path: Path) -> N
     assert "2 process(es)" in log.read_text() and (out / "metrics.png").is_file()
 
 
+@pytest.mark.slow   # starts the training program
 def test_hogwild_data_error_is_one_line(procs: Procs, tmp_path: Path) -> None:
     log = tmp_path / "log"
     p = procs.start(["-m", "worker.hogwild", "--data-dir", str(tmp_path / "nope"),

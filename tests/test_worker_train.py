@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import multiprocessing
 import time
 from pathlib import Path
 
@@ -119,6 +120,9 @@ def test_unreadable_image_in_a_loader_worker_is_one_line(single, tmp_path: Path,
     err = capsys.readouterr().err
     assert rc == 2, err
     assert err.startswith(f"error: cannot read image {bad}") and err.count("\n") == 1, err
+    # its loader worker is ended as main returns, not by a later garbage collection that
+    # waits 5 s for it (data.end_loaders)
+    assert not multiprocessing.active_children()
 
 
 def test_class_missing_on_one_rank_names_the_rank() -> None:

@@ -25,7 +25,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from worker import checkpoint, distrib, folds, metrics
 from worker.augment import augment, normalize
-from worker.data import DevicePrefetcher, EpochSampler, ImageFolderBatches, make_loader, scan_shard
+from worker.data import (
+    DevicePrefetcher,
+    EpochSampler,
+    ImageFolderBatches,
+    end_loaders,
+    make_loader,
+    scan_shard,
+)
 from worker.distrib import Ctx
 from worker.errors import WorkerError
 from worker.models import (
@@ -580,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         stopped = True
     finally:
+        end_loaders()
         signal.signal(signal.SIGTERM, previous)  # the CLI's previous: the default, ending us
         if not stopped:
             distrib.teardown()

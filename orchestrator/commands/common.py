@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import state as job_state
-from orchestrator.connect import GroupResult
 from orchestrator.errors import UsageError
+from orchestrator.fanout import GroupResult
 from orchestrator.inventory import Cluster, Host, load
 from orchestrator.session import Session
 from orchestrator.termsafe import plain

@@ -33,7 +33,7 @@ KEEP = 1 << 20  # --json: the last bytes of each host's output
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("exec", help="run a command on every host (or --hosts) in the job folder")
+    p = sub.add_parser("exec")
     p.add_argument(
         "--hosts",
         metavar="SEL",

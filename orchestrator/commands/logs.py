@@ -34,7 +34,7 @@ from orchestrator.words import plural
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("logs", help="print a rank's output (or every rank's, prefixed)")
+    p = sub.add_parser("logs")
     p.add_argument("--rank", type=int, metavar="R", help="global rank (default: all, prefixed)")
     p.add_argument("--task", type=int, metavar="I", help="job arrays: task I's output, raw")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")

@@ -20,7 +20,7 @@ from orchestrator.words import hint_cmd
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("pull", help="bring files back from a host's job output/ folder")
+    p = sub.add_parser("pull")
     p.add_argument("paths", nargs="*", metavar="PATH",
                    help="files or folders relative to the job's output/ (default: all of it)")
     which = p.add_mutually_exclusive_group()

@@ -27,7 +27,7 @@ MAX_COLS = 6
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("results", help="a job array's results: one row per task, then grouped over folds")
+    p = sub.add_parser("results")
     p.set_defaults(func=run)
 
 

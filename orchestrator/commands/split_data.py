@@ -24,7 +24,7 @@ EDGE_ROWS = 8
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "split-data", help="split a dataset into one shard (folder of links) per worker",
+        "split-data",
         description="Split a dataset into N worker shards made of symlinks, plus manifest.json. "
                     "Record files (train-00000-of-01024) are split into contiguous runs; an "
                     "ImageFolder tree is split per class, shuffled with --seed.")

@@ -30,7 +30,7 @@ LAST_LINE_MAX = 200   # characters kept in a row (the table cuts it to the scree
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("status", help="per-rank state of the job")
+    p = sub.add_parser("status")
     p.set_defaults(func=run)
 
 

@@ -7,15 +7,15 @@ from typing import Any
 from orchestrator import state as job_state
 from orchestrator import timeouts
 from orchestrator.commands.common import console, emit_json, inventory, open_session, plural
-from orchestrator.connect import GroupResult
 from orchestrator.errors import EXIT_OK, HostError
+from orchestrator.fanout import GroupResult
 from orchestrator.inventory import Cluster
 from orchestrator.stopper import StopReport
 from orchestrator.termsafe import plain
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("stop", help="stop every process of the job on every host")
+    p = sub.add_parser("stop")
     p.add_argument("file", nargs="?", help="inventory (default: -c, or cluster.yaml)")
     p.add_argument("--grace", type=float, default=timeouts.STOP_GRACE, metavar="S",
                    help="seconds between SIGTERM and SIGKILL (default: 10)")

@@ -30,7 +30,7 @@ from orchestrator.watch import attach
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("up", help="preflight, sync, start the job on every host, follow it")
+    p = sub.add_parser("up")
     p.add_argument("file", nargs="?", help="inventory (default: -c, or cluster.yaml)")
     p.add_argument("--detach", action="store_true", help="return once every host has started")
     p.add_argument("--setup", action="store_true",

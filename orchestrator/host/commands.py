@@ -122,8 +122,9 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def end_group(proc: "subprocess.Popen[bytes]", grace: float = timeouts.COMMAND_GRACE) -> None:
-    """SIGTERM the command's process group, SIGKILL what is left after `grace`."""
+def end_group(proc: "subprocess.Popen[bytes]") -> None:
+    """SIGTERM the command's process group, SIGKILL what is left after COMMAND_GRACE."""
+    grace = timeouts.COMMAND_GRACE   # read here, not bound at import: tests shorten it
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)

@@ -1,0 +1,98 @@
+"""Running one step on every host at once: `fan_out` (a thread per host) and its
+`GroupResult` (one outcome per host, every failure reported, not just the first)."""
+from __future__ import annotations
+
+import _thread
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Generic, TypeVar
+
+from orchestrator.errors import EXIT_HOST, HostError, OrchError
+from orchestrator.inventory import Host
+
+T = TypeVar("T")
+
+
+@dataclass
+class GroupResult(Generic[T]):
+    """One outcome per host, like Fabric's GroupResult: every failure, not just the first."""
+
+    ok: dict[int, T] = field(default_factory=dict)
+    failed: dict[int, BaseException] = field(default_factory=dict)
+
+    def raise_failures(self, hosts: tuple[Host, ...], what: str) -> None:
+        if not self.failed:
+            return
+        # only a command that opened connections has lost one (connect.py is not imported
+        # by the others: it brings paramiko)
+        from orchestrator.connect import connection_error
+        from orchestrator.faults import explain_lost
+        by_index = {h.index: h for h in hosts}
+        lines = [f"{len(self.failed)} of {len(hosts)} hosts failed {what}:"]
+        for i in sorted(self.failed):
+            exc = self.failed[i]
+            lost = connection_error(by_index[i]) if i in by_index else None
+            if i in by_index and (lost is not None or not isinstance(exc, OrchError)):
+                exc = explain_lost(by_index[i], lost or exc)
+            text = exc.message if isinstance(exc, OrchError) else f"host {i}: {exc}"
+            lines.append(f"  - {text}")
+            hint = getattr(exc, "hint", "")
+            if hint:
+                lines.append(f"      fix: {hint}")
+        # one kind of failure everywhere keeps its exit code ("already running" is 2);
+        # anything mixed, or not orch's own, is a host failure (3)
+        codes = {getattr(self.failed[i], "exit_code", EXIT_HOST) for i in self.failed}
+        error = HostError("\n".join(lines))
+        if len(codes) == 1:
+            error.exit_code = codes.pop()
+        raise error
+
+
+def fan_out(hosts: tuple[Host, ...], fn: Callable[[Host], T], limit: int = 256,
+            done: Callable[[], None] | None = None) -> GroupResult[T]:
+    """Run fn for every host in parallel threads; collect each result or exception.
+    `done` is called as each host finishes (progress displays). The limit is above the
+    host counts orch is used with: a second wave of hosts would wait for the first
+    one's slowest login (a 64-thread limit made 128 hosts take two logins' time).
+
+    Threads are started without waiting for each one to run (threading.Thread.start and
+    a thread pool do wait): under the load of a login storm that wait took a scheduling
+    slot per thread, and the 64th host's login began a second after the first's."""
+    result: GroupResult[T] = GroupResult()
+    if not hosts:
+        return result
+    slots = threading.BoundedSemaphore(min(limit, len(hosts)))
+    lock, finished, left = threading.Lock(), threading.Event(), [len(hosts)]
+    fatal: list[BaseException] = []
+
+    def one(h: Host) -> None:
+        try:
+            value = fn(h)
+            with lock:
+                result.ok[h.index] = value
+        except Exception as exc:  # collected: reported together, per host
+            with lock:
+                result.failed[h.index] = exc
+        except BaseException as exc:  # raised in the caller's thread, as a pool's result() would
+            fatal.append(exc)
+        finally:
+            try:
+                if done:
+                    done()
+            finally:
+                slots.release()
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        finished.set()
+    for h in hosts:
+        slots.acquire()
+        _thread.start_new_thread(one, (h,))
+    # Ctrl-C raises here: the hosts' threads are not waited for; the caller closes the
+    # connections, which ends their blocked sends and reads at once
+    finished.wait()
+    if fatal:
+        raise fatal[0]
+    result.ok = dict(sorted(result.ok.items()))
+    result.failed = dict(sorted(result.failed.items()))
+    return result

@@ -1,0 +1,143 @@
+"""The SSH side of the transport seam (transport.py): a paramiko channel as a `Channel`,
+and the host-key policies (strict, accept-new) with their fingerprints.
+
+Kept apart from transport.py so that paramiko (0.1 s of every `orch` start) is imported
+only by commands that open an SSH connection (connect.py), not by `--help`, a broken
+inventory or `split-data`."""
+from __future__ import annotations
+
+import base64
+import socket
+import threading
+from pathlib import Path
+
+import paramiko
+
+from orchestrator import timeouts
+from orchestrator.errors import EXIT_HOST, HostError, OrchError, UsageError
+from orchestrator.inventory import Host
+from orchestrator.transport import CHUNK, STDERR_KEEP, Channel, Result, Transport, remote_command
+
+
+class SSHChannel(Channel):
+    def __init__(self, chan: paramiko.Channel, timeout: float | None) -> None:
+        self.chan = chan
+        chan.settimeout(timeout)
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        # memoryview slices: sendall of bytes would re-slice (copy) on every packet
+        for i in range(0, len(view), CHUNK):
+            self.chan.sendall(view[i:i + CHUNK])  # type: ignore[arg-type]  # stubs say bytes; any buffer works
+
+    def close_stdin(self) -> None:
+        self.chan.shutdown_write()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.chan.settimeout(timeout)
+
+    def read(self, n: int = CHUNK) -> bytes:
+        try:
+            return self.chan.recv(n)
+        except socket.timeout as e:
+            raise TimeoutError("no answer") from e
+
+    def finish(self) -> Result:
+        out = bytearray()
+        for block in iter(lambda: self.read(), b""):
+            out += block
+        code = self.chan.recv_exit_status()
+        err = bytearray()
+        # stderr arrives before the exit status on the channel, so it is all buffered now
+        while self.chan.recv_stderr_ready():
+            err += self.chan.recv_stderr(CHUNK)
+        return Result(code, bytes(out), bytes(err))
+
+    def stderr_tail(self) -> bytes:
+        err = bytearray()
+        while self.chan.recv_stderr_ready() and len(err) < 4 * STDERR_KEEP:
+            err += self.chan.recv_stderr(CHUNK)
+        return bytes(err[-STDERR_KEEP:])
+
+    def exit_code(self) -> int | None:
+        return self.chan.recv_exit_status() if self.chan.exit_status_ready() else None
+
+    def close(self) -> None:
+        self.chan.close()
+
+
+class SSHTransport(Transport):
+    def __init__(self, host: Host, client: paramiko.SSHClient) -> None:
+        super().__init__(host)
+        self.client = client
+
+    def open(self, argv: list[str], timeout: float | None = None) -> Channel:
+        transport = self.client.get_transport()
+        if transport is None or not transport.is_active():
+            raise HostError(f"{self.host.label}: the SSH connection was lost")
+        chan = transport.open_session(timeout=timeout or timeouts.OPEN_SESSION)
+        chan.exec_command(remote_command(argv))
+        return SSHChannel(chan, timeout)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    """SHA256:... as `ssh-keygen -l` and OpenSSH's own prompts show it."""
+    import hashlib
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def known_hosts_name(address: str, port: int) -> str:
+    return address if port == 22 else f"[{address}]:{port}"
+
+
+class HostKeyRefused(OrchError):
+    """An unknown host key under the strict policy: the host is not reached (exit 3)."""
+
+    exit_code = EXIT_HOST
+
+
+class StrictPolicy(paramiko.MissingHostKeyPolicy):
+    """Unknown keys are refused, showing what the user must check and how to trust it."""
+
+    def __init__(self, known_hosts: str, port: int) -> None:
+        self.known_hosts, self.port = known_hosts, port
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        name = hostname if hostname.startswith("[") else known_hosts_name(hostname, self.port)
+        raise HostKeyRefused(
+            f"host key not trusted: {name} offers {key.get_name()} {fingerprint(key)}, "
+            f"which is not in {self.known_hosts}",
+            hint=f"check the fingerprint on the host (ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub), then "
+            f"`ssh-keyscan -p {self.port} {hostname.strip('[]').split(']')[0]} >> {self.known_hosts}`"
+            f", or set `host_key_policy: accept-new` in cluster.yaml")
+
+
+class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
+    """Like OpenSSH's StrictHostKeyChecking=accept-new: record new keys, refuse changed ones
+    (a changed key never reaches this policy: paramiko raises BadHostKeyException)."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, known_hosts: str, port: int) -> None:
+        self.known_hosts, self.port = known_hosts, port
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        name = hostname if hostname.startswith("[") else known_hosts_name(hostname, self.port)
+        line = f"{name} {key.get_name()} {key.get_base64()}\n"
+        try:
+            with self._lock:
+                Path(self.known_hosts).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                with open(self.known_hosts, "a") as f:
+                    f.write(line)
+        except OSError as exc:
+            # a mistake on this machine, not the host's: exit 2, and the key is not trusted
+            raise UsageError(
+                f"{self.known_hosts}: cannot record the new host key of {name} "
+                f"({key.get_name()} {fingerprint(key)}): {exc.strerror or exc}",
+                hint=f"make {self.known_hosts} (and its folder) writable, or set "
+                     "`ssh.known_hosts` to a writable file") from None
+        client.get_host_keys().add(name, key.get_name(), key)
