@@ -24,10 +24,7 @@ Defaults and decisions (the README states them):
   must exist, be relative to the inventory's folder and stay inside it; it lands in
   the code folder under its own name (`src/job` -> `code/job`), so two paths with
   the same name are refused. Paths are stored normalized (`./worker/` -> `worker`).
-- A script entrypoint (`job/train.py`) must be inside one of code.paths when any are
-  given; a module entrypoint whose top package is pushed must exist in it.
-- `job.args` and `job.env` values are passed exactly as written in the file
-  (`5`, `1e-5`, `yes` stay as typed); `args` may also be one string, split like a shell.
+- `job:` is checked by jobspec.py (its `array:` by arrayspec.py), `setup:` by setupspec.py.
 - `ssh.identity_file` / `known_hosts`: `~` is expanded and relative paths are taken
   from the inventory's folder. `data.source` / `data.shards` likewise (absolute allowed).
 - A `null` value (`port:` with nothing after it) means "the default" only for fields
@@ -39,7 +36,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import shlex
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
@@ -48,12 +44,12 @@ from typing import overload
 from yaml.nodes import MappingNode, Node, ScalarNode
 
 from . import hostnames
-from .arrayspec import ArraySpec, parse_array
 from .errors import InventoryError, UsageError
+from .jobspec import JOB_KEYS, JobSpec, parse_job
 from .jumps import parse_jump
 from .safefile import FileRefused, read_regular
 from .setupspec import SetupSpec, parse_setup
-from .yamlnodes import TAG, Section, Source, check_text, scalar_text, short
+from .yamlnodes import TAG, Section, Source, check_text, exists, short
 
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "connect_timeout",
             "proxy_jump")
@@ -61,11 +57,8 @@ HOST_KEYS = ("address", "connection", "gpus", "procs", "remote_dir", "python") +
 TOP_KEYS = ("name", "ssh", "hosts", "remote_dir", "python", "code", "data", "job", "setup")
 CODE_KEYS = ("paths", "exclude")
 DATA_KEYS = ("source", "shards")
-JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts", "array")
 HOST_KEY_POLICIES = ("strict", "accept-new")
 CONNECTIONS = ("ssh", "local")
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "GROUP_RANK")
 DEFAULT_EXCLUDE = ("*.pyc", "__pycache__", ".git")
 DEFAULT_REMOTE_DIR = "~/orch"
 DEFAULT_PYTHON = "python3"
@@ -75,12 +68,9 @@ MAX_FILE_BYTES = 1 << 20  # the inventory file itself
 MAX_HOSTS = 4096          # hosts, after ranges are expanded
 MAX_PROCS = 1024          # procs (and gpus) on one host
 MAX_WORLD_SIZE = 65536    # ranks in all
-MAX_JOB_BYTES = 256 << 10  # job.args and job.env together (a command line holds ~2 MiB)
 _SPLIT_HINT = "split the job into several inventories, or list fewer hosts"
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
-_MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
-_ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 # Where a key that is unknown here belongs instead, for the error's hint.
 _BELONGS: dict[str, str] = {k: "under `ssh:` or directly on a host" for k in SSH_KEYS}
@@ -155,22 +145,6 @@ class DataSpec:
 
     source: Path | None
     shards: Path | None
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What torchrun runs on every host."""
-
-    entrypoint: str              # dotted module name, or a relative path ending in .py
-    args: tuple[str, ...]
-    env: tuple[tuple[str, str], ...]  # sorted by key
-    master_port: int | None   # None: a free port on the first host
-    max_restarts: int
-    array: ArraySpec | None = None   # a job array: independent tasks instead of one job
-
-    @property
-    def is_module(self) -> bool:
-        return not self.entrypoint.endswith(".py")
 
 
 @dataclass(frozen=True)
@@ -507,20 +481,10 @@ def _code_path(src: Source, node: Node, value: str, base_dir: Path) -> str:
     if str(pure) == ".":
         src.fail(node, "`code.paths` '.' would push the inventory's whole folder (its .orch/ and data too)",
                  "list the folders and files the job needs, e.g. `paths: [worker]`")
-    if not _exists(src, node, base_dir / pure):
+    if not exists(src, node, base_dir / pure):
         src.fail(node, f"`code.paths` {short(value)!r} does not exist (looked for {short(str(base_dir / pure))})",
                  "fix the path (relative to the folder of cluster.yaml) or remove the entry")
     return str(pure)
-
-
-def _exists(src: Source, node: Node | None, path: Path, file: bool = False) -> bool:
-    """path.exists() (or is_file()), with what the OS refuses (a name too long, ...) as the
-    inventory's error rather than a traceback."""
-    try:
-        return path.is_file() if file else path.exists()
-    except OSError as exc:
-        src.fail(node, f"{short(str(path))!r} cannot be looked up: {exc.strerror}",
-                 "shorten the path (relative to the folder of cluster.yaml)")
 
 
 def _data(top: Section, base_dir: Path) -> DataSpec:
@@ -546,104 +510,8 @@ def _job(top: Section, code: CodeSpec, base_dir: Path, max_procs: int) -> JobSpe
                                       "(a module) or `entrypoint: train.py` (a script)")
     sec = Section(src, top.node("job"), "job", top.key_line("job"))
     sec.check_keys(JOB_KEYS, _BELONGS)
-    entrypoint = _entrypoint(sec)
-    _check_entrypoint_pushed(sec, entrypoint, code, base_dir)
-    args = _args(sec)
-    env = _env(sec, sum(len(a.encode()) + 1 for a in args))
-    return JobSpec(entrypoint=entrypoint, args=args, env=env,
-                   master_port=sec.integer("master_port", None, 1, 65535, example=29500),
-                   max_restarts=sec.integer("max_restarts", 0, 0, example=0),
-                   array=parse_array(sec, max_procs))
-
-
-def _entrypoint(sec: Section) -> str:
-    value = sec.text("entrypoint")
-    node = sec.node("entrypoint")
-    if value.endswith(".py"):
-        pure = PurePosixPath(value)
-        if value.startswith(("~", "-")) or pure.is_absolute() or ".." in pure.parts:
-            sec.src.fail(node, f"`job.entrypoint` {short(value)!r} must be a path inside the synced code folder",
-                         "write it relative to the code folder, where code.paths keep their names "
-                         "(e.g. `job/train.py`), without `..`")
-        return str(pure)
-    if not _MODULE_RE.fullmatch(value):
-        sec.src.fail(node, f"`job.entrypoint` {short(value)!r} is neither a module name nor a .py script",
-                     "write a module like `worker.train` (run with -m) or a script path like `job/train.py`")
-    return value
-
-
-def _check_entrypoint_pushed(sec: Section, entrypoint: str, code: CodeSpec, base_dir: Path) -> None:
-    """Catch a typo locally: the entrypoint must be in what is pushed, when it would come from there."""
     pushed = {PurePosixPath(p).name: base_dir / p for p in code.paths}
-    if not pushed:
-        return  # nothing pushed: the entrypoint is already on the hosts
-    if entrypoint.endswith(".py"):
-        first, *rest = PurePosixPath(entrypoint).parts
-        where = "in code.paths"
-        found = first in pushed and _exists(sec.src, sec.node("entrypoint"),
-                                            pushed[first].joinpath(*rest), file=True)
-    else:
-        first, *rest = entrypoint.split(".")
-        where = f"in the pushed {first!r}"
-        if first + ".py" in pushed and not rest:
-            return
-        if first not in pushed:
-            return  # an installed package: preflight finds it, or the job fails on import
-        module = pushed[first].joinpath(*rest)
-        node = sec.node("entrypoint")
-        found = _exists(sec.src, node, module.with_name(module.name + ".py"), file=True) or \
-            (_exists(sec.src, node, module) and module.is_dir())
-    if not found:
-        sec.src.fail(sec.node("entrypoint"), f"`job.entrypoint` {short(entrypoint)!r} is not {where}",
-                     "paths are relative to the synced code folder, where each code.paths entry keeps "
-                     f"its name (pushed: {', '.join(sorted(pushed))})")
-
-
-def _args(sec: Section) -> tuple[str, ...]:
-    node = sec.node("args")
-    if node is None or node.tag == TAG + "null":
-        return ()
-    hint = "args are passed as text: write each as one value, quoted if needed"
-    if isinstance(node, ScalarNode):
-        try:
-            return tuple(shlex.split(scalar_text(sec.src, node, "job.args", hint)))
-        except ValueError as exc:
-            sec.src.fail(node, f"`job.args` cannot be split like a shell line: {exc}",
-                         "close the quotes, or write args as a list: [--epochs, 5]")
-    args: list[str] = []
-    used = 0
-    for i, item in enumerate(sec.src.sequence(node, "job.args")):
-        args.append(scalar_text(sec.src, item, f"job.args[{i}]", hint))
-        used += len(args[-1].encode()) + 1
-        _check_job_bytes(sec.src, sec.key_line("args"), used)  # an item may be an alias
-    return tuple(args)
-
-
-def _check_job_bytes(src: Source, where: Node | int, used: int) -> None:
-    """args and env travel to every host and onto torchrun's command line or environment:
-    their total is capped (checked item by item, as aliases can repeat a long value)."""
-    if used > MAX_JOB_BYTES:
-        src.fail(where, f"`job.args` and `job.env` hold more than {MAX_JOB_BYTES} bytes in all (the limit)",
-                 "pass fewer or shorter values: put long contents in a file that the job reads")
-
-
-def _env(sec: Section, used: int) -> tuple[tuple[str, str], ...]:
-    node = sec.node("env")
-    src = sec.src
-    pairs = []
-    for key, (key_node, value_node) in src.mapping(node, "job.env").items() if node is not None else ():
-        if not _ENV_KEY_RE.fullmatch(key):
-            src.fail(key_node, f"`job.env` key {short(key)!r} is not a valid variable name",
-                     "use letters, digits and _, not starting with a digit")
-        if key.startswith("ORCH_") or key in TORCHRUN_VARS:
-            src.fail(key_node, f"`job.env` may not set {key}: orch or torchrun sets it for every rank",
-                     "remove it (reserved: ORCH_*, " + ", ".join(TORCHRUN_VARS) + ")")
-        value = scalar_text(src, value_node, f"job.env.{key}",
-                            f'environment values are text: write `{key}: "..."`')
-        pairs.append((key, value))
-        used += len(key) + len(value.encode()) + 2
-        _check_job_bytes(src, key_node, used)
-    return tuple(sorted(pairs))
+    return parse_job(sec, pushed, max_procs)
 
 
 __all__ = [

@@ -18,6 +18,7 @@ import datetime
 import difflib
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn, overload
 
 import yaml
@@ -422,6 +423,16 @@ def check_text(src: Source, node: Node, what: str, value: str) -> None:
         src.fail(node, f"`{what}` contains {name} ({short(value)!r})",
                  "write the value on one line, without control characters "
                  "(a YAML `\\0`, `\\n` or `|` block makes them)")
+
+
+def exists(src: Source, node: Node | None, path: Path, file: bool = False) -> bool:
+    """path.exists() (or is_file()) for a path the inventory names, with what the OS
+    refuses (a name too long, ...) as the inventory's error rather than a traceback."""
+    try:
+        return path.is_file() if file else path.exists()
+    except OSError as exc:
+        src.fail(node, f"{short(str(path))!r} cannot be looked up: {exc.strerror}",
+                 "shorten the path (relative to the folder of cluster.yaml)")
 
 
 def short(text: str, limit: int = 60) -> str:

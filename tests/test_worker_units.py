@@ -204,15 +204,15 @@ def _hook_args(filename: str, exc: type[BaseException]) -> threading.ExceptHookA
 def test_a_broken_fd_sharing_thread_is_quiet_any_other_thread_error_is_printed(capsys) -> None:
     """The data loader's resource_sharer thread breaks when its loader process is gone
     (a stop ends both): no traceback; the same error elsewhere is printed."""
-    from worker.train import _quiet_sys_hook, _quiet_thread_hook
+    from worker.stopping import quiet_sys_hook, quiet_thread_hook
     sharer = os.path.join("lib", "multiprocessing", "resource_sharer.py")
     for exc in (BrokenPipeError, ConnectionResetError):
-        _quiet_thread_hook(_hook_args(sharer, exc))
+        quiet_thread_hook(_hook_args(sharer, exc))
         a = _hook_args(sharer, exc)   # the sharer itself reports through sys.excepthook
-        _quiet_sys_hook(a.exc_type, a.exc_value, a.exc_traceback)
+        quiet_sys_hook(a.exc_type, a.exc_value, a.exc_traceback)
     assert capsys.readouterr().err == ""
     for args in (_hook_args(sharer, ValueError), _hook_args("mine.py", BrokenPipeError)):
-        _quiet_thread_hook(args)
-        _quiet_sys_hook(args.exc_type, args.exc_value, args.exc_traceback)
+        quiet_thread_hook(args)
+        quiet_sys_hook(args.exc_type, args.exc_value, args.exc_traceback)
     err = capsys.readouterr().err
     assert err.count("Traceback") == 4 and "ValueError" in err and "BrokenPipeError" in err

@@ -42,7 +42,8 @@ from worker.distrib import Ctx, cpu_threads
 from worker.errors import WorkerError
 from worker.models import ALIASES, AUGMENTATION, DEFAULT_IMAGE_SIZE, MODELS, build_model
 from worker.optim import SCHEDULES, schedule_factor
-from worker.train import STOPPED, Stopped, _Help, _open_local, _Parser, _positive, check_folds
+from worker.stopping import STOPPED, Stopped, on_sigterm
+from worker.train import _Help, _open_local, _Parser, _positive, check_folds
 
 POLL_S = 0.2  # how often the parent checks that its processes are alive while it waits
 
@@ -340,13 +341,9 @@ def fit(args: argparse.Namespace, ctx: Ctx, group: Group, model: nn.Module, val_
     print(f"wrote {csv_path} and {out / 'metrics.png'}", flush=True)
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise Stopped()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         run(args, host_ctx())
         return 0

@@ -9,7 +9,6 @@ SIGTERM ends it quietly (one line, then the signal's own exit). ``--help`` lists
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import signal
 import sys
@@ -46,6 +45,15 @@ from worker.models import (
 )
 from worker.optim import SCHEDULES, make_optimizer, make_scheduler, scaled_lr
 from worker.packed import PackedBatches, find_packed, read_index
+from worker.stopping import (
+    STOPPED,
+    Stopped,
+    exit_now,
+    on_sigterm,
+    quiet_sys_hook,
+    quiet_thread_hook,
+    stop_follows,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -513,64 +521,10 @@ def run(args: argparse.Namespace, ctx: Ctx) -> None:
     fit(args, ctx, data, st)
 
 
-class Stopped(BaseException):
-    """SIGTERM (orch stop, a scheduler): leave quietly. BaseException, so that no
-    ``except Exception`` on the way swallows it."""
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    # From here on, a background thread that breaks because its peer is going away too
-    # (the data loader's fd-sharing listener, a gloo thread) is the stop, not an error:
-    # its traceback would bury the one line a stop prints.
-    threading.excepthook = lambda args: None
-    raise Stopped()
-
-
-def _peer_gone(exc_type: type[BaseException], tb: Any) -> bool:
-    """The data loader's fd-sharing thread (multiprocessing.resource_sharer) broke because
-    the loader process it serves is gone, as when a stop ends both: that is the stop,
-    which our SIGTERM handler may not have seen yet (the main thread waits in C)."""
-    if not issubclass(exc_type, (BrokenPipeError, ConnectionResetError)):
-        return False
-    sharer = os.path.join("multiprocessing", "resource_sharer.py")
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith(sharer):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _quiet_sys_hook(exc_type: type[BaseException], exc: Any, tb: Any) -> None:
-    """sys.excepthook: the resource sharer reports its own errors through it."""
-    if not _peer_gone(exc_type, tb):
-        sys.__excepthook__(exc_type, exc, tb)
-
-
-def _quiet_thread_hook(args: Any) -> None:
-    """threading.excepthook, for the same error in any thread that does not catch it."""
-    if not _peer_gone(args.exc_type, args.exc_traceback):
-        threading.__excepthook__(args)
-
-
-def _stop_follows(seconds: float = 2.0) -> bool:
-    """After a collective failed: was it because the job is being stopped?
-
-    A stop sends SIGTERM to every rank at once; the first to leave breaks the collective
-    of the others, whose gloo error can reach Python just before their own SIGTERM does.
-    """
-    try:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-    except Stopped:
-        return True
-    return False
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sys.excepthook, threading.excepthook = _quiet_sys_hook, _quiet_thread_hook
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    sys.excepthook, threading.excepthook = quiet_sys_hook, quiet_thread_hook
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     ctx, stopped = None, False
     try:
         ctx = distrib.setup()
@@ -583,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped:
         stopped = True
     except Exception:
-        if not (ctx is not None and ctx.world > 1 and _stop_follows()):
+        if not (ctx is not None and ctx.world > 1 and stop_follows()):
             raise
         stopped = True
     finally:
@@ -594,22 +548,6 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.write(f"worker.train: rank {os.environ.get('RANK', '0')} stopped by SIGTERM\n")
     sys.stderr.flush()
     return STOPPED
-
-
-STOPPED = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
-
-
-def exit_now(code: int) -> None:
-    """Leave without C++ static destructors: gloo's threads can still be joinable at
-    interpreter exit, which aborts a rank that finished fine (a rare SIGABRT, seen in CI).
-    A stopped run ends by SIGTERM itself, so its parent sees that signal as the cause."""
-    gc.collect()   # data-loader workers end with their iterators, before we go
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code == STOPPED:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-    os._exit(code)
 
 
 if __name__ == "__main__":

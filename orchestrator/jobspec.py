@@ -1,0 +1,144 @@
+"""`job:` in cluster.yaml: what torchrun runs on every host (entrypoint, args, env, port,
+restarts; `array:` is arrayspec.py's). Called by inventory.py with the section, the
+names of the pushed code paths and the most procs of any host.
+
+- A script entrypoint (`job/train.py`) must be inside one of code.paths when any are
+  given; a module entrypoint whose top package is pushed must exist in it.
+- `args` and `env` values are passed exactly as written (`5`, `1e-5`, `yes` stay as
+  typed); `args` may also be one string, split like a shell. Their total is capped.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from yaml.nodes import Node, ScalarNode
+
+from .arrayspec import ArraySpec, parse_array
+from .yamlnodes import TAG, Section, Source, exists, scalar_text, short
+
+JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts", "array")
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "GROUP_RANK")
+MAX_JOB_BYTES = 256 << 10  # job.args and job.env together (a command line holds ~2 MiB)
+_MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
+_ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What torchrun runs on every host."""
+
+    entrypoint: str              # dotted module name, or a relative path ending in .py
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]  # sorted by key
+    master_port: int | None   # None: a free port on the first host
+    max_restarts: int
+    array: ArraySpec | None = None   # a job array: independent tasks instead of one job
+
+    @property
+    def is_module(self) -> bool:
+        return not self.entrypoint.endswith(".py")
+
+
+def parse_job(sec: Section, pushed: dict[str, Path], max_procs: int) -> JobSpec:
+    """The checked `job:` section; `pushed`: each code path's name -> its local path."""
+    entrypoint = _entrypoint(sec)
+    _check_entrypoint_pushed(sec, entrypoint, pushed)
+    args = _args(sec)
+    env = _env(sec, sum(len(a.encode()) + 1 for a in args))
+    return JobSpec(entrypoint=entrypoint, args=args, env=env,
+                   master_port=sec.integer("master_port", None, 1, 65535, example=29500),
+                   max_restarts=sec.integer("max_restarts", 0, 0, example=0),
+                   array=parse_array(sec, max_procs))
+
+
+def _entrypoint(sec: Section) -> str:
+    value = sec.text("entrypoint")
+    node = sec.node("entrypoint")
+    if value.endswith(".py"):
+        pure = PurePosixPath(value)
+        if value.startswith(("~", "-")) or pure.is_absolute() or ".." in pure.parts:
+            sec.src.fail(node, f"`job.entrypoint` {short(value)!r} must be a path inside the synced code folder",
+                         "write it relative to the code folder, where code.paths keep their names "
+                         "(e.g. `job/train.py`), without `..`")
+        return str(pure)
+    if not _MODULE_RE.fullmatch(value):
+        sec.src.fail(node, f"`job.entrypoint` {short(value)!r} is neither a module name nor a .py script",
+                     "write a module like `worker.train` (run with -m) or a script path like `job/train.py`")
+    return value
+
+
+def _check_entrypoint_pushed(sec: Section, entrypoint: str, pushed: dict[str, Path]) -> None:
+    """Catch a typo locally: the entrypoint must be in what is pushed, when it would come from there."""
+    if not pushed:
+        return  # nothing pushed: the entrypoint is already on the hosts
+    if entrypoint.endswith(".py"):
+        first, *rest = PurePosixPath(entrypoint).parts
+        where = "in code.paths"
+        found = first in pushed and exists(sec.src, sec.node("entrypoint"),
+                                            pushed[first].joinpath(*rest), file=True)
+    else:
+        first, *rest = entrypoint.split(".")
+        where = f"in the pushed {first!r}"
+        if first + ".py" in pushed and not rest:
+            return
+        if first not in pushed:
+            return  # an installed package: preflight finds it, or the job fails on import
+        module = pushed[first].joinpath(*rest)
+        node = sec.node("entrypoint")
+        found = exists(sec.src, node, module.with_name(module.name + ".py"), file=True) or \
+            (exists(sec.src, node, module) and module.is_dir())
+    if not found:
+        sec.src.fail(sec.node("entrypoint"), f"`job.entrypoint` {short(entrypoint)!r} is not {where}",
+                     "paths are relative to the synced code folder, where each code.paths entry keeps "
+                     f"its name (pushed: {', '.join(sorted(pushed))})")
+
+
+def _args(sec: Section) -> tuple[str, ...]:
+    node = sec.node("args")
+    if node is None or node.tag == TAG + "null":
+        return ()
+    hint = "args are passed as text: write each as one value, quoted if needed"
+    if isinstance(node, ScalarNode):
+        try:
+            return tuple(shlex.split(scalar_text(sec.src, node, "job.args", hint)))
+        except ValueError as exc:
+            sec.src.fail(node, f"`job.args` cannot be split like a shell line: {exc}",
+                         "close the quotes, or write args as a list: [--epochs, 5]")
+    args: list[str] = []
+    used = 0
+    for i, item in enumerate(sec.src.sequence(node, "job.args")):
+        args.append(scalar_text(sec.src, item, f"job.args[{i}]", hint))
+        used += len(args[-1].encode()) + 1
+        _check_job_bytes(sec.src, sec.key_line("args"), used)  # an item may be an alias
+    return tuple(args)
+
+
+def _check_job_bytes(src: Source, where: Node | int, used: int) -> None:
+    """args and env travel to every host and onto torchrun's command line or environment:
+    their total is capped (checked item by item, as aliases can repeat a long value)."""
+    if used > MAX_JOB_BYTES:
+        src.fail(where, f"`job.args` and `job.env` hold more than {MAX_JOB_BYTES} bytes in all (the limit)",
+                 "pass fewer or shorter values: put long contents in a file that the job reads")
+
+
+def _env(sec: Section, used: int) -> tuple[tuple[str, str], ...]:
+    node = sec.node("env")
+    src = sec.src
+    pairs = []
+    for key, (key_node, value_node) in src.mapping(node, "job.env").items() if node is not None else ():
+        if not _ENV_KEY_RE.fullmatch(key):
+            src.fail(key_node, f"`job.env` key {short(key)!r} is not a valid variable name",
+                     "use letters, digits and _, not starting with a digit")
+        if key.startswith("ORCH_") or key in TORCHRUN_VARS:
+            src.fail(key_node, f"`job.env` may not set {key}: orch or torchrun sets it for every rank",
+                     "remove it (reserved: ORCH_*, " + ", ".join(TORCHRUN_VARS) + ")")
+        value = scalar_text(src, value_node, f"job.env.{key}",
+                            f'environment values are text: write `{key}: "..."`')
+        pairs.append((key, value))
+        used += len(key) + len(value.encode()) + 2
+        _check_job_bytes(src, key_node, used)
+    return tuple(sorted(pairs))
