@@ -8,7 +8,6 @@ controller.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import uuid
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from orchestrator.inventory import Cluster, Host
 from orchestrator.launch import rank_env
 from orchestrator.link import Link
 from orchestrator.preflight import PreflightReport
+from orchestrator.state import write_record
 
 
 @dataclass(frozen=True)
@@ -104,13 +104,7 @@ def record_path(cluster: Cluster) -> Path:
 
 
 def save(cluster: Cluster, rec: ArrayRecord) -> None:
-    path = record_path(cluster)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(rec.__dict__, f)
-    os.replace(tmp, path)
+    write_record(record_path(cluster), rec.__dict__)
 
 
 def load(cluster: Cluster) -> ArrayRecord:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import os
 import stat
 from pathlib import Path
 
 from orchestrator import protocol
 from orchestrator.errors import UsageError
+from orchestrator.host.ledger import sha256_fd
 from orchestrator.host.paths import DIR_FLAGS, PART, READ_FLAGS, create_excl, lstat_at, sweep_fd
 
 
@@ -127,14 +127,8 @@ class Dest:
     def digest(self, rel: str) -> str:
         """sha256 of the regular file at rel, read without following a link."""
         parent, _, name = rel.rpartition("/")
-        fd = os.open(name, READ_FLAGS | os.O_CLOEXEC, dir_fd=self.folder(parent, create=False))
-        h = hashlib.sha256()
-        try:
-            for block in iter(lambda: os.read(fd, 1 << 20), b""):
-                h.update(block)
-        finally:
-            os.close(fd)
-        return h.hexdigest()
+        return sha256_fd(os.open(name, READ_FLAGS | os.O_CLOEXEC,
+                                 dir_fd=self.folder(parent, create=False)))
 
     def create(self, rel: str, mode: int) -> Writing:
         why = protocol.pull_path_problem(rel)   # checked before; here too: this one writes

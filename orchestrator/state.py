@@ -52,12 +52,17 @@ def state_path(cluster: Cluster) -> Path:
 
 
 def save(cluster: Cluster, state: JobState) -> None:
-    path = state_path(cluster)
+    write_record(state_path(cluster), asdict(state), indent=1)
+
+
+def write_record(path: Path, data: Any, indent: int | None = None) -> None:
+    """A job's record under .orch/<name>/ as JSON: private (0600), and replaced whole, so
+    that a crash while writing leaves the previous record (arrays.py's too)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(asdict(state), f, indent=1)
+        json.dump(data, f, indent=indent)
     os.replace(tmp, path)
 
 

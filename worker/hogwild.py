@@ -35,15 +35,15 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from worker import folds, metrics
+from worker import folds, metrics, train
 from worker.augment import augment, normalize
 from worker.data import make_loader
 from worker.distrib import Ctx, cpu_threads
 from worker.errors import WorkerError
-from worker.models import ALIASES, AUGMENTATION, DEFAULT_IMAGE_SIZE, MODELS, build_model
+from worker.models import ALIASES, AUGMENTATION, MODELS, build_model
 from worker.optim import SCHEDULES, schedule_factor
 from worker.stopping import STOPPED, Stopped, on_sigterm
-from worker.train import _Help, _open_local, _Parser, _positive, check_folds
+from worker.train import _Help, _open_local, _Parser, _positive
 
 POLL_S = 0.2  # how often the parent checks that its processes are alive while it waits
 
@@ -78,12 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_folds(parser, args)
-    args.model = ALIASES.get(args.model, args.model)
-    args.image_size = args.image_size or DEFAULT_IMAGE_SIZE[args.model]
-    return args
+    return train.parse_args(argv, build_parser())
 
 
 def _env_int(name: str, default: int) -> int:

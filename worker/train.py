@@ -153,8 +153,10 @@ def check_folds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--folds {args.folds} --fold {args.fold}: need K >= 2 and 0 <= k < K")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
+def parse_args(argv: list[str] | None = None,
+               parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """`parser`: another program's (worker.hogwild), checked and completed the same way."""
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
     check_folds(parser, args)
     args.model = ALIASES.get(args.model, args.model)

@@ -23,7 +23,7 @@ from orchestrator.commands.common import (
     unreachable,
     warn_unreachable,
 )
-from orchestrator.commands.status import row
+from orchestrator.commands.status import rank_rows
 from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
 from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.inventory import Cluster
@@ -86,14 +86,8 @@ def list_logs(cluster: Cluster, st: JobState | None, as_json: bool) -> int:
         session.close()
     failed = dict(session.failed)
     failed.update(result.failed)
-    ranks = []
-    for h in cluster.hosts:
-        reply = result.ok.get(h.index)
-        for local, rank in enumerate(h.ranks):
-            info = reply["ranks"][local] if reply else {"state": "unreachable", "last_line": ""}
-            r = row(rank, h.label, local, info, 0.0)
-            ranks.append({"rank": rank, "host": h.label, "state": r["state"],
-                          "log_bytes": info.get("log_bytes")})
+    ranks = [{"rank": r["rank"], "host": r["host"], "state": r["state"],
+              "log_bytes": info.get("log_bytes")} for r, info in rank_rows(cluster, result)]
     if as_json:
         emit_json({"job": cluster.name, "ranks": ranks,
                    "unreachable": unreachable(cluster, failed)})

@@ -21,6 +21,7 @@ from orchestrator.commands.common import (
     warn_unreachable,
 )
 from orchestrator.errors import EXIT_HOST, EXIT_OK
+from orchestrator.fanout import GroupResult
 from orchestrator.inventory import Cluster
 from orchestrator.results import status_rows
 from orchestrator.termsafe import plain, visible
@@ -52,13 +53,7 @@ def run(args: argparse.Namespace) -> int:
         require_a_run(session, result)
     failed = dict(session.failed)
     failed.update(result.failed)
-    rows = []
-    for h in cluster.hosts:
-        reply = result.ok.get(h.index)
-        for local, rank in enumerate(h.ranks):
-            info = reply["ranks"][local] if reply else {"state": "unreachable", "last_line": ""}
-            offset = reply["time"] - time.time() if reply else 0.0
-            rows.append(row(rank, h.label, local, info, offset))
+    rows = [r for r, _ in rank_rows(cluster, result)]
     if args.json:
         emit_json({"job": cluster.name, "ranks": rows,
                    "unreachable": unreachable(cluster, failed)})
@@ -69,6 +64,20 @@ def run(args: argparse.Namespace) -> int:
     # a host that cannot be reached: its ranks' state is unknown, not "lost"
     missing = failed or session.failed or len(result.ok) < len(session.links)
     return EXIT_HOST if missing else EXIT_OK
+
+
+def rank_rows(cluster: Cluster, result: GroupResult[dict[str, Any]]
+              ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Every rank's row, with what its host said of it (`unreachable`: the host did not
+    answer); a runtime is measured on the host's clock (its offset from ours)."""
+    out = []
+    for h in cluster.hosts:
+        reply = result.ok.get(h.index)
+        for local, rank in enumerate(h.ranks):
+            info = reply["ranks"][local] if reply else {"state": "unreachable", "last_line": ""}
+            offset = reply["time"] - time.time() if reply else 0.0
+            out.append((row(rank, h.label, local, info, offset), info))
+    return out
 
 
 def row(rank: int, host: str, local: int, info: dict[str, Any], offset: float) -> dict[str, Any]:

@@ -45,7 +45,11 @@ def stat_key(st: os.stat_result) -> str:
 
 
 def hash_at(pfd: int, name: str, shown: str) -> str:
-    fd = open_file_at(pfd, name, shown, READ_FLAGS)
+    return sha256_fd(open_file_at(pfd, name, shown, READ_FLAGS))
+
+
+def sha256_fd(fd: int) -> str:
+    """The sha256 of all that fd reads; fd is closed (the controller's pull uses it too)."""
     h = hashlib.sha256()
     try:
         for block in iter(lambda: os.read(fd, 1 << 20), b""):
