@@ -51,6 +51,8 @@ class Parser(argparse.ArgumentParser):
         else:
             return ""
         close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+        if close and close[0] == word:   # a known option before its command: `orch --json status`
+            return f"\n  options go after the command: `{self.prog} {word} ...`"
         return f"\n  did you mean `{close[0]}`?" if close else ""
 
 

@@ -94,6 +94,13 @@ def test_unknown_option_shows_its_commands_usage(tmp_path: Path) -> None:
     assert "did you mean `--detach`?" in result.stderr
 
 
+def test_an_option_before_its_command_says_where_it_goes(tmp_path: Path) -> None:
+    result = run(tmp_path, "--json", "status")
+    assert result.returncode == 2
+    assert "options go after the command: `orch status --json ...`" in result.stderr, result.stderr
+    assert "did you mean" not in result.stderr
+
+
 @pytest.mark.parametrize("ignored", [False, True], ids=["terminal", "nohup"])
 def test_hangup_stops_the_job_unless_orch_was_started_with_nohup(ignored: bool) -> None:
     """SIGHUP (a closed terminal) is Ctrl-C for orch, unless it was ignored at start, as
