@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from worker import checkpoint, metrics
+from worker import checkpoint, metrics, stopping
 from worker.errors import WorkerError
 from worker.models import LeNet, WideResNet, build_model, load_pretrained, logits_param_names, vggf
 from worker.optim import NovoGrad, make_optimizer, make_scheduler, scaled_lr, warmup_factor
@@ -153,6 +155,37 @@ def test_atomic_save_never_leaves_a_broken_file(tmp_path: Path, monkeypatch) -> 
     with pytest.raises(KeyboardInterrupt):
         checkpoint.atomic_save({"epoch": 2}, path)
     monkeypatch.setattr(torch, "save", real_save)
+    assert torch.load(path, weights_only=True) == {"epoch": 1}
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_a_stop_during_a_checkpoint_write_is_taken_once_the_file_is_in_place(
+        tmp_path: Path, monkeypatch) -> None:
+    """SIGTERM in the middle of torch.save: the checkpoint is finished and renamed, then the
+    stop comes (Stopped), not torch's zip-writer error (a traceback and exit 1)."""
+    path = checkpoint.path_for(tmp_path, 1)
+    real_save = torch.save
+
+    def stopped_midway(obj, f, *a, **kw) -> None:
+        f.write(b"x" * 100)
+        os.kill(os.getpid(), signal.SIGTERM)   # the handler runs here, in this thread
+        time.sleep(0.01)
+        f.seek(0)
+        f.truncate()
+        real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", stopped_midway)
+    previous = signal.signal(signal.SIGTERM, stopping.on_sigterm)
+    saved_hook = threading.excepthook
+    try:
+        with pytest.raises(stopping.Stopped):
+            checkpoint.atomic_save({"epoch": 1}, path)
+        with pytest.raises(stopping.Stopped):   # outside a save a stop is taken at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        threading.excepthook = saved_hook
     assert torch.load(path, weights_only=True) == {"epoch": 1}
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 

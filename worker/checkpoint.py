@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from worker import distrib
 from worker.errors import WorkerError
+from worker.stopping import stop_deferred
 
 SUBDIR = "checkpoints"
 KEEP = 2  # newest checkpoints kept; older ones are deleted after each save
@@ -32,22 +33,24 @@ def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """Write beside, fsync, rename: a kill at any moment leaves the old file or the new one."""
+    """Write beside, fsync, rename: a kill at any moment leaves the old file or the new one.
+    A stop (SIGTERM) that comes meanwhile is taken once the file is in place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a power loss
-    finally:
-        os.close(dir_fd)
+    with stop_deferred():
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a power loss
+        finally:
+            os.close(dir_fd)
 
 
 def prune(out_dir: Path, keep: int = KEEP) -> None:

@@ -9,6 +9,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -17,12 +19,37 @@ class Stopped(BaseException):
     ``except Exception`` on the way swallows it."""
 
 
+class _Deferred:
+    active = False    # inside stop_deferred()
+    pending = False   # a SIGTERM came in there
+
+
 def on_sigterm(signum: int, frame: Any) -> None:
     # From here on, a background thread that breaks because its peer is going away too
     # (the data loader's fd-sharing listener, a gloo thread) is the stop, not an error:
     # its traceback would bury the one line a stop prints.
     threading.excepthook = lambda args: None
+    if _Deferred.active:
+        _Deferred.pending = True
+        return
     raise Stopped()
+
+
+@contextmanager
+def stop_deferred() -> Iterator[None]:
+    """A stop that comes inside the block is taken at its end. Raised inside torch.save,
+    Stopped left its zip writer half done, whose own error then replaced it: a stop during
+    a checkpoint's write was a traceback and exit 1, not the quiet stop. (Only the Python
+    handler waits: blocking the signal in this thread would not hold it back from the
+    others.) A stop's grace period still bounds the wait: SIGKILL comes after it."""
+    _Deferred.active = True
+    try:
+        yield
+    finally:
+        _Deferred.active = False
+    if _Deferred.pending:
+        _Deferred.pending = False
+        raise Stopped()
 
 
 def _peer_gone(exc_type: type[BaseException], tb: Any) -> bool:
