@@ -143,7 +143,7 @@ class Session:
     def close(self) -> None:
         """Close every agent's stdin, give them a moment to end, close the connections:
         all hosts at once (one after the other, 128 connections took a quarter second)."""
-        links = {link.host.index: link for link in self.links.values()}
+        links = self.links
         fan_out(tuple(link.host for link in links.values()), lambda h: end_link(links[h.index]))
         for th in self.releasing:
             th.join(timeouts.CLOSE + 1)

@@ -100,7 +100,8 @@ def exit_now(code: int) -> None:
     """Leave without C++ static destructors: gloo's threads can still be joinable at
     interpreter exit, which aborts a rank that finished fine (a rare SIGABRT, seen in CI).
     A stopped run ends by SIGTERM itself, so its parent sees that signal as the cause."""
-    gc.collect()   # data-loader workers end with their iterators, before we go
+    gc.collect()   # finalisers that end child processes run before we go (train.main
+    # ended its own loaders' workers already: data.end_loaders)
     sys.stdout.flush()
     sys.stderr.flush()
     if code == STOPPED:

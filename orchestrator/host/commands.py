@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator import protocol, timeouts
 from orchestrator.host.common import AgentError, job_paths, read_json, write_atomic
+from orchestrator.host.procs import stat_fields
 
 CHUNK = protocol.MAX_OUTPUT
 SETUP_LOG = "logs/setup.log"
@@ -110,14 +111,8 @@ def group_alive(pgid: int) -> bool:
     """A process of the group that is not a zombie (a zombie still takes signals, so
     killpg(pgid, 0) would say yes until someone reaps it)."""
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % name) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+        fields = stat_fields(name) if name.isdigit() else None
+        if fields is not None and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             return True
     return False
 

@@ -21,26 +21,30 @@ MARKER = "ORCH_JOB_DIR"        # in the environment of every process of a job
 STOP_FILE = "run/stop.json"   # when this host received a stop, by its own clock
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (which may hold spaces and parentheses):
+    [0] is field 3 (the state), [1] the parent, [2] the process group, [19] the start
+    time. None when the process is gone."""
+    try:
+        with open("/proc/%s/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def proc_start_time(pid: int) -> int | None:
     """Field 22 of /proc/<pid>/stat: tells a live pid from a recycled one. None for a
     zombie: a container's init may never reap our double-forked supervisor."""
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    if fields[0] in ("Z", "X"):
+    fields = stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
         return None
     return int(fields[19])
 
 
 def child_of(pid: int, parent: int) -> bool:
     """pid lives and is parent's child (field 4 of its stat): not a recycled pid."""
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1]) == parent
-    except (OSError, ValueError, IndexError):
-        return False
+    fields = stat_fields(pid)
+    return fields is not None and int(fields[1]) == parent
 
 
 def read_environ(pid: int) -> bytes:

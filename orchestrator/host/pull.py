@@ -17,7 +17,7 @@ from typing import Any
 
 from orchestrator import protocol
 from orchestrator.host.common import AgentError
-from orchestrator.host.ledger import LEDGER_CAP, stat_key
+from orchestrator.host.ledger import LEDGER_CAP, sha256_fd, stat_key
 from orchestrator.host.paths import DIR_FLAGS, JobDir, UnsafePath
 
 OUTPUT = "output"
@@ -130,17 +130,16 @@ def digest_of(jd: JobDir, rel: str, cache: dict[str, Any]) -> tuple[int, str] | 
         return None
     try:
         st = os.fstat(fd)
-        key = stat_key(st)
-        hit = cache.get(rel)
-        if hit and hit[0] == key:
-            return st.st_size, hit[1]
-        h = hashlib.sha256()
-        for block in iter(lambda: os.read(fd, 1 << 20), b""):
-            h.update(block)
-    finally:
+    except OSError:
         os.close(fd)
-    cache[rel] = [key, h.hexdigest()]
-    return st.st_size, h.hexdigest()
+        raise
+    key, hit = stat_key(st), cache.get(rel)
+    if hit and hit[0] == key:
+        os.close(fd)
+        return st.st_size, hit[1]
+    digest = sha256_fd(fd)   # closes fd
+    cache[rel] = [key, digest]
+    return st.st_size, digest
 
 
 # ---------------------------------------------------------------- requests
