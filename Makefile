@@ -10,15 +10,28 @@ APT_PKGS := openssh-server openssh-client rsync pdsh iproute2 procps
 # (both in __pycache__/, which git ignores). Without it `make test-fast` is 10 s longer.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install system-deps test test-fast check demo bench gpu-check clean
+.PHONY: install lock system-deps test test-fast check demo bench gpu-check clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+# Exactly the locked set (requirements.lock, made by `make lock`): a new release upstream
+# changes nothing here until the lock is refreshed on purpose. tools/check_lock.py proves it.
+$(STAMP): pyproject.toml requirements.lock
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip setuptools
-	$(VPY) -m pip install -q -c constraints.txt -e '.[worker,dev]'
+	$(VPY) -m pip install -q -c requirements.lock pip setuptools
+	$(VPY) -m pip install -q -c requirements.lock -e '.[worker,dev]'
+	$(VPY) tools/check_lock.py requirements.lock
 	touch $(STAMP)
+
+# Refresh the lock on purpose: pip-tools resolves pyproject.toml's dependencies and extras,
+# with the hand-set pins of constraints.txt (lock.in), to the newest releases that fit.
+# The package's own ranges in pyproject.toml stay loose for users who pip install it.
+LOCKVENV := .venv-lock
+lock:
+	test -x $(LOCKVENV)/bin/pip-compile || { $(PY) -m venv $(LOCKVENV) && $(LOCKVENV)/bin/pip install -q pip-tools==7.6.2; }
+	$(LOCKVENV)/bin/pip-compile -q --extra worker --extra dev --strip-extras --allow-unsafe \
+	  --no-emit-index-url --no-emit-find-links --annotation-style line \
+	  -o requirements.lock pyproject.toml lock.in
 
 # sshd, rsync and pdsh are what the tests' fake cluster and the benchmarks' baselines use.
 system-deps:
@@ -42,7 +55,7 @@ test-fast: install
 # (strict on orchestrator/). Both always run, so one call shows every finding.
 check: install
 	@rc=0; \
-	$(VPY) -m ruff check orchestrator worker tests bench || rc=1; \
+	$(VPY) -m ruff check orchestrator worker tests bench tools || rc=1; \
 	$(VPY) -m mypy || rc=1; \
 	exit $$rc
 
@@ -62,4 +75,4 @@ gpu-check:
 	$(PY) bench/gpu_check.py --bench-args "$(GPU_BENCH_ARGS)"
 
 clean:
-	rm -rf $(VENV) .orch build *.egg-info
+	rm -rf $(VENV) $(LOCKVENV) .orch build *.egg-info

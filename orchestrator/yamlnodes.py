@@ -62,6 +62,9 @@ _KINDS = [
 ]
 
 
+_TOO_DEEP = (f"lists and mappings are nested more than {MAX_DEPTH} deep", "an inventory needs 4 levels: flatten it")
+
+
 class _Limit(Exception):
     """A reading limit was hit at `mark`; Source reports it with the mark's line."""
 
@@ -88,8 +91,7 @@ def _check_events(text: str) -> None:
             aliases += isinstance(event, yaml.AliasEvent)
             depth += isinstance(event, yaml.CollectionStartEvent)
             if depth > MAX_DEPTH:
-                raise _Limit(event.start_mark, f"lists and mappings are nested more than {MAX_DEPTH} deep",
-                             "an inventory needs 4 levels: flatten it")
+                raise _Limit(event.start_mark, *_TOO_DEEP)
             if aliases > MAX_ALIASES:
                 raise _Limit(event.start_mark, f"more than {MAX_ALIASES} aliases (`*name`)",
                              "write the values out, or use fewer anchors")
@@ -161,6 +163,10 @@ class Source:
         mark = exc.problem_mark or exc.context_mark
         line = self.line(mark) if mark else 1
         problem = exc.problem or exc.context or "invalid YAML"
+        if "maximum nesting depth" in problem:
+            # libyaml 0.2.6 (PyYAML 6.0.4's wheels) stops deep nesting in its scanner, before
+            # _check_events sees the events: the same limit, said the same way
+            self.fail(line, *_TOO_DEEP)
         if "another document" in problem:
             self.fail(line, "not valid YAML: a second document starts here (`---`)",
                       "an inventory is one document: remove the `---` line and what follows it")
