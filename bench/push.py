@@ -61,13 +61,14 @@ from sshd_cluster import descendants_of
 
 sys.path.insert(0, str(REPO))
 
-from orchestrator import protocol, splitdata
+from orchestrator import splitdata
 from orchestrator.bundle import BOOT, agent_argv, agent_stdin
 from orchestrator.connect import connect_all
 from orchestrator.inventory import load
 from orchestrator.link import Link
 from orchestrator.localfiles import DigestCache, LocalFile
 from orchestrator.sync import push, stream_files
+from orchestrator.wire import protocol
 
 MB = 1e6
 TICK = os.sysconf("SC_CLK_TCK")

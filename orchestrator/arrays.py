@@ -2,7 +2,7 @@
 array's record in `.orch/<name>/array.json`, and the launch on every host.
 
 The controller deals the tasks up front (see `deal`); each host's runner
-(host/array.py) then works through its own queue, so the array goes on without the
+(agent/array.py) then works through its own queue, so the array goes on without the
 controller.
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator import timeouts
 from orchestrator.arrayspec import ArraySpec
 from orchestrator.errors import UsageError
 from orchestrator.fanout import fan_out
@@ -23,6 +22,7 @@ from orchestrator.launch import rank_env
 from orchestrator.link import Link
 from orchestrator.preflight import PreflightReport
 from orchestrator.state import write_record
+from orchestrator.wire import timeouts
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""The agent as the controller sends it: one zip of orchestrator/host/*.py,
-orchestrator/protocol.py and orchestrator/timeouts.py, built deterministically; its sha256 is the agent's version.
+"""The agent as the controller sends it: one zip of the packages orchestrator/agent/ and
+orchestrator/wire/ as they are, built deterministically; its sha256 is the agent's version.
 
-On the host, BOOT (on the command line) runs the loader (host/boot.py, the first bytes
+On the host, BOOT (on the command line) runs the loader (agent/boot.py, the first bytes
 on stdin), which reads the zip (the next bytes) and imports it from memory. What stdin
 carries after that is the agent's frames. Nothing is installed or written to run it.
 """
@@ -16,10 +16,11 @@ import os
 import zipfile
 from pathlib import Path
 
-PACKAGE = Path(__file__).parent
+PACKAGE = Path(__file__).parent          # orchestrator/
+SHIPPED = ("agent", "wire")               # the packages that travel, whole (stdlib only)
 BOOT = ("import sys;exec(compile(sys.stdin.buffer.read(int(sys.argv[1])),"
         "'orch-boot','exec'))")
-LOADER = (PACKAGE / "host" / "boot.py").read_bytes()
+LOADER = (PACKAGE / "agent" / "boot.py").read_bytes()
 EPOCH = (1980, 1, 1, 0, 0, 0)   # zip's earliest date: the same bytes on every build
 
 
@@ -29,17 +30,16 @@ def bundle_files() -> list[tuple[str, bytes]]:
     Python (`<name>.pyc`: its code object, marshalled; `orchestrator/MAGIC` says for
     which bytecode): a host whose Python has the same bytecode loads that instead of
     compiling the source, ~20 ms of CPU less at every agent start (most of its start)."""
-    files = [("orchestrator/__init__.py", b""),
-             ("orchestrator/protocol.py", (PACKAGE / "protocol.py").read_bytes()),
-             ("orchestrator/timeouts.py", (PACKAGE / "timeouts.py").read_bytes())]
-    for path in sorted((PACKAGE / "host").glob("*.py")):
-        files.append((f"orchestrator/host/{path.name}", path.read_bytes()))
+    files = [("orchestrator/__init__.py", b"")]
+    for package in SHIPPED:
+        for path in sorted((PACKAGE / package).rglob("*.py")):
+            files.append((path.relative_to(PACKAGE.parent).as_posix(), path.read_bytes()))
     compiled = [(name + "c", compiled_code(name, data)) for name, data in files]
     return sorted(files + compiled + [("orchestrator/MAGIC", importlib.util.MAGIC_NUMBER)])
 
 
 def compiled_code(name: str, source: bytes) -> bytes:
-    """The module's code object as the host's loader (host/boot.py) would compile it:
+    """The module's code object as the host's loader (agent/boot.py) would compile it:
     the same file name, no __future__ flags of this module inherited."""
     return marshal.dumps(compile(source, "orch-bundle/" + name, "exec", dont_inherit=True))
 

@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from orchestrator import timeouts
 from orchestrator.link import Link
+from orchestrator.wire import timeouts
 
 KEEP = 120.0          # seconds a sample stays usable
 UNKNOWN = float("inf")

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import paramiko
 
-from orchestrator import lazyimport, timeouts
+from orchestrator import lazyimport
 from orchestrator.errors import (
     EXIT_USAGE,
     HostError,
@@ -36,6 +36,7 @@ from orchestrator.inventory import Host
 from orchestrator.jumps import parse_chain
 from orchestrator.sshtransport import AcceptNewPolicy, HostKeyRefused, SSHTransport, StrictPolicy
 from orchestrator.transport import LocalTransport, Transport
+from orchestrator.wire import timeouts
 
 # aes128-gcm first: on a CPU-bound link it is 1.4-1.6x faster than the alternatives
 # (measured on loopback sshd); the others stay allowed for servers that lack it.

@@ -16,10 +16,10 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Protocol
 
-from orchestrator import timeouts
 from orchestrator.errors import OrchError
 from orchestrator.link import Link
 from orchestrator.termsafe import for_terminal, visible
+from orchestrator.wire import timeouts
 
 TAIL_KEEP = 20
 

@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from orchestrator import timeouts
 from orchestrator.cmdout import HostOutput
 from orchestrator.errors import HostError, OrchError
 from orchestrator.link import Link, Pending
+from orchestrator.wire import timeouts
 
 
 @dataclass

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from orchestrator import timeouts
 from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.errors import HostError
 from orchestrator.fanout import GroupResult, fan_out
@@ -18,6 +17,7 @@ from orchestrator.link import Link
 from orchestrator.localfiles import LocalFile
 from orchestrator.preflight import HostInfo, PreflightReport, torch_mismatch
 from orchestrator.setupspec import fingerprint
+from orchestrator.wire import timeouts
 
 TAIL = 10  # lines of a failing host's setup output in the message
 

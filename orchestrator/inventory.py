@@ -43,13 +43,13 @@ from typing import overload
 
 from yaml.nodes import MappingNode, Node, ScalarNode
 
-from . import hostnames
-from .errors import InventoryError, UsageError
-from .jobspec import JOB_KEYS, JobSpec, parse_job
-from .jumps import parse_jump
-from .safefile import FileRefused, read_regular
-from .setupspec import SetupSpec, parse_setup
-from .yamlnodes import TAG, Section, Source, check_text, exists, short
+from orchestrator import hostnames
+from orchestrator.errors import InventoryError, UsageError
+from orchestrator.jobspec import JOB_KEYS, JobSpec, parse_job
+from orchestrator.jumps import parse_jump
+from orchestrator.safefile import FileRefused, read_regular
+from orchestrator.setupspec import SetupSpec, parse_setup
+from orchestrator.yamlnodes import TAG, Section, Source, check_text, exists, short
 
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "connect_timeout",
             "proxy_jump")

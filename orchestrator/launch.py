@@ -5,12 +5,12 @@ import os
 import uuid
 from typing import Any
 
-from orchestrator import timeouts
 from orchestrator.fanout import fan_out
 from orchestrator.inventory import Cluster, Host
 from orchestrator.link import Link
 from orchestrator.preflight import HostInfo, PreflightReport, job_dir
 from orchestrator.transport import remote_command
+from orchestrator.wire import timeouts
 
 
 def master_addr(cluster: Cluster, infos: dict[int, HostInfo] | None = None) -> str:

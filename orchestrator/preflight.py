@@ -5,11 +5,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from orchestrator import timeouts
 from orchestrator.errors import HostError, UsageError
 from orchestrator.fanout import GroupResult, fan_out
 from orchestrator.inventory import Cluster, Host
 from orchestrator.link import Link
+from orchestrator.wire import timeouts
 from orchestrator.words import hint_cmd
 
 
@@ -49,7 +49,7 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None
                ) -> tuple[HostInfo, dict[str, Any]]:
     """One request: the checks and the folders' manifests (sent as parts). `warm`: the
     ranks' environment: a host whose own checks pass starts torchrun warm at once
-    (host/warm.py), before its reply."""
+    (agent/warm.py), before its reply."""
     host = link.host
     sent = time.time()
     extra: dict[str, Any] = {"warm": {"env": warm}} if warm is not None else {}

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from orchestrator import protocol, timeouts
 from orchestrator.errors import HostError, UsageError
 from orchestrator.link import Link, Pending, Stream
 from orchestrator.localfiles import DigestCache
 from orchestrator.pulldest import Dest, Refused, Writing
+from orchestrator.wire import protocol, timeouts
 from orchestrator.words import hint_cmd
 
 Progress = Callable[[int], None]     # bytes just received

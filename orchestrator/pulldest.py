@@ -19,10 +19,10 @@ import os
 import stat
 from pathlib import Path
 
-from orchestrator import protocol
+from orchestrator.agent.ledger import sha256_fd
+from orchestrator.agent.paths import DIR_FLAGS, PART, READ_FLAGS, create_excl, lstat_at, sweep_fd
 from orchestrator.errors import UsageError
-from orchestrator.host.ledger import sha256_fd
-from orchestrator.host.paths import DIR_FLAGS, PART, READ_FLAGS, create_excl, lstat_at, sweep_fd
+from orchestrator.wire import protocol
 
 
 class Refused(Exception):

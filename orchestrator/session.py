@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from orchestrator import arrays, hostcmd, hostsetup, timeouts
+from orchestrator import arrays, hostcmd, hostsetup
 from orchestrator import state as job_state
 from orchestrator.arrays import ArrayRecord
 from orchestrator.bundle import bundle
@@ -29,6 +29,7 @@ from orchestrator.pull import pull as pull_files
 from orchestrator.stopper import StopReport, stop_all
 from orchestrator.sync import SyncReport, push
 from orchestrator.transport import Transport
+from orchestrator.wire import timeouts
 
 
 @dataclass

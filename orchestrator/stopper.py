@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator import timeouts
 from orchestrator.fanout import GroupResult, fan_out
 from orchestrator.inventory import Cluster
 from orchestrator.link import Link
+from orchestrator.wire import timeouts
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from orchestrator import protocol, timeouts
 from orchestrator.errors import HostError
 from orchestrator.link import Link
 from orchestrator.localfiles import DigestCache, LocalFile, code_files  # noqa: F401 (re-exported)
+from orchestrator.wire import protocol, timeouts
 from orchestrator.words import hint_cmd
 
 BATCH = 1 << 20

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from orchestrator import timeouts
 from orchestrator.clock import Clocks, HostClock
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.fanout import GroupResult
@@ -27,6 +26,7 @@ from orchestrator.state import JobState
 from orchestrator.stopper import StopReport
 from orchestrator.termsafe import markup_safe as escape
 from orchestrator.ui import console
+from orchestrator.wire import timeouts
 from orchestrator.words import hint_cmd, plural
 
 

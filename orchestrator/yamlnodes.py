@@ -26,7 +26,7 @@ from yaml.constructor import SafeConstructor
 from yaml.error import Mark
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from .errors import InventoryError
+from orchestrator.errors import InventoryError
 
 TAG = "tag:yaml.org,2002:"
 REQUIRED: Any = object()  # default meaning "the key must be given"

@@ -9,12 +9,12 @@ import threading
 import time
 from typing import Any, Callable
 
-from orchestrator import protocol
 from orchestrator.bundle import agent_stdin, bundle
 from orchestrator.errors import HostError
 from orchestrator.inventory import Host
 from orchestrator.session import Session
 from orchestrator.transport import Channel, Transport
+from orchestrator.wire import protocol
 
 Handler = Callable[["FakeChannel", dict], None]
 

@@ -195,7 +195,7 @@ def argv_pids(match: Callable[[list[bytes]], bool]) -> list[int]:
 
 
 def warm_pids(job_dir: Path | str) -> list[int]:
-    """A warm-started torchrun of this job folder (host/warm.py): before its go it has no
+    """A warm-started torchrun of this job folder (agent/warm.py): before its go it has no
     marker, so `argv` (orch-warm-torchrun <job dir>) is how it is found."""
     want = [b"orch-warm-torchrun", str(job_dir).encode()]
     return argv_pids(lambda argv: argv[-3:-1] == want)

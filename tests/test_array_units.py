@@ -145,8 +145,8 @@ def test_status_rows_states_and_lost_hosts(tmp_path: Path) -> None:
 
 
 def test_array_messages_have_schemas_both_ways() -> None:
-    from orchestrator import protocol
-    from orchestrator.host import main
+    from orchestrator.agent import main
+    from orchestrator.wire import protocol
     for t in ("array_launch", "array_status", "array_results"):
         assert t in protocol.REQUESTS and t in protocol.REPLIES and t in main.COMMANDS
     assert "task" in protocol.FOLLOW_UNITS and "?unit" in protocol.REQUESTS["follow"]

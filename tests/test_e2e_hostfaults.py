@@ -38,7 +38,7 @@ from helpers import (
     write_job,
 )
 from netns_hosts import NsHost, NsHosts
-from orchestrator import timeouts
+from orchestrator.wire import timeouts
 from sshd_cluster import SshdCluster, pid_alive
 from test_push import Dataset, make_records, split
 

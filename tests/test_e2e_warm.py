@@ -1,5 +1,5 @@
 """Warm start over real SSH (the fake sshd cluster): `orch up --detach` runs each host's
-job in the torchrun started at its preflight (host/warm.py) with the real
+job in the torchrun started at its preflight (agent/warm.py) with the real
 torch.distributed.run; ORCH_WARM_START=0 starts it cold; `orch stop` leaves nothing,
 warm torchruns included; an `up` while another agent holds the job folder's lock (an
 `up` of it under way) is refused and leaves no warm torchrun behind."""

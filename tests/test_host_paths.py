@@ -1,4 +1,4 @@
-"""orchestrator/host/paths.py and host/ledger.py, the host side's only way into a job folder.
+"""orchestrator/agent/paths.py and agent/ledger.py, the host side's only way into a job folder.
 
 No SSH: a job folder in a temporary directory and, outside it, a victim folder and a
 victim file. A link is planted at every name orch expects to be its own (code, data,
@@ -25,10 +25,11 @@ from typing import Callable
 import pytest
 
 from helpers import plant_link, snapshot, wait_until
-from orchestrator import bundle, protocol
-from orchestrator.host.files import manifest
-from orchestrator.host.ledger import Ledger
-from orchestrator.host.paths import JobDir, UnsafePath, check_link_target
+from orchestrator import bundle
+from orchestrator.agent.files import manifest
+from orchestrator.agent.ledger import Ledger
+from orchestrator.agent.paths import JobDir, UnsafePath, check_link_target
+from orchestrator.wire import protocol
 
 # ---------------------------------------------------------------- helpers
 

@@ -15,15 +15,16 @@ from typing import Any
 import pytest
 
 from fake_agent import FakeChannel, FakeTransport, Handler
-from orchestrator import protocol, sync, timeouts
+from orchestrator import sync
+from orchestrator.agent import files
+from orchestrator.agent.common import AgentError
+from orchestrator.agent.ledger import Ledger
+from orchestrator.agent.paths import JobDir
 from orchestrator.errors import EXIT_HOST, HostError
-from orchestrator.host import files
-from orchestrator.host.common import AgentError
-from orchestrator.host.ledger import Ledger
-from orchestrator.host.paths import JobDir
 from orchestrator.inventory import parse
 from orchestrator.link import Link
 from orchestrator.localfiles import LocalFile
+from orchestrator.wire import protocol, timeouts
 
 INVENTORY = """name: fake
 hosts:

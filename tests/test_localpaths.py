@@ -21,12 +21,13 @@ import pytest
 import yaml
 
 from helpers import orch
-from orchestrator import protocol, splitdata
+from orchestrator import splitdata
 from orchestrator.errors import DataError
 from orchestrator.inventory import load
 from orchestrator.localfiles import DigestCache, LocalFile, Pushable, check_entrypoint, code_files
 from orchestrator.shards import host_files, load_split
 from orchestrator.sync import plan, stream_files
+from orchestrator.wire import protocol
 
 EXCLUDE = ("*.pyc", "__pycache__")
 

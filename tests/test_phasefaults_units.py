@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from fake_agent import session_factory
-from orchestrator import protocol
+from orchestrator.agent import procs as host_procs
+from orchestrator.agent import status as host_status
+from orchestrator.agent.common import job_paths
 from orchestrator.commands import common as common_cmd
 from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
 from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
-from orchestrator.host import procs as host_procs
-from orchestrator.host import status as host_status
-from orchestrator.host.common import job_paths
+from orchestrator.wire import protocol
 
 INVENTORY = """name: killed
 hosts:

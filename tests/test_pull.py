@@ -1,6 +1,6 @@
 """`orch pull` without SSH: the names a host may send, the destination's link safety
 (a planted link is never written through), the incremental plan, the receiver's
-checks, the host side (host/pull.py), and both sides together behind the real Link
+checks, the host side (agent/pull.py), and both sides together behind the real Link
 with an in-process agent (tests/fake_agent.py)."""
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 
 from fake_agent import FakeTransport
-from orchestrator import protocol
+from orchestrator.agent import pull as host_pull
+from orchestrator.agent.common import AgentError
 from orchestrator.errors import HostError, UsageError
-from orchestrator.host import pull as host_pull
-from orchestrator.host.common import AgentError
 from orchestrator.inventory import parse
 from orchestrator.localfiles import DigestCache
 from orchestrator.pull import PullReport, Receiver, check_manifest, check_paths, plan, raise_failed
 from orchestrator.pulldest import Dest
 from orchestrator.session import Session
+from orchestrator.wire import protocol
 
 
 def sha(data: bytes) -> str:
@@ -240,7 +240,7 @@ job: {entrypoint: job.py}
 
 
 def agent_handlers(tweak=None) -> dict:
-    """The real host/pull.py behind an in-process channel; `tweak(kind, body)` may
+    """The real agent/pull.py behind an in-process channel; `tweak(kind, body)` may
     rewrite the parts it sends."""
     def serve(fn):
         def handler(chan, msg: dict) -> None:

@@ -38,7 +38,8 @@ from helpers import (
     orch,
     wait_until,
 )
-from orchestrator import bundle, protocol, splitdata
+from orchestrator import bundle, splitdata
+from orchestrator.wire import protocol
 from sshd_cluster import FakeHost, SshdCluster
 
 PROCS = [1, 2, 1]   # host 0: rank 0, host 1: ranks 1 and 2, host 2: rank 3

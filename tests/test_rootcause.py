@@ -13,7 +13,6 @@ import pytest
 
 import fake_agent
 from fake_agent import FakeChannel, FakeTransport, later
-from orchestrator import protocol, timeouts
 from orchestrator.clock import HostClock
 from orchestrator.errors import EXIT_JOB_FAILED
 from orchestrator.inventory import parse
@@ -21,6 +20,7 @@ from orchestrator.rootcause import Exit, verdict
 from orchestrator.session import Session
 from orchestrator.state import HostState, JobState
 from orchestrator.watch import attach
+from orchestrator.wire import protocol, timeouts
 
 INVENTORY = """name: fake
 hosts:

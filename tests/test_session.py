@@ -7,12 +7,12 @@ import time
 from pathlib import Path
 
 from fake_agent import FakeChannel, FakeTransport, later
-from orchestrator import protocol
 from orchestrator.errors import EXIT_JOB_FAILED
 from orchestrator.inventory import parse
 from orchestrator.session import Session
 from orchestrator.state import HostState, JobState
 from orchestrator.watch import attach
+from orchestrator.wire import protocol
 
 INVENTORY = """name: fake
 hosts:

@@ -16,14 +16,14 @@ from typing import Any, cast
 import pytest
 
 from fake_agent import FakeChannel, FakeTransport
-from orchestrator import protocol, timeouts
+from orchestrator.agent import commands
 from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.commands.exec import select, split_selection
 from orchestrator.errors import InventoryError, UsageError
-from orchestrator.host import commands
 from orchestrator.inventory import parse
 from orchestrator.session import Session
 from orchestrator.setupspec import SetupSpec, fingerprint, named_files
+from orchestrator.wire import protocol, timeouts
 
 BASE = """name: sx
 hosts:

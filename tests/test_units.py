@@ -6,7 +6,6 @@ import shlex
 import types
 from pathlib import Path
 
-from orchestrator import protocol
 from orchestrator.follow import HostStream, Tracker
 from orchestrator.link import Link
 from orchestrator.localfiles import LocalFile
@@ -14,6 +13,7 @@ from orchestrator.rootcause import verdict
 from orchestrator.sync import plan
 from orchestrator.transport import remote_command
 from orchestrator.watch import Monitor, signal_name
+from orchestrator.wire import protocol
 
 
 def test_remote_command_quotes_every_word_but_keeps_tilde() -> None:
@@ -126,7 +126,7 @@ def test_exits_caused_by_our_own_stop_are_never_the_root_cause() -> None:
 
 
 def test_tail_offset_counts_lines_from_the_end(tmp_path) -> None:
-    from orchestrator.host.follow import tail_offset
+    from orchestrator.agent.follow import tail_offset
     f = tmp_path / "log"
     for content, want in ((b"a\nb\nc\n", [b"", b"c\n", b"b\nc\n", b"a\nb\nc\n", b"a\nb\nc\n"]),
                           (b"a\nb", [b"", b"b", b"a\nb", b"a\nb", b"a\nb"])):
@@ -161,8 +161,8 @@ def test_group_failures_keep_one_shared_exit_code() -> None:
 def test_follow_reads_the_run_records_only_when_run_changed(tmp_path: Path, monkeypatch) -> None:
     """host/follow.RunDir: a poll reads the exit records after a change of run/ (a record
     renamed into place), and at least once a second; not on every quiet poll."""
-    from orchestrator.host import follow
-    from orchestrator.host.common import job_paths, write_atomic
+    from orchestrator.agent import follow
+    from orchestrator.agent.common import job_paths, write_atomic
     p = job_paths(str(tmp_path / "job"))
     (tmp_path / "job" / "run").mkdir(parents=True)
     clock = [1000.0]

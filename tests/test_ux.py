@@ -16,19 +16,19 @@ from rich.console import Console
 
 from fake_agent import session_factory
 from helpers import orch
-from orchestrator import protocol
+from orchestrator.agent import launch as host_launch
+from orchestrator.agent import procs as host_procs
+from orchestrator.agent import status as host_status
+from orchestrator.agent.common import job_paths
 from orchestrator.commands import common as common_cmd
 from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
 from orchestrator.errors import EXIT_HOST
 from orchestrator.follow import PrefixPrinter
-from orchestrator.host import launch as host_launch
-from orchestrator.host import procs as host_procs
-from orchestrator.host import status as host_status
-from orchestrator.host.common import job_paths
 from orchestrator.inventory import parse
 from orchestrator.liveline import ERASE, LiveLine, started_text
 from orchestrator.state import HostState, JobState
+from orchestrator.wire import protocol
 from orchestrator.words import hint_cmd, plural
 
 ROOT = Path(__file__).resolve().parent.parent

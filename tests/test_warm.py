@@ -1,4 +1,4 @@
-"""Warm start on one host (orchestrator/host/warm.py, host/launcher.py) and the job
+"""Warm start on one host (orchestrator/agent/warm.py, agent/launcher.py) and the job
 folder's lock (host/procs.claim), with real local processes and no sshd.
 
 torch is a stand-in on PYTHONPATH (a few lines; the real import would cost seconds of
@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from helpers import snapshot, stray_pids, wait_until
-from orchestrator.host import preflight, procs, warm
-from orchestrator.host.common import job_paths, read_json, write_atomic
-from orchestrator.host.launch import job_folders
+from orchestrator.agent import preflight, procs, warm
+from orchestrator.agent.common import job_paths, read_json, write_atomic
+from orchestrator.agent.launch import job_folders
 from sshd_cluster import _read_stat, pid_alive
 
 PY = sys.executable
@@ -243,8 +243,8 @@ def test_launcher_gone_before_go_starts_cold(tmp_path: Path, started: list[int],
 
 HOLDER = """\
 import sys
-from orchestrator.host import procs
-from orchestrator.host.common import job_paths
+from orchestrator.agent import procs
+from orchestrator.agent.common import job_paths
 print(procs.claim(job_paths(sys.argv[1])), flush=True)
 sys.stdin.read()
 """

@@ -5,13 +5,13 @@ import argparse
 from typing import Any
 
 from orchestrator import state as job_state
-from orchestrator import timeouts
 from orchestrator.commands.common import console, emit_json, inventory, open_session, plural
 from orchestrator.errors import EXIT_OK, HostError
 from orchestrator.fanout import GroupResult
 from orchestrator.inventory import Cluster
 from orchestrator.stopper import StopReport
 from orchestrator.termsafe import plain
+from orchestrator.wire import timeouts
 
 
 def add_parser(sub: Any) -> None:

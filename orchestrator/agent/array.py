@@ -15,11 +15,11 @@ import signal
 import time
 from typing import Any, Callable
 
-from orchestrator import protocol
-from orchestrator.host.common import AgentError, job_paths, read_json, write_atomic
-from orchestrator.host.follow import open_log, rank_exit, tail_offset
-from orchestrator.host.launch import ALREADY_RUNNING, job_folders, run_supervisor, start_detached
-from orchestrator.host.procs import job_running, proc_start_time, supervisor_alive
+from orchestrator.agent.common import AgentError, job_paths, read_json, write_atomic
+from orchestrator.agent.follow import open_log, rank_exit, tail_offset
+from orchestrator.agent.launch import ALREADY_RUNNING, job_folders, run_supervisor, start_detached
+from orchestrator.agent.procs import job_running, proc_start_time, supervisor_alive
+from orchestrator.wire import protocol
 
 LINE_CAP = 4096          # bytes of one metrics.csv line sent back
 TAIL_READ = 64 << 10     # how far back from the end the last row is looked for

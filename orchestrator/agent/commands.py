@@ -17,9 +17,9 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from orchestrator import protocol, timeouts
-from orchestrator.host.common import AgentError, job_paths, read_json, write_atomic
-from orchestrator.host.procs import stat_fields
+from orchestrator.agent.common import AgentError, job_paths, read_json, write_atomic
+from orchestrator.agent.procs import stat_fields
+from orchestrator.wire import protocol, timeouts
 
 CHUNK = protocol.MAX_OUTPUT
 SETUP_LOG = "logs/setup.log"

@@ -1,5 +1,5 @@
 # The agent's loader, run by BOOT (see orchestrator/bundle.py) as the first bytes on
-# stdin: it reads the bundle (a zip of orchestrator/protocol.py and orchestrator/host/)
+# stdin: it reads the bundle (a zip of orchestrator/agent/ and orchestrator/wire/)
 # and imports it from memory. Python >= 3.8, stdlib only, nothing written to disk.
 # The zip is read with struct and zlib, not zipfile: zipfile's imports (pathlib, re,
 # urllib...) cost 40-60 ms at every agent start, more than the rest of the agent.
@@ -102,6 +102,6 @@ class Bundle:
 
 bundle = Bundle(sys.stdin.buffer.read(int(sys.argv[2])))
 sys.meta_path.insert(0, bundle)   # before sys.path: the bundle wins over any orchestrator there
-from orchestrator.host.main import main  # noqa: E402
+from orchestrator.agent.main import main  # noqa: E402
 
 main(bundle.sha256, sys.argv[3:])

@@ -9,17 +9,17 @@ import os
 import sys
 import time
 
-from orchestrator import timeouts
-from orchestrator.host import files, procs
-from orchestrator.host.common import job_paths
-from orchestrator.host.paths import UnsafePath
-from orchestrator.host.procs import job_running
+from orchestrator.agent import files, procs
+from orchestrator.agent.common import job_paths
+from orchestrator.agent.paths import UnsafePath
+from orchestrator.agent.procs import job_running
+from orchestrator.wire import timeouts
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
     from typing import Any
 
-    from orchestrator.host.main import Request
+    from orchestrator.agent.main import Request
 
 
 def gpu_count() -> int:
@@ -92,7 +92,7 @@ def dir_writable(p: dict[str, Any]) -> str | None:
 def running(p: dict[str, Any], folder_made: bool) -> bool:
     """Another `up` of this job under way (it holds the job folder's lock), or any of its
     processes alive. A clean answer keeps the lock until this agent ends: its launch
-    then needs no second look at every process (host/launch.py)."""
+    then needs no second look at every process (agent/launch.py)."""
     claimed = procs.claim(p) if folder_made else None
     if claimed is False:
         return True
@@ -128,6 +128,6 @@ def run(req: Request) -> dict[str, Any]:
         report["port"], report["port_free"] = port, port_free(port)
     if "warm" in a and not report["running"] and report["writable"] is None \
             and report["torch"] and "python_missing" not in report:
-        from orchestrator.host import warm
+        from orchestrator.agent import warm
         warm.prewarm(p, a["job_dir"], a["warm"]["env"])
     return report

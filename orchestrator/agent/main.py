@@ -1,5 +1,5 @@
 """The agent's entry: one process per host and orch command serves every step over
-stdin/stdout frames (orchestrator/protocol.py).
+stdin/stdout frames (orchestrator/wire/protocol.py).
 
 Requests carry an id; the reply (or an error with its category) carries it back.
 `follow` streams events while other requests are served; `stop` runs in a thread the
@@ -16,15 +16,15 @@ import sys
 import threading
 import time
 
-from orchestrator import protocol
-from orchestrator.host.common import AgentError, StreamIdle
-from orchestrator.host.paths import UnsafePath
+from orchestrator.agent.common import AgentError, StreamIdle
+from orchestrator.agent.paths import UnsafePath
+from orchestrator.wire import protocol
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
     from typing import Any, BinaryIO, Callable
 
-# request -> (module of orchestrator.host, function). A module is imported at its first
+# request -> (module of orchestrator.agent, function). A module is imported at its first
 # request: an agent runs a few of them, and every import is CPU at every host's start.
 COMMANDS = {
     "preflight": ("preflight", "run"),
@@ -56,7 +56,7 @@ def run_clock(req: Request) -> dict[str, Any]:
 def handler(command: str) -> Callable[[Request], Any]:
     module, name = COMMANDS[command]
     found: Callable[[Request], Any] = getattr(
-        importlib.import_module("orchestrator.host." + module), name)
+        importlib.import_module("orchestrator.agent." + module), name)
     return found
 
 
@@ -153,8 +153,8 @@ def main(version: str, argv: list[Any]) -> None:
         out.send(protocol.error(None, protocol.HOST, "agent: %s" % e))
     except BrokenPipeError:
         pass
-    if "orchestrator.host.commands" in sys.modules:   # a setup or exec does not outlive
-        sys.modules["orchestrator.host.commands"].end_all()   # the controller
+    if "orchestrator.agent.commands" in sys.modules:   # a setup or exec does not outlive
+        sys.modules["orchestrator.agent.commands"].end_all()   # the controller
     for th in waited:
         th.join()
     sys.stdout.flush()

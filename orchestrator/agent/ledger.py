@@ -23,7 +23,7 @@ import json
 import os
 import stat
 
-from orchestrator.host.paths import (
+from orchestrator.agent.paths import (
     READ_FLAGS,
     JobDir,
     UnsafePath,

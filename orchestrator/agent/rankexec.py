@@ -9,7 +9,7 @@ gone), records the child's pid, and on exit writes run/rank-<RANK>.exit with the
 and the time, which is how `orch` finds the earliest failure across hosts. It runs once
 per rank, so it stays light: fork/exec instead of subprocess, no json module.
 
-Like the agent (host/paths.py), it never follows a link inside the job folder: logs/ and
+Like the agent (agent/paths.py), it never follows a link inside the job folder: logs/ and
 run/ are opened with O_NOFOLLOW relative to the job folder, the log with
 O_NOFOLLOW|O_APPEND, and the pid and exit files are written beside (O_EXCL) and renamed
 relative to run/'s descriptor.

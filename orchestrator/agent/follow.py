@@ -10,16 +10,16 @@ from __future__ import annotations
 import os
 import time
 
-from orchestrator import protocol, timeouts
-from orchestrator.host.common import AgentError, job_paths, read_json
-from orchestrator.host.procs import stop_time, supervisor_alive
+from orchestrator.agent.common import AgentError, job_paths, read_json
+from orchestrator.agent.procs import stop_time, supervisor_alive
+from orchestrator.wire import protocol, timeouts
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
     from typing import Any, BinaryIO, Callable
 
-    from orchestrator.host.main import Request
-    from orchestrator.host.paths import JobDir
+    from orchestrator.agent.main import Request
+    from orchestrator.agent.paths import JobDir
 
     Send = Callable[[bytes], None]
 

@@ -5,16 +5,16 @@ import os
 import stat
 import time
 
-from orchestrator.host.common import job_paths, read_json
-from orchestrator.host.follow import open_log, rank_exit
-from orchestrator.host.procs import proc_start_time, supervisor_alive
+from orchestrator.agent.common import job_paths, read_json
+from orchestrator.agent.follow import open_log, rank_exit
+from orchestrator.agent.procs import proc_start_time, supervisor_alive
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
     from typing import Any
 
-    from orchestrator.host.main import Request
-    from orchestrator.host.paths import JobDir
+    from orchestrator.agent.main import Request
+    from orchestrator.agent.paths import JobDir
 
 ERROR_FILE_CAP = 1 << 20
 

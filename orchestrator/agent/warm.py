@@ -2,10 +2,10 @@
 
 `prewarm` (as soon as this host passed its own preflight, while the controller waits
 for slower hosts) starts the supervisor detached, as a launch does, but waiting: it starts
-the user's python on host/launcher.py, which imports torch.distributed.run (the seconds
+the user's python on agent/launcher.py, which imports torch.distributed.run (the seconds
 of a torchrun start) and waits too. Nothing of the job runs and nothing is written in
 the job folder; the warm torchrun has the job's environment but its marker
-(ORCH_JOB_DIR, host/procs.py), so it is no process of the job yet: it is this agent's,
+(ORCH_JOB_DIR, agent/procs.py), so it is no process of the job yet: it is this agent's,
 and ends with it. `launch` then sends the spec to the waiting supervisor (`Warm.go`): it
 becomes the job's supervisor (host/launch.run_supervisor) and hands the warm torchrun
 its arguments, the log and code/. Without a go (another host failed, the controller went
@@ -20,11 +20,11 @@ import os
 import signal
 import sys
 
-from orchestrator.host import launch
-from orchestrator.host.common import AgentError, job_paths
-from orchestrator.host.paths import write_all
-from orchestrator.host.procs import MARKER
-from orchestrator.host.rankexec import wait_code
+from orchestrator.agent import launch
+from orchestrator.agent.common import AgentError, job_paths
+from orchestrator.agent.paths import write_all
+from orchestrator.agent.procs import MARKER
+from orchestrator.agent.rankexec import wait_code
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
@@ -229,7 +229,7 @@ def memory_file() -> int:
 
 
 def launcher_source() -> bytes:
-    from orchestrator.host import launcher
+    from orchestrator.agent import launcher
     loader: Any = launcher.__loader__   # a file or zip loader: both have get_source
     source: str = loader.get_source(launcher.__name__)
     return source.encode()

@@ -3,7 +3,7 @@ file's size and sha256, then send the files the controller asks for.
 
 A link is neither followed nor sent (it is skipped and named in the reply), nor is
 anything that is not a regular file. Every path goes through the job's JobDir
-(host/paths.py). Digests are kept in run/output-digests.json by (size, mtime, inode), so a
+(agent/paths.py). Digests are kept in run/output-digests.json by (size, mtime, inode), so a
 second pull hashes only what changed. Stdlib only, Python 3.8.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ import os
 import stat as st_mod
 from typing import Any
 
-from orchestrator import protocol
-from orchestrator.host.common import AgentError
-from orchestrator.host.ledger import LEDGER_CAP, sha256_fd, stat_key
-from orchestrator.host.paths import DIR_FLAGS, JobDir, UnsafePath
+from orchestrator.agent.common import AgentError
+from orchestrator.agent.ledger import LEDGER_CAP, sha256_fd, stat_key
+from orchestrator.agent.paths import DIR_FLAGS, JobDir, UnsafePath
+from orchestrator.wire import protocol
 
 OUTPUT = "output"
 DIGESTS = "run/output-digests.json"

@@ -8,14 +8,14 @@ import os
 import signal
 import time
 
-from orchestrator import timeouts
-from orchestrator.host.common import job_paths, read_json, write_atomic
+from orchestrator.agent.common import job_paths, read_json, write_atomic
+from orchestrator.wire import timeouts
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
     from typing import Any, Iterable
 
-    from orchestrator.host.main import Request
+    from orchestrator.agent.main import Request
 
 MARKER = "ORCH_JOB_DIR"        # in the environment of every process of a job
 STOP_FILE = "run/stop.json"   # when this host received a stop, by its own clock

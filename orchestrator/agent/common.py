@@ -1,12 +1,12 @@
 """Small helpers every host module uses: the job's folder (through its JobDir: no link
-followed inside it, host/paths.py), its JSON state files, atomic writes, AgentError."""
+followed inside it, agent/paths.py), its JSON state files, atomic writes, AgentError."""
 from __future__ import annotations
 
 import json
 import os
 
-from orchestrator import protocol
-from orchestrator.host.paths import JobDir
+from orchestrator.agent.paths import JobDir
+from orchestrator.wire import protocol
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start

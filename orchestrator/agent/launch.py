@@ -8,17 +8,17 @@ import signal
 import sys
 import time
 
-from orchestrator import protocol
-from orchestrator.host import rankexec
-from orchestrator.host.common import AgentError, job_paths, write_atomic
-from orchestrator.host.procs import LOCKED, job_running, proc_start_time
+from orchestrator.agent import rankexec
+from orchestrator.agent.common import AgentError, job_paths, write_atomic
+from orchestrator.agent.procs import LOCKED, job_running, proc_start_time
+from orchestrator.wire import protocol
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
     from typing import Any, Callable
 
-    from orchestrator.host.main import Request
-    from orchestrator.host.paths import JobDir
+    from orchestrator.agent.main import Request
+    from orchestrator.agent.paths import JobDir
 
 ALREADY_RUNNING = "already running"
 
@@ -52,10 +52,10 @@ def rankexec_source() -> bytes:
 
 
 def run(req: Request) -> dict[str, Any]:
-    """Start the job: the supervisor this host's prewarm left waiting (host/warm.py), or
+    """Start the job: the supervisor this host's prewarm left waiting (agent/warm.py), or
     one started now, gets the spec and starts torchrun; its record is the reply. The
     spec holds the job's env (secrets): it is kept in run/launch.json, mode 0600."""
-    from orchestrator.host import warm  # warm imports this module
+    from orchestrator.agent import warm  # warm imports this module
     spec = req.args["spec"]
     p = job_paths(req.args["job_dir"])
     waiting = warm.take(p["job"])

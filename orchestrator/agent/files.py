@@ -1,6 +1,6 @@
-"""Files on the host: manifests (what orch pushed and is still there, host/ledger.py) and
+"""Files on the host: manifests (what orch pushed and is still there, agent/ledger.py) and
 the receive stream (write beside, verify, rename; new top folders staged and renamed
-whole). Every path goes through the job's JobDir (host/paths.py): no link followed."""
+whole). Every path goes through the job's JobDir (agent/paths.py): no link followed."""
 from __future__ import annotations
 
 import errno
@@ -12,17 +12,17 @@ import stat
 import threading
 import time
 
-from orchestrator import protocol, timeouts
-from orchestrator.host.common import AgentError, folder_of
-from orchestrator.host.common import StreamIdle as StreamIdle  # (raised here; tests name it here)
-from orchestrator.host.ledger import Ledger
-from orchestrator.host.paths import PART, Dirs, JobDir, create_excl, lstat_at, not_a, split_parent
+from orchestrator.agent.common import AgentError, folder_of
+from orchestrator.agent.common import StreamIdle as StreamIdle  # (raised here; tests name it here)
+from orchestrator.agent.ledger import Ledger
+from orchestrator.agent.paths import PART, Dirs, JobDir, create_excl, lstat_at, not_a, split_parent
+from orchestrator.wire import protocol, timeouts
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
     from typing import Any, Union
 
-    from orchestrator.host.main import Request
+    from orchestrator.agent.main import Request
 
 UMASK = os.umask(0)
 os.umask(UMASK)
@@ -118,7 +118,7 @@ def is_leftover(name: str) -> bool:
 
 def manifest(jd: JobDir, folder: str) -> dict[str, Any]:
     """{relpath: [size, sha256 or "link:<target>"]} of what orch pushed into the folder
-    and is still there (host/ledger.py); digests kept by (size, mtime, inode).
+    and is still there (agent/ledger.py); digests kept by (size, mtime, inode).
 
     Files the job wrote there are not listed, so the controller never deletes them. A
     receiver that did not finish (its journal is there), or a host upgraded from the old
