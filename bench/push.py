@@ -63,8 +63,8 @@ sys.path.insert(0, str(REPO))
 
 from orchestrator import splitdata
 from orchestrator.bundle import BOOT, agent_argv, agent_stdin
+from orchestrator.config.inventory import load
 from orchestrator.connect import connect_all
-from orchestrator.inventory import load
 from orchestrator.link import Link
 from orchestrator.localfiles import DigestCache, LocalFile
 from orchestrator.sync import push, stream_files

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.arrayspec import ArraySpec
+from orchestrator.config.arrayspec import ArraySpec
+from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import UsageError
 from orchestrator.fanout import fan_out
-from orchestrator.inventory import Cluster, Host
 from orchestrator.launch import rank_env
 from orchestrator.link import Link
 from orchestrator.preflight import PreflightReport

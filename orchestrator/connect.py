@@ -23,6 +23,8 @@ from typing import Any, Callable
 import paramiko
 
 from orchestrator import lazyimport
+from orchestrator.config.inventory import Host
+from orchestrator.config.proxyjump import parse_chain
 from orchestrator.errors import (
     EXIT_USAGE,
     HostError,
@@ -32,8 +34,6 @@ from orchestrator.errors import (
 )
 from orchestrator.fanout import GroupResult, fan_out
 from orchestrator.faults import BastionError, ConnectFailed, ForwardFailed, describe
-from orchestrator.inventory import Host
-from orchestrator.jumps import parse_chain
 from orchestrator.sshtransport import AcceptNewPolicy, HostKeyRefused, SSHTransport, StrictPolicy
 from orchestrator.transport import LocalTransport, Transport
 from orchestrator.wire import timeouts

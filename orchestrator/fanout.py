@@ -7,8 +7,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Generic, TypeVar
 
+from orchestrator.config.inventory import Host
 from orchestrator.errors import EXIT_HOST, HostError, OrchError
-from orchestrator.inventory import Host
 
 T = TypeVar("T")
 

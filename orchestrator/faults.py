@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import paramiko
 from paramiko.ssh_exception import IncompatiblePeer  # not re-exported by the stubs
 
+from orchestrator.config.inventory import Host
 from orchestrator.errors import HostError
-from orchestrator.inventory import Host
 from orchestrator.sshtransport import HostKeyRefused, fingerprint, known_hosts_name
 from orchestrator.words import hint_cmd
 

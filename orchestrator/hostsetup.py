@@ -9,14 +9,14 @@ import dataclasses
 from typing import Any
 
 from orchestrator.cmdout import HostOutput, Printer
+from orchestrator.config.inventory import Cluster
+from orchestrator.config.setupspec import fingerprint
 from orchestrator.errors import HostError
 from orchestrator.fanout import GroupResult, fan_out
 from orchestrator.hostcmd import Outcome, submit_all, wait_all
-from orchestrator.inventory import Cluster
 from orchestrator.link import Link
 from orchestrator.localfiles import LocalFile
 from orchestrator.preflight import HostInfo, PreflightReport, torch_mismatch
-from orchestrator.setupspec import fingerprint
 from orchestrator.wire import timeouts
 
 TAIL = 10  # lines of a failing host's setup output in the message

@@ -5,8 +5,8 @@ import os
 import uuid
 from typing import Any
 
+from orchestrator.config.inventory import Cluster, Host
 from orchestrator.fanout import fan_out
-from orchestrator.inventory import Cluster, Host
 from orchestrator.link import Link
 from orchestrator.preflight import HostInfo, PreflightReport, job_dir
 from orchestrator.transport import remote_command

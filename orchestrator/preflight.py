@@ -5,9 +5,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import HostError, UsageError
 from orchestrator.fanout import GroupResult, fan_out
-from orchestrator.inventory import Cluster, Host
 from orchestrator.link import Link
 from orchestrator.wire import timeouts
 from orchestrator.words import hint_cmd

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.arrays import ArrayRecord
-from orchestrator.arrayspec import task_params
+from orchestrator.config.arrayspec import task_params
+from orchestrator.config.inventory import Cluster
 from orchestrator.fanout import GroupResult
-from orchestrator.inventory import Cluster
 
 FOLD = "fold"
 

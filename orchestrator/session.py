@@ -17,9 +17,9 @@ from orchestrator import state as job_state
 from orchestrator.arrays import ArrayRecord
 from orchestrator.bundle import bundle
 from orchestrator.cmdout import HostOutput, Printer
+from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_USAGE, HostError, OrchError
 from orchestrator.fanout import GroupResult, fan_out
-from orchestrator.inventory import Cluster, Host
 from orchestrator.launch import launch_all, new_run_id, warm_env, warm_start
 from orchestrator.link import Link
 from orchestrator.localfiles import DigestCache, LocalFile, Pushable

@@ -12,8 +12,8 @@ import re
 import stat
 from typing import Any
 
+from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import DataError
-from orchestrator.inventory import Cluster, Host
 from orchestrator.localfiles import (
     DigestCache,
     LocalFile,

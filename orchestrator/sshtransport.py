@@ -13,8 +13,8 @@ from pathlib import Path
 
 import paramiko
 
+from orchestrator.config.inventory import Host
 from orchestrator.errors import EXIT_HOST, HostError, OrchError, UsageError
-from orchestrator.inventory import Host
 from orchestrator.transport import CHUNK, STDERR_KEEP, Channel, Result, Transport, remote_command
 from orchestrator.wire import timeouts
 

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from orchestrator.config.inventory import Cluster
 from orchestrator.errors import UsageError
-from orchestrator.inventory import Cluster
 from orchestrator.words import hint_cmd
 
 

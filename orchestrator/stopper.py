@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestrator.config.inventory import Cluster
 from orchestrator.fanout import GroupResult, fan_out
-from orchestrator.inventory import Cluster
 from orchestrator.link import Link
 from orchestrator.wire import timeouts
 

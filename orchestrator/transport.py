@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import cast
 
-from orchestrator.inventory import Host
+from orchestrator.config.inventory import Host
 
 CHUNK = 1 << 20
 STDERR_KEEP = 64 << 10   # what a command may print to stderr is kept up to this (the end)

@@ -10,8 +10,8 @@ import time
 from typing import Any, Callable
 
 from orchestrator.bundle import agent_stdin, bundle
+from orchestrator.config.inventory import Host
 from orchestrator.errors import HostError
-from orchestrator.inventory import Host
 from orchestrator.session import Session
 from orchestrator.transport import Channel, Transport
 from orchestrator.wire import protocol

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator import arrays, results
-from orchestrator.arrayspec import MAX_TASKS, expand, task_params
+from orchestrator.config.arrayspec import MAX_TASKS, expand, task_params
+from orchestrator.config.inventory import parse
 from orchestrator.errors import InventoryError
 from orchestrator.fanout import GroupResult
-from orchestrator.inventory import parse
 
 HEAD = """name: arr
 hosts:

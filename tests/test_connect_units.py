@@ -12,10 +12,10 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from orchestrator import inventory
+from orchestrator.config import inventory
+from orchestrator.config.proxyjump import Jump, parse_chain, parse_jump
 from orchestrator.connect import resolve_target
 from orchestrator.errors import InventoryError, UsageError
-from orchestrator.jumps import Jump, parse_chain, parse_jump
 
 
 def cluster(tmp_path: Path, ssh: str = "", host: str = "") -> inventory.Cluster:

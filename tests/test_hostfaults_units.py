@@ -20,8 +20,8 @@ from orchestrator.agent import files
 from orchestrator.agent.common import AgentError
 from orchestrator.agent.ledger import Ledger
 from orchestrator.agent.paths import JobDir
+from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_HOST, HostError
-from orchestrator.inventory import parse
 from orchestrator.link import Link
 from orchestrator.localfiles import LocalFile
 from orchestrator.wire import protocol, timeouts

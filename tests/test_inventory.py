@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator import yamlnodes
-from orchestrator.errors import InventoryError, UsageError
-from orchestrator.inventory import (
+from orchestrator.config import yamlnodes
+from orchestrator.config.inventory import (
     MAX_FILE_BYTES,
     MAX_HOSTS,
     MAX_WORLD_SIZE,
@@ -25,7 +24,8 @@ from orchestrator.inventory import (
     load,
     parse,
 )
-from orchestrator.yamlnodes import MAX_VALUE_BYTES
+from orchestrator.config.yamlnodes import MAX_VALUE_BYTES
+from orchestrator.errors import InventoryError, UsageError
 
 CORPUS = Path(__file__).parent / "inventories"
 HOME = os.path.expanduser("~")

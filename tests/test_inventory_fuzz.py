@@ -21,8 +21,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from orchestrator.config.inventory import MAX_HOSTS, MAX_WORLD_SIZE, Cluster, parse
 from orchestrator.errors import InventoryError
-from orchestrator.inventory import MAX_HOSTS, MAX_WORLD_SIZE, Cluster, parse
 
 MAX_SECONDS = 2.0
 MAX_BYTES = 200 << 20

@@ -22,8 +22,8 @@ import yaml
 
 from helpers import orch
 from orchestrator import splitdata
+from orchestrator.config.inventory import load
 from orchestrator.errors import DataError
-from orchestrator.inventory import load
 from orchestrator.localfiles import DigestCache, LocalFile, Pushable, check_entrypoint, code_files
 from orchestrator.shards import host_files, load_split
 from orchestrator.sync import plan, stream_files

@@ -23,9 +23,9 @@ import pytest
 
 from helpers import wait_until
 from orchestrator.bundle import agent_argv, agent_stdin, bundle
+from orchestrator.config.inventory import parse
 from orchestrator.errors import HostError, OrchError
 from orchestrator.follow import HostStream, LineSink, follow
-from orchestrator.inventory import parse
 from orchestrator.link import Link
 from orchestrator.transport import LocalTransport
 from orchestrator.wire import protocol

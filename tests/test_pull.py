@@ -15,8 +15,8 @@ import pytest
 from fake_agent import FakeTransport
 from orchestrator.agent import pull as host_pull
 from orchestrator.agent.common import AgentError
+from orchestrator.config.inventory import parse
 from orchestrator.errors import HostError, UsageError
-from orchestrator.inventory import parse
 from orchestrator.localfiles import DigestCache
 from orchestrator.pull import PullReport, Receiver, check_manifest, check_paths, plan, raise_failed
 from orchestrator.pulldest import Dest

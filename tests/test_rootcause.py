@@ -14,8 +14,8 @@ import pytest
 import fake_agent
 from fake_agent import FakeChannel, FakeTransport, later
 from orchestrator.clock import HostClock
+from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_JOB_FAILED
-from orchestrator.inventory import parse
 from orchestrator.rootcause import Exit, verdict
 from orchestrator.session import Session
 from orchestrator.state import HostState, JobState

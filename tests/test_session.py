@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from fake_agent import FakeChannel, FakeTransport, later
+from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_JOB_FAILED
-from orchestrator.inventory import parse
 from orchestrator.session import Session
 from orchestrator.state import HostState, JobState
 from orchestrator.watch import attach

@@ -334,9 +334,9 @@ def fake_inventory(monkeypatch: pytest.MonkeyPatch, world_size: int, source: Pat
                                      data=types.SimpleNamespace(source=source, shards=shards),
                                      job=types.SimpleNamespace(array=None))
 
-    module = types.ModuleType("orchestrator.inventory")
+    module = types.ModuleType("orchestrator.config.inventory")
     module.load = load  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "orchestrator.inventory", module)
+    monkeypatch.setitem(sys.modules, "orchestrator.config.inventory", module)
     return calls
 
 

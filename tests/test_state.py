@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from helpers import Jobs, assert_nothing_left, job_pids, orch, wait_until, write_job
-from orchestrator import inventory, state
+from orchestrator import state
+from orchestrator.config import inventory
 from sshd_cluster import SshdCluster
 
 GOOD: dict[str, Any] = {

@@ -23,9 +23,9 @@ from orchestrator.agent.common import job_paths
 from orchestrator.commands import common as common_cmd
 from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
+from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_HOST
 from orchestrator.follow import PrefixPrinter
-from orchestrator.inventory import parse
 from orchestrator.liveline import ERASE, LiveLine, started_text
 from orchestrator.state import HostState, JobState
 from orchestrator.wire import protocol

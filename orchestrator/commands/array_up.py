@@ -11,8 +11,8 @@ from orchestrator import state as job_state
 from orchestrator.arraywatch import attach_array
 from orchestrator.commands.common import console, emit_json, hint_cmd
 from orchestrator.commands.results import show
+from orchestrator.config.inventory import Cluster, RankSlot
 from orchestrator.errors import EXIT_OK
-from orchestrator.inventory import Cluster, RankSlot
 from orchestrator.localfiles import DigestCache, check_entrypoint, code_files
 from orchestrator.preflight import PreflightReport
 from orchestrator.session import HostFiles, Session

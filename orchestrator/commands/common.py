@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import state as job_state
+from orchestrator.config.inventory import Cluster, Host, load
 from orchestrator.errors import UsageError
 from orchestrator.fanout import GroupResult
-from orchestrator.inventory import Cluster, Host, load
 from orchestrator.session import Session
 from orchestrator.termsafe import plain
 from orchestrator.ui import console

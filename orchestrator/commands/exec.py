@@ -13,10 +13,11 @@ from typing import Any
 
 from rich.markup import escape
 
-from orchestrator import hostnames
 from orchestrator import state as job_state
 from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.commands.common import console, inventory
+from orchestrator.config import hostranges
+from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import (
     EXIT_HOST,
     EXIT_INTERRUPTED,
@@ -26,7 +27,6 @@ from orchestrator.errors import (
     UsageError,
 )
 from orchestrator.hostcmd import Outcome
-from orchestrator.inventory import Cluster, Host
 from orchestrator.session import Session
 
 KEEP = 1 << 20  # --json: the last bytes of each host's output
@@ -176,11 +176,11 @@ def _match(cluster: Cluster, item: str) -> set[int]:
         )
     try:
         names = (
-            set(hostnames.expand(item, len(cluster.hosts) * 4 + 64))
-            if hostnames.is_range(item)
+            set(hostranges.expand(item, len(cluster.hosts) * 4 + 64))
+            if hostranges.is_range(item)
             else {item}
         )
-    except hostnames.BadAddress as e:
+    except hostranges.BadAddress as e:
         raise UsageError(f"--hosts: {e.message}", hint=e.hint) from None
     found = {h.index for h in cluster.hosts if h.label in names or h.address in names}
     if not found:

@@ -24,9 +24,9 @@ from orchestrator.commands.common import (
     warn_unreachable,
 )
 from orchestrator.commands.status import rank_rows
+from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
 from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
-from orchestrator.inventory import Cluster
 from orchestrator.session import Session
 from orchestrator.state import JobState
 from orchestrator.termsafe import for_terminal, plain

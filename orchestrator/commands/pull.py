@@ -10,8 +10,8 @@ from typing import Any
 
 from orchestrator import state as job_state
 from orchestrator.commands.common import console, inventory, open_session
+from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_OK, OrchError, UsageError
-from orchestrator.inventory import Cluster, Host
 from orchestrator.pull import PullReport, check_paths, raise_failed
 from orchestrator.session import Session
 from orchestrator.termsafe import plain

@@ -17,8 +17,8 @@ from orchestrator.commands.common import (
     require_state,
     warn_unreachable,
 )
+from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_OK, UsageError
-from orchestrator.inventory import Cluster
 from orchestrator.session import Session
 from orchestrator.termsafe import plain
 

@@ -96,7 +96,9 @@ def _load_inventory(config: Path, args: argparse.Namespace) -> Any:
                          f"{', '.join(missing)}",
                          hint="pass --workers, --source and --out, "
                               "or -c FILE to name the inventory")
-    from orchestrator.inventory import load  # imported late: not needed when all three are given
+    from orchestrator.config.inventory import (
+        load,  # imported late: not needed when all three are given
+    )
 
     return load(config)
 

@@ -20,9 +20,9 @@ from orchestrator.commands.common import (
     unreachable,
     warn_unreachable,
 )
+from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_HOST, EXIT_OK
 from orchestrator.fanout import GroupResult
-from orchestrator.inventory import Cluster
 from orchestrator.results import status_rows
 from orchestrator.termsafe import plain, visible
 from orchestrator.watch import signal_name

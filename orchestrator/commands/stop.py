@@ -6,9 +6,9 @@ from typing import Any
 
 from orchestrator import state as job_state
 from orchestrator.commands.common import console, emit_json, inventory, open_session, plural
+from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_OK, HostError
 from orchestrator.fanout import GroupResult
-from orchestrator.inventory import Cluster
 from orchestrator.stopper import StopReport
 from orchestrator.termsafe import plain
 from orchestrator.wire import timeouts

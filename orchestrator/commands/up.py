@@ -16,9 +16,9 @@ from orchestrator import state as job_state
 from orchestrator.cmdout import Printer
 from orchestrator.commands.common import console, emit_json, hint_cmd, inventory, plural
 from orchestrator.commands.pull import after_job
+from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
 from orchestrator.hostsetup import needs_check
-from orchestrator.inventory import Cluster
 from orchestrator.launch import dry_run_plan, master_addr
 from orchestrator.localfiles import DigestCache, check_entrypoint, code_files
 from orchestrator.preflight import PreflightReport

@@ -16,8 +16,8 @@ from pathlib import Path, PurePosixPath
 
 from yaml.nodes import Node, ScalarNode
 
-from orchestrator.arrayspec import ArraySpec, parse_array
-from orchestrator.yamlnodes import TAG, Section, Source, exists, scalar_text, short
+from orchestrator.config.arrayspec import ArraySpec, parse_array
+from orchestrator.config.yamlnodes import TAG, Section, Source, exists, scalar_text, short
 
 JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts", "array")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",

@@ -15,7 +15,7 @@ import unicodedata
 
 from ClusterShell.NodeSet import RESOLVER_NOGROUP, NodeSet, NodeSetException
 
-from orchestrator.yamlnodes import short
+from orchestrator.config.yamlnodes import short
 
 MAX_HOST_NAME = 253  # DNS's limit for a whole name
 

@@ -10,7 +10,7 @@ Defaults and decisions (the README states them):
   has a default. `name` is letters, digits, `-` and `_` (not starting with `-`), at
   most 64 characters, because it names folders on every host and `.orch/<name>/`.
 - A host is a mapping, or just its address as a shorthand (`- 10.0.0.8`). An address may
-  be a range (`gpu[01-16]`, hostnames.py): one host per name, each with the entry's fields.
+  be a range (`gpu[01-16]`, hostranges.py): one host per name, each with the entry's fields.
 - Everything is bounded (file, YAML, hosts, procs, ranks, values): see the MAX_* limits.
   `procs` defaults to `gpus`, or 1 when `gpus` is 0; `procs` above a non-zero `gpus`
   is refused (two ranks would share a GPU, which NCCL refuses).
@@ -43,13 +43,13 @@ from typing import overload
 
 from yaml.nodes import MappingNode, Node, ScalarNode
 
-from orchestrator import hostnames
+from orchestrator.config import hostranges
+from orchestrator.config.jobspec import JOB_KEYS, JobSpec, parse_job
+from orchestrator.config.proxyjump import parse_jump
+from orchestrator.config.safefile import FileRefused, read_regular
+from orchestrator.config.setupspec import SetupSpec, parse_setup
+from orchestrator.config.yamlnodes import TAG, Section, Source, check_text, exists, short
 from orchestrator.errors import InventoryError, UsageError
-from orchestrator.jobspec import JOB_KEYS, JobSpec, parse_job
-from orchestrator.jumps import parse_jump
-from orchestrator.safefile import FileRefused, read_regular
-from orchestrator.setupspec import SetupSpec, parse_setup
-from orchestrator.yamlnodes import TAG, Section, Source, check_text, exists, short
 
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "connect_timeout",
             "proxy_jump")
@@ -292,8 +292,8 @@ def _entry(src: Source, node: Node, entry: int, room: int,
     if room <= 0:
         src.fail(node, f"`{sec.name}` is past the limit of {MAX_HOSTS} hosts", _SPLIT_HINT)
     try:
-        addresses = hostnames.expand(address, room)
-    except hostnames.BadAddress as exc:
+        addresses = hostranges.expand(address, room)
+    except hostranges.BadAddress as exc:
         src.fail(address_node, f"`{sec.what('address')}` {exc.message}", exc.hint)
     gpus = sec.integer("gpus", 0, 0, MAX_PROCS, example=1)
     procs = sec.integer("procs", gpus or 1, 1, MAX_PROCS, example=max(gpus, 1))

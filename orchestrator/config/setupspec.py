@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 
 from yaml.nodes import ScalarNode
 
-from orchestrator.yamlnodes import TAG, Section, check_text, short
+from orchestrator.config.yamlnodes import TAG, Section, check_text, short
 
 MAX_COMMANDS = 200
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from yaml.nodes import Node
 
-from orchestrator.yamlnodes import Section, Source, scalar_text, short
+from orchestrator.config.yamlnodes import Section, Source, scalar_text, short
 
 ARRAY_KEYS = ("matrix", "tasks", "procs_per_task")
 MAX_TASKS = 100_000

@@ -1,0 +1,1 @@
+"""cluster.yaml read and checked: every section, every error with its file and line."""
