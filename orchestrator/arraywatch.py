@@ -14,7 +14,7 @@ from orchestrator.arrays import ArrayRecord
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.session import Session
-from orchestrator.ui import console
+from orchestrator.ui.console import console
 from orchestrator.watch import interrupt_stop, signal_name
 from orchestrator.wire import timeouts
 

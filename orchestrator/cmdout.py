@@ -9,8 +9,8 @@ import threading
 from collections import deque
 from typing import BinaryIO
 
-from orchestrator import termsafe
 from orchestrator.link import Stream
+from orchestrator.ui import termsafe
 
 MAX_LINE = 64 << 10  # a longer line without a newline is printed in pieces
 TAIL_LINE = 400  # characters of a line kept for a message

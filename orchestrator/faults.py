@@ -14,7 +14,7 @@ from paramiko.ssh_exception import IncompatiblePeer  # not re-exported by the st
 from orchestrator.config.inventory import Host
 from orchestrator.errors import HostError
 from orchestrator.sshtransport import HostKeyRefused, fingerprint, known_hosts_name
-from orchestrator.words import hint_cmd
+from orchestrator.ui.wording import hint_cmd
 
 if TYPE_CHECKING:
     from orchestrator.connect import Target

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, Callable, Protocol
 
 from orchestrator.errors import OrchError
 from orchestrator.link import Link
-from orchestrator.termsafe import for_terminal, visible
+from orchestrator.ui.termsafe import for_terminal, visible
 from orchestrator.wire import timeouts
 
 TAIL_KEEP = 20

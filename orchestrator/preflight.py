@@ -9,8 +9,8 @@ from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import HostError, UsageError
 from orchestrator.fanout import GroupResult, fan_out
 from orchestrator.link import Link
+from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import timeouts
-from orchestrator.words import hint_cmd
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from orchestrator.errors import HostError, UsageError
 from orchestrator.link import Link, Pending, Stream
 from orchestrator.localfiles import DigestCache
 from orchestrator.pulldest import Dest, Refused, Writing
+from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import protocol, timeouts
-from orchestrator.words import hint_cmd
 
 Progress = Callable[[int], None]     # bytes just received
 BATCH_NAMES = 2 << 20                # bytes of names per pull_send request (a JSON frame)

@@ -22,7 +22,7 @@ from orchestrator.localfiles import (
     link_file,
     resolve_link,
 )
-from orchestrator.words import hint_cmd
+from orchestrator.ui.wording import hint_cmd
 
 MAX_MANIFEST = 256 << 20       # bytes; orch split-data writes about 50 bytes per file
 MAX_FILES = 5_000_000          # entries in one split

@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol
 
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import UsageError
-from orchestrator.words import hint_cmd
+from orchestrator.ui.wording import hint_cmd
 
 
 class StateDamaged(UsageError):

@@ -15,8 +15,8 @@ from typing import Any, Callable
 from orchestrator.errors import HostError
 from orchestrator.link import Link
 from orchestrator.localfiles import DigestCache, LocalFile, code_files  # noqa: F401 (re-exported)
+from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import protocol, timeouts
-from orchestrator.words import hint_cmd
 
 BATCH = 1 << 20
 STALL_STEP = 1 << 18   # bytes per send between two progress stamps (13 KB/s at PUSH_IDLE)

@@ -19,15 +19,15 @@ from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.fanout import GroupResult
 from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
-from orchestrator.liveline import LiveLine, started_text
 from orchestrator.rootcause import Exit, Failure, Verdict, verdict
 from orchestrator.session import Session
 from orchestrator.state import JobState
 from orchestrator.stopper import StopReport
-from orchestrator.termsafe import markup_safe as escape
-from orchestrator.ui import console
+from orchestrator.ui.console import console
+from orchestrator.ui.liveline import LiveLine, started_text
+from orchestrator.ui.termsafe import markup_safe as escape
+from orchestrator.ui.wording import hint_cmd, plural
 from orchestrator.wire import timeouts
-from orchestrator.words import hint_cmd, plural
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.termsafe import for_terminal, plain, visible
+from orchestrator.ui.termsafe import for_terminal, plain, visible
 
 
 def test_sgr_colours_pass_other_escapes_are_shown() -> None:

@@ -12,9 +12,9 @@ from orchestrator.config.inventory import Cluster, Host, load
 from orchestrator.errors import UsageError
 from orchestrator.fanout import GroupResult
 from orchestrator.session import Session
-from orchestrator.termsafe import plain
-from orchestrator.ui import console
-from orchestrator.words import hint_cmd, plural, set_inventory
+from orchestrator.ui.console import console
+from orchestrator.ui.termsafe import plain
+from orchestrator.ui.wording import hint_cmd, plural, set_inventory
 
 __all__ = [
     "console",

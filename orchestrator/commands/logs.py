@@ -29,8 +29,8 @@ from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
 from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.session import Session
 from orchestrator.state import JobState
-from orchestrator.termsafe import for_terminal, plain
-from orchestrator.words import plural
+from orchestrator.ui.termsafe import for_terminal, plain
+from orchestrator.ui.wording import plural
 
 
 def add_parser(sub: Any) -> None:

@@ -14,9 +14,9 @@ from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_OK, OrchError, UsageError
 from orchestrator.pull import PullReport, check_paths, raise_failed
 from orchestrator.session import Session
-from orchestrator.termsafe import plain
-from orchestrator.ui import bytes_bar
-from orchestrator.words import hint_cmd
+from orchestrator.ui.console import bytes_bar
+from orchestrator.ui.termsafe import plain
+from orchestrator.ui.wording import hint_cmd
 
 
 def add_parser(sub: Any) -> None:

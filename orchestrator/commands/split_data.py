@@ -14,7 +14,7 @@ from rich.table import Table
 from orchestrator import splitdata
 from orchestrator.commands.common import emit_json
 from orchestrator.errors import EXIT_OK, DataError, UsageError
-from orchestrator.words import plural
+from orchestrator.ui.wording import plural
 
 DEFAULT_IMAGE_SIZE = 224
 # Beyond this many workers the table shows the first and last few rows and a summary line.

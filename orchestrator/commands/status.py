@@ -24,7 +24,7 @@ from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_HOST, EXIT_OK
 from orchestrator.fanout import GroupResult
 from orchestrator.results import status_rows
-from orchestrator.termsafe import plain, visible
+from orchestrator.ui.termsafe import plain, visible
 from orchestrator.watch import signal_name
 
 LAST_LINE_MAX = 200   # characters kept in a row (the table cuts it to the screen at the end)

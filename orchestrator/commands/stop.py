@@ -10,7 +10,7 @@ from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_OK, HostError
 from orchestrator.fanout import GroupResult
 from orchestrator.stopper import StopReport
-from orchestrator.termsafe import plain
+from orchestrator.ui.termsafe import plain
 from orchestrator.wire import timeouts
 
 

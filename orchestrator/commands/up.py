@@ -25,7 +25,7 @@ from orchestrator.preflight import PreflightReport
 from orchestrator.session import HostFiles, Session
 from orchestrator.shards import host_files, load_split
 from orchestrator.sync import SyncReport
-from orchestrator.ui import bytes_bar, hosts_bar
+from orchestrator.ui.console import bytes_bar, hosts_bar
 from orchestrator.watch import attach
 
 

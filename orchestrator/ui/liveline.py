@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-from orchestrator.words import plural
+from orchestrator.ui.wording import plural
 
 ERASE = "\r\x1b[2K"
 MAX_HOSTS_SHOWN = 8

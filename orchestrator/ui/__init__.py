@@ -1,0 +1,1 @@
+"""How orch writes to the terminal: the console, progress, safe text, wording of counts and hints."""
