@@ -62,11 +62,11 @@ from sshd_cluster import descendants_of
 sys.path.insert(0, str(REPO))
 
 from orchestrator import splitdata
-from orchestrator.bundle import BOOT, agent_argv, agent_stdin
 from orchestrator.config.inventory import load
 from orchestrator.connect import connect_all
-from orchestrator.link import Link
 from orchestrator.localfiles import DigestCache, LocalFile
+from orchestrator.remote.bundle import BOOT, agent_argv, agent_stdin
+from orchestrator.remote.link import Link
 from orchestrator.sync import push, stream_files
 from orchestrator.wire import protocol
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from orchestrator.link import Link
+from orchestrator.remote.link import Link
 from orchestrator.wire import timeouts
 
 KEEP = 120.0          # seconds a sample stays usable

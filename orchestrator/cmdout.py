@@ -9,7 +9,7 @@ import threading
 from collections import deque
 from typing import BinaryIO
 
-from orchestrator.link import Stream
+from orchestrator.remote.link import Stream
 from orchestrator.ui import termsafe
 
 MAX_LINE = 64 << 10  # a longer line without a newline is printed in pieces

@@ -32,10 +32,10 @@ from orchestrator.errors import (
     OrchError,
     UsageError,
 )
-from orchestrator.fanout import GroupResult, fan_out
 from orchestrator.faults import BastionError, ConnectFailed, ForwardFailed, describe
+from orchestrator.remote.fanout import GroupResult, fan_out
+from orchestrator.remote.transport import LocalTransport, Transport
 from orchestrator.sshtransport import AcceptNewPolicy, HostKeyRefused, SSHTransport, StrictPolicy
-from orchestrator.transport import LocalTransport, Transport
 from orchestrator.wire import timeouts
 
 # aes128-gcm first: on a CPU-bound link it is 1.4-1.6x faster than the alternatives

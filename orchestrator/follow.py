@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Protocol
 
 from orchestrator.errors import OrchError
-from orchestrator.link import Link
+from orchestrator.remote.link import Link
 from orchestrator.ui.termsafe import for_terminal, visible
 from orchestrator.wire import timeouts
 

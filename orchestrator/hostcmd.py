@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from orchestrator.cmdout import HostOutput
 from orchestrator.errors import HostError, OrchError
-from orchestrator.link import Link, Pending
+from orchestrator.remote.link import Link, Pending
 from orchestrator.wire import timeouts
 
 

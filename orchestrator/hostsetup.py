@@ -12,11 +12,11 @@ from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.config.inventory import Cluster
 from orchestrator.config.setupspec import fingerprint
 from orchestrator.errors import HostError
-from orchestrator.fanout import GroupResult, fan_out
 from orchestrator.hostcmd import Outcome, submit_all, wait_all
-from orchestrator.link import Link
 from orchestrator.localfiles import LocalFile
 from orchestrator.preflight import HostInfo, PreflightReport, torch_mismatch
+from orchestrator.remote.fanout import GroupResult, fan_out
+from orchestrator.remote.link import Link
 from orchestrator.wire import timeouts
 
 TAIL = 10  # lines of a failing host's setup output in the message

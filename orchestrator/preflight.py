@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import HostError, UsageError
-from orchestrator.fanout import GroupResult, fan_out
-from orchestrator.link import Link
+from orchestrator.remote.fanout import GroupResult, fan_out
+from orchestrator.remote.link import Link
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import timeouts
 

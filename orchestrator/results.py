@@ -15,7 +15,7 @@ from typing import Any
 from orchestrator.arrays import ArrayRecord
 from orchestrator.config.arrayspec import task_params
 from orchestrator.config.inventory import Cluster
-from orchestrator.fanout import GroupResult
+from orchestrator.remote.fanout import GroupResult
 
 FOLD = "fold"
 

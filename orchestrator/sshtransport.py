@@ -15,7 +15,14 @@ import paramiko
 
 from orchestrator.config.inventory import Host
 from orchestrator.errors import EXIT_HOST, HostError, OrchError, UsageError
-from orchestrator.transport import CHUNK, STDERR_KEEP, Channel, Result, Transport, remote_command
+from orchestrator.remote.transport import (
+    CHUNK,
+    STDERR_KEEP,
+    Channel,
+    Result,
+    Transport,
+    remote_command,
+)
 from orchestrator.wire import timeouts
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.config.inventory import Cluster
-from orchestrator.fanout import GroupResult, fan_out
-from orchestrator.link import Link
+from orchestrator.remote.fanout import GroupResult, fan_out
+from orchestrator.remote.link import Link
 from orchestrator.wire import timeouts
 
 

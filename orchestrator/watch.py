@@ -17,8 +17,8 @@ from typing import Any
 from orchestrator.clock import Clocks, HostClock
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
-from orchestrator.fanout import GroupResult
 from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
+from orchestrator.remote.fanout import GroupResult
 from orchestrator.rootcause import Exit, Failure, Verdict, verdict
 from orchestrator.session import Session
 from orchestrator.state import JobState

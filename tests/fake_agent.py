@@ -9,11 +9,11 @@ import threading
 import time
 from typing import Any, Callable
 
-from orchestrator.bundle import agent_stdin, bundle
 from orchestrator.config.inventory import Host
 from orchestrator.errors import HostError
+from orchestrator.remote.bundle import agent_stdin, bundle
+from orchestrator.remote.transport import Channel, Transport
 from orchestrator.session import Session
-from orchestrator.transport import Channel, Transport
 from orchestrator.wire import protocol
 
 Handler = Callable[["FakeChannel", dict], None]

@@ -12,7 +12,7 @@ from orchestrator import arrays, results
 from orchestrator.config.arrayspec import MAX_TASKS, expand, task_params
 from orchestrator.config.inventory import parse
 from orchestrator.errors import InventoryError
-from orchestrator.fanout import GroupResult
+from orchestrator.remote.fanout import GroupResult
 
 HEAD = """name: arr
 hosts:

@@ -25,10 +25,10 @@ from typing import Callable
 import pytest
 
 from helpers import plant_link, snapshot, wait_until
-from orchestrator import bundle
 from orchestrator.agent.files import manifest
 from orchestrator.agent.ledger import Ledger
 from orchestrator.agent.paths import JobDir, UnsafePath, check_link_target
+from orchestrator.remote import bundle
 from orchestrator.wire import protocol
 
 # ---------------------------------------------------------------- helpers

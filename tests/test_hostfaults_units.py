@@ -22,8 +22,8 @@ from orchestrator.agent.ledger import Ledger
 from orchestrator.agent.paths import JobDir
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_HOST, HostError
-from orchestrator.link import Link
 from orchestrator.localfiles import LocalFile
+from orchestrator.remote.link import Link
 from orchestrator.wire import protocol, timeouts
 
 INVENTORY = """name: fake

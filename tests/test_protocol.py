@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 
 from helpers import wait_until
-from orchestrator.bundle import agent_argv, agent_stdin, bundle
 from orchestrator.config.inventory import parse
 from orchestrator.errors import HostError, OrchError
 from orchestrator.follow import HostStream, LineSink, follow
-from orchestrator.link import Link
-from orchestrator.transport import LocalTransport
+from orchestrator.remote.bundle import agent_argv, agent_stdin, bundle
+from orchestrator.remote.link import Link
+from orchestrator.remote.transport import LocalTransport
 from orchestrator.wire import protocol
 from sshd_cluster import pid_alive
 
@@ -141,7 +141,7 @@ def test_host_code_parses_as_python_38() -> None:
     """The hosts need only Python 3.8: no newer syntax in what the bundle carries."""
     import ast
 
-    from orchestrator.bundle import bundle_files
+    from orchestrator.remote.bundle import bundle_files
     shipped = [(name, data) for name, data in bundle_files() if name.endswith(".py")]
     assert len(shipped) > 15
     for path, data in shipped:

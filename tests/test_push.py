@@ -38,7 +38,8 @@ from helpers import (
     orch,
     wait_until,
 )
-from orchestrator import bundle, splitdata
+from orchestrator import splitdata
+from orchestrator.remote import bundle
 from orchestrator.wire import protocol
 from sshd_cluster import FakeHost, SshdCluster
 

@@ -7,11 +7,11 @@ import types
 from pathlib import Path
 
 from orchestrator.follow import HostStream, Tracker
-from orchestrator.link import Link
 from orchestrator.localfiles import LocalFile
+from orchestrator.remote.link import Link
+from orchestrator.remote.transport import remote_command
 from orchestrator.rootcause import verdict
 from orchestrator.sync import plan
-from orchestrator.transport import remote_command
 from orchestrator.watch import Monitor, signal_name
 from orchestrator.wire import protocol
 
@@ -147,7 +147,7 @@ def test_group_failures_keep_one_shared_exit_code() -> None:
     import pytest
 
     from orchestrator.errors import HostError, UsageError
-    from orchestrator.fanout import GroupResult
+    from orchestrator.remote.fanout import GroupResult
     hosts = tuple(SimpleNamespace(label=n, index=i, address=n, ssh=SimpleNamespace(port=22))
                   for i, n in enumerate("ab"))
     for failed, code in (({0: UsageError("a: already running"), 1: UsageError("b: already running")}, 2),

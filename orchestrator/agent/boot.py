@@ -1,4 +1,4 @@
-# The agent's loader, run by BOOT (see orchestrator/bundle.py) as the first bytes on
+# The agent's loader, run by BOOT (see orchestrator/remote/bundle.py) as the first bytes on
 # stdin: it reads the bundle (a zip of orchestrator/agent/ and orchestrator/wire/)
 # and imports it from memory. Python >= 3.8, stdlib only, nothing written to disk.
 # The zip is read with struct and zlib, not zipfile: zipfile's imports (pathlib, re,

@@ -15,9 +15,9 @@ from orchestrator.config.inventory import Cluster, RankSlot
 from orchestrator.errors import EXIT_OK
 from orchestrator.localfiles import DigestCache, check_entrypoint, code_files
 from orchestrator.preflight import PreflightReport
+from orchestrator.remote.transport import remote_command
 from orchestrator.session import HostFiles, Session
 from orchestrator.shards import host_files, load_split
-from orchestrator.transport import remote_command
 
 
 def data_view(cluster: Cluster) -> Cluster:

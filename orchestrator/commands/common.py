@@ -10,7 +10,7 @@ from typing import Any
 from orchestrator import state as job_state
 from orchestrator.config.inventory import Cluster, Host, load
 from orchestrator.errors import UsageError
-from orchestrator.fanout import GroupResult
+from orchestrator.remote.fanout import GroupResult
 from orchestrator.session import Session
 from orchestrator.ui.console import console
 from orchestrator.ui.termsafe import plain

@@ -22,7 +22,7 @@ from orchestrator.commands.common import (
 )
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_HOST, EXIT_OK
-from orchestrator.fanout import GroupResult
+from orchestrator.remote.fanout import GroupResult
 from orchestrator.results import status_rows
 from orchestrator.ui.termsafe import plain, visible
 from orchestrator.watch import signal_name

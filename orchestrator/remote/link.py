@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.bundle import agent_argv, agent_stdin, bundle
 from orchestrator.errors import HostError, OrchError, for_category
-from orchestrator.transport import Channel, Transport
+from orchestrator.remote.bundle import agent_argv, agent_stdin, bundle
+from orchestrator.remote.transport import Channel, Transport
 from orchestrator.wire import protocol, timeouts
 
 # From a host: JSON, output and command-output frames within their caps, and file-data

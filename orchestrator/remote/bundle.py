@@ -16,7 +16,7 @@ import os
 import zipfile
 from pathlib import Path
 
-PACKAGE = Path(__file__).parent          # orchestrator/
+PACKAGE = Path(__file__).parent.parent   # orchestrator/
 SHIPPED = ("agent", "wire")               # the packages that travel, whole (stdlib only)
 BOOT = ("import sys;exec(compile(sys.stdin.buffer.read(int(sys.argv[1])),"
         "'orch-boot','exec'))")
