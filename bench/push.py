@@ -63,10 +63,10 @@ sys.path.insert(0, str(REPO))
 
 from orchestrator import splitdata
 from orchestrator.config.inventory import load
-from orchestrator.connect import connect_all
 from orchestrator.localfiles import DigestCache, LocalFile
 from orchestrator.remote.bundle import BOOT, agent_argv, agent_stdin
 from orchestrator.remote.link import Link
+from orchestrator.ssh.connect import connect_all
 from orchestrator.sync import push, stream_files
 from orchestrator.wire import protocol
 

@@ -10,8 +10,9 @@ import sys
 from types import FrameType
 from typing import Any, Callable, NoReturn
 
-from orchestrator import __version__, lazyimport
+from orchestrator import __version__
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, OrchError
+from orchestrator.ssh import lazyimport
 
 lazyimport.hold_back()   # before anything imports paramiko
 

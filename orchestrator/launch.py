@@ -22,7 +22,10 @@ def master_addr(cluster: Cluster, infos: dict[int, HostInfo] | None = None) -> s
     """
     master = cluster.hosts[0]
     if not master.is_local:
-        from orchestrator.connect import resolve_target, ssh_config  # paramiko: see Session._ssh
+        from orchestrator.ssh.connect import (  # paramiko: see Session._ssh
+            resolve_target,
+            ssh_config,
+        )
         return resolve_target(master, ssh_config()).hostname
     for h in cluster.hosts:
         if not h.is_local and infos and infos.get(h.index) and infos[h.index].ssh_connection:

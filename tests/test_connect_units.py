@@ -14,8 +14,8 @@ import pytest
 
 from orchestrator.config import inventory
 from orchestrator.config.proxyjump import Jump, parse_chain, parse_jump
-from orchestrator.connect import resolve_target
 from orchestrator.errors import InventoryError, UsageError
+from orchestrator.ssh.connect import resolve_target
 
 
 def cluster(tmp_path: Path, ssh: str = "", host: str = "") -> inventory.Cluster:
@@ -123,7 +123,7 @@ def test_bad_proxyjump_in_ssh_config_is_usage_error(tmp_path: Path) -> None:
 def test_known_hosts_parsed_once_and_again_when_changed(tmp_path: Path) -> None:
     """Every host of a command shares one parse of known_hosts (parsing it per host was
     O(hosts x lines)); a changed file (accept-new, an edit) is parsed again."""
-    from orchestrator.connect import known_host_keys
+    from orchestrator.ssh.connect import known_host_keys
     path = tmp_path / "known_hosts"
     lines = [f"[10.0.0.{i}]:22 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAI{'A' * 42}{i % 10}\n"
              for i in range(3)]

@@ -142,7 +142,7 @@ def test_key_refused_names_the_keys_tried(servers, client_key: Path, server_key:
 
 
 def fs_fingerprint(key: paramiko.PKey) -> str:
-    from orchestrator.sshtransport import fingerprint
+    from orchestrator.ssh.sshtransport import fingerprint
     return fingerprint(key)
 
 

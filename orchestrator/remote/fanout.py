@@ -25,8 +25,8 @@ class GroupResult(Generic[T]):
             return
         # only a command that opened connections has lost one (connect.py is not imported
         # by the others: it brings paramiko)
-        from orchestrator.connect import connection_error
-        from orchestrator.faults import explain_lost
+        from orchestrator.ssh.connect import connection_error
+        from orchestrator.ssh.faults import explain_lost
         by_index = {h.index: h for h in hosts}
         lines = [f"{len(self.failed)} of {len(hosts)} hosts failed {what}:"]
         for i in sorted(self.failed):

@@ -13,11 +13,11 @@ from paramiko.ssh_exception import IncompatiblePeer  # not re-exported by the st
 
 from orchestrator.config.inventory import Host
 from orchestrator.errors import HostError
-from orchestrator.sshtransport import HostKeyRefused, fingerprint, known_hosts_name
+from orchestrator.ssh.sshtransport import HostKeyRefused, fingerprint, known_hosts_name
 from orchestrator.ui.wording import hint_cmd
 
 if TYPE_CHECKING:
-    from orchestrator.connect import Target
+    from orchestrator.ssh.connect import Target
 
 DEFAULT_KEYS = ("id_rsa", "id_ecdsa", "id_ed25519")  # what paramiko looks for in ~/.ssh
 

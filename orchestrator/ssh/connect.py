@@ -22,7 +22,6 @@ from typing import Any, Callable
 
 import paramiko
 
-from orchestrator import lazyimport
 from orchestrator.config.inventory import Host
 from orchestrator.config.proxyjump import parse_chain
 from orchestrator.errors import (
@@ -32,10 +31,16 @@ from orchestrator.errors import (
     OrchError,
     UsageError,
 )
-from orchestrator.faults import BastionError, ConnectFailed, ForwardFailed, describe
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.transport import LocalTransport, Transport
-from orchestrator.sshtransport import AcceptNewPolicy, HostKeyRefused, SSHTransport, StrictPolicy
+from orchestrator.ssh import lazyimport
+from orchestrator.ssh.faults import BastionError, ConnectFailed, ForwardFailed, describe
+from orchestrator.ssh.sshtransport import (
+    AcceptNewPolicy,
+    HostKeyRefused,
+    SSHTransport,
+    StrictPolicy,
+)
 from orchestrator.wire import timeouts
 
 # aes128-gcm first: on a CPU-bound link it is 1.4-1.6x faster than the alternatives
