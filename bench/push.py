@@ -10,7 +10,7 @@ Methods, each into a fresh destination folder every rep:
   tar        tar -cf - -C src . | ssh -F <ssh_config> host 'mkdir -p dst && tar -xf - -C dst'
              (OpenSSH's default cipher; the target figure is orch / this)
   tar-gcm    the same with -c aes128-gcm@openssh.com (the cipher orch asks for)
-  orch       orchestrator.sync.push() over a connection opened by connect_all, the file
+  orch       orchestrator.files.sync.push() over a connection opened by connect_all, the file
              list (with sha256) built beforehand; `push` includes the manifest round trip,
              `+connect` adds opening the connection (tar pays for its ssh handshake too)
   orch-nomf  (--floor) push(..., remote={}): the manifest already known, as in `orch up`
@@ -61,13 +61,13 @@ from sshd_cluster import descendants_of
 
 sys.path.insert(0, str(REPO))
 
-from orchestrator import splitdata
 from orchestrator.config.inventory import load
-from orchestrator.localfiles import DigestCache, LocalFile
+from orchestrator.files import splitdata
+from orchestrator.files.localfiles import DigestCache, LocalFile
+from orchestrator.files.sync import push, stream_files
 from orchestrator.remote.bundle import BOOT, agent_argv, agent_stdin
 from orchestrator.remote.link import Link
 from orchestrator.ssh.connect import connect_all
-from orchestrator.sync import push, stream_files
 from orchestrator.wire import protocol
 
 MB = 1e6

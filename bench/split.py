@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator import splitdata
+from orchestrator.files import splitdata
 
 # What a user would write from split_dataset.sh: run once per worker, `ls | sort | head | tail`
 # per class, then `ln -s` per file. Like the original it drops each class's total % N remainder.

@@ -12,8 +12,8 @@ from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.config.inventory import Cluster
 from orchestrator.config.setupspec import fingerprint
 from orchestrator.errors import HostError
+from orchestrator.files.localfiles import LocalFile
 from orchestrator.hostcmd import Outcome, submit_all, wait_all
-from orchestrator.localfiles import LocalFile
 from orchestrator.preflight import HostInfo, PreflightReport, torch_mismatch
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link

@@ -18,17 +18,17 @@ from orchestrator.arrays import ArrayRecord
 from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_USAGE, HostError, OrchError
+from orchestrator.files.localfiles import DigestCache, LocalFile, Pushable
+from orchestrator.files.pull import Progress, PullReport
+from orchestrator.files.pull import pull as pull_files
+from orchestrator.files.sync import SyncReport, push
 from orchestrator.launch import launch_all, new_run_id, warm_env, warm_start
-from orchestrator.localfiles import DigestCache, LocalFile, Pushable
 from orchestrator.preflight import Checked, PreflightReport, check_host, preflight
-from orchestrator.pull import Progress, PullReport
-from orchestrator.pull import pull as pull_files
 from orchestrator.remote.bundle import bundle
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import Transport
 from orchestrator.stopper import StopReport, stop_all
-from orchestrator.sync import SyncReport, push
 from orchestrator.wire import timeouts
 
 

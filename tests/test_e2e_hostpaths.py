@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from helpers import assert_no_job_left, last_sync, orch, plant_link, snapshot
-from orchestrator import splitdata
+from orchestrator.files import splitdata
 from sshd_cluster import SshdCluster
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]  # every test runs `orch up`

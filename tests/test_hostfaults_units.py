@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 
 from fake_agent import FakeChannel, FakeTransport, Handler
-from orchestrator import sync
 from orchestrator.agent import files
 from orchestrator.agent.common import AgentError
 from orchestrator.agent.ledger import Ledger
 from orchestrator.agent.paths import JobDir
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_HOST, HostError
-from orchestrator.localfiles import LocalFile
+from orchestrator.files import sync
+from orchestrator.files.localfiles import LocalFile
 from orchestrator.remote.link import Link
 from orchestrator.wire import protocol, timeouts
 

@@ -1,4 +1,4 @@
-"""One local path rule for what `orch up` pushes (orchestrator/localfiles.py, shards.py).
+"""One local path rule for what `orch up` pushes (orchestrator/files/localfiles.py, shards.py).
 
 A symlink inside a code path or a shard is pushed as a link when its target stays inside
 that tree, else refused (exit 2, before any host is touched); shards' links into the
@@ -21,12 +21,18 @@ import pytest
 import yaml
 
 from helpers import orch
-from orchestrator import splitdata
 from orchestrator.config.inventory import load
 from orchestrator.errors import DataError
-from orchestrator.localfiles import DigestCache, LocalFile, Pushable, check_entrypoint, code_files
-from orchestrator.shards import host_files, load_split
-from orchestrator.sync import plan, stream_files
+from orchestrator.files import splitdata
+from orchestrator.files.localfiles import (
+    DigestCache,
+    LocalFile,
+    Pushable,
+    check_entrypoint,
+    code_files,
+)
+from orchestrator.files.shards import host_files, load_split
+from orchestrator.files.sync import plan, stream_files
 from orchestrator.wire import protocol
 
 EXCLUDE = ("*.pyc", "__pycache__")
@@ -421,7 +427,7 @@ def test_damaged_manifest_exits_2_without_traceback(tmp_path: Path, kind: str) -
 
 
 def test_too_many_manifest_entries_are_refused(tmp_path: Path, monkeypatch) -> None:
-    from orchestrator import shards as shards_mod
+    from orchestrator.files import shards as shards_mod
     _, _, inv = make_split(tmp_path)
     monkeypatch.setattr(shards_mod, "MAX_FILES", 5)
     refused(lambda: all_host_files(inv), "manifest.json", "more than 5 files")

@@ -17,9 +17,16 @@ from orchestrator.agent import pull as host_pull
 from orchestrator.agent.common import AgentError
 from orchestrator.config.inventory import parse
 from orchestrator.errors import HostError, UsageError
-from orchestrator.localfiles import DigestCache
-from orchestrator.pull import PullReport, Receiver, check_manifest, check_paths, plan, raise_failed
-from orchestrator.pulldest import Dest
+from orchestrator.files.localfiles import DigestCache
+from orchestrator.files.pull import (
+    PullReport,
+    Receiver,
+    check_manifest,
+    check_paths,
+    plan,
+    raise_failed,
+)
+from orchestrator.files.pulldest import Dest
 from orchestrator.session import Session
 from orchestrator.wire import protocol
 

@@ -1,4 +1,4 @@
-"""Pushing data shards at `orch up` (orchestrator/sync.py, shards.py, agent.py receive).
+"""Pushing data shards at `orch up` (orchestrator/files/sync.py, shards.py, agent.py receive).
 
 End to end over real SSH (the fake sshd cluster): each host gets exactly its ranks'
 shards as real files, byte for byte; a second push sends nothing; a push killed half way
@@ -38,7 +38,7 @@ from helpers import (
     orch,
     wait_until,
 )
-from orchestrator import splitdata
+from orchestrator.files import splitdata
 from orchestrator.remote import bundle
 from orchestrator.wire import protocol
 from sshd_cluster import FakeHost, SshdCluster

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import splitdata
 from orchestrator.commands import split_data
 from orchestrator.errors import DataError, OrchError, UsageError
+from orchestrator.files import splitdata
 
 
 @pytest.fixture

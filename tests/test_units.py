@@ -6,12 +6,12 @@ import shlex
 import types
 from pathlib import Path
 
+from orchestrator.files.localfiles import LocalFile
+from orchestrator.files.sync import plan
 from orchestrator.follow import HostStream, Tracker
-from orchestrator.localfiles import LocalFile
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
 from orchestrator.rootcause import verdict
-from orchestrator.sync import plan
 from orchestrator.watch import Monitor, signal_name
 from orchestrator.wire import protocol
 

@@ -13,11 +13,11 @@ from orchestrator.commands.common import console, emit_json, hint_cmd
 from orchestrator.commands.results import show
 from orchestrator.config.inventory import Cluster, RankSlot
 from orchestrator.errors import EXIT_OK
-from orchestrator.localfiles import DigestCache, check_entrypoint, code_files
+from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_files
+from orchestrator.files.shards import host_files, load_split
 from orchestrator.preflight import PreflightReport
 from orchestrator.remote.transport import remote_command
 from orchestrator.session import HostFiles, Session
-from orchestrator.shards import host_files, load_split
 
 
 def data_view(cluster: Cluster) -> Cluster:

@@ -12,7 +12,7 @@ from orchestrator import state as job_state
 from orchestrator.commands.common import console, inventory, open_session
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_OK, OrchError, UsageError
-from orchestrator.pull import PullReport, check_paths, raise_failed
+from orchestrator.files.pull import PullReport, check_paths, raise_failed
 from orchestrator.session import Session
 from orchestrator.ui.console import bytes_bar
 from orchestrator.ui.termsafe import plain

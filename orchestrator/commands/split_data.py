@@ -1,6 +1,6 @@
 """`orch split-data`: split a dataset into one folder of links per worker.
 
-The work is done by orchestrator.splitdata; this module parses, resolves defaults, prints."""
+The work is done by orchestrator.files.splitdata; this module parses, resolves defaults, prints."""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator import splitdata
 from orchestrator.commands.common import emit_json
 from orchestrator.errors import EXIT_OK, DataError, UsageError
+from orchestrator.files import splitdata
 from orchestrator.ui.wording import plural
 
 DEFAULT_IMAGE_SIZE = 224

@@ -18,13 +18,13 @@ from orchestrator.commands.common import console, emit_json, hint_cmd, inventory
 from orchestrator.commands.pull import after_job
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
+from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_files
+from orchestrator.files.shards import host_files, load_split
+from orchestrator.files.sync import SyncReport
 from orchestrator.hostsetup import needs_check
 from orchestrator.launch import dry_run_plan, master_addr
-from orchestrator.localfiles import DigestCache, check_entrypoint, code_files
 from orchestrator.preflight import PreflightReport
 from orchestrator.session import HostFiles, Session
-from orchestrator.shards import host_files, load_split
-from orchestrator.sync import SyncReport
 from orchestrator.ui.console import bytes_bar, hosts_bar
 from orchestrator.watch import attach
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from orchestrator.errors import HostError
-from orchestrator.localfiles import DigestCache, LocalFile, code_files  # noqa: F401 (re-exported)
+from orchestrator.files.localfiles import DigestCache, LocalFile, code_files  # noqa: F401 (re-exported)
 from orchestrator.remote.link import Link
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import protocol, timeouts

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from orchestrator.errors import HostError, UsageError
-from orchestrator.localfiles import DigestCache
-from orchestrator.pulldest import Dest, Refused, Writing
+from orchestrator.files.localfiles import DigestCache
+from orchestrator.files.pulldest import Dest, Refused, Writing
 from orchestrator.remote.link import Link, Pending, Stream
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import protocol, timeouts

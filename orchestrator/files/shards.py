@@ -14,7 +14,7 @@ from typing import Any
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import DataError
-from orchestrator.localfiles import (
+from orchestrator.files.localfiles import (
     DigestCache,
     LocalFile,
     Resolver,
