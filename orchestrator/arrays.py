@@ -17,11 +17,11 @@ from typing import Any
 from orchestrator.config.arrayspec import ArraySpec
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import UsageError
-from orchestrator.launch import rank_env
-from orchestrator.preflight import PreflightReport
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.link import Link
-from orchestrator.state import write_record
+from orchestrator.session.launch import rank_env
+from orchestrator.session.preflight import PreflightReport
+from orchestrator.session.state import write_record
 from orchestrator.wire import timeouts
 
 

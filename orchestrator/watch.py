@@ -20,9 +20,9 @@ from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.remote.fanout import GroupResult
 from orchestrator.rootcause import Exit, Failure, Verdict, verdict
-from orchestrator.session import Session
-from orchestrator.state import JobState
-from orchestrator.stopper import StopReport
+from orchestrator.session.session import Session
+from orchestrator.session.state import JobState
+from orchestrator.session.stopper import StopReport
 from orchestrator.ui.console import console
 from orchestrator.ui.liveline import LiveLine, started_text
 from orchestrator.ui.termsafe import markup_safe as escape

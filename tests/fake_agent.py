@@ -13,7 +13,7 @@ from orchestrator.config.inventory import Host
 from orchestrator.errors import HostError
 from orchestrator.remote.bundle import agent_stdin, bundle
 from orchestrator.remote.transport import Channel, Transport
-from orchestrator.session import Session
+from orchestrator.session.session import Session
 from orchestrator.wire import protocol
 
 Handler = Callable[["FakeChannel", dict], None]

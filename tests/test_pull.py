@@ -27,7 +27,7 @@ from orchestrator.files.pull import (
     raise_failed,
 )
 from orchestrator.files.pulldest import Dest
-from orchestrator.session import Session
+from orchestrator.session.session import Session
 from orchestrator.wire import protocol
 
 

@@ -17,8 +17,8 @@ from orchestrator.clock import HostClock
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_JOB_FAILED
 from orchestrator.rootcause import Exit, verdict
-from orchestrator.session import Session
-from orchestrator.state import HostState, JobState
+from orchestrator.session.session import Session
+from orchestrator.session.state import HostState, JobState
 from orchestrator.watch import attach
 from orchestrator.wire import protocol, timeouts
 

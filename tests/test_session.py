@@ -9,8 +9,8 @@ from pathlib import Path
 from fake_agent import FakeChannel, FakeTransport, later
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_JOB_FAILED
-from orchestrator.session import Session
-from orchestrator.state import HostState, JobState
+from orchestrator.session.session import Session
+from orchestrator.session.state import HostState, JobState
 from orchestrator.watch import attach
 from orchestrator.wire import protocol
 

@@ -17,12 +17,12 @@ import pytest
 
 from fake_agent import FakeChannel, FakeTransport
 from orchestrator.agent import commands
-from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.commands.exec import select, split_selection
 from orchestrator.config.inventory import parse
 from orchestrator.config.setupspec import SetupSpec, fingerprint, named_files
 from orchestrator.errors import InventoryError, UsageError
-from orchestrator.session import Session
+from orchestrator.session.cmdoutput import HostOutput, Printer
+from orchestrator.session.session import Session
 from orchestrator.wire import protocol, timeouts
 
 BASE = """name: sx

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from helpers import Jobs, assert_nothing_left, job_pids, orch, wait_until, write_job
-from orchestrator import state
 from orchestrator.config import inventory
+from orchestrator.session import state
 from sshd_cluster import SshdCluster
 
 GOOD: dict[str, Any] = {

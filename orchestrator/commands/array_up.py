@@ -7,7 +7,6 @@ import argparse
 from dataclasses import replace
 
 from orchestrator import arrays
-from orchestrator import state as job_state
 from orchestrator.arraywatch import attach_array
 from orchestrator.commands.common import console, emit_json, hint_cmd
 from orchestrator.commands.results import show
@@ -15,9 +14,10 @@ from orchestrator.config.inventory import Cluster, RankSlot
 from orchestrator.errors import EXIT_OK
 from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_files
 from orchestrator.files.shards import host_files, load_split
-from orchestrator.preflight import PreflightReport
 from orchestrator.remote.transport import remote_command
-from orchestrator.session import HostFiles, Session
+from orchestrator.session import state as job_state
+from orchestrator.session.preflight import PreflightReport
+from orchestrator.session.session import HostFiles, Session
 
 
 def data_view(cluster: Cluster) -> Cluster:

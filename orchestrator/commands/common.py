@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from orchestrator import state as job_state
 from orchestrator.config.inventory import Cluster, Host, load
 from orchestrator.errors import UsageError
 from orchestrator.remote.fanout import GroupResult
-from orchestrator.session import Session
+from orchestrator.session import state as job_state
+from orchestrator.session.session import Session
 from orchestrator.ui.console import console
 from orchestrator.ui.termsafe import plain
 from orchestrator.ui.wording import hint_cmd, plural, set_inventory

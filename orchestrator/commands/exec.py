@@ -13,8 +13,6 @@ from typing import Any
 
 from rich.markup import escape
 
-from orchestrator import state as job_state
-from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.commands.common import console, inventory
 from orchestrator.config import hostranges
 from orchestrator.config.inventory import Cluster, Host
@@ -26,8 +24,10 @@ from orchestrator.errors import (
     OrchError,
     UsageError,
 )
-from orchestrator.hostcmd import Outcome
-from orchestrator.session import Session
+from orchestrator.session import state as job_state
+from orchestrator.session.cmdoutput import HostOutput, Printer
+from orchestrator.session.remotecmd import Outcome
+from orchestrator.session.session import Session
 
 KEEP = 1 << 20  # --json: the last bytes of each host's output
 

@@ -8,12 +8,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from orchestrator import state as job_state
 from orchestrator.commands.common import console, inventory, open_session
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_OK, OrchError, UsageError
 from orchestrator.files.pull import PullReport, check_paths, raise_failed
-from orchestrator.session import Session
+from orchestrator.session import state as job_state
+from orchestrator.session.session import Session
 from orchestrator.ui.console import bytes_bar
 from orchestrator.ui.termsafe import plain
 from orchestrator.ui.wording import hint_cmd

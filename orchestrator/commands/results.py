@@ -19,7 +19,7 @@ from orchestrator.commands.common import (
 )
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_OK, UsageError
-from orchestrator.session import Session
+from orchestrator.session.session import Session
 from orchestrator.ui.termsafe import plain
 
 SHOWN = ("val_acc", "val_loss", "train_acc", "train_loss", "time_s", "epoch")  # first, when present

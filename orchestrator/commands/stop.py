@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from orchestrator import state as job_state
 from orchestrator.commands.common import console, emit_json, inventory, open_session, plural
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_OK, HostError
 from orchestrator.remote.fanout import GroupResult
-from orchestrator.stopper import StopReport
+from orchestrator.session import state as job_state
+from orchestrator.session.stopper import StopReport
 from orchestrator.ui.termsafe import plain
 from orchestrator.wire import timeouts
 

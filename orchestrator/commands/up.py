@@ -12,8 +12,6 @@ from typing import Any
 
 from rich.markup import escape
 
-from orchestrator import state as job_state
-from orchestrator.cmdout import Printer
 from orchestrator.commands.common import console, emit_json, hint_cmd, inventory, plural
 from orchestrator.commands.pull import after_job
 from orchestrator.config.inventory import Cluster
@@ -21,10 +19,12 @@ from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
 from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_files
 from orchestrator.files.shards import host_files, load_split
 from orchestrator.files.sync import SyncReport
-from orchestrator.hostsetup import needs_check
-from orchestrator.launch import dry_run_plan, master_addr
-from orchestrator.preflight import PreflightReport
-from orchestrator.session import HostFiles, Session
+from orchestrator.session import state as job_state
+from orchestrator.session.cmdoutput import Printer
+from orchestrator.session.launch import dry_run_plan, master_addr
+from orchestrator.session.preflight import PreflightReport
+from orchestrator.session.session import HostFiles, Session
+from orchestrator.session.setupstep import needs_check
 from orchestrator.ui.console import bytes_bar, hosts_bar
 from orchestrator.watch import attach
 

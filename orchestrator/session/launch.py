@@ -6,10 +6,10 @@ import uuid
 from typing import Any
 
 from orchestrator.config.inventory import Cluster, Host
-from orchestrator.preflight import HostInfo, PreflightReport, job_dir
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
+from orchestrator.session.preflight import HostInfo, PreflightReport, job_dir
 from orchestrator.wire import timeouts
 
 

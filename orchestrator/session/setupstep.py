@@ -8,15 +8,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.config.inventory import Cluster
 from orchestrator.config.setupspec import fingerprint
 from orchestrator.errors import HostError
 from orchestrator.files.localfiles import LocalFile
-from orchestrator.hostcmd import Outcome, submit_all, wait_all
-from orchestrator.preflight import HostInfo, PreflightReport, torch_mismatch
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
+from orchestrator.session.cmdoutput import HostOutput, Printer
+from orchestrator.session.preflight import HostInfo, PreflightReport, torch_mismatch
+from orchestrator.session.remotecmd import Outcome, submit_all, wait_all
 from orchestrator.wire import timeouts
 
 TAIL = 10  # lines of a failing host's setup output in the message

@@ -1,6 +1,6 @@
 """A command's hold on the cluster: per host one connection, one agent (one SSH session)
 and one record; the verbs every command is made of: preflight, sync, launch, watch
-(watch.py), stop, status, follow.
+(watch/monitor.py), stop, status, follow.
 
 Commands (orchestrator/commands/) parse their arguments, call these verbs and render
 the outcome; nothing here parses arguments, and messages go through `ui`.
@@ -12,23 +12,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from orchestrator import arrays, hostcmd, hostsetup
-from orchestrator import state as job_state
+from orchestrator import arrays
 from orchestrator.arrays import ArrayRecord
-from orchestrator.cmdout import HostOutput, Printer
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_USAGE, HostError, OrchError
 from orchestrator.files.localfiles import DigestCache, LocalFile, Pushable
 from orchestrator.files.pull import Progress, PullReport
 from orchestrator.files.pull import pull as pull_files
 from orchestrator.files.sync import SyncReport, push
-from orchestrator.launch import launch_all, new_run_id, warm_env, warm_start
-from orchestrator.preflight import Checked, PreflightReport, check_host, preflight
 from orchestrator.remote.bundle import bundle
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import Transport
-from orchestrator.stopper import StopReport, stop_all
+from orchestrator.session import remotecmd, setupstep
+from orchestrator.session import state as job_state
+from orchestrator.session.cmdoutput import HostOutput, Printer
+from orchestrator.session.launch import launch_all, new_run_id, warm_env, warm_start
+from orchestrator.session.preflight import Checked, PreflightReport, check_host, preflight
+from orchestrator.session.stopper import StopReport, stop_all
 from orchestrator.wire import timeouts
 
 
@@ -227,23 +228,23 @@ class Session:
 
     def setup(self, pre: PreflightReport, code: list[LocalFile], force: bool,
               printer: Printer) -> dict[int, dict[str, Any]]:
-        """`setup:` on every host, all or nothing (hostsetup.py); skipped on a host
+        """`setup:` on every host, all or nothing (setupstep.py); skipped on a host
         while its fingerprint is unchanged there, unless `force`."""
-        digest = hostsetup.setup_fingerprint(self.cluster, code)
-        return hostsetup.run_setup(self.cluster, self.links, pre, digest, force, printer)
+        digest = setupstep.setup_fingerprint(self.cluster, code)
+        return setupstep.run_setup(self.cluster, self.links, pre, digest, force, printer)
 
     def check_ready(self, pre: PreflightReport) -> PreflightReport:
         """After setup, or without pushed code: python, torch, entrypoint per host."""
-        return hostsetup.check_ready(self.cluster, self.links, pre)
+        return setupstep.check_ready(self.cluster, self.links, pre)
 
-    def exec(self, argv: list[str], outputs: dict[int, HostOutput]) -> hostcmd.Outcome:
+    def exec(self, argv: list[str], outputs: dict[int, HostOutput]) -> remotecmd.Outcome:
         """argv on every host with an open agent (in its job folder, with the job's
         env), in parallel; Ctrl-C cancels it everywhere (Outcome.interrupted)."""
         links = {i: link for i, link in self.links.items() if i in outputs}
-        running, failed = hostcmd.submit_all(links, "exec", outputs, lambda i: dict(
+        running, failed = remotecmd.submit_all(links, "exec", outputs, lambda i: dict(
             job_dir=self.records[i].job_dir, argv=argv,
-            env=hostsetup.command_env(self.cluster, self.records[i].job_dir)))
-        return hostcmd.wait_all(running, None, failed)
+            env=setupstep.command_env(self.cluster, self.records[i].job_dir)))
+        return remotecmd.wait_all(running, None, failed)
 
     def launch(self, pre: PreflightReport) -> tuple[str, dict[int, dict[str, Any]]]:
         """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts

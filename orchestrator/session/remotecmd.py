@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from orchestrator.cmdout import HostOutput
 from orchestrator.errors import HostError, OrchError
 from orchestrator.remote.link import Link, Pending
+from orchestrator.session.cmdoutput import HostOutput
 from orchestrator.wire import timeouts
 
 
