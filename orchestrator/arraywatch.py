@@ -12,10 +12,10 @@ from rich.markup import escape
 
 from orchestrator.arrays import ArrayRecord
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
-from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.session.session import Session
 from orchestrator.ui.console import console
-from orchestrator.watch import interrupt_stop, signal_name
+from orchestrator.watch.follow import HostStream, LineSink, PrefixPrinter, follow
+from orchestrator.watch.monitor import interrupt_stop, signal_name
 from orchestrator.wire import timeouts
 
 

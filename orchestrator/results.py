@@ -23,7 +23,7 @@ FOLD = "fold"
 def state_text(info: dict[str, Any]) -> str:
     """exited 0, failed (exit code 3 / killed by SIGTERM), running, queued, stopped,
     unreachable (the host did not answer)."""
-    from orchestrator.watch import signal_name  # watch imports the session: late, no cycle
+    from orchestrator.watch.monitor import signal_name  # watch imports the session: late, no cycle
     if info["state"] != "exited":
         return str(info["state"])
     return "exited 0" if info.get("code") == 0 else f"failed ({signal_name(info['code'])})"

@@ -24,10 +24,10 @@ import pytest
 from helpers import wait_until
 from orchestrator.config.inventory import parse
 from orchestrator.errors import HostError, OrchError
-from orchestrator.follow import HostStream, LineSink, follow
 from orchestrator.remote.bundle import agent_argv, agent_stdin, bundle
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import LocalTransport
+from orchestrator.watch.follow import HostStream, LineSink, follow
 from orchestrator.wire import protocol
 from sshd_cluster import pid_alive
 

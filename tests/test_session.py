@@ -11,7 +11,7 @@ from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_JOB_FAILED
 from orchestrator.session.session import Session
 from orchestrator.session.state import HostState, JobState
-from orchestrator.watch import attach
+from orchestrator.watch.monitor import attach
 from orchestrator.wire import protocol
 
 INVENTORY = """name: fake

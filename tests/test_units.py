@@ -8,11 +8,11 @@ from pathlib import Path
 
 from orchestrator.files.localfiles import LocalFile
 from orchestrator.files.sync import plan
-from orchestrator.follow import HostStream, Tracker
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
-from orchestrator.rootcause import verdict
-from orchestrator.watch import Monitor, signal_name
+from orchestrator.watch.follow import HostStream, Tracker
+from orchestrator.watch.monitor import Monitor, signal_name
+from orchestrator.watch.rootcause import verdict
 from orchestrator.wire import protocol
 
 
@@ -41,7 +41,7 @@ class Recorder:
         self.calls: list = []
 
     def output(self, host, rank, partial, data):
-        from orchestrator.follow import split_lines
+        from orchestrator.watch.follow import split_lines
         texts = split_lines(partial, data)
         if self.calls and self.calls[-1][:2] == ("L", rank):
             self.calls[-1][2].extend(texts)   # one run of a rank's lines: one call

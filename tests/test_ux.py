@@ -25,10 +25,10 @@ from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_HOST
-from orchestrator.follow import PrefixPrinter
 from orchestrator.session.state import HostState, JobState
 from orchestrator.ui.liveline import ERASE, LiveLine, started_text
 from orchestrator.ui.wording import hint_cmd, plural
+from orchestrator.watch.follow import PrefixPrinter
 from orchestrator.wire import protocol
 
 ROOT = Path(__file__).resolve().parent.parent

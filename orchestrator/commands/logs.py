@@ -26,11 +26,11 @@ from orchestrator.commands.common import (
 from orchestrator.commands.status import rank_rows
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
-from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.session.session import Session
 from orchestrator.session.state import JobState
 from orchestrator.ui.termsafe import for_terminal, plain
 from orchestrator.ui.wording import plural
+from orchestrator.watch.follow import HostStream, LineSink, PrefixPrinter, follow
 
 
 def add_parser(sub: Any) -> None:

@@ -25,7 +25,7 @@ from orchestrator.errors import EXIT_HOST, EXIT_OK
 from orchestrator.remote.fanout import GroupResult
 from orchestrator.results import status_rows
 from orchestrator.ui.termsafe import plain, visible
-from orchestrator.watch import signal_name
+from orchestrator.watch.monitor import signal_name
 
 LAST_LINE_MAX = 200   # characters kept in a row (the table cuts it to the screen at the end)
 

@@ -26,7 +26,7 @@ from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import HostFiles, Session
 from orchestrator.session.setupstep import needs_check
 from orchestrator.ui.console import bytes_bar, hosts_bar
-from orchestrator.watch import attach
+from orchestrator.watch.monitor import attach
 
 
 def add_parser(sub: Any) -> None:

@@ -14,12 +14,9 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from orchestrator.clock import Clocks, HostClock
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
-from orchestrator.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.remote.fanout import GroupResult
-from orchestrator.rootcause import Exit, Failure, Verdict, verdict
 from orchestrator.session.session import Session
 from orchestrator.session.state import JobState
 from orchestrator.session.stopper import StopReport
@@ -27,6 +24,9 @@ from orchestrator.ui.console import console
 from orchestrator.ui.liveline import LiveLine, started_text
 from orchestrator.ui.termsafe import markup_safe as escape
 from orchestrator.ui.wording import hint_cmd, plural
+from orchestrator.watch.clock import Clocks, HostClock
+from orchestrator.watch.follow import HostStream, LineSink, PrefixPrinter, follow
+from orchestrator.watch.rootcause import Exit, Failure, Verdict, verdict
 from orchestrator.wire import timeouts
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.clock import HostClock
+from orchestrator.watch.clock import HostClock
 from orchestrator.wire import timeouts
 
 SAME_HOST = 0.001     # two exits on one host: one clock, ordered to the millisecond

@@ -1,0 +1,1 @@
+"""Following a running job: every host's output, fail-fast, the root cause, clocks."""
