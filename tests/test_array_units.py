@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import arrays, results
+from orchestrator.arrays import plan, results
 from orchestrator.config.arrayspec import MAX_TASKS, expand, task_params
 from orchestrator.config.inventory import parse
 from orchestrator.errors import InventoryError
@@ -87,32 +87,32 @@ def test_too_many_tasks_is_refused_before_expanding(tmp_path: Path) -> None:
 def test_deal_round_robin_by_slot_share(tmp_path: Path) -> None:
     c = load(tmp_path, "  array:\n    matrix: {fold: [0, 1, 2, 3, 4, 5, 6, 7]}\n")
     assert c.job.array is not None
-    assert arrays.deal(c, c.job.array) == [0, 1, 0, 0, 1, 0, 0, 1]
+    assert plan.deal(c, c.job.array) == [0, 1, 0, 0, 1, 0, 0, 1]
     two = load(tmp_path, "  array:\n    matrix: {fold: [0, 1, 2]}\n    procs_per_task: 2\n")
     assert two.job.array is not None
-    assert arrays.deal(two, two.job.array) == [0, 0, 0]   # host b has no slot of 2 procs
+    assert plan.deal(two, two.job.array) == [0, 0, 0]   # host b has no slot of 2 procs
 
 
 def test_task_argv_direct_or_small_torchrun(tmp_path: Path) -> None:
     c = load(tmp_path, "  array:\n    matrix: {fold: [0, 1]}\n")
-    assert arrays.task_argv(c, "py", "/j", 1) == ["py", "-u", "train.py", "--epochs", "5", "--fold", "1"]
+    assert plan.task_argv(c, "py", "/j", 1) == ["py", "-u", "train.py", "--epochs", "5", "--fold", "1"]
     two = load(tmp_path, "  array:\n    matrix: {fold: [0, 1]}\n    procs_per_task: 2\n")
-    argv = arrays.task_argv(two, "py", "/j", 0)
+    argv = plan.task_argv(two, "py", "/j", 0)
     assert argv[:4] == ["py", "-m", "torch.distributed.run", "--standalone"]
     assert argv[-4:] == ["--epochs", "5", "--fold", "0"] and "--nproc-per-node" in argv
 
 
 def test_record_round_trip_and_damage(tmp_path: Path) -> None:
     c = load(tmp_path, "  array:\n    matrix: {fold: [0, 1]}\n")
-    rec = arrays.ArrayRecord("r", ["fold"], [["--fold", "0"], ["--fold", "1"]], [0, 1], 1)
-    arrays.save(c, rec)
-    assert arrays.load(c) == rec and rec.tasks_of(1) == [1]
+    rec = plan.ArrayRecord("r", ["fold"], [["--fold", "0"], ["--fold", "1"]], [0, 1], 1)
+    plan.save(c, rec)
+    assert plan.load(c) == rec and rec.tasks_of(1) == [1]
     with pytest.raises(Exception, match="task 5 does not exist"):
-        arrays.task_of(rec, 5)
-    arrays.record_path(c).write_text(json.dumps({"run_id": "r", "keys": [], "args": [[]],
+        plan.task_of(rec, 5)
+    plan.record_path(c).write_text(json.dumps({"run_id": "r", "keys": [], "args": [[]],
                                                  "host": [7], "procs_per_task": 1}))
     with pytest.raises(Exception, match="does not match"):
-        arrays.load(c)
+        plan.load(c)
 
 
 def test_metrics_last_row_and_groups_over_folds() -> None:
@@ -135,7 +135,7 @@ def test_metrics_last_row_and_groups_over_folds() -> None:
 
 def test_status_rows_states_and_lost_hosts(tmp_path: Path) -> None:
     c = load(tmp_path, "  array:\n    matrix: {fold: [0, 1, 2]}\n")
-    rec = arrays.ArrayRecord("r", ["fold"], [["--fold", str(i)] for i in range(3)], [0, 1, 0], 1)
+    rec = plan.ArrayRecord("r", ["fold"], [["--fold", str(i)] for i in range(3)], [0, 1, 0], 1)
     reply = {"time": 0.0, "tasks": [
         {"task": 0, "state": "exited", "code": -15, "started": 1.0, "ended": 3.5, "slot": 1, "last_line": "x"},
         {"task": 2, "state": "queued", "last_line": ""}]}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from orchestrator import arrays
-from orchestrator.arraywatch import attach_array
+from orchestrator.arrays import plan
+from orchestrator.arrays.attach import attach_array
 from orchestrator.commands.common import console, emit_json, hint_cmd
 from orchestrator.commands.results import show
 from orchestrator.config.inventory import Cluster, RankSlot
@@ -49,10 +49,10 @@ def up_array(session: Session, pre: PreflightReport, args: argparse.Namespace) -
     rec, sups = session.launch_array(pre)
     st = job_state.new_state(cluster, rec.run_id, "-", 0, pre.hosts, sups)
     job_state.save(cluster, st)
-    arrays.save(cluster, rec)
+    plan.save(cluster, rec)
     spec = cluster.job.array
     assert spec is not None
-    total = sum(arrays.slots(h, spec) for h in cluster.hosts)
+    total = sum(plan.slots(h, spec) for h in cluster.hosts)
     console.print(f"started job array '{cluster.name}': {len(rec.host)} tasks on "
                   f"{len(cluster.hosts)} hosts, {total} at a time")
     if args.detach:
@@ -72,7 +72,7 @@ def up_array(session: Session, pre: PreflightReport, args: argparse.Namespace) -
 def array_plan(cluster: Cluster) -> str:
     spec = cluster.job.array
     assert spec is not None
-    hosts = arrays.deal(cluster, spec)
+    hosts = plan.deal(cluster, spec)
     lines = [f"job array {cluster.name}: {len(spec.tasks)} tasks, {spec.procs_per_task} "
              f"process(es) each, on {len(cluster.hosts)} hosts"]
     if cluster.data.shards:
@@ -80,11 +80,11 @@ def array_plan(cluster: Cluster) -> str:
                      "-> <job dir>/data/ on every host (the whole dataset)")
     for h in cluster.hosts:
         mine = [i for i, x in enumerate(hosts) if x == h.index]
-        lines.append(f"host {h.index} {h.label}: {arrays.slots(h, spec)} at a time, "
+        lines.append(f"host {h.index} {h.label}: {plan.slots(h, spec)} at a time, "
                      f"{len(mine)} tasks queued")
         job_dir = f"{h.remote_dir.rstrip('/')}/{cluster.name}"
         for i in mine[:3]:
-            lines.append(f"  task {i}: " + remote_command(arrays.task_argv(cluster, h.python, job_dir, i)))
+            lines.append(f"  task {i}: " + remote_command(plan.task_argv(cluster, h.python, job_dir, i)))
         if len(mine) > 3:
             lines.append(f"  ... {len(mine) - 3} more")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
-from orchestrator import arrays
+from orchestrator.arrays import plan
 from orchestrator.commands.common import (
     console,
     emit_json,
@@ -197,9 +197,9 @@ def array_logs(cluster: Cluster, st: JobState, args: argparse.Namespace) -> int:
     if args.rank is not None or args.list:
         raise UsageError(f"job '{cluster.name}' is a job array: it has tasks, not ranks",
                          hint=f"use `orch logs -c {inv} --task I` (`orch status -c {inv}` lists the tasks)")
-    rec = arrays.load(cluster)
+    rec = plan.load(cluster)
     if args.task is not None:
-        host = cluster.hosts[arrays.task_of(rec, args.task)]
+        host = cluster.hosts[plan.task_of(rec, args.task)]
         session = open_job(cluster, st, hosts=(host,))
         try:
             session.require_all("to connect")

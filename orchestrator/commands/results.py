@@ -7,8 +7,8 @@ from typing import Any
 
 from rich.table import Table
 
-from orchestrator import arrays
-from orchestrator import results as res
+from orchestrator.arrays import plan
+from orchestrator.arrays import results as res
 from orchestrator.commands.common import (
     console,
     emit_json,
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{cluster.path.name}: job '{cluster.name}' is not a job array",
                          hint="add `array:` under `job:` (see the README's Job arrays), "
                               f"or use `orch status -c {cluster.path.name}`")
-    rec = arrays.load(cluster)
+    rec = plan.load(cluster)
     session = open_session(cluster, require_state(cluster))
     try:
         if not args.json:
@@ -47,13 +47,13 @@ def run(args: argparse.Namespace) -> int:
         session.close()
 
 
-def collect(session: Session, rec: arrays.ArrayRecord) -> list[dict[str, Any]]:
+def collect(session: Session, rec: plan.ArrayRecord) -> list[dict[str, Any]]:
     status = session.array_request("array_status", rec)
     fetched = session.array_request("array_results", rec)
     return res.result_rows(rec, res.status_rows(session.cluster, rec, status), fetched)
 
 
-def show(session: Session, rec: arrays.ArrayRecord, as_json: bool) -> int:
+def show(session: Session, rec: plan.ArrayRecord, as_json: bool) -> int:
     cluster = session.cluster
     rows = collect(session, rec)
     groups = res.group(rows)

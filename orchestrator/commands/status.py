@@ -8,7 +8,8 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator import arrays
+from orchestrator.arrays import plan
+from orchestrator.arrays.results import status_rows
 from orchestrator.commands.common import (
     console,
     emit_json,
@@ -23,7 +24,6 @@ from orchestrator.commands.common import (
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_HOST, EXIT_OK
 from orchestrator.remote.fanout import GroupResult
-from orchestrator.results import status_rows
 from orchestrator.ui.termsafe import plain, visible
 from orchestrator.watch.monitor import signal_name
 
@@ -143,7 +143,7 @@ def table(name: str, rows: list[dict[str, Any]], width: int | None = None) -> Ta
 
 def array_status(cluster: Cluster, args: argparse.Namespace) -> int:
     """One row per task of a job array: index, args, host/slot, state, runtime, last line."""
-    rec = arrays.load(cluster)
+    rec = plan.load(cluster)
     session = open_session(cluster, require_state(cluster))
     try:
         if not args.json:

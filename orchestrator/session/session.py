@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from orchestrator import arrays
-from orchestrator.arrays import ArrayRecord
+from orchestrator.arrays import plan
+from orchestrator.arrays.plan import ArrayRecord
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_USAGE, HostError, OrchError
 from orchestrator.files.localfiles import DigestCache, LocalFile, Pushable
@@ -300,7 +300,7 @@ class Session:
     def launch_array(self, pre: PreflightReport) -> tuple[ArrayRecord, dict[int, dict[str, Any]]]:
         """Every host's runner, all or none (like `launch`)."""
         try:
-            return arrays.launch_all(self.cluster, self.links, pre)
+            return plan.launch_all(self.cluster, self.links, pre)
         except BaseException:
             self.stop(0)
             raise

@@ -57,7 +57,7 @@ def save(cluster: Cluster, state: JobState) -> None:
 
 def write_record(path: Path, data: Any, indent: int | None = None) -> None:
     """A job's record under .orch/<name>/ as JSON: private (0600), and replaced whole, so
-    that a crash while writing leaves the previous record (arrays.py's too)."""
+    that a crash while writing leaves the previous record (arrays/plan.py's too)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.arrays import ArrayRecord
+from orchestrator.arrays.plan import ArrayRecord
 from orchestrator.config.arrayspec import task_params
 from orchestrator.config.inventory import Cluster
 from orchestrator.remote.fanout import GroupResult

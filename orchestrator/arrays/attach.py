@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from orchestrator.arrays import ArrayRecord
+from orchestrator.arrays.plan import ArrayRecord
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.session.session import Session
 from orchestrator.ui.console import console

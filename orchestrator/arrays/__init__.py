@@ -1,0 +1,1 @@
+"""Job arrays across the layers: dealing tasks to hosts, following them, their results."""
