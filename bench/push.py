@@ -10,7 +10,7 @@ Methods, each into a fresh destination folder every rep:
   tar        tar -cf - -C src . | ssh -F <ssh_config> host 'mkdir -p dst && tar -xf - -C dst'
              (OpenSSH's default cipher; the target figure is orch / this)
   tar-gcm    the same with -c aes128-gcm@openssh.com (the cipher orch asks for)
-  orch       orchestrator.files.sync.push() over a connection opened by connect_all, the file
+  orch       orchestrator.files.sync.push() over a connection opened by ssh.connect.connect, the file
              list (with sha256) built beforehand; `push` includes the manifest round trip,
              `+connect` adds opening the connection (tar pays for its ssh handshake too)
   orch-nomf  (--floor) push(..., remote={}): the manifest already known, as in `orch up`
@@ -67,7 +67,8 @@ from orchestrator.files.localfiles import DigestCache, LocalFile
 from orchestrator.files.sync import push, stream_files
 from orchestrator.remote.bundle import BOOT, agent_argv, agent_stdin
 from orchestrator.remote.link import Link
-from orchestrator.ssh.connect import connect_all
+from orchestrator.ssh.connect import connect as connect_host
+from orchestrator.ssh.connect import ssh_config
 from orchestrator.wire import protocol
 
 MB = 1e6
@@ -231,10 +232,7 @@ def connect(b: Bench) -> Link:
     inv = b.cluster.write_inventory(b.work / "bench-cluster.yaml", name="bench-push")
     cluster = load(inv)
     t = time.perf_counter()
-    res = connect_all(cluster.hosts, cluster.base_dir)
-    if res.failed:
-        raise SystemExit(f"connect failed: {res.failed}")
-    b.link = Link(res.ok[0])
+    b.link = Link(connect_host(cluster.hosts[0], ssh_config(), cluster.base_dir))
     b.link.start()
     b.connect_s.append(time.perf_counter() - t)
     return b.link

@@ -48,6 +48,19 @@ class HostError(OrchError):
     exit_code = EXIT_HOST
 
 
+class GroupError(HostError):
+    """Some hosts failed one step. Every host's outcome stays data, as in fabric's
+    GroupException: `failures` maps each failed host's index to its exception (explained:
+    a lost connection says so), `hosts` each index to the host's label. The message is
+    what the CLI prints: one line per host, each with its fix."""
+
+    def __init__(self, message: str, failures: dict[int, BaseException],
+                 hosts: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+        self.hosts = hosts
+
+
 
 class JobError(OrchError):
     """The job failed (a rank exited non-zero)."""

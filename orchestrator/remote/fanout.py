@@ -8,9 +8,20 @@ from dataclasses import dataclass, field
 from typing import Callable, Generic, TypeVar
 
 from orchestrator.config.inventory import Host
-from orchestrator.errors import EXIT_HOST, HostError, OrchError
+from orchestrator.errors import EXIT_HOST, GroupError, OrchError
 
 T = TypeVar("T")
+
+
+# What a host's failure means when its connection was lost meanwhile. The SSH layer
+# registers it when imported (ssh/connect.py), which only a command that opened a
+# connection does; the fan-out itself knows nothing of SSH.
+Explain = Callable[[Host, BaseException], BaseException]
+_explainers: list[Explain] = []
+
+
+def explain_failures_with(explain: Explain) -> None:
+    _explainers[:] = [explain]
 
 
 @dataclass
@@ -21,31 +32,31 @@ class GroupResult(Generic[T]):
     failed: dict[int, BaseException] = field(default_factory=dict)
 
     def raise_failures(self, hosts: tuple[Host, ...], what: str) -> None:
+        """Raise one GroupError for every failed host (none: return)."""
         if not self.failed:
             return
-        # only a command that opened connections has lost one (connect.py is not imported
-        # by the others: it brings paramiko)
-        from orchestrator.ssh.connect import connection_error
-        from orchestrator.ssh.faults import explain_lost
         by_index = {h.index: h for h in hosts}
+        failures = {i: self._explained(by_index.get(i), exc) for i, exc in self.failed.items()}
         lines = [f"{len(self.failed)} of {len(hosts)} hosts failed {what}:"]
-        for i in sorted(self.failed):
-            exc = self.failed[i]
-            lost = connection_error(by_index[i]) if i in by_index else None
-            if i in by_index and (lost is not None or not isinstance(exc, OrchError)):
-                exc = explain_lost(by_index[i], lost or exc)
+        for i in sorted(failures):
+            exc = failures[i]
             text = exc.message if isinstance(exc, OrchError) else f"host {i}: {exc}"
             lines.append(f"  - {text}")
             hint = getattr(exc, "hint", "")
             if hint:
                 lines.append(f"      fix: {hint}")
+        error = GroupError("\n".join(lines), failures,
+                           {i: by_index[i].label if i in by_index else str(i) for i in failures})
         # one kind of failure everywhere keeps its exit code ("already running" is 2);
         # anything mixed, or not orch's own, is a host failure (3)
         codes = {getattr(self.failed[i], "exit_code", EXIT_HOST) for i in self.failed}
-        error = HostError("\n".join(lines))
         if len(codes) == 1:
             error.exit_code = codes.pop()
         raise error
+
+    @staticmethod
+    def _explained(host: Host | None, exc: BaseException) -> BaseException:
+        return _explainers[0](host, exc) if host is not None and _explainers else exc
 
 
 def fan_out(hosts: tuple[Host, ...], fn: Callable[[Host], T], limit: int = 256,

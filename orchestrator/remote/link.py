@@ -347,9 +347,3 @@ class Link:
         except Exception:  # closing is best effort: the host may be gone
             pass
         self.chan.close()
-
-
-def start_link(transport: Transport, label: str = "") -> Link:
-    link = Link(transport, label)
-    link.start()
-    return link

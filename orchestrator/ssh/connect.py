@@ -9,7 +9,6 @@ bastion (`Bastions`), each hop's host key checked under the host's policy.
 """
 from __future__ import annotations
 
-import contextlib
 import getpass
 import logging
 import os
@@ -25,16 +24,21 @@ import paramiko
 from orchestrator.config.inventory import Host
 from orchestrator.config.proxyjump import parse_chain
 from orchestrator.errors import (
-    EXIT_USAGE,
     HostError,
     InventoryError,
     OrchError,
     UsageError,
 )
-from orchestrator.remote.fanout import GroupResult, fan_out
+from orchestrator.remote.fanout import explain_failures_with
 from orchestrator.remote.transport import LocalTransport, Transport
 from orchestrator.ssh import lazyimport
-from orchestrator.ssh.faults import BastionError, ConnectFailed, ForwardFailed, describe
+from orchestrator.ssh.faults import (
+    BastionError,
+    ConnectFailed,
+    ForwardFailed,
+    describe,
+    explain_lost,
+)
 from orchestrator.ssh.sshtransport import (
     AcceptNewPolicy,
     HostKeyRefused,
@@ -518,26 +522,13 @@ def connect(host: Host, config: paramiko.SSHConfig, base_dir: Path,
             hops.seal()
 
 
-def connect_all(hosts: tuple[Host, ...], base_dir: Path,
-                done: Callable[[], None] | None = None) -> GroupResult[Transport]:
-    """Every host in parallel. A mistake on this machine (exit 2) is raised, not collected:
-    it is the same for every host and no host is at fault."""
-    config = ssh_config()
-    check_local_files(hosts)
-    bastions = Bastions()
-    try:
-        result = fan_out(hosts, lambda h: connect(h, config, base_dir, bastions), done=done)
-    finally:
-        bastions.seal()
-    local = [e for e in result.failed.values()
-             if isinstance(e, OrchError) and e.exit_code == EXIT_USAGE]
-    if local:
-        close_all(result.ok)
-        raise local[0]
-    return result
+def explain_failure(host: Host, exc: BaseException) -> BaseException:
+    """A host's failure as the fan-out reports it: a connection lost meanwhile (or an error
+    that is not orch's own) is told as the lost connection, with its fix."""
+    lost = connection_error(host)
+    if lost is not None or not isinstance(exc, OrchError):
+        return explain_lost(host, lost or exc)
+    return exc
 
 
-def close_all(transports: dict[int, Transport]) -> None:
-    for t in transports.values():
-        with contextlib.suppress(Exception):  # best effort; the process is ending anyway
-            t.close()
+explain_failures_with(explain_failure)

@@ -48,12 +48,6 @@ def plain(text: str) -> Text:
     return Text(visible(text, keep_sgr=False))
 
 
-def plain_block(text: str) -> Text:
-    """Like plain(), but line breaks stay line breaks: a message of several lines (an
-    error with its fix) that carries host text somewhere in it."""
-    return Text("\n".join(visible(line, keep_sgr=False) for line in text.split("\n")))
-
-
 def markup_safe(text: str) -> str:
     """Host text to put inside a rich markup string: escaped twice over, for the
     terminal (no control sequence) and for rich (no `[tag]` read as markup)."""
