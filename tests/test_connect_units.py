@@ -139,7 +139,7 @@ def test_known_hosts_parsed_once_and_again_when_changed(tmp_path: Path) -> None:
 def test_invoke_is_imported_only_for_a_config_that_may_run_commands(tmp_path: Path) -> None:
     """paramiko imports invoke (asyncio, unittest.mock: 30-50 ms) only to run `Match
     exec`; orch holds it back at start and gives it back for a config that has one."""
-    probe = ("import sys, orchestrator.cli\nfrom orchestrator import connect\n"
+    probe = ("import sys, orchestrator.cli\nfrom orchestrator.ssh import connect\n"
              "got = connect.ssh_config().lookup('h')\n"
              "print(got.get('user'), 'invoke' in sys.modules and sys.modules['invoke'] is not None)\n")
     plain, matching = tmp_path / "plain", tmp_path / "matching"

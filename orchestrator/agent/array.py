@@ -17,8 +17,9 @@ from typing import Any, Callable
 
 from orchestrator.agent.common import AgentError, job_paths, read_json, write_atomic
 from orchestrator.agent.follow import open_log, rank_exit, tail_offset
-from orchestrator.agent.launch import ALREADY_RUNNING, job_folders, run_supervisor, start_detached
+from orchestrator.agent.launch import ALREADY_RUNNING, job_folders
 from orchestrator.agent.procs import job_running, proc_start_time, supervisor_alive
+from orchestrator.agent.supervisor import run_supervisor, start_detached
 from orchestrator.wire import protocol
 
 LINE_CAP = 4096          # bytes of one metrics.csv line sent back

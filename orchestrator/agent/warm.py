@@ -7,7 +7,7 @@ of a torchrun start) and waits too. Nothing of the job runs and nothing is writt
 the job folder; the warm torchrun has the job's environment but its marker
 (ORCH_JOB_DIR, agent/procs.py), so it is no process of the job yet: it is this agent's,
 and ends with it. `launch` then sends the spec to the waiting supervisor (`Warm.go`): it
-becomes the job's supervisor (host/launch.run_supervisor) and hands the warm torchrun
+becomes the job's supervisor (supervisor.run_supervisor) and hands the warm torchrun
 its arguments, the log and code/. Without a go (another host failed, the controller went
 away) both end at once: the supervisor reads the end of its pipe when this agent ends.
 
@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 
-from orchestrator.agent import launch
+from orchestrator.agent import supervisor
 from orchestrator.agent.common import AgentError, job_paths
 from orchestrator.agent.paths import write_all
 from orchestrator.agent.procs import MARKER
@@ -132,7 +132,7 @@ def start(p: dict[str, Any], python: str, env: dict[str, str]) -> Warm:
     warm torchrun's pid (or why it could not start)."""
     go_r, go_w = os.pipe()
     rec_r, rec_w = os.pipe()
-    launch.detach(lambda: waiting(p, python, env, go_r, rec_w))
+    supervisor.detach(lambda: waiting(p, python, env, go_r, rec_w))
     os.close(go_r)
     os.close(rec_w)
     first = read_line(rec_r)
@@ -192,7 +192,7 @@ def waiting(p: dict[str, Any], python: str, env: dict[str, str], go_r: int, rec_
                 signal.signal(sig, lambda s, f: os.kill(torchrun, s))
             return wait_code(torchrun)
         return torchrun, wait
-    launch.run_supervisor(p, spec, rec_w, "supervisor", "run/torchrun.log", begin)
+    supervisor.run_supervisor(p, spec, rec_w, "supervisor", "run/torchrun.log", begin)
 
 
 def spawn_launcher(job: str, python: str, env: dict[str, str]) -> tuple[int, Any]:
@@ -267,4 +267,4 @@ def cold(pid: int, spec: dict[str, Any]) -> int:
         os.waitpid(pid, 0)
     except ChildProcessError:
         pass
-    return launch.spawn(spec["argv"], dict(os.environ, **spec["env"]))
+    return supervisor.spawn(spec["argv"], dict(os.environ, **spec["env"]))

@@ -17,10 +17,11 @@ from typing import Any
 from orchestrator.config.arrayspec import ArraySpec
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import UsageError
-from orchestrator.remote.fanout import fan_out
+from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.session.launch import rank_env
 from orchestrator.session.preflight import PreflightReport
+from orchestrator.session.session import Session
 from orchestrator.session.state import write_record
 from orchestrator.wire import timeouts
 
@@ -135,3 +136,31 @@ def task_of(rec: ArrayRecord, task: int) -> int:
         raise UsageError(f"task {task} does not exist: this array has tasks 0 to {len(rec.host) - 1}",
                          hint=f"give a task from 0 to {len(rec.host) - 1}")
     return rec.host[task]
+
+
+def start(session: Session, pre: PreflightReport) -> tuple[ArrayRecord, dict[int, dict[str, Any]]]:
+    """Every host's runner, all or none (like `Session.launch`)."""
+    try:
+        return launch_all(session.cluster, session.links, pre)
+    except BaseException:
+        session.stop(0)
+        raise
+
+
+def host_request(session: Session, command: str, rec: ArrayRecord,
+                 batch: int = 1000) -> GroupResult[dict[str, Any]]:
+    """`array_status` or `array_results` of each host's tasks, in batches (a reply
+    stays far under the frame cap); the host's replies merged."""
+    links = session.links
+    hosts = tuple(h for h in session.cluster.hosts if h.index in links)
+
+    def one(h: Host) -> dict[str, Any]:
+        mine, merged = rec.tasks_of(h.index), dict[str, Any]()
+        for at in range(0, max(len(mine), 1), batch):
+            reply = links[h.index].request(command, timeouts.STATUS,
+                                           job_dir=session.records[h.index].job_dir,
+                                           tasks=mine[at:at + batch])
+            merged.setdefault("tasks", []).extend(reply.pop("tasks"))
+            merged.update(reply)
+        return merged
+    return fan_out(hosts, one)

@@ -46,7 +46,7 @@ def array_files(cluster: Cluster) -> dict[int, HostFiles]:
 
 def up_array(session: Session, pre: PreflightReport, args: argparse.Namespace) -> int:
     cluster = session.cluster
-    rec, sups = session.launch_array(pre)
+    rec, sups = plan.start(session, pre)
     st = job_state.new_state(cluster, rec.run_id, "-", 0, pre.hosts, sups)
     job_state.save(cluster, st)
     plan.save(cluster, rec)

@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def collect(session: Session, rec: plan.ArrayRecord) -> list[dict[str, Any]]:
-    status = session.array_request("array_status", rec)
-    fetched = session.array_request("array_results", rec)
+    status = plan.host_request(session, "array_status", rec)
+    fetched = plan.host_request(session, "array_results", rec)
     return res.result_rows(rec, res.status_rows(session.cluster, rec, status), fetched)
 
 

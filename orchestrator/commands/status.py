@@ -148,7 +148,7 @@ def array_status(cluster: Cluster, args: argparse.Namespace) -> int:
     try:
         if not args.json:
             warn_unreachable(session)
-        result = session.array_request("array_status", rec)
+        result = plan.host_request(session, "array_status", rec)
         rows = status_rows(cluster, rec, result)
     finally:
         session.close()

@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from orchestrator.arrays import plan
-from orchestrator.arrays.plan import ArrayRecord
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_USAGE, HostError, OrchError
 from orchestrator.files.localfiles import DigestCache, LocalFile, Pushable
@@ -294,30 +292,3 @@ class Session:
         cache = DigestCache(self.cluster.state_dir / "pull-digests.json")
         return pull_files(link, self.records[host.index].job_dir, paths, dest, cache,
                           progress, planned)
-
-    # ------------------------------------------------------------ job arrays
-
-    def launch_array(self, pre: PreflightReport) -> tuple[ArrayRecord, dict[int, dict[str, Any]]]:
-        """Every host's runner, all or none (like `launch`)."""
-        try:
-            return plan.launch_all(self.cluster, self.links, pre)
-        except BaseException:
-            self.stop(0)
-            raise
-
-    def array_request(self, command: str, rec: ArrayRecord, batch: int = 1000) -> GroupResult[dict[str, Any]]:
-        """`array_status` or `array_results` of each host's tasks, in batches (a reply
-        stays far under the frame cap); the host's replies merged."""
-        links = self.links
-        hosts = tuple(h for h in self.cluster.hosts if h.index in links)
-
-        def one(h: Host) -> dict[str, Any]:
-            mine, merged = rec.tasks_of(h.index), dict[str, Any]()
-            for at in range(0, max(len(mine), 1), batch):
-                reply = links[h.index].request(command, timeouts.STATUS,
-                                               job_dir=self.records[h.index].job_dir,
-                                               tasks=mine[at:at + batch])
-                merged.setdefault("tasks", []).extend(reply.pop("tasks"))
-                merged.update(reply)
-            return merged
-        return fan_out(hosts, one)

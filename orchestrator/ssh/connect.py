@@ -45,6 +45,7 @@ from orchestrator.ssh.sshtransport import (
     SSHTransport,
     StrictPolicy,
 )
+from orchestrator.ssh.target import Target
 from orchestrator.wire import timeouts
 
 # aes128-gcm first: on a CPU-bound link it is 1.4-1.6x faster than the alternatives
@@ -86,25 +87,6 @@ quiet_paramiko()
 
 
 # ---------------------------------------------------------------- where to connect
-
-@dataclass(frozen=True)
-class Target:
-    """Where and how to connect, after ~/.ssh/config and the inventory are merged."""
-
-    hostname: str
-    port: int
-    user: str
-    identity_files: tuple[str, ...]
-    known_hosts: str
-    policy: str
-    timeout: float
-    jumps: tuple[Target, ...] = ()   # bastions, first hop first
-    name: str = ""                     # as written (a bastion's `user@host:port`)
-
-    @property
-    def address(self) -> str:
-        return f"{self.user}@{self.hostname}:{self.port}"
-
 
 def ssh_config_path() -> str:
     return os.environ.get("ORCH_SSH_CONFIG", os.path.expanduser("~/.ssh/config"))

@@ -17,7 +17,7 @@ from orchestrator.ssh.sshtransport import HostKeyRefused, fingerprint, known_hos
 from orchestrator.ui.wording import hint_cmd
 
 if TYPE_CHECKING:
-    from orchestrator.ssh.connect import Target
+    from orchestrator.ssh.target import Target
 
 DEFAULT_KEYS = ("id_rsa", "id_ecdsa", "id_ed25519")  # what paramiko looks for in ~/.ssh
 
