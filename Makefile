@@ -10,7 +10,7 @@ APT_PKGS := openssh-server openssh-client rsync pdsh iproute2 procps
 # (both in __pycache__/, which git ignores). Without it `make test-fast` is 10 s longer.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install lock system-deps test test-fast check demo bench gpu-check clean
+.PHONY: install lock system-deps test test-fast check docs demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -58,6 +58,11 @@ check: install
 	$(VPY) -m ruff check orchestrator worker tests bench tools || rc=1; \
 	$(VPY) -m mypy || rc=1; \
 	exit $$rc
+
+# The documentation site (docs/, mkdocs.yml) into site/: a page left out of nav, a broken
+# link or anchor is an error (mkdocs.yml's validation settings with --strict).
+docs: install
+	$(VENV)/bin/mkdocs build --strict
 
 demo: install
 	$(VPY) -m worker.demo_data --out data/demo --seed 0
