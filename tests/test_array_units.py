@@ -148,5 +148,5 @@ def test_array_messages_have_schemas_both_ways() -> None:
     from orchestrator.agent import main
     from orchestrator.wire import protocol
     for t in ("array_launch", "array_status", "array_results"):
-        assert t in protocol.REQUESTS and t in protocol.REPLIES and t in main.COMMANDS
+        assert t in protocol.REQUESTS and t in protocol.REPLIES and t in main.HANDLERS
     assert "task" in protocol.FOLLOW_UNITS and "?unit" in protocol.REQUESTS["follow"]

@@ -16,13 +16,13 @@ from typing import Any, cast
 import pytest
 
 from fake_agent import FakeChannel, FakeTransport
-from orchestrator.agent import commands
+from orchestrator.agent import shellcmd
 from orchestrator.commands.exec import select, split_selection
 from orchestrator.config.inventory import parse
 from orchestrator.config.setupspec import SetupSpec, fingerprint, named_files
 from orchestrator.errors import InventoryError, UsageError
-from orchestrator.session.cmdoutput import HostOutput, Printer
 from orchestrator.session.session import Session
+from orchestrator.session.shelloutput import HostOutput, Printer
 from orchestrator.wire import protocol, timeouts
 
 BASE = """name: sx
@@ -201,23 +201,23 @@ def setup_req(job_dir: Path, commands_: list[str], digest: str = "f1", force: bo
 def test_agent_setup_runs_in_code_logs_and_skips(tmp_path: Path) -> None:
     job = tmp_path / "job"
     req = setup_req(job, ["echo $FOO > made.txt", "pwd"])
-    reply = commands.run_setup(req)
+    reply = shellcmd.run_setup(req)
     protocol.check(reply, cast(dict, protocol.REPLIES["setup"]), "setup")
     assert reply["code"] == 0 and not reply["skipped"]
     assert (job / "code" / "made.txt").read_text() == "bar\n"
     assert req.output() == f"$ echo $FOO > made.txt\n$ pwd\n{job / 'code'}\n".encode()
     assert (job / "logs" / "setup.log").read_bytes() == req.output()
     assert json.loads((job / "run" / "setup.json").read_text())["fingerprint"] == "f1"
-    assert commands.run_setup(setup_req(job, ["false"]))["skipped"] is True
-    forced = commands.run_setup(setup_req(job, ["echo again"], force=True))
+    assert shellcmd.run_setup(setup_req(job, ["false"]))["skipped"] is True
+    forced = shellcmd.run_setup(setup_req(job, ["echo again"], force=True))
     assert not forced["skipped"] and forced["code"] == 0
 
 
 def test_agent_setup_failure_stops_and_forgets_the_fingerprint(tmp_path: Path) -> None:
     job = tmp_path / "job"
-    assert commands.run_setup(setup_req(job, ["true"]))["code"] == 0
+    assert shellcmd.run_setup(setup_req(job, ["true"]))["code"] == 0
     req = setup_req(job, ["echo before", "exit 4", "echo never"], digest="f2")
-    reply = commands.run_setup(req)
+    reply = shellcmd.run_setup(req)
     assert (reply["code"], reply["failed"]) == (4, "exit 4")
     assert b"never" not in req.output()
     assert not (job / "run" / "setup.json").exists()  # the next up runs it again
@@ -229,7 +229,7 @@ def test_agent_setup_refuses_a_link_for_its_log(tmp_path: Path) -> None:
     (tmp_path / "elsewhere").write_text("keep")
     os.symlink(tmp_path / "elsewhere", job / "logs" / "setup.log")
     with pytest.raises(OSError):
-        commands.run_setup(setup_req(job, ["echo x"]))
+        shellcmd.run_setup(setup_req(job, ["echo x"]))
     assert (tmp_path / "elsewhere").read_text() == "keep"
 
 
@@ -240,20 +240,20 @@ def test_agent_exec_folder_and_exit_code(tmp_path: Path) -> None:
         argv=["sh", "-c", "pwd; echo $FOO; exit 3"],
         env={"FOO": "bar"},
     )
-    reply = commands.run_exec(req)
+    reply = shellcmd.run_exec(req)
     assert reply["code"] == 3 and reply["cwd"] == str(tmp_path)  # no job folder: remote_dir
     assert req.output() == f"{tmp_path}\nbar\n".encode()
     (tmp_path / "job").mkdir()
     req = Req("exec", job_dir=str(tmp_path / "job"), argv=["pwd"], env={})
-    assert commands.run_exec(req)["cwd"] == str(tmp_path / "job")
+    assert shellcmd.run_exec(req)["cwd"] == str(tmp_path / "job")
     missing = Req("exec", job_dir=str(tmp_path / "job"), argv=["no-such-command-x"], env={})
-    assert commands.run_exec(missing)["code"] == 127
+    assert shellcmd.run_exec(missing)["code"] == 127
     assert b"cannot run" in missing.output()
 
 
 def group_alive(pgid: int) -> bool:
     """A live (not zombie) process in the group: the container's init may reap late."""
-    return commands.group_alive(pgid)
+    return shellcmd.group_alive(pgid)
 
 
 def test_agent_cancel_ends_the_whole_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -266,19 +266,19 @@ def test_agent_cancel_ends_the_whole_group(tmp_path: Path, monkeypatch: pytest.M
         argv=["sh", "-c", "trap '' TERM; sleep 300 & echo started; wait"],
     )
     result: dict = {}
-    th = threading.Thread(target=lambda: result.update(commands.run_exec(req)))
+    th = threading.Thread(target=lambda: result.update(shellcmd.run_exec(req)))
     th.start()
     deadline = time.monotonic() + 10
-    while req.id not in commands._running and time.monotonic() < deadline:
+    while req.id not in shellcmd._running and time.monotonic() < deadline:
         time.sleep(0.02)
-    pgid = commands._running[req.id].pid
+    pgid = shellcmd._running[req.id].pid
     while b"started" not in req.output() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert commands.run_cancel(Req("cancel", request=req.id)) == {"found": True}
+    assert shellcmd.run_cancel(Req("cancel", request=req.id)) == {"found": True}
     th.join(10)
     assert result["code"] == -signal.SIGKILL
     assert not group_alive(pgid)
-    assert commands.run_cancel(Req("cancel", request=req.id)) == {"found": False}
+    assert shellcmd.run_cancel(Req("cancel", request=req.id)) == {"found": False}
 
 
 # ---------------------------------------------------------------- controller, fake agents
@@ -350,19 +350,19 @@ def test_agent_end_of_input_ends_every_running_command(tmp_path: Path) -> None:
         Req("exec", job_dir=str(tmp_path), env={}, argv=["sh", "-c", "echo started; sleep 300"])
         for _ in range(2)
     ]
-    threads = [threading.Thread(target=commands.run_exec, args=(r,)) for r in reqs]
+    threads = [threading.Thread(target=shellcmd.run_exec, args=(r,)) for r in reqs]
     for th in threads:
         th.start()
     deadline = time.monotonic() + 10
     while not all(b"started" in r.output() for r in reqs) and time.monotonic() < deadline:
         time.sleep(0.02)
-    pgids = [commands._running[r.id].pid for r in reqs]
+    pgids = [shellcmd._running[r.id].pid for r in reqs]
     try:
-        commands.end_all()
+        shellcmd.end_all()
         for th in threads:
             th.join(10)
         assert not any(group_alive(p) for p in pgids)
         with pytest.raises(Exception, match="controller is gone"):
-            commands.run_exec(Req("exec", job_dir=str(tmp_path), env={}, argv=["true"]))
+            shellcmd.run_exec(Req("exec", job_dir=str(tmp_path), env={}, argv=["true"]))
     finally:
-        commands._closing.clear()
+        shellcmd._closing.clear()

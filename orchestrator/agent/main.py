@@ -26,7 +26,7 @@ if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent st
 
 # request -> (module of orchestrator.agent, function). A module is imported at its first
 # request: an agent runs a few of them, and every import is CPU at every host's start.
-COMMANDS = {
+HANDLERS = {
     "preflight": ("preflight", "run"),
     "manifest": ("files", "run_manifest"),
     "receive": ("files", "run_receive"),
@@ -40,10 +40,10 @@ COMMANDS = {
     "pull_manifest": ("pull", "run_manifest"),
     "pull_send": ("pull", "run_send"),
     "clock": ("main", "run_clock"),
-    "setup": ("commands", "run_setup"),
-    "probe": ("commands", "run_probe"),
-    "exec": ("commands", "run_exec"),
-    "cancel": ("commands", "run_cancel"),
+    "setup": ("shellcmd", "run_setup"),
+    "probe": ("shellcmd", "run_probe"),
+    "exec": ("shellcmd", "run_exec"),
+    "cancel": ("shellcmd", "run_cancel"),
 }
 # command -> daemon thread (not waited for); setup and exec run beside a `cancel`
 IN_THREAD = {"follow": True, "stop": False, "setup": False, "exec": False}
@@ -54,7 +54,7 @@ def run_clock(req: Request) -> dict[str, Any]:
 
 
 def handler(command: str) -> Callable[[Request], Any]:
-    module, name = COMMANDS[command]
+    module, name = HANDLERS[command]
     found: Callable[[Request], Any] = getattr(
         importlib.import_module("orchestrator.agent." + module), name)
     return found
@@ -120,7 +120,7 @@ def grow_stdin_pipe() -> None:
 def dispatch(msg: dict[str, Any], out: Out, reader: protocol.FrameReader, debug: bool,
              waited: list[threading.Thread]) -> None:
     req = Request(msg, out, reader, debug)
-    if req.t not in COMMANDS:
+    if req.t not in HANDLERS:
         out.send(protocol.error(req.id, protocol.USAGE, "unknown request %r" % req.t))
     elif req.t in IN_THREAD:
         th = threading.Thread(target=serve, args=(req,), daemon=IN_THREAD[req.t])
@@ -153,8 +153,8 @@ def main(version: str, argv: list[Any]) -> None:
         out.send(protocol.error(None, protocol.HOST, "agent: %s" % e))
     except BrokenPipeError:
         pass
-    if "orchestrator.agent.commands" in sys.modules:   # a setup or exec does not outlive
-        sys.modules["orchestrator.agent.commands"].end_all()   # the controller
+    if "orchestrator.agent.shellcmd" in sys.modules:   # a setup or exec does not outlive
+        sys.modules["orchestrator.agent.shellcmd"].end_all()   # the controller
     for th in waited:
         th.join()
     sys.stdout.flush()

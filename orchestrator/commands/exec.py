@@ -25,9 +25,9 @@ from orchestrator.errors import (
     UsageError,
 )
 from orchestrator.session import state as job_state
-from orchestrator.session.cmdoutput import HostOutput, Printer
-from orchestrator.session.remotecmd import Outcome
 from orchestrator.session.session import Session
+from orchestrator.session.shellcmd import Outcome
+from orchestrator.session.shelloutput import HostOutput, Printer
 
 KEEP = 1 << 20  # --json: the last bytes of each host's output
 

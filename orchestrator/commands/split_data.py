@@ -4,8 +4,10 @@ The work is done by orchestrator.files.splitdata; this module parses, resolves d
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -113,16 +115,31 @@ def _packer(args: argparse.Namespace) -> splitdata.Packer | None:
     if size < 1:
         raise UsageError(f"--image-size must be a positive number of pixels (got {size})",
                          hint="e.g. --image-size 224")
-    try:
-        from worker.pack import pack_shard
-    except ImportError as exc:
-        raise DataError(f"--pack needs worker.pack.pack_shard, which cannot be imported ({exc})",
-                        hint="run from the orch checkout with the worker extras installed, "
-                             "or drop --pack") from None
+    pack_shard = _import_packer()
 
     def pack(shard_dir: Path) -> None:
         pack_shard(shard_dir, size)
     return pack
+
+
+def _import_packer() -> Callable[..., Path]:
+    """worker.pack from the current folder, as `python -m worker.pack` would find it: the
+    training program is not part of orch's wheel (it ships to the hosts as code)."""
+    here = os.getcwd()
+    added = here not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        from worker.pack import pack_shard
+    except ImportError as exc:
+        raise DataError(f"--pack needs worker.pack.pack_shard, which cannot be imported ({exc})",
+                        hint="run it in the folder that holds worker/ (the orch checkout), with "
+                             "the worker extras installed, or drop --pack") from None
+    finally:
+        if added:
+            sys.path.remove(here)
+    packer: Callable[..., Path] = pack_shard
+    return packer
 
 
 # ---------------------------------------------------------------- output

@@ -20,11 +20,11 @@ from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_fi
 from orchestrator.files.shards import host_files, load_split
 from orchestrator.files.sync import SyncReport
 from orchestrator.session import state as job_state
-from orchestrator.session.cmdoutput import Printer
 from orchestrator.session.launch import dry_run_plan, master_addr
 from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import HostFiles, Session
 from orchestrator.session.setupstep import needs_check
+from orchestrator.session.shelloutput import Printer
 from orchestrator.ui.console import bytes_bar, hosts_bar
 from orchestrator.watch.monitor import attach
 

@@ -22,11 +22,11 @@ from orchestrator.remote.bundle import bundle
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import Transport
-from orchestrator.session import remotecmd, setupstep
+from orchestrator.session import setupstep, shellcmd
 from orchestrator.session import state as job_state
-from orchestrator.session.cmdoutput import HostOutput, Printer
 from orchestrator.session.launch import launch_all, new_run_id, warm_env, warm_start
 from orchestrator.session.preflight import Checked, PreflightReport, check_host, preflight
+from orchestrator.session.shelloutput import HostOutput, Printer
 from orchestrator.session.stopper import StopReport, stop_all
 from orchestrator.wire import timeouts
 
@@ -235,14 +235,14 @@ class Session:
         """After setup, or without pushed code: python, torch, entrypoint per host."""
         return setupstep.check_ready(self.cluster, self.links, pre)
 
-    def exec(self, argv: list[str], outputs: dict[int, HostOutput]) -> remotecmd.Outcome:
+    def exec(self, argv: list[str], outputs: dict[int, HostOutput]) -> shellcmd.Outcome:
         """argv on every host with an open agent (in its job folder, with the job's
         env), in parallel; Ctrl-C cancels it everywhere (Outcome.interrupted)."""
         links = {i: link for i, link in self.links.items() if i in outputs}
-        running, failed = remotecmd.submit_all(links, "exec", outputs, lambda i: dict(
+        running, failed = shellcmd.submit_all(links, "exec", outputs, lambda i: dict(
             job_dir=self.records[i].job_dir, argv=argv,
             env=setupstep.command_env(self.cluster, self.records[i].job_dir)))
-        return remotecmd.wait_all(running, None, failed)
+        return shellcmd.wait_all(running, None, failed)
 
     def launch(self, pre: PreflightReport) -> tuple[str, dict[int, dict[str, Any]]]:
         """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts

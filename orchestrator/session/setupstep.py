@@ -14,9 +14,9 @@ from orchestrator.errors import HostError
 from orchestrator.files.localfiles import LocalFile
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
-from orchestrator.session.cmdoutput import HostOutput, Printer
 from orchestrator.session.preflight import HostInfo, PreflightReport, torch_mismatch
-from orchestrator.session.remotecmd import Outcome, submit_all, wait_all
+from orchestrator.session.shellcmd import Outcome, submit_all, wait_all
+from orchestrator.session.shelloutput import HostOutput, Printer
 from orchestrator.wire import timeouts
 
 TAIL = 10  # lines of a failing host's setup output in the message

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from orchestrator.errors import HostError, OrchError
 from orchestrator.remote.link import Link, Pending
-from orchestrator.session.cmdoutput import HostOutput
+from orchestrator.session.shelloutput import HostOutput
 from orchestrator.wire import timeouts
 
 
