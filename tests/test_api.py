@@ -175,6 +175,18 @@ def test_stop_raises_group_error_with_every_hosts_outcome(two_hosts) -> None:
     assert "1 of 2 hosts failed to stop" in str(e)   # the CLI's message, unchanged
 
 
+def test_exec_on_an_unreachable_host_raises_with_every_hosts_line(two_hosts) -> None:
+    path, use = two_hosts
+    use(down=1)
+    with pytest.raises(GroupError) as err:
+        api.exec(path, ["true"], hosts="1")
+    result = err.value.result
+    assert isinstance(result, api.ExecResult) and result.exit_code == 3 and not result.ok
+    assert [(h.host, h.exit_code) for h in result.hosts] == [("127.0.0.1", None)]
+    assert "connection refused" in (result.hosts[0].error or "")
+    assert list(err.value.failures) == [1] and list(result.failures) == [1]
+
+
 # ---------------------------------------------------------------- --json documents
 
 def rank(r: int, state: str = "running") -> api.RankStatus:

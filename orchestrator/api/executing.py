@@ -16,7 +16,6 @@ from orchestrator.errors import (
     UsageError,
 )
 from orchestrator.remote.fanout import GroupResult
-from orchestrator.session.session import Session
 from orchestrator.session.shellcmd import Outcome
 from orchestrator.session.shelloutput import HostOutput, Printer
 
@@ -41,9 +40,8 @@ def exec(inventory: jobs.Inventory, command: Sequence[str], *, hosts: str | None
     # the job folders from the state (as `up` resolved them); the inventory's when the job
     # never started or its state is damaged: exec must work then too
     st = jobs.state_or_warn(cluster, warn or jobs.log.warning, "using the inventory's job folders")
-    session = Session(cluster, st)
+    session = jobs.open_session(cluster, st, chosen)
     try:
-        session.open(chosen)
         outcome = session.exec(argv, outputs)
     finally:
         session.close()
