@@ -16,6 +16,8 @@ from orchestrator.ssh import lazyimport
 
 lazyimport.hold_back()   # before anything imports paramiko
 
+JSON_VERSION = 1   # api.outcomes.JSON_VERSION (tests/test_api.py checks they agree)
+
 # `orch COMMAND`: its module under orchestrator/commands/ and its line in `orch --help`.
 # Only the named command's module is imported and its arguments defined (pip does the
 # same): the others' imports would cost every start, `--help` and a broken inventory too.
@@ -111,8 +113,11 @@ def interrupt_on_termination() -> None:
 def json_error(args: argparse.Namespace, message: str, code: int) -> int:
     """Under --json a failure is still a JSON document on stdout (and its message on stderr)."""
     if getattr(args, "json", False):
+        # the version of every document (api/outcomes.py), written out: importing the api
+        # here would cost every `orch --help` and usage error its imports
+        doc = {"version": JSON_VERSION, "error": message, "exit_code": code}
         try:
-            sys.stdout.write(json.dumps({"error": message, "exit_code": code}) + "\n")
+            sys.stdout.write(json.dumps(doc) + "\n")
             sys.stdout.flush()
         except (BrokenPipeError, ValueError):
             pass

@@ -1,5 +1,11 @@
-"""One error base class; `cli()` turns any of them into one message and an exit code."""
+"""One error base class; `cli()` turns any of them into one message and an exit code.
+
+An error raised after part of the work was done keeps that part as data in `result`
+(as fabric's GroupException does): `orch stop` that reached two hosts of three raises
+with the two hosts' reports there, and the CLI prints them before the message."""
 from __future__ import annotations
+
+from typing import Any
 
 EXIT_OK = 0
 EXIT_JOB_FAILED = 1
@@ -12,6 +18,7 @@ class OrchError(Exception):
     """A problem the user can act on: printed as one message, never as a traceback."""
 
     exit_code = EXIT_USAGE
+    result: Any = None      # what was done before the failure (an api result), when any
 
     def __init__(self, message: str, *, hint: str = "") -> None:
         super().__init__(message)
@@ -55,17 +62,23 @@ class GroupError(HostError):
     what the CLI prints: one line per host, each with its fix."""
 
     def __init__(self, message: str, failures: dict[int, BaseException],
-                 hosts: dict[int, str]) -> None:
-        super().__init__(message)
+                 hosts: dict[int, str], *, hint: str = "", result: Any = None) -> None:
+        super().__init__(message, hint=hint)
         self.failures = failures
         self.hosts = hosts
-
+        self.result = result
 
 
 class JobError(OrchError):
-    """The job failed (a rank exited non-zero)."""
+    """The job failed (a rank exited non-zero). `failures`: each failed rank (or task)
+    and what is known of it (`api.Status.raise_for_failures` gives its RankStatus)."""
 
     exit_code = EXIT_JOB_FAILED
+
+    def __init__(self, message: str, *, hint: str = "",
+                 failures: dict[int, Any] | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.failures = dict(failures or {})
 
 
 def for_category(category: str) -> type[OrchError]:

@@ -1,17 +1,26 @@
-"""The Python API (orchestrator.api) runs the README's example: up, status, logs, stop
-over a `connection: local` host, with the CLI's exit codes and --json documents."""
+"""The Python API (orchestrator.api): the README's example run as written against a
+`connection: local` host, the typed results behind it, failures as data (GroupError's
+`result` and `failures`, JobError's failed ranks), and the --json documents built from
+the same results, each with `"version": 1`."""
 from __future__ import annotations
 
+import json
+import re
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from orchestrator import api
-from orchestrator.errors import OrchError
+from fake_agent import session_factory
+from orchestrator import api, cli
+from orchestrator.api import jobs as api_jobs
+from orchestrator.api.outcomes import document
+from orchestrator.errors import GroupError, JobError, OrchError
+from orchestrator.wire import protocol
 from sshd_cluster import pids_with_env
 
+ROOT = Path(__file__).resolve().parent.parent
 JOB = 'import os, time\nprint("hello from rank", os.environ["RANK"], flush=True)\ntime.sleep(60)\n'
 
 
@@ -26,23 +35,49 @@ def inventory(tmp_path: Path) -> Path:
     return path
 
 
+def readme_example() -> str:
+    """The code block of the README's "## Python API" section, as it is written there."""
+    section = (ROOT / "README.md").read_text().split("\n## Python API\n", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
 @pytest.mark.slow
-def test_readme_example_up_status_logs_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_readme_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    inv = inventory(tmp_path)
+    exec(compile(readme_example(), "README.md", "exec"), {})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[0] == "1", out                      # world size, MASTER_ADDR
+    assert re.fullmatch(r"0 localhost (starting|running|not started) ([\d.]+|None)", out[1]), out
+    status = api.status(inv)
+    assert [r.state for r in status.ranks] == ["stopped"], status
+    assert not pids_with_env(f"ORCH_JOB_DIR={tmp_path}/nodes/a/apidemo")
+
+
+@pytest.mark.slow
+def test_up_status_logs_stop_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     inv = inventory(tmp_path)
     job = api.up(inv)
-    assert job.code == 0 and job.doc["world_size"] == 1, job
-    job_dir = job.doc["hosts"][0]["job_dir"]
+    assert isinstance(job, api.UpResult) and job.world_size == 1 and job.job == "apidemo", job
+    assert [(h.host, h.ranks) for h in job.hosts] == [("localhost", [0])]
+    job_dir = job.hosts[0].job_dir
     deadline = time.monotonic() + 60
     while b"hello from rank 0" not in api.logs(inv, rank=0):
         assert time.monotonic() < deadline, api.status(inv)
         time.sleep(0.5)
     running = api.status(inv)
-    assert running.code == 0 and running.doc["ranks"][0]["state"] == "running", running
+    rank = running.ranks[0]
+    assert (rank.rank, rank.host, rank.local_rank, rank.state) == (0, "localhost", 0, "running")
+    assert rank.pid and rank.exit_code is None and rank.runtime_s is not None, rank
+    assert rank.last_line == "hello from rank 0" and running.unreachable == {}
+    assert running.running and not running.failed
     assert api.logs(inv, rank=0) == b"hello from rank 0\n"
     stopped = api.stop(inv, grace=2)
-    assert stopped.code == 0, stopped
-    assert api.status(inv).doc["ranks"][0]["state"] == "stopped"
+    assert list(stopped.hosts) == ["localhost"] and stopped.failed == {}, stopped
+    assert stopped.hosts["localhost"].found >= 1 and not stopped.hosts["localhost"].left
+    assert api.status(inv).ranks[0].state == "stopped"
     assert not pids_with_env(f"ORCH_JOB_DIR={job_dir}"), "a process of the job survived"
 
 
@@ -52,3 +87,136 @@ def test_mistakes_raise_the_cli_error(tmp_path: Path) -> None:
     with pytest.raises(OrchError) as err:
         api.status(bad)
     assert err.value.exit_code == 2 and str(bad) in str(err.value)
+    with pytest.raises(OrchError, match="no such inventory file"):
+        api.stop(tmp_path / "missing.yaml")
+
+
+def test_a_job_array_is_asked_with_the_array_calls(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text("name: sweep\nhosts: [{address: localhost, connection: local}]\n"
+                    "job: {entrypoint: t.py, array: {matrix: {fold: [0, 1]}}}\n")
+    with pytest.raises(OrchError, match="is a job array") as err:
+        api.status(path)
+    assert "array_status" in err.value.hint
+    with pytest.raises(OrchError, match="is a job array"):
+        api.up(path)
+
+
+# ---------------------------------------------------------------- over in-process agents
+
+TWO_HOSTS = """name: apiunit
+hosts:
+  - {address: localhost, connection: local, remote_dir: /r0, procs: 2}
+  - {address: 127.0.0.1, connection: local, remote_dir: /r1, procs: 1}
+job: {entrypoint: job.py}
+"""
+
+
+def status_reply(chan, msg: dict) -> None:
+    ranks = [{"rank": r, "state": "exited", "code": 3 if r == 1 else 0, "pid": 10 + r,
+              "started": 100.0, "ended": 110.5, "last_line": f"bye {r}", "log_bytes": 5}
+             for r in msg["ranks"]]
+    chan.push(protocol.reply(msg["id"], {"supervisor": {"pid": 9}, "host_exit": None,
+                                         "time": time.time(), "ranks": ranks}))
+
+
+def stop_reply(chan, msg: dict) -> None:
+    chan.push(protocol.reply(msg["id"], {"found": 3, "killed": 1, "left": [], "seconds": 0.5}))
+
+
+@pytest.fixture
+def two_hosts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The inventory, and `use(down)`: every api call's hosts are in-process agents."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text(TWO_HOSTS)
+
+    def use(down: int | None = None) -> None:
+        factory = session_factory({"status": status_reply, "stop": stop_reply}, down)
+        monkeypatch.setattr(api_jobs, "open_session", factory)
+    return path, use
+
+
+def test_status_is_typed_and_a_failed_rank_is_data(two_hosts) -> None:
+    path, use = two_hosts
+    use()
+    status = api.status(path)   # no state saved: the hosts say that it ran
+    assert [(r.rank, r.host, r.local_rank, r.state, r.exit_code, r.runtime_s, r.last_line)
+            for r in status.ranks] == [
+        (0, "localhost", 0, "exited 0", 0, 10.5, "bye 0"),
+        (1, "localhost", 1, "failed (exit code 3)", 3, 10.5, "bye 1"),
+        (2, "127.0.0.1", 0, "exited 0", 0, 10.5, "bye 2")]
+    assert [r.log_bytes for r in status.ranks] == [5, 5, 5] and status.unreachable == {}
+    assert [r.rank for r in status.failed] == [1] and not status.running
+    with pytest.raises(JobError) as err:
+        status.raise_for_failures()
+    assert err.value.exit_code == 1 and list(err.value.failures) == [1]
+    assert err.value.failures[1].state == "failed (exit code 3)"
+
+
+def test_status_names_an_unreachable_host_instead_of_raising(two_hosts) -> None:
+    path, use = two_hosts
+    use(down=1)
+    status = api.status(path)
+    assert [r.state for r in status.ranks][2:] == ["unreachable"]
+    assert list(status.unreachable) == ["127.0.0.1"] and list(status.unreached) == [1]
+    assert "connection refused" in status.unreachable["127.0.0.1"]
+
+
+def test_stop_raises_group_error_with_every_hosts_outcome(two_hosts) -> None:
+    path, use = two_hosts
+    use(down=0)
+    with pytest.raises(GroupError) as err:
+        api.stop(path, grace=0)
+    e = err.value
+    assert e.exit_code == 3 and list(e.failures) == [0] and e.hosts == {0: "localhost"}
+    assert isinstance(e.result, api.StopResult)
+    assert list(e.result.hosts) == ["127.0.0.1"] and e.result.hosts["127.0.0.1"].found == 3
+    assert list(e.result.failed) == ["localhost"]
+    assert "1 of 2 hosts failed to stop" in str(e)   # the CLI's message, unchanged
+
+
+def test_exec_on_an_unreachable_host_raises_with_every_hosts_line(two_hosts) -> None:
+    path, use = two_hosts
+    use(down=1)
+    with pytest.raises(GroupError) as err:
+        api.exec(path, ["true"], hosts="1")
+    result = err.value.result
+    assert isinstance(result, api.ExecResult) and result.exit_code == 3 and not result.ok
+    assert [(h.host, h.exit_code) for h in result.hosts] == [("127.0.0.1", None)]
+    assert "connection refused" in (result.hosts[0].error or "")
+    assert list(err.value.failures) == [1] and list(result.failures) == [1]
+
+
+# ---------------------------------------------------------------- --json documents
+
+def rank(r: int, state: str = "running") -> api.RankStatus:
+    return api.RankStatus(rank=r, host="h", local_rank=r, pid=7, state=state, exit_code=None,
+                          runtime_s=1.5, last_line="x", log_bytes=3)
+
+
+def test_documents_carry_the_version_and_the_cli_field_names() -> None:
+    status = api.Status(job="j", ranks=[rank(0)], unreachable={"h2": "down"},
+                        unreached={1: RuntimeError("down")})
+    doc = document(status)
+    assert list(doc) == ["version", "job", "ranks", "unreachable"] and doc["version"] == 1
+    assert doc["ranks"] == [{"rank": 0, "host": "h", "local_rank": 0, "pid": 7,
+                             "state": "running", "code": None, "runtime_s": 1.5,
+                             "last_line": "x"}]   # exit_code is "code"; log_bytes stays out
+    json.dumps(doc)   # the exceptions stay out too
+    up = api.UpResult("j", "run1", 2, "10.0.0.1", 29500, [api.UpHost("h", "/r/j", [0, 1])])
+    assert document(up) == {"version": 1, "job": "j", "run_id": "run1", "world_size": 2,
+                            "master_addr": "10.0.0.1", "master_port": 29500,
+                            "hosts": [{"host": "h", "job_dir": "/r/j", "ranks": [0, 1]}]}
+    stop = api.StopResult("j", {"h": api.StopReport(2, 0, (), 0.1)}, {})
+    assert document(stop)["hosts"] == {"h": {"found": 2, "killed": 0, "left": [], "seconds": 0.1}}
+    ok = api.HostExec("h", 0, 0, "out\n", False)
+    assert "error" not in document(api.ExecResult(["true"], [ok], False, 0))["hosts"][0]
+    one = document(api.LogLines(job="j", host="h", lines=["a"], rank=2))
+    assert one == {"version": 1, "job": "j", "host": "h", "lines": ["a"], "rank": 2}
+
+
+def test_the_cli_error_document_has_the_same_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+    assert cli.JSON_VERSION == api.JSON_VERSION
+    cli.json_error(argparse.Namespace(json=True), "bad", 2)
+    assert json.loads(capsys.readouterr().out) == {"version": 1, "error": "bad", "exit_code": 2}

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import Jobs, assert_nothing_left, orch, wait_until, write_job
+from orchestrator import api
 from sshd_cluster import SshdCluster
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
@@ -127,8 +128,7 @@ def test_array_stop_and_fail_fast(sshd_cluster: SshdCluster, tmp_path: Path,
     assert up.returncode == 0, up.stderr
 
     def states() -> list[str]:
-        out = orch(tmp_path, "status", "-c", str(inv), "--json")
-        return [r["state"] for r in json.loads(out.stdout)["tasks"]]
+        return [t.state for t in api.array_status(inv).tasks]
     wait_until(lambda: states().count("running") == 4, 60, "4 tasks running")
     assert states().count("queued") == 4
     stop = orch(tmp_path, "stop", str(inv), "--grace", "2")

@@ -19,7 +19,7 @@ from fake_agent import session_factory
 from orchestrator.agent import procs as host_procs
 from orchestrator.agent import status as host_status
 from orchestrator.agent.common import job_paths
-from orchestrator.commands import common as common_cmd
+from orchestrator.api import jobs as api_jobs
 from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
 from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
@@ -48,8 +48,7 @@ def use_hosts(monkeypatch: pytest.MonkeyPatch, ranks: dict[int, dict] | None,
                                              "time": time.time(), "ranks": rows}))
 
     open_session = session_factory({"status": status}, down)
-    monkeypatch.setattr(status_cmd, "open_session", open_session)
-    monkeypatch.setattr(common_cmd, "open_session", open_session)   # open_job (logs)
+    monkeypatch.setattr(api_jobs, "open_session", open_session)   # every call's, open_job's too
     return seen
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from fake_agent import FakeChannel, FakeTransport
 from orchestrator.agent import shellcmd
-from orchestrator.commands.exec import select, split_selection
+from orchestrator.config.hostselect import select, split_selection
 from orchestrator.config.inventory import parse
 from orchestrator.config.setupspec import SetupSpec, fingerprint, named_files
 from orchestrator.errors import InventoryError, UsageError

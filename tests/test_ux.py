@@ -20,7 +20,8 @@ from orchestrator.agent import launch as host_launch
 from orchestrator.agent import procs as host_procs
 from orchestrator.agent import status as host_status
 from orchestrator.agent.common import job_paths
-from orchestrator.commands import common as common_cmd
+from orchestrator.api import jobs as api_jobs
+from orchestrator.api.querying import rank_status
 from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
 from orchestrator.config.inventory import parse
@@ -81,10 +82,10 @@ def test_logs_before_any_run_exits_2_with_a_working_hint(tmp_path: Path) -> None
 
 # ---------------------------------------------------------------- status
 
-def rows_of(last_line: str) -> list[dict]:
+def rows_of(last_line: str) -> list:
     info = {"state": "exited", "code": -15, "pid": 4242, "started": 1.0, "ended": 20.5,
             "last_line": last_line}
-    return [status_cmd.row(r, f"worker-node-{r:02d}.example.com", r % 2, info, 0.0)
+    return [rank_status(r, f"worker-node-{r:02d}.example.com", r % 2, info, 0.0)
             for r in range(4)]
 
 
@@ -134,13 +135,11 @@ def command_args(tmp_path: Path, **kw) -> argparse.Namespace:
 def fake_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     (tmp_path / "cluster.yaml").write_text(INVENTORY)
     cluster = parse(INVENTORY, tmp_path / "cluster.yaml")
-    for mod in (status_cmd, logs_cmd):
-        monkeypatch.setattr(mod, "saved_state", lambda c: state_of(c))
+    monkeypatch.setattr(api_jobs, "saved_state", lambda c: state_of(c))
 
     def use(last_line: str = "", down: int | None = None) -> None:
-        factory = fake_session_factory(tmp_path, last_line, down)
-        for mod in (status_cmd, logs_cmd, common_cmd):   # common: open_job
-            monkeypatch.setattr(mod, "open_session", factory)
+        # every api call opens its sessions through api.jobs (open_job too)
+        monkeypatch.setattr(api_jobs, "open_session", fake_session_factory(tmp_path, last_line, down))
     return cluster, use
 
 
@@ -259,7 +258,7 @@ def test_a_rank_ended_by_a_stop_reads_stopped(tmp_path: Path) -> None:
     assert host_status.rank_status(p, 0, 0, None)["state"] == "exited"
     assert host_status.rank_status(p, 1, 1, None)["state"] == "stopped"
     info = host_status.rank_status(p, 1, 1, None)
-    assert status_cmd.row(1, "h", 1, info, 0)["state"] == "stopped"
+    assert rank_status(1, "h", 1, info, 0).state == "stopped"
 
 
 def test_launch_clears_the_previous_runs_records(tmp_path: Path) -> None:

@@ -1,36 +1,29 @@
 """`orch logs`: one rank's raw log (pipes cleanly), or every rank with prefixes;
-`--list`: each rank's host, state and log size."""
+`--list`: each rank's host, state and log size (api.reading, api.status)."""
 from __future__ import annotations
 
 import argparse
 import sys
-import threading
-import time
 from typing import Any
 
 from rich.table import Table
 
-from orchestrator.arrays import plan
-from orchestrator.commands.common import (
-    console,
-    emit_json,
-    hint_cmd,
-    inventory,
-    open_job,
-    open_session,
-    require_state,
-    saved_state,
-    unreachable,
-    warn_unreachable,
+from orchestrator.api import jobs, querying, reading
+from orchestrator.api.outcomes import (
+    AllLogs,
+    ArrayLogs,
+    LogEntry,
+    LogLines,
+    LogList,
+    RankLines,
+    TaskLines,
 )
-from orchestrator.commands.status import rank_rows
+from orchestrator.commands.common import console, emit_json, inventory, warn_unreachable
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
-from orchestrator.session.session import Session
-from orchestrator.session.state import JobState
 from orchestrator.ui.termsafe import for_terminal, plain
 from orchestrator.ui.wording import plural
-from orchestrator.watch.follow import HostStream, LineSink, PrefixPrinter, follow
+from orchestrator.watch.follow import LineSink, PrefixPrinter
 
 
 def add_parser(sub: Any) -> None:
@@ -52,117 +45,71 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--json prints one document: it cannot follow (-f)",
                          hint="leave out -f, or leave out --json")
     if cluster.job.array is not None:
-        return array_logs(cluster, require_state(cluster), args)
-    st = saved_state(cluster)   # None: an `up` killed mid-launch; open_job asks the hosts
+        if args.rank is not None or args.list:
+            jobs.require_state(cluster)
+            raise reading.not_ranks(cluster)
+        return raw_log(cluster, args) if args.task is not None else all_logs(cluster, args)
     if args.list:
-        return list_logs(cluster, st, args.json)
-    if args.task is not None:
-        raise UsageError(f"job '{cluster.name}' is not a job array: it has ranks, not tasks",
-                         hint=f"use `{hint_cmd(cluster, 'logs --rank R')}`")
-    if args.rank is not None:
-        host = cluster.host_of(args.rank)
-        session = open_job(cluster, st, hosts=(host,))
-        try:
-            session.require_all("to connect")
-            return raw_log(session, host.index, args)
-        finally:
-            session.close()
-    session = open_job(cluster, st)
-    try:
-        if not args.json:
-            warn_unreachable(session)
-        code = all_logs(session, args)
-    finally:
-        session.close()
-    return EXIT_HOST if session.failed and code == EXIT_OK else code
+        return list_logs(cluster, args.json)
+    if args.task is not None or args.rank is not None:
+        return raw_log(cluster, args)
+    return all_logs(cluster, args)
 
 
-def list_logs(cluster: Cluster, st: JobState | None, as_json: bool) -> int:
+def list_logs(cluster: Cluster, as_json: bool) -> int:
     """`logs --list`: the status of each rank, reduced to what finding a log needs."""
-    session = open_job(cluster, st)
-    try:
-        result = session.status()
-    finally:
-        session.close()
-    failed = dict(session.failed)
-    failed.update(result.failed)
-    ranks = [{"rank": r["rank"], "host": r["host"], "state": r["state"],
-              "log_bytes": info.get("log_bytes")} for r, info in rank_rows(cluster, result)]
+    status = querying.status(cluster)
+    listed = LogList(job=cluster.name, unreachable=status.unreachable,
+                     ranks=[LogEntry(r.rank, r.host, r.state, r.log_bytes) for r in status.ranks])
     if as_json:
-        emit_json({"job": cluster.name, "ranks": ranks,
-                   "unreachable": unreachable(cluster, failed)})
+        emit_json(listed)
     else:
-        for _, exc in sorted(failed.items()):
-            console.print("[yellow]warning:[/]", plain(str(exc)))
-        t = Table(title=plain(f"job {cluster.name}: {plural(len(ranks), 'rank')}"))
+        for why in status.unreachable.values():
+            console.print("[yellow]warning:[/]", plain(why))
+        t = Table(title=plain(f"job {cluster.name}: {plural(len(listed.ranks), 'rank')}"))
         for col in ("rank", "host", "state", "log"):
             t.add_column(col, no_wrap=True, overflow="ellipsis")
-        for r in ranks:
-            size = "-" if r["log_bytes"] is None else f"{r['log_bytes']} B"
-            t.add_row(str(r["rank"]), plain(r["host"]), plain(r["state"]), size)
+        for r in listed.ranks:
+            size = "-" if r.log_bytes is None else f"{r.log_bytes} B"
+            t.add_row(str(r.rank), plain(r.host), plain(r.state), size)
         console.print(t)
-    return EXIT_HOST if failed else EXIT_OK
+    return EXIT_HOST if status.unreachable else EXIT_OK
 
 
-class RawSink:
+class RawSink(reading.RawLog):
     """The rank's bytes as they are when piped: no prefix, nothing re-encoded. On a
     terminal, each line goes through termsafe (no control sequence reaches it).
     Under --json, the lines are kept for one document."""
 
     def __init__(self, tty: bool | None = None, collect: bool = False) -> None:
+        super().__init__()
         self.out = sys.stdout.buffer
         self.tty = sys.stdout.isatty() if tty is None else tty
-        self.collect: list[bytes] | None = [] if collect else None
-        self.ended = threading.Event()
-        self.broken = False
-        self.why = ""
+        self.collect = collect
 
     def shown(self, data: bytes) -> bytes:
         if not self.tty:
             return data
         return b"\n".join(for_terminal(line) for line in data.split(b"\n"))
 
-    def output(self, host: int, rank: int, partial: bool, data: bytes) -> None:
-        if self.broken:
+    def write(self, data: bytes) -> None:
+        if self.collect:
+            super().write(data)
             return
-        data = data if partial or data.endswith(b"\n") else data + b"\n"
-        if self.collect is not None:
-            self.collect.append(data)
-            return
-        try:
-            self.out.write(self.shown(data))
-            self.out.flush()
-        except BrokenPipeError:   # `orch logs ... | head` closed the pipe: fine
-            self.broken = True
-            self.ended.set()
-
-    def rank_exit(self, host: int, rank: int, code: int, when: float,
-                  after_stop: bool = False) -> None:
-        pass
-
-    def host_done(self, host: int, info: dict[str, Any]) -> None:
-        self.ended.set()
-
-    def host_lost(self, host: int, why: str) -> None:
-        self.why = why
-        self.ended.set()
+        self.out.write(self.shown(data))
+        self.out.flush()
 
 
-def raw_log(session: Session, host: int, args: argparse.Namespace, unit: str = "rank") -> int:
-    sink = RawSink(collect=args.json)
-    link = session.links[host]
-    which = args.rank if unit == "rank" else args.task
-    extra = {"unit": unit} if unit != "rank" else {}
-    link.follow(sink, job_dir=session.records[host].job_dir, ranks=[which],
-                tail=args.tail, mode="raw-follow" if args.follow else "raw", **extra)
-    while not sink.ended.wait(0.2):
-        pass
+def raw_log(cluster: Cluster, args: argparse.Namespace) -> int:
+    """One rank's (or task's) log, raw; -f: until the job ends."""
+    host, sink = reading.read_log(cluster, rank=args.rank, task=args.task, tail=args.tail,
+                                  follow=args.follow, sink=RawSink(collect=args.json))
     if sink.why and not sink.broken:
-        console.print("[yellow]warning:[/]", plain(f"{link.name}: {sink.why}"))
-    if sink.collect is not None:
-        text = b"".join(sink.collect).decode("utf-8", "replace")
-        emit_json({"job": session.cluster.name, unit: which, "host": link.name,
-                   "lines": text.splitlines()})
+        console.print("[yellow]warning:[/]", plain(f"{host}: {sink.why}"))
+    if args.json:
+        text = sink.data().decode("utf-8", "replace")
+        emit_json(LogLines(job=cluster.name, host=host, lines=text.splitlines(),
+                           rank=args.rank if args.task is None else None, task=args.task))
     return EXIT_HOST if sink.why else EXIT_OK
 
 
@@ -191,55 +138,22 @@ class LogSink(LineSink):
             console.print("[yellow]warning:[/]", plain(f"host {self.labels[host]}: {why}"))
 
 
-def array_logs(cluster: Cluster, st: JobState, args: argparse.Namespace) -> int:
-    """`--task I`: task I's raw log; else every task, prefixed `[t<i> host]`."""
-    inv = cluster.path.name
-    if args.rank is not None or args.list:
-        raise UsageError(f"job '{cluster.name}' is a job array: it has tasks, not ranks",
-                         hint=f"use `orch logs -c {inv} --task I` (`orch status -c {inv}` lists the tasks)")
-    rec = plan.load(cluster)
-    if args.task is not None:
-        host = cluster.hosts[plan.task_of(rec, args.task)]
-        session = open_job(cluster, st, hosts=(host,))
-        try:
-            session.require_all("to connect")
-            return raw_log(session, host.index, args, unit="task")
-        finally:
-            session.close()
-    session = open_session(cluster, st)
-    try:
-        if not args.json:
-            warn_unreachable(session)
-        labels = {h.index: h.label for h in cluster.hosts}
-        sink = LogSink(None if args.json else PrefixPrinter(labels, tag="t"), labels)
-        streams = {i: HostStream(link, session.records[i].job_dir, rec.tasks_of(i))
-                   for i, link in session.links.items()}
-        finished = follow(streams, sink, args.tail, "events" if args.follow else "snapshot",
-                          unit="task")
-        while not finished():
-            time.sleep(0.1)
-    finally:
-        session.close()
-    if args.json:
-        emit_json({"job": cluster.name,
-                   "tasks": [{"task": i, "lines": sink.kept.get(i, [])} for i in range(len(rec.host))],
-                   "lost": {labels[i]: why for i, why in sorted(sink.lost.items())}})
-    return EXIT_HOST if sink.lost or session.failed else EXIT_OK
-
-
-def all_logs(session: Session, args: argparse.Namespace) -> int:
-    """Every rank, interleaved, prefixed; without -f it prints what is there and stops."""
-    cluster = session.cluster
+def all_logs(cluster: Cluster, args: argparse.Namespace) -> int:
+    """Every rank (a job array: every task), interleaved, prefixed; without -f it prints
+    what is there and stops."""
     labels = {h.index: h.label for h in cluster.hosts}
-    sink = LogSink(None if args.json else PrefixPrinter(labels), labels)
-    streams = {i: HostStream(link, session.records[i].job_dir, list(cluster.hosts[i].ranks))
-               for i, link in session.links.items()}
-    finished = follow(streams, sink, args.tail, "events" if args.follow else "snapshot")
-    while not finished():
-        time.sleep(0.1)
+    array = cluster.job.array is not None
+    printer = PrefixPrinter(labels, tag="t") if array else PrefixPrinter(labels)
+    sink = LogSink(None if args.json else printer, labels)
+    followed = reading.follow_logs(
+        cluster, sink, tail=args.tail, follow=args.follow,
+        unreached=None if args.json else lambda exc: warn_unreachable([exc]))
     if args.json:
-        emit_json({"job": cluster.name,
-                   "ranks": [{"rank": r, "lines": sink.kept.get(r, [])}
-                             for r in range(cluster.world_size)],
-                   "lost": {labels[i]: why for i, why in sorted(sink.lost.items())}})
-    return EXIT_HOST if sink.lost else EXIT_OK
+        lost = {labels[i]: why for i, why in sorted(sink.lost.items())}
+        if array:
+            emit_json(ArrayLogs(job=cluster.name, lost=lost,
+                                tasks=[TaskLines(i, sink.kept.get(i, [])) for i in followed.units]))
+        else:
+            emit_json(AllLogs(job=cluster.name, lost=lost,
+                              ranks=[RankLines(r, sink.kept.get(r, [])) for r in followed.units]))
+    return EXIT_HOST if sink.lost or followed.unreached else EXIT_OK

@@ -1,31 +1,29 @@
-"""`orch up`: preflight, push code and shards, start torchrun everywhere, follow the job.
+"""`orch up`: preflight, push code and shards, start torchrun everywhere (api.launching),
+then follow the job on the same session (watch/monitor.py) and pull rank 0's output/.
 
-One session per host serves every step (Session); this module renders the steps."""
+This module draws the steps (bars, one line each) and what follows the start."""
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
-from types import ModuleType
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Callable
 
 from rich.markup import escape
+from rich.progress import Progress, TaskID
 
+from orchestrator.api import launching, pulling, querying
+from orchestrator.api.outcomes import ArrayUpResult
+from orchestrator.arrays import plan as array_plan
+from orchestrator.arrays.attach import attach_array
+from orchestrator.commands import render
 from orchestrator.commands.common import console, emit_json, hint_cmd, inventory, plural
-from orchestrator.commands.pull import after_job
-from orchestrator.config.inventory import Cluster
-from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
-from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_files
-from orchestrator.files.shards import host_files, load_split
-from orchestrator.files.sync import SyncReport
-from orchestrator.session import state as job_state
-from orchestrator.session.launch import dry_run_plan, master_addr
+from orchestrator.config.inventory import Cluster, Host
+from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, OrchError, UsageError
 from orchestrator.session.preflight import PreflightReport
-from orchestrator.session.session import HostFiles, Session
-from orchestrator.session.setupstep import needs_check
 from orchestrator.session.shelloutput import Printer
 from orchestrator.ui.console import bytes_bar, hosts_bar
+from orchestrator.ui.termsafe import plain
 from orchestrator.watch.monitor import attach
 
 
@@ -47,31 +45,20 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
     if args.dry_run:
-        plan = array_up().array_plan(cluster) if cluster.job.array else dry_run_plan(cluster)
+        plan = launching.plan(cluster)
         if args.json:
-            emit_json({"job": cluster.name, "plan": plan})
+            emit_json(plan)
         else:
-            print(plan)
+            print(plan.plan)
         return EXIT_OK
     if args.json and not args.detach:
         raise UsageError("`up --json` needs --detach: an attached job streams its ranks' output",
                          hint=f"`{hint_cmd(cluster, 'up --detach --json')}`, then "
                               f"`{hint_cmd(cluster, 'status --json')}`")
-    files = local_files(cluster)   # bad data is refused before any host is touched
-    session = Session(cluster)
-    try:
-        pre = connect_and_check(session)
-        size = "a job array" if cluster.job.array else f"world size {cluster.world_size}"
-        console.print(f"preflight: {plural(len(cluster.hosts), 'host')} ok, {size}")
-        sync(session, files, pre)
-        pre = setup_and_check(session, files, pre, args.setup)
-        if cluster.job.array is not None:
-            code: int = array_up().up_array(session, pre, args)
-            return code
-        run_id, sups = session.launch(pre)
-        st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
-                                 pre.master_port, pre.hosts, sups)
-        job_state.save(cluster, st)
+    with launching.start(cluster, setup=args.setup, progress=UpView()) as started:
+        if isinstance(started.result, ArrayUpResult):
+            return array_started(started, args)
+        st = started.state
         console.print(f"started job '{cluster.name}' on {plural(len(cluster.hosts), 'host')} "
                       f"({plural(cluster.world_size, 'rank')}, "
                       f"MASTER_ADDR={st.master_addr}:{st.master_port})")
@@ -80,106 +67,102 @@ def run(args: argparse.Namespace) -> int:
                           f"stop with `{hint_cmd(cluster, 'stop')}`, "
                           f"get its output/ with `{hint_cmd(cluster, 'pull')}`", markup=False)
             if args.json:
-                emit_json(detached_doc(cluster, st))
+                emit_json(started.result)
             return EXIT_OK
-        code = attach(session, st)
+        code = attach(started.session, st)
         if args.no_pull or code == EXIT_INTERRUPTED:
             return code
-        return after_job(session, code)
-    finally:
-        session.close()
+        return pull_after(started, code)
 
 
-def array_up() -> ModuleType:
-    """Job arrays' module, imported for an array only (its imports cost every `up`)."""
-    from orchestrator.commands import array_up
-    return array_up
+def pull_after(started: launching.Started, code: int) -> int:
+    """The pull of rank 0's output/ when the job ended (succeeded or failed), on the up's
+    open links. A failed pull keeps a failed job's code, else it is the code."""
+    try:
+        render.pulled(pulling.job_output(started.session, render.pull_bar))
+    except OrchError as e:   # the job's outcome is already printed; say why the pull failed
+        if e.result is not None:
+            render.pulled(e.result)
+        console.print(plain(f"pull failed: {e}"))
+        console.print(f"  get the files later with `{hint_cmd(started.session.cluster, 'pull')}`",
+                      markup=False)
+        return code or e.exit_code
+    return code
 
 
-def detached_doc(cluster: Cluster, st: job_state.JobState) -> dict[str, Any]:
-    """`up --detach --json`: where the job runs."""
-    return {"job": cluster.name, "run_id": st.run_id, "world_size": cluster.world_size,
-            "master_addr": st.master_addr, "master_port": st.master_port,
-            "hosts": [{"host": h.label, "job_dir": h.job_dir, "ranks": list(h.ranks)}
-                      for h in st.hosts]}
+def array_started(started: launching.Started, args: argparse.Namespace) -> int:
+    """A job array: its runners started on every host; followed until every task ended,
+    then its results."""
+    cluster, rec = started.session.cluster, started.record
+    spec = cluster.job.array
+    assert spec is not None and rec is not None
+    total = sum(array_plan.slots(h, spec) for h in cluster.hosts)
+    console.print(f"started job array '{cluster.name}': {len(rec.host)} tasks on "
+                  f"{len(cluster.hosts)} hosts, {total} at a time")
+    if args.detach:
+        console.print(f"detached: watch with `{hint_cmd(cluster, 'status')}`, "
+                      f"`{hint_cmd(cluster, 'logs -f')}`; results with `{hint_cmd(cluster, 'results')}`; "
+                      f"stop with `{hint_cmd(cluster, 'stop')}`", markup=False)
+        if args.json:
+            emit_json(started.result)
+        return EXIT_OK
+    code = attach_array(started.session, rec, args.fail_fast)
+    render.results(querying.results_of(started.session, rec))
+    return code
 
 
-def connect_and_check(session: Session) -> PreflightReport:
-    """Connect to every host, start its agent and preflight it, all in parallel (a host
-    is checked as soon as its agent is up), with a hosts-done display."""
-    n = len(session.cluster.hosts)
-    with hosts_bar() as bar:
-        task = bar.add_task("connect + preflight", total=n)
-        return session.open_and_preflight(checked=lambda: bar.advance(task))
+class SyncBar(launching.SyncShown):
+    def __init__(self, bar: Progress, task: TaskID, hosts: int) -> None:
+        self.bar, self.task, self.hosts = bar, task, hosts
+        self.done: list[int] = []   # appended from the hosts' threads (atomic)
+
+    def sent(self, nbytes: int) -> None:
+        self.bar.advance(self.task, nbytes)
+
+    def host_done(self, index: int) -> None:
+        self.done.append(index)
+        self.bar.update(self.task, description=f"sync {len(self.done)}/{plural(self.hosts, 'host')}")
 
 
-def setup_and_check(session: Session, files: dict[int, HostFiles], pre: PreflightReport,
-                    force: bool) -> PreflightReport:
-    """`setup:` everywhere (all or nothing), then the python, torch and entrypoint check
-    where setup may have changed them, or where nothing was pushed."""
-    cluster = session.cluster
-    for i, info in sorted(pre.hosts.items()):
-        if info.python_missing:
-            console.print(f"{escape(cluster.hosts[i].label)}: python {escape(info.python_missing)} "
-                          "is not there yet; checked after setup")
-    if cluster.setup is not None:
-        t0 = time.monotonic()
-        replies = session.setup(pre, files[0].code, force, Printer())
-        skipped = sum(1 for r in replies.values() if r["skipped"])
+class UpView(launching.UpProgress):
+    """Each step of `up` on stderr: a bar while it runs, a line when it is done."""
+
+    @contextmanager
+    def preflight(self, hosts: int) -> Iterator[Callable[[], None]]:
+        with hosts_bar() as bar:
+            task = bar.add_task("connect + preflight", total=hosts)
+            yield lambda: bar.advance(task)
+
+    def preflight_done(self, cluster: Cluster, pre: PreflightReport) -> None:
+        size = "a job array" if cluster.job.array else f"world size {cluster.world_size}"
+        console.print(f"preflight: {plural(len(cluster.hosts), 'host')} ok, {size}")
+
+    @contextmanager
+    def sync(self, hosts: int, total: int) -> Iterator[launching.SyncShown]:
+        with bytes_bar() as bar:
+            task = bar.add_task(f"sync 0/{plural(hosts, 'host')}", total=total or 1)
+            yield SyncBar(bar, task, hosts)
+
+    def synced(self, cluster: Cluster, reports: launching.SyncReports) -> None:
+        """One line per host (at most 16, or those that got files)."""
+        for i, parts in sorted(reports.items()):
+            bits = [f"{k} {plural(r.files, 'file')} {r.bytes} B sent, {r.deleted} deleted"
+                    for k, r in parts.items()]
+            if len(cluster.hosts) <= 16 or any(r.files for r in parts.values()):
+                console.print(f"sync {cluster.hosts[i].label}: " + ("; ".join(bits) or "nothing to push"))
+
+    def python_missing(self, host: Host, python: str) -> None:
+        console.print(f"{escape(host.label)}: python {escape(python)} "
+                      "is not there yet; checked after setup")
+
+    def setup_printer(self) -> Printer:
+        return Printer()
+
+    def setup_done(self, cluster: Cluster, skipped: int, ran: int, seconds: float) -> None:
         if skipped:
             console.print(f"setup: skipped on {plural(skipped, 'host')} (unchanged since it last "
                           f"succeeded there; `{hint_cmd(cluster, 'up --setup')}` runs it again)",
                           markup=False)
-        if skipped < len(replies):
-            console.print(f"setup: done on {plural(len(replies) - skipped, 'host')} "
-                          f"({time.monotonic() - t0:.1f} s; logs/setup.log on each host)")
-    return session.check_ready(pre) if needs_check(cluster) else pre
-
-
-def local_files(cluster: Cluster) -> dict[int, HostFiles]:
-    """What each host must hold, hashed (cached) and checked here, before connecting."""
-    if cluster.job.array is not None:
-        files: dict[int, HostFiles] = array_up().array_files(cluster)
-        return files
-    split = load_split(cluster) if cluster.data.shards else None
-    cache = DigestCache(cluster.state_dir.parent / "digests.json")
-    check_entrypoint(cluster.base_dir, cluster.code.paths, cluster.code.exclude,
-                     cluster.job.entrypoint, str(cluster.path))
-    code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude, cache,
-                      str(cluster.path))
-    files = {h.index: HostFiles(code, host_files(cluster, h, split, cache) if split else None)
-             for h in cluster.hosts}
-    cache.save()
-    return files
-
-
-def sync(session: Session, files: dict[int, HostFiles], pre: PreflightReport) -> None:
-    cluster = session.cluster
-    total = sum(sum(f.size for f in hf.code) + sum(f.size for f in hf.data or ())
-                for hf in files.values())
-    with bytes_bar() as bar:
-        task = bar.add_task(f"sync 0/{plural(len(cluster.hosts), 'host')}", total=total or 1)
-        done: list[int] = []
-
-        def host_done(index: int) -> None:
-            done.append(index)
-            bar.update(task, description=f"sync {len(done)}/{plural(len(cluster.hosts), 'host')}")
-        reports = session.sync(files, pre, lambda n: bar.advance(task, n), host_done)
-    report_sync(cluster, reports)
-
-
-def report_sync(cluster: Cluster, reports: dict[int, dict[str, SyncReport]]) -> None:
-    """One line per host, and .orch/<name>/last_sync.json with what was sent where."""
-    record = {}
-    for i, parts in sorted(reports.items()):
-        label = cluster.hosts[i].label
-        bits = [f"{k} {plural(r.files, 'file')} {r.bytes} B sent, {r.deleted} deleted"
-                for k, r in parts.items()]
-        if len(cluster.hosts) <= 16 or any(r.files for r in parts.values()):
-            console.print(f"sync {label}: " + ("; ".join(bits) or "nothing to push"))
-        record[label] = {k: {"files": r.files, "bytes": r.bytes, "deleted": r.deleted,
-                             "sent": list(r.sent)} for k, r in parts.items()}
-    cluster.state_dir.mkdir(parents=True, exist_ok=True)
-    path = cluster.state_dir / "last_sync.json"
-    path.write_text(json.dumps(record, indent=1))
-    os.chmod(path, 0o600)
+        if ran:
+            console.print(f"setup: done on {plural(ran, 'host')} "
+                          f"({seconds:.1f} s; logs/setup.log on each host)")

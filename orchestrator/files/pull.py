@@ -52,12 +52,6 @@ class PullReport:
         if len(self.skipped) < protocol.MAX_PULL_NOTES:
             self.skipped.append({"p": rel, "why": why})
 
-    def as_json(self) -> dict[str, Any]:
-        return {"host": self.host, "source": self.source, "destination": self.dest,
-                "files": self.files, "bytes": self.bytes, "unchanged": self.unchanged,
-                "listed": self.listed, "skipped": self.skipped,
-                "skipped_count": self.skipped_count, "failed": self.failed}
-
 
 # ---------------------------------------------------------------- checks
 

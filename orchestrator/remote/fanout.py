@@ -5,7 +5,7 @@ from __future__ import annotations
 import _thread
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 from orchestrator.config.inventory import Host
 from orchestrator.errors import EXIT_HOST, GroupError, OrchError
@@ -31,8 +31,9 @@ class GroupResult(Generic[T]):
     ok: dict[int, T] = field(default_factory=dict)
     failed: dict[int, BaseException] = field(default_factory=dict)
 
-    def raise_failures(self, hosts: tuple[Host, ...], what: str) -> None:
-        """Raise one GroupError for every failed host (none: return)."""
+    def raise_failures(self, hosts: tuple[Host, ...], what: str, result: Any = None) -> None:
+        """Raise one GroupError for every failed host (none: return); `result`: what the
+        other hosts did, kept on the error."""
         if not self.failed:
             return
         by_index = {h.index: h for h in hosts}
@@ -46,7 +47,8 @@ class GroupResult(Generic[T]):
             if hint:
                 lines.append(f"      fix: {hint}")
         error = GroupError("\n".join(lines), failures,
-                           {i: by_index[i].label if i in by_index else str(i) for i in failures})
+                           {i: by_index[i].label if i in by_index else str(i) for i in failures},
+                           result=result)
         # one kind of failure everywhere keeps its exit code ("already running" is 2);
         # anything mixed, or not orch's own, is a host failure (3)
         codes = {getattr(self.failed[i], "exit_code", EXIT_HOST) for i in self.failed}

@@ -1,23 +1,15 @@
-"""`orch up` for a job array: every host gets the code and the whole dataset, a runner
-per host works through its share of the tasks; followed until every task ended, then
-the results."""
+"""A job array before it starts: what each host must hold (the code, and the whole
+dataset as one task sees it), and the plan `up --dry-run` prints."""
 from __future__ import annotations
 
-import argparse
 from dataclasses import replace
 
 from orchestrator.arrays import plan
-from orchestrator.arrays.attach import attach_array
-from orchestrator.commands.common import console, emit_json, hint_cmd
-from orchestrator.commands.results import show
 from orchestrator.config.inventory import Cluster, RankSlot
-from orchestrator.errors import EXIT_OK
 from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_files
 from orchestrator.files.shards import host_files, load_split
 from orchestrator.remote.transport import remote_command
-from orchestrator.session import state as job_state
-from orchestrator.session.preflight import PreflightReport
-from orchestrator.session.session import HostFiles, Session
+from orchestrator.session.session import HostFiles
 
 
 def data_view(cluster: Cluster) -> Cluster:
@@ -42,31 +34,6 @@ def array_files(cluster: Cluster) -> dict[int, HostFiles]:
         data = host_files(view, whole, load_split(view), cache)
     cache.save()
     return {h.index: HostFiles(code, data) for h in cluster.hosts}
-
-
-def up_array(session: Session, pre: PreflightReport, args: argparse.Namespace) -> int:
-    cluster = session.cluster
-    rec, sups = plan.start(session, pre)
-    st = job_state.new_state(cluster, rec.run_id, "-", 0, pre.hosts, sups)
-    job_state.save(cluster, st)
-    plan.save(cluster, rec)
-    spec = cluster.job.array
-    assert spec is not None
-    total = sum(plan.slots(h, spec) for h in cluster.hosts)
-    console.print(f"started job array '{cluster.name}': {len(rec.host)} tasks on "
-                  f"{len(cluster.hosts)} hosts, {total} at a time")
-    if args.detach:
-        console.print(f"detached: watch with `{hint_cmd(cluster, 'status')}`, "
-                      f"`{hint_cmd(cluster, 'logs -f')}`; results with `{hint_cmd(cluster, 'results')}`; "
-                      f"stop with `{hint_cmd(cluster, 'stop')}`", markup=False)
-        if args.json:
-            emit_json({"job": cluster.name, "run_id": rec.run_id, "tasks": len(rec.host),
-                       "hosts": [{"host": h.label, "job_dir": h.job_dir, "tasks": rec.tasks_of(h.index)}
-                                 for h in st.hosts]})
-        return EXIT_OK
-    code = attach_array(session, rec, args.fail_fast)
-    show(session, rec, as_json=False)
-    return code
 
 
 def array_plan(cluster: Cluster) -> str:

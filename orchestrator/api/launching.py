@@ -1,0 +1,217 @@
+"""`up`: preflight every host, push the code and each host's shards, run `setup:`,
+start torchrun everywhere (or a job array's runners), save the job's state.
+
+`start` is the one sequence: `up` returns its result (detached), and the CLI follows the
+job on the same open session (`orch up` without --detach). What the steps show as they
+go is an `UpProgress`; this module prints nothing."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+from orchestrator.api import jobs
+from orchestrator.api.outcomes import ArrayHost, ArrayUpResult, Plan, UpHost, UpResult
+from orchestrator.arrays import plan as array_plan
+from orchestrator.arrays import prepare
+from orchestrator.config.inventory import Cluster, Host
+from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_files
+from orchestrator.files.shards import host_files, load_split
+from orchestrator.files.sync import SyncReport
+from orchestrator.session import state as job_state
+from orchestrator.session.launch import dry_run_plan, master_addr
+from orchestrator.session.preflight import PreflightReport
+from orchestrator.session.session import HostFiles, Session
+from orchestrator.session.setupstep import needs_check
+from orchestrator.session.shelloutput import Printer
+
+SyncReports = dict[int, dict[str, SyncReport]]   # host index -> "code"/"data" -> what was sent
+
+
+class SyncShown:
+    """The sync's display: `sent(n)` bytes as they go, `host_done(index)` per host."""
+
+    def sent(self, nbytes: int) -> None:
+        pass
+
+    def host_done(self, index: int) -> None:
+        pass
+
+
+def _nothing() -> None:
+    pass
+
+
+class UpProgress:
+    """What `up` tells as it goes, step by step. This one shows nothing; the CLI's
+    (commands/up.py) draws the bars and prints a line per step."""
+
+    def preflight(self, hosts: int) -> AbstractContextManager[Callable[[], None]]:
+        """Around connect + preflight; the callable is called as each host is checked."""
+        return nullcontext(_nothing)
+
+    def preflight_done(self, cluster: Cluster, pre: PreflightReport) -> None:
+        pass
+
+    def sync(self, hosts: int, total: int) -> AbstractContextManager[SyncShown]:
+        """Around the push of `total` bytes to `hosts` hosts."""
+        return nullcontext(SyncShown())
+
+    def synced(self, cluster: Cluster, reports: SyncReports) -> None:
+        pass
+
+    def python_missing(self, host: Host, python: str) -> None:
+        """The host's python is not there yet: checked again after `setup:`."""
+
+    def setup_printer(self) -> Printer:
+        """Where the `setup:` commands' output goes (prefixed with the host)."""
+        return Printer(quiet=True)
+
+    def setup_done(self, cluster: Cluster, skipped: int, ran: int, seconds: float) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Started:
+    """A started job and the session that started it (open until `start` returns)."""
+
+    session: Session
+    state: job_state.JobState
+    result: UpResult | ArrayUpResult
+    record: array_plan.ArrayRecord | None = None   # a job array's tasks
+
+
+def up(inventory: jobs.Inventory, *, setup: bool = False,
+       progress: UpProgress | None = None) -> UpResult:
+    """`orch up --detach` of a distributed job: returns once every host started. All or
+    nothing: a host failing preflight (HostError, GroupError: exit 3) or a bad inventory
+    or dataset (exit 2) starts nothing anywhere. `setup`: run `setup:` even where it ran
+    before, unchanged. The job runs on without this process; follow it with `status` and
+    `logs`, end it with `stop`. A job array: `array_up`."""
+    cluster = jobs.cluster_of(inventory)
+    if cluster.job.array is not None:
+        raise jobs.kind_error(cluster, "a job array", "array_up")
+    with start(cluster, setup=setup, progress=progress) as started:
+        assert isinstance(started.result, UpResult)
+        return started.result
+
+
+def array_up(inventory: jobs.Inventory, *, setup: bool = False,
+             progress: UpProgress | None = None) -> ArrayUpResult:
+    """`orch up --detach` of a job array: every host's runner started with its share of
+    the tasks; they go on without this process (`array_status`, `results`, `stop`)."""
+    cluster = jobs.cluster_of(inventory)
+    if cluster.job.array is None:
+        raise jobs.kind_error(cluster, "not a job array", "up")
+    with start(cluster, setup=setup, progress=progress) as started:
+        assert isinstance(started.result, ArrayUpResult)
+        return started.result
+
+
+def plan(inventory: jobs.Inventory) -> Plan:
+    """`orch up --dry-run`: the plan and the exact command per host; no host is touched."""
+    cluster = jobs.cluster_of(inventory)
+    text = prepare.array_plan(cluster) if cluster.job.array else dry_run_plan(cluster)
+    return Plan(job=cluster.name, plan=text)
+
+
+@contextmanager
+def start(inventory: jobs.Inventory, *, setup: bool = False,
+          progress: UpProgress | None = None) -> Iterator[Started]:
+    """Every step up to the start on every host; the session closes when the block ends."""
+    cluster = jobs.cluster_of(inventory)
+    shown = progress or UpProgress()
+    files = local_files(cluster)   # bad data is refused before any host is touched
+    session = Session(cluster)
+    try:
+        with shown.preflight(len(cluster.hosts)) as checked:
+            pre = session.open_and_preflight(checked=checked)
+        shown.preflight_done(cluster, pre)
+        sync(session, files, pre, shown)
+        pre = setup_and_check(session, files, pre, setup, shown)
+        yield launch_array(session, pre) if cluster.job.array else launch(session, pre)
+    finally:
+        session.close()
+
+
+def launch(session: Session, pre: PreflightReport) -> Started:
+    cluster = session.cluster
+    run_id, sups = session.launch(pre)
+    st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
+                             pre.master_port, pre.hosts, sups)
+    job_state.save(cluster, st)
+    result = UpResult(job=cluster.name, run_id=st.run_id, world_size=cluster.world_size,
+                      master_addr=st.master_addr, master_port=st.master_port,
+                      hosts=[UpHost(h.label, h.job_dir, list(h.ranks)) for h in st.hosts])
+    return Started(session, st, result)
+
+
+def launch_array(session: Session, pre: PreflightReport) -> Started:
+    cluster = session.cluster
+    rec, sups = array_plan.start(session, pre)
+    st = job_state.new_state(cluster, rec.run_id, "-", 0, pre.hosts, sups)
+    job_state.save(cluster, st)
+    array_plan.save(cluster, rec)
+    result = ArrayUpResult(job=cluster.name, run_id=rec.run_id, tasks=len(rec.host),
+                           hosts=[ArrayHost(h.label, h.job_dir, rec.tasks_of(h.index))
+                                  for h in st.hosts])
+    return Started(session, st, result, rec)
+
+
+def local_files(cluster: Cluster) -> dict[int, HostFiles]:
+    """What each host must hold, hashed (cached) and checked here, before connecting."""
+    if cluster.job.array is not None:
+        return prepare.array_files(cluster)
+    split = load_split(cluster) if cluster.data.shards else None
+    cache = DigestCache(cluster.state_dir.parent / "digests.json")
+    check_entrypoint(cluster.base_dir, cluster.code.paths, cluster.code.exclude,
+                     cluster.job.entrypoint, str(cluster.path))
+    code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude, cache,
+                      str(cluster.path))
+    files = {h.index: HostFiles(code, host_files(cluster, h, split, cache) if split else None)
+             for h in cluster.hosts}
+    cache.save()
+    return files
+
+
+def sync(session: Session, files: dict[int, HostFiles], pre: PreflightReport,
+         shown: UpProgress) -> None:
+    cluster = session.cluster
+    total = sum(sum(f.size for f in hf.code) + sum(f.size for f in hf.data or ())
+                for hf in files.values())
+    with shown.sync(len(cluster.hosts), total) as bar:
+        reports = session.sync(files, pre, bar.sent, bar.host_done)
+    shown.synced(cluster, reports)
+    record_sync(cluster, reports)
+
+
+def record_sync(cluster: Cluster, reports: SyncReports) -> None:
+    """.orch/<name>/last_sync.json: what was sent where."""
+    record = {cluster.hosts[i].label: {k: {"files": r.files, "bytes": r.bytes,
+                                           "deleted": r.deleted, "sent": list(r.sent)}
+                                       for k, r in parts.items()}
+              for i, parts in sorted(reports.items())}
+    cluster.state_dir.mkdir(parents=True, exist_ok=True)
+    path = cluster.state_dir / "last_sync.json"
+    path.write_text(json.dumps(record, indent=1))
+    os.chmod(path, 0o600)
+
+
+def setup_and_check(session: Session, files: dict[int, HostFiles], pre: PreflightReport,
+                    force: bool, shown: UpProgress) -> PreflightReport:
+    """`setup:` everywhere (all or nothing), then the python, torch and entrypoint check
+    where setup may have changed them, or where nothing was pushed."""
+    cluster = session.cluster
+    for i, info in sorted(pre.hosts.items()):
+        if info.python_missing:
+            shown.python_missing(cluster.hosts[i], info.python_missing)
+    if cluster.setup is not None:
+        t0 = time.monotonic()
+        replies = session.setup(pre, files[0].code, force, shown.setup_printer())
+        skipped = sum(1 for r in replies.values() if r["skipped"])
+        shown.setup_done(cluster, skipped, len(replies) - skipped, time.monotonic() - t0)
+    return session.check_ready(pre) if needs_check(cluster) else pre

@@ -1,0 +1,130 @@
+"""What the hosts say of a job: every rank's status, a job array's tasks, its results.
+
+These calls report: a host that cannot be reached or answer is named in the result
+(`unreachable`), never raised, and a failed rank is a state, not an exception."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from orchestrator.api import jobs
+from orchestrator.api.outcomes import (
+    ArrayStatus,
+    MetricStats,
+    RankStatus,
+    ResultGroup,
+    Results,
+    Status,
+    TaskResult,
+    TaskStatus,
+)
+from orchestrator.arrays import plan
+from orchestrator.arrays import results as array_results
+from orchestrator.config.inventory import Cluster
+from orchestrator.errors import UsageError
+from orchestrator.remote.fanout import GroupResult
+from orchestrator.session.session import Session
+from orchestrator.watch.monitor import signal_name
+
+
+def rank_status(rank: int, host: str, local: int, info: dict[str, Any],
+                offset: float) -> RankStatus:
+    """One rank from its host's `status` reply; its runtime on the host's clock (`offset`
+    from ours) while it runs."""
+    state = info["state"]
+    if state == "exited":
+        state = "exited 0" if info["code"] == 0 else f"failed ({signal_name(info['code'])})"
+    runtime = None
+    if info.get("started"):
+        end = info.get("ended") or (time.time() + offset)
+        runtime = round(end - info["started"], 1)
+    return RankStatus(rank=rank, host=host, local_rank=local, pid=info.get("pid"), state=state,
+                      exit_code=info.get("code"), runtime_s=runtime,
+                      last_line=info.get("last_line", ""), log_bytes=info.get("log_bytes"))
+
+
+def rank_statuses(cluster: Cluster, result: GroupResult[dict[str, Any]]) -> list[RankStatus]:
+    """Every rank, `unreachable` where its host did not answer."""
+    out = []
+    for h in cluster.hosts:
+        reply = result.ok.get(h.index)
+        for local, rank in enumerate(h.ranks):
+            info = reply["ranks"][local] if reply else {"state": "unreachable", "last_line": ""}
+            offset = reply["time"] - time.time() if reply else 0.0
+            out.append(rank_status(rank, h.label, local, info, offset))
+    return out
+
+
+def status(inventory: jobs.Inventory) -> Status:
+    """`orch status` of a distributed job: every rank. With no saved state the hosts are
+    asked at the inventory's job folders; "not started" (UsageError) when none holds a
+    trace of a run. A job array's tasks: `array_status`."""
+    cluster = jobs.cluster_of(inventory)
+    if cluster.job.array is not None:
+        raise jobs.kind_error(cluster, "a job array", "array_status")
+    st = jobs.saved_state(cluster)
+    session = jobs.open_session(cluster, st)
+    try:
+        result = session.status()
+    finally:
+        session.close()
+    if st is None:
+        jobs.require_a_run(session, result)
+    failed = {**session.failed, **result.failed}
+    return Status(job=cluster.name, ranks=rank_statuses(cluster, result),
+                  unreachable=jobs.labelled(cluster, failed),
+                  unreached=dict(session.failed), unanswered=dict(result.failed))
+
+
+def array_status(inventory: jobs.Inventory) -> ArrayStatus:
+    """`orch status` of a job array: every task's args, host and slot, state, runtime,
+    last line."""
+    cluster = jobs.cluster_of(inventory)
+    if cluster.job.array is None:
+        raise jobs.kind_error(cluster, "not a job array", "status")
+    rec = plan.load(cluster)
+    session = jobs.open_session(cluster, jobs.require_state(cluster))
+    try:
+        result = plan.host_request(session, "array_status", rec)
+        rows = array_results.status_rows(cluster, rec, result)
+    finally:
+        session.close()
+    tasks = [TaskStatus(task=r["task"], args=r["args"], host=r["host"], slot=r["slot"],
+                        state=r["state"], exit_code=r["code"], runtime_s=r["runtime_s"],
+                        last_line=r["last_line"]) for r in rows]
+    failed = {**session.failed, **result.failed}
+    return ArrayStatus(job=cluster.name, tasks=tasks, unreachable=jobs.labelled(cluster, failed),
+                       unreached=dict(session.failed), unanswered=dict(result.failed))
+
+
+def results(inventory: jobs.Inventory) -> Results:
+    """`orch results`: a job array's tasks, the last row of each one's metrics.csv, and
+    the groups over folds (mean, sample std); also written to .orch/<name>/results.csv."""
+    cluster = jobs.cluster_of(inventory)
+    if cluster.job.array is None:   # the CLI's message
+        raise UsageError(f"{cluster.path.name}: job '{cluster.name}' is not a job array",
+                         hint="add `array:` under `job:` (see the README's Job arrays), "
+                              f"or use `orch status -c {cluster.path.name}`")
+    rec = plan.load(cluster)
+    session = jobs.open_session(cluster, jobs.require_state(cluster))
+    try:
+        return results_of(session, rec)
+    finally:
+        session.close()
+
+
+def results_of(session: Session, rec: plan.ArrayRecord) -> Results:
+    """The results over an open session (`up` of an attached array ends with them)."""
+    cluster = session.cluster
+    status = plan.host_request(session, "array_status", rec)
+    fetched = plan.host_request(session, "array_results", rec)
+    rows = array_results.result_rows(rec, array_results.status_rows(cluster, rec, status), fetched)
+    path = cluster.state_dir / "results.csv"
+    array_results.write_csv(path, rows)
+    groups = [ResultGroup(params=g["params"], tasks=g["tasks"], ok=g["ok"],
+                          metrics={c: MetricStats(**m) for c, m in g["metrics"].items()})
+              for g in array_results.group(rows)]
+    tasks = [TaskResult(task=r["task"], args=r["args"], params=r["params"], state=r["state"],
+                        metrics=r["metrics"]) for r in rows]
+    return Results(job=cluster.name, tasks=tasks, groups=groups, csv=path,
+                   unreached=dict(session.failed))

@@ -1,0 +1,96 @@
+"""What more than one command shows: a pull's bar and its summary (`orch pull`, and
+`orch up` when the job ended), a job array's results tables (`orch results`, and an
+attached array's `orch up`). Not a command: the commands stay independent of each other."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.progress import Progress, TaskID
+from rich.table import Table
+
+from orchestrator.api.outcomes import PullResult, Results, TaskResult
+from orchestrator.api.pulling import Transfer
+from orchestrator.commands.common import console
+from orchestrator.ui.console import bytes_bar
+from orchestrator.ui.termsafe import plain
+
+# ---------------------------------------------------------------- pull
+
+
+class PullBar(Transfer):
+    def __init__(self, bar: Progress, task: TaskID) -> None:
+        self.bar, self.task = bar, task
+
+    def planned(self, total: int) -> None:
+        self.bar.update(self.task, total=total or 1)
+
+    def received(self, nbytes: int) -> None:
+        self.bar.advance(self.task, nbytes)
+
+
+@contextmanager
+def pull_bar(host: str) -> Iterator[Transfer]:
+    """A pull's bytes bar on stderr, gone when it ends."""
+    with bytes_bar() as bar:
+        yield PullBar(bar, bar.add_task(f"pull {host}", total=None))
+
+
+def shown(path: str) -> str:
+    """The destination as the user would type it: relative to here when below it."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path + "/"
+    return (path if rel.startswith("..") else rel) + "/"
+
+
+def pulled(result: PullResult) -> None:
+    where = shown(result.destination)
+    if result.files:
+        console.print(f"pulled {result.files} files ({result.bytes / 1e6:.1f} MB) to {where}"
+                      + (f"; {result.unchanged} unchanged" if result.unchanged else ""))
+    elif result.listed:
+        console.print(f"{where} is up to date ({result.unchanged} files)")
+    else:
+        console.print(plain(f"nothing to pull: {result.host}:{result.source} has no files"))
+    for note in result.skipped:
+        console.print(plain(f"  skipped {note['p']}: {note['why']}"))
+    if result.skipped_count > len(result.skipped):
+        console.print(f"  ... and {result.skipped_count - len(result.skipped)} more skipped")
+
+
+# ---------------------------------------------------------------- results
+
+SHOWN = ("val_acc", "val_loss", "train_acc", "train_loss", "time_s", "epoch")  # first, when present
+MAX_COLS = 6
+
+
+def shown_columns(tasks: list[TaskResult]) -> list[str]:
+    cols = list(dict.fromkeys(c for t in tasks for c in t.metrics))
+    first = [c for c in SHOWN if c in cols]
+    return (first + [c for c in cols if c not in first])[:MAX_COLS]
+
+
+def results(res: Results) -> None:
+    """The tasks' table, the groups' table, and where results.csv is."""
+    cols = shown_columns(res.tasks)
+    t = Table(title=f"job array {res.job}: {len(res.tasks)} tasks")
+    for c in ("task", "args", "state", *cols):
+        t.add_column(c)
+    for r in res.tasks:
+        t.add_row(str(r.task), plain(r.args), r.state, *(plain(r.metrics.get(c, "")) for c in cols))
+    console.print(t, soft_wrap=False)
+    g = Table(title="grouped over folds (mean ± std)")
+    for c in ("group", "tasks", "ok", *cols):
+        g.add_column(c)
+    for grp in res.groups:
+        name = " ".join(f"{k}={v}" for k, v in grp.params.items()) or "all"
+        cells = []
+        for c in cols:
+            m = grp.metrics.get(c)
+            cells.append(f"{m.mean:.4g} ± {m.std:.2g}" if m else "-")
+        g.add_row(plain(name), str(len(grp.tasks)), str(grp.ok), *cells)
+    console.print(g, soft_wrap=False)
+    console.print(f"results: {res.csv}")
