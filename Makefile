@@ -51,12 +51,14 @@ test-fast: install
 	$(VPY) -m pytest -m "not ssh and not slow" --hypothesis-profile=fast \
 	  -n auto --maxprocesses 4 --dist worksteal
 
-# Lint and types: ruff on every Python folder, mypy as configured in pyproject.toml
-# (strict on orchestrator/). Both always run, so one call shows every finding.
+# Lint, types and layers: ruff on every Python folder, mypy as configured in pyproject.toml
+# (strict on orchestrator/), import-linter's contracts ([tool.importlinter]: the layers,
+# the agent alone, no circles, commands independent). All run, so one call shows every finding.
 check: install
 	@rc=0; \
 	$(VPY) -m ruff check orchestrator worker tests bench tools || rc=1; \
 	$(VPY) -m mypy || rc=1; \
+	$(VENV)/bin/lint-imports --no-cache || rc=1; \
 	exit $$rc
 
 # The documentation site (docs/, mkdocs.yml) into site/: a page left out of nav, a broken
