@@ -274,3 +274,17 @@ def test_launch_clears_the_previous_runs_records(tmp_path: Path) -> None:
     host_launch.clean_run_dir(p)
     assert not Path(p["run"], "torchrun").exists() and not Path(p["run"], "stop.json").exists()
     assert (outside / "keep").exists()
+
+
+def test_a_pull_of_one_file_says_file(capsys: pytest.CaptureFixture[str]) -> None:
+    """`pulled 1 file`, not `pulled 1 files` (and the up-to-date line alike)."""
+    import dataclasses
+
+    from orchestrator.api.outcomes import PullResult
+    from orchestrator.commands import render
+    one = PullResult(host="h", source="output", destination="/tmp/o", files=1, bytes=10,
+                     unchanged=0, listed=1, skipped=[], skipped_count=0, failed=[])
+    render.pulled(one)
+    render.pulled(dataclasses.replace(one, files=0, unchanged=1))
+    err = capsys.readouterr().err
+    assert "pulled 1 file (" in err and "is up to date (1 file)" in err, err

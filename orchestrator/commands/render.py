@@ -15,6 +15,7 @@ from orchestrator.api.pulling import Transfer
 from orchestrator.commands.common import console
 from orchestrator.ui.console import bytes_bar
 from orchestrator.ui.termsafe import plain
+from orchestrator.ui.wording import plural
 
 # ---------------------------------------------------------------- pull
 
@@ -49,10 +50,10 @@ def shown(path: str) -> str:
 def pulled(result: PullResult) -> None:
     where = shown(result.destination)
     if result.files:
-        console.print(f"pulled {result.files} files ({result.bytes / 1e6:.1f} MB) to {where}"
+        console.print(f"pulled {plural(result.files, 'file')} ({result.bytes / 1e6:.1f} MB) to {where}"
                       + (f"; {result.unchanged} unchanged" if result.unchanged else ""))
     elif result.listed:
-        console.print(f"{where} is up to date ({result.unchanged} files)")
+        console.print(f"{where} is up to date ({plural(result.unchanged, 'file')})")
     else:
         console.print(plain(f"nothing to pull: {result.host}:{result.source} has no files"))
     for note in result.skipped:
