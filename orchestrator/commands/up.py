@@ -22,7 +22,7 @@ from orchestrator.files.sync import SyncReport
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import dry_run_plan, master_addr
 from orchestrator.session.preflight import PreflightReport
-from orchestrator.session.session import HostFiles, Session
+from orchestrator.session.session import HostFiles, Session, group_files
 from orchestrator.session.setupstep import needs_check
 from orchestrator.session.shelloutput import Printer
 from orchestrator.ui.console import bytes_bar, hosts_bar
@@ -133,6 +133,10 @@ def setup_and_check(session: Session, files: dict[int, HostFiles], pre: Prefligh
         if skipped < len(replies):
             console.print(f"setup: done on {plural(len(replies) - skipped, 'host')} "
                           f"({time.monotonic() - t0:.1f} s; logs/setup.log on each host)")
+        covered = len(cluster.hosts) - len(replies)
+        if covered:
+            console.print(f"setup: {plural(covered, 'host')} share a job folder with a host "
+                          "that ran it (setup.once_per: filesystem)", markup=False)
     return session.check_ready(pre) if needs_check(cluster) else pre
 
 
@@ -156,7 +160,7 @@ def local_files(cluster: Cluster) -> dict[int, HostFiles]:
 def sync(session: Session, files: dict[int, HostFiles], pre: PreflightReport) -> None:
     cluster = session.cluster
     total = sum(sum(f.size for f in hf.code) + sum(f.size for f in hf.data or ())
-                for hf in files.values())
+                for hf in group_files(files, pre).values())
     with bytes_bar() as bar:
         task = bar.add_task(f"sync 0/{plural(len(cluster.hosts), 'host')}", total=total or 1)
         done: list[int] = []
@@ -165,20 +169,29 @@ def sync(session: Session, files: dict[int, HostFiles], pre: PreflightReport) ->
             done.append(index)
             bar.update(task, description=f"sync {len(done)}/{plural(len(cluster.hosts), 'host')}")
         reports = session.sync(files, pre, lambda n: bar.advance(task, n), host_done)
-    report_sync(cluster, reports)
+    report_sync(cluster, reports, pre)
 
 
-def report_sync(cluster: Cluster, reports: dict[int, dict[str, SyncReport]]) -> None:
-    """One line per host, and .orch/<name>/last_sync.json with what was sent where."""
-    record = {}
+def report_sync(cluster: Cluster, reports: dict[int, dict[str, SyncReport]],
+                pre: PreflightReport) -> None:
+    """One line per job folder (hosts sharing one are named together), and
+    .orch/<name>/last_sync.json with what was sent where."""
+    record: dict[str, Any] = {}
     for i, parts in sorted(reports.items()):
         label = cluster.hosts[i].label
+        others = [cluster.hosts[m].label for m in pre.group_of(i) if m != i]
+        shared = f" (job folder shared with {', '.join(others)}: pushed once)" if others else ""
         bits = [f"{k} {plural(r.files, 'file')} {r.bytes} B sent, {r.deleted} deleted"
                 for k, r in parts.items()]
-        if len(cluster.hosts) <= 16 or any(r.files for r in parts.values()):
-            console.print(f"sync {label}: " + ("; ".join(bits) or "nothing to push"))
+        if len(cluster.hosts) <= 16 or any(r.files for r in parts.values()) or others:
+            console.print(f"sync {label}{shared}: " + ("; ".join(bits) or "nothing to push"),
+                          markup=False)
         record[label] = {k: {"files": r.files, "bytes": r.bytes, "deleted": r.deleted,
                              "sent": list(r.sent)} for k, r in parts.items()}
+        if others:
+            record[label]["shared_with"] = others
+        for other in others:
+            record[other] = {"pushed_by": label}
     cluster.state_dir.mkdir(parents=True, exist_ok=True)
     path = cluster.state_dir / "last_sync.json"
     path.write_text(json.dumps(record, indent=1))
