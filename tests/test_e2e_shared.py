@@ -187,9 +187,10 @@ def test_two_jobs_in_one_shared_folder(sshd_cluster: SshdCluster, tmp_path: Path
         up = orch(inv.parent, "up", str(inv), "--detach", timeout=180)
         assert up.returncode == 0, up.stdout + up.stderr
         invs[name] = inv
+    def both_run(name: str) -> bool:
+        return all(part_pids(shared, name, h.address) for h in (a, b))
     for name in invs:
-        wait_until(lambda: all(part_pids(shared, name, h.address) for h in (a, b)), 60,
-                   f"{name}'s ranks on both hosts")
+        wait_until(lambda: both_run(name), 60, f"{name}'s ranks on both hosts")  # noqa: B023
     stop = orch(invs["first"].parent, "stop", str(invs["first"]), "--grace", "1")
     assert stop.returncode == 0, stop.stderr
     assert_nothing_left([Shared(a.address, shared)], "first")

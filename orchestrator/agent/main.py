@@ -162,5 +162,7 @@ def main(version: str, argv: list[Any]) -> None:
         sys.modules["orchestrator.agent.shellcmd"].end_all()   # the controller
     for th in waited:
         th.join()
+    if "orchestrator.agent.procs" in sys.modules:   # locks end; unused parts go
+        sys.modules["orchestrator.agent.procs"].release_all()
     sys.stdout.flush()
     os._exit(0)

@@ -237,10 +237,12 @@ class JobDir:
 
     # ------------------------------------------------------------ folders
 
-    def open_dir(self, rel: str = "", create: bool = False) -> int:
+    def open_dir(self, rel: str = "", create: bool = False, mapped: bool = False) -> int:
         """A new descriptor (the caller closes it) of folder rel, each part opened
-        without following a link and made if `create`. FileNotFoundError if missing."""
-        rel = self.map(rel)
+        without following a link and made if `create`. FileNotFoundError if missing.
+        `mapped`: rel is already this host's (the parent of a mapped path: the parent of
+        run/<part> is run/ itself)."""
+        rel = rel if mapped else self.map(rel)
         parts = split_rel(rel)
         fd = os.dup(self.fd(create))
         shown = self.path
@@ -256,8 +258,8 @@ class JobDir:
         return fd
 
     @contextmanager
-    def dirfd(self, rel: str = "", create: bool = False) -> Iterator[int]:
-        fd = self.open_dir(rel, create)
+    def dirfd(self, rel: str = "", create: bool = False, mapped: bool = False) -> Iterator[int]:
+        fd = self.open_dir(rel, create, mapped)
         try:
             yield fd
         finally:
@@ -291,7 +293,7 @@ class JobDir:
         rel = self.map(rel)
         parent, name = split_parent(rel)
         try:
-            with self.dirfd(parent) as pfd:
+            with self.dirfd(parent, mapped=True) as pfd:
                 return lstat_at(pfd, name)
         except FileNotFoundError:
             return None
@@ -301,7 +303,7 @@ class JobDir:
         refused, not replaced: rel is one of orch's own files."""
         rel = self.map(rel)
         parent, name = split_parent(rel)
-        with self.dirfd(parent, create=True) as pfd:
+        with self.dirfd(parent, create=True, mapped=True) as pfd:
             st = lstat_at(pfd, name)
             if st is not None and stat.S_ISLNK(st.st_mode):
                 raise link_refused(self.show(rel))
@@ -323,7 +325,7 @@ class JobDir:
         nobody reads a half-written file."""
         rel = self.map(rel)
         parent, name = split_parent(rel)
-        with self.dirfd(parent, create=True) as pfd:
+        with self.dirfd(parent, create=True, mapped=True) as pfd:
             tmp = "%s%s%d" % (name, PART, os.getpid())
             fd = create_excl(pfd, tmp, 0o644)
             try:
@@ -348,7 +350,7 @@ class JobDir:
         into something that is not its own file."""
         rel = self.map(rel)
         parent, name = split_parent(rel)
-        with self.dirfd(parent, create=True) as pfd:
+        with self.dirfd(parent, create=True, mapped=True) as pfd:
             fd = open_file_at(pfd, name, self.show(rel),
                               WRITE_FLAGS | (os.O_APPEND if append else 0), mode)
         if os.fstat(fd).st_nlink > 1:
@@ -367,7 +369,7 @@ class JobDir:
         or anything but a regular file refused."""
         rel = self.map(rel)
         parent, name = split_parent(rel)
-        with self.dirfd(parent) as pfd:
+        with self.dirfd(parent, mapped=True) as pfd:
             return open_file_at(pfd, name, self.show(rel), READ_FLAGS)
 
     def read(self, rel: str, cap: int) -> bytes | None:
@@ -398,7 +400,7 @@ class JobDir:
         rel = self.map(rel)
         parent, name = split_parent(rel)
         try:
-            with self.dirfd(parent) as pfd:
+            with self.dirfd(parent, mapped=True) as pfd:
                 st = lstat_at(pfd, name)
                 if st is None or stat.S_ISDIR(st.st_mode):
                     return False
@@ -412,9 +414,18 @@ class JobDir:
         rel = self.map(rel)
         parent, name = split_parent(rel)
         try:
-            with self.dirfd(parent) as pfd:
+            with self.dirfd(parent, mapped=True) as pfd:
                 os.rmdir(name, dir_fd=pfd)
                 return True
+        except OSError:
+            return False
+
+    def rmdir_top(self, name: str) -> bool:
+        """Remove folder `name` of the job folder itself if it is empty (run/ itself,
+        not this host's part of it)."""
+        try:
+            os.rmdir(name, dir_fd=self.fd())
+            return True
         except OSError:
             return False
 
@@ -424,7 +435,8 @@ class JobDir:
         src_rel, dst_rel = self.map(src_rel), self.map(dst_rel)
         src_parent, src = split_parent(src_rel)
         dst_parent, dst = split_parent(dst_rel)
-        with self.dirfd(src_parent) as sfd, self.dirfd(dst_parent, create=True) as dfd:
+        with self.dirfd(src_parent, mapped=True) as sfd, \
+                self.dirfd(dst_parent, create=True, mapped=True) as dfd:
             os.rename(src, dst, src_dir_fd=sfd, dst_dir_fd=dfd)
 
     def symlink(self, rel: str, target: str) -> os.stat_result:
@@ -433,7 +445,7 @@ class JobDir:
         rel = self.map(rel)
         check_link_target(rel, target)
         parent, name = split_parent(rel)
-        with self.dirfd(parent, create=True) as pfd:
+        with self.dirfd(parent, create=True, mapped=True) as pfd:
             tmp = "%s%s%d" % (name, PART, os.getpid())
             if lstat_at(pfd, tmp) is not None:
                 os.unlink(tmp, dir_fd=pfd)
@@ -446,7 +458,7 @@ class JobDir:
         rel = self.map(rel)
         parent, name = split_parent(rel)
         try:
-            with self.dirfd(parent) as pfd:
+            with self.dirfd(parent, mapped=True) as pfd:
                 rmtree_at(pfd, name)
         except FileNotFoundError:
             pass
@@ -458,7 +470,7 @@ class JobDir:
         link is neither reported nor entered."""
         rel = self.map(rel)
         try:
-            fd = self.open_dir(rel)
+            fd = self.open_dir(rel, mapped=True)
         except FileNotFoundError:
             return
         yield from walk_fd(fd, rel)
@@ -468,7 +480,7 @@ class JobDir:
         there (a folder with its content); nothing else is touched. Returns the count."""
         rel = self.map(rel)
         try:
-            fd = self.open_dir(rel)
+            fd = self.open_dir(rel, mapped=True)
         except FileNotFoundError:
             return 0
         return sweep_fd(fd, is_leftover)

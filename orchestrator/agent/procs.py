@@ -157,6 +157,7 @@ def ended_by_itself(p: dict[str, Any]) -> bool:
 
 
 LOCKED: dict[str, int] = {}   # job dir -> a descriptor of it, holding its lock (claim)
+MADE: dict[str, Any] = {}     # job dir -> its JobDir, where the claim made run/<part>/
 
 
 def claim(p: dict[str, Any]) -> bool | None:
@@ -171,6 +172,8 @@ def claim(p: dict[str, Any]) -> bool | None:
     # a description of its own (not a dup of the JobDir's): flock belongs to the open
     # file description, and release() must end the lock while the JobDir stays open
     jd = p["jd"]
+    if jd.part and jd.lstat("run") is None:
+        MADE[p["job"]] = jd
     fd = jd.open_dir("run", create=True) if jd.part else \
         os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=jd.fd())
     try:
@@ -189,6 +192,16 @@ def release(job: str) -> None:
     fd = LOCKED.pop(job, None)
     if fd is not None:
         os.close(fd)
+
+
+def release_all() -> None:
+    """The agent ends: its locks end, and a part (and run/) that the claim made and
+    nothing used since is removed: a refused preflight leaves no run/ behind."""
+    for job in list(LOCKED):
+        release(job)
+        jd = MADE.pop(job, None)
+        if jd is not None and jd.rmdir("run"):   # run/<part>/, only when empty
+            jd.rmdir_top("run")
 
 
 def signal_all(pids: Iterable[int], sig: int) -> None:
