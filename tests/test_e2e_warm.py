@@ -109,7 +109,7 @@ def refused_while_locked(tmp_path: Path, inv: Path, hosts: list, name: str) -> N
     """Another agent holds host 0's job folder (its `up` is between preflight and launch):
     this `up` is refused there; host 1, whose preflight passed and started torchrun warm,
     ends it with its agent."""
-    holder = hold_lock(job_dir(hosts[0], name))
+    holder = hold_lock(job_dir(hosts[0], name), part_name(hosts[0].address))
     try:
         again = orch(tmp_path, "up", str(inv))
     finally:
