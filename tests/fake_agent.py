@@ -29,7 +29,11 @@ def clock(chan: FakeChannel, msg: dict) -> None:
         answer()
 
 
-DEFAULTS: dict[str, Handler] = {"clock": clock}
+def unshare(chan: FakeChannel, msg: dict) -> None:
+    chan.push(protocol.reply(msg["id"], {"removed": False}))
+
+
+DEFAULTS: dict[str, Handler] = {"clock": clock, "unshare": unshare}
 
 
 class FakeChannel(Channel):

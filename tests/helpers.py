@@ -128,6 +128,13 @@ def job_dir(host: JobHost, name: str) -> Path:
     return host.remote_dir / name
 
 
+def part_dir(host: JobHost, name: str) -> Path:
+    """The host's part of the job folder, run/host-<label>/: its records (the fake hosts'
+    labels are their addresses)."""
+    from orchestrator.config.inventory import part_name
+    return job_dir(host, name) / "run" / part_name(host.address)
+
+
 def marker(host: JobHost, name: str) -> str:
     """What every process of the job carries in its environment."""
     return f"ORCH_JOB_DIR={job_dir(host, name)}"

@@ -30,6 +30,7 @@ from helpers import (
     job_pids,
     kill_all,
     orch,
+    part_dir,
     wait_until,
     write_job,
 )
@@ -246,9 +247,9 @@ def test_killed_in_setup(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) 
     kill_when(run, lambda: pids_with_env(mark), "the setup command to run")
     wait_until(lambda: not pids_with_env(mark), 15, "the setup command to end with its agent")
     no_agent_left(hosts, name)
-    assert not (job_dir(hosts[0], name) / "run" / "launch.json").exists()
+    assert not (part_dir(hosts[0], name) / "launch.json").exists()
     up_to_the_end(tmp_path, inv, go)
-    assert (job_dir(hosts[0], name) / "run" / "setup.json").exists(), "setup did not run again"
+    assert (part_dir(hosts[0], name) / "setup.json").exists(), "setup did not run again"
     pushed_exactly(hosts, name, want)
     assert_nothing_left(hosts, name)
     no_agent_left(hosts, name)
@@ -264,7 +265,7 @@ def test_killed_at_launch(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs)
     hosts, name = sshd_cluster.hosts[2:3], "fault-launch"
     inv, go, _ = setup(sshd_cluster, tmp_path, jobs, name, hosts, procs=2)
     run = jobs.start(tmp_path, "up", str(inv))
-    launch = job_dir(hosts[0], name) / "run" / "launch.json"
+    launch = part_dir(hosts[0], name) / "launch.json"
     kill_when(run, launch.exists, "the launch request on the host")
     (tmp_path / ".orch" / name / "state.json").unlink(missing_ok=True)
 
@@ -305,7 +306,7 @@ def test_stop_killed_mid_stop(sshd_cluster: SshdCluster, tmp_path: Path, jobs: J
     assert up.returncode == 0, up.stderr
     wait_until(lambda: [r["state"] for r in status(tmp_path, inv)[1]] == ["running"] * 2,
                30, "both ranks running", step=0.5)
-    stops = [job_dir(h, name) / "run" / "stop.json" for h in hosts]
+    stops = [part_dir(h, name) / "stop.json" for h in hosts]
     run = jobs.start(tmp_path, "stop", str(inv), "--grace", "30")
     kill_when(run, lambda: all(p.exists() for p in stops), "the stop on every host")
     alive = job_pids(hosts, name)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import Jobs, Running, assert_nothing_left, orch, sessions_of, write_job
+from helpers import Jobs, Running, assert_nothing_left, orch, part_dir, sessions_of, write_job
 from sshd_cluster import FakeHost, SshdCluster, pids_with_env
 
 pytestmark = pytest.mark.ssh
@@ -113,7 +113,7 @@ def test_setup_makes_a_venv_once_and_the_job_uses_it(
         ), first.stdout
         log = (h.remote_dir / name / "logs" / "setup.log").read_text()
         assert log.startswith(f"$ {PY} -m venv")
-        assert json.loads((h.remote_dir / name / "run" / "setup.json").read_text())["fingerprint"]
+        assert json.loads((part_dir(h, name) / "setup.json").read_text())["fingerprint"]
     assert first.stdout.count(f"tinypkg wheel-{token}") == 2
 
     again = orch(tmp_path, "up", str(inv), timeout=240)
@@ -155,8 +155,8 @@ def test_a_failing_setup_starts_nothing_anywhere(
     assert f"{bad.remote_dir / name}/logs/setup.log" in err
     assert "started" not in result.stdout
     for h in hosts:
-        assert not (h.remote_dir / name / "run" / "supervisor.json").exists()
-    assert not (bad.remote_dir / name / "run" / "setup.json").exists()
+        assert not (part_dir(h, name) / "supervisor.json").exists()
+    assert not (part_dir(bad, name) / "setup.json").exists()
     assert_nothing_left(hosts, name)
 
 

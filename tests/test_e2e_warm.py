@@ -21,6 +21,7 @@ from helpers import (
     warm_pids,
     write_job,
 )
+from orchestrator.config.inventory import part_name
 from sshd_cluster import SshdCluster
 from test_warm import end, hold_lock
 
@@ -46,8 +47,8 @@ def rank_info(jd: Path, rank: int) -> dict:
     return json.loads(found[5:])
 
 
-def torchrun_argv(jd: Path) -> list[str]:
-    sup = json.loads((jd / "run" / "supervisor.json").read_text())
+def torchrun_argv(jd: Path, address: str) -> list[str]:
+    sup = json.loads((jd / "run" / part_name(address) / "supervisor.json").read_text())
     return Path(f"/proc/{sup['torchrun_pid']}/cmdline").read_bytes().decode().split("\0")[:-1]
 
 
@@ -89,12 +90,12 @@ def test_up_detach_runs_in_the_warm_torchrun(sshd_cluster: SshdCluster, tmp_path
     finally:
         hosts[0].resume()
     assert up.finish(120) == 0, up.text()
-    for rank, jd in enumerate(dirs):
+    for rank, (jd, h) in enumerate(zip(dirs, hosts)):
         info = rank_info(jd, rank)
         assert info == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                         "ORCH_JOB_DIR": str(jd)}, info
         # the job's torchrun is the launcher's (without a prewarm, started at the launch)
-        argv = torchrun_argv(jd)
+        argv = torchrun_argv(jd, h.address)
         assert argv[-2:] == [TAG, str(jd)] and "torch.distributed.run" not in argv, argv
     stop = orch(tmp_path, "stop", str(inv), "--grace", "2")
     assert stop.returncode == 0, stop.stderr
@@ -108,7 +109,7 @@ def refused_while_locked(tmp_path: Path, inv: Path, hosts: list, name: str) -> N
     """Another agent holds host 0's job folder (its `up` is between preflight and launch):
     this `up` is refused there; host 1, whose preflight passed and started torchrun warm,
     ends it with its agent."""
-    holder = hold_lock(job_dir(hosts[0], name))
+    holder = hold_lock(job_dir(hosts[0], name), part_name(hosts[0].address))
     try:
         again = orch(tmp_path, "up", str(inv))
     finally:

@@ -121,6 +121,7 @@ def test_a_job_runs_while_any_marked_process_lives(tmp_path: Path) -> None:
     the job still runs (preflight and launch refuse a second copy beside them)."""
     root = tmp_path / "job"
     (root / "run").mkdir(parents=True)
+    (root / "run" / "launch.json").write_text("{}")   # launched here (no launch: no scan)
     p = job_paths(str(root))
     assert not host_procs.job_running(p)
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],

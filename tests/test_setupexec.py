@@ -69,7 +69,9 @@ def test_setup_shapes(folder: Path) -> None:
         ('setup:\n  - "echo \\0 nul"\n', 9, "NUL"),
         ("setup: missing/setup.sh\n", 8, "not in code.paths"),
         ("setup: ../setup.sh\n", 8, "inside the synced code folder"),
-        ("setup: {a: 1}\n", 8, "list"),
+        ("setup: {a: 1}\n", 8, "unknown key `setup.a`"),
+            ("setup: {once_per: host}\n", 8, "missing `setup.commands`"),
+            ("setup: {commands: [ls], once_per: fs}\n", 8, "must be filesystem or host"),
         ("setpu: [ls]\n", 8, "setup"),
     ],
 )

@@ -243,16 +243,18 @@ def test_launcher_gone_before_go_starts_cold(tmp_path: Path, started: list[int],
 
 HOLDER = """\
 import sys
-from orchestrator.agent import procs
+from orchestrator.agent import paths, procs
 from orchestrator.agent.common import job_paths
+paths.HOST_PART = sys.argv[2] if len(sys.argv) > 2 else ""
 print(procs.claim(job_paths(sys.argv[1])), flush=True)
 sys.stdin.read()
 """
 
 
-def hold_lock(job: Path) -> subprocess.Popen[str]:
-    """Another agent: claims the job folder and keeps it until its stdin closes."""
-    holder = subprocess.Popen([PY, "-c", HOLDER, str(job)], stdin=subprocess.PIPE,
+def hold_lock(job: Path, part: str = "") -> subprocess.Popen[str]:
+    """Another agent: claims the job folder (this host's part of it, run/<part>/, as
+    the controller's agents do) and keeps it until its stdin closes."""
+    holder = subprocess.Popen([PY, "-c", HOLDER, str(job), part], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout is not None
     assert holder.stdout.readline().strip() == "True"

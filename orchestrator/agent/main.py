@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+from orchestrator.agent import paths
 from orchestrator.agent.common import AgentError, StreamIdle
 from orchestrator.agent.paths import UnsafePath
 from orchestrator.wire import protocol
@@ -44,6 +45,7 @@ HANDLERS = {
     "probe": ("shellcmd", "run_probe"),
     "exec": ("shellcmd", "run_exec"),
     "cancel": ("shellcmd", "run_cancel"),
+    "unshare": ("preflight", "run_unshare"),
 }
 # command -> daemon thread (not waited for); setup and exec run beside a `cancel`
 IN_THREAD = {"follow": True, "stop": False, "setup": False, "exec": False}
@@ -141,6 +143,9 @@ def main(version: str, argv: list[Any]) -> None:
     stdin: io.BufferedReader = sys.stdin.buffer  # type: ignore[assignment]  # read1/readinto1
     reader = protocol.FrameReader(stdin.read1, caps=protocol.CAPS, readinto=stdin.readinto1)
     debug = "debug" in argv
+    for arg in argv:   # this host's part of a job folder that hosts may share (paths.HOST_PART)
+        if arg.startswith("part="):
+            paths.HOST_PART = arg[len("part="):]
     waited: list[threading.Thread] = []
     out.send(protocol.hello(version, pid=os.getpid(), python=sys.version.split()[0]))
     try:
@@ -157,5 +162,7 @@ def main(version: str, argv: list[Any]) -> None:
         sys.modules["orchestrator.agent.shellcmd"].end_all()   # the controller
     for th in waited:
         th.join()
+    if "orchestrator.agent.procs" in sys.modules:   # locks end; unused parts go
+        sys.modules["orchestrator.agent.procs"].release_all()
     sys.stdout.flush()
     os._exit(0)

@@ -30,6 +30,14 @@ WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
 EXCL_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
 PART = ".orch-part-"          # a file being written beside its final name
 ORCH_FOLDERS = ("code", "data", "logs", "run", "output")
+# This host's part of the job folder: run/<HOST_PART>/ holds its lock, records and state, so
+# that hosts sharing one job folder (NFS, a bind mount) never take each other's. Set from
+# the agent's argv (`part=host-<label>`); "" (agent unit tests): run/ itself.
+HOST_PART = ""
+PART_PREFIX = "host-"
+# run/ entries of the filesystem, not of one host: what orch pushed into code/ and data/
+# (their ledgers and receive locks) and a setup run once per filesystem
+SHARED_RUN = ("code-", "data-", "shared-", PART_PREFIX)
 OWN_FILES_IN = ("logs", "run")  # folders that hold orch's files only: no link belongs there
 
 
@@ -192,10 +200,22 @@ class JobDir:
                              "set remote_dir to a folder (e.g. ~/orch)")
         self.parent = os.path.realpath(parent)   # remote_dir may be a link: resolved once
         self.name = name
+        self.part = HOST_PART
         self.path = os.path.join(self.parent, name)
         self._fd: int | None = None
 
+    def map(self, rel: str) -> str:
+        """rel with run/ turned into this host's part, run/<part>/ (shared names and the
+        parts themselves are left as they are: mapping twice changes nothing)."""
+        if not self.part or not (rel == "run" or rel.startswith("run/")):
+            return rel
+        rest = rel[4:]
+        if rest.startswith(SHARED_RUN):
+            return rel
+        return "run/" + self.part + ("/" + rest if rest else "")
+
     def show(self, rel: str) -> str:
+        rel = self.map(rel)
         return self.path + "/" + rel if rel else self.path
 
     def fd(self, create: bool = False) -> int:
@@ -217,9 +237,12 @@ class JobDir:
 
     # ------------------------------------------------------------ folders
 
-    def open_dir(self, rel: str = "", create: bool = False) -> int:
+    def open_dir(self, rel: str = "", create: bool = False, mapped: bool = False) -> int:
         """A new descriptor (the caller closes it) of folder rel, each part opened
-        without following a link and made if `create`. FileNotFoundError if missing."""
+        without following a link and made if `create`. FileNotFoundError if missing.
+        `mapped`: rel is already this host's (the parent of a mapped path: the parent of
+        run/<part> is run/ itself)."""
+        rel = rel if mapped else self.map(rel)
         parts = split_rel(rel)
         fd = os.dup(self.fd(create))
         shown = self.path
@@ -235,8 +258,8 @@ class JobDir:
         return fd
 
     @contextmanager
-    def dirfd(self, rel: str = "", create: bool = False) -> Iterator[int]:
-        fd = self.open_dir(rel, create)
+    def dirfd(self, rel: str = "", create: bool = False, mapped: bool = False) -> Iterator[int]:
+        fd = self.open_dir(rel, create, mapped)
         try:
             yield fd
         finally:
@@ -267,9 +290,10 @@ class JobDir:
 
     def lstat(self, rel: str) -> os.stat_result | None:
         """The entry at rel itself (a link is not followed); None when missing."""
+        rel = self.map(rel)
         parent, name = split_parent(rel)
         try:
-            with self.dirfd(parent) as pfd:
+            with self.dirfd(parent, mapped=True) as pfd:
                 return lstat_at(pfd, name)
         except FileNotFoundError:
             return None
@@ -277,8 +301,9 @@ class JobDir:
     def write_file(self, rel: str, data: bytes, mode: int = 0o600) -> None:
         """Atomically: written beside (O_EXCL), then renamed over rel. A link at rel is
         refused, not replaced: rel is one of orch's own files."""
+        rel = self.map(rel)
         parent, name = split_parent(rel)
-        with self.dirfd(parent, create=True) as pfd:
+        with self.dirfd(parent, create=True, mapped=True) as pfd:
             st = lstat_at(pfd, name)
             if st is not None and stat.S_ISLNK(st.st_mode):
                 raise link_refused(self.show(rel))
@@ -293,12 +318,39 @@ class JobDir:
             os.close(fd)
             os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
 
+    def create_once(self, rel: str, data: bytes) -> bytes:
+        """Make rel hold `data` unless it exists; either way return what rel holds. The
+        file is written beside and hard-linked to its name, which fails when the name is
+        taken: of agents racing on one (shared, NFS too) folder exactly one wins, and
+        nobody reads a half-written file."""
+        rel = self.map(rel)
+        parent, name = split_parent(rel)
+        with self.dirfd(parent, create=True, mapped=True) as pfd:
+            tmp = "%s%s%d" % (name, PART, os.getpid())
+            fd = create_excl(pfd, tmp, 0o644)
+            try:
+                write_all(fd, data)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd, follow_symlinks=False)
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp, dir_fd=pfd)
+            fd = open_file_at(pfd, name, self.show(rel), READ_FLAGS)
+            try:
+                return os.read(fd, 4096)
+            finally:
+                os.close(fd)
+
     def open_for_write(self, rel: str, mode: int = 0o644, append: bool = False) -> int:
         """A descriptor to write rel (emptied unless `append`), made if missing. A link,
         a FIFO or a file with a second (hard) link there is refused: orch would write
         into something that is not its own file."""
+        rel = self.map(rel)
         parent, name = split_parent(rel)
-        with self.dirfd(parent, create=True) as pfd:
+        with self.dirfd(parent, create=True, mapped=True) as pfd:
             fd = open_file_at(pfd, name, self.show(rel),
                               WRITE_FLAGS | (os.O_APPEND if append else 0), mode)
         if os.fstat(fd).st_nlink > 1:
@@ -315,8 +367,9 @@ class JobDir:
     def open_for_read(self, rel: str) -> int:
         """A descriptor to read regular file rel; FileNotFoundError if missing, a link
         or anything but a regular file refused."""
+        rel = self.map(rel)
         parent, name = split_parent(rel)
-        with self.dirfd(parent) as pfd:
+        with self.dirfd(parent, mapped=True) as pfd:
             return open_file_at(pfd, name, self.show(rel), READ_FLAGS)
 
     def read(self, rel: str, cap: int) -> bytes | None:
@@ -344,9 +397,10 @@ class JobDir:
     def unlink(self, rel: str) -> bool:
         """Remove the file or link at rel (a link itself, never what it points to).
         False when there is nothing, or a folder, there."""
+        rel = self.map(rel)
         parent, name = split_parent(rel)
         try:
-            with self.dirfd(parent) as pfd:
+            with self.dirfd(parent, mapped=True) as pfd:
                 st = lstat_at(pfd, name)
                 if st is None or stat.S_ISDIR(st.st_mode):
                     return False
@@ -357,28 +411,41 @@ class JobDir:
 
     def rmdir(self, rel: str) -> bool:
         """Remove folder rel if it is empty (never a link); True when it was removed."""
+        rel = self.map(rel)
         parent, name = split_parent(rel)
         try:
-            with self.dirfd(parent) as pfd:
+            with self.dirfd(parent, mapped=True) as pfd:
                 os.rmdir(name, dir_fd=pfd)
                 return True
+        except OSError:
+            return False
+
+    def rmdir_top(self, name: str) -> bool:
+        """Remove folder `name` of the job folder itself if it is empty (run/ itself,
+        not this host's part of it)."""
+        try:
+            os.rmdir(name, dir_fd=self.fd())
+            return True
         except OSError:
             return False
 
     def replace(self, src_rel: str, dst_rel: str) -> None:
         """Rename src over dst (a folder onto a missing name, a file over a file); the
         rename moves names, so no link in either place is followed."""
+        src_rel, dst_rel = self.map(src_rel), self.map(dst_rel)
         src_parent, src = split_parent(src_rel)
         dst_parent, dst = split_parent(dst_rel)
-        with self.dirfd(src_parent) as sfd, self.dirfd(dst_parent, create=True) as dfd:
+        with self.dirfd(src_parent, mapped=True) as sfd, \
+                self.dirfd(dst_parent, create=True, mapped=True) as dfd:
             os.rename(src, dst, src_dir_fd=sfd, dst_dir_fd=dfd)
 
     def symlink(self, rel: str, target: str) -> os.stat_result:
         """Make rel a link to target (checked by check_link_target): made beside, then
         renamed over whatever file or link was at rel. Returns the link's own stat."""
+        rel = self.map(rel)
         check_link_target(rel, target)
         parent, name = split_parent(rel)
-        with self.dirfd(parent, create=True) as pfd:
+        with self.dirfd(parent, create=True, mapped=True) as pfd:
             tmp = "%s%s%d" % (name, PART, os.getpid())
             if lstat_at(pfd, tmp) is not None:
                 os.unlink(tmp, dir_fd=pfd)
@@ -388,9 +455,10 @@ class JobDir:
 
     def rmtree(self, rel: str) -> None:
         """Remove rel and everything under it; links inside are removed, never followed."""
+        rel = self.map(rel)
         parent, name = split_parent(rel)
         try:
-            with self.dirfd(parent) as pfd:
+            with self.dirfd(parent, mapped=True) as pfd:
                 rmtree_at(pfd, name)
         except FileNotFoundError:
             pass
@@ -400,8 +468,9 @@ class JobDir:
     def walk(self, rel: str = "") -> Iterator[tuple[str, os.stat_result]]:
         """(path relative to the job folder, stat) of every regular file under rel; a
         link is neither reported nor entered."""
+        rel = self.map(rel)
         try:
-            fd = self.open_dir(rel)
+            fd = self.open_dir(rel, mapped=True)
         except FileNotFoundError:
             return
         yield from walk_fd(fd, rel)
@@ -409,8 +478,9 @@ class JobDir:
     def sweep(self, rel: str, is_leftover: Callable[[str], bool]) -> int:
         """Remove every entry under rel whose name is_leftover(name) says orch left
         there (a folder with its content); nothing else is touched. Returns the count."""
+        rel = self.map(rel)
         try:
-            fd = self.open_dir(rel)
+            fd = self.open_dir(rel, mapped=True)
         except FileNotFoundError:
             return 0
         return sweep_fd(fd, is_leftover)

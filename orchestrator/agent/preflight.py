@@ -102,6 +102,45 @@ def running(p: dict[str, Any], folder_made: bool) -> bool:
     return False
 
 
+SHARE = ".orch-share-"     # a preflight's marker in the job folder: .orch-share-<nonce>
+SHARE_STALE = 3600.0       # a marker this old was left by a controller that was killed
+
+
+def share_leader(p: dict[str, Any], share: dict[str, Any]) -> int:
+    """Which host's marker this host finds in its job folder: its own index if it wrote
+    the marker first, else the index of the host that did. Hosts that name the same
+    leader see one job folder, whatever the mount (NFS, a bind mount, the same path)."""
+    nonce = share["nonce"]
+    if not nonce.isalnum():
+        raise ValueError("bad share nonce %r" % nonce)
+    sweep_markers(p["jd"])
+    got = p["jd"].create_once(SHARE + nonce, str(share["index"]).encode())
+    try:
+        return int(got.decode())
+    except ValueError:
+        return int(share["index"])
+
+
+def sweep_markers(jd: Any) -> None:
+    """Markers of preflights whose controller never cleaned up (it was killed)."""
+    now = time.time()
+    try:
+        with os.scandir(jd.fd()) as it:
+            old = [e.name for e in it if e.name.startswith(SHARE)
+                   and now - e.stat(follow_symlinks=False).st_mtime > SHARE_STALE]
+    except OSError:
+        return
+    for name in old:
+        jd.unlink(name)
+
+
+def run_unshare(req: Request) -> dict[str, Any]:
+    """Every host has answered its preflight: the marker has done its work."""
+    p = job_paths(req.args["job_dir"])
+    nonce = req.args["nonce"]
+    return {"removed": nonce.isalnum() and p["jd"].unlink(SHARE + nonce)}
+
+
 def run(req: Request) -> dict[str, Any]:
     """Everything preflight checks, plus the manifests of the job's folders named in
     `folders` (code, data), which saves the push a round trip per host."""
@@ -117,6 +156,8 @@ def run(req: Request) -> dict[str, Any]:
         "running": False,
     }
     report["running"] = running(p, report["writable"] is None)
+    if "share" in a and report["writable"] is None:
+        report["share_leader"] = share_leader(p, a["share"])
     if os.environ.get("ORCH_PYTHON_MISSING"):   # bundle.FALLBACK: `python:` is not there yet
         report["python_missing"] = os.environ["ORCH_PYTHON_MISSING"][:4096]
     for folder in a["folders"]:

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+from orchestrator.agent import paths
 from orchestrator.agent.common import job_paths, read_json, write_atomic
 from orchestrator.wire import timeouts
 
@@ -18,6 +19,7 @@ if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent st
     from orchestrator.agent.main import Request
 
 MARKER = "ORCH_JOB_DIR"        # in the environment of every process of a job
+PART_MARKER = "ORCH_JOB_PART"  # and which host's part of it (hosts sharing one job folder)
 STOP_FILE = "run/stop.json"   # when this host received a stop, by its own clock
 
 
@@ -80,9 +82,20 @@ def marked_pids(job_dir: str) -> list[Any]:
     me = os.getpid()
     out = []
     for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != me and marker in b"\0" + read_environ(int(name)) + b"\0":
-            out.append(int(name))
+        if name.isdigit() and int(name) != me:
+            env = b"\0" + read_environ(int(name)) + b"\0"
+            if marker in env and this_part(env):
+                out.append(int(name))
     return out
+
+
+def this_part(env: bytes) -> bool:
+    """A process of this host's part of the job: hosts that share the job folder on one
+    machine (a bind mount, the same path) share ORCH_JOB_DIR too. A process without a
+    part (started by an orch before parts) counts as this host's."""
+    if not paths.HOST_PART or b"\0%s=" % PART_MARKER.encode() not in env:
+        return True
+    return b"\0%s=%s\0" % (PART_MARKER.encode(), paths.HOST_PART.encode()) in env
 
 
 def supervisor_alive(p: dict[str, Any]) -> dict[str, Any] | None:
@@ -138,24 +151,31 @@ def ended_by_itself(p: dict[str, Any]) -> bool:
     """Never launched here, or the last run's supervisor recorded torchrun's end
     (host.exit) and no stop was received during it."""
     jd = p["jd"]
-    if jd.lstat("run") is None:
+    if jd.lstat("run/launch.json") is None:   # (run/ itself is made by preflight's claim)
         return True
     return jd.lstat("run/host.exit") is not None and jd.lstat(STOP_FILE) is None
 
 
 LOCKED: dict[str, int] = {}   # job dir -> a descriptor of it, holding its lock (claim)
+MADE: dict[str, Any] = {}     # job dir -> its JobDir, where the claim made run/<part>/
 
 
 def claim(p: dict[str, Any]) -> bool | None:
-    """Lock the job folder for this agent's life (flock on the folder itself: nothing is
-    written): one `orch up` at a time prepares and starts a job. False: another agent
-    holds it (an `up` of this job is under way). None: this filesystem has no locks."""
+    """Lock this host's part of the job folder for this agent's life (flock on the folder
+    itself, run/<part>/, or the job folder without parts: nothing is written): one `orch
+    up` at a time prepares and starts a job there, and hosts sharing the job folder each
+    lock their own part. False: another agent holds it (an `up` of this job is under
+    way). None: this filesystem has no locks."""
     if p["job"] in LOCKED:
         return True
     import fcntl
     # a description of its own (not a dup of the JobDir's): flock belongs to the open
     # file description, and release() must end the lock while the JobDir stays open
-    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=p["jd"].fd())
+    jd = p["jd"]
+    if jd.part and jd.lstat("run") is None:
+        MADE[p["job"]] = jd
+    fd = jd.open_dir("run", create=True) if jd.part else \
+        os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=jd.fd())
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -172,6 +192,16 @@ def release(job: str) -> None:
     fd = LOCKED.pop(job, None)
     if fd is not None:
         os.close(fd)
+
+
+def release_all() -> None:
+    """The agent ends: its locks end, and a part (and run/) that the claim made and
+    nothing used since is removed: a refused preflight leaves no run/ behind."""
+    for job in list(LOCKED):
+        release(job)
+        jd = MADE.pop(job, None)
+        if jd is not None and jd.rmdir("run"):   # run/<part>/, only when empty
+            jd.rmdir_top("run")
 
 
 def signal_all(pids: Iterable[int], sig: int) -> None:

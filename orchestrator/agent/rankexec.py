@@ -38,11 +38,20 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 def open_dirs(job_dir):
     # type: (str) -> tuple[int, int]
-    """Descriptors of <job>/run and <job>/logs, never through a link (the agent made and
+    """Descriptors of <job>/run (this host's part of it, run/<ORCH_JOB_PART>) and
+    <job>/logs, never through a link (the agent made and
     checked them; a link put there since is refused here too: ELOOP)."""
     job = os.open(job_dir, DIR_FLAGS)
     try:
-        return os.open("run", DIR_FLAGS, dir_fd=job), os.open("logs", DIR_FLAGS, dir_fd=job)
+        run = os.open("run", DIR_FLAGS, dir_fd=job)
+        part = os.environ.get("ORCH_JOB_PART")   # this host's records: run/<part>/
+        if part:
+            try:
+                part_fd = os.open(part, DIR_FLAGS, dir_fd=run)
+            finally:
+                os.close(run)
+            run = part_fd
+        return run, os.open("logs", DIR_FLAGS, dir_fd=job)
     finally:
         os.close(job)
 

@@ -23,7 +23,8 @@ from orchestrator.wire import protocol, timeouts
 
 CHUNK = protocol.MAX_OUTPUT
 SETUP_LOG = "logs/setup.log"
-SETUP_STATE = "run/setup.json"
+SETUP_STATE = "run/setup.json"                # this host's (run/<part>/setup.json)
+SHARED_SETUP_STATE = "run/shared-setup.json"  # a setup run once per shared filesystem
 
 _running: Dict[int, "subprocess.Popen[bytes]"] = {}  # request id -> its command
 _lock = threading.Lock()
@@ -206,19 +207,21 @@ def run_setup(req: Any) -> Dict[str, Any]:
     if len(a["commands"]) > protocol.MAX_COMMANDS:
         raise AgentError("more than %d setup commands" % protocol.MAX_COMMANDS, protocol.USAGE)
     jd = job_paths(a["job_dir"])["jd"]
-    done = read_json(jd, SETUP_STATE)
+    # once per filesystem (hosts sharing the job folder): one record for them all
+    state_rel = SHARED_SETUP_STATE if a.get("shared") else SETUP_STATE
+    done = read_json(jd, state_rel)
     if not a["force"] and isinstance(done, dict) and done.get("fingerprint") == a["fingerprint"]:
         return {"skipped": True, "code": 0, "failed": None, "shell": sh, "seconds": 0.0}
-    jd.unlink(SETUP_STATE)
+    jd.unlink(state_rel)
     env = environment(a["env"])
-    log_fd = jd.open_for_write(SETUP_LOG)
+    log_fd = jd.open_for_write("logs/" + a["log"] if "log" in a else SETUP_LOG)
     try:
         code, failed = run_all(req, jd, setup_argvs(a, sh), env, log_fd)
     finally:
         os.close(log_fd)
     if code == 0:
         state = {"fingerprint": a["fingerprint"], "time": time.time(), "shell": sh}
-        write_atomic(jd, SETUP_STATE, json.dumps(state).encode(), 0o644)
+        write_atomic(jd, state_rel, json.dumps(state).encode(), 0o644)
     return {
         "skipped": False,
         "code": code,

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from orchestrator.api import jobs
 from orchestrator.api.outcomes import ArrayHost, ArrayUpResult, Plan, UpHost, UpResult
@@ -25,7 +25,7 @@ from orchestrator.files.sync import SyncReport
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import dry_run_plan, master_addr
 from orchestrator.session.preflight import PreflightReport
-from orchestrator.session.session import HostFiles, Session
+from orchestrator.session.session import HostFiles, Session, group_files
 from orchestrator.session.setupstep import needs_check
 from orchestrator.session.shelloutput import Printer
 
@@ -61,8 +61,9 @@ class UpProgress:
         """Around the push of `total` bytes to `hosts` hosts."""
         return nullcontext(SyncShown())
 
-    def synced(self, cluster: Cluster, reports: SyncReports) -> None:
-        pass
+    def synced(self, cluster: Cluster, reports: SyncReports,
+               shared: dict[int, list[str]]) -> None:
+        """`shared`: for a host that pushed for a job folder other hosts share, their labels."""
 
     def python_missing(self, host: Host, python: str) -> None:
         """The host's python is not there yet: checked again after `setup:`."""
@@ -71,8 +72,9 @@ class UpProgress:
         """Where the `setup:` commands' output goes (prefixed with the host)."""
         return Printer(quiet=True)
 
-    def setup_done(self, cluster: Cluster, skipped: int, ran: int, seconds: float) -> None:
-        pass
+    def setup_done(self, cluster: Cluster, skipped: int, ran: int, seconds: float,
+                   covered: int = 0) -> None:
+        """`covered`: hosts whose shared job folder had setup run by another host."""
 
 
 @dataclass(frozen=True)
@@ -182,19 +184,27 @@ def sync(session: Session, files: dict[int, HostFiles], pre: PreflightReport,
          shown: UpProgress) -> None:
     cluster = session.cluster
     total = sum(sum(f.size for f in hf.code) + sum(f.size for f in hf.data or ())
-                for hf in files.values())
+                for hf in group_files(files, pre).values())
     with shown.sync(len(cluster.hosts), total) as bar:
         reports = session.sync(files, pre, bar.sent, bar.host_done)
-    shown.synced(cluster, reports)
-    record_sync(cluster, reports)
+    shared = {i: [cluster.hosts[m].label for m in pre.group_of(i) if m != i] for i in reports}
+    shared = {i: labels for i, labels in shared.items() if labels}
+    shown.synced(cluster, reports, shared)
+    record_sync(cluster, reports, shared)
 
 
-def record_sync(cluster: Cluster, reports: SyncReports) -> None:
-    """.orch/<name>/last_sync.json: what was sent where."""
-    record = {cluster.hosts[i].label: {k: {"files": r.files, "bytes": r.bytes,
-                                           "deleted": r.deleted, "sent": list(r.sent)}
-                                       for k, r in parts.items()}
-              for i, parts in sorted(reports.items())}
+def record_sync(cluster: Cluster, reports: SyncReports, shared: dict[int, list[str]]) -> None:
+    """.orch/<name>/last_sync.json: what was sent where; a host whose job folder another
+    host pushed for says `pushed_by`, the one that pushed `shared_with`."""
+    record: dict[str, Any] = {}
+    for i, parts in sorted(reports.items()):
+        label = cluster.hosts[i].label
+        record[label] = {k: {"files": r.files, "bytes": r.bytes, "deleted": r.deleted,
+                             "sent": list(r.sent)} for k, r in parts.items()}
+        if i in shared:
+            record[label]["shared_with"] = shared[i]
+        for other in shared.get(i, []):
+            record[other] = {"pushed_by": label}
     cluster.state_dir.mkdir(parents=True, exist_ok=True)
     path = cluster.state_dir / "last_sync.json"
     path.write_text(json.dumps(record, indent=1))
@@ -213,5 +223,6 @@ def setup_and_check(session: Session, files: dict[int, HostFiles], pre: Prefligh
         t0 = time.monotonic()
         replies = session.setup(pre, files[0].code, force, shown.setup_printer())
         skipped = sum(1 for r in replies.values() if r["skipped"])
-        shown.setup_done(cluster, skipped, len(replies) - skipped, time.monotonic() - t0)
+        shown.setup_done(cluster, skipped, len(replies) - skipped, time.monotonic() - t0,
+                         covered=len(cluster.hosts) - len(replies))
     return session.check_ready(pre) if needs_check(cluster) else pre

@@ -55,7 +55,7 @@ def deal(cluster: Cluster, spec: ArraySpec) -> list[int]:
     return [order[i % len(order)] for i in range(len(spec.tasks))]
 
 
-def task_argv(cluster: Cluster, python: str, job_dir: str, i: int) -> list[str]:
+def task_argv(cluster: Cluster, python: str, job_dir: str, i: int, part: str = "") -> list[str]:
     """procs_per_task 1: the entrypoint with python itself (no torchrun, no process group);
     more: a torchrun of its own (--standalone: its own rendezvous on a free port)."""
     job, spec = cluster.job, cluster.job.array
@@ -66,16 +66,16 @@ def task_argv(cluster: Cluster, python: str, job_dir: str, i: int) -> list[str]:
         return [python, "-u", *target, *args]
     return [python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
             "--nproc-per-node", str(spec.procs_per_task),
-            "--log-dir", f"{job_dir}/run/torchrun-task-{i}", *target, *args]
+            "--log-dir", f"{job_dir}/run/{part + '/' if part else ''}torchrun-task-{i}", *target, *args]
 
 
 def host_spec(cluster: Cluster, host: Host, python: str, job_dir: str, run_id: str,
               tasks: list[int]) -> dict[str, Any]:
     spec = cluster.job.array
     assert spec is not None
-    env = rank_env(cluster, job_dir, run_id)
+    env = rank_env(cluster, host, job_dir, run_id)
     return {"run_id": run_id, "slots": slots(host, spec), "env": env,
-            "tasks": [{"i": i, "argv": task_argv(cluster, python, job_dir, i),
+            "tasks": [{"i": i, "argv": task_argv(cluster, python, job_dir, i, host.part),
                        "args": shlex.join(spec.tasks[i])} for i in tasks]}
 
 

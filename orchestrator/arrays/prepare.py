@@ -51,7 +51,7 @@ def array_plan(cluster: Cluster) -> str:
                      f"{len(mine)} tasks queued")
         job_dir = f"{h.remote_dir.rstrip('/')}/{cluster.name}"
         for i in mine[:3]:
-            lines.append(f"  task {i}: " + remote_command(plan.task_argv(cluster, h.python, job_dir, i)))
+            lines.append(f"  task {i}: " + remote_command(plan.task_argv(cluster, h.python, job_dir, i, h.part)))
         if len(mine) > 3:
             lines.append(f"  ... {len(mine) - 3} more")
     return "\n".join(lines)

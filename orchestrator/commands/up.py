@@ -143,13 +143,18 @@ class UpView(launching.UpProgress):
             task = bar.add_task(f"sync 0/{plural(hosts, 'host')}", total=total or 1)
             yield SyncBar(bar, task, hosts)
 
-    def synced(self, cluster: Cluster, reports: launching.SyncReports) -> None:
-        """One line per host (at most 16, or those that got files)."""
+    def synced(self, cluster: Cluster, reports: launching.SyncReports,
+               shared: dict[int, list[str]]) -> None:
+        """One line per job folder (at most 16, or those that got files or are shared):
+        hosts that share one are named together."""
         for i, parts in sorted(reports.items()):
+            others = shared.get(i, [])
+            note = f" (job folder shared with {', '.join(others)}: pushed once)" if others else ""
             bits = [f"{k} {plural(r.files, 'file')} {r.bytes} B sent, {r.deleted} deleted"
                     for k, r in parts.items()]
-            if len(cluster.hosts) <= 16 or any(r.files for r in parts.values()):
-                console.print(f"sync {cluster.hosts[i].label}: " + ("; ".join(bits) or "nothing to push"))
+            if len(cluster.hosts) <= 16 or any(r.files for r in parts.values()) or others:
+                console.print(f"sync {cluster.hosts[i].label}{note}: "
+                              + ("; ".join(bits) or "nothing to push"), markup=False)
 
     def python_missing(self, host: Host, python: str) -> None:
         console.print(f"{escape(host.label)}: python {escape(python)} "
@@ -158,7 +163,8 @@ class UpView(launching.UpProgress):
     def setup_printer(self) -> Printer:
         return Printer()
 
-    def setup_done(self, cluster: Cluster, skipped: int, ran: int, seconds: float) -> None:
+    def setup_done(self, cluster: Cluster, skipped: int, ran: int, seconds: float,
+                   covered: int = 0) -> None:
         if skipped:
             console.print(f"setup: skipped on {plural(skipped, 'host')} (unchanged since it last "
                           f"succeeded there; `{hint_cmd(cluster, 'up --setup')}` runs it again)",
@@ -166,3 +172,6 @@ class UpView(launching.UpProgress):
         if ran:
             console.print(f"setup: done on {plural(ran, 'host')} "
                           f"({seconds:.1f} s; logs/setup.log on each host)")
+        if covered:
+            console.print(f"setup: {plural(covered, 'host')} share a job folder with a host "
+                          "that ran it (setup.once_per: filesystem)", markup=False)

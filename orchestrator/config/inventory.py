@@ -33,6 +33,7 @@ Defaults and decisions (the README states them):
 """
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import re
@@ -129,6 +130,20 @@ class Host:
     @property
     def is_local(self) -> bool:
         return self.connection == "local"
+
+    @property
+    def part(self) -> str:
+        """Its part of the job folder, run/<part>/ (hosts may share one job folder)."""
+        return part_name(self.label)
+
+
+def part_name(label: str) -> str:
+    """`host-<label>` as a plain file name; a label changed to fit one gets a short hash
+    of itself, so that two labels never give one part."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in label)[:80]
+    if safe == label:
+        return "host-" + safe
+    return f"host-{safe}-{hashlib.sha256(label.encode()).hexdigest()[:8]}"
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,9 @@
 Shapes (the README's "Setup" section):
 
 - a list of strings: shell commands, run one after the other (the first failure stops);
+- a mapping `{commands: <one of these shapes>, once_per: filesystem | host}`: where hosts
+  share their job folder (NFS homes), setup runs on one of them (`filesystem`, the
+  default) or on each (`host`);
 - one string: one command, except a single word ending in `.sh`, which is a script in
   the code folder (`scripts/setup.sh`, a path as `job.entrypoint` writes it: relative to
   the code folder, where each code.paths entry keeps its name). With code.paths, the
@@ -20,14 +23,18 @@ import json
 import posixpath
 import shlex
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
-from yaml.nodes import ScalarNode
+from yaml.nodes import MappingNode, Node, ScalarNode
 
 from orchestrator.config.yamlnodes import TAG, Section, check_text, short
 
 MAX_COMMANDS = 200
+
+
+ONCE_PER = ("filesystem", "host")
+SETUP_KEYS = ("commands", "once_per")
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,9 @@ class SetupSpec:
     commands: tuple[str, ...]  # shell commands; empty when `script` is set
     script: str | None  # a script's path in the code folder
     line: int  # where `setup:` is, for messages
+    # hosts that share their job folder (NFS): "filesystem" runs setup on one of them
+    # (one pip install into a shared venv, not several at once); "host": on each
+    once_per: str = "filesystem"
 
     @property
     def text(self) -> str:
@@ -42,40 +52,59 @@ class SetupSpec:
 
 
 def parse_setup(top: Section, code_paths: tuple[str, ...], base_dir: Path) -> SetupSpec | None:
+    """`setup:` as a command, a list of commands or a script, or a mapping of those
+    (`commands:`) with `once_per: filesystem | host`."""
     node = top.node("setup")
     if node is None or node.tag == TAG + "null":
         return None
-    src, line = top.src, top.key_line("setup")
+    src, line, once_per, what = top.src, top.key_line("setup"), "filesystem", "setup"
+    if isinstance(node, MappingNode):
+        sec = Section(src, node, "setup", line)
+        sec.check_keys(SETUP_KEYS, {})
+        once_per = sec.choice("once_per", ONCE_PER, "filesystem")
+        node, what = sec.node("commands"), "setup.commands"
+        if node is None:
+            src.fail(line, "missing `setup.commands`",
+                     "add `commands: [pip install -r requirements.txt]` under `setup`")
+        if node.tag == TAG + "null":
+            return None
+    spec = _commands(top, node, what, line, code_paths, base_dir)
+    return replace(spec, once_per=once_per) if spec is not None else None
+
+
+def _commands(top: Section, node: Node, what: str, line: int, code_paths: tuple[str, ...],
+              base_dir: Path) -> SetupSpec | None:
+    src = top.src
     one = isinstance(node, ScalarNode)
-    nodes = [node] if one else src.sequence(node, "setup")
+    nodes = [node] if one else src.sequence(node, what)
     if len(nodes) > MAX_COMMANDS:
         src.fail(
             node,
-            f"`setup` has {len(nodes)} commands, more than {MAX_COMMANDS}",
+            f"`{what}` has {len(nodes)} commands, more than {MAX_COMMANDS}",
             "put them in a script pushed with the code: `setup: scripts/setup.sh`",
         )
     commands = []
     for i, item in enumerate(nodes):
-        what = "setup" if one else f"setup[{i}]"
-        value = src.value(item, what)
+        item_what = what if one else f"{what}[{i}]"
+        value = src.value(item, item_what)
         if not isinstance(value, str) or not value.strip():
             src.fail(
                 item,
-                f"`{what}` must be a shell command (text), got {src.describe(item)}",
+                f"`{item_what}` must be a shell command (text), got {src.describe(item)}",
                 "write each command as text, quoted if it has `: ` or starts with a special "
                 "character",
             )
-        check_text(src, item, what, value)
+        check_text(src, item, item_what, value)
         commands.append(value)
     if not commands:
         return None
     if one and commands[0].endswith(".sh") and len(commands[0].split()) == 1:
-        return SetupSpec((), _script(top, commands[0], code_paths, base_dir), line)
+        return SetupSpec((), _script(top, node, commands[0], code_paths, base_dir), line)
     return SetupSpec(tuple(commands), None, line)
 
 
-def _script(top: Section, value: str, code_paths: tuple[str, ...], base_dir: Path) -> str:
-    node = top.node("setup")
+def _script(top: Section, node: Node, value: str, code_paths: tuple[str, ...],
+            base_dir: Path) -> str:
     pure = PurePosixPath(value)
     if value.startswith(("~", "-")) or pure.is_absolute() or ".." in pure.parts:
         top.src.fail(

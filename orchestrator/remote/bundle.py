@@ -65,14 +65,17 @@ FALLBACK = ('p="$1"; shift; if ! command -v "$p" >/dev/null 2>&1; then '
             'ORCH_PYTHON_MISSING="$p"; export ORCH_PYTHON_MISSING; p=python3; fi; exec "$p" "$@"')
 
 
-def agent_argv(python: str, label: str = "", fallback: bool = False) -> list[str]:
+def agent_argv(python: str, label: str = "", fallback: bool = False, part: str = "") -> list[str]:
     """-S: the agent is stdlib only, and a venv's site set-up (.pth files) costs more
     than the agent itself; preflight loads site on its own to find torch. `label`
-    (the job dir) is only there so that `ps` shows which job an agent serves."""
+    (the job dir) is only there so that `ps` shows which job an agent serves. `part`:
+    this host's part of the job folder (run/<part>/, agent/paths.PART)."""
     data, _ = bundle()
     argv = [python, "-S", "-c", BOOT, str(len(LOADER)), str(len(data)), "orch-agent"]
     if label:
         argv.append(label)
+    if part:
+        argv.append("part=" + part)
     if os.environ.get("ORCH_DEBUG") == "1":
         argv.append("debug")
     if fallback:

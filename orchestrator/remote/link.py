@@ -62,10 +62,10 @@ class Pending:
 
 
 class Link:
-    def __init__(self, transport: Transport, label: str = "") -> None:
+    def __init__(self, transport: Transport, label: str = "", part: str = "") -> None:
         self.transport, self.host = transport, transport.host
         self.name = transport.host.label
-        self.argv_label = label
+        self.argv_label, self.part = label, part
         self.python_fallback = False        # python3 when `python:` is missing (setup makes it)
         self.chan: Channel | None = None
         self.boot: threading.Thread | None = None   # writes the loader and the bundle
@@ -88,7 +88,7 @@ class Link:
     def start(self, timeout: float = timeouts.AGENT_START) -> dict[str, Any]:
         """Start the agent (one session) and wait for its hello; the bundle's hash must
         match ours, so the host runs exactly this controller's code."""
-        argv = agent_argv(self.host.python, self.argv_label, self.python_fallback)
+        argv = agent_argv(self.host.python, self.argv_label, self.python_fallback, self.part)
         self.chan = self.transport.open(argv, timeout)
         self.chan.settimeout(None)   # the reader thread waits; callers time out on events
         threading.Thread(target=self._read, daemon=True, name=f"link-{self.name}").start()

@@ -43,19 +43,22 @@ def torchrun_argv(cluster: Cluster, host: Host, python: str, job_dir: str,
         "--nproc-per-node", str(host.procs),
         "--master-addr", addr, "--master-port", str(port),
         "--max-restarts", str(job.max_restarts),
-        "--log-dir", f"{job_dir}/run/torchrun",
+        "--log-dir", f"{job_dir}/run/{host.part}/torchrun",
         # the per-rank wrapper runs isolated and without site (-I -S): a third of the
         # interpreter's start, once per rank; the rank itself starts as torchrun would
         "--no-python", python, "-I", "-S",
-        f"{job_dir}/run/rankexec.py", job_dir, kind, job.entrypoint, *job.args,
+        f"{job_dir}/run/{host.part}/rankexec.py", job_dir, kind, job.entrypoint, *job.args,
     ]
 
 
-def rank_env(cluster: Cluster, job_dir: str, run_id: str) -> dict[str, str]:
+def rank_env(cluster: Cluster, host: Host, job_dir: str, run_id: str) -> dict[str, str]:
+    """ORCH_JOB_DIR marks every process of the job (agent/procs.py); ORCH_JOB_PART says
+    which host's part of it: hosts sharing the job folder on one machine (a bind mount)
+    must not stop each other's processes."""
     env = dict(cluster.job.env)
-    env.update(ORCH_JOB=cluster.name, ORCH_JOB_DIR=job_dir, ORCH_RUN_ID=run_id,
-               ORCH_DATA_DIR=f"{job_dir}/data", ORCH_OUTPUT_DIR=f"{job_dir}/output",
-               PYTHONUNBUFFERED="1")
+    env.update(ORCH_JOB=cluster.name, ORCH_JOB_DIR=job_dir, ORCH_JOB_PART=host.part,
+               ORCH_RUN_ID=run_id, ORCH_DATA_DIR=f"{job_dir}/data",
+               ORCH_OUTPUT_DIR=f"{job_dir}/output", PYTHONUNBUFFERED="1")
     return env
 
 
@@ -64,7 +67,7 @@ def launch_spec(cluster: Cluster, host: Host, info: HostInfo, addr: str, port: i
     return {
         "run_id": run_id, "ranks": list(host.ranks),
         "argv": torchrun_argv(cluster, host, info.executable, info.job_dir, addr, port),
-        "env": rank_env(cluster, info.job_dir, run_id),
+        "env": rank_env(cluster, host, info.job_dir, run_id),
     }
 
 
@@ -87,7 +90,7 @@ def warm_start(cluster: Cluster) -> bool:
 def warm_env(cluster: Cluster, host: Host, run_id: str) -> dict[str, str]:
     """The ranks' environment as the preflight request carries it for a warm start
     (the job folder as configured; the host puts its resolved path in its place)."""
-    return rank_env(cluster, job_dir(cluster, host), run_id)
+    return rank_env(cluster, host, job_dir(cluster, host), run_id)
 
 
 def new_run_id() -> str:
@@ -125,7 +128,22 @@ def dry_run_plan(cluster: Cluster) -> str:
         where = "local" if h.is_local else "ssh"
         lines.append(f"host {h.index} {h.label} ({where}) ranks {h.ranks.start}-{h.ranks.stop - 1}:")
         lines.append("  " + remote_command(argv))   # as the host's shell gets it
+    lines.append(sharing_plan(cluster))
     env_keys = ", ".join(k for k, _ in cluster.job.env) or "none"
     lines.append(f"environment of every rank: ORCH_JOB, ORCH_JOB_DIR, ORCH_DATA_DIR, ORCH_OUTPUT_DIR, "
                  f"job env ({env_keys}; values sent in a 0600 file, not shown)")
     return "\n".join(lines)
+
+
+def sharing_plan(cluster: Cluster) -> str:
+    """Which hosts share a job folder, as far as the inventory tells without touching a
+    host (the same address and remote_dir); preflight finds the rest (NFS, bind mounts)."""
+    seen: dict[tuple[str, str], list[str]] = {}
+    for h in cluster.hosts:
+        seen.setdefault((h.address, h.remote_dir.rstrip("/")), []).append(h.label)
+    known = [labels for labels in seen.values() if len(labels) > 1]
+    said = "; ".join(f"{', '.join(labels)} share one job folder" for labels in known)
+    return ("shared job folders: " + (said + "; " if said else "") +
+            "hosts that share theirs (NFS, a bind mount) are found at preflight: "
+            "code pushed once per folder, each shard once, setup once per folder "
+            "(setup.once_per), run/<host part>/ records per host")

@@ -26,12 +26,30 @@ class HostInfo:
     ssh_connection: str
     manifests: dict[str, Any]       # {"code"|"data": {rel: [size, sha256]}} of what the host has
     python_missing: str = ""   # `python:` not found (setup may make it): the agent ran with python3
+    share_leader: int = -1     # whose preflight marker it found in its job folder (-1: none)
 
 
 @dataclass(frozen=True)
 class PreflightReport:
     hosts: dict[int, HostInfo]
     master_port: int
+
+    def groups(self) -> list[tuple[int, ...]]:
+        """The hosts that share one job folder, each group in inventory order (a host
+        with a folder of its own is a group of one); groups ordered by their first host."""
+        return shared_groups({i: inf.share_leader for i, inf in self.hosts.items()})
+
+    def group_of(self, index: int) -> tuple[int, ...]:
+        return next(g for g in self.groups() if index in g)
+
+
+def shared_groups(leaders: dict[int, int]) -> list[tuple[int, ...]]:
+    """Hosts grouped by the marker each found (its leader); -1 (no marker): alone."""
+    by_leader: dict[int, list[int]] = {}
+    for i in sorted(leaders):
+        key = leaders[i] if leaders[i] >= 0 else -1 - i
+        by_leader.setdefault(key, []).append(i)
+    return sorted((tuple(g) for g in by_leader.values()), key=lambda g: g[0])
 
 
 Preflight = PreflightReport
@@ -45,14 +63,17 @@ def folders(cluster: Cluster) -> list[str]:
     return [f for f, want in (("code", cluster.code.paths), ("data", cluster.data.shards)) if want]
 
 
-def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None
-               ) -> tuple[HostInfo, dict[str, Any]]:
+def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
+               nonce: str = "") -> tuple[HostInfo, dict[str, Any]]:
     """One request: the checks and the folders' manifests (sent as parts). `warm`: the
     ranks' environment: a host whose own checks pass starts torchrun warm at once
-    (agent/warm.py), before its reply."""
+    (agent/warm.py), before its reply. `nonce`: the host leaves this preflight's marker
+    in its job folder, or finds another host's there (shared_groups)."""
     host = link.host
     sent = time.time()
     extra: dict[str, Any] = {"warm": {"env": warm}} if warm is not None else {}
+    if nonce:
+        extra["share"] = {"nonce": nonce, "index": host.index}
     _, pending = link.submit("preflight", job_dir=job_dir(cluster, host),
                              master_port=cluster.job.master_port or 0,
                              want_port=host.index == 0, folders=folders(cluster),
@@ -64,7 +85,8 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None
     for part in pending.parts:
         manifests.setdefault(part["folder"], {}).update(part["files"])
     info = HostInfo(r["job_dir"], r["executable"], r["torch"], r["gpus"], offset,
-                    r["running"], r["ssh_connection"], manifests, r.get("python_missing", ""))
+                    r["running"], r["ssh_connection"], manifests, r.get("python_missing", ""),
+                    r.get("share_leader", -1))
     problems = host_problems(host, info, r, defer_torch=cluster.setup is not None)
     if problems:
         raise HostError(f"{host.label}: " + "; ".join(p for p, _ in problems),
@@ -106,15 +128,36 @@ Checked = GroupResult[tuple[HostInfo, dict[str, Any]]]
 
 
 def preflight(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseException],
-              done: Callable[[], None] | None = None, checked: Checked | None = None
-              ) -> PreflightReport:
+              done: Callable[[], None] | None = None, checked: Checked | None = None,
+              nonce: str = "") -> PreflightReport:
     """Check every host whose agent runs; report every failing host together (connection
     failures included), so that one bad host never hides another. `checked`: hosts
-    already checked (check_host, as each agent came up); the others are checked now."""
+    already checked (check_host, as each agent came up); the others are checked now.
+    Every host has answered: the share markers are removed, whatever the verdict."""
+    try:
+        return judge(cluster, links, failed, done, checked, nonce)
+    finally:
+        if nonce:
+            unshare(cluster, links, nonce)
+
+
+def unshare(cluster: Cluster, links: dict[int, Link], nonce: str) -> None:
+    """The marker's removal, sent and not waited for: the agent serves it before the
+    next request (or before it ends), and one of the hosts sharing it removes it."""
+    for link in links.values():
+        try:
+            link.submit("unshare", job_dir=job_dir(cluster, link.host), nonce=nonce)
+        except Exception:  # a lost host: its marker goes with a later preflight's sweep
+            pass
+
+
+def judge(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseException],
+          done: Callable[[], None] | None, checked: Checked | None,
+          nonce: str) -> PreflightReport:
     result: Checked = checked if checked is not None else GroupResult()
     todo = tuple(cluster.hosts[i] for i in links
                  if i not in result.ok and i not in result.failed)
-    rest = fan_out(todo, lambda h: check_host(cluster, links[h.index]), done=done)
+    rest = fan_out(todo, lambda h: check_host(cluster, links[h.index], nonce=nonce), done=done)
     result.ok.update(rest.ok)
     result.failed.update(rest.failed)
     failures = dict(failed)

@@ -37,6 +37,7 @@ class HostRecord:
 
     host: Host
     job_dir: str                       # the inventory's (or state's); absolute after preflight
+    part: str = ""                     # its part of the job folder: run/<part>/
     link: Link | None = None           # its agent, once started
     error: BaseException | None = None  # why it could not be reached
     reports: dict[str, Any] = field(default_factory=dict)
@@ -48,6 +49,24 @@ class HostFiles:
 
     code: list[LocalFile]
     data: list[LocalFile] | None
+
+
+def group_files(files: dict[int, HostFiles], pre: PreflightReport) -> dict[int, HostFiles]:
+    """{pushing host: what its job folder must hold}: per group of hosts sharing a job
+    folder, its first host, the code, and every member's shards (each once): a push
+    deletes only what no host of the folder needs."""
+    out = {}
+    for group in pre.groups():
+        first = files[group[0]]
+        data = None
+        if first.data is not None:
+            merged: dict[str, LocalFile] = {}
+            for member in group:
+                for f in files[member].data or ():
+                    merged.setdefault(f.rel, f)
+            data = list(merged.values())
+        out[group[0]] = HostFiles(first.code, data)
+    return out
 
 
 def end_link(link: Link) -> None:
@@ -65,8 +84,9 @@ class Session:
         inventory); unit tests pass an in-process fake."""
         self.cluster, self.connector = cluster, connector
         self.run_id = new_run_id()   # known before preflight: a warm start's environment
-        dirs = job_state.job_dirs(cluster, state)
-        self.records = {h.index: HostRecord(h, dirs[h.index]) for h in cluster.hosts}
+        dirs, parts = job_state.job_dirs(cluster, state), job_state.job_parts(cluster, state)
+        self.records = {h.index: HostRecord(h, dirs[h.index], parts[h.index])
+                        for h in cluster.hosts}
         self.releasing: list[threading.Thread] = []
 
     # ------------------------------------------------------------ connections
@@ -126,7 +146,8 @@ class Session:
 
     def _start(self, host: Host, transport: Transport) -> Link:
         """The host's agent over its new connection."""
-        link = Link(transport, self.records[host.index].job_dir)
+        record = self.records[host.index]
+        link = Link(transport, record.job_dir, record.part)
         link.python_fallback = self.cluster.setup is not None
         try:
             link.start(timeouts.scaled(timeouts.AGENT_START, len(self.cluster.hosts)))
@@ -170,7 +191,7 @@ class Session:
 
     def preflight(self, done: Callable[[], None] | None = None,
                   checked: Checked | None = None) -> PreflightReport:
-        pre = preflight(self.cluster, self.links, self.failed, done, checked)
+        pre = preflight(self.cluster, self.links, self.failed, done, checked, self.run_id)
         for i, info in pre.hosts.items():
             self.records[i].job_dir = info.job_dir
         return pre
@@ -188,7 +209,7 @@ class Session:
         def check(h: Host, link: Link) -> None:
             try:
                 got = check_host(self.cluster, link, warm_env(self.cluster, h, self.run_id)
-                                 if warm else None)
+                                 if warm else None, self.run_id)
                 with lock:
                     early.ok[h.index] = got
             except Exception as exc:  # collected: judged with every other host's
@@ -202,13 +223,17 @@ class Session:
     def sync(self, files: dict[int, HostFiles], pre: PreflightReport,
              progress: Callable[[int], None] | None = None,
              host_done: Callable[[int], None] | None = None) -> dict[int, dict[str, SyncReport]]:
-        """Code to every host, each host its own shards: all hosts in parallel."""
+        """Code and shards once per job folder, all folders in parallel: a host with a
+        folder of its own gets the code and its own shards; hosts that share one (NFS)
+        get it through their first host: the code once, and each of their shards once.
+        The reports are keyed by the host that pushed (pushing_hosts)."""
         # what the ignore rules leave out (a host's __pycache__) is never proposed for deletion
         pushable = Pushable(self.cluster.base_dir, self.cluster.code.paths,
                             self.cluster.code.exclude)
+        grouped = group_files(files, pre)
 
         def one(h: Host) -> dict[str, SyncReport]:
-            link, info, mine = self.links[h.index], pre.hosts[h.index], files[h.index]
+            link, info, mine = self.links[h.index], pre.hosts[h.index], grouped[h.index]
             tick = (lambda nbytes, nfiles: progress(nbytes)) if progress else None
             out = {}
             if self.cluster.code.paths:
@@ -218,9 +243,11 @@ class Session:
                 out["data"] = push(link, f"{info.job_dir}/data", mine.data, tick,
                                    info.manifests["data"])
             if host_done:
-                host_done(h.index)
+                for member in pre.group_of(h.index):
+                    host_done(member)
             return out
-        result = fan_out(self.cluster.hosts, one)
+        pushers = tuple(self.cluster.hosts[i] for i in grouped)
+        result = fan_out(pushers, one)
         result.raise_failures(self.cluster.hosts, "to receive code or data")
         return result.ok
 

@@ -65,9 +65,11 @@ def run_setup(
     its last lines. KeyboardInterrupt after the hosts ended their commands."""
     spec = cluster.setup
     assert spec is not None
-    outputs = {i: HostOutput(printer, f"[setup {cluster.hosts[i].label}]", TAIL) for i in links}
+    where = setup_hosts(cluster, pre, links)
+    targets = {i: links[i] for i in where}
+    outputs = {i: HostOutput(printer, f"[setup {cluster.hosts[i].label}]", TAIL) for i in targets}
     running, failed = submit_all(
-        links,
+        targets,
         "setup",
         outputs,
         lambda i: dict(
@@ -77,17 +79,38 @@ def run_setup(
             env=command_env(cluster, pre.hosts[i].job_dir),
             fingerprint=digest,
             force=force,
+            **where[i],
         ),
     )
     outcome = wait_all(running, timeouts.SETUP, failed)
     if outcome.interrupted:
         raise KeyboardInterrupt
-    raise_setup_failures(cluster, outcome, outputs, {i: pre.hosts[i].job_dir for i in links})
+    logs = {i: f"{pre.hosts[i].job_dir}/logs/{where[i].get('log', 'setup.log')}" for i in targets}
+    raise_setup_failures(cluster, outcome, outputs, logs)
     return outcome.ok
 
 
+def setup_hosts(cluster: Cluster, pre: PreflightReport, links: dict[int, Link]
+                ) -> dict[int, dict[str, Any]]:
+    """{host: its setup request's extra fields} of the hosts that run setup. A host with a
+    job folder of its own runs it; of hosts sharing one, the first (`once_per:
+    filesystem`: its record, run/shared-setup.json, is theirs) or each of them into a
+    log of its own (`once_per: host`)."""
+    assert cluster.setup is not None
+    out: dict[int, dict[str, Any]] = {}
+    for group in pre.groups():
+        members = [i for i in group if i in links]
+        if len(group) == 1:
+            out.update({i: {} for i in members})
+        elif cluster.setup.once_per == "filesystem":
+            out.update({i: {"shared": True} for i in members[:1]})
+        else:
+            out.update({i: {"log": f"setup-{cluster.hosts[i].part}.log"} for i in members})
+    return out
+
+
 def raise_setup_failures(
-    cluster: Cluster, outcome: Outcome, outputs: dict[int, HostOutput], dirs: dict[int, str]
+    cluster: Cluster, outcome: Outcome, outputs: dict[int, HostOutput], logs: dict[int, str]
 ) -> None:
     failures = dict(outcome.failed)
     for i, reply in outcome.ok.items():
@@ -98,7 +121,7 @@ def raise_setup_failures(
                 f"{label}: `{failed}` exited with {_status(reply['code'])}; "
                 f"its last lines:{tail or ' (no output)'}",
                 hint=f"fix the command (the whole output is in "
-                f"{dirs[i]}/logs/setup.log on {label}), then run `orch up` again",
+                f"{logs[i]} on {label}), then run `orch up` again",
             )
     if failures:
         GroupResult(failed=failures).raise_failures(cluster.hosts, "setup; nothing was started")

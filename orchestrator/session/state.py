@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from orchestrator.config.inventory import Cluster
+from orchestrator.config.inventory import Cluster, part_name
 from orchestrator.errors import UsageError
 from orchestrator.ui.wording import hint_cmd
 
@@ -140,6 +140,14 @@ def job_dirs(cluster: Cluster, state: JobState | None) -> dict[int, str]:
     if state and len(state.hosts) == len(cluster.hosts):
         return {h.index: h.job_dir for h in state.hosts}
     return {h.index: f"{h.remote_dir.rstrip('/')}/{cluster.name}" for h in cluster.hosts}
+
+
+def job_parts(cluster: Cluster, state: JobState | None) -> dict[int, str]:
+    """Each host's part of its job folder (run/<part>/): named after the label the host
+    had at `up` (the state's), so that an edited inventory still finds its records."""
+    if state and len(state.hosts) == len(cluster.hosts):
+        return {h.index: part_name(h.label) for h in state.hosts}
+    return {h.index: h.part for h in cluster.hosts}
 
 
 class HostFacts(Protocol):

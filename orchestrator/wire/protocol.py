@@ -220,7 +220,11 @@ def manifest_files(value: Any) -> str | None:
 REQUESTS: dict[str, dict[str, Any]] = {
     # warm: where the host's own checks pass, torchrun starts warm (env: the ranks')
     "preflight": {"job_dir": str, "master_port": int, "want_port": bool,
-                  "folders": [str], "want_gpus": bool, "?warm": {"env": dict}},
+                  "folders": [str], "want_gpus": bool, "?warm": {"env": dict},
+                  # share: write the marker .orch-share-<nonce> (this index) unless there
+                  # is one; the reply's share_leader names whose marker the host found
+                  "?share": {"nonce": str, "index": int}},
+    "unshare": {"job_dir": str, "nonce": str},        # remove that marker
     "manifest": {"root": str},
     "receive": {"root": str},
     "launch": {"job_dir": str, "spec": {"run_id": str, "ranks": [int], "argv": [str],
@@ -239,7 +243,10 @@ REQUESTS: dict[str, dict[str, Any]] = {
     # setup: `commands` (each run with the host's shell, -c) or `script` (a file in code/),
     # in code/; skipped when run/setup.json holds `fingerprint` (unless `force`)
     "setup": {"job_dir": str, "commands": [str], "script": OPT_STR, "env": dict,
-              "fingerprint": str, "force": bool},
+              "fingerprint": str, "force": bool,
+              # shared: run once for every host of this job folder (run/shared-setup.json);
+              # log: the output's file in logs/ (default setup.log)
+              "?shared": bool, "?log": str},
     # after setup: the configured python's executable, torch version, and the entrypoint
     "probe": {"job_dir": str, "python": str, "entrypoint": str, "module": bool, "env": dict},
     # orch exec: argv in the job folder (else remote_dir, else home), no shell
@@ -261,7 +268,7 @@ REPLIES: dict[str, dict[str, Any]] = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
                   "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool,
-                  "?python_missing": str},
+                  "?python_missing": str, "?share_leader": int},
     "manifest": {"root": str},                            # the files come as parts
     "receive": {"files": int, "bytes": int, "deleted": int},
     "launch": {"supervisor": SUPERVISOR},
@@ -282,6 +289,7 @@ REPLIES: dict[str, dict[str, Any]] = {
     "probe": {"executable": OPT_STR, "torch": OPT_STR, "entrypoint": OPT_STR, "error": OPT_STR},
     "exec": {"code": int, "cwd": str, "seconds": NUM},
     "cancel": {"found": bool},
+    "unshare": {"removed": bool},
 }
 # Parts that may come before a reply (with the request's id).
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}

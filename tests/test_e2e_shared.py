@@ -1,0 +1,229 @@
+"""Hosts whose job folder is one folder (NFS home folders, a bind mount, the same path)
+over real SSH: found at preflight, one job folder with a part per host (run/<part>/),
+code pushed once per folder, setup once per folder (or per host), and stop, status,
+logs and pull as on private folders. A stop of one host's part leaves the other's
+processes alone (on this machine, both hosts' processes share ORCH_JOB_DIR)."""
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from helpers import Jobs, assert_nothing_left, last_sync, orch, wait_until, write_job
+from orchestrator.config.inventory import part_name
+from sshd_cluster import SshdCluster, pids_with_env
+
+pytestmark = pytest.mark.ssh
+
+JOB = """\
+import os, sys, time
+rank = int(os.environ["RANK"])
+print("rank %d part %s" % (rank, os.environ.get("ORCH_JOB_PART")), flush=True)
+out = os.environ["ORCH_OUTPUT_DIR"]
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, "rank-%d.txt" % rank), "w") as f:
+    f.write("done %d\\n" % rank)
+if len(sys.argv) > 1:
+    time.sleep(float(sys.argv[1]))
+"""
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A host as the test helpers see it (address, remote_dir), with the folder it uses."""
+
+    address: str
+    remote_dir: Path
+
+
+def entry(host, remote_dir: Path, procs: int = 2) -> dict:
+    return {"address": host.address, "procs": procs, "remote_dir": str(remote_dir)}
+
+
+def write(cluster: SshdCluster, path: Path, entries: list[dict], name: str,
+          args: tuple[str, ...] = (), top: dict | None = None) -> Path:
+    write_job(path.parent, JOB)
+    return cluster.write_inventory(path, hosts=[], name=name, args=args,
+                                   extra_hosts=entries, top=top)
+
+
+def part_pids(folder: Path, name: str, address: str) -> set[int]:
+    """Live processes of the job's part of host `address` in folder/name."""
+    return (set(pids_with_env(f"ORCH_JOB_DIR={folder / name}"))
+            & set(pids_with_env(f"ORCH_JOB_PART={part_name(address)}")))
+
+
+def status(cwd: Path, inv: Path) -> dict:
+    got = orch(cwd, "status", "-c", str(inv), "--json")
+    assert got.returncode == 0, got.stderr
+    return json.loads(got.stdout)
+
+
+def no_markers(folder: Path) -> bool:
+    return not list(folder.glob("*/.orch-share-*"))
+
+
+# ---------------------------------------------------------------- one remote_dir
+
+
+def test_two_hosts_one_remote_dir(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    a, b = sshd_cluster.hosts[:2]
+    shared, name = tmp_path / "home" / "orch", "nfs"
+    inv = write(sshd_cluster, tmp_path / "cluster.yaml", [entry(a, shared), entry(b, shared)],
+                name, top={"setup": {"commands": ["echo ran >> ../setup-count"]}})
+    jobs.add(inv, [Shared(a.address, shared), Shared(b.address, shared)], name)
+    up = orch(tmp_path, "up", str(inv), timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert f"sync {a.address} (job folder shared with {b.address}: pushed once)" in up.stderr
+    sync = last_sync(tmp_path, name)
+    assert sync[a.address]["code"]["sent"] == ["job.py"], sync
+    assert sync[b.address] == {"pushed_by": a.address}, sync
+    assert (shared / name / "setup-count").read_text() == "ran\n", "setup ran once per filesystem"
+    job = shared / name
+    assert (job / "run" / part_name(a.address)).is_dir()
+    assert (job / "run" / part_name(b.address)).is_dir()
+    assert no_markers(shared), "the preflight markers are removed"
+    for r, host in ((0, a), (1, a), (2, b), (3, b)):
+        assert f"rank {r} part {part_name(host.address)}" in (job / "logs" / f"rank-{r}.log").read_text()
+    doc = status(tmp_path, inv)
+    assert [(r["rank"], r["state"]) for r in doc["ranks"]] == \
+        [(0, "exited 0"), (1, "exited 0"), (2, "exited 0"), (3, "exited 0")], doc
+    logs = orch(tmp_path, "logs", "-c", str(inv), "--rank", "3")
+    assert logs.returncode == 0 and "rank 3 part" in logs.stdout, logs.stderr
+    assert (tmp_path / "outputs" / name / "rank-0.txt").read_text() == "done 0\n"
+    pull = orch(tmp_path, "pull", "-c", str(inv), "--host", b.address, "-o", str(tmp_path / "pb"))
+    assert pull.returncode == 0, pull.stderr
+    assert (tmp_path / "pb" / "rank-3.txt").read_text() == "done 3\n"
+    ex = orch(tmp_path, "exec", "-c", str(inv), "--", "ls", "run")
+    assert ex.returncode == 0 and part_name(b.address) in ex.stdout, ex.stdout + ex.stderr
+    again = orch(tmp_path, "up", str(inv), timeout=180)   # name reuse: not "already running"
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (shared / name / "setup-count").read_text() == "ran\n", "unchanged setup is skipped"
+    assert_nothing_left([Shared(a.address, shared)], name)
+
+
+def test_setup_once_per_host(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    a, b = sshd_cluster.hosts[:2]
+    shared, name = tmp_path / "orch", "perhost"
+    setup = {"commands": ["echo ran >> ../setup-count"], "once_per": "host"}
+    inv = write(sshd_cluster, tmp_path / "cluster.yaml", [entry(a, shared, 1), entry(b, shared, 1)],
+                name, top={"setup": setup})
+    jobs.add(inv, [Shared(a.address, shared)], name)
+    up = orch(tmp_path, "up", str(inv), "--detach", timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert (shared / name / "setup-count").read_text() == "ran\nran\n"
+    for h in (a, b):
+        assert (shared / name / "logs" / f"setup-{part_name(h.address)}.log").exists()
+    wait_until(lambda: all(r["state"] == "exited 0" for r in status(tmp_path, inv)["ranks"]),
+               60, "both ranks to exit 0")
+    assert_nothing_left([Shared(a.address, shared)], name, wait=20)
+
+
+# ---------------------------------------------------------------- stop one part
+
+
+def test_stop_of_one_part_leaves_the_other(sshd_cluster: SshdCluster, tmp_path: Path,
+                                           jobs: Jobs) -> None:
+    a, b = sshd_cluster.hosts[:2]
+    shared, name = tmp_path / "orch", "longrun"
+    inv = write(sshd_cluster, tmp_path / "cluster.yaml", [entry(a, shared), entry(b, shared)],
+                name, args=("600",))
+    jobs.add(inv, [Shared(a.address, shared)], name)
+    up = orch(tmp_path, "up", str(inv), "--detach", timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    wait_until(lambda: len(part_pids(shared, name, a.address)) >= 2
+               and len(part_pids(shared, name, b.address)) >= 2, 60, "ranks of both parts")
+    doc = status(tmp_path, inv)
+    assert [r["state"] for r in doc["ranks"]] == ["running"] * 4, doc
+    busy = orch(tmp_path, "up", str(inv), timeout=120)
+    assert busy.returncode == 2 and "already running" in busy.stderr, busy.stderr
+    # b's part alone: an inventory of b only (its label, so its part, is the same)
+    only_b = write(sshd_cluster, tmp_path / "b" / "cluster.yaml", [entry(b, shared)], name,
+                   args=("600",))
+    stop_b = orch(only_b.parent, "stop", str(only_b), "--grace", "1")
+    assert stop_b.returncode == 0, stop_b.stderr
+    assert not part_pids(shared, name, b.address), "b's part is stopped"
+    assert len(part_pids(shared, name, a.address)) >= 2, "a's ranks are left alone"
+    stop = orch(tmp_path, "stop", str(inv), "--grace", "1")
+    assert stop.returncode == 0, stop.stderr
+    assert_nothing_left([Shared(a.address, shared)], name)
+
+
+# ---------------------------------------------------------------- mixed, two jobs
+
+
+def test_shared_and_private_hosts_mixed(sshd_cluster: SshdCluster, tmp_path: Path,
+                                        jobs: Jobs) -> None:
+    a, b, c = sshd_cluster.hosts[:3]
+    shared, name = tmp_path / "orch", "mixed"
+    inv = write(sshd_cluster, tmp_path / "cluster.yaml",
+                [entry(a, shared), entry(b, shared), entry(c, c.remote_dir)], name)
+    jobs.add(inv, [Shared(a.address, shared), c], name)
+    dry = orch(tmp_path, "up", str(inv), "--dry-run")
+    assert dry.returncode == 0 and "found at preflight" in dry.stdout, dry.stdout
+    up = orch(tmp_path, "up", str(inv), timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    sync = last_sync(tmp_path, name)
+    assert sync[a.address]["shared_with"] == [b.address], sync
+    assert sync[b.address] == {"pushed_by": a.address}
+    assert sync[c.address]["code"]["sent"] == ["job.py"], sync
+    assert "shared_with" not in sync[c.address]
+    assert [r["state"] for r in status(tmp_path, inv)["ranks"]] == ["exited 0"] * 6
+    assert (c.remote_dir / name / "run" / part_name(c.address)).is_dir()
+
+
+def test_two_jobs_in_one_shared_folder(sshd_cluster: SshdCluster, tmp_path: Path,
+                                       jobs: Jobs) -> None:
+    a, b = sshd_cluster.hosts[:2]
+    shared = tmp_path / "orch"
+    invs = {}
+    for name in ("first", "second"):
+        inv = write(sshd_cluster, tmp_path / name / "cluster.yaml",
+                    [entry(a, shared, 1), entry(b, shared, 1)], name, args=("600",))
+        jobs.add(inv, [Shared(a.address, shared)], name)
+        up = orch(inv.parent, "up", str(inv), "--detach", timeout=180)
+        assert up.returncode == 0, up.stdout + up.stderr
+        invs[name] = inv
+    def both_run(name: str) -> bool:
+        return all(part_pids(shared, name, h.address) for h in (a, b))
+    for name in invs:
+        wait_until(lambda: both_run(name), 60, f"{name}'s ranks on both hosts")  # noqa: B023
+    stop = orch(invs["first"].parent, "stop", str(invs["first"]), "--grace", "1")
+    assert stop.returncode == 0, stop.stderr
+    assert_nothing_left([Shared(a.address, shared)], "first")
+    assert all(part_pids(shared, "second", h.address) for h in (a, b)), "the other job runs on"
+    stop = orch(invs["second"].parent, "stop", str(invs["second"]), "--grace", "1")
+    assert stop.returncode == 0, stop.stderr
+    assert_nothing_left([Shared(a.address, shared)], "second")
+
+
+# ---------------------------------------------------------------- a bind mount
+
+
+@pytest.fixture
+def bind_mount(tmp_path: Path):
+    real, seen = tmp_path / "real", tmp_path / "bind"
+    real.mkdir()
+    seen.mkdir()
+    done = subprocess.run(["mount", "--bind", str(real), str(seen)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mount --bind does not work here ({done.stderr.strip()}); a symlinked "
+                    "remote_dir is no stand-in: it resolves to one path")
+    yield real, seen
+    subprocess.run(["umount", str(seen)], check=True)
+
+
+def test_bind_mount(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs, bind_mount) -> None:
+    a, b = sshd_cluster.hosts[:2]
+    real, seen = bind_mount
+    name = "bound"
+    inv = write(sshd_cluster, tmp_path / "cluster.yaml", [entry(a, real), entry(b, seen)], name)
+    jobs.add(inv, [Shared(a.address, real), Shared(b.address, seen)], name)
+    up = orch(tmp_path, "up", str(inv), timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert last_sync(tmp_path, name)[b.address] == {"pushed_by": a.address}
+    assert [r["state"] for r in status(tmp_path, inv)["ranks"]] == ["exited 0"] * 4
+    assert no_markers(real)
