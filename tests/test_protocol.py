@@ -13,9 +13,9 @@ from __future__ import annotations
 import io
 import json
 import os
-import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -253,6 +253,28 @@ def rss_mib() -> float:
     raise AssertionError("no VmRSS")
 
 
+class PeakRss:
+    """The highest RSS (MiB) seen while the block runs, sampled every 2 ms in a thread."""
+
+    def __init__(self) -> None:
+        self.mib = rss_mib()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.002):
+            self.mib = max(self.mib, rss_mib())
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.mib = max(self.mib, rss_mib())
+
+
 def test_host_printing_without_end_before_the_agent(tmp_path: Path) -> None:
     """A login shell (here: the "python") that prints endlessly: a clear error naming the
     host and the fix, within the garbage limit; the controller's memory does not grow."""
@@ -280,13 +302,14 @@ def test_host_printing_without_end_after_its_hello(tmp_path: Path) -> None:
     python = fake_python(tmp_path, f"cat {blob}\nexec cat /dev/zero\n")
     before = rss_mib()
     link = Link(LocalTransport(local_host(tmp_path, python), cwd=str(tmp_path)))
-    with pytest.raises(HostError) as err:   # at the hello already, or at the first request
+    with PeakRss() as peak, pytest.raises(HostError) as err:   # at the hello, or the request
         link.start(timeout=30)
         link.request("status", 30, job_dir="/nowhere", ranks=[0])
     assert "localhost" in str(err.value) and "does not accept" in str(err.value)
     link.close()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    assert rss_mib() - before < 32 and peak < 1024, peak
+    # the peak while the bytes flood in, sampled: the process's lifetime peak (ru_maxrss)
+    # also counts what earlier tests in this process used (torch), which made it flaky
+    assert rss_mib() - before < 32 and peak.mib - before < 128, (before, peak.mib)
 
 
 def test_reply_of_the_wrong_shape_names_host_and_command(tmp_path: Path) -> None:
