@@ -52,7 +52,7 @@ def test_exclude_renumbers_hosts_and_ranks(tmp_path: Path) -> None:
     assert narrow(whole, hosts="10.0.0.[1,3]").world_size == 4
     assert shape(narrow(whole, hosts="2,0")) == [(0, "10.0.0.1", [0, 1], None),
                                                (1, "10.0.0.3", [2, 3], None)]
-    assert narrow(whole) is whole and narrow(whole, hosts="0-2".replace("-", ",")) is whole
+    assert narrow(whole) is whole and narrow(whole, hosts="0,1,2") is whole
 
 
 def test_gpus_of_a_host_as_deepspeed_writes_them(tmp_path: Path) -> None:
@@ -93,10 +93,10 @@ def test_gpus_of_a_cpu_host_are_refused(tmp_path: Path) -> None:
 def test_the_cli_refuses_without_a_traceback_and_dry_run_shows_the_run(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = inventory(tmp_path)
-    assert cli.main(["-c", str(path), "up", "--dry-run", "--hosts", "nope"]) == 2
+    assert cli.cli(["up", "-c", str(path), "--dry-run", "--hosts", "nope"]) == 2
     err = capsys.readouterr().err
     assert "names no host" in err and "Traceback" not in err
-    assert cli.main(["-c", str(path), "up", "--dry-run", "--exclude", "0",
+    assert cli.cli(["up", "-c", str(path), "--dry-run", "--exclude", "0",
                      "--hosts", "10.0.0.[1-3]"]) == 0
     out = capsys.readouterr().out
     assert "job sel: 2 hosts, world size 4" in out
@@ -173,7 +173,7 @@ def test_no_source_to_split_again_is_exit_2_with_the_command(tmp_path: Path) -> 
     with pytest.raises(DataError) as err:
         api.plan(path, hosts="localhost#0")
     assert err.value.exit_code == 2 and "has no split for world size 1" in err.value.message
-    assert "split-data --workers 1" in (err.value.hint or "")
+    assert "split-data" in (err.value.hint or "") and "--workers 1" in (err.value.hint or "")
 
 
 # ---------------------------------------------------------------- the later commands
