@@ -78,7 +78,7 @@ def _groups(text: str) -> list[str]:
 def _add(picks: Picks, more: Picks) -> None:
     """Union: a whole host stays whole; GPUs of one host add up (sorted, each once)."""
     for i, gpus in more.items():
-        if i in picks and (picks[i] is None or gpus is None):
+        if gpus is None or (i in picks and picks[i] is None):
             picks[i] = None
         else:
             picks[i] = tuple(sorted(set(picks.get(i) or ()) | set(gpus or ())))
