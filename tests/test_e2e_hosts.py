@@ -55,7 +55,7 @@ def test_up_exclude_runs_on_the_other_hosts_with_the_data_split_again(
         assert sorted(p.name for p in (job_dir(host, name) / "data").iterdir()) \
             == [f"worker_{rank}_of_2"]
         log = job_dir(host, name) / "logs" / f"rank-{rank}.log"
-        wait_until(lambda log=log: log.exists() and "reads" in log.read_text(), 60,
+        wait_until(lambda: log.exists() and "reads" in log.read_text(), 60,  # noqa: B023
                    f"rank {rank}'s first line")
         assert f"rank {rank} of 2 reads worker_{rank}_of_2: {files}" in log.read_text()
 

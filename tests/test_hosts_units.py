@@ -21,6 +21,7 @@ from orchestrator.files.shards import resplit_size
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import rank_env
 from orchestrator.session.preflight import HostInfo
+from orchestrator.session.session import Session
 from test_api import status_reply, stop_reply
 
 THREE = """name: sel
@@ -86,7 +87,7 @@ def test_a_selection_of_nothing_is_exit_2_with_the_fix(tmp_path: Path, hosts: st
 
 def test_gpus_of_a_cpu_host_are_refused(tmp_path: Path) -> None:
     path = inventory(tmp_path, "name: c\nhosts: [a, b]\njob: {entrypoint: job.py}\n")
-    with pytest.raises(UsageError, match="has no GPUs in cluster.yaml"):
+    with pytest.raises(UsageError, match=r"has no GPUs in cluster\.yaml"):
         narrow(load(path), hosts="a:0")
 
 
@@ -154,7 +155,7 @@ def test_a_new_world_size_splits_the_data_again_before_the_push(
 
     def no_hosts(*args: object, **kwargs: object) -> None:
         raise Stop   # the split is done, and the data checked, before any host is touched
-    monkeypatch.setattr(launching.Session, "open_and_preflight", no_hosts)
+    monkeypatch.setattr(Session, "open_and_preflight", no_hosts)
     with pytest.raises(Stop), launching.start(path, exclude="localhost#1", progress=Seen()):
         pass
     assert told == ["--exclude localhost#1 -> 2 seed 7"] and splits(tmp_path) == ["2", "3"]

@@ -13,16 +13,16 @@ from rich.markup import escape
 from rich.progress import Progress, TaskID
 
 from orchestrator.api import launching, pulling, querying
+from orchestrator.api.jobs import cluster_of
 from orchestrator.api.outcomes import ArrayUpResult
 from orchestrator.arrays import plan as array_plan
 from orchestrator.arrays.attach import attach_array
 from orchestrator.commands import render
-from orchestrator.api.jobs import cluster_of
 from orchestrator.commands.common import console, emit_json, hint_cmd, inventory_path, plural
 from orchestrator.config.hostselect import narrow
 from orchestrator.config.inventory import Cluster, Host
-from orchestrator.files.splitdata import SplitResult
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, OrchError, UsageError
+from orchestrator.files.splitdata import SplitResult
 from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.shelloutput import Printer
 from orchestrator.ui.console import bytes_bar, hosts_bar
