@@ -33,7 +33,7 @@ def exec(inventory: jobs.Inventory, command: Sequence[str], *, hosts: str | None
     if not argv:
         raise UsageError("no command given",
                          hint="orch exec -- nvidia-smi   (or: -- sh -c 'cmd | cmd')")
-    cluster = jobs.cluster_of(inventory)
+    cluster = jobs.run_cluster(inventory)
     chosen = select(cluster, hosts)
     printer = Printer(quiet=not echo)  # one for all hosts: lines never interleave
     outputs = {h.index: HostOutput(printer, f"[{h.label}]", keep=KEEP) for h in chosen}

@@ -37,6 +37,18 @@ def cluster_of(inventory: Inventory) -> Cluster:
     return load(path)
 
 
+def run_cluster(inventory: Inventory) -> Cluster:
+    """The hosts of the job's last `up`: the inventory less what `--hosts/--exclude` left
+    out (session/state.run_cluster). A damaged state gives the whole inventory: the
+    call that reads the state next reports it."""
+    cluster = cluster_of(inventory)
+    try:
+        st = job_state.load(cluster)
+    except job_state.StateDamaged:
+        return cluster
+    return job_state.run_cluster(cluster, st)
+
+
 def open_session(cluster: Cluster, state: job_state.JobState | None = None,
                  hosts: tuple[Host, ...] | None = None) -> Session:
     """A session with every host's (or `hosts`') agent started; the caller closes it."""

@@ -18,9 +18,11 @@ from orchestrator.api import jobs
 from orchestrator.api.outcomes import ArrayHost, ArrayUpResult, Plan, UpHost, UpResult
 from orchestrator.arrays import plan as array_plan
 from orchestrator.arrays import prepare
+from orchestrator.config.hostselect import narrow
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_files
-from orchestrator.files.shards import host_files, load_split
+from orchestrator.files.shards import host_files, load_split, resplit, resplit_size
+from orchestrator.files.splitdata import SplitResult
 from orchestrator.files.sync import SyncReport
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import dry_run_plan, master_addr
@@ -49,6 +51,9 @@ def _nothing() -> None:
 class UpProgress:
     """What `up` tells as it goes, step by step. This one shows nothing; the CLI's
     (commands/up.py) draws the bars and prints a line per step."""
+
+    def resplit(self, cluster: Cluster, result: SplitResult) -> None:
+        """The data was split again for the run's world size (`up --hosts/--exclude`)."""
 
     def preflight(self, hosts: int) -> AbstractContextManager[Callable[[], None]]:
         """Around connect + preflight; the callable is called as each host is checked."""
@@ -87,14 +92,18 @@ class Started:
     record: array_plan.ArrayRecord | None = None   # a job array's tasks
 
 
-def up(inventory: jobs.Inventory, *, setup: bool = False,
-       progress: UpProgress | None = None) -> UpResult:
+def up(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str | None = None,
+       setup: bool = False, progress: UpProgress | None = None) -> UpResult:
     """`orch up --detach` of a distributed job: returns once every host started. All or
     nothing: a host failing preflight (HostError, GroupError: exit 3) or a bad inventory
     or dataset (exit 2) starts nothing anywhere. `setup`: run `setup:` even where it ran
     before, unchanged. The job runs on without this process; follow it with `status` and
-    `logs`, end it with `stop`. A job array: `array_up`."""
-    cluster = jobs.cluster_of(inventory)
+    `logs`, end it with `stop`. A job array: `array_up`.
+
+    `hosts`, `exclude`: the hosts of this run (`orch up --hosts/--exclude`: indexes,
+    addresses, labels, ranges, `host:0,1` for GPUs); the world size follows, and the
+    later calls act on these hosts."""
+    cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     if cluster.job.array is not None:
         raise jobs.kind_error(cluster, "a job array", "array_up")
     with start(cluster, setup=setup, progress=progress) as started:
@@ -102,11 +111,13 @@ def up(inventory: jobs.Inventory, *, setup: bool = False,
         return started.result
 
 
-def array_up(inventory: jobs.Inventory, *, setup: bool = False,
+def array_up(inventory: jobs.Inventory, *, hosts: str | None = None,
+             exclude: str | None = None, setup: bool = False,
              progress: UpProgress | None = None) -> ArrayUpResult:
     """`orch up --detach` of a job array: every host's runner started with its share of
-    the tasks; they go on without this process (`array_status`, `results`, `stop`)."""
-    cluster = jobs.cluster_of(inventory)
+    the tasks; they go on without this process (`array_status`, `results`, `stop`).
+    `hosts`, `exclude`: as `up`'s."""
+    cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     if cluster.job.array is None:
         raise jobs.kind_error(cluster, "not a job array", "up")
     with start(cluster, setup=setup, progress=progress) as started:
@@ -114,19 +125,24 @@ def array_up(inventory: jobs.Inventory, *, setup: bool = False,
         return started.result
 
 
-def plan(inventory: jobs.Inventory) -> Plan:
-    """`orch up --dry-run`: the plan and the exact command per host; no host is touched."""
-    cluster = jobs.cluster_of(inventory)
+def plan(inventory: jobs.Inventory, *, hosts: str | None = None,
+         exclude: str | None = None) -> Plan:
+    """`orch up --dry-run`: the plan and the exact command per host; no host is touched.
+    `hosts`, `exclude`: as `up`'s (the plan is the narrowed run's)."""
+    cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     text = prepare.array_plan(cluster) if cluster.job.array else dry_run_plan(cluster)
     return Plan(job=cluster.name, plan=text)
 
 
 @contextmanager
-def start(inventory: jobs.Inventory, *, setup: bool = False,
-          progress: UpProgress | None = None) -> Iterator[Started]:
-    """Every step up to the start on every host; the session closes when the block ends."""
-    cluster = jobs.cluster_of(inventory)
+def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str | None = None,
+          setup: bool = False, progress: UpProgress | None = None) -> Iterator[Started]:
+    """Every step up to the start on every host; the session closes when the block ends.
+    `hosts`, `exclude`: as `up`'s (a loaded Cluster may come narrowed already)."""
+    cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     shown = progress or UpProgress()
+    if resplit_size(cluster) is not None:   # before the data is checked: it is made here
+        shown.resplit(cluster, resplit(cluster))
     files = local_files(cluster)   # bad data is refused before any host is touched
     session = Session(cluster)
     try:

@@ -41,7 +41,7 @@ def pull(inventory: jobs.Inventory, paths: Sequence[str] = (), *, rank: int | No
     `rank` (default 0), or from `host` (an address or label), into `dest` (default:
     outputs/<name>/ beside the inventory). Only what differs is sent; nothing local is
     deleted. A file that cannot be written here raises UsageError with `result` set."""
-    cluster = jobs.cluster_of(inventory)
+    cluster = jobs.run_cluster(inventory)
     rel = check_paths(list(paths))
     source = pick_host(cluster, rank, host)
     out = Path(dest).absolute() if dest else default_dest(cluster)

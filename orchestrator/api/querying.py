@@ -59,7 +59,7 @@ def status(inventory: jobs.Inventory) -> Status:
     """`orch status` of a distributed job: every rank. With no saved state the hosts are
     asked at the inventory's job folders; "not started" (UsageError) when none holds a
     trace of a run. A job array's tasks: `array_status`."""
-    cluster = jobs.cluster_of(inventory)
+    cluster = jobs.run_cluster(inventory)
     if cluster.job.array is not None:
         raise jobs.kind_error(cluster, "a job array", "array_status")
     st = jobs.saved_state(cluster)
@@ -79,7 +79,7 @@ def status(inventory: jobs.Inventory) -> Status:
 def array_status(inventory: jobs.Inventory) -> ArrayStatus:
     """`orch status` of a job array: every task's args, host and slot, state, runtime,
     last line."""
-    cluster = jobs.cluster_of(inventory)
+    cluster = jobs.run_cluster(inventory)
     if cluster.job.array is None:
         raise jobs.kind_error(cluster, "not a job array", "status")
     rec = plan.load(cluster)
@@ -100,7 +100,7 @@ def array_status(inventory: jobs.Inventory) -> ArrayStatus:
 def results(inventory: jobs.Inventory) -> Results:
     """`orch results`: a job array's tasks, the last row of each one's metrics.csv, and
     the groups over folds (mean, sample std); also written to .orch/<name>/results.csv."""
-    cluster = jobs.cluster_of(inventory)
+    cluster = jobs.run_cluster(inventory)
     if cluster.job.array is None:   # the CLI's message
         raise UsageError(f"{cluster.path.name}: job '{cluster.name}' is not a job array",
                          hint="add `array:` under `job:` (see the README's Job arrays), "

@@ -74,7 +74,7 @@ def read_log(inventory: jobs.Inventory, *, rank: int | None = None, task: int | 
              tail: int = -1, follow: bool = False, sink: RawLog) -> tuple[str, RawLog]:
     """One rank's (or task's) log into `sink`, up to its end (with `follow`: until the job
     ends), from the host that ran it; (that host's label, the sink)."""
-    cluster = jobs.cluster_of(inventory)
+    cluster = jobs.run_cluster(inventory)
     host, st = log_host(cluster, rank, task)
     unit, which = ("rank", 0 if rank is None else rank) if task is None else ("task", task)
     session = jobs.open_job(cluster, st, hosts=(host,))
@@ -129,7 +129,7 @@ def follow_logs(inventory: jobs.Inventory, sink: Sink, *, tail: int = -1, follow
     """Every rank's output (a job array: every task's) into `sink`, host by host as it
     comes; without `follow` what is there now, with it until the job ends. `unreached`
     hears of each host that could not be reached, before the reading starts."""
-    cluster = jobs.cluster_of(inventory)
+    cluster = jobs.run_cluster(inventory)
     units: Callable[[int], list[int]]
     unit: str | None
     if cluster.job.array is not None:

@@ -18,7 +18,7 @@ def stop(inventory: jobs.Inventory, *, grace: float = timeouts.STOP_GRACE,
     Raises GroupError (exit code 3) when a host could not be reached or stopped, or a
     process survived SIGKILL, after every other host was stopped; its `result` is this
     StopResult, its `failures` each failed host's exception."""
-    cluster = jobs.cluster_of(inventory)
+    cluster = jobs.run_cluster(inventory)
     # a damaged state.json must not keep a job from being stopped: the processes are
     # found by their marker under the inventory's job folders
     st = job_state.load_or_warn(cluster, warn or jobs.log.warning)

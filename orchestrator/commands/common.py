@@ -21,14 +21,20 @@ __all__ = [
     "emit_json",
     "hint_cmd",
     "inventory",
+    "inventory_path",
     "plural",
     "warn_unreachable",
 ]
 
 
 def inventory(args: argparse.Namespace) -> Cluster:
-    """The inventory a command names: its positional FILE, or -c (default cluster.yaml)."""
-    return jobs.cluster_of(Path(getattr(args, "file", None) or args.config))
+    """The inventory a command names (its positional FILE, or -c, default cluster.yaml),
+    narrowed to the hosts of the job's last `up` (`up --hosts/--exclude`)."""
+    return jobs.run_cluster(inventory_path(args))
+
+
+def inventory_path(args: argparse.Namespace) -> Path:
+    return Path(getattr(args, "file", None) or args.config)
 
 
 def warn_unreachable(failures: Iterable[BaseException]) -> None:

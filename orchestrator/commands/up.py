@@ -13,13 +13,16 @@ from rich.markup import escape
 from rich.progress import Progress, TaskID
 
 from orchestrator.api import launching, pulling, querying
+from orchestrator.api.jobs import cluster_of
 from orchestrator.api.outcomes import ArrayUpResult
 from orchestrator.arrays import plan as array_plan
 from orchestrator.arrays.attach import attach_array
 from orchestrator.commands import render
-from orchestrator.commands.common import console, emit_json, hint_cmd, inventory, plural
+from orchestrator.commands.common import console, emit_json, hint_cmd, inventory_path, plural
+from orchestrator.config.hostselect import narrow
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, OrchError, UsageError
+from orchestrator.files.splitdata import SplitResult
 from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.shelloutput import Printer
 from orchestrator.ui.console import bytes_bar, hosts_bar
@@ -33,6 +36,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--detach", action="store_true", help="return once every host has started")
     p.add_argument("--setup", action="store_true",
                    help="run `setup:` on every host even where it ran before, unchanged")
+    p.add_argument("--hosts", metavar="SEL",
+                   help="run on these hosts only: indexes, addresses, labels, ranges "
+                        "(gpu[01-04]), `host:0,1` for GPUs 0 and 1 of a host; the world size follows")
+    p.add_argument("--exclude", metavar="SEL", help="leave these hosts (or `host:N` GPUs) out")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and each host's command; touch no host")
     p.add_argument("--fail-fast", action="store_true",
@@ -43,7 +50,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cluster = inventory(args)
+    # the whole inventory, not the last run's hosts: this run chooses its own
+    cluster = narrow(cluster_of(inventory_path(args)), args.hosts, args.exclude)
     if args.dry_run:
         plan = launching.plan(cluster)
         if args.json:
@@ -133,9 +141,16 @@ class UpView(launching.UpProgress):
             task = bar.add_task("connect + preflight", total=hosts)
             yield lambda: bar.advance(task)
 
+    def resplit(self, cluster: Cluster, result: SplitResult) -> None:
+        console.print(f"data: split {result.plan.source} again for world size "
+                      f"{result.plan.workers} ({cluster.selection}) -> "
+                      f"{result.out}/worker_*_of_{result.plan.workers}", markup=False)
+
     def preflight_done(self, cluster: Cluster, pre: PreflightReport) -> None:
         size = "a job array" if cluster.job.array else f"world size {cluster.world_size}"
-        console.print(f"preflight: {plural(len(cluster.hosts), 'host')} ok, {size}")
+        chosen = f" ({cluster.selection})" if cluster.selection else ""
+        console.print(f"preflight: {plural(len(cluster.hosts), 'host')} ok, {size}{chosen}",
+                      markup=False)
 
     @contextmanager
     def sync(self, hosts: int, total: int) -> Iterator[launching.SyncShown]:

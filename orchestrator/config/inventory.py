@@ -117,6 +117,9 @@ class Host:
     ssh: SSHOptions
     line: int                    # 1-based line of its entry in the file
     display: str = ""            # label when the address alone is ambiguous
+    # the GPUs of this run when `orch up --hosts host:0,1` named some (procs = their number);
+    # None: the host as the inventory gives it
+    gpu_ids: tuple[int, ...] | None = None
 
     @property
     def ranks(self) -> range:
@@ -182,6 +185,9 @@ class Cluster:
     world_size: int
     ranks: tuple[RankSlot, ...]
     setup: SetupSpec | None = None   # `setup:` (setupspec.py), None when absent
+    # `orch up --hosts/--exclude` as given, when this run uses only some of the hosts
+    # (config/hostselect.narrow); "" for the whole inventory
+    selection: str = ""
 
     @property
     def base_dir(self) -> Path:

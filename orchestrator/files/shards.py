@@ -14,6 +14,7 @@ from typing import Any
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import DataError
+from orchestrator.files import splitdata
 from orchestrator.files.localfiles import (
     DigestCache,
     LocalFile,
@@ -54,6 +55,38 @@ def load_split(cluster: Cluster) -> dict[str, Any]:
         raise DataError(f"{cluster.data.shards} has no split for world size {m.world} "
                         f"(splits there: {have})", hint=m.fix)
     return check_split(split, m)
+
+
+def resplit_size(cluster: Cluster) -> int | None:
+    """The run's world size when its data must be split again before the push: the run
+    uses only some hosts (`up --hosts/--exclude`), and data.shards holds a manifest of
+    `orch split-data` with no split for that size. None: nothing to do (a missing
+    manifest is load_split's to report). DataError when data.source is not there."""
+    if not cluster.selection or cluster.data.shards is None or cluster.job.array is not None:
+        return None
+    m = Manifest(cluster)
+    if not os.path.exists(m.path) or str(m.world) in read(m)["splits"]:
+        return None
+    source = cluster.data.source
+    if source is None or not source.is_dir():
+        where = f"data.source {source} is not there" if source else "data.source is not set"
+        split = hint_cmd(cluster, f"split-data --workers {m.world}"
+                         + ("" if source else " --source DIR"))
+        raise DataError(f"{cluster.data.shards} has no split for world size {m.world} "
+                        f"({cluster.selection}), and it cannot be made: {where}",
+                        hint=f"run `{split}` with the dataset that was split")
+    return m.world
+
+
+def resplit(cluster: Cluster) -> splitdata.SplitResult:
+    """The split for the run's world size, as `orch split-data --workers N` makes it, with
+    the seed of the splits already there (an ImageFolder is dealt out the same way)."""
+    m = Manifest(cluster)
+    assert cluster.data.source is not None and cluster.data.shards is not None
+    seeds = [s["seed"] for s in read(m)["splits"].values()
+             if isinstance(s, dict) and type(s.get("seed")) is int]
+    return splitdata.split(cluster.data.source, cluster.data.shards, m.world,
+                           seed=seeds[0] if seeds else 0)
 
 
 def read(m: Manifest) -> dict[str, Any]:

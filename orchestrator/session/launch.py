@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 from orchestrator.config.inventory import Cluster, Host
+from orchestrator.files.shards import resplit_size
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
@@ -59,6 +60,8 @@ def rank_env(cluster: Cluster, host: Host, job_dir: str, run_id: str) -> dict[st
     env.update(ORCH_JOB=cluster.name, ORCH_JOB_DIR=job_dir, ORCH_JOB_PART=host.part,
                ORCH_RUN_ID=run_id, ORCH_DATA_DIR=f"{job_dir}/data",
                ORCH_OUTPUT_DIR=f"{job_dir}/output", PYTHONUNBUFFERED="1")
+    if host.gpu_ids is not None:   # `up --hosts host:0,1`: the ranks see those GPUs only
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, host.gpu_ids))
     return env
 
 
@@ -117,16 +120,26 @@ def dry_run_plan(cluster: Cluster) -> str:
              f"MASTER_ADDR={addr} MASTER_PORT={port}",
              "preflight on every host, in parallel: connect (host key checked), python runs, "
              "torch version (same everywhere), GPUs, remote_dir writable, master port free"]
+    if cluster.selection:
+        lines.insert(1, f"hosts of this run: {cluster.selection} (the other hosts of "
+                        f"{cluster.path.name} are left alone)")
     if cluster.code.paths:
         lines.append(f"sync code: {', '.join(cluster.code.paths)} -> <job dir>/code/ (changed files only)")
     if cluster.data.shards:
         lines.append(f"push data: {cluster.data.shards}/worker_<r>_of_{cluster.world_size} -> "
                      "<job dir>/data/ (each host only its own ranks)")
+        if resplit_size(cluster) is not None:
+            lines.insert(-1, f"split data: {cluster.data.source} again for world size "
+                             f"{cluster.world_size} into {cluster.data.shards} (as `orch "
+                             f"split-data --workers {cluster.world_size}`), before the push")
     for h in cluster.hosts:
         job_dir = f"{h.remote_dir.rstrip('/')}/{cluster.name}"
         argv = torchrun_argv(cluster, h, h.python, job_dir, addr, port)
         where = "local" if h.is_local else "ssh"
-        lines.append(f"host {h.index} {h.label} ({where}) ranks {h.ranks.start}-{h.ranks.stop - 1}:")
+        gpus = "" if h.gpu_ids is None else \
+            f", GPUs {','.join(map(str, h.gpu_ids))} (CUDA_VISIBLE_DEVICES)"
+        lines.append(f"host {h.index} {h.label} ({where}) ranks {h.ranks.start}-{h.ranks.stop - 1}"
+                     f"{gpus}:")
         lines.append("  " + remote_command(argv))   # as the host's shell gets it
     lines.append(sharing_plan(cluster))
     env_keys = ", ".join(k for k, _ in cluster.job.env) or "none"

@@ -9,10 +9,11 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from orchestrator.config import hostselect
 from orchestrator.config.inventory import Cluster, part_name
 from orchestrator.errors import UsageError
 from orchestrator.ui.wording import hint_cmd
@@ -30,6 +31,7 @@ class HostState:
     ranks: list[int]
     clock_offset: float
     supervisor: dict[str, Any]
+    gpu_ids: list[int] | None = None   # the GPUs `up --hosts host:0,1` named there
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ class JobState:
     master_addr: str
     master_port: int
     hosts: list[HostState]
+    # `up --hosts/--exclude` when the run used only some of the inventory's hosts: the
+    # later commands act on the state's hosts then (run_cluster); "" for every host
+    selection: str = ""
 
     def host(self, index: int) -> HostState:
         return self.hosts[index]
@@ -106,12 +111,14 @@ def _check(raw: Any, cls: type, what: str) -> dict[str, Any]:
         raise ValueError(f"{what} is {type(raw).__name__}, not an object")
     for f in fields(cls):
         if f.name not in raw:
+            if f.default is not MISSING:   # added later: a state saved before has none
+                continue
             raise ValueError(f"{what} has no `{f.name}`")
         kinds = _TYPES[f.name]
         value = raw[f.name]
         if isinstance(value, bool) or not isinstance(value, kinds):
             raise ValueError(f"{what}.{f.name} is {type(value).__name__} {value!r:.40}")
-    return {f.name: raw[f.name] for f in fields(cls)}
+    return {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
 
 
 _NUMBER = (int, float)
@@ -119,6 +126,7 @@ _TYPES: dict[str, Any] = {
     "name": str, "run_id": str, "inventory": str, "started": _NUMBER, "world_size": int,
     "master_addr": str, "master_port": int, "hosts": list, "index": int, "label": str,
     "job_dir": str, "ranks": list, "clock_offset": _NUMBER, "supervisor": dict,
+    "selection": str, "gpu_ids": (list, type(None)),
 }
 
 
@@ -128,7 +136,7 @@ def _from_json(raw: Any) -> JobState:
     for i, h in enumerate(top["hosts"]):
         item = _check(h, HostState, f"hosts[{i}]")
         if item["index"] != i or not all(isinstance(r, int) and not isinstance(r, bool)
-                                         for r in item["ranks"]):
+                                         for r in [*item["ranks"], *(item.get("gpu_ids") or ())]):
             raise ValueError(f"hosts[{i}] has a wrong index or ranks")
         hosts.append(HostState(**item))
     top["hosts"] = hosts
@@ -164,6 +172,28 @@ def new_state(cluster: Cluster, run_id: str, addr: str, port: int,
               infos: Mapping[int, HostFacts],
               supervisors: Mapping[int, dict[str, Any]]) -> JobState:
     hosts = [HostState(h.index, h.label, infos[h.index].job_dir, list(h.ranks),
-                       infos[h.index].clock_offset, supervisors[h.index]) for h in cluster.hosts]
+                       infos[h.index].clock_offset, supervisors[h.index],
+                       None if h.gpu_ids is None else list(h.gpu_ids)) for h in cluster.hosts]
     return JobState(cluster.name, run_id, str(cluster.path), time.time(), cluster.world_size,
-                    addr, port, hosts)
+                    addr, port, hosts, cluster.selection)
+
+
+def run_cluster(cluster: Cluster, state: JobState | None) -> Cluster:
+    """The hosts the saved run used (`up --hosts/--exclude`), as `up` numbered them:
+    what stop, status, logs, pull and exec act on. The whole inventory when the run used
+    every host, when there is no state, or when the inventory no longer holds the run's
+    hosts as they were (then, as before, every host is asked)."""
+    if state is None or not state.selection or cluster.selection:
+        return cluster
+    by_label = {h.label: h.index for h in cluster.hosts}
+    picks: hostselect.Picks = {}
+    for h in state.hosts:
+        if h.label not in by_label:
+            return cluster
+        picks[by_label[h.label]] = None if h.gpu_ids is None else tuple(h.gpu_ids)
+    try:
+        run = hostselect.narrowed(cluster, picks, state.selection)
+    except UsageError:
+        return cluster
+    same = [list(h.ranks) for h in run.hosts] == [h.ranks for h in state.hosts]
+    return run if same else cluster
