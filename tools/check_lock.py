@@ -49,13 +49,14 @@ def differences(want: dict[str, str], have: dict[str, str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     lock = Path(argv[1] if len(argv) > 1 else "requirements.lock")
-    problems = differences(locked(lock), installed())
+    pins = locked(lock)
+    problems = differences(pins, installed())
     if problems:
         print(f"{sys.prefix} does not hold exactly {lock}:", *problems, sep="\n  ", file=sys.stderr)
         print("fix: rebuild it (rm -rf .venv && make install), or refresh the lock on purpose "
               "(make lock)", file=sys.stderr)
         return 1
-    print(f"{sys.prefix}: exactly the {len(locked(lock))} packages of {lock}")
+    print(f"{sys.prefix}: exactly the {len(pins)} packages of {lock}")
     return 0
 
 
