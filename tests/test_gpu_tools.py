@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import gpu as bench_gpu  # noqa: E402
 import gpu_check  # noqa: E402
+import gpu_standin  # noqa: E402
 import gputable  # noqa: E402
 from helpers import wait_until  # noqa: E402
 from sshd_cluster import pids_with_env  # noqa: E402
@@ -298,21 +299,16 @@ def test_terngrad_codec_makes_no_host_transfer(no_host_transfers: None) -> None:
 # ---------------------------------------------------------------- preflight counts GPUs
 
 
-def _fake_nvidia_smi(folder: Path, gpus: int) -> None:
-    folder.mkdir()
-    script = folder / "nvidia-smi"
-    lines = "".join(f'echo "GPU {i}: Fake GPU (UUID: GPU-{i})"\n' for i in range(gpus))
-    script.write_text(f"#!/bin/sh\n[ \"$1\" = -L ] || exit 9\n{lines}")
-    script.chmod(0o755)
-
-
 @pytest.mark.parametrize("listed, asked", [(1, 2), (None, 1)])
 def test_preflight_refuses_more_gpus_than_nvidia_smi_lists(tmp_path: Path, listed: int | None,
                                                            asked: int) -> None:
     path = os.environ["PATH"]
+    env = {"ORCH_GPU_CLAIMS_DIR": str(tmp_path / "claims")}
     if listed is not None:
-        _fake_nvidia_smi(tmp_path / "bin", listed)
+        gpu_standin.install(tmp_path / "bin")
+        gpu_standin.describe(tmp_path, "local", listed)
         path = f"{tmp_path / 'bin'}{os.pathsep}{path}"
+        env["ORCH_FAKE_GPUS_DIR"] = str(tmp_path)
     (tmp_path / "cluster.yaml").write_text(textwrap.dedent(f"""\
         name: gpu-preflight
         hosts:
@@ -325,10 +321,10 @@ def test_preflight_refuses_more_gpus_than_nvidia_smi_lists(tmp_path: Path, liste
           entrypoint: job.py
         """))
     r = run([sys.executable, "-m", "orchestrator", "up", "cluster.yaml"],
-            {"PATH": path, "PYTHONPATH": str(REPO), "ORCH_NO_COLOR": "1"}, cwd=tmp_path)
+            {"PATH": path, "PYTHONPATH": str(REPO), "ORCH_NO_COLOR": "1", **env}, cwd=tmp_path)
     text = r.stdout + r.stderr
     found = listed or 0
     assert r.returncode == 3, text
-    assert f"{asked} GPUs asked for, {found} found (nvidia-smi -L)" in text
+    assert f"{asked} GPU{'s' if asked > 1 else ''} asked for, {found} found (nvidia-smi" in text
     assert f"set gpus: {found} for this host" in text and "Traceback" not in text
     assert pids_with_env(f"ORCH_JOB_DIR={tmp_path / 'node' / 'gpu-preflight'}") == []

@@ -46,6 +46,8 @@ HANDLERS = {
     "exec": ("shellcmd", "run_exec"),
     "cancel": ("shellcmd", "run_cancel"),
     "unshare": ("preflight", "run_unshare"),
+    "gpu_claim": ("gpus", "run_claim"),
+    "gpu_release": ("gpus", "run_release"),
 }
 # command -> daemon thread (not waited for); setup and exec run beside a `cancel`
 IN_THREAD = {"follow": True, "stop": False, "setup": False, "exec": False}

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from orchestrator.agent import files, procs
+from orchestrator.agent import files, gpus, paths, procs
 from orchestrator.agent.common import job_paths
 from orchestrator.agent.paths import UnsafePath
 from orchestrator.agent.procs import job_running
@@ -149,7 +149,7 @@ def run(req: Request) -> dict[str, Any]:
     report = {
         "python": sys.version.split()[0], "executable": sys.executable,
         "torch": torch_version(), "job_dir": p["job"],
-        "gpus": gpu_count() if a["want_gpus"] else 0,   # nvidia-smi costs 0.1-0.5 s
+        "gpus": gpu_count() if a["want_gpus"] and "gpus" not in a else 0,   # 0.1-0.5 s
         "writable": dir_writable(p), "time": time.time(),
         "hostname": _socket.gethostname(),
         "ssh_connection": os.environ.get("SSH_CONNECTION", ""),
@@ -158,6 +158,8 @@ def run(req: Request) -> dict[str, Any]:
     report["running"] = running(p, report["writable"] is None)
     if "share" in a and report["writable"] is None:
         report["share_leader"] = share_leader(p, a["share"])
+    if "gpus" in a and report["writable"] is None and not report["running"]:
+        claim_gpus(p, a["gpus"], report)
     if os.environ.get("ORCH_PYTHON_MISSING"):   # bundle.FALLBACK: `python:` is not there yet
         report["python_missing"] = os.environ["ORCH_PYTHON_MISSING"][:4096]
     for folder in a["folders"]:
@@ -168,7 +170,27 @@ def run(req: Request) -> dict[str, Any]:
         port = a["master_port"] or free_port()
         report["port"], report["port_free"] = port, port_free(port)
     if "warm" in a and not report["running"] and report["writable"] is None \
-            and report["torch"] and "python_missing" not in report:
+            and report["torch"] and "python_missing" not in report \
+            and "gpu_busy" not in report and "gpu_error" not in report:
         from orchestrator.agent import warm
-        warm.prewarm(p, a["job_dir"], a["warm"]["env"])
+        env = dict(a["warm"]["env"])
+        if "gpu_ids" in report:
+            env.update(gpus.visible_env(report["gpu_ids"]))
+        warm.prewarm(p, a["job_dir"], env)
     return report
+
+
+def claim_gpus(p: dict[str, Any], want: Any, report: dict[str, Any]) -> None:
+    """The job's GPUs, claimed now and held by this agent (then by the supervisor it
+    forks) for the job's life: gpu_ids, or gpu_busy with every GPU's holder."""
+    try:
+        got = gpus.claim(p["job"], want, gpus.holder_of(p, paths.HOST_PART))
+    except gpus.GpuError as e:
+        report["gpu_error"] = str(e)
+        return
+    busy = got.get("busy")
+    if busy is not None:
+        report["gpus"], report["gpu_busy"] = len(busy), busy
+    else:
+        report["gpus"] = len(got["ids"])
+        report["gpu_ids"], report["gpu_uuids"] = got["ids"], got["uuids"]

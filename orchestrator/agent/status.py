@@ -98,6 +98,13 @@ def run(req: Request) -> dict[str, Any]:
     sup = supervisor_alive(p)
     ranks = req.args["ranks"]
     first = req.args.get("first_local", 0)
-    return {"supervisor": sup, "host_exit": read_json(p["jd"], "run/host.exit"),
-            "time": time.time(),
-            "ranks": [rank_status(p, r, first + i, sup) for i, r in enumerate(ranks)]}
+    reply = {"supervisor": sup, "host_exit": read_json(p["jd"], "run/host.exit"),
+             "time": time.time(),
+             "ranks": [rank_status(p, r, first + i, sup) for i, r in enumerate(ranks)]}
+    if req.args.get("gpus"):   # the GPU view: every GPU and its holder (agent/gpus.py)
+        from orchestrator.agent import gpus
+        try:
+            reply["gpus"] = gpus.survey()["gpus"]
+        except gpus.GpuError as e:
+            reply["gpu_error"] = str(e)
+    return reply

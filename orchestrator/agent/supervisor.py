@@ -20,6 +20,14 @@ if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent st
     from orchestrator.agent.paths import JobDir
 
 
+def claim_fds(job: str) -> tuple[int, ...]:
+    """The descriptors of the GPU claims this agent took for the job (agent/gpus.py): a
+    supervisor keeps them open for its life, the kernel's lock with them. gpus.py is only
+    imported by a preflight that claimed."""
+    gpus = sys.modules.get("orchestrator.agent.gpus")
+    return tuple(fd for _, fd in getattr(gpus, "HELD", {}).get(job, ()))
+
+
 def detach(body: Callable[[], None]) -> None:
     """Double fork + setsid: body() runs in a grandchild, in a session of its own (a
     dropped connection does not end it), and must not return; the middle child is reaped."""

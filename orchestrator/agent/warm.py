@@ -132,7 +132,8 @@ def start(p: dict[str, Any], python: str, env: dict[str, str]) -> Warm:
     warm torchrun's pid (or why it could not start)."""
     go_r, go_w = os.pipe()
     rec_r, rec_w = os.pipe()
-    supervisor.detach(lambda: waiting(p, python, env, go_r, rec_w))
+    claims = supervisor.claim_fds(p["job"])   # the job's GPUs: held as long as it lives
+    supervisor.detach(lambda: waiting(p, python, env, go_r, rec_w, claims))
     os.close(go_r)
     os.close(rec_w)
     first = read_line(rec_r)
@@ -160,9 +161,10 @@ def keep_only(fds: tuple[int, ...]) -> None:
                 pass
 
 
-def waiting(p: dict[str, Any], python: str, env: dict[str, str], go_r: int, rec_w: int) -> None:
+def waiting(p: dict[str, Any], python: str, env: dict[str, str], go_r: int, rec_w: int,
+            claims: tuple[int, ...] = ()) -> None:
     """The waiting supervisor's life; never returns."""
-    keep_only((go_r, rec_w))
+    keep_only((go_r, rec_w) + claims)
     p = job_paths(p["job"])   # its JobDir's descriptor was one of those closed
     for sig in (signal.SIGINT, signal.SIGHUP):   # ignored by the agent; the job needs them
         signal.signal(sig, signal.SIG_DFL)

@@ -24,6 +24,7 @@ from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_fi
 from orchestrator.files.shards import host_files, load_split, resplit, resplit_size
 from orchestrator.files.splitdata import SplitResult
 from orchestrator.files.sync import SyncReport
+from orchestrator.session import gpuclaims
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import dry_run_plan, master_addr
 from orchestrator.session.preflight import PreflightReport
@@ -60,7 +61,13 @@ class UpProgress:
         return nullcontext(_nothing)
 
     def preflight_done(self, cluster: Cluster, pre: PreflightReport) -> None:
-        pass
+        """`cluster`: the run as claimed (`gpus: all` counted)."""
+
+    def gpu_wait(self, line: str) -> None:
+        """`up --wait`: who holds the GPUs this run waits for (again every 2 s)."""
+
+    def gpus_claimed(self, cluster: Cluster, waited: float) -> None:
+        """The GPUs each host's ranks see; `waited`: seconds spent in `--wait`'s queue."""
 
     def sync(self, hosts: int, total: int) -> AbstractContextManager[SyncShown]:
         """Around the push of `total` bytes to `hosts` hosts."""
@@ -93,7 +100,7 @@ class Started:
 
 
 def up(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str | None = None,
-       setup: bool = False, progress: UpProgress | None = None) -> UpResult:
+       setup: bool = False, wait: bool = False, progress: UpProgress | None = None) -> UpResult:
     """`orch up --detach` of a distributed job: returns once every host started. All or
     nothing: a host failing preflight (HostError, GroupError: exit 3) or a bad inventory
     or dataset (exit 2) starts nothing anywhere. `setup`: run `setup:` even where it ran
@@ -102,25 +109,26 @@ def up(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str | No
 
     `hosts`, `exclude`: the hosts of this run (`orch up --hosts/--exclude`: indexes,
     addresses, labels, ranges, `host:0,1` for GPUs); the world size follows, and the
-    later calls act on these hosts."""
+    later calls act on these hosts. `wait`: GPUs held by other jobs are waited for
+    (`orch up --wait`) instead of refused (GroupError of GpusBusy, exit 3)."""
     cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     if cluster.job.array is not None:
         raise jobs.kind_error(cluster, "a job array", "array_up")
-    with start(cluster, setup=setup, progress=progress) as started:
+    with start(cluster, setup=setup, wait=wait, progress=progress) as started:
         assert isinstance(started.result, UpResult)
         return started.result
 
 
 def array_up(inventory: jobs.Inventory, *, hosts: str | None = None,
-             exclude: str | None = None, setup: bool = False,
+             exclude: str | None = None, setup: bool = False, wait: bool = False,
              progress: UpProgress | None = None) -> ArrayUpResult:
     """`orch up --detach` of a job array: every host's runner started with its share of
     the tasks; they go on without this process (`array_status`, `results`, `stop`).
-    `hosts`, `exclude`: as `up`'s."""
+    `hosts`, `exclude`, `wait`: as `up`'s."""
     cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     if cluster.job.array is None:
         raise jobs.kind_error(cluster, "not a job array", "up")
-    with start(cluster, setup=setup, progress=progress) as started:
+    with start(cluster, setup=setup, wait=wait, progress=progress) as started:
         assert isinstance(started.result, ArrayUpResult)
         return started.result
 
@@ -136,19 +144,28 @@ def plan(inventory: jobs.Inventory, *, hosts: str | None = None,
 
 @contextmanager
 def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str | None = None,
-          setup: bool = False, progress: UpProgress | None = None) -> Iterator[Started]:
+          setup: bool = False, wait: bool = False,
+          progress: UpProgress | None = None) -> Iterator[Started]:
     """Every step up to the start on every host; the session closes when the block ends.
-    `hosts`, `exclude`: as `up`'s (a loaded Cluster may come narrowed already)."""
+    `hosts`, `exclude`, `wait`: as `up`'s (a loaded Cluster may come narrowed already)."""
     cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     shown = progress or UpProgress()
-    if resplit_size(cluster) is not None:   # before the data is checked: it is made here
-        shown.resplit(cluster, resplit(cluster))
-    files = local_files(cluster)   # bad data is refused before any host is touched
+    # bad data is refused before any host is touched; with `gpus: all` the world size
+    # is known once the GPUs are claimed, and the shards are checked then
+    files = prepared_files(cluster, shown) if not counted_at_preflight(cluster) else None
     session = Session(cluster)
+    if wait:
+        session.waiting = gpuclaims.Waiting(shown.gpu_wait)
     try:
         with shown.preflight(len(cluster.hosts)) as checked:
             pre = session.open_and_preflight(checked=checked)
+        claimed = session.claimed(pre)
+        if files is None or claimed.world_size != cluster.world_size:
+            files = prepared_files(claimed, shown)
+        cluster = claimed
         shown.preflight_done(cluster, pre)
+        if any(h.gpu_ids is not None for h in cluster.hosts):
+            shown.gpus_claimed(cluster, session.waiting.waited if session.waiting else 0.0)
         sync(session, files, pre, shown)
         pre = setup_and_check(session, files, pre, setup, shown)
         yield launch_array(session, pre) if cluster.job.array else launch(session, pre)
@@ -178,6 +195,18 @@ def launch_array(session: Session, pre: PreflightReport) -> Started:
                            hosts=[ArrayHost(h.label, h.job_dir, rec.tasks_of(h.index))
                                   for h in st.hosts])
     return Started(session, st, result, rec)
+
+
+def counted_at_preflight(cluster: Cluster) -> bool:
+    """`gpus: all` on a host without `procs:`: its ranks are its free GPUs, counted then."""
+    return any(h.all_gpus and not h.procs_given for h in cluster.hosts)
+
+
+def prepared_files(cluster: Cluster, shown: UpProgress) -> dict[int, HostFiles]:
+    """The data split again where the run's world size needs it, then every host's files."""
+    if resplit_size(cluster) is not None:   # before the data is checked: it is made here
+        shown.resplit(cluster, resplit(cluster))
+    return local_files(cluster)
 
 
 def local_files(cluster: Cluster) -> dict[int, HostFiles]:

@@ -96,6 +96,25 @@ class RankStatus:
 
 
 @dataclass(frozen=True)
+class GpuStatus:
+    """One GPU of a host of the job (`orch status`'s GPU view): its facts as nvidia-smi
+    gives them and whose it is. `holder`: "this job", "job" (another orch job: `job`,
+    `user`), "process" (compute processes no orch claim covers: `pids`) or "free"."""
+
+    host: str
+    index: int
+    name: str
+    util: float | None           # percent
+    mem_used: float | None       # MiB
+    mem_total: float | None      # MiB
+    holder: str
+    job: str | None = None       # the holding orch job's name ("this job": this one's)
+    user: str | None = None      # its user, or the first process's
+    ranks: list[int] = field(default_factory=list)   # this job's ranks on it
+    pids: list[int] = field(default_factory=list)    # compute processes on it
+
+
+@dataclass(frozen=True)
 class Status:
     """`orch status`: every rank. A host that could not be reached, or did not answer,
     is named in `unreachable` (its ranks read `unreachable`); nothing is raised for it.
@@ -104,6 +123,8 @@ class Status:
     job: str
     ranks: list[RankStatus]
     unreachable: dict[str, str]      # host label -> why
+    gpus: list[GpuStatus] = field(default_factory=list)   # hosts with `gpus:` only
+    gpu_errors: dict[str, str] = field(default_factory=dict)   # host label -> nvidia-smi's failure
     # by host index: the connection's failure; reached, but no answer to `status`
     unreached: HostErrors = field(default_factory=dict, repr=False, compare=False,
                                   metadata=NOT_IN_JSON)

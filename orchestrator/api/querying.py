@@ -5,11 +5,13 @@ These calls report: a host that cannot be reached or answer is named in the resu
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from typing import Any
 
 from orchestrator.api import jobs
 from orchestrator.api.outcomes import (
     ArrayStatus,
+    GpuStatus,
     MetricStats,
     RankStatus,
     ResultGroup,
@@ -24,6 +26,7 @@ from orchestrator.config.inventory import Cluster
 from orchestrator.errors import UsageError
 from orchestrator.remote.fanout import GroupResult
 from orchestrator.session.session import Session
+from orchestrator.session.state import JobState
 from orchestrator.watch.monitor import signal_name
 
 
@@ -56,24 +59,90 @@ def rank_statuses(cluster: Cluster, result: GroupResult[dict[str, Any]]) -> list
 
 
 def status(inventory: jobs.Inventory) -> Status:
-    """`orch status` of a distributed job: every rank. With no saved state the hosts are
-    asked at the inventory's job folders; "not started" (UsageError) when none holds a
-    trace of a run. A job array's tasks: `array_status`."""
+    """`orch status` of a distributed job: every rank, and every GPU of its hosts with
+    `gpus:` (whose it is). With no saved state the hosts are asked at the inventory's job
+    folders; "not started" (UsageError) when none holds a trace of a run. A job array's
+    tasks: `array_status`."""
+    return next(watch(inventory, rounds=1))
+
+
+def watch(inventory: jobs.Inventory, every: float = 2.0,
+          rounds: int | None = None) -> Generator[Status, None, None]:
+    """`orch status --watch`: a Status every `every` seconds (`rounds` of them, or until
+    the caller stops), over one session: the hosts are logged in to once."""
     cluster = jobs.run_cluster(inventory)
     if cluster.job.array is not None:
         raise jobs.kind_error(cluster, "a job array", "array_status")
     st = jobs.saved_state(cluster)
     session = jobs.open_session(cluster, st)
     try:
-        result = session.status()
+        done = 0
+        while rounds is None or done < rounds:
+            t0 = time.monotonic()
+            result = session.status()
+            if st is None and done == 0:
+                jobs.require_a_run(session, result)
+            yield status_of(session, st, result)
+            done += 1
+            if rounds is None or done < rounds:
+                time.sleep(max(0.0, every - (time.monotonic() - t0)))
     finally:
         session.close()
-    if st is None:
-        jobs.require_a_run(session, result)
+
+
+def status_of(session: Session, st: JobState | None,
+              result: GroupResult[dict[str, Any]]) -> Status:
+    cluster = session.cluster
     failed = {**session.failed, **result.failed}
+    gpus = gpu_statuses(session, st, result)
+    errors = {cluster.hosts[i].label: str(r["gpu_error"]) for i, r in result.ok.items()
+              if "gpu_error" in r}
     return Status(job=cluster.name, ranks=rank_statuses(cluster, result),
-                  unreachable=jobs.labelled(cluster, failed),
+                  unreachable=jobs.labelled(cluster, failed), gpus=gpus, gpu_errors=errors,
                   unreached=dict(session.failed), unanswered=dict(result.failed))
+
+
+def gpu_statuses(session: Session, st: JobState | None,
+                 result: GroupResult[dict[str, Any]]) -> list[GpuStatus]:
+    """Every GPU the hosts reported, with its holder: this job's (its ranks by the
+    GPUs it claimed, in local rank order), another orch job's, or foreign processes."""
+    out = []
+    for h in session.cluster.hosts:
+        reply = result.ok.get(h.index) or {}
+        rec = session.records[h.index]
+        claimed = claimed_ids(h.index, st)
+        for g in reply.get("gpus", ()):
+            out.append(gpu_status(h.label, g, rec.job_dir, rec.part,
+                                  ranks_on(g["index"], claimed, h.ranks)))
+    return out
+
+
+def claimed_ids(index: int, st: JobState | None) -> list[int]:
+    if st is None or index >= len(st.hosts):
+        return []
+    return list(st.hosts[index].gpu_ids or ())
+
+
+def ranks_on(gpu: int, claimed: list[int], ranks: range) -> list[int]:
+    """Local rank l sees the claimed GPU l first (CUDA_VISIBLE_DEVICES' order)."""
+    return [ranks[claimed.index(gpu)]] if gpu in claimed and claimed.index(gpu) < len(ranks) \
+        else []
+
+
+def gpu_status(host: str, g: dict[str, Any], job_dir: str, part: str,
+               ranks: list[int]) -> GpuStatus:
+    holder = g["holder"] if isinstance(g["holder"], dict) else None
+    pids = [p["pid"] for p in g["procs"]]
+    facts = dict(host=host, index=g["index"], name=g["name"], util=g["util"],
+                 mem_used=g["mem_used"], mem_total=g["mem_total"], pids=pids)
+    if holder is None:
+        return GpuStatus(holder="free", **facts)
+    if "pids" in holder:
+        users = [p["user"] for p in g["procs"]]
+        return GpuStatus(holder="process", user=users[0] if users else None, **facts)
+    mine = holder.get("job_dir") == job_dir and holder.get("part") in (part, None)
+    return GpuStatus(holder="this job" if mine else "job", job=str(holder.get("job", "?")),
+                     user=str(holder.get("user", "?")), ranks=ranks if mine else [], **facts)
 
 
 def array_status(inventory: jobs.Inventory) -> ArrayStatus:

@@ -43,6 +43,12 @@ def warn_unreachable(failures: Iterable[BaseException]) -> None:
         console.print("[yellow]warning:[/]", plain(str(exc)))
 
 
+def emit_json_line(obj: Any) -> None:
+    """One document per line (`status --watch --json`): for `jq -c`, a log, a pipe."""
+    sys.stdout.write(json.dumps(document(obj), default=str) + "\n")
+    sys.stdout.flush()
+
+
 def emit_json(obj: Any) -> None:
     """The one JSON document of a command run with --json, on stdout: an api result
     (its document) or a document built here; either way with its `version` first."""

@@ -5,21 +5,32 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from rich.console import Group
+from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from orchestrator.api import querying
-from orchestrator.api.outcomes import RankStatus
-from orchestrator.commands.common import console, emit_json, inventory, warn_unreachable
+from orchestrator.api.outcomes import RankStatus, Status
+from orchestrator.commands.common import (
+    console,
+    emit_json,
+    emit_json_line,
+    inventory,
+    warn_unreachable,
+)
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_HOST, EXIT_OK
 from orchestrator.ui.termsafe import plain, visible
 
+WATCH_EVERY = 2.0     # seconds between two rounds of `--watch`
 LAST_LINE_MAX = 200   # characters kept in a row (the table cuts it to the screen at the end)
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("status")
+    p.add_argument("--watch", action="store_true",
+                   help="refresh the ranks and the GPUs every 2 s until Ctrl-C")
     p.set_defaults(func=run)
 
 
@@ -29,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = inventory(args)
     if cluster.job.array is not None:
         return array_status(cluster, args)
+    if getattr(args, "watch", False):
+        return watch(cluster, args)
     status = querying.status(cluster)
     if args.json:
         emit_json(status)
@@ -37,8 +50,41 @@ def run(args: argparse.Namespace) -> int:
         for i, exc in status.unanswered.items():
             console.print("[yellow]warning:[/]", plain(f"{cluster.hosts[i].label}: {exc}"))
         console.print(table(cluster.name, status.ranks), soft_wrap=False, crop=True)
+        gpu_view(status)
     # a host that cannot be reached: its ranks' state is unknown, not "lost"
     return EXIT_HOST if status.unreachable else EXIT_OK
+
+
+def gpu_view(status: Status) -> None:
+    for label, why in status.gpu_errors.items():
+        console.print("[yellow]warning:[/]", plain(f"{label}: no GPU view: {why}"))
+    if status.gpus:
+        from orchestrator.commands import gpuview  # only with GPUs: a CPU job's status imports less
+        console.print(gpuview.table(status.gpus), soft_wrap=False, crop=True)
+
+
+def watch(cluster: Cluster, args: argparse.Namespace) -> int:
+    """`--watch`: the tables redrawn in place every 2 s (`--json`: one document per
+    line); Ctrl-C ends it, exit 0. One login per host for the whole watch."""
+    rounds = querying.watch(cluster, every=WATCH_EVERY)
+    try:
+        if args.json:
+            for status in rounds:
+                emit_json_line(status)
+            return EXIT_OK
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            for status in rounds:
+                live.update(Group(table(cluster.name, status.ranks), *gpu_tables(status),
+                                  Text(f"every {WATCH_EVERY:.0f} s; Ctrl-C to end")),
+                            refresh=True)
+    except KeyboardInterrupt:
+        rounds.close()
+    return EXIT_OK
+
+
+def gpu_tables(status: Status) -> list[Any]:
+    from orchestrator.commands import gpuview
+    return [gpuview.table(status.gpus)] if status.gpus else []
 
 
 COLUMNS = ("rank", "host", "local", "pid", "state", "runtime", "last line")

@@ -40,6 +40,8 @@ def add_parser(sub: Any) -> None:
                    help="run on these hosts only: indexes, addresses, labels, ranges "
                         "(gpu[01-04]), `host:0,1` for GPUs 0 and 1 of a host; the world size follows")
     p.add_argument("--exclude", metavar="SEL", help="leave these hosts (or `host:N` GPUs) out")
+    p.add_argument("--wait", action="store_true",
+                   help="GPUs held by other jobs: wait in line for them instead of exit 3")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and each host's command; touch no host")
     p.add_argument("--fail-fast", action="store_true",
@@ -63,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("`up --json` needs --detach: an attached job streams its ranks' output",
                          hint=f"`{hint_cmd(cluster, 'up --detach --json')}`, then "
                               f"`{hint_cmd(cluster, 'status --json')}`")
-    with launching.start(cluster, setup=args.setup, progress=UpView()) as started:
+    with launching.start(cluster, setup=args.setup, wait=args.wait, progress=UpView()) as started:
+        cluster = started.session.cluster   # as claimed: `gpus: all` counted
         if isinstance(started.result, ArrayUpResult):
             return array_started(started, args)
         st = started.state
@@ -135,11 +138,35 @@ class SyncBar(launching.SyncShown):
 class UpView(launching.UpProgress):
     """Each step of `up` on stderr: a bar while it runs, a line when it is done."""
 
+    bar: tuple[Progress, TaskID] | None = None   # the preflight's, while it runs
+
     @contextmanager
     def preflight(self, hosts: int) -> Iterator[Callable[[], None]]:
         with hosts_bar() as bar:
             task = bar.add_task("connect + preflight", total=hosts)
-            yield lambda: bar.advance(task)
+            self.bar = (bar, task)
+            try:
+                yield lambda: bar.advance(task)
+            finally:
+                self.bar = None
+
+    said = ""   # the holders last printed (piped output: a line when they change)
+
+    def gpu_wait(self, line: str) -> None:
+        if self.bar is not None and console.is_terminal:   # the bar's line: the queue's live line
+            self.bar[0].update(self.bar[1], description=escape(line[:200]))
+            return
+        holders = line.split("GPUs: ", 1)[-1]
+        if holders != self.said:
+            self.said = holders
+            console.print(plain(line))
+
+    def gpus_claimed(self, cluster: Cluster, waited: float) -> None:
+        said = "; ".join(f"{h.label} GPUs {','.join(map(str, h.gpu_ids))}"
+                         for h in cluster.hosts[:8] if h.gpu_ids is not None)
+        more = " ..." if len(cluster.hosts) > 8 else ""
+        after = f", after waiting {waited:.1f} s" if waited else ""
+        console.print(plain(f"gpus: claimed for the job's life{after}: {said}{more}"))
 
     def resplit(self, cluster: Cluster, result: SplitResult) -> None:
         console.print(f"data: split {result.plan.source} again for world size "

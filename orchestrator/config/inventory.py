@@ -120,6 +120,17 @@ class Host:
     # the GPUs of this run when `orch up --hosts host:0,1` named some (procs = their number);
     # None: the host as the inventory gives it
     gpu_ids: tuple[int, ...] | None = None
+    all_gpus: bool = False       # `gpus: all`: every GPU free at preflight (gpus is then 1)
+    procs_given: bool = True     # `procs:` written: a claim of `gpus: all` leaves it as is
+
+    @property
+    def gpu_want(self) -> int | str | list[int] | None:
+        """What the host's agent claims at preflight (agent/gpus.py); None: no GPU."""
+        if self.gpu_ids is not None:
+            return list(self.gpu_ids)
+        if self.all_gpus:
+            return "all"
+        return self.gpus or None
 
     @property
     def ranks(self) -> range:
@@ -316,15 +327,20 @@ def _entry(src: Source, node: Node, entry: int, room: int,
         addresses = hostranges.expand(address, room)
     except hostranges.BadAddress as exc:
         src.fail(address_node, f"`{sec.what('address')}` {exc.message}", exc.hint)
-    gpus = sec.integer("gpus", 0, 0, MAX_PROCS, example=1)
+    gpus_node = sec.node("gpus")
+    all_gpus = gpus_node is not None and src.value(gpus_node, sec.what("gpus")) == "all"
+    # `gpus: all`: at least one; how many is the number free at preflight (agent/gpus.py)
+    gpus = 1 if all_gpus else sec.integer("gpus", 0, 0, MAX_PROCS, example=1)
+    procs_given = not all_gpus or sec.node("procs") is not None
     procs = sec.integer("procs", gpus or 1, 1, MAX_PROCS, example=max(gpus, 1))
-    if gpus and procs > gpus:
+    if gpus and procs > gpus and not all_gpus:
         src.fail(sec.node("procs"), f"`{sec.name}.procs` is {procs} but the host gives the job only "
                                     f"{gpus} GPU(s): two ranks would share a GPU",
                  f"set `procs: {gpus}`, or raise `gpus`, or set `gpus: 0` to run on CPU")
     host = Host(index=entry, address=addresses[0], connection=sec.choice("connection", CONNECTIONS, "ssh"),
                 gpus=gpus, procs=procs, first_rank=0, remote_dir=_remote_dir(sec, remote_dir),
-                python=sec.text("python", python), ssh=_ssh_options(sec, ssh, base_dir), line=sec.line)
+                python=sec.text("python", python), ssh=_ssh_options(sec, ssh, base_dir), line=sec.line,
+                all_gpus=all_gpus, procs_given=procs_given)
     return host, addresses
 
 

@@ -60,8 +60,10 @@ def rank_env(cluster: Cluster, host: Host, job_dir: str, run_id: str) -> dict[st
     env.update(ORCH_JOB=cluster.name, ORCH_JOB_DIR=job_dir, ORCH_JOB_PART=host.part,
                ORCH_RUN_ID=run_id, ORCH_DATA_DIR=f"{job_dir}/data",
                ORCH_OUTPUT_DIR=f"{job_dir}/output", PYTHONUNBUFFERED="1")
-    if host.gpu_ids is not None:   # `up --hosts host:0,1`: the ranks see those GPUs only
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, host.gpu_ids))
+    if host.gpu_ids is not None:   # the GPUs claimed (agent/gpus.visible_env): those only,
+        # numbered as nvidia-smi numbers them (CUDA's own default order is fastest first)
+        env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, host.gpu_ids)),
+                   CUDA_DEVICE_ORDER="PCI_BUS_ID")
     return env
 
 

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import HostError, UsageError
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
+from orchestrator.session import gpuclaims
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import timeouts
 
@@ -27,6 +28,8 @@ class HostInfo:
     manifests: dict[str, Any]       # {"code"|"data": {rel: [size, sha256]}} of what the host has
     python_missing: str = ""   # `python:` not found (setup may make it): the agent ran with python3
     share_leader: int = -1     # whose preflight marker it found in its job folder (-1: none)
+    gpu_ids: tuple[int, ...] | None = None   # the GPUs its agent claimed for the job
+    gpu_uuids: tuple[str, ...] = ()          # every GPU's (the order of `up --wait`)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,8 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
     extra: dict[str, Any] = {"warm": {"env": warm}} if warm is not None else {}
     if nonce:
         extra["share"] = {"nonce": nonce, "index": host.index}
+    if host.gpu_want is not None:
+        extra["gpus"] = host.gpu_want
     _, pending = link.submit("preflight", job_dir=job_dir(cluster, host),
                              master_port=cluster.job.master_port or 0,
                              want_port=host.index == 0, folders=folders(cluster),
@@ -86,8 +91,16 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
         manifests.setdefault(part["folder"], {}).update(part["files"])
     info = HostInfo(r["job_dir"], r["executable"], r["torch"], r["gpus"], offset,
                     r["running"], r["ssh_connection"], manifests, r.get("python_missing", ""),
-                    r.get("share_leader", -1))
+                    r.get("share_leader", -1),
+                    tuple(r["gpu_ids"]) if "gpu_ids" in r else None,
+                    tuple(r.get("gpu_uuids") or [g["uuid"] for g in r.get("gpu_busy", ())]))
     problems = host_problems(host, info, r, defer_torch=cluster.setup is not None)
+    gpus = gpuclaims.problem(cluster, host, r)
+    if isinstance(gpus, gpuclaims.GpusBusy) and not problems:
+        gpus.info, gpus.reply = info, r
+        raise gpus   # alone: `up --wait` may wait for it
+    if gpus is not None:
+        problems.append((gpus.message.split(": ", 1)[1], gpus.hint))
     if problems:
         raise HostError(f"{host.label}: " + "; ".join(p for p, _ in problems),
                         hint="; ".join(h for _, h in problems if h))
@@ -101,7 +114,7 @@ def host_problems(host: Host, info: HostInfo, r: dict[str, Any],
     if info.torch is None and not defer_torch:
         problems.append((f"torch is not installed for {info.executable}",
                          "pip install torch there, or point `python:` at an interpreter that has it"))
-    if host.gpus > info.gpus:
+    if host.gpu_want is None and host.gpus > info.gpus:   # no claim made: the old count
         problems.append((f"{host.gpus} GPUs asked for, {info.gpus} found (nvidia-smi -L)",
                          f"set gpus: {info.gpus} for this host, or fix its driver"))
     if r["writable"]:
@@ -111,6 +124,24 @@ def host_problems(host: Host, info: HostInfo, r: dict[str, Any],
         problems.append((f"master port {r['port']} is already in use",
                          "set job.master_port to a free port, or leave it out to pick one"))
     return problems
+
+
+def wait_for_gpus(cluster: Cluster, links: dict[int, Link], result: Checked,
+                  busy: dict[int, gpuclaims.GpusBusy], waiting: gpuclaims.Waiting
+                  ) -> dict[int, tuple[HostInfo, dict[str, Any]]]:
+    """`up --wait`: every GPU host's claim taken again in the global order; the hosts
+    that were busy get their HostInfo (from a preflight without the claim) made whole."""
+    for i, err in busy.items():
+        waiting.show(f"waiting for GPUs: {err.message}")
+        result.ok[i] = (err.info, err.reply)   # its other checks passed
+    gpu_hosts = [i for i in result.ok if cluster.hosts[i].gpu_want is not None]
+    dirs = {i: result.ok[i][0].job_dir for i in gpu_hosts}
+    order = sorted(gpu_hosts, key=lambda i: (min(result.ok[i][0].gpu_uuids or ("",)),
+                                             result.ok[i][0].job_dir))
+    taken = gpuclaims.wait_in_order(cluster, {i: links[i] for i in gpu_hosts}, dirs, order,
+                                    waiting)
+    return {i: (replace(result.ok[i][0], gpu_ids=tuple(ids)), result.ok[i][1])
+            for i, ids in taken.items()}
 
 
 def torch_mismatch(cluster: Cluster, infos: dict[int, HostInfo]) -> dict[int, HostError]:
@@ -129,13 +160,13 @@ Checked = GroupResult[tuple[HostInfo, dict[str, Any]]]
 
 def preflight(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseException],
               done: Callable[[], None] | None = None, checked: Checked | None = None,
-              nonce: str = "") -> PreflightReport:
+              nonce: str = "", waiting: gpuclaims.Waiting | None = None) -> PreflightReport:
     """Check every host whose agent runs; report every failing host together (connection
     failures included), so that one bad host never hides another. `checked`: hosts
     already checked (check_host, as each agent came up); the others are checked now.
     Every host has answered: the share markers are removed, whatever the verdict."""
     try:
-        return judge(cluster, links, failed, done, checked, nonce)
+        return judge(cluster, links, failed, done, checked, nonce, waiting)
     finally:
         if nonce:
             unshare(cluster, links, nonce)
@@ -153,7 +184,7 @@ def unshare(cluster: Cluster, links: dict[int, Link], nonce: str) -> None:
 
 def judge(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseException],
           done: Callable[[], None] | None, checked: Checked | None,
-          nonce: str) -> PreflightReport:
+          nonce: str, waiting: gpuclaims.Waiting | None = None) -> PreflightReport:
     result: Checked = checked if checked is not None else GroupResult()
     todo = tuple(cluster.hosts[i] for i in links
                  if i not in result.ok and i not in result.failed)
@@ -162,6 +193,10 @@ def judge(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseExcept
     result.failed.update(rest.failed)
     failures = dict(failed)
     failures.update(result.failed)
+    busy = {i: e for i, e in failures.items() if isinstance(e, gpuclaims.GpusBusy)}
+    if busy and len(busy) == len(failures) and waiting is not None:
+        failures = {}
+        result.ok.update(wait_for_gpus(cluster, links, result, busy, waiting))
     infos = {i: v[0] for i, v in result.ok.items()}
     if cluster.setup is None:   # with setup, checked after it (hostsetup.check_ready)
         failures.update(torch_mismatch(cluster, infos))

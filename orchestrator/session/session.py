@@ -22,7 +22,7 @@ from orchestrator.remote.bundle import bundle
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import Transport
-from orchestrator.session import setupstep, shellcmd
+from orchestrator.session import gpuclaims, setupstep, shellcmd
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import launch_all, new_run_id, warm_env, warm_start
 from orchestrator.session.preflight import Checked, PreflightReport, check_host, preflight
@@ -88,6 +88,7 @@ class Session:
         self.records = {h.index: HostRecord(h, dirs[h.index], parts[h.index])
                         for h in cluster.hosts}
         self.releasing: list[threading.Thread] = []
+        self.waiting: gpuclaims.Waiting | None = None   # `up --wait`: GPUs are queued for
 
     # ------------------------------------------------------------ connections
 
@@ -191,10 +192,23 @@ class Session:
 
     def preflight(self, done: Callable[[], None] | None = None,
                   checked: Checked | None = None) -> PreflightReport:
-        pre = preflight(self.cluster, self.links, self.failed, done, checked, self.run_id)
+        pre = preflight(self.cluster, self.links, self.failed, done, checked, self.run_id,
+                        self.waiting)
         for i, info in pre.hosts.items():
             self.records[i].job_dir = info.job_dir
         return pre
+
+    def claimed(self, pre: PreflightReport) -> Cluster:
+        """The run as the hosts' GPU claims made it (gpuclaims.apply): from now on the
+        session's cluster, which the launch and the saved state use."""
+        claims = {i: list(info.gpu_ids) for i, info in pre.hosts.items()
+                  if info.gpu_ids is not None}
+        if not claims:
+            return self.cluster
+        self.cluster = gpuclaims.apply(self.cluster, claims)
+        for h in self.cluster.hosts:
+            self.records[h.index].host = h
+        return self.cluster
 
     def open_and_preflight(self, opened: Callable[[], None] | None = None,
                            checked: Callable[[], None] | None = None) -> PreflightReport:
@@ -290,9 +304,10 @@ class Session:
     def status(self) -> GroupResult[dict[str, Any]]:
         links = self.links
         hosts = tuple(h for h in self.cluster.hosts if h.index in links)
+        # hosts with GPUs: every GPU's facts and holder too (the GPU view)
         return fan_out(hosts, lambda h: links[h.index].request(
             "status", timeouts.STATUS, job_dir=self.records[h.index].job_dir,
-            ranks=list(h.ranks)))
+            ranks=list(h.ranks), **({"gpus": True} if h.gpus else {})))
 
     def error_file(self, rank: int) -> str:
         """torchrun's error file of a failed rank ("" when there is none or no answer)."""

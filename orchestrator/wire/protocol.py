@@ -217,20 +217,43 @@ def manifest_files(value: Any) -> str | None:
     return None
 
 
+def gpu_want(value: Any) -> str | None:
+    """A claim: a count, "all", or GPU indexes."""
+    if isinstance(value, bool):
+        return "must be a count, \"all\" or a list of GPU indexes"
+    if isinstance(value, int) or value == "all":
+        return None
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                       for v in value):
+        return None
+    return "must be a count, \"all\" or a list of GPU indexes"
+
+
+GPU_PROC = {"pid": int, "mem": OPT_NUM, "user": str}
+GPU = {"index": int, "uuid": str, "name": str, "util": OPT_NUM, "mem_used": OPT_NUM,
+       "mem_total": OPT_NUM, "holder": (dict, type(None)), "procs": [GPU_PROC]}
+
 REQUESTS: dict[str, dict[str, Any]] = {
     # warm: where the host's own checks pass, torchrun starts warm (env: the ranks')
     "preflight": {"job_dir": str, "master_port": int, "want_port": bool,
                   "folders": [str], "want_gpus": bool, "?warm": {"env": dict},
                   # share: write the marker .orch-share-<nonce> (this index) unless there
                   # is one; the reply's share_leader names whose marker the host found
-                  "?share": {"nonce": str, "index": int}},
+                  "?share": {"nonce": str, "index": int},
+                  # gpus: claim these GPUs (agent/gpus.py) for the job's life; the reply's
+                  # gpu_ids are those taken, or gpu_busy lists every GPU and its holder
+                  "?gpus": gpu_want},
+    # orch up --wait: claim again, trying for up to wait_s; release: let go of them all
+    "gpu_claim": {"job_dir": str, "want": gpu_want, "wait_s": NUM},
+    "gpu_release": {"job_dir": str},
     "unshare": {"job_dir": str, "nonce": str},        # remove that marker
     "manifest": {"root": str},
     "receive": {"root": str},
     "launch": {"job_dir": str, "spec": {"run_id": str, "ranks": [int], "argv": [str],
                                         "env": dict}},
     "follow": {"job_dir": str, "ranks": [int], "tail": int, "mode": str, "?unit": str},
-    "status": {"job_dir": str, "ranks": [int], "?first_local": int},
+    "status": {"job_dir": str, "ranks": [int], "?first_local": int,
+               "?gpus": bool},   # gpus: every GPU's facts and holder too (the GPU view)
     "stop": {"job_dir": str, "grace": NUM},
     # job arrays: a runner per host works through its queue of tasks
     "array_launch": {"job_dir": str, "spec": {"run_id": str, "slots": int, "env": dict,
@@ -268,13 +291,14 @@ REPLIES: dict[str, dict[str, Any]] = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
                   "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool,
-                  "?python_missing": str, "?share_leader": int},
+                  "?python_missing": str, "?share_leader": int, "?gpu_ids": [int],
+                  "?gpu_uuids": [str], "?gpu_busy": [GPU], "?gpu_error": str},
     "manifest": {"root": str},                            # the files come as parts
     "receive": {"files": int, "bytes": int, "deleted": int},
     "launch": {"supervisor": SUPERVISOR},
     "follow": {},
     "status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
-               "time": NUM, "ranks": [RANK_STATUS]},
+               "time": NUM, "ranks": [RANK_STATUS], "?gpus": [GPU], "?gpu_error": str},
     "stop": {"found": int, "killed": int, "left": [int], "seconds": NUM},
     "pull_manifest": {"root": str, "files": int, "bytes": int,
                       "skipped": [{"p": str, "why": str}], "skipped_count": int},
@@ -290,6 +314,8 @@ REPLIES: dict[str, dict[str, Any]] = {
     "exec": {"code": int, "cwd": str, "seconds": NUM},
     "cancel": {"found": bool},
     "unshare": {"removed": bool},
+    "gpu_claim": {"?ids": [int], "?uuids": [str], "?busy": [GPU]},
+    "gpu_release": {"released": bool},
 }
 # Parts that may come before a reply (with the request's id).
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}

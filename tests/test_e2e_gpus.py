@@ -1,0 +1,179 @@
+"""GPU slots over real SSH, with the stand-in nvidia-smi on the hosts' PATH (sshd's
+SetEnv): a job claims its GPUs for its whole life and its ranks see only those; two jobs
+on one 4-GPU host get disjoint GPUs; a third is refused with the holders named, or waits
+(`up --wait`) and starts as soon as they are freed; a process orch did not start makes
+its GPU busy; `gpus: all` takes every free one; `orch status` shows every GPU and whose
+it is, `--watch` refreshes it, `--json` carries it."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import gpu_standin
+from helpers import ORCH, Jobs, assert_nothing_left, orch, wait_until, write_job
+from sshd_cluster import SshdCluster, free_port, pid_alive
+
+pytestmark = pytest.mark.ssh
+
+FIRST_OCTET = 60
+JOB = """\
+import os, sys, time
+print("rank %s local %s sees %s order %s" % (os.environ["RANK"], os.environ["LOCAL_RANK"],
+      os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER")), flush=True)
+time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 0)
+"""
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
+    """2 sshd hosts whose sessions find the stand-in nvidia-smi first on PATH and keep
+    their claims in a folder of this module's."""
+    root = tmp_path_factory.mktemp("gpus")
+    gpu_standin.install(root / "bin")
+    env = (f"PATH={root / 'bin'}:/usr/local/bin:/usr/bin:/bin ORCH_FAKE_GPUS_DIR={root} "
+           f"ORCH_GPU_CLAIMS_DIR={root / 'claims'}")
+    port = free_port([f"127.0.0.{FIRST_OCTET + i}" for i in range(2)])
+    cluster = SshdCluster(root / "sshd", 2, port=port, first_octet=FIRST_OCTET,
+                          sshd_options={"SetEnv": env}).start()
+    cluster.fake_gpus = root   # type: ignore[attr-defined]
+    yield cluster
+    pids = [h.pid for h in cluster.all_hosts()]
+    cluster.stop()
+    assert not [p for p in pids if pid_alive(p)], "an sshd of the GPU cluster survived"
+
+
+def job(cluster: SshdCluster, tmp: Path, name: str, gpus: object, seconds: float,
+        host: int = 0, procs: int | None = None) -> Path:
+    write_job(tmp, JOB)
+    entry: dict = {"address": cluster.hosts[host].address, "gpus": gpus,
+                   "remote_dir": str(cluster.hosts[host].remote_dir)}
+    if procs is not None:
+        entry["procs"] = procs
+    return cluster.write_inventory(tmp / f"{name}.yaml", hosts=[], extra_hosts=[entry],
+                                   name=name, args=[str(seconds)])
+
+
+def seen(cluster: SshdCluster, name: str, host: int = 0) -> dict[int, str]:
+    """rank -> the CUDA_VISIBLE_DEVICES it printed."""
+    logs = cluster.hosts[host].remote_dir / name / "logs"
+    out = {}
+    for log in logs.glob("rank-*.log"):
+        m = re.search(r"rank (\d+) local (\d+) sees (\S+) order (\S+)", log.read_text())
+        if m:
+            assert m.group(4) == "PCI_BUS_ID"
+            out[int(m.group(1))] = m.group(3)
+    return out
+
+
+def test_jobs_share_a_host_on_disjoint_gpus_a_third_waits_for_them(
+        gpu_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    host = gpu_cluster.hosts[0]
+    gpu_standin.describe(gpu_cluster.fake_gpus, host.address, 4)   # type: ignore[attr-defined]
+    first = job(gpu_cluster, tmp_path, "g1", 2, 120)
+    second = job(gpu_cluster, tmp_path, "g2", 2, 120)
+    third = job(gpu_cluster, tmp_path, "g3", 2, 0)
+    for inv, name in ((first, "g1"), (second, "g2"), (third, "g3")):
+        jobs.add(inv, [host], name)
+    for inv in (first, second):
+        up = orch(tmp_path, "up", str(inv), "--detach", timeout=120)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "gpus: claimed for the job's life" in up.stderr
+    wait_until(lambda: len(seen(gpu_cluster, "g1")) == 2 and len(seen(gpu_cluster, "g2")) == 2,
+               60, "both jobs' ranks print their GPUs")
+    assert seen(gpu_cluster, "g1") == {0: "0,1", 1: "0,1"}
+    assert seen(gpu_cluster, "g2") == {0: "2,3", 1: "2,3"}
+
+    refused = orch(tmp_path, "up", str(third), "--detach", timeout=120)
+    text = refused.stdout + refused.stderr
+    assert refused.returncode == 3, text
+    assert "2 GPUs asked for, 0 of 4 free: GPU 0 held by job 'g1' (user root)" in text
+    assert "GPU 3 held by job 'g2' (user root)" in text and "--wait" in text
+    assert "Traceback" not in text
+
+    waiting = jobs.start(tmp_path, "up", str(third), "--wait", "--detach")
+    wait_until(lambda: any("waiting" in line for line in waiting.err), 60,
+               f"--wait says it waits\n{waiting.text()}")
+    stop = orch(tmp_path, "stop", str(first), timeout=60)
+    freed = time.monotonic()
+    assert stop.returncode == 0, stop.stderr
+    wait_until(lambda: any("gpus: claimed" in line for line in waiting.err), 30,
+               f"the waiting job claims the freed GPUs\n{waiting.text()}")
+    waited = time.monotonic() - freed
+    assert waiting.finish(60) == 0, waiting.text()
+    print(f"\nup --wait claimed the freed GPUs {waited:.2f} s after `orch stop` returned")
+    assert waited < 5.0, f"took {waited:.1f} s after the GPUs were freed"
+    wait_until(lambda: len(seen(gpu_cluster, "g3")) == 2, 60, "g3's ranks print")
+    assert seen(gpu_cluster, "g3") == {0: "0,1", 1: "0,1"}
+    assert orch(tmp_path, "stop", str(second), timeout=60).returncode == 0
+    assert_nothing_left([host], "g2", wait=10)
+    assert_nothing_left([host], "g3", wait=30)
+
+
+def test_a_foreign_process_makes_its_gpu_busy_and_status_shows_every_holder(
+        gpu_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    host = gpu_cluster.hosts[1]
+    foreign = subprocess.Popen(["sleep", "300"])
+    try:
+        gpu_standin.describe(gpu_cluster.fake_gpus, host.address, 4,   # type: ignore[attr-defined]
+                             apps=[{"gpu": 1, "pid": foreign.pid, "mem": 2048}],
+                             util=[55, 99, 0, 0], mem_used=[1024, 2048, 0, 0])
+        whole = job(gpu_cluster, tmp_path, "whole", 4, 0, host=1)
+        refused = orch(tmp_path, "up", str(whole), "--detach", timeout=120)
+        text = refused.stdout + refused.stderr
+        assert refused.returncode == 3, text
+        assert f"GPU 1 held by pid {foreign.pid} (user root), not an orch job" in text
+
+        every = job(gpu_cluster, tmp_path, "every", "all", 120, host=1)
+        jobs.add(every, [host], "every")
+        up = orch(tmp_path, "up", str(every), "--detach", timeout=120)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "world size 3" in up.stderr, up.stderr
+        wait_until(lambda: len(seen(gpu_cluster, "every", 1)) == 3, 60, "3 ranks print")
+        assert set(seen(gpu_cluster, "every", 1).values()) == {"0,2,3"}
+
+        status = orch(tmp_path, "status", "-c", str(every), "--json")
+        assert status.returncode == 0, status.stderr
+        gpus = {g["index"]: g for g in json.loads(status.stdout)["gpus"]}
+        assert [gpus[i]["holder"] for i in range(4)] == ["this job", "process", "this job",
+                                                         "this job"]
+        assert [gpus[i]["ranks"] for i in range(4)] == [[0], [], [1], [2]]
+        assert gpus[1]["pids"] == [foreign.pid] and gpus[1]["user"] == "root"
+        assert gpus[0]["util"] == 55 and gpus[1]["mem_used"] == 2048
+
+        table = orch(tmp_path, "status", "-c", str(every), env=wide_env())
+        shown = table.stdout + table.stderr
+        assert "this job, rank 0" in shown and f"pid {foreign.pid} (user root), not an orch job" in shown
+        assert_watch_refreshes(tmp_path, every)
+    finally:
+        foreign.kill()
+        foreign.wait()
+    assert orch(tmp_path, "stop", str(every), timeout=60).returncode == 0
+    assert_nothing_left([host], "every", wait=10)
+
+
+def wide_env() -> dict:
+    return dict(os.environ, COLUMNS="160")
+
+
+def assert_watch_refreshes(tmp_path: Path, inv: Path) -> None:
+    """`status --watch --json`: a document every 2 s until Ctrl-C, then exit 0."""
+    proc = subprocess.Popen([*ORCH, "status", "-c", str(inv), "--watch", "--json"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=wide_env())
+    assert proc.stdout is not None
+    t0 = time.monotonic()
+    docs = [json.loads(proc.stdout.readline()) for _ in range(2)]
+    took = time.monotonic() - t0
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert all(len(d["gpus"]) == 4 for d in docs) and took >= 1.5, (took, docs)
+    assert "Traceback" not in err
