@@ -177,3 +177,38 @@ def assert_watch_refreshes(tmp_path: Path, inv: Path) -> None:
     assert proc.returncode == 0, err
     assert all(len(d["gpus"]) == 4 for d in docs) and took >= 1.5, (took, docs)
     assert "Traceback" not in err
+
+
+TASK = """\
+import os, sys, time
+print("task %s slot %s sees %s" % (os.environ["ORCH_TASK"], os.environ["ORCH_TASK_SLOT"],
+      os.environ.get("CUDA_VISIBLE_DEVICES")), flush=True)
+time.sleep(1)
+"""
+
+
+def test_job_array_tasks_are_pinned_to_gpus_of_their_own(
+        gpu_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    """4 GPUs, 2 per task: 2 tasks at a time, each on a pair of its own; the others
+    wait for a pair as they wait for a slot."""
+    host = gpu_cluster.hosts[0]
+    gpu_standin.describe(gpu_cluster.fake_gpus, host.address, 4)   # type: ignore[attr-defined]
+    write_job(tmp_path, TASK)
+    entry = {"address": host.address, "gpus": 4, "remote_dir": str(host.remote_dir)}
+    inv = gpu_cluster.write_inventory(
+        tmp_path / "arr.yaml", hosts=[], extra_hosts=[entry], name="garr",
+        top={"job": {"entrypoint": "job.py", "args": [],
+                     "array": {"tasks": [["a"], ["b"], ["c"], ["d"], ["e"]],
+                               "gpus_per_task": 2}}})
+    jobs.add(inv, [host], "garr")
+    up = orch(tmp_path, "up", str(inv), timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "5 tasks on 1 hosts, 2 at a time" in up.stderr, up.stderr
+    logs = host.remote_dir / "garr" / "logs"
+    seen_by = {}
+    for i in range(5):
+        m = re.search(r"task (\d) slot (\d) sees (\S+)", (logs / f"task-{i}.log").read_text())
+        assert m, (logs / f"task-{i}.log").read_text()
+        seen_by[i] = (int(m.group(2)), m.group(3))
+    assert {slot: gpus for slot, gpus in seen_by.values()} == {0: "0,1", 1: "2,3"}
+    assert_nothing_left([host], "garr", wait=10)

@@ -1,7 +1,8 @@
 """`orch up --exclude` over real SSH (issue 21, item 4): a 3-host inventory runs on 2
 hosts, the world size follows, the data made by `orch split-data` for 3 workers is split
 again for 2 and each host gets its own shard, and `orch status` / `orch stop` act on the
-run's 2 hosts only (the third host sees no SSH session)."""
+run's 2 hosts only (the third host sees no SSH session); an `up --hosts` of the third
+host is refused while the run goes on (it would have started the job twice)."""
 from __future__ import annotations
 
 import json
@@ -68,6 +69,13 @@ def test_up_exclude_runs_on_the_other_hosts_with_the_data_split_again(
     assert sessions_of([c], status) == {c.address: 0}
     assert [(r["rank"], r["host"], r["state"]) for r in got["ranks"]] == [
         (0, a.address, "running"), (1, b.address, "running")]
+
+    # a run on the host left out, while this run goes on: refused, and nothing touched
+    again = orch(tmp_path, "up", str(inv), "--detach", "--hosts", c.address, timeout=120)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert (f"job 'sel' is already running on {a.address}, {b.address} (its last run, "
+            "which this one leaves out)") in again.stderr
+    assert not job_dir(c, name).exists()
 
     def stop() -> None:
         res = orch(tmp_path, "stop", "-c", str(inv), "--grace", "1")

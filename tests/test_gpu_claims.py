@@ -177,3 +177,24 @@ def test_a_holder_cannot_write_to_the_terminal() -> None:
 def test_the_stand_in_answers_like_nvidia_smi(host: Path) -> None:
     out = subprocess.run(["nvidia-smi", *gpus.QUERY_GPU], capture_output=True, text=True)
     assert out.stdout.splitlines()[0] == "0, GPU-fake-local-0, Fake GPU 80GB, 10, 1, 81920"
+
+
+def test_gpus_per_task_beyond_a_hosts_gpus_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text("name: g\nhosts:\n  - address: a\n    gpus: 1\njob:\n  entrypoint: job.py\n"
+                    "  array:\n    tasks: [[x]]\n    gpus_per_task: 2\n")
+    (tmp_path / "job.py").write_text("")
+    with pytest.raises(InventoryError, match=r"cluster.yaml:9: .*gpus_per_task` is 2, but host a "
+                                             r"\(line 3\) has gpus: 1"):
+        load(path)
+
+
+def test_array_slots_follow_the_claimed_gpus(tmp_path: Path) -> None:
+    from orchestrator.arrays import plan
+    path = tmp_path / "cluster.yaml"
+    path.write_text("name: g\nhosts:\n  - address: a\n    gpus: all\njob:\n  entrypoint: job.py\n"
+                    "  array:\n    tasks: [[x]]\n    gpus_per_task: 2\n")
+    (tmp_path / "job.py").write_text("")
+    cluster = gpuclaims.apply(load(path), {0: [0, 1, 2, 3, 5]})
+    spec = cluster.job.array
+    assert spec is not None and plan.slots(cluster.hosts[0], spec) == 2

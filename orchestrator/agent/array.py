@@ -73,6 +73,10 @@ class Runner:
         env = dict(self.env, ORCH_TASK=str(i), ORCH_TASK_ARGS=task["args"],
                    ORCH_TASK_SLOT=str(slot),
                    ORCH_OUTPUT_DIR=os.path.join(self.p["job"], "output", "task-%d" % i))
+        per = self.spec.get("gpus_per_task", 0)
+        if per:   # the slot's own GPUs of the job's claimed ones
+            mine = self.spec["gpus"][slot * per:(slot + 1) * per]
+            env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, mine)), CUDA_DEVICE_ORDER="PCI_BUS_ID")
         log = self.jd.open_for_write("logs/task-%d.log" % i, 0o644, append=True)
         pid = os.fork()
         if pid == 0:

@@ -46,6 +46,7 @@ from orchestrator.api.outcomes import (
     ArrayStatus,
     ArrayUpResult,
     ExecResult,
+    GpuStatus,
     HostExec,
     LogEntry,
     LogLines,
@@ -67,7 +68,7 @@ from orchestrator.api.outcomes import (
     document,
 )
 from orchestrator.api.pulling import Transfer, pull
-from orchestrator.api.querying import array_status, results, status
+from orchestrator.api.querying import array_status, results, status, watch
 from orchestrator.api.reading import logs
 from orchestrator.api.stopping import stop
 from orchestrator.errors import GroupError, HostError, JobError, OrchError, UsageError
@@ -81,6 +82,7 @@ __all__ = [
     "ArrayStatus",
     "ArrayUpResult",
     "ExecResult",
+    "GpuStatus",
     "GroupError",
     "HostError",
     "HostExec",
@@ -119,4 +121,5 @@ __all__ = [
     "status",
     "stop",
     "up",
+    "watch",
 ]

@@ -20,6 +20,7 @@ from orchestrator.arrays import plan as array_plan
 from orchestrator.arrays import prepare
 from orchestrator.config.hostselect import narrow
 from orchestrator.config.inventory import Cluster, Host
+from orchestrator.errors import UsageError
 from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_files
 from orchestrator.files.shards import host_files, load_split, resplit, resplit_size
 from orchestrator.files.splitdata import SplitResult
@@ -31,6 +32,7 @@ from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import HostFiles, Session, group_files
 from orchestrator.session.setupstep import needs_check
 from orchestrator.session.shelloutput import Printer
+from orchestrator.ui.wording import hint_cmd
 
 SyncReports = dict[int, dict[str, SyncReport]]   # host index -> "code"/"data" -> what was sent
 
@@ -150,6 +152,7 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
     `hosts`, `exclude`, `wait`: as `up`'s (a loaded Cluster may come narrowed already)."""
     cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     shown = progress or UpProgress()
+    refuse_running_elsewhere(cluster)
     # bad data is refused before any host is touched; with `gpus: all` the world size
     # is known once the GPUs are claimed, and the shards are checked then
     files = prepared_files(cluster, shown) if not counted_at_preflight(cluster) else None
@@ -171,6 +174,37 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
         yield launch_array(session, pre) if cluster.job.array else launch(session, pre)
     finally:
         session.close()
+
+
+def refuse_running_elsewhere(cluster: Cluster) -> None:
+    """The job's last run on hosts this run leaves out (`up --hosts A` after a run on
+    B, C) may still run there: preflight asks only this run's hosts, so those are asked
+    here. "Already running" (exit 2) when one of them runs it; one that cannot be
+    reached does not hold the run back."""
+    try:
+        st = job_state.load(cluster)
+    except job_state.StateDamaged:
+        return
+    left = {h.label for h in st.hosts} - {h.label for h in cluster.hosts} if st else set()
+    if not st or not left:
+        return
+    run = job_state.run_cluster(jobs.cluster_of(cluster.path), st)
+    others = tuple(h for h in run.hosts if h.label in left)
+    if not others:
+        return
+    session = Session(run, st)
+    try:
+        session.open(others)
+        result = session.status()
+    finally:
+        session.close()
+    busy = [run.hosts[i].label for i, r in sorted(result.ok.items())
+            if r["supervisor"] or any(x["state"] in ("running", "starting") for x in r["ranks"])]
+    if busy:
+        raise UsageError(f"job '{cluster.name}' is already running on {', '.join(busy)} "
+                         "(its last run, which this one leaves out)",
+                         hint=f"stop it first with `{hint_cmd(cluster, 'stop')}`, "
+                              "or give this job another name")
 
 
 def launch(session: Session, pre: PreflightReport) -> Started:

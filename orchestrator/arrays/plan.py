@@ -41,7 +41,13 @@ class ArrayRecord:
 
 
 def slots(host: Host, spec: ArraySpec) -> int:
-    return host.procs // spec.procs_per_task
+    """Tasks at once on the host: by its processes, and with gpus_per_task by its GPUs
+    (those it claimed, once claimed): a task waits for a free GPU as for a free slot."""
+    by_procs = host.procs // spec.procs_per_task
+    if not spec.gpus_per_task:
+        return by_procs
+    gpus = len(host.gpu_ids) if host.gpu_ids is not None else host.gpus
+    return min(by_procs, gpus // spec.gpus_per_task)
 
 
 def deal(cluster: Cluster, spec: ArraySpec) -> list[int]:
@@ -74,7 +80,9 @@ def host_spec(cluster: Cluster, host: Host, python: str, job_dir: str, run_id: s
     spec = cluster.job.array
     assert spec is not None
     env = rank_env(cluster, host, job_dir, run_id)
-    return {"run_id": run_id, "slots": slots(host, spec), "env": env,
+    pinned = {"gpus": list(host.gpu_ids or ()), "gpus_per_task": spec.gpus_per_task} \
+        if spec.gpus_per_task else {}
+    return {"run_id": run_id, "slots": slots(host, spec), "env": env, **pinned,
             "tasks": [{"i": i, "argv": task_argv(cluster, python, job_dir, i, host.part),
                        "args": shlex.join(spec.tasks[i])} for i in tasks]}
 

@@ -18,7 +18,7 @@ from yaml.nodes import Node
 
 from orchestrator.config.yamlnodes import Section, Source, scalar_text, short
 
-ARRAY_KEYS = ("matrix", "tasks", "procs_per_task")
+ARRAY_KEYS = ("matrix", "tasks", "procs_per_task", "gpus_per_task")
 MAX_TASKS = 100_000
 MAX_TASK_BYTES = 4 << 20     # every task's own args together: they travel in one launch message
 _KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -31,6 +31,8 @@ class ArraySpec:
     keys: tuple[str, ...]                  # matrix keys in order; () for a `tasks:` list
     tasks: tuple[tuple[str, ...], ...]
     procs_per_task: int
+    gpus_per_task: int = 0    # each task pinned to this many of its host's claimed GPUs
+    gpus_line: int = 0        # its line (checked against the hosts' gpus: by the inventory)
 
     def params(self, i: int) -> dict[str, str]:
         """Task i's `--key value` pairs, as a dict (what results group by)."""
@@ -83,7 +85,9 @@ def parse_array(job: Section, max_procs: int) -> ArraySpec | None:
     if used > MAX_TASK_BYTES:
         job.src.fail(sec.line, f"the tasks' own args hold {used} bytes in all, more than {MAX_TASK_BYTES}",
                      "use fewer or shorter values")
-    return ArraySpec(keys, tuple(tasks), ppt)
+    gpt = sec.integer("gpus_per_task", 0, 0, max_procs * 64, example=1)
+    gpus_line = sec.key_line("gpus_per_task") if sec.node("gpus_per_task") is not None else 0
+    return ArraySpec(keys, tuple(tasks), ppt, gpt, gpus_line)
 
 
 def _matrix(sec: Section) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:

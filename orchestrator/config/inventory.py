@@ -265,11 +265,25 @@ def parse(text: str, path: str | Path) -> Cluster:
     hosts = _hosts(top, base_dir)
     code = _code(top, base_dir)
     job = _job(top, code, base_dir, max(h.procs for h in hosts))
+    _check_gpus_per_task(src, hosts, job)
     data = _data(top, base_dir)
     setup = parse_setup(top, code.paths, base_dir)
     ranks = tuple(RankSlot(r, h.index, r - h.first_rank) for h in hosts for r in h.ranks)
     return Cluster(Path(os.path.abspath(path)), name, hosts, code, data, job, len(ranks), ranks,
                    setup)
+
+
+def _check_gpus_per_task(src: Source, hosts: tuple[Host, ...], job: JobSpec) -> None:
+    """Every host of a job array pinned to GPUs has at least one task's worth."""
+    spec = job.array
+    if spec is None or not spec.gpus_per_task:
+        return
+    for h in hosts:
+        if not h.all_gpus and h.gpus < spec.gpus_per_task:
+            src.fail(spec.gpus_line, f"`job.array.gpus_per_task` is {spec.gpus_per_task}, but "
+                                     f"host {h.label} (line {h.line}) has gpus: {h.gpus}",
+                     f"give that host gpus: {spec.gpus_per_task} or more (or `gpus: all`), "
+                     "or lower gpus_per_task")
 
 
 def _name(top: Section) -> str:

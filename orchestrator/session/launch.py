@@ -122,6 +122,11 @@ def dry_run_plan(cluster: Cluster) -> str:
              f"MASTER_ADDR={addr} MASTER_PORT={port}",
              "preflight on every host, in parallel: connect (host key checked), python runs, "
              "torch version (same everywhere), GPUs, remote_dir writable, master port free"]
+    gpu_hosts = [h for h in cluster.hosts if h.gpu_want is not None]
+    if gpu_hosts:
+        lines.append(f"claim GPUs for the job's life on {len(gpu_hosts)} host(s) (nvidia-smi; "
+                     "busy GPUs are refused, or waited for with --wait); the ranks see only "
+                     "the claimed ones (CUDA_VISIBLE_DEVICES)")
     if cluster.selection:
         lines.insert(1, f"hosts of this run: {cluster.selection} (the other hosts of "
                         f"{cluster.path.name} are left alone)")

@@ -256,8 +256,10 @@ REQUESTS: dict[str, dict[str, Any]] = {
                "?gpus": bool},   # gpus: every GPU's facts and holder too (the GPU view)
     "stop": {"job_dir": str, "grace": NUM},
     # job arrays: a runner per host works through its queue of tasks
+    # gpus, gpus_per_task: slot s runs on gpus[s*g:(s+1)*g] (CUDA_VISIBLE_DEVICES)
     "array_launch": {"job_dir": str, "spec": {"run_id": str, "slots": int, "env": dict,
-                                              "tasks": [{"i": int, "argv": [str], "args": str}]}},
+                                              "tasks": [{"i": int, "argv": [str], "args": str}],
+                                              "?gpus": [int], "?gpus_per_task": int}},
     "array_status": {"job_dir": str, "tasks": [int]},
     "array_results": {"job_dir": str, "tasks": [int]},
     "pull_manifest": {"job_dir": str, "paths": [str]},   # paths relative to output/
