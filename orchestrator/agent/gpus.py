@@ -40,19 +40,36 @@ class GpuError(Exception):
     """nvidia-smi cannot be run or answers nonsense: the message says which."""
 
 
-def smi(args: list[str]) -> str:
+def smi(*queries: list[str]) -> list[str]:
+    """nvidia-smi's output for each query, all run at once (each call costs the driver's
+    start-up, 0.1-0.5 s on a real host: they overlap)."""
     import subprocess  # only with GPUs asked for: its imports cost more than preflight
+    procs = []
     try:
-        r = subprocess.run(["nvidia-smi"] + args, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, timeout=timeouts.NVIDIA_SMI)
+        for args in queries:
+            procs.append(subprocess.Popen(["nvidia-smi"] + args, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE))
+        return [answer(p) for p in procs]
     except OSError as e:
         raise GpuError("nvidia-smi cannot be run: %s" % (e.strerror or e)) from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def answer(p: Any) -> str:
+    import subprocess
+    try:
+        out, err = p.communicate(timeout=timeouts.NVIDIA_SMI)
     except subprocess.TimeoutExpired:
         raise GpuError("nvidia-smi did not answer within %.0f s" % timeouts.NVIDIA_SMI) from None
-    if r.returncode != 0:
-        why = r.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
-        raise GpuError("nvidia-smi failed (exit %d): %s" % (r.returncode, why[0][:300]))
-    return r.stdout[:OUTPUT_CAP].decode(errors="replace")
+    if p.returncode != 0:
+        why = err.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+        raise GpuError("nvidia-smi failed (exit %d): %s" % (p.returncode, why[0][:300]))
+    text: str = out[:OUTPUT_CAP].decode(errors="replace")
+    return text
 
 
 def number(text: str) -> float | None:
@@ -228,8 +245,8 @@ def held(path: str, locks: set[tuple[int, int, int]] | None) -> bool:
 def survey() -> dict[str, Any]:
     """Every GPU with its facts and its holder: {"job", "user", "job_dir", "part"} for an
     orch claim, {"pids": [...]} for compute processes no claim covers, None when free."""
-    gpus = parse_gpus(smi(QUERY_GPU))
-    apps = parse_apps(smi(QUERY_APPS)) if gpus else []
+    gpus_text, apps_text = smi(QUERY_GPU, QUERY_APPS)
+    gpus, apps = parse_gpus(gpus_text), parse_apps(apps_text)
     folder = claims_dir()
     locks = locked_inodes()
     for g in gpus:
