@@ -43,11 +43,11 @@ else:
 '''
 
 
-def install(folder: Path) -> Path:
-    """The stand-in as `folder/nvidia-smi` (started with this interpreter, -S: fast)."""
+def install(folder: Path, python: str = sys.executable) -> Path:
+    """The stand-in as `folder/nvidia-smi` (started with `python`, -S: fast)."""
     folder.mkdir(parents=True, exist_ok=True)
     script = folder / "nvidia-smi"
-    script.write_text(f"#!{sys.executable} -S\n{SCRIPT}")
+    script.write_text(f"#!{python} -S\n{SCRIPT}")
     script.chmod(0o755)
     return script
 

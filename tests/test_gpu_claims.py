@@ -3,7 +3,9 @@ and the controller's side of them (session/gpuclaims.py): which GPUs a job takes
 busy GPU's holder is, `gpus: all`, the layout that follows, the messages."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import textwrap
 from collections.abc import Iterator
@@ -33,6 +35,7 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         gpus.release(job)
 
 
+REPO = Path(__file__).resolve().parent.parent
 WHO = {"job": "a", "user": "alice", "job_dir": "/x/a", "part": "h"}
 
 
@@ -198,3 +201,68 @@ def test_array_slots_follow_the_claimed_gpus(tmp_path: Path) -> None:
     cluster = gpuclaims.apply(load(path), {0: [0, 1, 2, 3, 5]})
     spec = cluster.job.array
     assert spec is not None and plan.slots(cluster.hosts[0], spec) == 2
+
+
+CLAIM_AS_OTHER = """
+import sys, json, os
+from orchestrator.agent import gpus
+got = gpus.claim("/home/other/job", json.loads(sys.argv[1]), {"job": "theirs", "user": "nobody"})
+print(json.dumps({"ids": got.get("ids"),
+                  "holders": {g["index"]: g["holder"] for g in got.get("busy", [])}}), flush=True)
+sys.stdin.read()   # holds its claim until told to end
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not Path("/usr/bin/python3").exists()
+                    or not Path("/usr/sbin/runuser").exists(),
+                    reason="needs root, runuser and /usr/bin/python3 to act as another user")
+def test_claims_hold_between_users(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user's orch job (here `nobody`, through runuser) sees this user's claims
+    and its own are seen here: the folder is sticky and shared, each claim file lockable
+    by every user."""
+    import tempfile
+    shared = Path(tempfile.mkdtemp(dir="/tmp", prefix="orch-claims-test-"))
+    try:
+        shared.chmod(0o755)
+        gpu_standin.install(shared / "bin", "/usr/bin/python3")   # one `nobody` may run
+        gpu_standin.describe(shared, "local", 4)
+        env = {"PATH": f"{shared / 'bin'}:/usr/bin:/bin", "ORCH_FAKE_GPUS_DIR": str(shared),
+               "ORCH_GPU_CLAIMS_DIR": str(shared / "claims"), "PYTHONPATH": str(REPO)}
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv("SSH_CONNECTION", raising=False)
+        assert gpus.claim("/x/mine", [0], dict(WHO, user="root"))["ids"] == [0]
+
+        other = subprocess.Popen(["/usr/sbin/runuser", "-u", "nobody", "--", "/usr/bin/python3",
+                                  "-c", CLAIM_AS_OTHER, "[0, 1]"], env=env, text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert other.stdout is not None and other.stdin is not None
+        busy = json.loads(other.stdout.readline())
+        assert busy["ids"] is None and busy["holders"]["0"]["user"] == "root"
+        other.stdin.close()
+        other.wait(30)
+
+        other = subprocess.Popen(["/usr/sbin/runuser", "-u", "nobody", "--", "/usr/bin/python3",
+                                  "-c", CLAIM_AS_OTHER, "[1, 2]"], env=env, text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert other.stdout is not None and other.stdin is not None
+        assert json.loads(other.stdout.readline())["ids"] == [1, 2]
+        mine = gpus.claim("/x/more", 2, dict(WHO))
+        holders = {g["index"]: g["holder"] for g in mine["busy"]}
+        assert holders[1] == {"job": "theirs", "user": "nobody"}
+        other.stdin.close()
+        other.wait(30)
+        assert gpus.claim("/x/more", 2, dict(WHO))["ids"] == [1, 2]   # freed with its process
+        assert (shared / "claims").stat().st_mode & 0o7777 == 0o1777
+        gpus.release("/x/mine")   # the file root made is lockable by the other user
+        other = subprocess.Popen(["/usr/sbin/runuser", "-u", "nobody", "--", "/usr/bin/python3",
+                                  "-c", CLAIM_AS_OTHER, "[0]"], env=env, text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert other.stdout is not None and other.stdin is not None
+        assert json.loads(other.stdout.readline())["ids"] == [0]
+        other.stdin.close()
+        other.wait(30)
+    finally:
+        for job in list(gpus.HELD):
+            gpus.release(job)
+        shutil.rmtree(shared, ignore_errors=True)
