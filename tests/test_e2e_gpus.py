@@ -177,6 +177,17 @@ def assert_watch_refreshes(tmp_path: Path, inv: Path) -> None:
     assert proc.returncode == 0, err
     assert all(len(d["gpus"]) == 4 for d in docs) and took >= 1.5, (took, docs)
     assert "Traceback" not in err
+    # the tables, redrawn: on a pipe rich's Live writes the last one when it ends
+    proc = subprocess.Popen([*ORCH, "status", "-c", str(inv), "--watch"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=wide_env())
+    time.sleep(6)   # a first round (one login, one status) is well under this
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    shown = out + err
+    assert "GPUs" in shown and "this job, rank 0" in shown and "Ctrl-C to end" in shown, shown
+    assert "Traceback" not in shown
 
 
 TASK = """\
