@@ -198,7 +198,8 @@ def test_documents_carry_the_version_and_the_cli_field_names() -> None:
     status = api.Status(job="j", ranks=[rank(0)], unreachable={"h2": "down"},
                         unreached={1: RuntimeError("down")})
     doc = document(status)
-    assert list(doc) == ["version", "job", "ranks", "unreachable", "gpus", "gpu_errors"] and doc["version"] == 1
+    assert list(doc) == ["version", "job", "ranks", "unreachable", "gpus", "gpu_errors",
+                         "restarts"] and doc["version"] == 1
     assert doc["ranks"] == [{"rank": 0, "host": "h", "local_rank": 0, "pid": 7,
                              "state": "running", "code": None, "runtime_s": 1.5,
                              "last_line": "x"}]   # exit_code is "code"; log_bytes stays out

@@ -146,10 +146,11 @@ def plan(inventory: jobs.Inventory, *, hosts: str | None = None,
 
 @contextmanager
 def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str | None = None,
-          setup: bool = False, wait: bool = False,
-          progress: UpProgress | None = None) -> Iterator[Started]:
+          setup: bool = False, wait: bool = False, progress: UpProgress | None = None,
+          attempts: list[dict[str, Any]] | None = None) -> Iterator[Started]:
     """Every step up to the start on every host; the session closes when the block ends.
-    `hosts`, `exclude`, `wait`: as `up`'s (a loaded Cluster may come narrowed already)."""
+    `hosts`, `exclude`, `wait`: as `up`'s (a loaded Cluster may come narrowed already).
+    `attempts`: the restarts so far of this run (api/healing.py), kept in its state."""
     cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     shown = progress or UpProgress()
     refuse_running_elsewhere(cluster)
@@ -157,6 +158,7 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
     # is known once the GPUs are claimed, and the shards are checked then
     files = prepared_files(cluster, shown) if not counted_at_preflight(cluster) else None
     session = Session(cluster)
+    session.attempts = list(attempts or [])
     if wait:
         session.waiting = gpuclaims.Waiting(shown.gpu_wait)
     try:
@@ -211,7 +213,7 @@ def launch(session: Session, pre: PreflightReport) -> Started:
     cluster = session.cluster
     run_id, sups = session.launch(pre)
     st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
-                             pre.master_port, pre.hosts, sups)
+                             pre.master_port, pre.hosts, sups, session.attempts)
     job_state.save(cluster, st)
     result = UpResult(job=cluster.name, run_id=st.run_id, world_size=cluster.world_size,
                       master_addr=st.master_addr, master_port=st.master_port,

@@ -115,6 +115,18 @@ class GpuStatus:
 
 
 @dataclass(frozen=True)
+class Restart:
+    """One restart of the run (`job.restarts`): attempt k of `of`+1 began at `at` (epoch
+    seconds) on `hosts`, after `why`."""
+
+    attempt: int
+    of: int
+    why: str
+    at: float
+    hosts: list[str]
+
+
+@dataclass(frozen=True)
 class Status:
     """`orch status`: every rank. A host that could not be reached, or did not answer,
     is named in `unreachable` (its ranks read `unreachable`); nothing is raised for it.
@@ -125,6 +137,7 @@ class Status:
     unreachable: dict[str, str]      # host label -> why
     gpus: list[GpuStatus] = field(default_factory=list)   # hosts with `gpus:` only
     gpu_errors: dict[str, str] = field(default_factory=dict)   # host label -> nvidia-smi's failure
+    restarts: list[Restart] = field(default_factory=list)     # this run's, oldest first
     # by host index: the connection's failure; reached, but no answer to `status`
     unreached: HostErrors = field(default_factory=dict, repr=False, compare=False,
                                   metadata=NOT_IN_JSON)

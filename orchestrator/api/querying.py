@@ -14,6 +14,7 @@ from orchestrator.api.outcomes import (
     GpuStatus,
     MetricStats,
     RankStatus,
+    Restart,
     ResultGroup,
     Results,
     Status,
@@ -97,8 +98,10 @@ def status_of(session: Session, st: JobState | None,
     gpus = gpu_statuses(session, st, result)
     errors = {cluster.hosts[i].label: str(r["gpu_error"]) for i, r in result.ok.items()
               if "gpu_error" in r}
+    restarts = [Restart(**a) for a in st.attempts] if st is not None else []
     return Status(job=cluster.name, ranks=rank_statuses(cluster, result),
                   unreachable=jobs.labelled(cluster, failed), gpus=gpus, gpu_errors=errors,
+                  restarts=restarts,
                   unreached=dict(session.failed), unanswered=dict(result.failed))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 from rich.console import Group
@@ -50,9 +51,18 @@ def run(args: argparse.Namespace) -> int:
         for i, exc in status.unanswered.items():
             console.print("[yellow]warning:[/]", plain(f"{cluster.hosts[i].label}: {exc}"))
         console.print(table(cluster.name, status.ranks), soft_wrap=False, crop=True)
+        restart_rows(status)
         gpu_view(status)
     # a host that cannot be reached: its ranks' state is unknown, not "lost"
     return EXIT_HOST if status.unreachable else EXIT_OK
+
+
+def restart_rows(status: Status) -> None:
+    """One row per restart of the run: attempt k of N, when, why, on which hosts."""
+    for r in status.restarts:
+        when = time.strftime("%H:%M:%S", time.localtime(r.at))
+        console.print(plain(f"attempt {r.attempt + 1} of {r.of + 1} (restart {r.attempt}) at "
+                            f"{when} after {r.why}; hosts {', '.join(r.hosts)}"))
 
 
 def gpu_view(status: Status) -> None:

@@ -17,7 +17,7 @@ from orchestrator.api.jobs import cluster_of
 from orchestrator.api.outcomes import ArrayUpResult
 from orchestrator.arrays import plan as array_plan
 from orchestrator.arrays.attach import attach_array
-from orchestrator.commands import render
+from orchestrator.commands import render, restarting
 from orchestrator.commands.common import console, emit_json, hint_cmd, inventory_path, plural
 from orchestrator.config.hostselect import narrow
 from orchestrator.config.inventory import Cluster, Host
@@ -40,6 +40,8 @@ def add_parser(sub: Any) -> None:
                    help="run on these hosts only: indexes, addresses, labels, ranges "
                         "(gpu[01-04]), `host:0,1` for GPUs 0 and 1 of a host; the world size follows")
     p.add_argument("--exclude", metavar="SEL", help="leave these hosts (or `host:N` GPUs) out")
+    p.add_argument("--restarts", type=int, metavar="N",
+                   help="restart the whole job up to N times after a failure (default: job.restarts)")
     p.add_argument("--wait", action="store_true",
                    help="GPUs held by other jobs: wait in line for them instead of exit 3")
     p.add_argument("--dry-run", action="store_true",
@@ -61,6 +63,15 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(plan.plan)
         return EXIT_OK
+    restarts = cluster.job.restarts if args.restarts is None else args.restarts
+    if restarts < 0:
+        raise UsageError(f"--restarts {restarts}: must be 0 or more",
+                         hint="give the most restarts after a failure, e.g. --restarts 3")
+    if restarts and not args.detach and cluster.job.array is None:
+        return restarting.run(cluster, args, restarts, UpView, started_line, pull_after)
+    if restarts and args.detach:
+        console.print(f"note: restarts ({restarts}) need an attached `orch up`: this detached run "
+                      "will not restart after a failure", markup=False)
     if args.json and not args.detach:
         raise UsageError("`up --json` needs --detach: an attached job streams its ranks' output",
                          hint=f"`{hint_cmd(cluster, 'up --detach --json')}`, then "
@@ -70,9 +81,7 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(started.result, ArrayUpResult):
             return array_started(started, args)
         st = started.state
-        console.print(f"started job '{cluster.name}' on {plural(len(cluster.hosts), 'host')} "
-                      f"({plural(cluster.world_size, 'rank')}, "
-                      f"MASTER_ADDR={st.master_addr}:{st.master_port})")
+        started_line(cluster, st)
         if args.detach:
             console.print(f"detached: follow with `{hint_cmd(cluster, 'logs -f')}`, "
                           f"stop with `{hint_cmd(cluster, 'stop')}`, "
@@ -84,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
         if args.no_pull or code == EXIT_INTERRUPTED:
             return code
         return pull_after(started, code)
+
+
+def started_line(cluster: Cluster, st: Any) -> None:
+    console.print(f"started job '{cluster.name}' on {plural(len(cluster.hosts), 'host')} "
+                  f"({plural(cluster.world_size, 'rank')}, "
+                  f"MASTER_ADDR={st.master_addr}:{st.master_port})")
 
 
 def pull_after(started: launching.Started, code: int) -> int:

@@ -54,7 +54,7 @@ from orchestrator.errors import InventoryError, UsageError
 
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "connect_timeout",
             "proxy_jump")
-HOST_KEYS = ("address", "connection", "gpus", "procs", "remote_dir", "python") + SSH_KEYS
+HOST_KEYS = ("address", "connection", "gpus", "procs", "remote_dir", "python", "spare") + SSH_KEYS
 TOP_KEYS = ("name", "ssh", "hosts", "remote_dir", "python", "code", "data", "job", "setup")
 CODE_KEYS = ("paths", "exclude")
 DATA_KEYS = ("source", "shards")
@@ -75,7 +75,8 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
 
 # Where a key that is unknown here belongs instead, for the error's hint.
 _BELONGS: dict[str, str] = {k: "under `ssh:` or directly on a host" for k in SSH_KEYS}
-_BELONGS.update({k: "on a host, under `hosts:`" for k in ("address", "connection", "gpus", "procs")})
+_BELONGS.update({k: "on a host, under `hosts:`"
+                 for k in ("address", "connection", "gpus", "procs", "spare")})
 _BELONGS.update({k: "under `code:`" for k in CODE_KEYS})
 _BELONGS.update({k: "under `data:`" for k in DATA_KEYS})
 _BELONGS.update({k: "under `job:`" for k in JOB_KEYS})
@@ -121,6 +122,7 @@ class Host:
     # None: the host as the inventory gives it
     gpu_ids: tuple[int, ...] | None = None
     all_gpus: bool = False       # `gpus: all`: every GPU free at preflight (gpus is then 1)
+    spare: bool = False          # `spare: true`: runs nothing until it replaces a lost host
     procs_given: bool = True     # `procs:` written: a claim of `gpus: all` leaves it as is
 
     @property
@@ -199,6 +201,8 @@ class Cluster:
     # `orch up --hosts/--exclude` as given, when this run uses only some of the hosts
     # (config/hostselect.narrow); "" for the whole inventory
     selection: str = ""
+    spares: tuple[Host, ...] = ()    # `spare: true` hosts: outside the run until one is lost
+    restart: int = 0                 # the attempt: 0, then k on the k-th restart (ORCH_RESTART_COUNT)
 
     @property
     def base_dir(self) -> Path:
@@ -262,7 +266,7 @@ def parse(text: str, path: str | Path) -> Cluster:
     top.check_keys(TOP_KEYS, _BELONGS)
     base_dir = Path(os.path.abspath(path)).parent
     name = _name(top)
-    hosts = _hosts(top, base_dir)
+    hosts, spares = _split_spares(src, _hosts(top, base_dir))
     code = _code(top, base_dir)
     job = _job(top, code, base_dir, max(h.procs for h in hosts))
     _check_gpus_per_task(src, hosts, job)
@@ -270,7 +274,23 @@ def parse(text: str, path: str | Path) -> Cluster:
     setup = parse_setup(top, code.paths, base_dir)
     ranks = tuple(RankSlot(r, h.index, r - h.first_rank) for h in hosts for r in h.ranks)
     return Cluster(Path(os.path.abspath(path)), name, hosts, code, data, job, len(ranks), ranks,
-                   setup)
+                   setup, spares=spares)
+
+
+def _split_spares(src: Source, every: tuple[Host, ...]) -> tuple[tuple[Host, ...], tuple[Host, ...]]:
+    """The run's hosts (renumbered: node rank, ranks from 0) and the spares, numbered
+    after them (they run nothing until one replaces a lost host)."""
+    hosts: list[Host] = []
+    for h in every:
+        if not h.spare:
+            hosts.append(replace(h, index=len(hosts),
+                                 first_rank=hosts[-1].ranks.stop if hosts else 0))
+    if not hosts:
+        src.fail(every[0].line, "every host is a spare (`spare: true`): the job has none to run on",
+                 "remove `spare: true` from the hosts the job runs on")
+    spares = tuple(replace(h, index=len(hosts) + j, first_rank=0)
+                   for j, h in enumerate(h for h in every if h.spare))
+    return tuple(hosts), spares
 
 
 def _check_gpus_per_task(src: Source, hosts: tuple[Host, ...], job: JobSpec) -> None:
@@ -352,10 +372,23 @@ def _entry(src: Source, node: Node, entry: int, room: int,
                                     f"{gpus} GPU(s): two ranks would share a GPU",
                  f"set `procs: {gpus}`, or raise `gpus`, or set `gpus: 0` to run on CPU")
     host = Host(index=entry, address=addresses[0], connection=sec.choice("connection", CONNECTIONS, "ssh"),
+                spare=_spare(src, sec),
                 gpus=gpus, procs=procs, first_rank=0, remote_dir=_remote_dir(sec, remote_dir),
                 python=sec.text("python", python), ssh=_ssh_options(sec, ssh, base_dir), line=sec.line,
                 all_gpus=all_gpus, procs_given=procs_given)
     return host, addresses
+
+
+def _spare(src: Source, sec: Section) -> bool:
+    node = sec.node("spare")
+    if node is None:
+        return False
+    value = src.value(node, sec.what("spare"))
+    if not isinstance(value, bool):
+        src.fail(node, f"`{sec.what('spare')}` must be true or false, got {src.describe(node)}",
+                 "write `spare: true` on a host that waits to replace a lost one")
+    spare: bool = value
+    return spare
 
 
 def _host_section(src: Source, node: Node, name: str) -> tuple[Section, Node, str]:

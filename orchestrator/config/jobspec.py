@@ -19,7 +19,9 @@ from yaml.nodes import Node, ScalarNode
 from orchestrator.config.arrayspec import ArraySpec, parse_array
 from orchestrator.config.yamlnodes import TAG, Section, Source, exists, scalar_text, short
 
-JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts", "array")
+JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts", "array", "restarts",
+            "min_hosts")
+MAX_RESTARTS = 1000
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "GROUP_RANK")
 MAX_JOB_BYTES = 256 << 10  # job.args and job.env together (a command line holds ~2 MiB)
@@ -37,6 +39,8 @@ class JobSpec:
     master_port: int | None   # None: a free port on the first host
     max_restarts: int
     array: ArraySpec | None = None   # a job array: independent tasks instead of one job
+    restarts: int = 0                # whole-job restarts after a failure (api/healing.py)
+    min_hosts: int | None = None     # with no spare left, go on with at least this many hosts
 
     @property
     def is_module(self) -> bool:
@@ -52,7 +56,9 @@ def parse_job(sec: Section, pushed: dict[str, Path], max_procs: int) -> JobSpec:
     return JobSpec(entrypoint=entrypoint, args=args, env=env,
                    master_port=sec.integer("master_port", None, 1, 65535, example=29500),
                    max_restarts=sec.integer("max_restarts", 0, 0, example=0),
-                   array=parse_array(sec, max_procs))
+                   array=parse_array(sec, max_procs),
+                   restarts=sec.integer("restarts", 0, 0, MAX_RESTARTS, example=3),
+                   min_hosts=sec.integer("min_hosts", None, 1, example=2))
 
 
 def _entrypoint(sec: Section) -> str:

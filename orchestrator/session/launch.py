@@ -59,7 +59,8 @@ def rank_env(cluster: Cluster, host: Host, job_dir: str, run_id: str) -> dict[st
     env = dict(cluster.job.env)
     env.update(ORCH_JOB=cluster.name, ORCH_JOB_DIR=job_dir, ORCH_JOB_PART=host.part,
                ORCH_RUN_ID=run_id, ORCH_DATA_DIR=f"{job_dir}/data",
-               ORCH_OUTPUT_DIR=f"{job_dir}/output", PYTHONUNBUFFERED="1")
+               ORCH_OUTPUT_DIR=f"{job_dir}/output", PYTHONUNBUFFERED="1",
+               ORCH_RESTART_COUNT=str(cluster.restart))
     if host.gpu_ids is not None:   # the GPUs claimed (agent/gpus.visible_env): those only,
         # numbered as nvidia-smi numbers them (CUDA's own default order is fastest first)
         env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, host.gpu_ids)),

@@ -89,6 +89,7 @@ class Session:
                         for h in cluster.hosts}
         self.releasing: list[threading.Thread] = []
         self.waiting: gpuclaims.Waiting | None = None   # `up --wait`: GPUs are queued for
+        self.attempts: list[dict[str, Any]] = []   # the run's restarts so far (its state keeps them)
 
     # ------------------------------------------------------------ connections
 

@@ -9,7 +9,7 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -47,6 +47,8 @@ class JobState:
     # `up --hosts/--exclude` when the run used only some of the inventory's hosts: the
     # later commands act on the state's hosts then (run_cluster); "" for every host
     selection: str = ""
+    # one entry per restart of this run (api/healing.py): attempt, of, why, at, hosts
+    attempts: list[dict[str, Any]] = field(default_factory=list)
 
     def host(self, index: int) -> HostState:
         return self.hosts[index]
@@ -111,7 +113,8 @@ def _check(raw: Any, cls: type, what: str) -> dict[str, Any]:
         raise ValueError(f"{what} is {type(raw).__name__}, not an object")
     for f in fields(cls):
         if f.name not in raw:
-            if f.default is not MISSING:   # added later: a state saved before has none
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                # added later: a state saved before has none
                 continue
             raise ValueError(f"{what} has no `{f.name}`")
         kinds = _TYPES[f.name]
@@ -126,8 +129,10 @@ _TYPES: dict[str, Any] = {
     "name": str, "run_id": str, "inventory": str, "started": _NUMBER, "world_size": int,
     "master_addr": str, "master_port": int, "hosts": list, "index": int, "label": str,
     "job_dir": str, "ranks": list, "clock_offset": _NUMBER, "supervisor": dict,
-    "selection": str, "gpu_ids": (list, type(None)),
+    "selection": str, "gpu_ids": (list, type(None)), "attempts": list,
 }
+ATTEMPT: dict[str, Any] = {"attempt": int, "of": int, "why": str, "at": (int, float),
+                           "hosts": list}
 
 
 def _from_json(raw: Any) -> JobState:
@@ -140,6 +145,10 @@ def _from_json(raw: Any) -> JobState:
             raise ValueError(f"hosts[{i}] has a wrong index or ranks")
         hosts.append(HostState(**item))
     top["hosts"] = hosts
+    for a in top.get("attempts", []):
+        if not (isinstance(a, dict) and all(isinstance(a.get(k), t) for k, t in ATTEMPT.items())
+                and all(isinstance(h, str) for h in a["hosts"])):
+            raise ValueError("an entry of `attempts` has a wrong shape")
     return JobState(**top)
 
 
@@ -169,13 +178,13 @@ class HostFacts(Protocol):
 
 
 def new_state(cluster: Cluster, run_id: str, addr: str, port: int,
-              infos: Mapping[int, HostFacts],
-              supervisors: Mapping[int, dict[str, Any]]) -> JobState:
+              infos: Mapping[int, HostFacts], supervisors: Mapping[int, dict[str, Any]],
+              attempts: list[dict[str, Any]] | None = None) -> JobState:
     hosts = [HostState(h.index, h.label, infos[h.index].job_dir, list(h.ranks),
                        infos[h.index].clock_offset, supervisors[h.index],
                        None if h.gpu_ids is None else list(h.gpu_ids)) for h in cluster.hosts]
     return JobState(cluster.name, run_id, str(cluster.path), time.time(), cluster.world_size,
-                    addr, port, hosts, cluster.selection)
+                    addr, port, hosts, cluster.selection, list(attempts or []))
 
 
 def run_cluster(cluster: Cluster, state: JobState | None) -> Cluster:

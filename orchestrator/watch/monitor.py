@@ -58,6 +58,8 @@ class Monitor(LineSink):
     started: set[int] = field(default_factory=set)   # a pid reported, output or an exit
     printed: set[int] = field(default_factory=set)   # output or an exit
     clocks: Clocks | None = None
+    user_stop: bool = False             # the failure was an `orch stop` from elsewhere
+    cause: Verdict | None = None        # the root cause, once the job failed
 
     def lines(self, host: int, rank: int, texts: list[bytes]) -> None:
         self.printer.lines(host, rank, texts)
@@ -115,12 +117,15 @@ class Monitor(LineSink):
         return out
 
 
-def attach(session: Session, state: JobState) -> int:
-    """Follow the job to its end over the session's agents."""
+def attach(session: Session, state: JobState, seen: list[Monitor] | None = None) -> int:
+    """Follow the job to its end over the session's agents. `seen` gets the Monitor:
+    what failed, where, and whether it was an `orch stop` (a restart's decision)."""
     cluster = session.cluster
     printer = PrefixPrinter({h.index: h.label for h in cluster.hosts})
     live = LiveLine(sys.stderr)   # the console's file: stderr
     mon = Monitor(cluster, state, printer, live=live)
+    if seen is not None:
+        seen.append(mon)
     printer.above = live.above
     live.update(mon.started_line())
     links = session.links
@@ -148,11 +153,14 @@ def attach(session: Session, state: JobState) -> int:
                       f"{plural(cluster.world_size, 'rank')} "
                       f"exited 0")
         return EXIT_OK
-    fail_fast(session, mon, finished)
+    # before our own stop: a rank that ended after its host got a stop was stopped by
+    # someone else (`orch stop`), and a restart must not undo that
+    mon.user_stop = not mon.lost and any(e.after_stop for e in mon.exits.values() if e.code)
+    mon.cause = fail_fast(session, mon, finished)
     return EXIT_JOB_FAILED
 
 
-def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool]) -> None:
+def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool]) -> Verdict:
     """Stop every other rank on every host at once, then report the earliest failure."""
     cluster = session.cluster
     started = time.monotonic()
@@ -170,6 +178,7 @@ def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool]) -> N
     found = verdict(list(mon.exits.values()), mon.host_clocks(), mon.stop_started, lost_at)
     console.print(render_verdict(session, mon, found))
     console.print(stop_summary(cluster, mon, result, time.monotonic() - started))
+    return found
 
 
 def stop_summary(cluster: Cluster, mon: Monitor, result: GroupResult[StopReport],

@@ -1,0 +1,91 @@
+"""`orch up` with restarts (`job.restarts`, `--restarts N`): the attached run goes on
+after a failure: each attempt is started and followed as `orch up` does, then
+api/healing.py decides the next attempt's hosts, and after a short back-off the whole
+job starts again under the same name (ORCH_RESTART_COUNT=k). An `orch stop` from
+elsewhere, Ctrl-C, success, or no restart left end the run."""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Callable
+
+from orchestrator.api import healing, launching
+from orchestrator.commands.common import console
+from orchestrator.config.inventory import Cluster
+from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, GroupError
+from orchestrator.ui.termsafe import plain
+from orchestrator.watch.monitor import Monitor, attach, signal_name
+
+Started = Callable[[Cluster, Any], None]
+PullAfter = Callable[[launching.Started, int], int]
+
+
+def run(cluster: Cluster, args: argparse.Namespace, restarts: int,
+        view: Callable[[], launching.UpProgress], started: Started, pull_after: PullAfter) -> int:
+    """`view()`: what shows each attempt's steps (`orch up`'s bars and lines)."""
+    plan = healing.Plan.first(cluster, restarts)
+    while True:
+        try:
+            outcome = attempt(plan, args, view(), started, pull_after)
+        except GroupError as err:   # a restart's preflight: hosts gone since are lost
+            if plan.attempt == 0:
+                raise
+            outcome = Failed(f"preflight failed on {', '.join(sorted(err.hosts.values()))}",
+                             healing.unreachable(plan.cluster, err), set(), err.exit_code)
+        if isinstance(outcome, int):
+            return outcome
+        nxt = plan.after(outcome.why, outcome.lost, outcome.culprits)
+        if nxt is None:
+            console.print(plain(f"cannot restart: {plan.ended}"))
+            return outcome.code
+        delay = healing.backoff(nxt.restart)
+        console.print(plain(f"restart {nxt.restart} of {restarts} in {delay:.0f} s after: "
+                            f"{outcome.why}; hosts: {', '.join(h.label for h in nxt.hosts)}"))
+        time.sleep(delay)
+
+
+class Failed:
+    """An attempt that failed and may be restarted: why, and the hosts to blame."""
+
+    def __init__(self, why: str, lost: set[str], culprits: set[str],
+                 code: int = EXIT_JOB_FAILED) -> None:
+        self.why, self.lost, self.culprits, self.code = why, lost, culprits, code
+
+
+def attempt(plan: healing.Plan, args: argparse.Namespace, view: launching.UpProgress,
+            started: Started, pull_after: PullAfter) -> int | Failed:
+    """One attempt, started and followed; its exit code when the run ends with it."""
+    cluster = plan.cluster
+    with launching.start(cluster, setup=args.setup, wait=args.wait, progress=view,
+                         attempts=plan.attempts) as got:
+        cluster = got.session.cluster
+        if plan.attempt:
+            console.print(plain(f"attempt {plan.attempt + 1} of {plan.restarts + 1} "
+                                f"(ORCH_RESTART_COUNT={plan.attempt})"))
+        started(cluster, got.state)
+        seen: list[Monitor] = []
+        code = attach(got.session, got.state, seen)
+        mon = seen[0]
+        if code in (EXIT_OK, EXIT_INTERRUPTED) or mon.user_stop or plan.left <= 0:
+            if mon.user_stop:
+                console.print("stopped with `orch stop`: no restart", markup=False)
+            elif code == EXIT_JOB_FAILED:
+                console.print(f"no restart left ({plan.restarts} made)", markup=False)
+            return code if args.no_pull or code == EXIT_INTERRUPTED else pull_after(got, code)
+        return blame(cluster, mon)
+
+
+def blame(cluster: Cluster, mon: Monitor) -> Failed:
+    """What failed, in a line, and which hosts take a strike for it."""
+    lost = {cluster.hosts[i].label for i in mon.lost}
+    cause = mon.cause
+    if cause is not None and cause.failures:
+        f = cause.failures[0]
+        label = cluster.hosts[f.host].label
+        return Failed(f"rank {f.rank} on {label} failed ({signal_name(f.code)})", lost, {label})
+    if cause is not None and cause.silent:
+        names = {cluster.hosts[i].label for i in cause.silent}
+        return Failed(f"host {', '.join(sorted(names))} went silent", lost | names, names)
+    if lost:
+        return Failed(f"host {', '.join(sorted(lost))} was lost", lost, set())
+    return Failed("the job failed", lost, set())
