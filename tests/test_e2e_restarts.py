@@ -139,6 +139,10 @@ def test_a_lost_host_is_replaced_by_the_spare_which_takes_its_ranks(
     jobs.add(inv, cluster3.hosts, "spare")
     run = jobs.start(tmp_path, "up", str(inv), "--no-pull")
     run.wait_for(r"rank 1 attempt 0", timeout=120)
+    spare_code = cluster3.hosts[2].remote_dir / "spare" / "code" / "job.py"
+    wait_until(lambda: any("spares ready" in ln for ln in run.err), 60,
+               f"the spare is made ready beside the running job\n{run.text()}")
+    assert spare_code.exists() and not (spare_code.parent.parent / "logs" / "rank-1.log").exists()
     t0 = time.monotonic()
     kill_host(cluster3, 1, "spare")
     code = run.finish(180)

@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from orchestrator.api import jobs
@@ -19,12 +19,13 @@ from orchestrator.api.outcomes import ArrayHost, ArrayUpResult, Plan, UpHost, Up
 from orchestrator.arrays import plan as array_plan
 from orchestrator.arrays import prepare
 from orchestrator.config.hostselect import narrow
-from orchestrator.config.inventory import Cluster, Host
-from orchestrator.errors import UsageError
+from orchestrator.config.inventory import Cluster, Host, RankSlot
+from orchestrator.errors import OrchError, UsageError
 from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_files
 from orchestrator.files.shards import host_files, load_split, resplit, resplit_size
 from orchestrator.files.splitdata import SplitResult
 from orchestrator.files.sync import SyncReport
+from orchestrator.remote.fanout import fan_out
 from orchestrator.session import gpuclaims
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import dry_run_plan, master_addr
@@ -176,6 +177,32 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
         yield launch_array(session, pre) if cluster.job.array else launch(session, pre)
     finally:
         session.close()
+
+
+def prepare_spares(cluster: Cluster) -> dict[str, str]:
+    """Every spare (`hosts[].spare: true`) preflighted and given the code, then left idle:
+    a replacement then only needs its shards. Label -> why it cannot serve ("": ready).
+    One spare at a time is its own one-host run: a bad spare does not spoil the others."""
+    code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude,
+                      DigestCache(cluster.state_dir.parent / "digests.json"), str(cluster.path))
+
+    def one(spare: Host) -> str:
+        alone = replace(spare, index=0, first_rank=0, spare=False)
+        run = replace(cluster, hosts=(alone,), world_size=alone.procs, spares=(),
+                      ranks=tuple(RankSlot(r, 0, r) for r in alone.ranks))
+        session = Session(run)
+        session.warm = False
+        try:
+            pre = session.open_and_preflight()
+            session.sync({0: HostFiles(code, None)}, pre)
+            return ""
+        except OrchError as e:
+            return e.message
+        finally:
+            session.close()
+    result = fan_out(cluster.spares, one)
+    return {h.label: result.ok[h.index] if h.index in result.ok else str(result.failed[h.index])
+            for h in cluster.spares}
 
 
 def refuse_running_elsewhere(cluster: Cluster) -> None:

@@ -6,6 +6,7 @@ elsewhere, Ctrl-C, success, or no restart left end the run."""
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 from typing import Any, Callable
 
@@ -24,9 +25,10 @@ def run(cluster: Cluster, args: argparse.Namespace, restarts: int,
         view: Callable[[], launching.UpProgress], started: Started, pull_after: PullAfter) -> int:
     """`view()`: what shows each attempt's steps (`orch up`'s bars and lines)."""
     plan = healing.Plan.first(cluster, restarts)
+    ready = Spares(plan)
     while True:
         try:
-            outcome = attempt(plan, args, view(), started, pull_after)
+            outcome = attempt(plan, args, view(), started, pull_after, ready.start)
         except GroupError as err:   # a restart's preflight: hosts gone since are lost
             if plan.attempt == 0:
                 raise
@@ -34,6 +36,7 @@ def run(cluster: Cluster, args: argparse.Namespace, restarts: int,
                              healing.unreachable(plan.cluster, err), set(), err.exit_code)
         if isinstance(outcome, int):
             return outcome
+        ready.join()
         nxt = plan.after(outcome.why, outcome.lost, outcome.culprits)
         if nxt is None:
             console.print(plain(f"cannot restart: {plan.ended}"))
@@ -42,6 +45,38 @@ def run(cluster: Cluster, args: argparse.Namespace, restarts: int,
         console.print(plain(f"restart {nxt.restart} of {restarts} in {delay:.0f} s after: "
                             f"{outcome.why}; hosts: {', '.join(h.label for h in nxt.hosts)}"))
         time.sleep(delay)
+
+
+class Spares:
+    """The spares made ready (preflight, code) beside the first attempt, in a thread: the
+    job does not wait for them. One that cannot serve is said and taken out of the plan."""
+
+    def __init__(self, plan: healing.Plan) -> None:
+        self.plan = plan
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.thread is None and self.plan.spares:
+            self.thread = threading.Thread(target=self.prepare, daemon=True)
+            self.thread.start()
+
+    def prepare(self) -> None:
+        try:
+            verdicts = launching.prepare_spares(self.plan.cluster)
+        except Exception as e:   # whatever it is, the job goes on: the spares are tried later
+            console.print(plain(f"warning: spares not prepared: {e}"))
+            return
+        for label, why in verdicts.items():
+            if why:
+                console.print(plain(f"warning: spare {label} cannot serve: {why}"))
+                self.plan.spares = [h for h in self.plan.spares if h.label != label]
+        ready = [label for label, why in verdicts.items() if not why]
+        if ready:
+            console.print(plain(f"spares ready (preflight passed, code pushed): {', '.join(ready)}"))
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
 
 
 class Failed:
@@ -53,7 +88,7 @@ class Failed:
 
 
 def attempt(plan: healing.Plan, args: argparse.Namespace, view: launching.UpProgress,
-            started: Started, pull_after: PullAfter) -> int | Failed:
+            started: Started, pull_after: PullAfter, running: Callable[[], None]) -> int | Failed:
     """One attempt, started and followed; its exit code when the run ends with it."""
     cluster = plan.cluster
     with launching.start(cluster, setup=args.setup, wait=args.wait, progress=view,
@@ -63,6 +98,7 @@ def attempt(plan: healing.Plan, args: argparse.Namespace, view: launching.UpProg
             console.print(plain(f"attempt {plan.attempt + 1} of {plan.restarts + 1} "
                                 f"(ORCH_RESTART_COUNT={plan.attempt})"))
         started(cluster, got.state)
+        running()
         seen: list[Monitor] = []
         code = attach(got.session, got.state, seen)
         mon = seen[0]

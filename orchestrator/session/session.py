@@ -90,6 +90,7 @@ class Session:
         self.releasing: list[threading.Thread] = []
         self.waiting: gpuclaims.Waiting | None = None   # `up --wait`: GPUs are queued for
         self.attempts: list[dict[str, Any]] = []   # the run's restarts so far (its state keeps them)
+        self.warm = True   # torchrun started warm at preflight (not on a spare: it runs nothing)
 
     # ------------------------------------------------------------ connections
 
@@ -219,7 +220,7 @@ class Session:
         `opened` / `checked`: called as each host is up / checked (progress)."""
         early: Checked = GroupResult()
         lock = threading.Lock()
-        warm = warm_start(self.cluster)
+        warm = warm_start(self.cluster) and self.warm
 
         def check(h: Host, link: Link) -> None:
             try:
