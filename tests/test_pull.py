@@ -42,7 +42,7 @@ def entry(data: bytes) -> list:
 # ---------------------------------------------------------------- names from the host
 
 HOSTILE = ["/etc/passwd", "../escape", "a/../../escape", "a/./b", "a//b", "", "a\0b",
-           "a\nb", "a\x1bb", "a\\b", "x" * 300, "/".join(["d"] * 600),
+           "a\nb", "a\x1bb", "x" * 300, "/".join(["d"] * 600),
            "a.orch-part-12", "bad\udcff"]
 
 

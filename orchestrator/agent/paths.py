@@ -65,11 +65,12 @@ def not_a(kind: str, path: str) -> UnsafePath:
 
 def split_rel(rel: str) -> list[Any]:
     """The parts of a path relative to the job folder. Anything that could leave it
-    (absolute, .., an empty or . part, a backslash, NUL) is refused."""
+    (absolute, .., an empty or . part, NUL) is refused. A backslash is an ordinary
+    character of a POSIX name: it cannot leave the folder."""
     if rel == "":
         return []
     parts = rel.split("/")
-    if "\\" in rel or "\0" in rel or "" in parts or "." in parts or ".." in parts:
+    if "\0" in rel or "" in parts or "." in parts or ".." in parts:
         raise UnsafePath("unsafe path %r: only plain relative paths are accepted" % rel)
     return parts
 

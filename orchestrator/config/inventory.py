@@ -46,6 +46,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode
 
 from orchestrator.config import hostranges
 from orchestrator.config.jobspec import JOB_KEYS, JobSpec, parse_job
+from orchestrator.config.patterns import PATTERN_HINT, pattern_problem
 from orchestrator.config.proxyjump import parse_jump
 from orchestrator.config.safefile import FileRefused, read_regular
 from orchestrator.config.setupspec import SetupSpec, parse_setup
@@ -552,6 +553,11 @@ def _code(top: Section, base_dir: Path) -> CodeSpec:
                                f"code folder as {short(name)!r}", "rename one, or push their common parent folder")
         paths[name] = path
     exclude = _text_items(sec, "exclude")
+    for value, node in exclude or []:
+        problem = pattern_problem(value)
+        if problem is not None:
+            sec.src.fail(node, f"`code.exclude` pattern {short(value)!r} is invalid: {problem}",
+                         PATTERN_HINT)
     return CodeSpec(tuple(paths.values()),
                     DEFAULT_EXCLUDE if exclude is None else tuple(v for v, _ in exclude))
 

@@ -110,14 +110,14 @@ def _args(sec: Section) -> tuple[str, ...]:
     hint = "args are passed as text: write each as one value, quoted if needed"
     if isinstance(node, ScalarNode):
         try:
-            return tuple(shlex.split(scalar_text(sec.src, node, "job.args", hint)))
+            return tuple(shlex.split(scalar_text(sec.src, node, "job.args", hint, verbatim=True)))
         except ValueError as exc:
             sec.src.fail(node, f"`job.args` cannot be split like a shell line: {exc}",
                          "close the quotes, or write args as a list: [--epochs, 5]")
     args: list[str] = []
     used = 0
     for i, item in enumerate(sec.src.sequence(node, "job.args")):
-        args.append(scalar_text(sec.src, item, f"job.args[{i}]", hint))
+        args.append(scalar_text(sec.src, item, f"job.args[{i}]", hint, verbatim=True))
         used += len(args[-1].encode()) + 1
         _check_job_bytes(sec.src, sec.key_line("args"), used)  # an item may be an alias
     return tuple(args)
@@ -143,7 +143,7 @@ def _env(sec: Section, used: int) -> tuple[tuple[str, str], ...]:
             src.fail(key_node, f"`job.env` may not set {key}: orch or torchrun sets it for every rank",
                      "remove it (reserved: ORCH_*, " + ", ".join(TORCHRUN_VARS) + ")")
         value = scalar_text(src, value_node, f"job.env.{key}",
-                            f'environment values are text: write `{key}: "..."`')
+                            f'environment values are text: write `{key}: "..."`', verbatim=True)
         pairs.append((key, value))
         used += len(key) + len(value.encode()) + 2
         _check_job_bytes(src, key_node, used)

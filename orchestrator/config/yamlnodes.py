@@ -40,6 +40,7 @@ MAX_ALIASES = 10_000       # `*name` uses in the whole file
 MAX_NODES = 100_000        # keys, values, lists and mappings: composing costs ~10 us each
 MAX_MERGE_DEPTH = 16       # `<<` merging a mapping that itself merges, and so on
 MAX_MERGE_WORK = 100_000   # mappings merged plus keys copied by `<<`, in the whole file
+MAX_SECONDS = 7 * 86400     # a timeout in the inventory (timers and sockets hold it)
 MAX_VALUE_BYTES = 64 << 10  # one text value (an arg, an env value, a path, ...)
 
 # Control characters (tab aside) and lone surrogates: a NUL cuts a value short on the
@@ -49,6 +50,7 @@ _CONTROL_RE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\ud800-\udfff]")
 # libyaml (PyYAML's C extension) when present: ~10 times faster on big files.
 _Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _NON_PRINTABLE = yaml.reader.Reader.NON_PRINTABLE  # what YAML refuses in a file
+_UNSENDABLE_RE = re.compile("[\x00\ud800-\udfff]")   # what no argv or environment can hold
 _CONTROL_NAMES = {"\0": "a NUL character", "\n": "a line break", "\r": "a carriage return"}
 
 _KINDS = [
@@ -378,16 +380,17 @@ class Section:
     def number(self, key: str, default: None) -> float | None: ...
 
     def number(self, key: str, default: float | None) -> float | None:
-        """A number above zero (seconds)."""
+        """A number of seconds above zero and at most MAX_SECONDS (a week): every timer
+        and socket timeout it becomes can hold it (1e300 would overflow them)."""
         node = self._given(key, default)
         if node is None:
             return default
         value = self.src.value(node, self.what(key))
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok or not value > 0 or value == float("inf"):
+        if not ok or not 0 < value <= MAX_SECONDS:
             got = self.src.describe(node) if not ok else short(str(value))
-            self.src.fail(node, f"`{self.what(key)}` must be a number of seconds above 0, got {got}",
-                          f"write e.g. `{key}: 10`")
+            self.src.fail(node, f"`{self.what(key)}` must be a number of seconds above 0 and at "
+                                f"most {MAX_SECONDS} (a week), got {got}", f"write e.g. `{key}: 10`")
         return float(value)
 
     def choice(self, key: str, options: Sequence[str], default: str) -> str:
@@ -400,21 +403,25 @@ class Section:
         return value
 
 
-def scalar_text(src: Source, node: Node, what: str, hint: str) -> str:
-    """A scalar exactly as written (`5`, `1e-5`, `yes` stay as typed); null and nested values refused."""
+def scalar_text(src: Source, node: Node, what: str, hint: str, verbatim: bool = False) -> str:
+    """A scalar exactly as written (`5`, `1e-5`, `yes` stay as typed); null and nested
+    values refused. `verbatim`: a value that reaches the program byte for byte (an arg,
+    an env value: a PEM key, a multi-line prompt), so only what no argv or environment
+    can hold is refused (NUL, a lone surrogate)."""
     if not isinstance(node, ScalarNode):
         src.fail(node, f"`{what}` must be a single value, not {src.describe(node)}", hint)
     if _is_null(node):
         src.fail(node, f"`{what}` has no value", hint)
     src.value(node, what)  # refuses unknown tags
-    check_text(src, node, what, node.value)
+    check_text(src, node, what, node.value, verbatim)
     text: str = node.value
     return text
 
 
-def check_text(src: Source, node: Node, what: str, value: str) -> None:
+def check_text(src: Source, node: Node, what: str, value: str, verbatim: bool = False) -> None:
     """Refuse what would break or garble a value on its way to a host: control
-    characters (NUL, line breaks, escapes; a tab is fine) and values over MAX_VALUE_BYTES."""
+    characters (NUL, line breaks, escapes; a tab is fine) and values over MAX_VALUE_BYTES.
+    `verbatim` values may hold any character but NUL and lone surrogates."""
     if id(node) in src.checked:
         return  # an alias used on 4,000 hosts is checked once
     src.checked.add(id(node))
@@ -422,6 +429,14 @@ def check_text(src: Source, node: Node, what: str, value: str) -> None:
     if size > MAX_VALUE_BYTES:
         src.fail(node, f"`{what}` is {size} bytes long; at most {MAX_VALUE_BYTES} bytes",
                  "shorten it (put long contents in a file that the job reads)")
+    if verbatim:
+        bad = _UNSENDABLE_RE.search(value)
+        if bad:
+            src.fail(node, f"`{what}` contains {_CONTROL_NAMES.get(bad.group(), 'a lone surrogate')}"
+                           f" ({short(value)!r}), which no program argument or environment "
+                           "value can hold (the system ends the text there)",
+                     "remove it; pass binary data in a file that the job reads")
+        return
     bad = _CONTROL_RE.search(value)
     if bad:
         char = bad.group()

@@ -23,6 +23,7 @@ from typing import Any
 
 import pathspec
 
+from orchestrator.config.patterns import PATTERN_HINT, pattern_problem
 from orchestrator.errors import DataError
 
 BATCH = 1 << 20
@@ -99,8 +100,19 @@ def sha256_of(path: str) -> str:
                 h.update(block)
     except OSError as e:
         raise DataError(f"{path}: cannot be read ({e.strerror})",
-                        hint="fix its permissions, or leave it out of what is pushed") from None
+                        hint=read_fix(e, "leave it out of what is pushed")) from None
     return h.hexdigest()
+
+
+def read_fix(e: OSError, instead: str) -> str:
+    """The fix for a file that cannot be read, by its real cause."""
+    if e.errno == errno.ELOOP:
+        return f"it is a symlink loop (it leads back to itself): remove the link, or {instead}"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"fix its permissions, or {instead}"
+    if e.errno == errno.ENOENT:
+        return "it went away while orch read the folder: run again"
+    return f"check the file and its disk, or {instead}"
 
 
 # ---------------------------------------------------------------- the one link rule
@@ -197,11 +209,10 @@ class Rule:
 
 def compile_rule(where: str, text: str) -> Rule | None:
     """One gitignore line; None for blank lines and comments."""
-    try:
-        patterns = pathspec.GitIgnoreSpec.from_lines([text]).patterns
-    except ValueError as e:
-        raise DataError(f"{where}: invalid pattern {text!r} ({e})",
-                        hint="fix or remove that pattern (gitignore syntax)") from None
+    problem = pattern_problem(text)
+    if problem is not None:
+        raise DataError(f"{where}: invalid pattern {text!r} ({problem})", hint=PATTERN_HINT)
+    patterns = pathspec.GitIgnoreSpec.from_lines([text]).patterns
     pattern = next(iter(patterns), None)
     if pattern is None or pattern.include is None:
         return None
@@ -357,7 +368,7 @@ def regular_file(dest: str, path: str, st: os.stat_result, cache: DigestCache) -
 
 def unreadable(e: OSError) -> None:
     raise DataError(f"{e.filename}: cannot be read ({e.strerror})",
-                    hint="fix its permissions, or leave it out with code.exclude") from None
+                    hint=read_fix(e, "leave it out with code.exclude")) from None
 
 
 # ---------------------------------------------------------------- checks before connecting

@@ -170,8 +170,9 @@ def is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-# an empty, `.` or `..` part (also a leading or trailing slash), a backslash or a NUL
-UNSAFE = re.compile(r"(?:^|/)\.{0,2}(?:/|$)|[\\\0]")
+# an empty, `.` or `..` part (also a leading or trailing slash), or a NUL; a backslash
+# is an ordinary character of a POSIX name (it separates nothing) and round-trips
+UNSAFE = re.compile(r"(?:^|/)\.{0,2}(?:/|$)|\0")
 
 
 def safe_rel(rel: str, where: str, fix: str = "re-create the split with `orch split-data`") -> str:

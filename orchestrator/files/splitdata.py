@@ -11,6 +11,7 @@ folder beside the final ones and renamed into place, so a failure leaves the old
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -190,6 +191,14 @@ class _Scanner:
             raise DataError(f"cannot read {path}: {exc.strerror}",
                             hint="check the permissions of the source") from None
 
+    @staticmethod
+    def loops(path: str) -> bool:
+        try:
+            os.stat(path)
+        except OSError as e:
+            return e.errno == errno.ELOOP
+        return False
+
     def check_link(self, path: str) -> str:
         target = os.path.realpath(path)
         if target != self.root and not target.startswith(self.root + os.sep):
@@ -197,6 +206,9 @@ class _Scanner:
                             hint="copy what it points to into the source, "
                                  "or split that folder instead")
         if not os.path.exists(target):
+            if self.loops(path):
+                raise DataError(f"{path} is a symlink loop (it leads back to itself)",
+                                hint="remove the link, or point it at a file")
             raise DataError(f"{path} is a broken symlink", hint="remove it or fix its target")
         return target
 

@@ -11,6 +11,7 @@ from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
 from orchestrator.session.preflight import HostInfo, PreflightReport, job_dir
+from orchestrator.ui.termsafe import escaped
 from orchestrator.wire import timeouts
 
 
@@ -148,7 +149,8 @@ def dry_run_plan(cluster: Cluster) -> str:
             f", GPUs {','.join(map(str, h.gpu_ids))} (CUDA_VISIBLE_DEVICES)"
         lines.append(f"host {h.index} {h.label} ({where}) ranks {h.ranks.start}-{h.ranks.stop - 1}"
                      f"{gpus}:")
-        lines.append("  " + remote_command(argv))   # as the host's shell gets it
+        # as the host's shell gets it; a line break or an escape in an arg shown escaped
+        lines.append("  " + escaped(remote_command(argv)))
     lines.append(sharing_plan(cluster))
     env_keys = ", ".join(k for k, _ in cluster.job.env) or "none"
     lines.append(f"environment of every rank: ORCH_JOB, ORCH_JOB_DIR, ORCH_DATA_DIR, ORCH_OUTPUT_DIR, "

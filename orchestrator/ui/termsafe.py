@@ -19,6 +19,7 @@ _SGR = r"\x1b\[[0-9;:]{0,64}m"
 # can make a line read differently from what it is ("Trojan Source").
 _UNSAFE = r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]"
 _TOKEN = re.compile(f"({_SGR})|({_UNSAFE})")
+_CONTROL = re.compile(_UNSAFE)
 
 
 def _escape(ch: str) -> str:
@@ -35,6 +36,12 @@ def visible(text: str, keep_sgr: bool = True) -> str:
             return m.group(1) if keep_sgr else ""
         return _escape(m.group(2))
     return _TOKEN.sub(one, text)
+
+
+def escaped(text: str) -> str:
+    """`text` with every control character, SGR colours' ESC too, written as an escape:
+    for values shown as they are (an argument in `up --dry-run`), never as effects."""
+    return _CONTROL.sub(lambda m: _escape(m.group()), text)
 
 
 def for_terminal(data: bytes) -> bytes:

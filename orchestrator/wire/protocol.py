@@ -346,7 +346,8 @@ def pull_path_problem(rel: Any) -> str:
     """Why `rel` cannot be a pulled file's path (relative to output/), or "" when it can.
     Both sides ask: the host skips such a file, the controller refuses a host that sends
     one. Plain relative UTF-8 names only: no absolute path, no empty, . or .. part, no
-    backslash, no control character, no name orch gives its half-written files."""
+    control character, no name orch gives its half-written files (a backslash is an
+    ordinary character of a POSIX name, and is kept)."""
     if not isinstance(rel, str) or not rel:
         return "an empty path"
     try:
@@ -356,8 +357,8 @@ def pull_path_problem(rel: Any) -> str:
     parts = rel.split("/")
     if size > MAX_PULL_PATH or any(len(p.encode("utf-8")) > 255 for p in parts):
         return "a path longer than %d bytes (or a name longer than 255)" % MAX_PULL_PATH
-    if any(ord(c) < 32 or ord(c) == 127 for c in rel) or "\\" in rel:
-        return "a control character or backslash in the name"
+    if any(ord(c) < 32 or ord(c) == 127 for c in rel):
+        return "a control character in the name"
     if any(p in ("", ".", "..") for p in parts):
         return "not a plain relative path"
     if ".orch-part-" in rel:

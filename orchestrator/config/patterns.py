@@ -1,0 +1,23 @@
+"""Ignore patterns (`code.exclude`, `.gitignore`): whether one can be used at all.
+orch reads each pattern two ways (files/localfiles.py): as a gitignore line (pathspec)
+and, for code.exclude, as a name pattern for every path component (fnmatch)."""
+from __future__ import annotations
+
+import fnmatch
+import re
+
+import pathspec
+
+
+def pattern_problem(text: str) -> str | None:
+    """Why the pattern cannot be used (a bad character range `[z-a]`, a lone escape), or
+    None. Both readings are compiled here, before any file is matched."""
+    try:
+        pathspec.GitIgnoreSpec.from_lines([text])
+        re.compile(fnmatch.translate(text))
+    except (ValueError, re.error) as e:   # re.error is not a ValueError
+        return re.sub(r" at position \d+$", "", str(e))   # a position in orch's regex, not the pattern
+    return None
+
+
+PATTERN_HINT = "fix or remove that pattern (gitignore syntax: a range is written low to high, `[a-z]`)"
