@@ -46,6 +46,7 @@ HANDLERS = {
     "exec": ("shellcmd", "run_exec"),
     "cancel": ("shellcmd", "run_cancel"),
     "unshare": ("preflight", "run_unshare"),
+    "stacks": ("stacks", "run"),
 }
 # command -> daemon thread (not waited for); setup and exec run beside a `cancel`
 IN_THREAD = {"follow": True, "stop": False, "setup": False, "exec": False}

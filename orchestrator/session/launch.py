@@ -13,6 +13,11 @@ from orchestrator.remote.transport import remote_command
 from orchestrator.session.preflight import HostInfo, PreflightReport, job_dir
 from orchestrator.wire import timeouts
 
+# On a GPU host, NCCL keeps its last collectives and dumps them when its watchdog times
+# out, as <prefix><rank> in this host's run/ (the hang report names it: agent/stacks.py)
+NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+NCCL_DUMP_PREFIX = "nccl-trace-rank-"
+
 
 def master_addr(cluster: Cluster, infos: dict[int, HostInfo] | None = None) -> str:
     """Host 0's address as the other hosts reach it.
@@ -62,6 +67,11 @@ def rank_env(cluster: Cluster, host: Host, job_dir: str, run_id: str) -> dict[st
                ORCH_OUTPUT_DIR=f"{job_dir}/output", PYTHONUNBUFFERED="1")
     if host.gpu_ids is not None:   # `up --hosts host:0,1`: the ranks see those GPUs only
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, host.gpu_ids))
+    if host.gpus > 0:   # what the job's env does not set: NCCL's flight recorder, into run/
+        for key, value in NCCL_FLIGHT_RECORDER.items():
+            env.setdefault(key, value)
+        env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                       f"{job_dir}/run/{host.part}/{NCCL_DUMP_PREFIX}")
     return env
 
 
