@@ -236,9 +236,18 @@ def places(stacks: dict[int, RankStack]) -> list[str]:
     return lines
 
 
+def user_frames(frames: tuple[Frame, ...]) -> list[Frame]:
+    """Without the outermost frames of orch's rank start (rankexec.BOOT) and runpy."""
+    out = list(frames)
+    while out and (out[-1].file == "<string>" or "runpy" in out[-1].file):
+        out.pop()
+    return out or list(frames)
+
+
 def stack_lines(s: RankStack) -> list[str]:
-    frames = list(s.frames[:STACK_LINES])
+    shown = user_frames(s.frames)
+    frames = shown[:STACK_LINES]
     lines = [f'  File "{f.file}", line {f.line} in {f.func}' for f in frames]
-    if len(s.frames) > STACK_LINES:
-        lines.append(f"  ... {len(s.frames) - STACK_LINES} outer frames in the log")
+    if len(shown) > STACK_LINES:
+        lines.append(f"  ... {len(shown) - STACK_LINES} outer frames in the log")
     return lines
