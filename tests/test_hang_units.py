@@ -18,7 +18,7 @@ import pytest
 from orchestrator.agent import follow as agent_follow
 from orchestrator.agent import stacks as agent_stacks
 from orchestrator.agent.paths import JobDir
-from orchestrator.agent.procs import proc_start_time
+from orchestrator.agent.procs import proc_start_time, stat_fields
 from orchestrator.agent.rankexec import BOOT
 from orchestrator.commands.up import with_hang_timeout
 from orchestrator.config.inventory import Cluster, load
@@ -303,6 +303,9 @@ def test_the_host_takes_each_ranks_stack_or_says_why_not(tmp_path: Path) -> None
     job_folder(tmp_path)
     procs = [rank_process(tmp_path, r) for r in (0, 1)]
     os.kill(procs[1].pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10   # the stop lands asynchronously
+    while (stat_fields(procs[1].pid) or ["?"])[0] != "T" and time.monotonic() < deadline:
+        time.sleep(0.01)
     try:
         req = SimpleNamespace(args={"job_dir": str(tmp_path / "job"), "ranks": [0, 1, 2],
                                     "reason": "hang: test"})
