@@ -23,7 +23,7 @@ from orchestrator.agent.rankexec import BOOT
 from orchestrator.commands.up import with_hang_timeout
 from orchestrator.config.inventory import Cluster, load
 from orchestrator.errors import InventoryError, UsageError
-from orchestrator.session.launch import rank_env
+from orchestrator.session.launch import dry_run_plan, rank_env
 from orchestrator.watch.hang import (
     Hang,
     HangReport,
@@ -302,12 +302,16 @@ def rank_process(tmp_path: Path, rank: int) -> subprocess.Popen:
 def test_the_host_takes_each_ranks_stack_or_says_why_not(tmp_path: Path) -> None:
     job_folder(tmp_path)
     procs = [rank_process(tmp_path, r) for r in (0, 1)]
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    procs.append(plain)   # rank 3: no SIGUSR2 handler (it would die of the signal)
+    (tmp_path / "job" / "run" / "rank-3.pid").write_text(json.dumps(
+        {"pid": plain.pid, "start_ticks": proc_start_time(plain.pid), "time": time.time()}))
     os.kill(procs[1].pid, signal.SIGSTOP)
     deadline = time.monotonic() + 10   # the stop lands asynchronously
     while (stat_fields(procs[1].pid) or ["?"])[0] != "T" and time.monotonic() < deadline:
         time.sleep(0.01)
     try:
-        req = SimpleNamespace(args={"job_dir": str(tmp_path / "job"), "ranks": [0, 1, 2],
+        req = SimpleNamespace(args={"job_dir": str(tmp_path / "job"), "ranks": [0, 1, 2, 3],
                                     "reason": "hang: test"})
         reply = agent_stacks.run(req)  # type: ignore[arg-type]
     finally:
@@ -320,7 +324,14 @@ def test_the_host_takes_each_ranks_stack_or_says_why_not(tmp_path: Path) -> None
     assert main_thread(by_rank[0]["stack"])[0].func == "waiting_here"
     assert by_rank[1]["state"] == "stopped" and by_rank[1]["stack"] == ""
     assert by_rank[2]["state"] == "gone"
+    assert by_rank[3]["state"] == "no answer" and procs[2].returncode == -signal.SIGKILL
     log0 = (tmp_path / "job" / "logs" / "rank-0.log").read_text()
     assert log0.startswith("orch: hang: test; rank 0 (pid ") and "in waiting_here" in log0
     assert "rank 1" in (tmp_path / "job" / "logs" / "rank-1.log").read_text()
     assert procs[0].returncode == -signal.SIGKILL   # SIGUSR2 did not end it
+
+
+def test_the_dry_run_says_hangs_are_watched(tmp_path: Path) -> None:
+    plan = dry_run_plan(cluster3(tmp_path))
+    assert "hang watch: a rank without output or heartbeat for 10 s" in plan
+    assert "ORCH_HEARTBEAT" in plan

@@ -1,7 +1,8 @@
 """`stacks`: a hang was found; every rank of this host is asked for its Python stack.
 
 Each rank's python registered faulthandler on rankexec.STACK_SIGNAL, writing into
-run/stack-<r> (rankexec.BOOT). A rank that cannot answer is not signalled but named:
+run/stack-<r> (rankexec.BOOT); a rank without a handler for it is not signalled (the
+signal would end it) but reported as "no answer". A rank that cannot answer is named:
 stopped (SIGSTOP, a debugger: /proc state T or t) or in uninterruptible sleep (D). The
 stacks are appended to each rank's log under a banner and come back in the reply, each
 cut to protocol.MAX_STACK bytes. The NCCL flight recorder's dumps in run/ are named.
@@ -32,6 +33,19 @@ def size(p: dict[str, Any], rel: str) -> int:
     return st.st_size if st is not None else 0
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether pid has a handler for sig (SigCgt in /proc/<pid>/status): one without it
+    (still starting, or it exec'd another program) would be killed by the signal."""
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def probe(p: dict[str, Any], rank: int) -> dict[str, Any]:
     """The rank's pid and whether it can answer; signals it when it can."""
     entry = {"rank": rank, "state": "gone", "pid": None, "stack": ""}   # type: dict[str, Any]
@@ -46,7 +60,7 @@ def probe(p: dict[str, Any], rank: int) -> dict[str, Any]:
         return entry   # gone, or its pid reused by another process
     entry["pid"] = rec["pid"]
     entry["state"] = STATES.get(fields[0], "no answer")
-    if entry["state"] == "no answer":
+    if entry["state"] == "no answer" and catches(rec["pid"], STACK_SIGNAL):
         entry["offset"] = size(p, "run/stack-%d" % rank)
         try:
             os.kill(rec["pid"], STACK_SIGNAL)

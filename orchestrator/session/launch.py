@@ -152,8 +152,13 @@ def dry_run_plan(cluster: Cluster) -> str:
                      f"{gpus}:")
         lines.append("  " + remote_command(argv))   # as the host's shell gets it
     lines.append(sharing_plan(cluster))
+    if cluster.job.hang_timeout:
+        lines.append(f"hang watch: a rank without output or heartbeat for "
+                     f"{cluster.job.hang_timeout:g} s: every rank's stack taken, the culprit "
+                     "named, the job failed")
     env_keys = ", ".join(k for k, _ in cluster.job.env) or "none"
     lines.append(f"environment of every rank: ORCH_JOB, ORCH_JOB_DIR, ORCH_DATA_DIR, ORCH_OUTPUT_DIR, "
+                 "ORCH_HEARTBEAT, "
                  f"job env ({env_keys}; values sent in a 0600 file, not shown)")
     return "\n".join(lines)
 
