@@ -33,6 +33,7 @@ from orchestrator.watch.hang import (
     main_thread,
     places,
     rank_stacks,
+    reason,
     threads,
 )
 from orchestrator.watch.monitor import render_hang
@@ -73,6 +74,20 @@ def test_one_rank_without_progress_while_the_others_go_on() -> None:
         watch.progress(2)
     hang = watch.check()
     assert hang is not None and hang.idle == (1,) and not hang.everyone
+    assert reason(hang) == ("hang: rank 1 made no progress (output or heartbeat) for 6 s while "
+                            "the others did (hang_timeout 5 s)")
+
+
+def test_ranks_that_went_quiet_a_moment_later_do_not_go_on() -> None:
+    """Rank 2 printed just after the others, then stopped: all are quiet, not 0 and 1 alone."""
+    clock = FakeClock()
+    watch = HangWatch(8, range(3), now=clock)
+    clock.t += 0.3
+    watch.progress(2)
+    clock.t += 7.8
+    hang = watch.check()
+    assert hang is not None and hang.idle == (0, 1) and hang.everyone
+    assert reason(hang).startswith("hang: no rank made progress (output or heartbeat) for 8 s")
 
 
 def test_an_exited_rank_is_not_watched_and_unknown_ranks_are_ignored() -> None:

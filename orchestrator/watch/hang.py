@@ -39,7 +39,8 @@ _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 @dataclass(frozen=True)
 class Hang:
     """Ranks without progress for `seconds` (the longest of them); `everyone`: no rank
-    made any."""
+    made any lately (within half the timeout: a rank that printed just before it stopped
+    is not one that goes on)."""
 
     idle: tuple[int, ...]
     seconds: float
@@ -70,7 +71,7 @@ class HangWatch:
         now = self.now()
         with self.lock:
             idle = {r: now - t for r, t in self.last.items() if now - t >= self.timeout}
-            everyone = len(idle) == len(self.last)
+            everyone = not any(now - t < self.timeout / 2 for t in self.last.values())
         if not idle:
             return None
         return Hang(tuple(sorted(idle)), max(idle.values()), everyone, self.timeout)
@@ -218,8 +219,14 @@ class HangReport:
 
 def reason(hang: Hang) -> str:
     """The banner the hosts write above each stack in the rank's log."""
-    who = "no rank" if hang.everyone else "rank " + ", ".join(map(str, hang.idle[:16]))
-    return (f"hang: {who} made progress (output or heartbeat) for {hang.seconds:.0f} s "
+    if hang.everyone:
+        who, rest = "no rank made", ""
+    else:
+        more = " ..." if len(hang.idle) > 16 else ""
+        who = (f"{'ranks' if len(hang.idle) > 1 else 'rank'} "
+               f"{', '.join(map(str, hang.idle[:16]))}{more} made no")
+        rest = " while the others did"
+    return (f"hang: {who} progress (output or heartbeat) for {hang.seconds:.0f} s{rest} "
             f"(hang_timeout {hang.timeout:g} s)")
 
 
