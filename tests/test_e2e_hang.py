@@ -36,18 +36,18 @@ def train_step(i):
     dist.all_reduce(t)
 
 
-def quiet_work(seconds):
-    # no output, but the heartbeat moves: progress all the same
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if os.environ["TOUCH"] == "1":
+def quiet_work(seconds, touch_for):
+    # no output; the heartbeat moves for touch_for seconds: progress all the same
+    start = time.monotonic()
+    while time.monotonic() < start + seconds:
+        if time.monotonic() < start + touch_for:
             os.utime(os.environ["ORCH_HEARTBEAT"])
         time.sleep(0.5)
 
 
 if mode == "quiet":
     if rank == 1:
-        quiet_work(float(os.environ["QUIET_S"]))
+        quiet_work(float(os.environ["QUIET_S"]), float(os.environ["TOUCH_S"]))
     else:   # the others print on, so no rank's silence is the whole job's
         for i in range(int(float(os.environ["QUIET_S"]) * 2)):
             print("rank %d working %d" % (rank, i), flush=True)
@@ -139,18 +139,19 @@ def test_a_rank_asleep_in_its_step_is_named_while_the_others_wait_in_all_reduce(
     print(f"sleeping rank named {named - asleep:.1f} s after it fell asleep")
 
 
-@pytest.mark.parametrize("touch", [True, False], ids=["heartbeat", "no-heartbeat"])
+@pytest.mark.parametrize("touch", [True, False], ids=["heartbeat", "heartbeat-stops"])
 def test_a_quiet_rank_whose_heartbeat_moves_is_no_hang(
         sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs, touch: bool) -> None:
     """Rank 1 prints nothing for hang_timeout + 6 s but touches its heartbeat while the
     others print on: no hang. With job.hang_timeout in cluster.yaml, not the flag.
-    Without the touches (the control), rank 1 is named."""
+    The control: its heartbeat stops after 2 s, and rank 1 is named."""
     name = "quiet-" + ("beat" if touch else "still")
+    quiet = TIMEOUT + 6
     hosts = sshd_cluster.hosts[:2]
     write_job(tmp_path, JOB)
     inv = sshd_cluster.write_inventory(
         tmp_path / "cluster.yaml", hosts=hosts, procs=[2, 1], name=name,
-        env={"MODE": "quiet", "QUIET_S": str(TIMEOUT + 6), "TOUCH": "1" if touch else "0"})
+        env={"MODE": "quiet", "QUIET_S": str(quiet), "TOUCH_S": str(quiet if touch else 2)})
     text = inv.read_text().replace("job:\n", f"job:\n  hang_timeout: {TIMEOUT:g}\n", 1)
     inv.write_text(text)
     jobs.add(inv, hosts, name)
@@ -163,6 +164,7 @@ def test_a_quiet_rank_whose_heartbeat_moves_is_no_hang(
         assert len([line for line in up.out if line.endswith(" done")]) == 3, up.text()
     else:
         assert code == 1, up.text()
+        assert "hang: rank 1 made no progress (output or heartbeat)" in report, report
         assert re.search(r"root cause rank 1 on host .*: in quiet_work \(job\.py:\d+\) while 2 "
                          r"other ranks are in <module>", report), report
     assert_nothing_left(hosts, name, wait=10)

@@ -68,6 +68,7 @@ def test_no_hang_before_the_timeout_and_progress_resets_it() -> None:
 def test_one_rank_without_progress_while_the_others_go_on() -> None:
     clock = FakeClock()
     watch = HangWatch(5, range(3), now=clock)
+    watch.progress(1, heartbeat=True)
     for _ in range(6):
         clock.t += 1
         watch.progress(0)
@@ -78,15 +79,42 @@ def test_one_rank_without_progress_while_the_others_go_on() -> None:
                             "the others did (hang_timeout 5 s)")
 
 
+def test_a_quiet_rank_without_a_heartbeat_is_no_hang_while_others_print() -> None:
+    """Many scripts print on rank 0 only: the other ranks' silence is not a hang."""
+    clock = FakeClock()
+    watch = HangWatch(5, range(3), now=clock)
+    watch.progress(1)   # one line of output, then quiet
+    for _ in range(20):
+        clock.t += 1
+        watch.progress(0)
+    assert watch.check() is None
+
+
+def test_a_rank_whose_heartbeat_stops_first_is_the_one_named() -> None:
+    """worker.train: every rank beats; rank 2 stops, the others block a moment later."""
+    clock = FakeClock()
+    watch = HangWatch(8, range(3), now=clock)
+    for r in range(3):
+        watch.progress(r, heartbeat=True)
+    clock.t += 0.5
+    watch.progress(0, heartbeat=True)
+    watch.progress(1, heartbeat=True)
+    clock.t += 7.5
+    hang = watch.check()
+    assert hang is not None and hang.idle == (2,) and hang.everyone
+
+
 def test_ranks_that_went_quiet_a_moment_later_do_not_go_on() -> None:
-    """Rank 2 printed just after the others, then stopped: all are quiet, not 0 and 1 alone."""
+    """Rank 2 printed just after the others, then stopped: every rank is quiet."""
     clock = FakeClock()
     watch = HangWatch(8, range(3), now=clock)
     clock.t += 0.3
     watch.progress(2)
     clock.t += 7.8
+    assert watch.check() is None   # rank 2 printed 7.8 s ago; no heartbeat kept
+    clock.t += 0.2
     hang = watch.check()
-    assert hang is not None and hang.idle == (0, 1) and hang.everyone
+    assert hang is not None and hang.idle == (0, 1, 2) and hang.everyone
     assert reason(hang).startswith("hang: no rank made progress (output or heartbeat) for 8 s")
 
 

@@ -2,8 +2,11 @@
 
 A rank makes progress when a line of its output arrives or when its host reports that it
 touched its heartbeat file (agent/follow.py). `HangWatch` keeps each running rank's last
-progress on an injectable clock; once any rank has gone `timeout` seconds without it
-(every rank, or one while the others went on), `check()` returns the `Hang`.
+progress on an injectable clock; `check()` returns the `Hang` once every rank has gone
+`timeout` seconds without it, or once one rank that keeps a heartbeat (it touched its
+file before) has, while others went on. A rank's silence alone is no hang: many scripts
+print on rank 0 only, and a quiet rank is where the others are; its heartbeat is the
+rank's own promise of a pulse.
 
 Then every rank's Python stack is taken (agent/stacks.py) and `culprits()` names the
 ranks that are not where the others are, in this order:
@@ -56,11 +59,14 @@ class HangWatch:
         self.timeout, self.now, self.lock = timeout, now, threading.Lock()
         start = now()
         self.last = {r: start for r in ranks}
+        self.beating: set[int] = set()   # ranks that touched their heartbeat file
 
-    def progress(self, rank: int) -> None:
+    def progress(self, rank: int, heartbeat: bool = False) -> None:
         with self.lock:
             if rank in self.last:
                 self.last[rank] = self.now()
+                if heartbeat:
+                    self.beating.add(rank)
 
     def ended(self, rank: int) -> None:
         """An exited rank is no longer watched."""
@@ -72,6 +78,8 @@ class HangWatch:
         with self.lock:
             idle = {r: now - t for r, t in self.last.items() if now - t >= self.timeout}
             everyone = not any(now - t < self.timeout / 2 for t in self.last.values())
+            if len(idle) < len(self.last):   # some went on: only a missed heartbeat counts
+                idle = {r: t for r, t in idle.items() if r in self.beating}
         if not idle:
             return None
         return Hang(tuple(sorted(idle)), max(idle.values()), everyone, self.timeout)

@@ -82,7 +82,7 @@ class Monitor(LineSink):
         """The host saw these ranks touch their heartbeat files."""
         if self.hang is not None:
             for rank in ranks:
-                self.hang.progress(rank)
+                self.hang.progress(rank, heartbeat=True)
 
     def rank_start(self, host: int, rank: int, pid: int) -> None:
         self.seen(rank, printed=False)
