@@ -47,7 +47,9 @@ STACK_SIGNAL = signal.SIGUSR2
 # compiled and run in __main__ with python's own sys.path[0] and __file__.
 BOOT = """def _orch_rank():
     import faulthandler, os, signal, sys
-    faulthandler.register(signal.SIGUSR2, int(sys.argv.pop(1)), all_threads=True, chain=False)
+    fd = int(sys.argv.pop(1))
+    os.set_inheritable(fd, False)
+    faulthandler.register(signal.SIGUSR2, fd, all_threads=True, chain=False)
     kind, target = sys.argv.pop(1), sys.argv.pop(1)
     main = sys.modules["__main__"]
     del main._orch_rank
