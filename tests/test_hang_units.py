@@ -378,3 +378,24 @@ def test_the_dry_run_says_hangs_are_watched(tmp_path: Path) -> None:
     plan = dry_run_plan(cluster3(tmp_path))
     assert "hang watch: a rank without output or heartbeat for 10 s" in plan
     assert "ORCH_HEARTBEAT" in plan
+
+
+def test_worker_train_touches_its_heartbeat_at_most_every_two_seconds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.train import Heartbeat
+    beat_file = tmp_path / "heartbeat-0"
+    beat_file.touch()
+    os.utime(beat_file, (1, 1))
+    monkeypatch.setenv("ORCH_HEARTBEAT", str(beat_file))
+    beat = Heartbeat()
+    beat()
+    assert beat_file.stat().st_mtime > 1
+    os.utime(beat_file, (1, 1))
+    beat()                                   # within EVERY of the last touch: nothing
+    assert beat_file.stat().st_mtime == 1
+    beat_file.unlink()
+    beat.last = 0.0
+    beat()                                   # gone: no error, and no more tries
+    assert beat.path is None
+    monkeypatch.delenv("ORCH_HEARTBEAT")
+    Heartbeat()()                            # not under orch: nothing to touch
