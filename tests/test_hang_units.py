@@ -369,8 +369,9 @@ def test_the_host_takes_each_ranks_stack_or_says_why_not(tmp_path: Path) -> None
     assert by_rank[2]["state"] == "gone"
     assert by_rank[3]["state"] == "no answer" and procs[2].returncode == -signal.SIGKILL
     log0 = (tmp_path / "job" / "logs" / "rank-0.log").read_text()
-    assert log0.startswith("orch: hang: test; rank 0 (pid ") and "in waiting_here" in log0
-    assert "rank 1" in (tmp_path / "job" / "logs" / "rank-1.log").read_text()
+    assert log0.startswith("orch: hang: test; the stack of rank 0 (pid ") and "in waiting_here" in log0
+    log1 = (tmp_path / "job" / "logs" / "rank-1.log").read_text()
+    assert log1 == f"orch: hang: test; rank 1 (pid {procs[1].pid}) gave no stack: stopped\n"
     assert procs[0].returncode == -signal.SIGKILL   # SIGUSR2 did not end it
 
 

@@ -101,7 +101,11 @@ def read_stack(p: dict[str, Any], rank: int, offset: int, cap: int) -> str:
 
 def to_log(p: dict[str, Any], e: dict[str, Any], reason: str) -> None:
     """The stack (or why there is none) at the end of the rank's log."""
-    head = "orch: %s; rank %d (pid %s): %s" % (reason, e["rank"], e["pid"], e["state"])
+    if e["state"] == "answered":
+        head = "orch: %s; the stack of rank %d (pid %s):" % (reason, e["rank"], e["pid"])
+    else:
+        head = "orch: %s; rank %d (pid %s) gave no stack: %s" % (reason, e["rank"], e["pid"],
+                                                                e["state"])
     text = head + ("\n" + e["stack"].rstrip("\n") if e["stack"] else "") + "\n"
     try:
         fd = p["jd"].open_for_write("logs/rank-%d.log" % e["rank"], append=True)
