@@ -4,6 +4,7 @@ alive, a hang asks every host for its stacks and names the culprit, then stops t
 a host that reports progress of a rank it does not run is refused."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -86,7 +87,8 @@ def handlers(stopped: threading.Event, *, quiet_for: float = 0.0, touch: bool = 
     def stacks(chan: FakeChannel, msg: dict) -> None:
         ranks = [{"rank": r, "state": "answered", "pid": 100 + r,
                   "stack": ASLEEP if r == 2 else IN_ALL_REDUCE} for r in msg["ranks"]]
-        chan.push(protocol.reply(msg["id"], {"ranks": ranks, "nccl_dumps": [],
+        dumps = ["nccl-trace-rank-2"] if 2 in msg["ranks"] else []
+        chan.push(protocol.reply(msg["id"], {"ranks": ranks, "nccl_dumps": dumps,
                                              "time": time.time()}))
 
     def stop(chan: FakeChannel, msg: dict) -> None:
@@ -111,6 +113,8 @@ def test_a_hang_takes_every_stack_names_the_culprit_and_stops(tmp_path: Path, ca
     assert ("root cause rank 2 on host localhost#1 (local rank 0): in train_step (job.py:11) "
             "while 2 other ranks are in all_reduce (distributed_c10d.py:2050)") in err, err
     assert "stopped the job on every host" in err
+    assert re.search(r"NCCL flight recorder dump: localhost#1: /r1/fake/run/host-\S+/"
+                     r"nccl-trace-rank-2", err), err
     for i, reqs in requests.items():
         follow = next(m for m in reqs if m["t"] == "follow")
         assert follow["heartbeats"] is True

@@ -214,12 +214,17 @@ def investigate(session: Session, hang: Hang) -> HangReport:
     """Every rank's stack (also appended to its log by its host), and the culprits."""
     result = session.stacks(reason(hang))
     stacks = rank_stacks(result.ok)
-    dumps = tuple(f"{session.cluster.hosts[i].label}: {session.records[i].job_dir}/run/"
-                  f"{session.records[i].part}/{name}"
+    dumps = tuple(f"{session.cluster.hosts[i].label}: {run_dir(session, i)}/{name}"
                   for i, reply in sorted(result.ok.items()) for name in reply["nccl_dumps"])
     unreachable = tuple(f"{session.cluster.hosts[i].label}: {exc}"
                         for i, exc in sorted(result.failed.items()))
     return HangReport(hang, stacks, culprits(hang, stacks), dumps, unreachable)
+
+
+def run_dir(session: Session, host: int) -> str:
+    """The host's part of run/, as its agent maps it."""
+    record = session.records[host]
+    return f"{record.job_dir}/run" + (f"/{record.part}" if record.part else "")
 
 
 def on_hang(session: Session, mon: Monitor, finished: Callable[[], bool],
