@@ -215,6 +215,33 @@ class RunDir:
             self.fd = None
 
 
+class Heartbeats:
+    """The ranks' heartbeat files (run/heartbeat-<r>, rankexec.py), looked at every
+    HEARTBEAT_POLL seconds: the ranks whose file's mtime changed since the last look.
+    The first look only records: the wrapper made the file at the rank's start."""
+
+    def __init__(self, rundir: RunDir, ranks: list[int]) -> None:
+        self.rundir, self.ranks = rundir, ranks
+        self.seen = {}   # type: dict[int, int]
+        self.checked = 0.0
+
+    def touched(self) -> list[int]:
+        now = time.monotonic()
+        if self.rundir.fd is None or now - self.checked < timeouts.HEARTBEAT_POLL:
+            return []
+        self.checked, out = now, []
+        for r in self.ranks:
+            try:
+                mtime = os.stat("heartbeat-%d" % r, dir_fd=self.rundir.fd,
+                                follow_symlinks=False).st_mtime_ns
+            except OSError:
+                continue
+            if r in self.seen and mtime != self.seen[r]:
+                out.append(r)
+            self.seen[r] = mtime
+        return out
+
+
 def run(req: Request) -> None:
     """mode: "events" (lines, exits, heartbeats until the host is done), "snapshot"
     (the lines there now), "raw-follow" (until the ranks end), "raw" (what is there now).
@@ -239,6 +266,8 @@ def run(req: Request) -> None:
     beat, idle = 0.0, 0
     started = set()  # type: set[Any]
     rundir = RunDir(p["jd"])
+    beats = Heartbeats(rundir, a["ranks"]) if a.get("heartbeats") and mode == "events" \
+        else None
     try:
         while True:
             records = rundir.changed()
@@ -250,6 +279,9 @@ def run(req: Request) -> None:
                     send, p, logs, reported, mode == "events", unit)):
                 return finish(send, p, logs, mode)
             beat = heartbeat(send, mode, beat)
+            touched = beats.touched() if beats is not None else []
+            if touched:
+                send(protocol.event("progress", ranks=touched))
             if not busy:
                 # 50 ms while output flows; 200 ms after a quiet second (a long quiet job
                 # should not cost the host CPU; exits are still seen within 0.2 s)

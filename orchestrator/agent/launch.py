@@ -33,7 +33,10 @@ def job_folders(jd: Any) -> list[str]:
 def clean_run_dir(p: dict[str, Any]) -> None:
     jd = p["jd"]
     for name in job_folders(jd):
-        if name.endswith((".exit", ".pid")) or name in ("host.exit", "stop.json"):
+        # a former run's heartbeats, stacks and NCCL dumps (agent/stacks.py) would be
+        # taken for this run's
+        if name.endswith((".exit", ".pid")) or name in ("host.exit", "stop.json") or \
+                name.startswith(("heartbeat-", "stack-", "nccl-trace-rank-")):
             jd.unlink("run/" + name)
     # torchrun's --log-dir: a none_<id>/ folder per run would pile up; only the new
     # run's error files are of use (links inside are removed, never followed)

@@ -48,6 +48,7 @@ HANDLERS = {
     "unshare": ("preflight", "run_unshare"),
     "gpu_claim": ("gpus", "run_claim"),
     "gpu_release": ("gpus", "run_release"),
+    "stacks": ("stacks", "run"),
 }
 # command -> daemon thread (not waited for); setup and exec run beside a `cancel`
 IN_THREAD = {"follow": True, "stop": False, "setup": False, "exec": False}

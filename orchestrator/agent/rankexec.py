@@ -9,6 +9,13 @@ gone), records the child's pid, and on exit writes run/rank-<RANK>.exit with the
 and the time, which is how `orch` finds the earliest failure across hosts. It runs once
 per rank, so it stays light: fork/exec instead of subprocess, no json module.
 
+For a hang (watch/hang.py), the rank can be asked for its Python stack at no cost while
+it runs: the rank's python starts on BOOT, which registers faulthandler on STACK_SIGNAL
+(SIGUSR2: torchrun neither sends nor forwards it) writing every thread's stack into
+run/stack-<RANK> (an inherited descriptor), then runs the module or script as `-m` or a
+plain script would. A rank shows progress by touching run/heartbeat-<RANK>, whose path
+it gets in ORCH_HEARTBEAT (created here, so its first touch is a change).
+
 Like the agent (agent/paths.py), it never follows a link inside the job folder: logs/ and
 run/ are opened with O_NOFOLLOW relative to the job folder, the log with
 O_NOFOLLOW|O_APPEND, and the pid and exit files are written beside (O_EXCL) and renamed
@@ -33,6 +40,31 @@ def start_ticks(pid):
         return None
 
 
+STACK_SIGNAL = signal.SIGUSR2
+# The rank's python runs this with `-c`, then: the stack file's descriptor, module|script,
+# the target, its args. Everything in one function deleted from __main__ before the user's
+# code runs there: `-m` runs the module in __main__ (runpy, as python does), a script is
+# compiled and run in __main__ with python's own sys.path[0] and __file__.
+BOOT = """def _orch_rank():
+    import faulthandler, os, signal, sys
+    fd = int(sys.argv.pop(1))
+    os.set_inheritable(fd, False)
+    faulthandler.register(signal.SIGUSR2, fd, all_threads=True, chain=False)
+    kind, target = sys.argv.pop(1), sys.argv.pop(1)
+    main = sys.modules["__main__"]
+    del main._orch_rank
+    sys.argv[0] = target
+    if kind == "module":
+        import runpy
+        sys.path[0] = os.getcwd()
+        return runpy._run_module_as_main(target)
+    sys.path[0] = os.path.dirname(os.path.realpath(target))
+    main.__file__, main.__cached__ = os.path.abspath(target), None
+    with open(target, "rb") as f:
+        code = compile(f.read(), main.__file__, "exec")
+    exec(code, main.__dict__)
+_orch_rank()
+"""
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
@@ -71,18 +103,33 @@ def write_json(run_fd, name, text):
     os.rename(tmp, name, src_dir_fd=run_fd, dst_dir_fd=run_fd)
 
 
-def child_argv(kind, target, args):
-    # type: (str, str, list[str]) -> list[str]
-    """The rank's command as torchrun would start it (PYTHON_EXEC is torchrun's own
-    override of the interpreter)."""
+def child_argv(kind, target, args, stack_fd):
+    # type: (str, str, list[str], int) -> list[str]
+    """The rank's command: as torchrun would start it (PYTHON_EXEC is torchrun's own
+    override of the interpreter), through BOOT."""
     python = os.environ.get("PYTHON_EXEC") or sys.executable
-    if kind == "module":
-        return [python, "-u", "-m", target] + args
-    return [python, "-u", target] + args
+    return [python, "-u", "-c", BOOT, str(stack_fd), kind, target] + args
 
 
-def spawn(argv, logs_fd, log_name):
-    # type: (list[str], int, str) -> int
+def rank_files(run_fd, rank):
+    # type: (int, int) -> int
+    """Create run/heartbeat-<rank> (empty, mtime now) and open run/stack-<rank> for the
+    rank's faulthandler (emptied: a new run's stacks only); the stack file's descriptor."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    os.close(os.open("heartbeat-%d" % rank, flags, 0o644, dir_fd=run_fd))
+    return os.open("stack-%d" % rank, flags | os.O_APPEND, 0o644, dir_fd=run_fd)
+
+
+def heartbeat_path(job_dir, rank):
+    # type: (str, int) -> str
+    part = os.environ.get("ORCH_JOB_PART")
+    run = os.path.join(job_dir, "run", part) if part else os.path.join(job_dir, "run")
+    return os.path.join(run, "heartbeat-%d" % rank)
+
+
+def spawn(argv, logs_fd, log_name, keep_fd=-1):
+    # type: (list[str], int, str, int) -> int
+    """Fork and exec argv with its output in the log; keep_fd stays open in it."""
     pid = os.fork()
     if pid == 0:
         try:
@@ -92,6 +139,8 @@ def spawn(argv, logs_fd, log_name):
             os.dup2(fd, 2)
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
+            if keep_fd >= 0:
+                os.set_inheritable(keep_fd, True)
             os.execvp(argv[0], argv)
         except OSError as e:
             os.write(2, ("orch: cannot start %s: %s\n" % (argv[0], e)).encode())
@@ -118,8 +167,12 @@ def main():
     job_dir, kind, target, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     rank = int(os.environ["RANK"])
     run_fd, logs_fd = open_dirs(job_dir)
-    pid = spawn(child_argv(kind, target, args), logs_fd, "rank-%d.log" % rank)
+    stack_fd = rank_files(run_fd, rank)
+    os.environ["ORCH_HEARTBEAT"] = heartbeat_path(job_dir, rank)
+    pid = spawn(child_argv(kind, target, args, stack_fd), logs_fd, "rank-%d.log" % rank,
+                stack_fd)
     os.close(logs_fd)
+    os.close(stack_fd)
     write_json(run_fd, "rank-%d.pid" % rank, '{"pid": %d, "start_ticks": %s, "time": %r}'
                % (pid, start_ticks(pid) or "null", time.time()))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

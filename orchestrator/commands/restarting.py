@@ -15,6 +15,7 @@ from orchestrator.commands.common import console
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, GroupError
 from orchestrator.ui.termsafe import plain
+from orchestrator.watch.hang import reason
 from orchestrator.watch.monitor import Monitor, attach, signal_name
 
 Started = Callable[[Cluster, Any], None]
@@ -114,6 +115,12 @@ def attempt(plan: healing.Plan, args: argparse.Namespace, view: launching.UpProg
 def blame(cluster: Cluster, mon: Monitor) -> Failed:
     """What failed, in a line, and which hosts take a strike for it."""
     lost = {cluster.hosts[i].label for i in mon.lost}
+    if mon.hang_report is not None:   # the hang's culprits, or every idle rank's host
+        report = mon.hang_report
+        ranks = sorted(report.found.why) or list(report.hang.idle)
+        hosts = {cluster.host_of(r).label for r in ranks}
+        return Failed(f"a hang ({reason(report.hang)}; rank "
+                      f"{', '.join(map(str, ranks[:8]))})", lost, hosts)
     cause = mon.cause
     if cause is not None and cause.failures:
         f = cause.failures[0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Callable
 
 from rich.markup import escape
@@ -48,6 +49,10 @@ def add_parser(sub: Any) -> None:
                    help="print the plan and each host's command; touch no host")
     p.add_argument("--fail-fast", action="store_true",
                    help="job arrays: the first failing task stops every task (default: the others go on)")
+    p.add_argument("--hang-timeout", type=float, metavar="S",
+                   help="seconds without progress (a rank's output or heartbeat) after which "
+                        "every rank's stack is taken, the culprit named and the job failed "
+                        "(default: job.hang_timeout, else off)")
     p.add_argument("--no-pull", action="store_true",
                    help="do not pull rank 0's output/ into outputs/<name>/ when the job ends")
     p.set_defaults(func=run)
@@ -56,6 +61,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     # the whole inventory, not the last run's hosts: this run chooses its own
     cluster = narrow(cluster_of(inventory_path(args)), args.hosts, args.exclude)
+    cluster = with_hang_timeout(cluster, args.hang_timeout)
     if args.dry_run:
         plan = launching.plan(cluster)
         if args.json:
@@ -83,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
         st = started.state
         started_line(cluster, st)
         if args.detach:
+            if cluster.job.hang_timeout:
+                console.print("hang_timeout is not watched: an attached `orch up` watches "
+                              "for hangs", markup=False)
             console.print(f"detached: follow with `{hint_cmd(cluster, 'logs -f')}`, "
                           f"stop with `{hint_cmd(cluster, 'stop')}`, "
                           f"get its output/ with `{hint_cmd(cluster, 'pull')}`", markup=False)
@@ -99,6 +108,20 @@ def started_line(cluster: Cluster, st: Any) -> None:
     console.print(f"started job '{cluster.name}' on {plural(len(cluster.hosts), 'host')} "
                   f"({plural(cluster.world_size, 'rank')}, "
                   f"MASTER_ADDR={st.master_addr}:{st.master_port})")
+
+
+def with_hang_timeout(cluster: Cluster, seconds: float | None) -> Cluster:
+    """`--hang-timeout S` over the inventory's job.hang_timeout."""
+    if seconds is None:
+        return cluster
+    if not 0 < seconds < float("inf"):
+        raise UsageError(f"--hang-timeout must be a number of seconds above 0, got {seconds:g}",
+                         hint="e.g. `--hang-timeout 300`")
+    if cluster.job.array is not None:
+        raise UsageError("--hang-timeout watches the ranks of one distributed job; this "
+                         "inventory's job is an array of independent tasks",
+                         hint="leave --hang-timeout out for a job array")
+    return replace(cluster, job=replace(cluster.job, hang_timeout=seconds))
 
 
 def pull_after(started: launching.Started, code: int) -> int:

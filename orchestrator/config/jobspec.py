@@ -19,8 +19,8 @@ from yaml.nodes import Node, ScalarNode
 from orchestrator.config.arrayspec import ArraySpec, parse_array
 from orchestrator.config.yamlnodes import TAG, Section, Source, exists, scalar_text, short
 
-JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts", "array", "restarts",
-            "min_hosts")
+JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts", "hang_timeout", "array",
+            "restarts", "min_hosts")
 MAX_RESTARTS = 1000
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "GROUP_RANK")
@@ -41,6 +41,7 @@ class JobSpec:
     array: ArraySpec | None = None   # a job array: independent tasks instead of one job
     restarts: int = 0                # whole-job restarts after a failure (api/healing.py)
     min_hosts: int | None = None     # with no spare left, go on with at least this many hosts
+    hang_timeout: float | None = None  # seconds without progress before a hang; None: off
 
     @property
     def is_module(self) -> bool:
@@ -53,10 +54,16 @@ def parse_job(sec: Section, pushed: dict[str, Path], max_procs: int) -> JobSpec:
     _check_entrypoint_pushed(sec, entrypoint, pushed)
     args = _args(sec)
     env = _env(sec, sum(len(a.encode()) + 1 for a in args))
+    array = parse_array(sec, max_procs)
+    hang = sec.number("hang_timeout", None)
+    if hang is not None and array is not None:
+        sec.src.fail(sec.node("hang_timeout"), "`job.hang_timeout` watches the ranks of one "
+                     "distributed job; a job array's tasks are independent",
+                     "remove `hang_timeout:`, or `array:` to run one distributed job")
     return JobSpec(entrypoint=entrypoint, args=args, env=env,
                    master_port=sec.integer("master_port", None, 1, 65535, example=29500),
                    max_restarts=sec.integer("max_restarts", 0, 0, example=0),
-                   array=parse_array(sec, max_procs),
+                   array=array, hang_timeout=hang,
                    restarts=sec.integer("restarts", 0, 0, MAX_RESTARTS, example=3),
                    min_hosts=sec.integer("min_hosts", None, 1, example=2))
 

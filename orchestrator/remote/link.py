@@ -276,6 +276,12 @@ class Link:
             started = getattr(self.sink, "rank_start", None)   # optional for a sink
             if started is not None:
                 started(self.host.index, msg["rank"], msg["pid"])
+        elif t == "progress":
+            if not set(msg["ranks"]) <= self.follow_ranks:
+                raise protocol.ProtocolError("progress of a rank which is not followed here")
+            progress = getattr(self.sink, "rank_progress", None)   # optional for a sink
+            if progress is not None:
+                progress(self.host.index, sorted(set(msg["ranks"])))
         elif t == "done":
             fid, self.follow_id = self.follow_id, None
             self.sink.host_done(self.host.index, {k: v for k, v in msg.items() if k != "t"})

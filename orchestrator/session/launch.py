@@ -14,6 +14,11 @@ from orchestrator.session.preflight import HostInfo, PreflightReport, job_dir
 from orchestrator.ui.termsafe import escaped
 from orchestrator.wire import timeouts
 
+# On a GPU host, NCCL keeps its last collectives and dumps them when its watchdog times
+# out, as <prefix><rank> in this host's run/ (the hang report names it: agent/stacks.py)
+NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+NCCL_DUMP_PREFIX = "nccl-trace-rank-"
+
 
 def master_addr(cluster: Cluster, infos: dict[int, HostInfo] | None = None) -> str:
     """Host 0's address as the other hosts reach it.
@@ -66,6 +71,11 @@ def rank_env(cluster: Cluster, host: Host, job_dir: str, run_id: str) -> dict[st
         # numbered as nvidia-smi numbers them (CUDA's own default order is fastest first)
         env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, host.gpu_ids)),
                    CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    if host.gpus > 0:   # what the job's env does not set: NCCL's flight recorder, into run/
+        for key, value in NCCL_FLIGHT_RECORDER.items():
+            env.setdefault(key, value)
+        env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                       f"{job_dir}/run/{host.part}/{NCCL_DUMP_PREFIX}")
     return env
 
 
@@ -152,8 +162,13 @@ def dry_run_plan(cluster: Cluster) -> str:
         # as the host's shell gets it; a line break or an escape in an arg shown escaped
         lines.append("  " + escaped(remote_command(argv)))
     lines.append(sharing_plan(cluster))
+    if cluster.job.hang_timeout:
+        lines.append(f"hang watch: a rank without output or heartbeat for "
+                     f"{cluster.job.hang_timeout:g} s: every rank's stack taken, the culprit "
+                     "named, the job failed")
     env_keys = ", ".join(k for k, _ in cluster.job.env) or "none"
     lines.append(f"environment of every rank: ORCH_JOB, ORCH_JOB_DIR, ORCH_DATA_DIR, ORCH_OUTPUT_DIR, "
+                 "ORCH_HEARTBEAT, "
                  f"job env ({env_keys}; values sent in a 0600 file, not shown)")
     return "\n".join(lines)
 

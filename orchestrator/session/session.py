@@ -311,6 +311,15 @@ class Session:
             "status", timeouts.STATUS, job_dir=self.records[h.index].job_dir,
             ranks=list(h.ranks), **({"gpus": True} if h.gpus else {})))
 
+    def stacks(self, reason: str) -> GroupResult[dict[str, Any]]:
+        """A hang: every rank's Python stack, or why it has none (agent/stacks.py); the
+        hosts also append them to each rank's log."""
+        links = self.links
+        hosts = tuple(h for h in self.cluster.hosts if h.index in links)
+        return fan_out(hosts, lambda h: links[h.index].request(
+            "stacks", timeouts.STACKS, job_dir=self.records[h.index].job_dir,
+            ranks=list(h.ranks), reason=reason))
+
     def error_file(self, rank: int) -> str:
         """torchrun's error file of a failed rank ("" when there is none or no answer)."""
         host = self.cluster.host_of(rank)

@@ -72,6 +72,11 @@ class Tracker:
         if started is not None:
             started(host, rank, pid)
 
+    def rank_progress(self, host: int, ranks: list[int]) -> None:
+        progress = getattr(self.sink, "rank_progress", None)
+        if progress is not None:
+            progress(host, ranks)
+
     def rank_exit(self, host: int, rank: int, code: int | None, when: float,
                   after_stop: bool = False) -> None:
         extra = {"after_stop": True} if after_stop else {}
@@ -103,12 +108,17 @@ def watchdog(streams: dict[int, HostStream], tracker: Tracker, stop: threading.E
 
 
 def follow(streams: dict[int, HostStream], sink: Sink, tail: int = -1,
-           mode: str = "events", unit: str | None = None) -> Callable[[], bool]:
+           mode: str = "events", unit: str | None = None,
+           heartbeats: bool = False) -> Callable[[], bool]:
     """Start following every host; returns `finished()`, true once every host is done.
     mode "events" follows until the job ends; "snapshot" prints what is there and stops.
-    unit "task": a job array's tasks (their numbers stand where ranks do)."""
+    unit "task": a job array's tasks (their numbers stand where ranks do).
+    heartbeats: the hosts report the ranks that touched their heartbeat file (a sink's
+    `rank_progress(host, ranks)`), for the hang watch."""
     tracker, stop = Tracker(streams, sink), threading.Event()
-    extra = {"unit": unit} if unit else {}
+    extra: dict[str, Any] = {"unit": unit} if unit else {}
+    if heartbeats:
+        extra["heartbeats"] = True
     for index, s in streams.items():
         s.link.last_seen = time.monotonic()
         try:

@@ -2,7 +2,9 @@
 
 `attach(session, state)` returns the exit code; the root cause (rootcause.py) is the
 earliest real failure by the hosts' measured clocks, never a rank orch's stop ended, or
-a host that went silent before any rank failed."""
+a host that went silent before any rank failed. With `job.hang_timeout`, a hang
+(hang.py) is a failure too: every rank's stack is taken, the culprit named, the job
+stopped (`on_hang`: where a restart would go instead)."""
 from __future__ import annotations
 
 import signal
@@ -26,6 +28,16 @@ from orchestrator.ui.termsafe import markup_safe as escape
 from orchestrator.ui.wording import hint_cmd, plural
 from orchestrator.watch.clock import Clocks, HostClock
 from orchestrator.watch.follow import HostStream, LineSink, PrefixPrinter, follow
+from orchestrator.watch.hang import (
+    Hang,
+    HangReport,
+    HangWatch,
+    culprits,
+    places,
+    rank_stacks,
+    reason,
+    stack_lines,
+)
 from orchestrator.watch.rootcause import Exit, Failure, Verdict, verdict
 from orchestrator.wire import timeouts
 
@@ -58,12 +70,22 @@ class Monitor(LineSink):
     started: set[int] = field(default_factory=set)   # a pid reported, output or an exit
     printed: set[int] = field(default_factory=set)   # output or an exit
     clocks: Clocks | None = None
+    hang: HangWatch | None = None     # job.hang_timeout set: each rank's last progress
     user_stop: bool = False             # the failure was an `orch stop` from elsewhere
     cause: Verdict | None = None        # the root cause, once the job failed
+    hang_report: HangReport | None = None   # the hang found, with its culprits
 
     def lines(self, host: int, rank: int, texts: list[bytes]) -> None:
         self.printer.lines(host, rank, texts)
         self.seen(rank, printed=True)
+        if self.hang is not None:
+            self.hang.progress(rank)
+
+    def rank_progress(self, host: int, ranks: list[int]) -> None:
+        """The host saw these ranks touch their heartbeat files."""
+        if self.hang is not None:
+            for rank in ranks:
+                self.hang.progress(rank, heartbeat=True)
 
     def rank_start(self, host: int, rank: int, pid: int) -> None:
         self.seen(rank, printed=False)
@@ -90,6 +112,8 @@ class Monitor(LineSink):
     def rank_exit(self, host: int, rank: int, code: int, when: float,
                   after_stop: bool = False) -> None:
         self.seen(rank, printed=True)
+        if self.hang is not None:
+            self.hang.ended(rank)
         self.exits[rank] = Exit(host, rank, code, when, after_stop)
         if code != 0:
             self.wake.set()
@@ -126,20 +150,26 @@ def attach(session: Session, state: JobState, seen: list[Monitor] | None = None)
     mon = Monitor(cluster, state, printer, live=live)
     if seen is not None:
         seen.append(mon)
+    if cluster.job.hang_timeout:
+        mon.hang = HangWatch(cluster.job.hang_timeout, range(cluster.world_size))
     printer.above = live.above
     live.update(mon.started_line())
     links = session.links
     streams = {h.index: HostStream(links[h.index], h.job_dir, h.ranks) for h in state.hosts}
     mon.clocks = Clocks(links).start()
     keep = cluster.host_of(0).index   # `up` pulls rank 0's output/ from it afterwards
+    hang = None
     try:
-        finished = follow(streams, mon)
+        finished = follow(streams, mon, heartbeats=mon.hang is not None)
         while not finished() and not mon.failed():
             mon.wake.wait(0.2)
             mon.wake.clear()
             for i, info in list(mon.host_exits.items()):
                 if info.get("code") == 0 and i != keep and not mon.failed():
                     session.release(i)
+            hang = mon.hang.check() if mon.hang is not None else None
+            if hang is not None:
+                break
     except KeyboardInterrupt:
         live.close()
         interrupt_stop(session, mon)
@@ -147,6 +177,9 @@ def attach(session: Session, state: JobState, seen: list[Monitor] | None = None)
     finally:
         live.close()
         mon.clocks.close()
+    if hang is not None and not mon.failed():
+        mon.hang_report = investigate(session, hang)
+        return on_hang(session, mon, finished, mon.hang_report)
     if not mon.failed():
         console.print(f"job '{cluster.name}' finished: "
                       f"{'all ' if cluster.world_size > 1 else ''}"
@@ -160,10 +193,9 @@ def attach(session: Session, state: JobState, seen: list[Monitor] | None = None)
     return EXIT_JOB_FAILED
 
 
-def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool]) -> Verdict:
-    """Stop every other rank on every host at once, then report the earliest failure."""
-    cluster = session.cluster
-    started = time.monotonic()
+def stop_job(session: Session, mon: Monitor, finished: Callable[[], bool]
+             ) -> GroupResult[StopReport]:
+    """Stop every rank on every host at once; wait for the last lines and exits."""
     mon.stop_started = time.time()
     result = session.stop(timeouts.FAILFAST_GRACE, skip=set(mon.lost))
     deadline = time.monotonic() + timeouts.DRAIN
@@ -171,6 +203,14 @@ def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool]) -> V
         time.sleep(0.05)  # let the last lines and exit codes arrive
     for i, exc in result.failed.items():   # lost while we stopped (a frozen host)
         mon.lost.setdefault(i, f"no answer to the stop: {exc}")
+    return result
+
+
+def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool]) -> Verdict:
+    """Stop every other rank on every host at once, then report the earliest failure."""
+    cluster = session.cluster
+    started = time.monotonic()
+    result = stop_job(session, mon, finished)
     lost_at = {i: session.links[i].last_heard for i in mon.lost if i in session.links}
     if mon.clocks is not None:   # fresh samples: the failure may come before the first ones
         for _ in range(2):
@@ -179,6 +219,62 @@ def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool]) -> V
     console.print(render_verdict(session, mon, found))
     console.print(stop_summary(cluster, mon, result, time.monotonic() - started))
     return found
+
+
+def investigate(session: Session, hang: Hang) -> HangReport:
+    """Every rank's stack (also appended to its log by its host), and the culprits."""
+    result = session.stacks(reason(hang))
+    stacks = rank_stacks(result.ok)
+    dumps = tuple(f"{session.cluster.hosts[i].label}: {run_dir(session, i)}/{name}"
+                  for i, reply in sorted(result.ok.items()) for name in reply["nccl_dumps"])
+    unreachable = tuple(f"{session.cluster.hosts[i].label}: {exc}"
+                        for i, exc in sorted(result.failed.items()))
+    return HangReport(hang, stacks, culprits(hang, stacks), dumps, unreachable)
+
+
+def run_dir(session: Session, host: int) -> str:
+    """The host's part of run/, as its agent maps it."""
+    record = session.records[host]
+    return f"{record.job_dir}/run" + (f"/{record.part}" if record.part else "")
+
+
+def on_hang(session: Session, mon: Monitor, finished: Callable[[], bool],
+            report: HangReport) -> int:
+    """A hang fails the job: the report, then every rank stopped (a restart would start
+    the job again here instead)."""
+    console.print(render_hang(session.cluster, report))
+    started = time.monotonic()
+    result = stop_job(session, mon, finished)
+    console.print(stop_summary(session.cluster, mon, result, time.monotonic() - started))
+    return EXIT_JOB_FAILED
+
+
+def render_hang(cluster: Cluster, report: HangReport) -> str:
+    lines = [f"[bold red]job '{cluster.name}' failed[/]: {escape(reason(report.hang))}"]
+    shown = 0
+    for rank, why in sorted(report.found.why.items()):
+        host = cluster.host_of(rank)
+        lines.append(f"root cause rank {rank} on host {escape(host.label)} (local rank "
+                     f"{rank - host.first_rank}): {escape(why)}")
+        stack = report.stacks.get(rank)
+        if stack is not None and stack.frames and shown < 4:
+            shown += 1
+            lines.append(f"stack of rank {rank} (main thread, most recent call first):")
+            lines += [escape(text) for text in stack_lines(stack)]
+    if not report.found.why:
+        lines.append("no rank stands out: each is where the others are (a deadlock in the "
+                     "job itself, or every rank waiting on something outside it)")
+    if report.stacks:
+        lines.append("where every rank was:")
+        lines += [f"  {escape(text)}" for text in places(report.stacks)]
+    for text in report.nccl_dumps:
+        lines.append(f"NCCL flight recorder dump: {escape(text)}")
+    for text in report.unreachable:
+        lines.append(f"no stacks from {escape(text)}")
+    first = min(report.found.why or report.hang.idle or (0,))
+    lines.append(f"every rank's stack (all its threads) is at the end of its log: "
+                 f"`{escape(hint_cmd(cluster, f'logs --rank {first}'))}`")
+    return "\n".join(lines)
 
 
 def stop_summary(cluster: Cluster, mon: Monitor, result: GroupResult[StopReport],

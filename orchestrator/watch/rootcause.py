@@ -8,6 +8,8 @@ the clocks allow.
   together, not ordered.
 - A host that went silent before the first failure is the cause: its ranks could not
   report, and the others' failures followed from its silence.
+
+A hang has no failed exit to order: its cause is named from the ranks' stacks (hang.py).
 """
 from __future__ import annotations
 

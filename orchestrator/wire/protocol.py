@@ -251,7 +251,10 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "receive": {"root": str},
     "launch": {"job_dir": str, "spec": {"run_id": str, "ranks": [int], "argv": [str],
                                         "env": dict}},
-    "follow": {"job_dir": str, "ranks": [int], "tail": int, "mode": str, "?unit": str},
+    # heartbeats: also watch each rank's heartbeat file (run/heartbeat-<r>) and send a
+    # `progress` event naming the ranks whose file was touched since the last one
+    "follow": {"job_dir": str, "ranks": [int], "tail": int, "mode": str, "?unit": str,
+               "?heartbeats": bool},
     "status": {"job_dir": str, "ranks": [int], "?first_local": int,
                "?gpus": bool},   # gpus: every GPU's facts and holder too (the GPU view)
     "stop": {"job_dir": str, "grace": NUM},
@@ -277,6 +280,8 @@ REQUESTS: dict[str, dict[str, Any]] = {
     # orch exec: argv in the job folder (else remote_dir, else home), no shell
     "exec": {"job_dir": str, "argv": [str], "env": dict},
     "cancel": {"request": int},     # end the command of a running setup or exec (its group)
+    # a hang: each rank's Python stack (faulthandler on STACK_SIGNAL), or why it has none
+    "stacks": {"job_dir": str, "ranks": [int], "reason": str},
 }
 FOLLOW_MODES = ("events", "snapshot", "raw", "raw-follow")
 FOLLOW_UNITS = ("rank", "task")
@@ -289,6 +294,34 @@ RANK_STATUS = {"rank": int, "state": str, "last_line": str, "?pid": OPT_INT,
 TASK_STATUS = {"task": int, "state": str, "last_line": str, "?pid": OPT_INT, "?slot": OPT_INT,
                "?started": OPT_NUM, "?code": OPT_INT, "?ended": OPT_NUM}
 TASK_RESULT = {"task": int, "header": OPT_STR, "last": OPT_STR}
+MAX_STACK = 32 << 10                 # the bytes of one rank's stack in a `stacks` reply
+MAX_STACKS_REPLY = 4 << 20           # all of a host's stacks together
+MAX_NOTES = 64                       # file names (NCCL dumps) in a `stacks` reply
+# state: "answered" (stack holds its threads), "stopped" (SIGSTOP, a debugger: cannot
+# answer), "disk-wait" (uninterruptible sleep), "no answer", "exited", "gone"
+RANK_STACK = {"rank": int, "state": str, "pid": OPT_INT, "stack": str}
+
+
+def stack_list(value: Any) -> str | None:
+    if not isinstance(value, list):
+        return "must be a list"
+    total = 0
+    for item in value:
+        if not isinstance(item, dict) or not isinstance(item.get("stack"), str):
+            return "holds an entry that is not a rank's stack"
+        total += len(item["stack"])
+        if len(item["stack"]) > MAX_STACK or total > MAX_STACKS_REPLY:
+            return "holds more than the stack limits (%d, %d)" % (MAX_STACK, MAX_STACKS_REPLY)
+        check(item, RANK_STACK, "stack")
+    return None
+
+
+def name_list(value: Any) -> str | None:
+    if not isinstance(value, list) or len(value) > MAX_NOTES:
+        return "must be a list of at most %d names" % MAX_NOTES
+    if not all(isinstance(v, str) and len(v) <= 255 for v in value):
+        return "must hold names of at most 255 characters"
+    return None
 REPLIES: dict[str, dict[str, Any]] = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
@@ -318,6 +351,8 @@ REPLIES: dict[str, dict[str, Any]] = {
     "unshare": {"removed": bool},
     "gpu_claim": {"?ids": [int], "?uuids": [str], "?busy": [GPU]},
     "gpu_release": {"released": bool},
+    # nccl_dumps: NCCL flight recorder files in this host's run/ (TORCH_NCCL_DEBUG_INFO_TEMP_FILE)
+    "stacks": {"ranks": stack_list, "nccl_dumps": name_list, "time": NUM},
 }
 # Parts that may come before a reply (with the request's id).
 PARTS = {"manifest": {"folder": str, "files": manifest_files}}
@@ -328,6 +363,7 @@ EVENTS: dict[str, dict[str, Any]] = {
     "start": {"rank": int, "pid": int},                   # a rank's process is there
     "done": {"code": OPT_INT, "?time": OPT_NUM, "?lost": bool, "?snapshot": bool},
     "beat": {"?time": NUM},                   # once a second while following (host clock)
+    "progress": {"ranks": [int]},             # these ranks touched their heartbeat file
 }
 ERROR = {"category": str, "message": str, "?traceback": str, "?fix": str}
 # A pull_send's stream, before its reply: per file a `pull_file` part, its data frames

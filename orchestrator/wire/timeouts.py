@@ -30,10 +30,13 @@ CLOCK_REPLY = 2.0           # a `clock` sample's reply; a later one is not a use
 CLOCK_FIRST = 2.0           # the first clock samples of a followed job, after its start
 CLOCK_PERIOD = 5.0          # a new clock sample per host this often while a job is watched
 SETUP = 6 * 3600.0          # one host's `setup:` (pip installs can be long)
+STACKS = 15.0               # a hang: the hosts' `stacks` replies (each waits STACK_WAIT at most)
 CANCEL = 15.0               # Ctrl-C during setup or exec: the hosts' replies after a cancel
 
 # on the host (the agent)
 HEARTBEAT = 1.0             # a follow sends a heartbeat this often; HOST_LOST relies on it
+STACK_WAIT = 3.0            # a hang: how long the ranks have to write their stacks
+HEARTBEAT_POLL = 1.0        # how often a follow looks at the ranks' heartbeat files
 STOP_VERIFY = 5.0           # after SIGKILL: how long a stop waits for the kernel to reap
 NVIDIA_SMI = 20.0           # preflight's `nvidia-smi -L`
 RECEIVE_IDLE = 30.0         # a receive stream: no byte from the controller for this long and
