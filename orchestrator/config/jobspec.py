@@ -18,13 +18,16 @@ from yaml.nodes import Node, ScalarNode
 
 from orchestrator.config.arrayspec import ArraySpec, parse_array
 from orchestrator.config.yamlnodes import TAG, Section, Source, exists, scalar_text, short
+from orchestrator.wire import globs
 
-JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts", "array")
+JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts", "array", "checkpoint")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "GROUP_RANK")
 MAX_JOB_BYTES = 256 << 10  # job.args and job.env together (a command line holds ~2 MiB)
 _MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# what worker.train writes (worker/checkpoint.py: epoch-NNNNN.pt, written beside and renamed)
+DEFAULT_CHECKPOINT = ("output/checkpoints/*.pt",)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,9 @@ class JobSpec:
     master_port: int | None   # None: a free port on the first host
     max_restarts: int
     array: ArraySpec | None = None   # a job array: independent tasks instead of one job
+    # globs relative to the job folder (wire/globs.py): kept off rank 0's host, put back
+    # at a restart (session/checkpoints.py)
+    checkpoint: tuple[str, ...] = DEFAULT_CHECKPOINT
 
     @property
     def is_module(self) -> bool:
@@ -52,7 +58,8 @@ def parse_job(sec: Section, pushed: dict[str, Path], max_procs: int) -> JobSpec:
     return JobSpec(entrypoint=entrypoint, args=args, env=env,
                    master_port=sec.integer("master_port", None, 1, 65535, example=29500),
                    max_restarts=sec.integer("max_restarts", 0, 0, example=0),
-                   array=parse_array(sec, max_procs))
+                   array=parse_array(sec, max_procs),
+                   checkpoint=_checkpoint(sec))
 
 
 def _entrypoint(sec: Section) -> str:
@@ -142,3 +149,25 @@ def _env(sec: Section, used: int) -> tuple[tuple[str, str], ...]:
         used += len(key) + len(value.encode()) + 2
         _check_job_bytes(src, key_node, used)
     return tuple(sorted(pairs))
+
+
+def _checkpoint(sec: Section) -> tuple[str, ...]:
+    """`job.checkpoint`: globs under output/ or code/ of the job folder (wire/globs.py);
+    absent or null: worker.train's checkpoints."""
+    node = sec.node("checkpoint")
+    if node is None or node.tag == TAG + "null":
+        return DEFAULT_CHECKPOINT
+    hint = "write globs relative to the job folder, under output/ or code/ " \
+           "(e.g. `output/checkpoints/*.pt`, `code/snapshot.pt`)"
+    items = [node] if isinstance(node, ScalarNode) else sec.src.sequence(node, "job.checkpoint")
+    if len(items) > globs.MAX_GLOBS:
+        sec.src.fail(node, f"`job.checkpoint` holds {len(items)} globs, more than {globs.MAX_GLOBS}",
+                     "match more files with fewer globs (`output/ckpt/*.pt`, `output/**/*.pt`)")
+    out: list[str] = []
+    for i, item in enumerate(items):
+        value = scalar_text(sec.src, item, f"job.checkpoint[{i}]", hint)
+        why = globs.problem(value)
+        if why:
+            sec.src.fail(item, f"`job.checkpoint` entry {short(value)!r}: {why}", hint)
+        out.append(value)
+    return tuple(dict.fromkeys(out))
