@@ -157,3 +157,27 @@ def test_agent_manifest_with_globs_and_settle(tmp_path: Path) -> None:
     agent_pull.run_manifest(req)
     files = {k: v for p in req.parts for k, v in p["files"].items()}
     assert files == {"snapshot.pt": [4, sha(b"snap")]}
+
+
+def test_exact_receiver_drops_bytes_other_than_listed(tmp_path: Path) -> None:
+    """A file rewritten between the listing and the send (even to the same size, its
+    bytes whole and verified in transit) is not kept by the keeper's receiver; `orch
+    pull`'s receiver keeps the newer one."""
+    from orchestrator.files.localfiles import DigestCache
+    from orchestrator.files.pull import PullReport, Receiver
+    from orchestrator.files.pulldest import Dest
+    from orchestrator.session.checkpoints import KeptReceiver
+
+    listed, sent = b"old!", b"new!"
+    for cls, kept in ((KeptReceiver, False), (Receiver, True)):
+        root = tmp_path / cls.__name__
+        with Dest(root) as dest:
+            report = PullReport("h", "output", str(root))
+            rx = cls(dest, {"a.pt": [4, sha(listed)]}, DigestCache(tmp_path / "c.json"), report, None)
+            rx.part("pull_file", {"p": "a.pt", "s": 4, "m": 0o644})
+            rx.data(sent)
+            rx.part("pull_end", {"p": "a.pt", "h": sha(sent)})
+        assert (root / "a.pt").exists() is kept
+        assert not list(root.glob("*.orch-part-*"))
+        if not kept:
+            assert report.skipped[0]["why"].startswith("changed on the host")
