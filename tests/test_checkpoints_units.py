@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,33 @@ def test_exact_receiver_drops_bytes_other_than_listed(tmp_path: Path) -> None:
         assert not list(root.glob("*.orch-part-*"))
         if not kept:
             assert report.skipped[0]["why"].startswith("changed on the host")
+
+
+def test_keeper_records_a_lost_host_and_never_raises(tmp_path: Path) -> None:
+    """No link to rank 0's host (lost, or released), or a link that fails: each round is
+    recorded as failed and tried again; start/stop never raise."""
+    from types import SimpleNamespace
+
+    from orchestrator.session.checkpoints import Keeper, restore
+
+    cluster = load(inventory(tmp_path, ""))
+
+    class Broken:
+        name = "localhost"
+
+        def submit(self, *a: object, **k: object) -> None:
+            raise ConnectionResetError("the connection was reset")
+
+    session = SimpleNamespace(links={}, records={0: SimpleNamespace(job_dir="/nowhere/demo")})
+    keeper = Keeper(session, cluster, interval=0.01)  # type: ignore[arg-type]
+    assert keeper.round() is False and "not connected" in (keeper.last_error or "")
+    session.links[0] = Broken()
+    keeper.start()
+    deadline = time.monotonic() + 5
+    while keeper.errors < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    keeper.stop(final=True)
+    assert keeper.errors >= 3 and "reset" in (keeper.last_error or "")
+    assert keeper.latest() == {} and keeper.thread is not None and not keeper.thread.is_alive()
+    # nothing kept: no request at all
+    assert restore(session, cluster) == []  # type: ignore[arg-type]

@@ -31,7 +31,7 @@ from typing import Any
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import HostError
 from orchestrator.files.localfiles import DigestCache, LocalFile
-from orchestrator.files.pull import PullReport, Receiver, check_manifest, manifest, plan, receive
+from orchestrator.files.pull import PullReport, Receiver, manifest, plan, receive
 from orchestrator.files.pulldest import Dest
 from orchestrator.files.sync import Stall, stream_and_wait
 from orchestrator.remote.link import Link
@@ -167,7 +167,6 @@ class Keeper:
 
     def _folder(self, link: Link, job_dir: str, folder: str, rests: list[str]) -> None:
         _, remote = manifest(link, job_dir, [], folder=folder, globs=rests, settle=self.settle)
-        check_manifest(link.name, remote)
         with Dest(self.root / folder) as dest:
             dest.sweep()
             todo = plan(remote, dest, self.cache)
