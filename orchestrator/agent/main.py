@@ -40,6 +40,8 @@ HANDLERS = {
     "array_results": ("array", "run_results"),
     "pull_manifest": ("pull", "run_manifest"),
     "pull_send": ("pull", "run_send"),
+    "restore_check": ("restore", "run_check"),
+    "restore": ("restore", "run_restore"),
     "clock": ("main", "run_clock"),
     "setup": ("shellcmd", "run_setup"),
     "probe": ("shellcmd", "run_probe"),
@@ -50,8 +52,11 @@ HANDLERS = {
     "gpu_release": ("gpus", "run_release"),
     "stacks": ("stacks", "run"),
 }
-# command -> daemon thread (not waited for); setup and exec run beside a `cancel`
-IN_THREAD = {"follow": True, "stop": False, "setup": False, "exec": False}
+# command -> daemon thread (not waited for); setup and exec run beside a `cancel`; a
+# pull (the checkpoint keeper's, every few seconds while the job runs) never holds up a
+# `stop` behind a big file (the controller runs one data stream per link at a time)
+IN_THREAD = {"follow": True, "stop": False, "setup": False, "exec": False,
+             "pull_manifest": True, "pull_send": True}
 
 
 def run_clock(req: Request) -> dict[str, Any]:

@@ -1,10 +1,13 @@
 """`orch pull` on the host: list the job's output/ (or named paths under it) with each
-file's size and sha256, then send the files the controller asks for.
+file's size and sha256, then send the files the controller asks for. The checkpoint
+keeper (session/checkpoints.py) asks the same of output/ or code/, for the files that
+match its globs (wire/globs.py) and were not written in the last `settle` seconds.
 
 A link is neither followed nor sent (it is skipped and named in the reply), nor is
 anything that is not a regular file. Every path goes through the job's JobDir
 (agent/paths.py). Digests are kept in run/output-digests.json by (size, mtime, inode), so a
-second pull hashes only what changed. Stdlib only, Python 3.8.
+second pull hashes only what changed (code/'s in run/code-pull-digests.json: the name
+run/code-digests.json is an old cache that agent/files.py removes). Stdlib only, Python 3.8.
 """
 from __future__ import annotations
 
@@ -13,26 +16,30 @@ import hashlib
 import json
 import os
 import stat as st_mod
-from typing import Any
+import time
+from typing import Any, Callable
 
 from orchestrator.agent.common import AgentError
 from orchestrator.agent.ledger import LEDGER_CAP, sha256_fd, stat_key
 from orchestrator.agent.paths import DIR_FLAGS, JobDir, UnsafePath
-from orchestrator.wire import protocol
+from orchestrator.wire import globs, protocol
 
 OUTPUT = "output"
-DIGESTS = "run/output-digests.json"
+DIGESTS = {"output": "run/output-digests.json", "code": "run/code-pull-digests.json"}
 HEX = frozenset("0123456789abcdef")
 
 
 class Notes:
     """What was skipped: the first MAX_PULL_NOTES named, all counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, wanted: Callable[[str], bool] | None = None) -> None:
         self.items: list[Any] = []
         self.count = 0
+        self.wanted = wanted   # with globs: only what they match is worth naming
 
     def add(self, rel: str, why: str) -> None:
+        if self.wanted is not None and not self.wanted(rel):
+            return
         self.count += 1
         if len(self.items) < protocol.MAX_PULL_NOTES:
             shown = rel.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
@@ -66,22 +73,24 @@ def walk(fd: int, rel: str, found: dict[str, Any], notes: Notes) -> None:
             elif e.is_file(follow_symlinks=False):
                 found[path] = None
                 if len(found) > protocol.MAX_PULL_FILES:
-                    raise too_many()
+                    raise too_many(rel.split("/", 1)[0] or "the folder")
             else:
                 notes.add(path, kind_of(e))
     finally:
         os.close(fd)
 
 
-def too_many() -> AgentError:
-    return AgentError("output/ holds more than %d files: more than one pull lists"
-                      % protocol.MAX_PULL_FILES, protocol.USAGE)
+def too_many(where: str) -> AgentError:
+    return AgentError("%s holds more than %d files: more than one pull lists"
+                      % (where, protocol.MAX_PULL_FILES), protocol.USAGE)
 
 
-def list_path(jd: JobDir, path: str, found: dict[str, Any], notes: Notes) -> None:
-    """The files of output/<path> (output/ itself when path is ""): a folder walked, a
-    file listed, a link skipped. A named path that is not there is a usage error."""
-    rel = OUTPUT + "/" + path if path else OUTPUT
+def list_path(jd: JobDir, path: str, found: dict[str, Any], notes: Notes,
+              folder: str = OUTPUT, must: bool = True) -> None:
+    """The files of <folder>/<path> (the folder itself when path is ""): a folder walked,
+    a file listed, a link skipped. A named path that is not there is a usage error
+    (`must`), or nothing (a glob's root)."""
+    rel = folder + "/" + path if path else folder
     try:
         st = jd.lstat(rel)
     except UnsafePath as e:   # a link on the way: never followed
@@ -90,7 +99,7 @@ def list_path(jd: JobDir, path: str, found: dict[str, Any], notes: Notes) -> Non
     except (FileNotFoundError, NotADirectoryError):
         st = None
     if st is None:
-        if path:
+        if path and must:
             raise AgentError("%s: no such file or folder" % jd.show(rel), protocol.USAGE)
         return
     if st_mod.S_ISDIR(st.st_mode):
@@ -104,9 +113,9 @@ def list_path(jd: JobDir, path: str, found: dict[str, Any], notes: Notes) -> Non
 
 # ---------------------------------------------------------------- digests
 
-def load_digests(jd: JobDir) -> dict[str, Any]:
+def load_digests(jd: JobDir, folder: str = OUTPUT) -> dict[str, Any]:
     try:
-        raw = jd.read(DIGESTS, LEDGER_CAP)
+        raw = jd.read(DIGESTS[folder], LEDGER_CAP)
         doc = json.loads(raw.decode()) if raw is not None else {}
     except (OSError, ValueError):
         return {}
@@ -116,16 +125,17 @@ def load_digests(jd: JobDir) -> dict[str, Any]:
             and isinstance(v[0], str) and isinstance(v[1], str)}
 
 
-def save_digests(jd: JobDir, cache: dict[str, Any]) -> None:
+def save_digests(jd: JobDir, cache: dict[str, Any], folder: str = OUTPUT) -> None:
     with contextlib.suppress(OSError):   # a cache: the next pull hashes again
-        jd.write_file(DIGESTS, json.dumps(cache).encode())
+        jd.write_file(DIGESTS[folder], json.dumps(cache).encode())
 
 
-def digest_of(jd: JobDir, rel: str, cache: dict[str, Any]) -> tuple[int, str] | None:
-    """(size, sha256) of output/<rel>, hashed only when (size, mtime, inode) changed;
+def digest_of(jd: JobDir, rel: str, cache: dict[str, Any],
+              folder: str = OUTPUT) -> tuple[int, str] | None:
+    """(size, sha256) of <folder>/<rel>, hashed only when (size, mtime, inode) changed;
     None when it is gone or became something else (a link) since the walk."""
     try:
-        fd = jd.open_for_read(OUTPUT + "/" + rel)
+        fd = jd.open_for_read(folder + "/" + rel)
     except OSError:
         return None
     try:
@@ -144,22 +154,57 @@ def digest_of(jd: JobDir, rel: str, cache: dict[str, Any]) -> tuple[int, str] | 
 
 # ---------------------------------------------------------------- requests
 
-def run_manifest(req: Any) -> dict[str, Any]:
-    """Parts of {rel: [size, sha256]} (rel relative to output/), then the totals and
-    what was skipped."""
-    jd = JobDir(req.args["job_dir"])
+def folder_of(req: Any) -> str:
+    folder: str = req.args.get("folder", OUTPUT)
+    if folder not in globs.FOLDERS:
+        raise AgentError("cannot pull from %r: only output/ or code/" % folder, protocol.USAGE)
+    return folder
+
+
+def list_all(req: Any, jd: JobDir, folder: str, notes: Notes) -> dict[str, Any]:
+    """{rel: None}: the named paths (all of the folder when none), or what the globs match."""
     found: dict[str, Any] = {}
-    notes = Notes()
+    rests = req.args.get("globs")
+    if rests is not None:
+        for rest in rests:
+            list_path(jd, globs.root(rest), found, notes, folder, must=False)
+        return {rel: None for rel in found if globs.matches_any(rests, rel)}
     for path in req.args["paths"] or [""]:
         if path and protocol.pull_path_problem(path):
             raise AgentError("cannot pull %r: %s" % (path, protocol.pull_path_problem(path)),
                              protocol.USAGE)
-        list_path(jd, path, found, notes)
-    old = load_digests(jd)
-    kept = dict(old) if req.args["paths"] else {}   # a whole walk drops what is gone
-    files, total = {}, 0
+        list_path(jd, path, found, notes, folder)
+    return found
+
+
+def is_fresh(jd: JobDir, rel: str, since: float) -> bool:
+    """Written after `since` (a file still being written, by a job that does not write
+    beside and rename): left for the next round."""
+    try:
+        st = jd.lstat(rel)
+    except (OSError, UnsafePath):
+        return False
+    return st is not None and st.st_mtime > since
+
+
+def run_manifest(req: Any) -> dict[str, Any]:
+    """Parts of {rel: [size, sha256]} (rel relative to the folder: output/ by default),
+    then the totals and what was skipped; `fresh`: files left out as written less than
+    `settle` seconds ago."""
+    jd, folder = JobDir(req.args["job_dir"]), folder_of(req)
+    rests = req.args.get("globs")
+    notes = Notes(None if rests is None else lambda rel: globs.matches_any(rests, rel))
+    found = list_all(req, jd, folder, notes)
+    old = load_digests(jd, folder)
+    partial = bool(req.args["paths"]) or rests is not None
+    kept = dict(old) if partial else {}   # a whole walk drops what is gone
+    since = time.time() - req.args.get("settle", 0)
+    files, total, fresh = {}, 0, 0
     for rel in sorted(found):
-        got = digest_of(jd, rel, old)
+        if req.args.get("settle") and is_fresh(jd, folder + "/" + rel, since):
+            fresh += 1
+            continue
+        got = digest_of(jd, rel, old, folder)
         if got is None:
             continue
         kept[rel] = old[rel]
@@ -169,29 +214,29 @@ def run_manifest(req: Any) -> dict[str, Any]:
         files[rel] = list(got)
         total += got[0]
     if found:
-        save_digests(jd, kept)
-    send_parts(req, files)
-    return {"root": jd.show(OUTPUT), "files": len(files), "bytes": total,
-            "skipped": notes.items, "skipped_count": notes.count}
+        save_digests(jd, kept, folder)
+    send_parts(req, files, folder)
+    return {"root": jd.show(folder), "files": len(files), "bytes": total,
+            "skipped": notes.items, "skipped_count": notes.count, "fresh": fresh}
 
 
-def send_parts(req: Any, files: dict[str, Any]) -> None:
+def send_parts(req: Any, files: dict[str, Any], folder: str = OUTPUT) -> None:
     items, step = list(files.items()), protocol.MANIFEST_PART
     for i in range(0, len(items), step):
-        req.part("manifest", {"folder": OUTPUT, "files": dict(items[i:i + step])})
+        req.part("manifest", {"folder": folder, "files": dict(items[i:i + step])})
 
 
 def run_send(req: Any) -> dict[str, Any]:
     """Each asked file: `pull_file`, its bytes as data frames, `pull_end` with their
     sha256; `pull_skip` when it cannot be opened (gone, now a link)."""
-    jd = JobDir(req.args["job_dir"])
+    jd, folder = JobDir(req.args["job_dir"]), folder_of(req)
     count, nbytes = 0, 0
     for rel in req.args["files"]:
         why = protocol.pull_path_problem(rel)
         fd = None
         if not why:
             try:
-                fd = jd.open_for_read(OUTPUT + "/" + rel)
+                fd = jd.open_for_read(folder + "/" + rel)
             except OSError as e:
                 why = "gone" if isinstance(e, FileNotFoundError) else str(e)
         if fd is None:

@@ -18,15 +18,18 @@ from yaml.nodes import Node, ScalarNode
 
 from orchestrator.config.arrayspec import ArraySpec, parse_array
 from orchestrator.config.yamlnodes import TAG, Section, Source, exists, scalar_text, short
+from orchestrator.wire import globs
 
 JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts", "hang_timeout", "array",
-            "restarts", "min_hosts")
+            "restarts", "min_hosts", "checkpoint")
 MAX_RESTARTS = 1000
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "GROUP_RANK")
 MAX_JOB_BYTES = 256 << 10  # job.args and job.env together (a command line holds ~2 MiB)
 _MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# what worker.train writes (worker/checkpoint.py: epoch-NNNNN.pt, written beside and renamed)
+DEFAULT_CHECKPOINT = ("output/checkpoints/*.pt",)
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class JobSpec:
     restarts: int = 0                # whole-job restarts after a failure (api/healing.py)
     min_hosts: int | None = None     # with no spare left, go on with at least this many hosts
     hang_timeout: float | None = None  # seconds without progress before a hang; None: off
+    # globs relative to the job folder (wire/globs.py): kept off rank 0's host, put back
+    # at a restart (session/checkpoints.py)
+    checkpoint: tuple[str, ...] = DEFAULT_CHECKPOINT
 
     @property
     def is_module(self) -> bool:
@@ -65,7 +71,8 @@ def parse_job(sec: Section, pushed: dict[str, Path], max_procs: int) -> JobSpec:
                    max_restarts=sec.integer("max_restarts", 0, 0, example=0),
                    array=array, hang_timeout=hang,
                    restarts=sec.integer("restarts", 0, 0, MAX_RESTARTS, example=3),
-                   min_hosts=sec.integer("min_hosts", None, 1, example=2))
+                   min_hosts=sec.integer("min_hosts", None, 1, example=2),
+                   checkpoint=_checkpoint(sec))
 
 
 def _entrypoint(sec: Section) -> str:
@@ -155,3 +162,25 @@ def _env(sec: Section, used: int) -> tuple[tuple[str, str], ...]:
         used += len(key) + len(value.encode()) + 2
         _check_job_bytes(src, key_node, used)
     return tuple(sorted(pairs))
+
+
+def _checkpoint(sec: Section) -> tuple[str, ...]:
+    """`job.checkpoint`: globs under output/ or code/ of the job folder (wire/globs.py);
+    absent or null: worker.train's checkpoints."""
+    node = sec.node("checkpoint")
+    if node is None or node.tag == TAG + "null":
+        return DEFAULT_CHECKPOINT
+    hint = "write globs relative to the job folder, under output/ or code/ " \
+           "(e.g. `output/checkpoints/*.pt`, `code/snapshot.pt`)"
+    items = [node] if isinstance(node, ScalarNode) else sec.src.sequence(node, "job.checkpoint")
+    if len(items) > globs.MAX_GLOBS:
+        sec.src.fail(node, f"`job.checkpoint` holds {len(items)} globs, more than {globs.MAX_GLOBS}",
+                     "match more files with fewer globs (`output/ckpt/*.pt`, `output/**/*.pt`)")
+    out: list[str] = []
+    for i, item in enumerate(items):
+        value = scalar_text(sec.src, item, f"job.checkpoint[{i}]", hint)
+        why = globs.problem(value)
+        if why:
+            sec.src.fail(item, f"`job.checkpoint` entry {short(value)!r}: {why}", hint)
+        out.append(value)
+    return tuple(dict.fromkeys(out))

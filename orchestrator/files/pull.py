@@ -152,6 +152,10 @@ class Receiver(Stream):
     dropped, and the stream goes on."""
 
     takes_data = True
+    # exact: a file is kept only when the bytes sent are the ones the manifest listed
+    # (the checkpoint keeper: a file rewritten in place between listing and sending,
+    # even to the same size, is left for the next round); `orch pull` keeps the newer
+    exact = False
 
     def __init__(self, dest: Dest, wanted: dict[str, Any], cache: DigestCache, report: PullReport,
                  progress: Progress | None) -> None:
@@ -223,9 +227,10 @@ class Receiver(Stream):
         self.rel, out, self.out = None, self.out, None
         if out is None:
             return
-        if not body["h"] or body["h"] != self.hash.hexdigest():
+        changed = self.exact and body["h"] != self.wanted[rel][1]
+        if not body["h"] or body["h"] != self.hash.hexdigest() or changed:
             out.abandon()
-            if body["h"]:
+            if body["h"] and not changed:
                 self.report.failed.append({"p": rel, "why": "sha256 mismatch after transfer"})
             else:
                 self.report.skip(rel, "changed on the host while it was sent; pull again")
@@ -271,10 +276,11 @@ def batches(names: list[str]) -> list[list[str]]:
     return out
 
 
-def receive(link: Link, job_dir: str, rx: Receiver) -> None:
+def receive(link: Link, job_dir: str, rx: Receiver, **fields: Any) -> None:
+    """The wanted files; `fields` go with each request (`folder`: code/ not output/)."""
     for names in batches(sorted(rx.wanted)):
         link.last_seen = time.monotonic()
-        _, p = link.submit("pull_send", stream=rx, job_dir=job_dir, files=names)
+        _, p = link.submit("pull_send", stream=rx, job_dir=job_dir, files=names, **fields)
         try:
             wait_stream(link, p)
         except BaseException:   # host lost, an error reply, Ctrl-C: no half file stays
@@ -286,8 +292,11 @@ def receive(link: Link, job_dir: str, rx: Receiver) -> None:
 
 # ---------------------------------------------------------------- the whole pull
 
-def manifest(link: Link, job_dir: str, paths: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    _, asked = link.submit("pull_manifest", job_dir=job_dir, paths=paths)
+def manifest(link: Link, job_dir: str, paths: list[str],
+             **fields: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The host's listing, checked; `fields`: the request's optional ones (folder, globs,
+    settle)."""
+    _, asked = link.submit("pull_manifest", job_dir=job_dir, paths=paths, **fields)
     reply = link.wait(asked, timeouts.PULL_MANIFEST)
     remote: dict[str, Any] = {}
     for part in asked.parts:

@@ -124,6 +124,11 @@ class Dest:
         except FileNotFoundError:
             return None
 
+    def remove(self, rel: str) -> None:
+        """Unlink the entry at rel itself (a link is removed, never followed)."""
+        parent, _, name = rel.rpartition("/")
+        os.unlink(name, dir_fd=self.folder(parent, create=False))
+
     def digest(self, rel: str) -> str:
         """sha256 of the regular file at rel, read without following a link."""
         parent, _, name = rel.rpartition("/")

@@ -154,10 +154,13 @@ def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | Non
 
 
 def stream_and_wait(link: Link, stall: Stall, dest: str, send: list[LocalFile],
-                    delete: list[str], progress: Progress | None) -> dict[str, Any]:
+                    delete: list[str], progress: Progress | None,
+                    command: str = "receive", **fields: Any) -> dict[str, Any]:
+    """The stream after its request (`receive` into dest, or another that takes the same
+    stream with `fields`: a checkpoint `restore`), then the reply."""
     try:
         with link.wlock:   # the stream follows its request with nothing in between
-            _, pending = link.submit("receive", root=dest)
+            _, pending = link.submit(command, **(fields or {"root": dest}))
             stream_files(stall.send, send, progress)
             link.send(protocol.stream_item("end", delete=delete))
     except (OSError, EOFError) as e:

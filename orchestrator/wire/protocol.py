@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import struct
 
+from orchestrator.wire import globs
+
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
     from typing import Any, Callable
@@ -42,6 +44,7 @@ MAX_PULL_FILES = 200_000             # files one pull may list (name the PATHs f
 MAX_PULL_SIZE = 1 << 40              # one pulled file: 1 TiB at most
 MAX_PULL_PATH = 1024                 # bytes of a pulled file's path (each part: 255)
 MAX_PULL_NOTES = 50                  # skipped entries named in a pull manifest's reply
+MAX_RESTORE_FILES = 10_000           # checkpoint files one restore puts back
 CAPS = {JSON: MAX_JSON, DATA: MAX_DATA, OUTPUT: MAX_OUTPUT + RANK.size}
 MAX_COMMANDS = 200                   # setup commands in one request
 
@@ -217,6 +220,32 @@ def manifest_files(value: Any) -> str | None:
     return None
 
 
+def glob_list(value: Any) -> str | None:
+    """A keeper's globs, relative to the folder asked for (wire/globs.py)."""
+    if not isinstance(value, list) or len(value) > globs.MAX_GLOBS:
+        return "must be a list of at most %d globs" % globs.MAX_GLOBS
+    for rest in value:
+        why = globs.problem("output/%s" % rest) if isinstance(rest, str) else "not text"
+        if why:
+            return "glob %r: %s" % (str(rest)[:100], why)
+    return None
+
+
+def restore_files(value: Any) -> str | None:
+    """{rel: [size, sha256]}: kept checkpoints, relative to the job folder (output/, code/)."""
+    if not isinstance(value, dict) or len(value) > MAX_RESTORE_FILES:
+        return "must be an object of at most %d files" % MAX_RESTORE_FILES
+    for rel, entry in value.items():
+        why = pull_path_problem(rel) or ("" if rel.split("/", 1)[0] in globs.FOLDERS
+                                         and "/" in rel else "not under output/ or code/")
+        if why:
+            return "path %r: %s" % (rel[:100], why)
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
+                and isinstance(entry[1], str)):
+            return "entry %r must be [size, sha256]" % rel[:100]
+    return None
+
+
 def gpu_want(value: Any) -> str | None:
     """A claim: a count, "all", or GPU indexes."""
     if isinstance(value, bool):
@@ -265,8 +294,16 @@ REQUESTS: dict[str, dict[str, Any]] = {
                                               "?gpus": [int], "?gpus_per_task": int}},
     "array_status": {"job_dir": str, "tasks": [int]},
     "array_results": {"job_dir": str, "tasks": [int]},
-    "pull_manifest": {"job_dir": str, "paths": [str]},   # paths relative to output/
-    "pull_send": {"job_dir": str, "files": [str]},       # from the manifest
+    # paths relative to the folder (output/ unless `folder`: "output" or "code"); globs
+    # (the checkpoint keeper): only the files they match, none written in the last `settle` s
+    "pull_manifest": {"job_dir": str, "paths": [str], "?folder": str, "?globs": glob_list,
+                      "?settle": NUM},
+    "pull_send": {"job_dir": str, "files": [str], "?folder": str},   # from the manifest
+    # checkpoints put back before a (re)launch: which of these differ or are missing
+    # there, then `restore` with the receive stream (`file` items, `end` with no deletion);
+    # written beside and renamed, never recorded in code/'s ledger (agent/restore.py)
+    "restore_check": {"job_dir": str, "files": restore_files},
+    "restore": {"job_dir": str},
     "clock": {},                          # the host's time now: offsets measured NTP-style
     # setup: `commands` (each run with the host's shell, -c) or `script` (a file in code/),
     # in code/; skipped when run/setup.json holds `fingerprint` (unless `force`)
@@ -336,8 +373,11 @@ REPLIES: dict[str, dict[str, Any]] = {
                "time": NUM, "ranks": [RANK_STATUS], "?gpus": [GPU], "?gpu_error": str},
     "stop": {"found": int, "killed": int, "left": [int], "seconds": NUM},
     "pull_manifest": {"root": str, "files": int, "bytes": int,
-                      "skipped": [{"p": str, "why": str}], "skipped_count": int},
+                      "skipped": [{"p": str, "why": str}], "skipped_count": int,
+                      "?fresh": int},
     "pull_send": {"files": int, "bytes": int},
+    "restore_check": {"want": [str]},
+    "restore": {"files": int, "bytes": int},
     "clock": {"time": NUM},
     "array_launch": {"supervisor": SUPERVISOR},
     "array_status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
