@@ -148,10 +148,13 @@ def plan(inventory: jobs.Inventory, *, hosts: str | None = None,
 @contextmanager
 def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str | None = None,
           setup: bool = False, wait: bool = False, progress: UpProgress | None = None,
-          attempts: list[dict[str, Any]] | None = None) -> Iterator[Started]:
+          attempts: list[dict[str, Any]] | None = None,
+          before_launch: Callable[[Session, PreflightReport], None] | None = None) -> Iterator[Started]:
     """Every step up to the start on every host; the session closes when the block ends.
     `hosts`, `exclude`, `wait`: as `up`'s (a loaded Cluster may come narrowed already).
-    `attempts`: the restarts so far of this run (api/healing.py), kept in its state."""
+    `attempts`: the restarts so far of this run (api/healing.py), kept in its state.
+    `before_launch`: called with the session and preflight once every host is ready,
+    just before the start (a restart puts the kept checkpoints back there)."""
     cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     shown = progress or UpProgress()
     refuse_running_elsewhere(cluster)
@@ -174,6 +177,8 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
             shown.gpus_claimed(cluster, session.waiting.waited if session.waiting else 0.0)
         sync(session, files, pre, shown)
         pre = setup_and_check(session, files, pre, setup, shown)
+        if before_launch is not None:
+            before_launch(session, pre)
         yield launch_array(session, pre) if cluster.job.array else launch(session, pre)
     finally:
         session.close()

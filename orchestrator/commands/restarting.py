@@ -2,7 +2,11 @@
 after a failure: each attempt is started and followed as `orch up` does, then
 api/healing.py decides the next attempt's hosts, and after a short back-off the whole
 job starts again under the same name (ORCH_RESTART_COUNT=k). An `orch stop` from
-elsewhere, Ctrl-C, success, or no restart left end the run."""
+elsewhere, Ctrl-C, success, or no restart left end the run.
+
+While an attempt runs, a Keeper copies `job.checkpoint`'s files off rank 0's host
+(session/checkpoints.py); before a restart's launch they are put back into every job
+folder of the new run, so that a run resumes even when the host that held them is gone."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +18,10 @@ from orchestrator.api import healing, launching
 from orchestrator.commands.common import console
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, GroupError
+from orchestrator.remote.fanout import fan_out
+from orchestrator.session import checkpoints
+from orchestrator.session.preflight import PreflightReport
+from orchestrator.session.session import Session
 from orchestrator.ui.termsafe import plain
 from orchestrator.watch.hang import reason
 from orchestrator.watch.monitor import Monitor, attach, signal_name
@@ -92,16 +100,24 @@ def attempt(plan: healing.Plan, args: argparse.Namespace, view: launching.UpProg
             started: Started, pull_after: PullAfter, running: Callable[[], None]) -> int | Failed:
     """One attempt, started and followed; its exit code when the run ends with it."""
     cluster = plan.cluster
+    keep = bool(cluster.job.checkpoint) and plan.restarts > 0
     with launching.start(cluster, setup=args.setup, wait=args.wait, progress=view,
-                         attempts=plan.attempts) as got:
+                         attempts=plan.attempts,
+                         before_launch=put_back if keep and plan.attempt else None) as got:
         cluster = got.session.cluster
         if plan.attempt:
             console.print(plain(f"attempt {plan.attempt + 1} of {plan.restarts + 1} "
                                 f"(ORCH_RESTART_COUNT={plan.attempt})"))
         started(cluster, got.state)
         running()
+        keeper = checkpoints.Keeper(got.session, cluster).start() if keep else None
         seen: list[Monitor] = []
-        code = attach(got.session, got.state, seen)
+        try:
+            code = attach(got.session, got.state, seen)
+        finally:
+            if keeper is not None:   # one last round unless rank 0's host is gone
+                lost = bool(seen) and cluster.host_of(0).index in seen[0].lost
+                keeper.stop(final=not lost, timeout=30)
         mon = seen[0]
         if code in (EXIT_OK, EXIT_INTERRUPTED) or mon.user_stop or plan.left <= 0:
             if mon.user_stop:
@@ -110,6 +126,22 @@ def attempt(plan: healing.Plan, args: argparse.Namespace, view: launching.UpProg
                 console.print(f"no restart left ({plan.restarts} made)", markup=False)
             return code if args.no_pull or code == EXIT_INTERRUPTED else pull_after(got, code)
         return blame(cluster, mon)
+
+
+def put_back(session: Session, pre: PreflightReport) -> None:
+    """The kept checkpoints into every job folder of the new run (once per shared one),
+    those it lacks: rank 0 resumes from them, and so does a script whose every rank
+    loads its own copy (the DDP tutorial's snapshot.pt). Said in a line; a host that
+    cannot take them fails this attempt's start like any step."""
+    cluster = session.cluster
+    leaders = tuple(cluster.hosts[g[0]] for g in pre.groups())
+    result = fan_out(leaders, lambda h: checkpoints.restore(session, cluster, h.index))
+    result.raise_failures(cluster.hosts, "to take the kept checkpoints back")
+    sent = sorted({rel for rels in result.ok.values() for rel in rels})
+    if sent:
+        shown = ", ".join(sent[:3]) + (f" and {len(sent) - 3} more" if len(sent) > 3 else "")
+        where = ", ".join(h.label for h in leaders if result.ok.get(h.index))
+        console.print(plain(f"checkpoint put back on {where}: {shown}"))
 
 
 def blame(cluster: Cluster, mon: Monitor) -> Failed:

@@ -191,11 +191,12 @@ class Keeper:
 
 # ---------------------------------------------------------------- restore
 
-def restore(session: Session, cluster: Cluster) -> list[str]:
-    """Put the kept files back into the job folder of the host of global rank 0 (its
-    agent up in `session`), those missing or different there only. Returns their paths,
-    relative to the job folder. Raises HostError when the host cannot take them."""
-    host = cluster.host_of(0)
+def restore(session: Session, cluster: Cluster, index: int | None = None) -> list[str]:
+    """Put the kept files back into the job folder of host `index` (default: the host of
+    global rank 0; its agent up in `session`), those missing or different there only.
+    Returns their paths, relative to the job folder. Raises HostError when the host
+    cannot take them."""
+    host = cluster.host_of(0) if index is None else cluster.hosts[index]
     link: Link | None = session.links.get(host.index)
     if link is None:
         raise HostError(f"{host.label}: not connected: the checkpoints cannot be put back")
