@@ -10,7 +10,7 @@ from orchestrator.files.localfiles import LocalFile
 from orchestrator.files.sync import plan
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
-from orchestrator.watch.follow import HostStream, Tracker
+from orchestrator.watch.follow import HostStream, LineSink, Tracker
 from orchestrator.watch.monitor import Monitor, signal_name
 from orchestrator.watch.rootcause import verdict
 from orchestrator.wire import protocol
@@ -36,17 +36,11 @@ def test_plan_sends_new_and_changed_deletes_extra() -> None:
     assert delete == ["gone"]
 
 
-class Recorder:
+class Recorder(LineSink):
+    """The product's LineSink turns output frames into lines; this records the calls."""
+
     def __init__(self) -> None:
         self.calls: list = []
-
-    def output(self, host, rank, partial, data):
-        from orchestrator.watch.follow import split_lines
-        texts = split_lines(partial, data)
-        if self.calls and self.calls[-1][:2] == ("L", rank):
-            self.calls[-1][2].extend(texts)   # one run of a rank's lines: one call
-        else:
-            self.calls.append(("L", rank, texts))
 
     def lines(self, host, rank, texts):
         self.calls.append(("L", rank, list(texts)))
@@ -79,10 +73,13 @@ def test_parse_chunk_groups_lines_per_rank_and_keeps_order() -> None:
     link.host, link.sink, link.follow_ranks, link.follow_id = FakeHost(), None, frozenset(), None  # type: ignore[assignment]
     link.sink, link.follow_ranks = Tracker({0: stream}, rec), frozenset([0, 1])
     data = (protocol.output(0, b"a\nb c\n") + protocol.output(1, b"x\n") + protocol.event("beat")
-            + protocol.output(0, b"\n") + protocol.event("exit", rank=1, code=7, time=12.5)
+            + protocol.output(0, b"\n") + protocol.output(1, b"long\nline", partial=True)
+            + protocol.output(1, b"y\n\nz\n") + protocol.event("exit", rank=1, code=7, time=12.5)
             + protocol.event("done", code=1))
     feed(link, data)
+    # one call per frame, in order; a partial frame is one piece, newlines and all
     assert rec.calls == [("L", 0, [b"a", b"b c"]), ("L", 1, [b"x"]), ("L", 0, [b""]),
+                         ("L", 1, [b"long\nline"]), ("L", 1, [b"y", b"", b"z"]),
                          ("E", 1, 7, 12.5), ("X", {"code": 1})]
     assert stream.done
 
