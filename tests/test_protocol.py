@@ -11,7 +11,6 @@ exactly as it runs under sshd.
 from __future__ import annotations
 
 import io
-import json
 import os
 import subprocess
 import sys

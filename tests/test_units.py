@@ -181,3 +181,49 @@ def test_follow_reads_the_run_records_only_when_run_changed(tmp_path: Path, monk
         assert rundir.changed()                       # once a second whatever happens
     finally:
         rundir.close()
+
+
+class StubLink:
+    """What the host-lost watchdog reads of a link: when it last heard from the host."""
+
+    def __init__(self, last_seen: float) -> None:
+        self.last_seen = last_seen
+        self.lost_why: list[str] = []
+
+    def lost(self, why: str) -> None:
+        self.lost_why.append(why)
+
+
+def test_host_lost_watchdog_on_a_fake_clock(monkeypatch) -> None:
+    """No frame for HOST_LOST (15 s of fake time, no real wait): the host is lost, once,
+    and its link told; a host that keeps beating is not; not a check early."""
+    import threading
+
+    from helpers import FakeClock
+    from orchestrator.watch.follow import watchdog
+    from orchestrator.wire import timeouts
+
+    clock = FakeClock(start=1000.0)
+    monkeypatch.setattr(timeouts, "CLOCK", clock)
+    links = {i: StubLink(1000.0) for i in (0, 1)}
+    streams = {i: HostStream(link=link, job_dir="/j", ranks=[i])  # type: ignore[arg-type]  # a test double
+               for i, link in links.items()}
+    rec = Recorder()
+    stop = threading.Event()
+    dog = threading.Thread(target=watchdog, args=(streams, Tracker(streams, rec), stop), daemon=True)
+    dog.start()
+    clock.wait_for_checks(1)
+    try:
+        for _ in range(int(timeouts.HOST_LOST / 0.25) - 1):    # up to HOST_LOST - 0.25 s
+            clock.step(0.25)
+            links[1].last_seen = clock.now()                   # host 1's heartbeat
+        assert rec.calls == [] and links[0].lost_why == []
+        for _ in range(8):                                     # past HOST_LOST, and on
+            clock.step(0.25)
+            links[1].last_seen = clock.now()
+    finally:
+        stop.set()
+        dog.join(10)
+    why = f"no answer for {timeouts.HOST_LOST:.0f} s"
+    assert rec.calls == [("lost", why)] and links[0].lost_why == [why], (rec.calls, links[0].lost_why)
+    assert streams[0].done and not streams[1].done and links[1].lost_why == []
