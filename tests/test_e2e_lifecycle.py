@@ -196,11 +196,16 @@ def test_reattach_after_controller_killed(sshd_cluster: SshdCluster, tmp_path: P
     jobs.add(inv, hosts, name)
     up = jobs.start(tmp_path, "up", str(inv))
     up.wait_for(r"^\[r\d \S+\] rank \d waiting$", count=6)
+    # what could end the workers with their controller: its agents on the hosts, in
+    # their SSH sessions (the detached supervisors carry the agent's argv too, but they
+    # are no sshd's descendants)
+    agents = set(agents_of([job_dir(h, name) for h in hosts])) & {
+        pid for h in hosts for pid in h.descendants()}
+    assert len(agents) == len(hosts), agents
     up.proc.send_signal(signal.SIGKILL)
     up.proc.wait(10)
-    # the workers must not notice that their controller is gone: what could end them
-    # with it (its agents on the hosts, their SSH sessions) has ended first
-    wait_until(lambda: not agents_of([job_dir(h, name) for h in hosts]), 30,
+    # the workers must not notice that their controller is gone: its agents end first
+    wait_until(lambda: not [p for p in agents if pid_alive(p)], 30,
                "the killed controller's agents to end")
     assert all(job_pids(hosts, name).values()), "the job died with its controller"
 
