@@ -39,7 +39,8 @@ class Hosts:
     after 60 s). Every request and reply in `log`, in order."""
 
     def __init__(self, presses: int) -> None:
-        self.presses, self.log, self.lock = presses, [], threading.Lock()
+        self.presses, self.lock = presses, threading.Lock()
+        self.log: list[tuple] = []
         self.killed, self.ended = threading.Event(), threading.Event()
         self.up = 0
 
@@ -136,7 +137,7 @@ def run_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hosts: Hosts) -> int
                 master_port=29500, hosts=[UpHost(h.label, h.job_dir, h.ranks) for h in state.hosts]))
         finally:
             session.close()
-    monkeypatch.setattr(up_cmd.launching, "start", start)
+    monkeypatch.setattr(launching, "start", start)   # up.py calls launching.start
     args = argparse.Namespace(config=str(path), file=None, json=False, hosts=None, exclude=None,
                               dry_run=False, detach=False, setup=False, fail_fast=False,
                               no_pull=False)
