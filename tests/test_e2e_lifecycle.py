@@ -251,6 +251,36 @@ def test_ctrl_c_stops_the_job_everywhere(sshd_cluster: SshdCluster, tmp_path: Pa
     up.proc.send_signal(signal.SIGINT)
     assert up.finish(timeout=40) == 130, up.text()
     assert "interrupted" in "\n".join(up.err)
+    assert not (tmp_path / "outputs").exists(), "an interrupted up pulled rank 0's output/"
+    assert_nothing_left(hosts, name)
+
+
+def test_stop_with_one_host_unreachable_stops_the_others(sshd_cluster: SshdCluster,
+                                                         tmp_path: Path, jobs: Jobs) -> None:
+    """One of three hosts hangs (sshd SIGSTOPped): `orch stop` stops the job on the two
+    others, names the third, exits 3; once it is back, `orch stop` again ends the rest."""
+    hosts, name = sshd_cluster.hosts[:3], "e2e-stop-partial"
+    write_job(tmp_path, SLEEP_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name,
+                                       top={"ssh": {"connect_timeout": 3}})
+    jobs.add(inv, hosts, name)
+    up = orch(tmp_path, "up", str(inv), "--detach")
+    assert up.returncode == 0, up.stderr
+    wait_until(lambda: all(job_pids(hosts, name).values()), 60, "every rank running")
+    hung = hosts[1]
+    hung.pause()
+    try:
+        stop = orch(tmp_path, "stop", str(inv), "--grace", "1", timeout=120)
+        left = job_pids(hosts, name)
+    finally:
+        hung.resume()
+    assert stop.returncode == 3, stop.stdout + stop.stderr
+    assert hung.address in stop.stderr and "Traceback" not in stop.stderr, stop.stderr
+    assert "1 of 3 hosts failed to stop" in stop.stderr, stop.stderr
+    assert not left[hosts[0].address] and not left[hosts[2].address], left
+    assert left[hung.address], "the unreachable host's ranks cannot have been stopped"
+    again = orch(tmp_path, "stop", str(inv), "--grace", "1")
+    assert again.returncode == 0, again.stderr
     assert_nothing_left(hosts, name)
 
 
