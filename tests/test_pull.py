@@ -288,6 +288,36 @@ def test_pull_over_a_link_then_nothing_then_the_change(tmp_path: Path) -> None:
     assert not list(dest.rglob("*.orch-part-*"))
 
 
+def test_a_file_changed_on_the_host_while_sent_is_dropped_then_pulled_next_time(
+        tmp_path: Path) -> None:
+    """The job shrinks big.bin on the host while the real agent sends it (after its size
+    was announced): the agent pads the stream and sends no digest; the controller keeps
+    nothing of it (no file, no part file), says why, and pulls it whole the next time."""
+    job = tmp_path / "remote" / "fake"
+    make_output(job)
+    big = job / "output" / "big.bin"
+    big.write_bytes(os.urandom(3 << 20))
+    cut: list[int] = []
+
+    def shrink(kind: str, body: dict) -> dict:
+        if kind == "pull_file" and body["p"] == "big.bin" and not cut:
+            cut.append(body["s"])
+            os.truncate(big, 1 << 20)   # rewritten by the job while it is being sent
+        return body
+    dest = tmp_path / "outputs" / "fake"
+    with session(tmp_path, agent_handlers(shrink)) as s:
+        host = s.cluster.hosts[0]
+        first = s.pull(host, [], dest)
+        assert cut == [3 << 20]
+        assert {"p": "big.bin", "why": "changed on the host while it was sent; pull again"} \
+            in first.skipped, first.skipped
+        assert first.files == 2 and not first.failed, first
+        assert not (dest / "big.bin").exists() and not list(dest.rglob("*.orch-part-*"))
+        again = s.pull(host, [], dest)
+        assert (again.files, again.unchanged) == (1, 2), again
+    assert (dest / "big.bin").read_bytes() == big.read_bytes() and len(big.read_bytes()) == 1 << 20
+
+
 def test_a_host_that_sends_an_unasked_name_is_cut_off(tmp_path: Path) -> None:
     """The agent is swapped for one that renames what it sends to ../../escaped: the link
     ends with a protocol error, and nothing lands outside the destination."""
