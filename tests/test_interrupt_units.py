@@ -41,7 +41,8 @@ class Hosts:
     def __init__(self, presses: int) -> None:
         self.presses, self.lock = presses, threading.Lock()
         self.log: list[tuple] = []
-        self.killed, self.ended = threading.Event(), threading.Event()
+        self.killed = {0: threading.Event(), 1: threading.Event()}   # per host
+        self.ended = threading.Event()
         self.up = 0
 
     def note(self, *what: object) -> None:
@@ -63,7 +64,7 @@ class Hosts:
 
         def end() -> None:
             self.ended.wait(60)
-            code = -9 if self.killed.is_set() else (0 if not self.presses else -15)
+            code = -9 if self.killed[chan.host.index].is_set() else (0 if not self.presses else -15)
             for r in msg["ranks"]:
                 chan.push(protocol.event("exit", rank=r, code=code, time=time.time()))
             chan.push(protocol.event("done", code=0 if code == 0 else 1, time=time.time()))
@@ -75,7 +76,7 @@ class Hosts:
         host, grace = chan.host.index, msg["grace"]
         self.note(host, "stop", grace)
         if grace == 0:
-            self.killed.set()
+            self.killed[host].set()
             self.ended.set()
             self.note(host, "stopped", grace)
             chan.push(protocol.reply(msg["id"], {"found": 2, "killed": 2, "left": [],
@@ -88,7 +89,7 @@ class Hosts:
 
         def graceful() -> None:
             if self.presses >= 2:
-                self.killed.wait(60)   # SIGTERM ignored: only the kill ends the ranks
+                self.killed[host].wait(60)   # SIGTERM ignored: only this host's kill ends them
             self.ended.set()
             self.note(host, "stopped", grace)
             chan.push(protocol.reply(msg["id"], {"found": 2, "killed": 0, "left": [],
