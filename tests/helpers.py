@@ -283,6 +283,58 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str,
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+class FakeClock:
+    """A stand-in for `timeouts.CLOCK` (monkeypatched in): its time moves only when a test
+    calls `advance`, and a watchdog's wait between checks returns when the fake time
+    reaches its end (or its event is set). `checks` counts the waits begun: a test that
+    advances and then waits for `checks` to grow knows the watchdog has looked."""
+
+    def __init__(self, start: float | None = None) -> None:
+        # the real clock's reading by default: a Link's last_seen stamps stay comparable
+        self.t = time.monotonic() if start is None else start
+        self.cond = threading.Condition()
+        self.checks = 0
+
+    def now(self) -> float:
+        with self.cond:
+            return self.t
+
+    def wait(self, event: threading.Event, seconds: float) -> bool:
+        with self.cond:
+            self.checks += 1
+            self.cond.notify_all()
+            end = self.t + seconds
+            real_end = time.monotonic() + 60   # never hang a test that forgot to advance
+            while not event.is_set() and self.t < end and time.monotonic() < real_end:
+                self.cond.wait(0.01)   # an event set from outside is seen within 10 ms
+            return event.is_set()
+
+    def advance(self, seconds: float) -> None:
+        with self.cond:
+            self.t += seconds
+            self.cond.notify_all()
+
+    def step(self, seconds: float, alive: Callable[[], bool] = lambda: True,
+             timeout: float = 30) -> None:
+        """Advance, then wait until the watchdog has checked at the new time (it waits
+        again) or has ended (`alive()` false)."""
+        with self.cond:
+            seen = self.checks
+            self.t += seconds
+            self.cond.notify_all()
+            deadline = time.monotonic() + timeout
+            while self.checks == seen and alive() and time.monotonic() < deadline:
+                self.cond.wait(0.01)
+            assert self.checks > seen or not alive(), "the watchdog did not check again"
+
+    def wait_for_checks(self, count: int, timeout: float = 30) -> None:
+        with self.cond:
+            deadline = time.monotonic() + timeout
+            while self.checks < count and time.monotonic() < deadline:
+                self.cond.wait(0.01)
+            assert self.checks >= count, f"the watchdog made {self.checks} of {count} checks"
+
+
 def write_job(tmp_path: Path, source: str, name: str = "job.py") -> Path:
     """Write a job script (dedented by the caller if needed) and return its path."""
     path = Path(tmp_path) / name

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,9 +84,17 @@ def test_up_logs_stop_through_the_bastion(netns: NetnsCluster, tmp_path: Path) -
             env=dict(os.environ, ORCH_SSH_CONFIG=str(config)), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
         try:
-            # two hosts, one connection to the bastion: it is shared
-            wait_until(lambda: netns.established(f"{LINK}.2") >= 1, 30, "logs -f connected")
-            time.sleep(1)
+            # two hosts, one connection to the bastion: it is shared. Once both hosts'
+            # lines have come, both hosts' connections exist (through the bastion)
+            out: list[str] = []
+            assert follow.stdout is not None
+            reader = threading.Thread(target=lambda: out.extend(
+                raw.decode(errors="replace") for raw in iter(follow.stdout.readline, b"")),  # type: ignore[union-attr]  # checked above
+                daemon=True)
+            reader.start()
+            wanted_live = {f"[r{rank} {h.address}] hello from rank {rank}\n"
+                           for rank, h in enumerate(netns.hosts)}
+            wait_until(lambda: wanted_live <= set(out), 60, f"logs -f to show {wanted_live}")
             assert netns.established(f"{LINK}.2") == 1
         finally:
             follow.terminate()

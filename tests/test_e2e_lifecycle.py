@@ -20,6 +20,7 @@ import pytest
 from helpers import (
     ORCH,
     Jobs,
+    agents_of,
     assert_nothing_left,
     job_dir,
     job_pids,
@@ -195,9 +196,17 @@ def test_reattach_after_controller_killed(sshd_cluster: SshdCluster, tmp_path: P
     jobs.add(inv, hosts, name)
     up = jobs.start(tmp_path, "up", str(inv))
     up.wait_for(r"^\[r\d \S+\] rank \d waiting$", count=6)
+    # what could end the workers with their controller: its agents on the hosts, in
+    # their SSH sessions (the detached supervisors carry the agent's argv too, but they
+    # are no sshd's descendants)
+    agents = set(agents_of([job_dir(h, name) for h in hosts])) & {
+        pid for h in hosts for pid in h.descendants()}
+    assert len(agents) == len(hosts), agents
     up.proc.send_signal(signal.SIGKILL)
     up.proc.wait(10)
-    time.sleep(1)  # the workers must not notice that their controller is gone
+    # the workers must not notice that their controller is gone: its agents end first
+    wait_until(lambda: not [p for p in agents if pid_alive(p)], 30,
+               "the killed controller's agents to end")
     assert all(job_pids(hosts, name).values()), "the job died with its controller"
 
     st = status(tmp_path, inv)
@@ -242,6 +251,36 @@ def test_ctrl_c_stops_the_job_everywhere(sshd_cluster: SshdCluster, tmp_path: Pa
     up.proc.send_signal(signal.SIGINT)
     assert up.finish(timeout=40) == 130, up.text()
     assert "interrupted" in "\n".join(up.err)
+    assert not (tmp_path / "outputs").exists(), "an interrupted up pulled rank 0's output/"
+    assert_nothing_left(hosts, name)
+
+
+def test_stop_with_one_host_unreachable_stops_the_others(sshd_cluster: SshdCluster,
+                                                         tmp_path: Path, jobs: Jobs) -> None:
+    """One of three hosts hangs (sshd SIGSTOPped): `orch stop` stops the job on the two
+    others, names the third, exits 3; once it is back, `orch stop` again ends the rest."""
+    hosts, name = sshd_cluster.hosts[:3], "e2e-stop-partial"
+    write_job(tmp_path, SLEEP_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name,
+                                       top={"ssh": {"connect_timeout": 3}})
+    jobs.add(inv, hosts, name)
+    up = orch(tmp_path, "up", str(inv), "--detach")
+    assert up.returncode == 0, up.stderr
+    wait_until(lambda: all(job_pids(hosts, name).values()), 60, "every rank running")
+    hung = hosts[1]
+    hung.pause()
+    try:
+        stop = orch(tmp_path, "stop", str(inv), "--grace", "1", timeout=120)
+        left = job_pids(hosts, name)
+    finally:
+        hung.resume()
+    assert stop.returncode == 3, stop.stdout + stop.stderr
+    assert hung.address in stop.stderr and "Traceback" not in stop.stderr, stop.stderr
+    assert "1 of 3 hosts failed to stop" in stop.stderr, stop.stderr
+    assert not left[hosts[0].address] and not left[hosts[2].address], left
+    assert left[hung.address], "the unreachable host's ranks cannot have been stopped"
+    again = orch(tmp_path, "stop", str(inv), "--grace", "1")
+    assert again.returncode == 0, again.stderr
     assert_nothing_left(hosts, name)
 
 
@@ -303,14 +342,14 @@ def test_status_of_a_job_never_started(sshd_cluster: SshdCluster, tmp_path: Path
     write_job(tmp_path, SLEEP_JOB)
     inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=sshd_cluster.hosts[:2],
                                        name="e2e-neverstarted")
+    """Every host answered and none holds a trace of a run: "not started", exit 2, with
+    the `orch up` that starts it (docs/reference/cli.md); --json: the error document."""
     result = orch(tmp_path, "status", "--json", "-c", str(inv))
     assert "Traceback" not in result.stderr
-    if result.returncode == 2:   # refused: there is no job to report on
-        assert "orch up" in result.stderr, result.stderr
-        return
-    assert result.returncode == 0, result.stderr
-    states = [r["state"] for r in json.loads(result.stdout)["ranks"]]
-    assert "lost" not in states, f"every host is reachable and nothing ran: {states}"
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "not been started" in result.stderr and "orch up" in result.stderr, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["exit_code"] == 2 and "not been started" in doc["error"] and "ranks" not in doc, doc
 
 
 # ---------------------------------------------------------------- job names

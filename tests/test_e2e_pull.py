@@ -8,13 +8,21 @@ import hashlib
 import json
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from helpers import Jobs, assert_nothing_left, job_dir, orch, sessions_of, wait_until, write_job
+from helpers import (
+    Jobs,
+    agents_of,
+    assert_nothing_left,
+    job_dir,
+    orch,
+    sessions_of,
+    wait_until,
+    write_job,
+)
 from sshd_cluster import SshdCluster
 
 WRITER_JOB = """\
@@ -101,12 +109,19 @@ def test_pull_killed_mid_file_resumes(sshd_cluster: SshdCluster, tmp_path: Path,
                     found.append(p)
         return found
     part: Any = wait_until(half_written, 60, "the big file to be half written", step=0.005)
-    os.kill(run.proc.pid, signal.SIGKILL)
-    run.proc.wait(10)
+    # the host frozen at once: the rest of the 96 MiB cannot come before the kill (no race
+    # between seeing the part file and the SIGKILL)
+    host.pause()
+    try:
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.proc.wait(10)
+    finally:
+        host.resume()
+    assert part[0].exists() and 0 < part[0].stat().st_size < len(big), part
     assert not (dest / "z-big.bin").exists(), "a half-written file took its final name"
     assert (dest / "a-small.txt").read_text() == "small\n"
-    assert part[0].exists()
-    time.sleep(0.2)
+    # the killed pull's agent on the host ends (its connection is gone) before the next
+    wait_until(lambda: not agents_of([job_dir(host, name)]), 30, "the killed pull's agent to end")
     got = pull_json(tmp_path)
     assert (got["files"], got["unchanged"]) == (1, 1), got
     pulled = (dest / "z-big.bin").read_bytes()

@@ -6,7 +6,7 @@ warm torchruns included; an `up` while another agent holds the job folder's lock
 from __future__ import annotations
 
 import json
-import time
+import os
 from pathlib import Path
 
 import pytest
@@ -64,11 +64,23 @@ def before_launch(jd: Path, start: str) -> None:
         pids = wait_until(lambda: warm_pids(jd), 30, f"a warm torchrun in {jd}")
         assert isinstance(pids, list) and len(pids) == 1, pids
         assert not any(e.startswith("ORCH_JOB_DIR=") for e in environ(pids[0]))
-    else:
+    else:   # (that none starts later either: supervisor_started, after the launch)
         wait_until(jd.exists, 30, f"host 1's preflight to make {jd}")
-        time.sleep(1.0)   # a prewarm starts it within milliseconds of preflight
         assert not warm_pids(jd)
     assert not (jd / "run" / "launch.json").exists()
+
+
+def uptime() -> float:
+    """Seconds since boot: the clock of /proc/<pid>/stat's start times."""
+    return float(Path("/proc/uptime").read_text().split()[0])
+
+
+def supervisor_started(jd: Path, address: str) -> float:
+    """When the job's supervisor (warm: started at preflight and kept) started, on
+    uptime()'s clock."""
+    sup = json.loads((jd / "run" / part_name(address) / "supervisor.json").read_text())
+    assert isinstance(sup["start_ticks"], int), sup
+    return sup["start_ticks"] / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.mark.parametrize("start", ["warm", "cold"])
@@ -87,9 +99,14 @@ def test_up_detach_runs_in_the_warm_torchrun(sshd_cluster: SshdCluster, tmp_path
     try:
         up = jobs.start(tmp_path, "up", str(inv), "--detach")
         before_launch(dirs[1], start)
+        resumed = uptime()   # nothing can be launched before host 0 answers
     finally:
         hosts[0].resume()
     assert up.finish(120) == 0, up.text()
+    # host 1's supervisor: warm, the one its preflight started while host 0 hung; cold,
+    # none was started then: the job's was started by the launch, after host 0 came back
+    born = supervisor_started(dirs[1], hosts[1].address)
+    assert (born < resumed) == (start == "warm"), (start, born, resumed)
     for rank, (jd, h) in enumerate(zip(dirs, hosts)):
         info = rank_info(jd, rank)
         assert info == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",

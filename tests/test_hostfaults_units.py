@@ -7,6 +7,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from fake_agent import FakeChannel, FakeTransport, Handler
+from helpers import FakeClock, wait_until
 from orchestrator.agent import files
 from orchestrator.agent.common import AgentError
 from orchestrator.agent.ledger import Ledger
@@ -61,6 +63,17 @@ def local_file(tmp_path: Path, name: str, size: int) -> LocalFile:
     return LocalFile(name, str(path), size, 0o644, hashlib.sha256(data).hexdigest())
 
 
+def blocked_in(thread: threading.Thread, caller: str) -> bool:
+    """`thread` waits on an Event (its innermost frame is threading's) called from
+    a function named `caller`."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None or frame.f_code.co_filename != threading.__file__:
+        return False
+    while frame is not None and frame.f_code.co_filename == threading.__file__:
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name == caller
+
+
 def silent_link(tmp_path: Path, accept: int) -> tuple[Link, SilentChannel]:
     host = parse(INVENTORY, tmp_path / "cluster.yaml").hosts[0]
     def ignore(chan: FakeChannel, msg: dict) -> None:
@@ -79,32 +92,57 @@ def silent_link(tmp_path: Path, accept: int) -> tuple[Link, SilentChannel]:
 def test_a_push_to_a_silent_host_ends_after_push_idle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      accept: int) -> None:
     """Blocked in a send (the host took no more) or waiting for a reply that never
-    comes: the push ends after PUSH_IDLE with the host's name, not after SYNC."""
-    monkeypatch.setattr(timeouts, "PUSH_IDLE", 0.5)
+    comes: the push ends after PUSH_IDLE (20 s, on a fake clock: no real wait) with the
+    host's name, not after SYNC; not a check before."""
+    clock = FakeClock()
+    monkeypatch.setattr(timeouts, "CLOCK", clock)
     link, chan = silent_link(tmp_path, accept)
     local = [local_file(tmp_path, f"f{i}", 300_000) for i in range(4)]
-    t0 = time.monotonic()
-    with pytest.raises(HostError) as caught:
-        sync.push(link, "/r0/fake/data", local, remote={})
-    took = time.monotonic() - t0
-    assert caught.value.exit_code == EXIT_HOST
-    assert "localhost: the push to /r0/fake/data stalled" in caught.value.message
-    assert "only the rest is sent" in caught.value.hint
-    assert took < 5, f"{took:.1f} s"
+    caught: list[BaseException] = []
+
+    def push() -> None:
+        try:
+            sync.push(link, "/r0/fake/data", local, remote={})
+        except BaseException as e:
+            caught.append(e)
+    pusher = threading.Thread(target=push, daemon=True)
+    pusher.start()
+    clock.wait_for_checks(1)
+    # the sender is stuck (its last progress counted): in a write the host does not
+    # take, or waiting for the reply after the stream
+    wait_until(lambda: blocked_in(pusher, "write" if accept < 1 << 30 else "stream_and_wait"),
+               10, "the push to block")
+    step = min(0.5, timeouts.PUSH_IDLE / 4)
+    for _ in range(int(timeouts.PUSH_IDLE / step) - 1):   # to PUSH_IDLE - step: silent, kept
+        clock.step(step, pusher.is_alive)
+    assert pusher.is_alive() and not chan.closed, f"ended {caught} before PUSH_IDLE"
+    clock.step(2 * step, pusher.is_alive)                 # past PUSH_IDLE: given up
+    pusher.join(30)
+    assert not pusher.is_alive() and len(caught) == 1, caught
+    err = caught[0]
+    assert isinstance(err, HostError) and err.exit_code == EXIT_HOST, repr(err)
+    assert "localhost: the push to /r0/fake/data stalled" in err.message
+    assert "only the rest is sent" in (err.hint or "")
     assert chan.closed, "the stalled host's connection was left open"
 
 
 def test_a_host_that_keeps_taking_data_is_not_stalled(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Slow is not silent: each send that returns is progress."""
-    monkeypatch.setattr(timeouts, "PUSH_IDLE", 0.3)
+    """Slow is not silent: each send that returns is progress. Sends 0.6 PUSH_IDLE apart
+    on a fake clock (five times PUSH_IDLE in all) never fire it; silence then does."""
+    clock = FakeClock()
+    monkeypatch.setattr(timeouts, "CLOCK", clock)
     link, chan = silent_link(tmp_path, 1 << 30)
     stall = sync.Stall(link)
     with stall:
+        clock.wait_for_checks(1)
         for _ in range(8):
+            clock.step(0.6 * timeouts.PUSH_IDLE, stall.thread.is_alive)
             stall.send(b"x" * 10)
-            time.sleep(0.1)
-    assert not stall.fired and not chan.closed
+        assert not stall.fired and not chan.closed
+        clock.step(1.1 * timeouts.PUSH_IDLE, stall.thread.is_alive)
+        stall.thread.join(10)
+        assert stall.fired and chan.closed, "a silent host was never given up"
 
 
 # ---------------------------------------------------------------- the agent's side

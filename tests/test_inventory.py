@@ -260,6 +260,9 @@ def yaml_parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     installed) and PyYAML's pure-Python one; they must agree on every line number."""
     if request.param == "python":
         monkeypatch.setattr(yamlnodes, "_Loader", yaml.SafeLoader)
+    else:   # never the pure-Python parser under libyaml's name
+        assert yaml.__with_libyaml__ and hasattr(yaml, "CSafeLoader"), "PyYAML without libyaml"
+        assert yamlnodes._Loader is yaml.CSafeLoader, yamlnodes._Loader
     return request.param
 
 

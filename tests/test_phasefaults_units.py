@@ -60,14 +60,22 @@ def status(tmp_path: Path) -> int:
 
 def test_status_without_state_shows_a_job_that_runs(tmp_path: Path, capsys,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    running = {r: {"state": "running", "pid": 100 + r, "started": time.time(),
-                   "last_line": f"rank {r} up"} for r in range(3)}
+    """The hosts' raw answers (rank 2 "exited" with code 0) become the controller's
+    states, each rank with its own pid, asked of the host that runs it."""
+    now = time.time()
+    running = {r: {"state": "running", "pid": 100 + r, "started": now - 10 * (r + 1),
+                   "last_line": f"rank {r} up"} for r in range(2)}
+    running[2] = {"state": "exited", "code": 0, "pid": 102, "started": now - 30.0,
+                  "ended": now - 5.5, "last_line": "rank 2 done"}
     seen = use_hosts(monkeypatch, running)
     assert not (tmp_path / ".orch").exists()
     assert status(tmp_path) == EXIT_OK
     doc = json.loads(capsys.readouterr().out)
-    assert [(r["rank"], r["state"], r["pid"]) for r in doc["ranks"]] == [
-        (0, "running", 100), (1, "running", 101), (2, "running", 102)]
+    assert [(r["rank"], r["host"], r["state"], r["pid"], r["last_line"]) for r in doc["ranks"]] == [
+        (0, "localhost#0", "running", 100, "rank 0 up"), (1, "localhost#0", "running", 101, "rank 1 up"),
+        (2, "localhost#1", "exited 0", 102, "rank 2 done")]
+    assert doc["ranks"][2]["runtime_s"] == 24.5   # ended - started: a rank that ended
+    assert sorted(tuple(m["ranks"]) for m in seen) == [(0, 1), (2,)]
     # asked at the inventory's job folders, as `orch stop` does without a state
     assert sorted(m["job_dir"] for m in seen) == ["/r0/killed", "/r1/killed"]
 

@@ -11,7 +11,6 @@ exactly as it runs under sshd.
 from __future__ import annotations
 
 import io
-import json
 import os
 import subprocess
 import sys
@@ -361,14 +360,58 @@ def test_error_replies_carry_a_category_and_a_traceback_only_for_debug(tmp_path:
         assert ("Traceback" in str(host.value)) == (debug == "1"), str(host.value)
 
 
-def test_agent_argv_holds_no_secret_and_the_bundle_is_the_version(tmp_path: Path) -> None:
+SECRET = "s3cr3t-token-0x5eed"
+SECRET_INVENTORY = f"""name: secretjob
+hosts:
+  - {{address: localhost, connection: local, remote_dir: /r0, procs: 2}}
+  - {{address: 127.0.0.1, connection: local, remote_dir: /r1, procs: 1}}
+job: {{entrypoint: job.py, env: {{HF_TOKEN: {SECRET}}}}}
+"""
+
+
+def test_agent_argv_holds_no_secret_and_the_bundle_is_the_version(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """The job's env (a secret among it) reaches every host's launch on the agent's
+    stdin and never its command line (what `ps` shows every user of the host)."""
+    from fake_agent import FakeTransport
+    from orchestrator.session.preflight import HostInfo, PreflightReport
+    from orchestrator.session.session import Session
+
+    argvs: list[list[str]] = []
+    launches: list[dict] = []
+
+    def launch(chan, msg: dict) -> None:
+        launches.append(msg)
+        chan.push(protocol.reply(msg["id"], {"supervisor": {
+            "pid": 10, "pgid": 10, "start_ticks": None, "torchrun_pid": 11,
+            "run_id": msg["spec"]["run_id"], "started": time.time()}}))
+
+    class Recording(FakeTransport):
+        def open(self, argv: list[str], timeout: float | None = None):
+            argvs.append(list(argv))
+            return super().open(argv, timeout)
+    monkeypatch.setenv("ORCH_DEBUG", "1")   # every optional word of the argv
+    cluster = parse(SECRET_INVENTORY, tmp_path / "cluster.yaml")
+    session = Session(cluster, None, connector=lambda h: Recording(h, {"launch": launch})).open()
+    try:
+        infos = {h.index: HostInfo(f"/r{h.index}/secretjob", "/usr/bin/python3", "2.0", 0, 0.0,
+                                   False, "", {}) for h in cluster.hosts}
+        session.launch(PreflightReport(infos, 29500))
+    finally:
+        session.close()
+    assert len(argvs) == 2 and len(launches) == 2
+    for msg in launches:   # the secret was passed in: it travels in the launch request
+        assert msg["spec"]["env"]["HF_TOKEN"] == SECRET, msg["spec"]["env"]
+        assert SECRET not in " ".join(msg["spec"]["argv"])
+    for argv in argvs:
+        assert not any(SECRET in word for word in argv), argv
+        assert argv[1:3] == ["-S", "-c"] and "orch-agent" in argv
+
     argv = agent_argv(sys.executable, "/job")
-    assert argv[1:3] == ["-S", "-c"] and "orch-agent" in argv
     proc = subprocess.run(argv, input=agent_stdin(), capture_output=True, timeout=30)
     r = reader(proc.stdout)
     assert r.skip_to_magic() == 0
     assert r.read_json("hello")["version"] == bundle()[1]
-    assert json.loads(json.dumps(argv)) == argv
 
 
 def test_parts_beyond_the_cap_are_refused(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from fake_agent import FakeTransport
+from helpers import FakeClock
 from orchestrator.agent import pull as host_pull
 from orchestrator.agent.common import AgentError
 from orchestrator.config.inventory import parse
@@ -28,7 +30,7 @@ from orchestrator.files.pull import (
 )
 from orchestrator.files.pulldest import Dest
 from orchestrator.session.session import Session
-from orchestrator.wire import protocol
+from orchestrator.wire import protocol, timeouts
 
 
 def sha(data: bytes) -> str:
@@ -285,6 +287,66 @@ def test_pull_over_a_link_then_nothing_then_the_change(tmp_path: Path) -> None:
         third = s.pull(host, [], dest)
         assert (third.files, third.unchanged) == (1, 2)
     assert (dest / "metrics.csv").read_text() == "epoch\n1\n2\n"
+    assert not list(dest.rglob("*.orch-part-*"))
+
+
+def test_a_file_changed_on_the_host_while_sent_is_dropped_then_pulled_next_time(
+        tmp_path: Path) -> None:
+    """The job shrinks big.bin on the host while the real agent sends it (after its size
+    was announced): the agent pads the stream and sends no digest; the controller keeps
+    nothing of it (no file, no part file), says why, and pulls it whole the next time."""
+    job = tmp_path / "remote" / "fake"
+    make_output(job)
+    big = job / "output" / "big.bin"
+    big.write_bytes(os.urandom(3 << 20))
+    cut: list[int] = []
+
+    def shrink(kind: str, body: dict) -> dict:
+        if kind == "pull_file" and body["p"] == "big.bin" and not cut:
+            cut.append(body["s"])
+            os.truncate(big, 1 << 20)   # rewritten by the job while it is being sent
+        return body
+    dest = tmp_path / "outputs" / "fake"
+    with session(tmp_path, agent_handlers(shrink)) as s:
+        host = s.cluster.hosts[0]
+        first = s.pull(host, [], dest)
+        assert cut == [3 << 20]
+        assert {"p": "big.bin", "why": "changed on the host while it was sent; pull again"} \
+            in first.skipped, first.skipped
+        assert first.files == 2 and not first.failed, first
+        assert not (dest / "big.bin").exists() and not list(dest.rglob("*.orch-part-*"))
+        again = s.pull(host, [], dest)
+        assert (again.files, again.unchanged) == (1, 2), again
+    assert (dest / "big.bin").read_bytes() == big.read_bytes() and len(big.read_bytes()) == 1 << 20
+
+
+def test_a_pull_from_a_host_gone_silent_ends_after_pull_idle_on_a_fake_clock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host lists its files, then sends nothing: the pull gives up after PULL_IDLE
+    (60 s of fake time, no real wait), not a check before; no part file is left."""
+    clock = FakeClock()
+    monkeypatch.setattr(timeouts, "CLOCK", clock)
+    job = tmp_path / "remote" / "fake"
+    make_output(job)
+    dest = tmp_path / "outputs" / "fake"
+    caught: list[BaseException] = []
+    handlers = dict(agent_handlers(), pull_send=lambda chan, msg: None)   # silent from now on
+    with session(tmp_path, handlers) as s:
+        def pull() -> None:
+            try:
+                s.pull(s.cluster.hosts[0], [], dest)
+            except BaseException as e:
+                caught.append(e)
+        puller = threading.Thread(target=pull, daemon=True)
+        puller.start()
+        clock.wait_for_checks(1)
+        for _ in range(int(timeouts.PULL_IDLE / 0.5) - 1):   # to PULL_IDLE - 0.5 s: waits on
+            clock.step(0.5, puller.is_alive)
+        assert puller.is_alive() and not caught, caught
+        clock.step(1.0, puller.is_alive)                      # past PULL_IDLE: given up
+        puller.join(30)
+    assert not puller.is_alive() and len(caught) == 1, caught
+    assert isinstance(caught[0], HostError) and "the pull stalled" in str(caught[0]), caught
     assert not list(dest.rglob("*.orch-part-*"))
 
 

@@ -298,10 +298,20 @@ def test_interrupted_push_resends_only_what_is_missing(
     try:
         wait_until(lambda: count_data_files(hosts, name, size) >= 2 or proc.poll() is not None,
                    60, "the first shard files on the hosts", step=0.005)
-        proc.send_signal(sig)
-        t0 = time.monotonic()
-        _out, err = proc.communicate(timeout=30)
-        stopped_s = time.monotonic() - t0
+        # the hosts frozen at once (their sshd and receivers SIGSTOPped): nothing more
+        # lands until orch has its signal, so the push cannot finish between seeing the
+        # files and the signal, however loaded the machine
+        for h in hosts:
+            h.pause()
+        try:
+            assert proc.poll() is None, "the push ended before the signal"
+            proc.send_signal(sig)
+            t0 = time.monotonic()
+            _out, err = proc.communicate(timeout=30)
+            stopped_s = time.monotonic() - t0
+        finally:
+            for h in hosts:
+                h.resume()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -61,8 +61,11 @@ def failing_job_handlers(stopped: threading.Event) -> dict:
         chan.push(protocol.reply(msg["id"], {"found": 2, "killed": 0, "left": [], "seconds": 0.1}))
 
     def status(chan: FakeChannel, msg: dict) -> None:
-        ranks = [{"rank": r, "state": "exited", "last_line": "", "code": 7,
-                  "error_file": "ValueError: bad batch"} for r in msg["ranks"]]
+        # the truth of each rank: only rank 3 failed (7) and left an error file; the
+        # others were ended by the stop, each with an error file of its own
+        ranks = [{"rank": r, "state": "exited", "last_line": "", "code": 7 if r == 3 else -15,
+                  "error_file": f"ValueError: bad batch {r}" if r == 3 else f"SIGTERM in rank {r}"}
+                 for r in msg["ranks"]]
         chan.push(protocol.reply(msg["id"], {"supervisor": None, "host_exit": None,
                                              "time": 1.0, "ranks": ranks}))
     return {"follow": follow, "stop": stop, "status": status}
@@ -85,7 +88,11 @@ def test_fail_fast_stops_every_host_and_names_the_root_cause(tmp_path: Path, cap
     err = " ".join(capsys.readouterr().err.split())
     # the stop's SIGTERM exits (after it began, by the corrected clocks) are not causes
     assert "root cause rank 3 on host localhost" in err and "exit code 7" in err, err
-    assert "ValueError: bad batch" in err and "boom" in err
+    # the error file is rank 3's, asked of rank 3's host alone
+    assert "ValueError: bad batch 3" in err and "boom" in err and "SIGTERM in rank" not in err, err
+    asked = [m["ranks"] for t in transports.values() for m in t.channel.requests if m["t"] == "status"]
+    assert asked == [[3]], asked
+    assert [m["t"] for m in transports[0].channel.requests].count("status") == 0
 
 
 def test_stop_reaches_every_host_once(tmp_path: Path) -> None:

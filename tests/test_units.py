@@ -10,7 +10,7 @@ from orchestrator.files.localfiles import LocalFile
 from orchestrator.files.sync import plan
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
-from orchestrator.watch.follow import HostStream, Tracker
+from orchestrator.watch.follow import HostStream, LineSink, Tracker
 from orchestrator.watch.monitor import Monitor, signal_name
 from orchestrator.watch.rootcause import verdict
 from orchestrator.wire import protocol
@@ -36,17 +36,11 @@ def test_plan_sends_new_and_changed_deletes_extra() -> None:
     assert delete == ["gone"]
 
 
-class Recorder:
+class Recorder(LineSink):
+    """The product's LineSink turns output frames into lines; this records the calls."""
+
     def __init__(self) -> None:
         self.calls: list = []
-
-    def output(self, host, rank, partial, data):
-        from orchestrator.watch.follow import split_lines
-        texts = split_lines(partial, data)
-        if self.calls and self.calls[-1][:2] == ("L", rank):
-            self.calls[-1][2].extend(texts)   # one run of a rank's lines: one call
-        else:
-            self.calls.append(("L", rank, texts))
 
     def lines(self, host, rank, texts):
         self.calls.append(("L", rank, list(texts)))
@@ -79,10 +73,13 @@ def test_parse_chunk_groups_lines_per_rank_and_keeps_order() -> None:
     link.host, link.sink, link.follow_ranks, link.follow_id = FakeHost(), None, frozenset(), None  # type: ignore[assignment]
     link.sink, link.follow_ranks = Tracker({0: stream}, rec), frozenset([0, 1])
     data = (protocol.output(0, b"a\nb c\n") + protocol.output(1, b"x\n") + protocol.event("beat")
-            + protocol.output(0, b"\n") + protocol.event("exit", rank=1, code=7, time=12.5)
+            + protocol.output(0, b"\n") + protocol.output(1, b"long\nline", partial=True)
+            + protocol.output(1, b"y\n\nz\n") + protocol.event("exit", rank=1, code=7, time=12.5)
             + protocol.event("done", code=1))
     feed(link, data)
+    # one call per frame, in order; a partial frame is one piece, newlines and all
     assert rec.calls == [("L", 0, [b"a", b"b c"]), ("L", 1, [b"x"]), ("L", 0, [b""]),
+                         ("L", 1, [b"long\nline"]), ("L", 1, [b"y", b"", b"z"]),
                          ("E", 1, 7, 12.5), ("X", {"code": 1})]
     assert stream.done
 
@@ -184,3 +181,49 @@ def test_follow_reads_the_run_records_only_when_run_changed(tmp_path: Path, monk
         assert rundir.changed()                       # once a second whatever happens
     finally:
         rundir.close()
+
+
+class StubLink:
+    """What the host-lost watchdog reads of a link: when it last heard from the host."""
+
+    def __init__(self, last_seen: float) -> None:
+        self.last_seen = last_seen
+        self.lost_why: list[str] = []
+
+    def lost(self, why: str) -> None:
+        self.lost_why.append(why)
+
+
+def test_host_lost_watchdog_on_a_fake_clock(monkeypatch) -> None:
+    """No frame for HOST_LOST (15 s of fake time, no real wait): the host is lost, once,
+    and its link told; a host that keeps beating is not; not a check early."""
+    import threading
+
+    from helpers import FakeClock
+    from orchestrator.watch.follow import watchdog
+    from orchestrator.wire import timeouts
+
+    clock = FakeClock(start=1000.0)
+    monkeypatch.setattr(timeouts, "CLOCK", clock)
+    links = {i: StubLink(1000.0) for i in (0, 1)}
+    streams = {i: HostStream(link=link, job_dir="/j", ranks=[i])  # type: ignore[arg-type]  # a test double
+               for i, link in links.items()}
+    rec = Recorder()
+    stop = threading.Event()
+    dog = threading.Thread(target=watchdog, args=(streams, Tracker(streams, rec), stop), daemon=True)
+    dog.start()
+    clock.wait_for_checks(1)
+    try:
+        for _ in range(int(timeouts.HOST_LOST / 0.25) - 1):    # up to HOST_LOST - 0.25 s
+            clock.step(0.25)
+            links[1].last_seen = clock.now()                   # host 1's heartbeat
+        assert rec.calls == [] and links[0].lost_why == []
+        for _ in range(8):                                     # past HOST_LOST, and on
+            clock.step(0.25)
+            links[1].last_seen = clock.now()
+    finally:
+        stop.set()
+        dog.join(10)
+    why = f"no answer for {timeouts.HOST_LOST:.0f} s"
+    assert rec.calls == [("lost", why)] and links[0].lost_why == [why], (rec.calls, links[0].lost_why)
+    assert streams[0].done and not streams[1].done and links[1].lost_why == []

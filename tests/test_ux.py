@@ -110,11 +110,20 @@ def test_status_shows_markup_and_escapes_literally() -> None:
     assert "[/bold] \\x1b]0;title\\x07 done" in text and "\x1b" not in text
 
 
-def fake_session_factory(tmp_path: Path, last_line: str, down: int | None):
-    """open_session for commands: in-process agents; host `down` cannot be reached."""
+# what a host's agent says of each rank (raw: "exited" with its code, as agent/status.py
+# answers), so that the states a test reads are the controller's own words
+RAW = {0: {"state": "exited", "code": 0}, 1: {"state": "exited", "code": 3},
+       2: {"state": "exited", "code": -15}, 3: {"state": "stopped", "code": -15}}
+
+
+def fake_session_factory(tmp_path: Path, last_line: str, down: int | None, raw: bool = False):
+    """open_session for commands: in-process agents; host `down` cannot be reached.
+    `raw`: each rank as RAW says, its log 10 + rank bytes long."""
     def status(chan, msg: dict) -> None:
-        ranks = [{"rank": r, "state": "stopped", "last_line": last_line, "pid": 7, "code": -15,
-                  "log_bytes": 11} for r in msg["ranks"]]
+        ranks = [dict({"rank": r, "state": "stopped", "last_line": last_line, "pid": 7,
+                       "code": -15, "log_bytes": 11},
+                      **(dict(RAW[r], log_bytes=10 + r, pid=100 + r) if raw else {}))
+                 for r in msg["ranks"]]
         chan.push(protocol.reply(msg["id"], {"supervisor": None, "host_exit": None,
                                              "time": time.time(), "ranks": ranks}))
 
@@ -137,9 +146,10 @@ def fake_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     cluster = parse(INVENTORY, tmp_path / "cluster.yaml")
     monkeypatch.setattr(api_jobs, "saved_state", lambda c: state_of(c))
 
-    def use(last_line: str = "", down: int | None = None) -> None:
+    def use(last_line: str = "", down: int | None = None, raw: bool = False) -> None:
         # every api call opens its sessions through api.jobs (open_job too)
-        monkeypatch.setattr(api_jobs, "open_session", fake_session_factory(tmp_path, last_line, down))
+        monkeypatch.setattr(api_jobs, "open_session",
+                            fake_session_factory(tmp_path, last_line, down, raw))
     return cluster, use
 
 
@@ -156,16 +166,23 @@ def test_status_markup_last_line_and_unreachable_host_exit_3(tmp_path: Path, fak
 
 def test_status_and_logs_list_json(tmp_path: Path, fake_job, capsys) -> None:
     _, use = fake_job
-    use(last_line="ok")
+    """The hosts say "exited" and a code; the documents carry the controller's states,
+    each rank's own pid and log size, in rank order across the hosts."""
+    use(last_line="ok", raw=True)
     assert status_cmd.run(command_args(tmp_path, json=True)) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [r["state"] for r in doc["ranks"]] == ["stopped"] * 4 and doc["unreachable"] == {}
-    use(down=0)
+    assert [(r["rank"], r["host"], r["state"], r["code"], r["pid"]) for r in doc["ranks"]] == [
+        (0, "localhost#0", "exited 0", 0, 100), (1, "localhost#0", "failed (exit code 3)", 3, 101),
+        (2, "localhost#1", "failed (killed by SIGTERM)", -15, 102),
+        (3, "localhost#1", "stopped", -15, 103)]
+    assert doc["unreachable"] == {}
+    use(down=0, raw=True)
     assert logs_cmd.run(command_args(tmp_path, json=True, list=True, rank=None,
                                      follow=False, tail=-1)) == EXIT_HOST
     doc = json.loads(capsys.readouterr().out)
     assert [(r["rank"], r["state"], r["log_bytes"]) for r in doc["ranks"]] == [
-        (0, "unreachable", None), (1, "unreachable", None), (2, "stopped", 11), (3, "stopped", 11)]
+        (0, "unreachable", None), (1, "unreachable", None),
+        (2, "failed (killed by SIGTERM)", 12), (3, "stopped", 13)]
 
 
 # ---------------------------------------------------------------- rank output

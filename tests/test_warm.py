@@ -45,8 +45,9 @@ if __name__ == "__main__":
 """
 EARLY = "import sys; print('EARLY import output', file=sys.stderr, flush=True)\n"
 # the import announces itself, then takes 5 s (a real torch import on a busy host)
+# an import that does not end while a test lasts: only the supervisor's death can end it
 SLOW = ("import os, time\nopen(os.environ['STANDIN_IMPORTING'], 'w').close()\n"
-        "time.sleep(5)\n")
+        "time.sleep(600)\n")
 # only the warm launcher (`python -c BOOT orch-warm-torchrun <job>`) cannot import torch
 WARM_BROKEN = ("import sys\nif 'orch-warm-torchrun' in sys.argv:\n"
                "    raise ImportError('no torch for the warm launcher')\n")
@@ -184,9 +185,9 @@ def test_supervisor_killed_mid_import_ends_the_launcher(tmp_path: Path,
     supervisor = parent_of(waiting.launcher)
     wait_until(job.importing.exists, 10, "the warm launcher to start importing torch")
     os.kill(supervisor, signal.SIGKILL)
-    t0 = time.monotonic()
-    all_gone([waiting.launcher], timeout=4)   # the import alone takes 5 s
-    assert time.monotonic() - t0 < 1.5
+    # the import takes 600 s: a launcher gone within 60 s (a bound that holds at load 8)
+    # was ended by its supervisor's death, not by the end of its import
+    all_gone([waiting.launcher], timeout=60)
     waiting.cancel()
     all_gone([supervisor])
     assert not stray_pids([job.path])

@@ -16,7 +16,6 @@ import os
 import shutil
 import stat
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -255,8 +254,9 @@ class Receiver(Stream):
 
 def wait_stream(link: Link, p: Pending) -> dict[str, Any]:
     """The reply of a streaming request: any wait is fine while frames keep coming."""
-    while not p.done.wait(0.5):
-        if time.monotonic() - link.last_seen > timeouts.PULL_IDLE:
+    clock = timeouts.CLOCK
+    while not clock.wait(p.done, 0.5):
+        if clock.now() - link.last_seen > timeouts.PULL_IDLE:
             raise HostError(f"{link.name}: the pull stalled: nothing came for "
                             f"{timeouts.PULL_IDLE:g} s", hint=f"run `{hint_cmd(None, 'pull')}` again: "
                             "only what is missing will be sent")
@@ -279,7 +279,7 @@ def batches(names: list[str]) -> list[list[str]]:
 def receive(link: Link, job_dir: str, rx: Receiver, **fields: Any) -> None:
     """The wanted files; `fields` go with each request (`folder`: code/ not output/)."""
     for names in batches(sorted(rx.wanted)):
-        link.last_seen = time.monotonic()
+        link.last_seen = timeouts.CLOCK.now()
         _, p = link.submit("pull_send", stream=rx, job_dir=job_dir, files=names, **fields)
         try:
             wait_stream(link, p)

@@ -90,7 +90,8 @@ class Stall:
 
     def __init__(self, link: Link, idle: float | None = None) -> None:
         self.link, self.idle = link, timeouts.PUSH_IDLE if idle is None else idle
-        self.sent = time.monotonic()
+        self.clock = timeouts.CLOCK
+        self.sent = self.clock.now()
         self.fired = False
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True,
@@ -108,13 +109,13 @@ class Stall:
         view = memoryview(data)
         for i in range(0, len(view), STALL_STEP):   # progress on a slow link too
             self.link.send(view[i:i + STALL_STEP])
-            self.sent = time.monotonic()
+            self.sent = self.clock.now()
 
     def quiet(self) -> float:
-        return time.monotonic() - max(self.sent, self.link.last_seen)
+        return self.clock.now() - max(self.sent, self.link.last_seen)
 
     def _watch(self) -> None:
-        while not self.done.wait(min(0.5, self.idle / 4)):
+        while not self.clock.wait(self.done, min(0.5, self.idle / 4)):
             if self.quiet() > self.idle:
                 self.fired = True
                 try:
@@ -167,7 +168,7 @@ def stream_and_wait(link: Link, stall: Stall, dest: str, send: list[LocalFile],
         raise HostError(f"{link.name}: push to {dest} broke off: {e}",
                         hint=f"run `{hint_cmd(None, 'up')}` again: only what is missing "
                              "will be sent") from None
-    stall.sent = time.monotonic()
+    stall.sent = stall.clock.now()
     deadline = time.monotonic() + timeouts.SYNC
     # the stall watchdog ends a silent host sooner (its reader then fails the wait)
     while not pending.done.wait(0.5) and time.monotonic() < deadline:

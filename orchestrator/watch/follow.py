@@ -99,9 +99,10 @@ class Tracker:
 
 def watchdog(streams: dict[int, HostStream], tracker: Tracker, stop: threading.Event) -> None:
     """A host that sends not even a heartbeat for HOST_LOST seconds is lost."""
-    while not stop.wait(0.25):   # a quarter second late at most: checking is cheap
+    clock = timeouts.CLOCK
+    while not clock.wait(stop, 0.25):   # a quarter second late at most: checking is cheap
         for index, s in streams.items():
-            if not s.done and time.monotonic() - s.link.last_seen > timeouts.HOST_LOST:
+            if not s.done and clock.now() - s.link.last_seen > timeouts.HOST_LOST:
                 why = f"no answer for {timeouts.HOST_LOST:.0f} s"
                 tracker.host_lost(index, why)
                 s.link.lost(why)   # the closing `orch up` does not wait for its agent

@@ -4,6 +4,9 @@ The agent's bundle carries this module too (stdlib only, Python 3.8).
 """
 from __future__ import annotations
 
+import threading
+import time
+
 KEEPALIVE = 5.0             # SSH keepalive on every connection
 AGENT_START = 60.0          # from opening the session to the agent's hello (login shell, python)
 PREFLIGHT = 60.0            # preflight's reply (at least 3x ssh.connect_timeout)
@@ -50,3 +53,18 @@ COMMAND_GRACE = 3.0         # setup/exec cancelled: SIGTERM -> SIGKILL of its pr
 def scaled(base: float, hosts: int) -> float:
     """A timeout that covers one host's step while `hosts` do the same at once."""
     return base + PER_HOST * max(0, hosts)
+
+
+class Clock:
+    """What the controller's watchdogs (the push's stall, the follow's host-lost) read
+    and wait on between checks: the monotonic clock. `CLOCK` is read at each watchdog's
+    start, so a test can put a fake one there and test a timeout without its wait."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wait(self, event: threading.Event, seconds: float) -> bool:
+        return event.wait(seconds)
+
+
+CLOCK = Clock()
