@@ -41,7 +41,7 @@ def test_host_text_is_shown_literally_and_piped_exactly(
     status = orch(tmp_path, "status", "-c", inv.name)
     assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
     # shown literally, the blank line after it skipped
-    assert "[/bold]" in status.stderr and "\x07" not in status.stderr
+    assert "[/bold]" in status.stdout and "\x07" not in status.stdout
     stop = orch(tmp_path, "stop", "--json", "-c", inv.name, "--grace", "2")
     assert stop.returncode == 0 and json.loads(stop.stdout)["failed"] == {}, stop.stderr
     doc = json.loads(orch(tmp_path, "status", "--json", "-c", inv.name).stdout)

@@ -148,10 +148,27 @@ def test_status_markup_last_line_and_unreachable_host_exit_3(tmp_path: Path, fak
     _, use = fake_job
     use(last_line="[/bold]", down=1)
     code = status_cmd.run(command_args(tmp_path, json=False))
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert code == EXIT_HOST
-    assert err.count("[/bold]") == 2 and "stopped" in err, err     # host 0's ranks, literally
-    assert err.count("unreachable") == 2 and "connection refused" in err, err
+    assert out.count("[/bold]") == 2 and "stopped" in out, out     # host 0's ranks, literally
+    assert out.count("unreachable") == 2 and "connection refused" in err, (out, err)
+    assert "connection refused" not in out and "unreachable" not in err, (out, err)
+
+
+def test_status_and_logs_list_tables_go_to_stdout(tmp_path: Path, fake_job, capsys) -> None:
+    """The table is the answer: `orch status > f` and `| grep` see it; warnings stay on
+    stderr."""
+    _, use = fake_job
+    use(last_line="last words", down=1)
+    assert status_cmd.run(command_args(tmp_path, json=False)) == EXIT_HOST
+    out, err = capsys.readouterr()
+    assert out.count("stopped") == 2 and "last words" in out and "job ux" in out, out
+    assert "warning:" in err and "stopped" not in err, err
+    assert logs_cmd.run(command_args(tmp_path, json=False, list=True, rank=None, task=None,
+                                     follow=False, tail=-1)) == EXIT_HOST
+    out, err = capsys.readouterr()
+    assert out.count("stopped") == 2 and "11 B" in out and "4 ranks" in out, out
+    assert "warning:" in err and "stopped" not in err, err
 
 
 def test_status_and_logs_list_json(tmp_path: Path, fake_job, capsys) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from orchestrator.api import jobs
 from orchestrator.api.outcomes import JSON_VERSION, document
 from orchestrator.config.inventory import Cluster
-from orchestrator.ui.console import console
+from orchestrator.ui.console import console, out
 from orchestrator.ui.termsafe import plain
 from orchestrator.ui.wording import hint_cmd, plural
 
@@ -22,6 +22,7 @@ __all__ = [
     "hint_cmd",
     "inventory",
     "inventory_path",
+    "out",
     "plural",
     "warn_unreachable",
 ]

@@ -18,7 +18,7 @@ from orchestrator.api.outcomes import (
     RankLines,
     TaskLines,
 )
-from orchestrator.commands.common import console, emit_json, inventory, warn_unreachable
+from orchestrator.commands.common import console, emit_json, inventory, out, warn_unreachable
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
 from orchestrator.ui.termsafe import for_terminal, plain
@@ -72,7 +72,7 @@ def list_logs(cluster: Cluster, as_json: bool) -> int:
         for r in listed.ranks:
             size = "-" if r.log_bytes is None else f"{r.log_bytes} B"
             t.add_row(str(r.rank), plain(r.host), plain(r.state), size)
-        console.print(t)
+        out.print(t)
     return EXIT_HOST if status.unreachable else EXIT_OK
 
 

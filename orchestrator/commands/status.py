@@ -10,7 +10,7 @@ from rich.text import Text
 
 from orchestrator.api import querying
 from orchestrator.api.outcomes import RankStatus
-from orchestrator.commands.common import console, emit_json, inventory, warn_unreachable
+from orchestrator.commands.common import console, emit_json, inventory, out, warn_unreachable
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_HOST, EXIT_OK
 from orchestrator.ui.termsafe import plain, visible
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         warn_unreachable(status.unreached.values())
         for i, exc in status.unanswered.items():
             console.print("[yellow]warning:[/]", plain(f"{cluster.hosts[i].label}: {exc}"))
-        console.print(table(cluster.name, status.ranks), soft_wrap=False, crop=True)
+        out.print(table(cluster.name, status.ranks), soft_wrap=False, crop=True)
     # a host that cannot be reached: its ranks' state is unknown, not "lost"
     return EXIT_HOST if status.unreachable else EXIT_OK
 
@@ -77,7 +77,7 @@ def widths(rows: list[dict[str, str]], cols: list[str], total: int) -> dict[str,
 def table(name: str, rows: list[RankStatus], width: int | None = None) -> Table:
     """One row per rank at any width: the last line is cut at its end (its start is what
     tells lines apart); host text is shown escaped, never read as markup."""
-    width = width or console.width
+    width = width or out.width
     cols = [c for c in COLUMNS if c != "pid" or width >= NARROW]
     texts = [cells(r) for r in rows]
     w = widths(texts, cols, width)
@@ -104,5 +104,5 @@ def array_status(cluster: Cluster, args: argparse.Namespace) -> int:
         slot = "-" if r.slot is None else str(r.slot)
         t.add_row(str(r.task), plain(r.args), r.host, slot, r.state, runtime,
                   plain(r.last_line[-80:]))
-    console.print(t, soft_wrap=False)
+    out.print(t, soft_wrap=False)
     return EXIT_HOST if status.unreachable else EXIT_OK

@@ -1,4 +1,6 @@
-"""Where messages and progress go: stderr (stdout carries only the job's output, so it pipes)."""
+"""Where things go: messages and progress on stderr (`console`); what a command answers
+(its table, the job's output) on stdout (`out`), so `orch status > f` and
+`orch status | grep running` work as with any CLI."""
 from __future__ import annotations
 
 from rich.console import Console
@@ -12,6 +14,7 @@ from rich.progress import (
 )
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True)   # tables: the answer, on stdout
 
 
 def hosts_bar() -> Progress:
