@@ -25,8 +25,9 @@ from orchestrator.api.querying import rank_status
 from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
 from orchestrator.config.inventory import parse
-from orchestrator.errors import EXIT_HOST
+from orchestrator.errors import EXIT_HOST, EXIT_JOB_FAILED
 from orchestrator.session.state import HostState, JobState
+from orchestrator.ui import console as ui_console
 from orchestrator.ui.liveline import ERASE, LiveLine, started_text
 from orchestrator.ui.wording import hint_cmd, plural
 from orchestrator.watch.follow import PrefixPrinter
@@ -110,10 +111,15 @@ def test_status_shows_markup_and_escapes_literally() -> None:
     assert "[/bold] \\x1b]0;title\\x07 done" in text and "\x1b" not in text
 
 
-def fake_session_factory(tmp_path: Path, last_line: str, down: int | None):
-    """open_session for commands: in-process agents; host `down` cannot be reached."""
+def fake_session_factory(tmp_path: Path, last_line: str, down: int | None,
+                         codes: dict[int, int] | None = None):
+    """open_session for commands: in-process agents; host `down` cannot be reached;
+    the ranks in `codes` exited with that code, the others were stopped."""
+    codes = codes or {}
+
     def status(chan, msg: dict) -> None:
-        ranks = [{"rank": r, "state": "stopped", "last_line": last_line, "pid": 7, "code": -15,
+        ranks = [{"rank": r, "state": "exited" if r in codes else "stopped",
+                  "last_line": last_line, "pid": 7, "code": codes.get(r, -15),
                   "log_bytes": 11} for r in msg["ranks"]]
         chan.push(protocol.reply(msg["id"], {"supervisor": None, "host_exit": None,
                                              "time": time.time(), "ranks": ranks}))
@@ -137,9 +143,10 @@ def fake_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     cluster = parse(INVENTORY, tmp_path / "cluster.yaml")
     monkeypatch.setattr(api_jobs, "saved_state", lambda c: state_of(c))
 
-    def use(last_line: str = "", down: int | None = None) -> None:
+    def use(last_line: str = "", down: int | None = None, codes: dict[int, int] | None = None) -> None:
         # every api call opens its sessions through api.jobs (open_job too)
-        monkeypatch.setattr(api_jobs, "open_session", fake_session_factory(tmp_path, last_line, down))
+        monkeypatch.setattr(api_jobs, "open_session",
+                            fake_session_factory(tmp_path, last_line, down, codes))
     return cluster, use
 
 
@@ -169,6 +176,26 @@ def test_status_and_logs_list_tables_go_to_stdout(tmp_path: Path, fake_job, caps
     out, err = capsys.readouterr()
     assert out.count("stopped") == 2 and "11 B" in out and "4 ranks" in out, out
     assert "warning:" in err and "stopped" not in err, err
+
+
+@pytest.mark.parametrize("width", [60, 80])
+def test_status_after_a_crash_piped_keeps_the_state_whole_and_exits_1(
+        tmp_path: Path, fake_job, capsys, monkeypatch: pytest.MonkeyPatch, width: int) -> None:
+    """Piped (rich's 80 columns), the state is never cut; the failure is summed up on
+    stderr and the exit code is 1 (the job failed), with --json too."""
+    _, use = fake_job
+    monkeypatch.setattr(ui_console.out, "_width", width)
+    use(last_line="Traceback (most recent call last): " * 3, codes={2: 1, 3: -9})
+    assert status_cmd.run(command_args(tmp_path, json=False)) == EXIT_JOB_FAILED
+    out, err = capsys.readouterr()
+    assert out.count("failed (exit code 1)") == 1 and out.count("failed (killed by SIGKILL)") == 1, out
+    assert max(len(line) for line in out.splitlines()) <= width, out
+    assert err.strip() == ("2 of 4 ranks failed: rank 2 on localhost#1 (exit code 1), "
+                           "rank 3 on localhost#1 (killed by SIGKILL)"), err
+    assert status_cmd.run(command_args(tmp_path, json=True)) == EXIT_JOB_FAILED
+    use(last_line="ok")
+    assert status_cmd.run(command_args(tmp_path, json=False)) == 0
+    assert "failed" not in capsys.readouterr().err
 
 
 def test_status_and_logs_list_json(tmp_path: Path, fake_job, capsys) -> None:
