@@ -41,7 +41,7 @@ def add_parser(sub: Any) -> None:
                         "(gpu[01-04]), `host:0,1` for GPUs 0 and 1 of a host; the world size follows")
     p.add_argument("--exclude", metavar="SEL", help="leave these hosts (or `host:N` GPUs) out")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the plan and each host's command; touch no host")
+                   help="make every local check of `up`, print the plan and each host's command; touch no host")
     p.add_argument("--fail-fast", action="store_true",
                    help="job arrays: the first failing task stops every task (default: the others go on)")
     p.add_argument("--no-pull", action="store_true",
