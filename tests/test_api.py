@@ -220,3 +220,18 @@ def test_the_cli_error_document_has_the_same_version(capsys: pytest.CaptureFixtu
     assert cli.JSON_VERSION == api.JSON_VERSION
     cli.json_error(argparse.Namespace(json=True), "bad", 2)
     assert json.loads(capsys.readouterr().out) == {"version": 1, "error": "bad", "exit_code": 2}
+
+
+def test_stop_says_the_unreached_hosts_ranks_still_run_and_how_to_finish(
+        two_hosts, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A host whose sshd is down: its ranks were never signalled. The message says so,
+    names them, and gives the `orch stop` (with the inventory) that finishes it; exit 3."""
+    path, use = two_hosts
+    other = tmp_path / "other.yaml"
+    other.write_text(path.read_text())
+    use(down=0)
+    assert cli.cli(["stop", "-c", str(other), "--grace", "0"]) == 3
+    err = capsys.readouterr().err
+    assert "1 of 2 hosts failed to stop" in err and "127.0.0.1: stopped" in err, err
+    assert "ranks 0-1 on localhost are NOT stopped and may still be running" in err, err
+    assert f"`orch stop -c {other}` again finishes the stop" in err, err

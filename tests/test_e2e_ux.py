@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers import ORCH, Jobs, assert_nothing_left, orch, wait_until, write_job
-from sshd_cluster import SshdCluster
+from helpers import ORCH, Jobs, assert_nothing_left, job_pids, orch, wait_until, write_job
+from sshd_cluster import SshdCluster, free_port
 
 pytestmark = pytest.mark.ssh
 
@@ -48,4 +49,33 @@ def test_host_text_is_shown_literally_and_piped_exactly(
     assert [r["state"] for r in doc["ranks"]] == ["stopped", "stopped"], doc
     listed = json.loads(orch(tmp_path, "logs", "--list", "--json", "-c", inv.name).stdout)
     assert [r["log_bytes"] for r in listed["ranks"]] == [len(NASTY_LOG)] * 2, listed
+    assert_nothing_left(hosts, name)
+
+
+def test_stop_while_one_hosts_sshd_refuses_says_its_ranks_run_on(
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    """`orch stop` while host 1 refuses SSH (the inventory sends it to a closed port, as a
+    stopped sshd would): host 0 is stopped, host 1's ranks are named as still running,
+    with the `orch stop -c ...` that finishes it; that command, once it is back, does."""
+    hosts, name = sshd_cluster.hosts[:2], "e2e-ux-stop"
+    write_job(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    inv = sshd_cluster.write_inventory(tmp_path / "two.yaml", hosts=hosts, procs=2, name=name)
+    jobs.add(inv, hosts, name)
+    assert orch(tmp_path, "up", "--detach", "-c", inv.name).returncode == 0
+    wait_until(lambda: all(job_pids(hosts, name).values()), 30, "the job on both hosts")
+    good = inv.read_text()
+    closed = free_port([hosts[1].address], start=2900, stop=3000)
+    inv.write_text(good.replace(f"address: {hosts[1].address}\n",
+                                f"address: {hosts[1].address}\n  port: {closed}\n"))
+    stop = orch(tmp_path, "stop", "-c", inv.name, "--grace", "2")
+    assert stop.returncode == 3, stop.stderr
+    assert "1 of 2 hosts failed to stop" in stop.stderr and "Traceback" not in stop.stderr
+    assert re.search(rf"ranks 2-3 on {re.escape(hosts[1].address)}\S* are NOT stopped and "
+                     "may still be running", stop.stderr), stop.stderr
+    assert "`orch stop -c two.yaml` again finishes the stop" in stop.stderr, stop.stderr
+    left = job_pids(hosts, name)
+    assert not left[hosts[0].address] and left[hosts[1].address], left
+    inv.write_text(good)
+    again = orch(tmp_path, "stop", "-c", inv.name, "--grace", "2")
+    assert again.returncode == 0, again.stderr
     assert_nothing_left(hosts, name)

@@ -31,9 +31,10 @@ class GroupResult(Generic[T]):
     ok: dict[int, T] = field(default_factory=dict)
     failed: dict[int, BaseException] = field(default_factory=dict)
 
-    def raise_failures(self, hosts: tuple[Host, ...], what: str, result: Any = None) -> None:
+    def raise_failures(self, hosts: tuple[Host, ...], what: str, result: Any = None,
+                       hint: str = "") -> None:
         """Raise one GroupError for every failed host (none: return); `result`: what the
-        other hosts did, kept on the error."""
+        other hosts did, kept on the error; `hint`: what to do about them all."""
         if not self.failed:
             return
         by_index = {h.index: h for h in hosts}
@@ -43,12 +44,12 @@ class GroupResult(Generic[T]):
             exc = failures[i]
             text = exc.message if isinstance(exc, OrchError) else f"host {i}: {exc}"
             lines.append(f"  - {text}")
-            hint = getattr(exc, "hint", "")
-            if hint:
-                lines.append(f"      fix: {hint}")
+            fix = getattr(exc, "hint", "")
+            if fix:
+                lines.append(f"      fix: {fix}")
         error = GroupError("\n".join(lines), failures,
                            {i: by_index[i].label if i in by_index else str(i) for i in failures},
-                           result=result)
+                           hint=hint, result=result)
         # one kind of failure everywhere keeps its exit code ("already running" is 2);
         # anything mixed, or not orch's own, is a host failure (3)
         codes = {getattr(self.failed[i], "exit_code", EXIT_HOST) for i in self.failed}
