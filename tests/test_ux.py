@@ -332,3 +332,13 @@ def test_a_pull_of_one_file_says_file(capsys: pytest.CaptureFixture[str]) -> Non
     render.pulled(dataclasses.replace(one, files=0, unchanged=1))
     err = capsys.readouterr().err
     assert "pulled 1 file (" in err and "is up to date (1 file)" in err, err
+
+
+def test_a_warning_keeps_its_fix_on_its_own_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A host that is down, in `status`: its error and its fix, two lines, no literal `\\n`;
+    host text still escaped."""
+    from orchestrator.commands.common import warn_unreachable
+    from orchestrator.errors import HostError
+    warn_unreachable([HostError("10.0.0.9: connection refused \x1b[2J", hint="start sshd")])
+    err = capsys.readouterr().err
+    assert err == "warning: 10.0.0.9: connection refused \\x1b[2J\n  fix: start sshd\n", err

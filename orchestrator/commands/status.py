@@ -11,7 +11,7 @@ from rich.text import Text
 
 from orchestrator.api import querying
 from orchestrator.api.outcomes import RankStatus, TaskStatus
-from orchestrator.commands.common import console, emit_json, inventory, out, warn_unreachable
+from orchestrator.commands.common import console, emit_json, inventory, out, warn, warn_unreachable
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_HOST, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.ui.termsafe import plain, visible
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         warn_unreachable(status.unreached.values())
         for i, exc in status.unanswered.items():
-            console.print("[yellow]warning:[/]", plain(f"{cluster.hosts[i].label}: {exc}"))
+            warn(f"{cluster.hosts[i].label}: {exc}")
         out.print(table(cluster.name, status.ranks), soft_wrap=False, crop=True)
         summarize(status.failed, len(status.ranks), "rank")
     return verdict(bool(status.failed), bool(status.unreachable))
