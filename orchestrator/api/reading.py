@@ -113,9 +113,9 @@ def log_host(cluster: Cluster, rank: int | None, task: int | None) -> tuple[Host
 
 
 def not_ranks(cluster: Cluster) -> UsageError:
-    inv = cluster.path.name
     return UsageError(f"job '{cluster.name}' is a job array: it has tasks, not ranks",
-                      hint=f"use `orch logs -c {inv} --task I` (`orch status -c {inv}` lists the tasks)")
+                      hint=f"use `{hint_cmd(cluster, 'logs --task I')}` "
+                           f"(`{hint_cmd(cluster, 'status')}` lists the tasks)")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from orchestrator.remote.link import Link
 from orchestrator.session.preflight import HostInfo, PreflightReport, torch_mismatch
 from orchestrator.session.shellcmd import Outcome, submit_all, wait_all
 from orchestrator.session.shelloutput import HostOutput, Printer
+from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import timeouts
 
 TAIL = 10  # lines of a failing host's setup output in the message
@@ -121,7 +122,7 @@ def raise_setup_failures(
                 f"{label}: `{failed}` exited with {_status(reply['code'])}; "
                 f"its last lines:{tail or ' (no output)'}",
                 hint=f"fix the command (the whole output is in "
-                f"{logs[i]} on {label}), then run `orch up` again",
+                f"{logs[i]} on {label}), then run `{hint_cmd(cluster, 'up')}` again",
             )
     if failures:
         GroupResult(failed=failures).raise_failures(cluster.hosts, "setup; nothing was started")
