@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import _thread
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, TypeVar
 
+from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Host
 from orchestrator.errors import EXIT_HOST, GroupError, OrchError
 
@@ -40,11 +42,8 @@ class GroupResult(Generic[T]):
         by_index = {h.index: h for h in hosts}
         failures = {i: self._explained(by_index.get(i), exc) for i, exc in self.failed.items()}
         lines = [f"{len(self.failed)} of {len(hosts)} hosts failed {what}:"]
-        for i in sorted(failures):
-            exc = failures[i]
-            text = exc.message if isinstance(exc, OrchError) else f"host {i}: {exc}"
+        for _members, text, fix in grouped(failures, by_index):
             lines.append(f"  - {text}")
-            fix = getattr(exc, "hint", "")
             if fix:
                 lines.append(f"      fix: {fix}")
         error = GroupError("\n".join(lines), failures,
@@ -60,6 +59,44 @@ class GroupResult(Generic[T]):
     @staticmethod
     def _explained(host: Host | None, exc: BaseException) -> BaseException:
         return _explainers[0](host, exc) if host is not None and _explainers else exc
+
+
+_HOST = "\x00"   # where a host's own name was, in a failure's text made comparable
+_PREFIX = re.compile("^\x00(?: \\([^)]*\\))?: ")   # `<host>: ` or `<host> (user@host:22): `
+
+
+def _texts(i: int, exc: BaseException) -> tuple[str, str]:
+    text = exc.message if isinstance(exc, OrchError) else f"host {i}: {exc}"
+    return text, getattr(exc, "hint", "") or ""
+
+
+def _anonymous(text: str, host: Host | None) -> str:
+    """`text` with the host's label and address (as whole names) replaced by _HOST."""
+    for name in dict.fromkeys([host.label, host.address] if host else []):
+        text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w-]|\.\w)", _HOST, text)
+    return text
+
+
+def grouped(failures: dict[int, BaseException],
+            by_index: dict[int, Host]) -> list[tuple[list[int], str, str]]:
+    """The failures, those that read the same but for the host's name as one block:
+    `3 hosts: 127.0.1.[1-3]: <what>` (ClusterShell's folding), so that 64 hosts with one
+    wrong port are one message, not 64. (members, text, fix), by first host."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i in sorted(failures):
+        text, fix = _texts(i, failures[i])
+        key = (_anonymous(text, by_index.get(i)), _anonymous(fix, by_index.get(i)))
+        groups.setdefault(key, []).append(i)
+    out = []
+    for (text, fix), members in groups.items():
+        if len(members) == 1:
+            out.append((members, *_texts(members[0], failures[members[0]])))
+            continue
+        names = fold([by_index[i].label if i in by_index else str(i) for i in members])
+        what = _PREFIX.sub("", text).replace(_HOST, "each host")
+        out.append((members, f"{len(members)} hosts: {names}: {what}",
+                    fix.replace(_HOST, "each host")))
+    return out
 
 
 def fan_out(hosts: tuple[Host, ...], fn: Callable[[Host], T], limit: int = 256,

@@ -1,0 +1,72 @@
+"""What orch says when something fails on many hosts or in the inventory: identical
+failures as one block with the hosts folded, hints that keep `-c`, a public key given as
+`identity_file`, the accept-new line, an entrypoint's did-you-mean."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config.hostranges import fold
+from orchestrator.config.inventory import Cluster, parse
+from orchestrator.errors import GroupError, HostError
+from orchestrator.remote.fanout import GroupResult
+from orchestrator.session.setupstep import raise_setup_failures
+from orchestrator.session.shelloutput import HostOutput, Printer
+
+FOUR = """name: msg
+hosts: ['127.0.1.[1-3]', 127.0.1.30]
+job: {entrypoint: job.py}
+"""
+
+
+def cluster_at(path: Path, text: str = FOUR) -> Cluster:
+    return parse(text, path)
+
+
+def refused(cluster: Cluster, i: int, port: int = 2900) -> HostError:
+    h = cluster.hosts[i]
+    return HostError(f"{h.label} (root@{h.address}:{port}): connection refused on port {port}: "
+                     "nothing listens there",
+                     hint="check that sshd runs on the host and that the port is right (ssh.port)")
+
+
+def test_fold_writes_labels_as_a_range() -> None:
+    assert fold(["127.0.1.1", "127.0.1.2", "127.0.1.3"]) == "127.0.1.[1-3]"
+    assert fold(["gpu01", "gpu02", "gpu04"]) == "gpu[01-02,04]"
+    assert fold(["a b", "c"]) == "a b, c"   # not a name ClusterShell reads: listed
+
+
+def test_identical_failures_are_one_block_with_the_hosts_folded(tmp_path: Path) -> None:
+    cluster = cluster_at(tmp_path / "cluster.yaml")
+    failed: dict[int, BaseException] = {i: refused(cluster, i) for i in range(3)}
+    failed[3] = refused(cluster, 3, port=2222)   # another port: its own block
+    with pytest.raises(GroupError) as err:
+        GroupResult(failed=failed).raise_failures(cluster.hosts, "preflight")
+    assert str(err.value).splitlines() == [
+        "4 of 4 hosts failed preflight:",
+        "  - 3 hosts: 127.0.1.[1-3]: connection refused on port 2900: nothing listens there",
+        "      fix: check that sshd runs on the host and that the port is right (ssh.port)",
+        "  - 127.0.1.30 (root@127.0.1.30:2222): connection refused on port 2222: nothing listens there",
+        "      fix: check that sshd runs on the host and that the port is right (ssh.port)"]
+    assert sorted(err.value.failures) == [0, 1, 2, 3] and err.value.exit_code == 3
+
+
+def test_a_failed_setup_is_one_block_and_its_hint_keeps_the_inventory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cluster = cluster_at(tmp_path / "runs" / "b.yaml")
+    outputs = {i: HostOutput(Printer(quiet=True), f"[setup {h.label}]")
+               for i, h in enumerate(cluster.hosts)}
+    for out in outputs.values():
+        out.feed(b"ERROR: No matching distribution found for tourch\n")
+    replies = {i: {"code": 1, "failed": "pip install tourch"} for i in range(4)}
+    with pytest.raises(GroupError) as err:
+        raise_setup_failures(cluster, GroupResult(ok=replies), outputs,
+                             {i: "logs/setup.log" for i in range(4)})
+    text = str(err.value)
+    assert text.count("pip install tourch") == 1 and text.count("| ERROR") == 1, text
+    assert ("  - 4 hosts: 127.0.1.[1-3,30]: `pip install tourch` exited with code 1; its last "
+            "lines:\n      | ERROR: No matching distribution found for tourch") in text, text
+    assert ("fix: fix the command (the whole output is in logs/setup.log on each host), "
+            "then run `orch up -c runs/b.yaml` again") in text, text
