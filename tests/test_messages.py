@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import cli
 from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster, parse
 from orchestrator.errors import GroupError, HostError
@@ -62,7 +63,7 @@ def test_a_failed_setup_is_one_block_and_its_hint_keeps_the_inventory(
         out.feed(b"ERROR: No matching distribution found for tourch\n")
     replies = {i: {"code": 1, "failed": "pip install tourch"} for i in range(4)}
     with pytest.raises(GroupError) as err:
-        raise_setup_failures(cluster, GroupResult(ok=replies), outputs,
+        raise_setup_failures(cluster, GroupResult(ok=replies), outputs,  # type: ignore[arg-type]
                              {i: "logs/setup.log" for i in range(4)})
     text = str(err.value)
     assert text.count("pip install tourch") == 1 and text.count("| ERROR") == 1, text
@@ -70,3 +71,24 @@ def test_a_failed_setup_is_one_block_and_its_hint_keeps_the_inventory(
             "lines:\n      | ERROR: No matching distribution found for tourch") in text, text
     assert ("fix: fix the command (the whole output is in logs/setup.log on each host), "
             "then run `orch up -c runs/b.yaml` again") in text, text
+
+
+PUBLIC = b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKx3kQ9 me@laptop\n"
+
+
+@pytest.mark.parametrize("command", [["up", "--dry-run"], ["stop"], ["status"]])
+def test_a_public_key_as_identity_file_is_exit_2_at_its_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
+    """paramiko says "not a valid OPENSSH private key file" once per host (exit 3); the
+    inventory's line says what it is, before any host is contacted."""
+    (tmp_path / "id_ed25519.pub").write_bytes(PUBLIC)
+    (tmp_path / "job.py").write_text("print(1)\n")
+    inv = tmp_path / "cluster.yaml"
+    inv.write_text("name: pub\nssh:\n  user: me\n  identity_file: id_ed25519.pub\n"
+                   "hosts: [127.0.1.1, 127.0.1.2]\njob: {entrypoint: job.py}\n")
+    assert cli.cli([*command, "-c", str(inv)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"orch: {inv}:4: `identity_file` {tmp_path}/id_ed25519.pub: this is a "
+                          "public key"), err
+    assert f"fix: use the file without .pub ({tmp_path}/id_ed25519)" in err, err
+    assert err.count("public key") == 1 and "Traceback" not in err

@@ -30,6 +30,7 @@ from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import HostFiles, Session, group_files
 from orchestrator.session.setupstep import needs_check
 from orchestrator.session.shelloutput import Printer
+from orchestrator.ssh.connect import check_local_files
 
 SyncReports = dict[int, dict[str, SyncReport]]   # host index -> "code"/"data" -> what was sent
 
@@ -129,12 +130,14 @@ def plan(inventory: jobs.Inventory, *, hosts: str | None = None,
          exclude: str | None = None) -> Plan:
     """`orch up --dry-run`: the plan and the exact command per host; no host is touched.
     Every check `up` makes before it connects is made here too (the entrypoint, the code,
-    the data split for this world size, each host's shards), with the same errors: a dry
+    the data split for this world size, each host's shards, identity_file and
+    known_hosts), with the same errors: a dry
     run that passes means `up` passes all that needs no host.
     `hosts`, `exclude`: as `up`'s (the plan is the narrowed run's)."""
     cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     again = resplit_size(cluster)   # the data cannot be split again: its error, as in up
     local_files(cluster, data=again is None)   # a split up would make is not checked
+    check_local_files(cluster.hosts)
     text = prepare.array_plan(cluster) if cluster.job.array else dry_run_plan(cluster)
     return Plan(job=cluster.name, plan=text)
 
