@@ -3,6 +3,7 @@ failures as one block with the hosts folded, hints that keep `-c`, a public key 
 `identity_file`, the accept-new line, an entrypoint's did-you-mean."""
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,26 @@ def test_a_public_key_as_identity_file_is_exit_2_at_its_line(
                           "public key"), err
     assert f"fix: use the file without .pub ({tmp_path}/id_ed25519)" in err, err
     assert err.count("public key") == 1 and "Traceback" not in err
+
+
+def test_accept_new_says_one_line_with_the_fingerprint_as_openssh_shows_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import paramiko
+
+    from orchestrator.ssh.sshtransport import AcceptNewPolicy
+    from orchestrator.ui.console import warnings_to_console
+    warnings_to_console()
+    key = paramiko.RSAKey.generate(1024)
+
+    class Client:
+        keys = paramiko.HostKeys()
+
+        def get_host_keys(self) -> paramiko.HostKeys:
+            return self.keys
+    known = tmp_path / "known_hosts"
+    AcceptNewPolicy(str(known), 2222).missing_host_key(Client(), "127.0.1.1", key)  # type: ignore[arg-type]
+    err = capsys.readouterr().err
+    listed = subprocess.run(["ssh-keygen", "-lf", str(known)], capture_output=True, text=True,
+                            check=True).stdout.split()   # 1024 SHA256:... [127.0.1.1]:2222 (RSA)
+    assert err == (f"warning: permanently added the host key of [127.0.1.1]:2222 "
+                   f"(ssh-rsa {listed[1]}) to {known}\n"), (err, listed)

@@ -30,7 +30,6 @@ from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import HostFiles, Session, group_files
 from orchestrator.session.setupstep import needs_check
 from orchestrator.session.shelloutput import Printer
-from orchestrator.ssh.connect import check_local_files
 
 SyncReports = dict[int, dict[str, SyncReport]]   # host index -> "code"/"data" -> what was sent
 
@@ -137,7 +136,12 @@ def plan(inventory: jobs.Inventory, *, hosts: str | None = None,
     cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     again = resplit_size(cluster)   # the data cannot be split again: its error, as in up
     local_files(cluster, data=again is None)   # a split up would make is not checked
-    check_local_files(cluster.hosts)
+    if any(not h.is_local for h in cluster.hosts):
+        # imported here, as in Session: paramiko only where SSH is used
+        from orchestrator.ssh import connect
+
+        connect.ssh_config()
+        connect.check_local_files(cluster.hosts)
     text = prepare.array_plan(cluster) if cluster.job.array else dry_run_plan(cluster)
     return Plan(job=cluster.name, plan=text)
 
