@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -78,4 +79,22 @@ def test_stop_while_one_hosts_sshd_refuses_says_its_ranks_run_on(
     inv.write_text(good)
     again = orch(tmp_path, "stop", "-c", inv.name, "--grace", "2")
     assert again.returncode == 0, again.stderr
+    assert_nothing_left(hosts, name)
+
+
+def test_logs_follow_ended_by_sigterm_says_one_line(
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    """`orch logs -f` over three hosts, ended by SIGTERM: `orch: interrupted`, exit 130, no
+    "agent's connection ended" warning per host."""
+    hosts, name = sshd_cluster.hosts[:3], "e2e-ux-logs"
+    write_job(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    inv = sshd_cluster.write_inventory(tmp_path / "three.yaml", hosts=hosts, procs=1, name=name)
+    jobs.add(inv, hosts, name)
+    assert orch(tmp_path, "up", "--detach", "-c", inv.name).returncode == 0
+    logs = jobs.start(tmp_path, "logs", "-f", "-c", inv.name)
+    logs.wait_for(r"^\[r\d \S+\] up$", count=3)
+    logs.proc.send_signal(signal.SIGTERM)
+    assert logs.finish(30) == 130, logs.text()
+    assert logs.err == ["orch: interrupted"], logs.text()
+    assert orch(tmp_path, "stop", "-c", inv.name, "--grace", "2").returncode == 0
     assert_nothing_left(hosts, name)

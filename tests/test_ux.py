@@ -342,3 +342,32 @@ def test_a_warning_keeps_its_fix_on_its_own_line(capsys: pytest.CaptureFixture[s
     warn_unreachable([HostError("10.0.0.9: connection refused \x1b[2J", hint="start sshd")])
     err = capsys.readouterr().err
     assert err == "warning: 10.0.0.9: connection refused \\x1b[2J\n  fix: start sshd\n", err
+
+
+def test_logs_follow_ended_by_sigterm_says_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGTERM (Ctrl-C) ends `orch logs -f`: the connections orch closes itself are not
+    reported as lost hosts (three warnings, the host named twice, before): one line."""
+    from fake_agent import session_factory as factory
+    from orchestrator import cli
+    from orchestrator.api import reading
+    (tmp_path / "cluster.yaml").write_text(INVENTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(api_jobs, "saved_state", lambda c: state_of(c))
+
+    def follow(chan, msg: dict) -> None:   # a line per rank, then the job runs on
+        for r in msg["ranks"]:
+            chan.push(protocol.output(r, b"rank %d up\n" % r))
+    monkeypatch.setattr(api_jobs, "open_session", factory({"follow": follow}))
+    naps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        naps.append(seconds)
+        if len(naps) > 3:   # the lines are in: the signal arrives (cli turns it into this)
+            raise KeyboardInterrupt
+        time.sleep(seconds)
+    monkeypatch.setattr(reading.time, "sleep", sleep)
+    assert cli.cli(["logs", "-f"]) == 130
+    out, err = capsys.readouterr()
+    assert sorted(out.splitlines()) == [f"[r{r} localhost#{r // 2}] rank {r} up" for r in range(4)], out
+    assert err == "orch: interrupted\n", err

@@ -141,15 +141,18 @@ def follow_logs(inventory: jobs.Inventory, sink: Sink, *, tail: int = -1, follow
         session = jobs.open_job(cluster, jobs.saved_state(cluster))
         units, unit = (lambda i: list(cluster.hosts[i].ranks)), None
         every = list(range(cluster.world_size))
+    streams = {i: HostStream(link, session.records[i].job_dir, units(i))
+               for i, link in session.links.items()}
     try:
         for exc in session.failed.values():
             if unreached is not None:
                 unreached(exc)
-        streams = {i: HostStream(link, session.records[i].job_dir, units(i))
-                   for i, link in session.links.items()}
         finished = follow_hosts(streams, sink, tail, "events" if follow else "snapshot", unit=unit)
         while not finished():
             time.sleep(0.1)
     finally:
+        # ended here (Ctrl-C, SIGTERM): the connections this call closes are no lost hosts
+        for s in streams.values():
+            s.done = True
         session.close()
     return Followed(every, dict(session.failed))

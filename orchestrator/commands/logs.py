@@ -135,7 +135,8 @@ class LogSink(LineSink):
     def host_lost(self, host: int, why: str) -> None:
         self.lost[host] = why
         if self.printer is not None:
-            warn(f"host {self.labels[host]}: {why}")
+            label = self.labels[host]   # the link's messages name the host already
+            warn(why if why.startswith(label) else f"host {label}: {why}")
 
 
 def all_logs(cluster: Cluster, args: argparse.Namespace) -> int:
