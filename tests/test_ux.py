@@ -10,6 +10,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -366,7 +367,7 @@ def test_logs_follow_ended_by_sigterm_says_one_line(tmp_path: Path, monkeypatch:
         if len(naps) > 3:   # the lines are in: the signal arrives (cli turns it into this)
             raise KeyboardInterrupt
         time.sleep(seconds)
-    monkeypatch.setattr(reading.time, "sleep", sleep)
+    monkeypatch.setattr(reading, "time", SimpleNamespace(sleep=sleep, monotonic=time.monotonic))
     assert cli.cli(["logs", "-f"]) == 130
     out, err = capsys.readouterr()
     assert sorted(out.splitlines()) == [f"[r{r} localhost#{r // 2}] rank {r} up" for r in range(4)], out
