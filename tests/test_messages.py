@@ -116,3 +116,25 @@ def test_accept_new_says_one_line_with_the_fingerprint_as_openssh_shows_it(
                             check=True).stdout.split()   # 1024 SHA256:... [127.0.1.1]:2222 (RSA)
     assert err == (f"warning: permanently added the host key of [127.0.1.1]:2222 "
                    f"(ssh-rsa {listed[1]}) to {known}\n"), (err, listed)
+
+
+@pytest.mark.parametrize(("typo", "meant"), [("worker.trian", "worker.train"),
+                                             ("worker/trian.py", "worker/train.py"),
+                                             ("wroker.train", None)])
+def test_an_entrypoint_typo_gets_a_did_you_mean(tmp_path: Path, typo: str, meant: str | None,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Over the modules and files of the pushed code, at the inventory's line (exit 2)."""
+    (tmp_path / "worker").mkdir()
+    for f in ("__init__.py", "train.py", "data.py"):
+        (tmp_path / "worker" / f).write_text("")
+    inv = tmp_path / "cluster.yaml"
+    inv.write_text("name: d\nhosts: [{address: localhost, connection: local}]\n"
+                   f"code: {{paths: [worker]}}\njob:\n  entrypoint: {typo}\n")
+    if meant is None:   # `wroker` is no pushed package: an installed one, for the hosts
+        assert cli.cli(["up", "--dry-run", "-c", str(inv)]) == 0
+        assert "job d: 1 host, world size 1" in capsys.readouterr().out
+        return
+    assert cli.cli(["up", "--dry-run", "-c", str(inv)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"orch: {inv}:5: `job.entrypoint` '{typo}' is not in"), err
+    assert f"fix: did you mean `{meant}`?" in err, err

@@ -11,6 +11,7 @@ from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
 from orchestrator.session.preflight import HostInfo, PreflightReport, job_dir
+from orchestrator.ui.wording import plural
 from orchestrator.wire import timeouts
 
 
@@ -116,7 +117,7 @@ def dry_run_plan(cluster: Cluster) -> str:
     """The plan and the exact command per host, computed without touching any host."""
     addr = master_addr(cluster)
     port = cluster.job.master_port or "<free port on host 0>"
-    lines = [f"job {cluster.name}: {len(cluster.hosts)} hosts, world size {cluster.world_size}, "
+    lines = [f"job {cluster.name}: {plural(len(cluster.hosts), 'host')}, world size {cluster.world_size}, "
              f"MASTER_ADDR={addr} MASTER_PORT={port}",
              "preflight on every host, in parallel: connect (host key checked), python runs, "
              "torch version (same everywhere), GPUs, remote_dir writable, master port free"]
