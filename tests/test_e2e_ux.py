@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from ClusterShell.NodeSet import NodeSet
 
 from helpers import ORCH, Jobs, assert_nothing_left, job_pids, orch, wait_until, write_job
 from sshd_cluster import SshdCluster, free_port
@@ -98,3 +99,31 @@ def test_logs_follow_ended_by_sigterm_says_one_line(
     assert logs.err == ["orch: interrupted"], logs.text()
     assert orch(tmp_path, "stop", "-c", inv.name, "--grace", "2").returncode == 0
     assert_nothing_left(hosts, name)
+
+
+def test_identical_failures_on_three_hosts_are_one_block(
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    """A wrong port everywhere, then a failing `setup:` everywhere: each is one block with
+    the hosts folded (`3 hosts: 127.0.0.[2-4]: ...`), its hint keeping `-c`."""
+    hosts, name = sshd_cluster.hosts[:3], "e2e-ux-group"
+    write_job(tmp_path, "print('never')\n")
+    closed = free_port([h.address for h in hosts], start=2900, stop=3000)
+    inv = sshd_cluster.write_inventory(tmp_path / "grp.yaml", hosts=hosts, name=name,
+                                       top={"ssh": {"port": closed}})
+    jobs.add(inv, hosts, name)
+    folded = str(NodeSet.fromlist([h.address for h in hosts]))
+    up = orch(tmp_path, "up", "-c", inv.name)
+    assert up.returncode == 3, up.stderr
+    assert (f"  - 3 hosts: {folded}: connection refused on port {closed}: nothing listens there"
+            in up.stderr.splitlines()), up.stderr
+    assert up.stderr.count("connection refused") == 1 and "Traceback" not in up.stderr
+
+    inv = sshd_cluster.write_inventory(tmp_path / "grp.yaml", hosts=hosts, name=name,
+                                       top={"setup": ["echo no such package >&2; exit 3"]})
+    up = orch(tmp_path, "up", "-c", inv.name, timeout=180)
+    assert up.returncode == 3, up.stderr
+    assert (f"  - 3 hosts: {folded}: `echo no such package >&2; exit 3` exited with code 3; its "
+            "last lines:" in up.stderr), up.stderr
+    assert up.stderr.count("| no such package") == 1, up.stderr
+    assert ("(the whole output is in <job dir>/logs/setup.log on each host), then run "
+            "`orch up -c grp.yaml` again") in up.stderr, up.stderr

@@ -65,12 +65,13 @@ def test_a_failed_setup_is_one_block_and_its_hint_keeps_the_inventory(
     replies = {i: {"code": 1, "failed": "pip install tourch"} for i in range(4)}
     with pytest.raises(GroupError) as err:
         raise_setup_failures(cluster, GroupResult(ok=replies), outputs,  # type: ignore[arg-type]
-                             {i: "logs/setup.log" for i in range(4)})
+                             {i: f"/r{i}/msg/logs/setup.log" for i in range(4)},
+                             {i: f"/r{i}/msg" for i in range(4)})
     text = str(err.value)
     assert text.count("pip install tourch") == 1 and text.count("| ERROR") == 1, text
     assert ("  - 4 hosts: 127.0.1.[1-3,30]: `pip install tourch` exited with code 1; its last "
             "lines:\n      | ERROR: No matching distribution found for tourch") in text, text
-    assert ("fix: fix the command (the whole output is in logs/setup.log on each host), "
+    assert ("fix: fix the command (the whole output is in <job dir>/logs/setup.log on each host), "
             "then run `orch up -c runs/b.yaml` again") in text, text
 
 

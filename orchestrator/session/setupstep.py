@@ -87,7 +87,8 @@ def run_setup(
     if outcome.interrupted:
         raise KeyboardInterrupt
     logs = {i: f"{pre.hosts[i].job_dir}/logs/{where[i].get('log', 'setup.log')}" for i in targets}
-    raise_setup_failures(cluster, outcome, outputs, logs)
+    raise_setup_failures(cluster, outcome, outputs, logs,
+                         {i: pre.hosts[i].job_dir for i in targets})
     return outcome.ok
 
 
@@ -111,7 +112,8 @@ def setup_hosts(cluster: Cluster, pre: PreflightReport, links: dict[int, Link]
 
 
 def raise_setup_failures(
-    cluster: Cluster, outcome: Outcome, outputs: dict[int, HostOutput], logs: dict[int, str]
+    cluster: Cluster, outcome: Outcome, outputs: dict[int, HostOutput], logs: dict[int, str],
+    job_dirs: dict[int, str] | None = None,
 ) -> None:
     failures = dict(outcome.failed)
     for i, reply in outcome.ok.items():
@@ -125,7 +127,8 @@ def raise_setup_failures(
                 f"{logs[i]} on {label}), then run `{hint_cmd(cluster, 'up')}` again",
             )
     if failures:
-        GroupResult(failed=failures).raise_failures(cluster.hosts, "setup; nothing was started")
+        GroupResult(failed=failures).raise_failures(cluster.hosts, "setup; nothing was started",
+                                                    job_dirs=job_dirs)
 
 
 def _status(code: int) -> str:
