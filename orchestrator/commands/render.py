@@ -49,6 +49,9 @@ def shown(path: str) -> str:
 
 def pulled(result: PullResult) -> None:
     where = shown(result.destination)
+    if result.earlier_run:
+        console.print(plain(f"{where} held an earlier run's files: moved to "
+                            f"{shown(result.earlier_run)} (each run keeps its own folder)"))
     if result.files:
         console.print(f"pulled {plural(result.files, 'file')} ({result.bytes / 1e6:.1f} MB) to {where}"
                       + (f"; {result.unchanged} unchanged" if result.unchanged else ""))
