@@ -8,12 +8,13 @@ import os
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from ClusterShell.NodeSet import NodeSet
 
-from helpers import ORCH, Jobs, assert_nothing_left, job_pids, orch, wait_until, write_job
+from helpers import ORCH, Jobs, assert_nothing_left, job_dir, job_pids, orch, wait_until, write_job
 from sshd_cluster import SshdCluster, free_port
 
 pytestmark = pytest.mark.ssh
@@ -127,3 +128,22 @@ def test_identical_failures_on_three_hosts_are_one_block(
     assert up.stderr.count("| no such package") == 1, up.stderr
     assert ("(the whole output is in <job dir>/logs/setup.log on each host), then run "
             "`orch up -c grp.yaml` again") in up.stderr, up.stderr
+
+
+def test_a_relative_python_is_taken_from_the_code_folder(
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    """`python: ../pyenv/bin/python` on an SSH host is `<job dir>/pyenv/bin/python` for the
+    agent, the checks and the ranks, on the first `up` already (no code/ there yet)."""
+    hosts, name = sshd_cluster.hosts[:1], "e2e-ux-relpy"
+    write_job(tmp_path, "import sys\nprint('python', sys.executable, flush=True)\n")
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name,
+                                       top={"python": "../pyenv/bin/python"})
+    jobs.add(inv, hosts, name)
+    pybin = Path(job_dir(hosts[0], name)) / "pyenv" / "bin"
+    pybin.mkdir(parents=True)
+    (pybin / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')   # keeps the venv
+    (pybin / "python").chmod(0o755)
+    up = orch(tmp_path, "up", "--no-pull", str(inv), timeout=180)
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert f"python {sys.executable}" in up.stdout, up.stdout
+    assert_nothing_left(hosts, name)

@@ -139,3 +139,23 @@ def test_an_entrypoint_typo_gets_a_did_you_mean(tmp_path: Path, typo: str, meant
     err = capsys.readouterr().err
     assert err.startswith(f"orch: {inv}:5: `job.entrypoint` '{typo}' is not in"), err
     assert f"fix: did you mean `{meant}`?" in err, err
+
+
+def test_a_relative_python_is_taken_from_code_on_an_ssh_host(tmp_path: Path) -> None:
+    """`python: ../venv/bin/python`: from the job's code/ folder on an SSH host (where the
+    ranks and setup run), whole so that it holds before code/ exists; from the
+    inventory's folder on a local host; names and absolute or ~ paths as written."""
+    from orchestrator.remote.bundle import host_python
+    from orchestrator.session.launch import dry_run_plan
+    c = parse("name: py\npython: ../venv/bin/python\nremote_dir: ~/orch\nhosts:\n"
+              "  - 10.0.0.8\n  - {address: localhost, connection: local, remote_dir: n0}\n"
+              "  - {address: 10.0.0.9, python: python3}\n  - {address: 10.0.0.10, python: ~/v/bin/python}\n"
+              "job: {entrypoint: job.py}\n", tmp_path / "cluster.yaml")
+    ssh, local, name, home = c.hosts
+    assert host_python(ssh, "~/orch/py") == "~/orch/py/venv/bin/python"
+    assert host_python(ssh, "/srv/orch/py/") == "/srv/orch/py/venv/bin/python"
+    assert host_python(local, "n0/py", str(tmp_path)) == str(tmp_path / "../venv/bin/python")
+    assert host_python(name, "~/orch/py") == "python3"
+    assert host_python(home, "~/orch/py") == "~/v/bin/python"
+    plan = dry_run_plan(c)
+    assert "~/orch/py/venv/bin/python -m torch.distributed.run" in plan, plan

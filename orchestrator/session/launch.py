@@ -7,6 +7,7 @@ from typing import Any
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.files.shards import resplit_size
+from orchestrator.remote.bundle import host_python
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
@@ -135,7 +136,8 @@ def dry_run_plan(cluster: Cluster) -> str:
                              f"split-data --workers {cluster.world_size}`), before the push")
     for h in cluster.hosts:
         job_dir = f"{h.remote_dir.rstrip('/')}/{cluster.name}"
-        argv = torchrun_argv(cluster, h, h.python, job_dir, addr, port)
+        python = host_python(h, job_dir, str(cluster.base_dir))
+        argv = torchrun_argv(cluster, h, python, job_dir, addr, port)
         where = "local" if h.is_local else "ssh"
         gpus = "" if h.gpu_ids is None else \
             f", GPUs {','.join(map(str, h.gpu_ids))} (CUDA_VISIBLE_DEVICES)"

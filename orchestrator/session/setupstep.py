@@ -12,6 +12,7 @@ from orchestrator.config.inventory import Cluster
 from orchestrator.config.setupspec import fingerprint
 from orchestrator.errors import HostError
 from orchestrator.files.localfiles import LocalFile
+from orchestrator.remote.bundle import host_python
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.session.preflight import HostInfo, PreflightReport, torch_mismatch
@@ -157,7 +158,7 @@ def _probe(cluster: Cluster, link: Link, info: HostInfo) -> HostInfo:
         "probe",
         timeouts.PROBE + 15,
         job_dir=info.job_dir,
-        python=host.python,
+        python=host_python(host, info.job_dir, str(cluster.base_dir)),
         entrypoint=job.entrypoint,
         module=job.is_module,
         env=command_env(cluster, info.job_dir),
