@@ -13,6 +13,7 @@ from typing import Any, Callable, NoReturn
 from orchestrator import __version__
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, OrchError
 from orchestrator.ssh import lazyimport
+from orchestrator.ui.console import warnings_to_console
 
 lazyimport.hold_back()   # before anything imports paramiko
 
@@ -127,6 +128,7 @@ def json_error(args: argparse.Namespace, message: str, code: int) -> int:
 def cli(argv: list[str] | None = None) -> int:
     args = parse(argv)
     interrupt_on_termination()
+    warnings_to_console()
     run: Callable[[argparse.Namespace], int] = args.func
     try:
         return run(args)

@@ -47,9 +47,12 @@ def test_the_readme_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.chdir(tmp_path)
     inv = inventory(tmp_path)
     exec(compile(readme_example(), "README.md", "exec"), {})
-    out = capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr()
+    out = printed.out.splitlines()
     assert out[0].split()[0] == "1", out                      # world size, MASTER_ADDR
-    assert re.fullmatch(r"0 localhost (starting|running|not started) ([\d.]+|None)", out[1]), out
+    assert re.fullmatch(r"0 localhost running [\d.]+", out[1]), out
+    assert out[2] == "hello from rank 0", out                 # read once it was there
+    assert printed.err == "", printed.err                     # stop included: nothing printed
     status = api.status(inv)
     assert [r.state for r in status.ranks] == ["stopped"], status
     assert not pids_with_env(f"ORCH_JOB_DIR={tmp_path}/nodes/a/apidemo")
@@ -221,3 +224,37 @@ def test_the_cli_error_document_has_the_same_version(capsys: pytest.CaptureFixtu
     assert cli.JSON_VERSION == api.JSON_VERSION
     cli.json_error(argparse.Namespace(json=True), "bad", 2)
     assert json.loads(capsys.readouterr().out) == {"version": 1, "error": "bad", "exit_code": 2}
+
+
+def test_stop_says_the_unreached_hosts_ranks_still_run_and_how_to_finish(
+        two_hosts, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A host whose sshd is down: its ranks were never signalled. The message says so,
+    names them, and gives the `orch stop` (with the inventory) that finishes it; exit 3."""
+    path, use = two_hosts
+    other = tmp_path / "other.yaml"
+    other.write_text(path.read_text())
+    use(down=0)
+    assert cli.cli(["stop", "-c", str(other), "--grace", "0"]) == 3
+    err = capsys.readouterr().err
+    assert "1 of 2 hosts failed to stop" in err and "127.0.0.1: stopped" in err, err
+    assert "ranks 0-1 on localhost are NOT stopped and may still be running" in err, err
+    assert f"`orch stop -c {other}` again finishes the stop" in err, err
+
+
+def test_stop_prints_nothing_and_warns_through_the_logger(
+        two_hosts, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """As the README says: no output from the calls, `stop` included; a warning (here a
+    damaged state file) is a record of the `orchestrator` logger."""
+    path, use = two_hosts
+    use()
+    result = api.stop(path, grace=0)
+    assert sorted(result.hosts) == ["127.0.0.1", "localhost"] and result.failed == {}
+    assert capfd.readouterr() == ("", "")
+    state = path.parent / ".orch" / "apiunit" / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text('{"name": "apiunit", "hosts": [')
+    with caplog.at_level("WARNING", logger="orchestrator"):
+        api.stop(path, grace=0)
+    assert [r.name for r in caplog.records] == ["orchestrator"], caplog.records
+    assert "the job state is damaged" in caplog.records[0].getMessage()
+    assert capfd.readouterr().out == ""

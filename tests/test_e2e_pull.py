@@ -128,3 +128,36 @@ def test_pull_killed_mid_file_resumes(sshd_cluster: SshdCluster, tmp_path: Path,
     assert hashlib.sha256(pulled).digest() == hashlib.sha256(big).digest()
     assert not list(dest.rglob("*.orch-part-*")), "a part file was left"
     (out / "z-big.bin").unlink()
+
+
+RUN_JOB = """\
+import os
+with open(os.path.join(os.environ["ORCH_OUTPUT_DIR"], "run.txt"), "w") as f:
+    f.write(os.environ["ORCH_RUN_ID"])
+"""
+
+
+@pytest.mark.ssh
+def test_a_second_run_does_not_pull_into_the_first_runs_folder(
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    """Run 1's pulled files are moved to outputs/<name>.<its start>/ before run 2's pull:
+    each run's own folder, nothing deleted; `orch pull` of run 2 again pulls in place."""
+    hosts, name = sshd_cluster.hosts[:1], "e2e-pull-runs"
+    write_job(tmp_path, RUN_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
+    jobs.add(inv, hosts, name)
+    runs = []
+    for _ in range(2):
+        up = orch(tmp_path, "up", str(inv))
+        assert up.returncode == 0, up.stderr
+        runs.append(json.loads((tmp_path / ".orch" / name / "state.json").read_text())["run_id"])
+    dest = tmp_path / "outputs" / name
+    earlier = [p for p in (tmp_path / "outputs").iterdir() if p.name.startswith(f"{name}.")]
+    assert len(earlier) == 1, list((tmp_path / "outputs").iterdir())
+    assert f"held an earlier run's files: moved to outputs/{earlier[0].name}/" in up.stderr, up.stderr
+    assert (earlier[0] / "run.txt").read_text() == runs[0]
+    assert (dest / "run.txt").read_text() == runs[1]
+    got = pull_json(tmp_path)
+    assert got["unchanged"] == 1 and "earlier_run" not in got, got
+    assert len(list((tmp_path / "outputs").iterdir())) == 2
+    assert_nothing_left(hosts, name)

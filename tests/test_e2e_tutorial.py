@@ -68,8 +68,8 @@ def test_the_tutorial_runs_as_written(sshd_cluster: SshdCluster, tmp_path: Path,
     wait_until(lambda: "step 2:" in orch(tmp_path, "logs", "--rank", "2", "--tail", "3").stdout,
                120, "rank 2's third step")
     status = orch(tmp_path, "status")
-    table = status.stdout + status.stderr   # status writes its table to stderr today
-    assert status.returncode == 0 and table.count("running") == 4, table
+    assert status.returncode == 0 and status.stdout.count("running") == 4, status
+    assert "running" not in status.stderr, status.stderr   # the table on stdout only
     again = orch(tmp_path, "up")
     assert again.returncode == 2 and "already running" in again.stderr, again.stderr
     stop = orch(tmp_path, "stop")

@@ -268,6 +268,11 @@ def test_accept_new_records_key_and_refuses_changed_key(
     assert f"[r0 {host.address}] rank 0 ok" in result.stdout.splitlines()
     recorded = known.read_text().splitlines()
     assert recorded.count(host.known_hosts_line()) == 1, recorded
+    shown = subprocess.run(["ssh-keygen", "-lf", "-"], input=host.host_key_pub, text=True,
+                           capture_output=True, check=True).stdout.split()[1]
+    added = [line for line in result.stderr.splitlines() if "permanently added" in line]
+    assert added == [f"warning: permanently added the host key of [{host.address}]:{host.port} "
+                     f"({host.host_key_pub.split()[0]} {shown}) to {known}"], result.stderr
 
     # The same name now offers another key: refused, whatever the policy.
     wrong = f"[{host.address}]:{host.port} {other.host_key_pub}"

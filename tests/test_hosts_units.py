@@ -230,3 +230,25 @@ def test_stop_status_exec_act_on_the_runs_hosts(tmp_path: Path,
         api.exec(path, ["true"], hosts="10.0.0.1")   # not a host of this run
     with pytest.raises(UsageError, match="ranks 0 to 3"):
         api.logs(path, rank=5)
+
+
+def test_a_dry_run_makes_every_local_check_of_up(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """World size 4 over a split made for 3: `up` would fail before any host with "has no
+    split for world size 4"; the dry run fails the same way, not exit 0."""
+    path = split_for_three(tmp_path)
+    (tmp_path / "job.py").write_text("print('hi')\n")
+    assert cli.cli(["up", "-c", str(path), "--dry-run"]) == 0
+    capsys.readouterr()
+    path.write_text(DATA.replace("  - {address: localhost, connection: local, remote_dir: n/c}\n",
+                                 "  - {address: localhost, connection: local, remote_dir: n/c}\n"
+                                 "  - {address: localhost, connection: local, remote_dir: n/d}\n"))
+    assert cli.cli(["up", "-c", str(path), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert "has no split for world size 4 (splits there: 3)" in err and "fix: " in err, err
+    assert out == "" and "Traceback" not in err
+    with pytest.raises(DataError, match="has no split for world size 4"):
+        launching.local_files(load(path))   # what `up` says: the same check
+    path.write_text(DATA.replace("code: {paths: [job.py]}", "code: {paths: [job.py, gone]}"))
+    assert cli.cli(["up", "-c", str(path), "--dry-run"]) == 2
+    assert "gone" in capsys.readouterr().err

@@ -4,9 +4,11 @@ checks, the host side (agent/pull.py), and both sides together behind the real L
 with an in-process agent (tests/fake_agent.py)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -364,3 +366,29 @@ def test_a_host_that_sends_an_unasked_name_is_cut_off(tmp_path: Path) -> None:
         s.pull(s.cluster.hosts[0], ["metrics.csv"], dest)
     assert not (tmp_path / "escaped").exists() and not list(tmp_path.rglob("escaped"))
     assert not list(dest.rglob("*.orch-part-*"))
+
+
+def test_each_runs_pull_keeps_its_own_folder(tmp_path: Path) -> None:
+    """outputs/<name>/ holds one run's files: a later run's pull first renames it to
+    outputs/<name>.<when that run started>/ (nothing deleted); the same run pulls in place."""
+    from orchestrator.api.pulling import run_dest
+    from orchestrator.session.state import JobState
+    cluster = parse("name: keep\nhosts: [{address: localhost, connection: local}]\n"
+                    "job: {entrypoint: job.py}\n", tmp_path / "cluster.yaml")
+    t1 = time.mktime((2026, 11, 25, 19, 30, 5, 0, 0, -1))
+    first = JobState("keep", "a" * 32, "cluster.yaml", t1, 1, "127.0.0.1", 29500, [])
+    second = dataclasses.replace(first, run_id="b" * 32, started=t1 + 3600)
+    dest, aside = run_dest(cluster, first)
+    assert dest == tmp_path / "outputs" / "keep" and aside is None
+    dest.mkdir(parents=True)
+    (dest / "metrics.png").write_text("run 1")
+    assert run_dest(cluster, first) == (dest, None)       # the same run: pulled in place
+    dest, aside = run_dest(cluster, second)
+    assert aside == tmp_path / "outputs" / "keep.20261125-193005", aside
+    assert (aside / "metrics.png").read_text() == "run 1" and not dest.exists()
+    dest.mkdir()
+    (dest / "metrics.png").write_text("run 2")
+    assert run_dest(cluster, second) == (dest, None)
+    dest, aside = run_dest(cluster, first)                 # any other run: set aside again
+    assert aside == tmp_path / "outputs" / "keep.20261125-203005"
+    assert (aside / "metrics.png").read_text() == "run 2"

@@ -10,6 +10,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -25,8 +26,9 @@ from orchestrator.api.querying import rank_status
 from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
 from orchestrator.config.inventory import parse
-from orchestrator.errors import EXIT_HOST
+from orchestrator.errors import EXIT_HOST, EXIT_JOB_FAILED
 from orchestrator.session.state import HostState, JobState
+from orchestrator.ui import console as ui_console
 from orchestrator.ui.liveline import ERASE, LiveLine, started_text
 from orchestrator.ui.wording import hint_cmd, plural
 from orchestrator.watch.follow import PrefixPrinter
@@ -116,12 +118,17 @@ RAW = {0: {"state": "exited", "code": 0}, 1: {"state": "exited", "code": 3},
        2: {"state": "exited", "code": -15}, 3: {"state": "stopped", "code": -15}}
 
 
-def fake_session_factory(tmp_path: Path, last_line: str, down: int | None, raw: bool = False):
+def fake_session_factory(tmp_path: Path, last_line: str, down: int | None, raw: bool = False,
+                         codes: dict[int, int] | None = None):
     """open_session for commands: in-process agents; host `down` cannot be reached.
-    `raw`: each rank as RAW says, its log 10 + rank bytes long."""
+    `raw`: each rank as RAW says, its log 10 + rank bytes long; `codes`: the ranks that
+    exited with that code (the others were stopped)."""
+    codes = codes or {}
+
     def status(chan, msg: dict) -> None:
-        ranks = [dict({"rank": r, "state": "stopped", "last_line": last_line, "pid": 7,
-                       "code": -15, "log_bytes": 11},
+        ranks = [dict({"rank": r, "state": "exited" if r in codes else "stopped",
+                       "last_line": last_line, "pid": 7, "code": codes.get(r, -15),
+                       "log_bytes": 11},
                       **(dict(RAW[r], log_bytes=10 + r, pid=100 + r) if raw else {}))
                  for r in msg["ranks"]]
         chan.push(protocol.reply(msg["id"], {"supervisor": None, "host_exit": None,
@@ -146,10 +153,11 @@ def fake_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     cluster = parse(INVENTORY, tmp_path / "cluster.yaml")
     monkeypatch.setattr(api_jobs, "saved_state", lambda c: state_of(c))
 
-    def use(last_line: str = "", down: int | None = None, raw: bool = False) -> None:
+    def use(last_line: str = "", down: int | None = None, raw: bool = False,
+            codes: dict[int, int] | None = None) -> None:
         # every api call opens its sessions through api.jobs (open_job too)
         monkeypatch.setattr(api_jobs, "open_session",
-                            fake_session_factory(tmp_path, last_line, down, raw))
+                            fake_session_factory(tmp_path, last_line, down, raw, codes))
     return cluster, use
 
 
@@ -158,10 +166,47 @@ def test_status_markup_last_line_and_unreachable_host_exit_3(tmp_path: Path, fak
     _, use = fake_job
     use(last_line="[/bold]", down=1)
     code = status_cmd.run(command_args(tmp_path, json=False))
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert code == EXIT_HOST
-    assert err.count("[/bold]") == 2 and "stopped" in err, err     # host 0's ranks, literally
-    assert err.count("unreachable") == 2 and "connection refused" in err, err
+    assert out.count("[/bold]") == 2 and "stopped" in out, out     # host 0's ranks, literally
+    assert out.count("unreachable") == 2 and "connection refused" in err, (out, err)
+    assert "connection refused" not in out and "unreachable" not in err, (out, err)
+
+
+def test_status_and_logs_list_tables_go_to_stdout(tmp_path: Path, fake_job, capsys) -> None:
+    """The table is the answer: `orch status > f` and `| grep` see it; warnings stay on
+    stderr."""
+    _, use = fake_job
+    use(last_line="last words", down=1)
+    assert status_cmd.run(command_args(tmp_path, json=False)) == EXIT_HOST
+    out, err = capsys.readouterr()
+    assert out.count("stopped") == 2 and "last words" in out and "job ux" in out, out
+    assert "warning:" in err and "stopped" not in err, err
+    assert logs_cmd.run(command_args(tmp_path, json=False, list=True, rank=None, task=None,
+                                     follow=False, tail=-1)) == EXIT_HOST
+    out, err = capsys.readouterr()
+    assert out.count("stopped") == 2 and "11 B" in out and "4 ranks" in out, out
+    assert "warning:" in err and "stopped" not in err, err
+
+
+@pytest.mark.parametrize("width", [60, 80])
+def test_status_after_a_crash_piped_keeps_the_state_whole_and_exits_1(
+        tmp_path: Path, fake_job, capsys, monkeypatch: pytest.MonkeyPatch, width: int) -> None:
+    """Piped (rich's 80 columns), the state is never cut; the failure is summed up on
+    stderr and the exit code is 1 (the job failed), with --json too."""
+    _, use = fake_job
+    monkeypatch.setattr(ui_console.out, "_width", width)
+    use(last_line="Traceback (most recent call last): " * 3, codes={2: 1, 3: -9})
+    assert status_cmd.run(command_args(tmp_path, json=False)) == EXIT_JOB_FAILED
+    out, err = capsys.readouterr()
+    assert out.count("failed (exit code 1)") == 1 and out.count("failed (killed by SIGKILL)") == 1, out
+    assert max(len(line) for line in out.splitlines()) <= width, out
+    assert err.strip() == ("2 of 4 ranks failed: rank 2 on localhost#1 (exit code 1), "
+                           "rank 3 on localhost#1 (killed by SIGKILL)"), err
+    assert status_cmd.run(command_args(tmp_path, json=True)) == EXIT_JOB_FAILED
+    use(last_line="ok")
+    assert status_cmd.run(command_args(tmp_path, json=False)) == 0
+    assert "failed" not in capsys.readouterr().err
 
 
 def test_status_and_logs_list_json(tmp_path: Path, fake_job, capsys) -> None:
@@ -305,3 +350,42 @@ def test_a_pull_of_one_file_says_file(capsys: pytest.CaptureFixture[str]) -> Non
     render.pulled(dataclasses.replace(one, files=0, unchanged=1))
     err = capsys.readouterr().err
     assert "pulled 1 file (" in err and "is up to date (1 file)" in err, err
+
+
+def test_a_warning_keeps_its_fix_on_its_own_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A host that is down, in `status`: its error and its fix, two lines, no literal `\\n`;
+    host text still escaped."""
+    from orchestrator.commands.common import warn_unreachable
+    from orchestrator.errors import HostError
+    warn_unreachable([HostError("10.0.0.9: connection refused \x1b[2J", hint="start sshd")])
+    err = capsys.readouterr().err
+    assert err == "warning: 10.0.0.9: connection refused \\x1b[2J\n  fix: start sshd\n", err
+
+
+def test_logs_follow_ended_by_sigterm_says_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGTERM (Ctrl-C) ends `orch logs -f`: the connections orch closes itself are not
+    reported as lost hosts (three warnings, the host named twice, before): one line."""
+    from fake_agent import session_factory as factory
+    from orchestrator import cli
+    from orchestrator.api import reading
+    (tmp_path / "cluster.yaml").write_text(INVENTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(api_jobs, "saved_state", lambda c: state_of(c))
+
+    def follow(chan, msg: dict) -> None:   # a line per rank, then the job runs on
+        for r in msg["ranks"]:
+            chan.push(protocol.output(r, b"rank %d up\n" % r))
+    monkeypatch.setattr(api_jobs, "open_session", factory({"follow": follow}))
+    naps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        naps.append(seconds)
+        if len(naps) > 3:   # the lines are in: the signal arrives (cli turns it into this)
+            raise KeyboardInterrupt
+        time.sleep(seconds)
+    monkeypatch.setattr(reading, "time", SimpleNamespace(sleep=sleep, monotonic=time.monotonic))
+    assert cli.cli(["logs", "-f"]) == 130
+    out, err = capsys.readouterr()
+    assert sorted(out.splitlines()) == [f"[r{r} localhost#{r // 2}] rank {r} up" for r in range(4)], out
+    assert err == "orch: interrupted\n", err

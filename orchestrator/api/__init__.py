@@ -6,8 +6,11 @@ renders what they return; its --json documents are these results (`document`).
 
     job = api.up("cluster.yaml")                  # returns once every host started
     ranks = api.status("cluster.yaml").ranks      # RankStatus: rank, host, state, ...
-    print(api.logs("cluster.yaml", rank=0).decode())
+    print(api.logs("cluster.yaml", rank=0).decode())   # what rank 0 printed so far
     api.stop("cluster.yaml", grace=2)
+
+(`up` returns before the ranks print anything: the README's example waits for rank 0's
+first line.)
 
 Every call takes the inventory's path (or a loaded `Cluster`) and keyword options that
 mirror the CLI's flags. `up` and `status` are a distributed job's; a job array has
@@ -30,8 +33,9 @@ How failures come back:
 - a failed job is data: a rank's `state` reads `failed (exit code N)` and
   `Status.raise_for_failures()` turns it into a `JobError` carrying every failed rank.
 
-Nothing is printed, except `exec(echo=True)`'s output; warnings (a damaged state file)
-go to the `orchestrator` logger unless a `warn` callable is given.
+Nothing is printed, on stdout or stderr, except `exec(echo=True)`'s output; warnings (a
+damaged state file, a host key recorded under accept-new) go to the `orchestrator`
+logger unless a `warn` callable is given.
 """
 from __future__ import annotations
 

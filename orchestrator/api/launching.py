@@ -139,8 +139,20 @@ def array_up(inventory: jobs.Inventory, *, hosts: str | None = None,
 def plan(inventory: jobs.Inventory, *, hosts: str | None = None,
          exclude: str | None = None) -> Plan:
     """`orch up --dry-run`: the plan and the exact command per host; no host is touched.
+    Every check `up` makes before it connects is made here too (the entrypoint, the code,
+    the data split for this world size, each host's shards, identity_file and
+    known_hosts), with the same errors: a dry
+    run that passes means `up` passes all that needs no host.
     `hosts`, `exclude`: as `up`'s (the plan is the narrowed run's)."""
     cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
+    again = resplit_size(cluster)   # the data cannot be split again: its error, as in up
+    local_files(cluster, data=again is None)   # a split up would make is not checked
+    if any(not h.is_local for h in cluster.hosts):
+        # imported here, as in Session: paramiko only where SSH is used
+        from orchestrator.ssh import connect
+
+        connect.ssh_config()
+        connect.check_local_files(cluster.hosts)
     text = prepare.array_plan(cluster) if cluster.job.array else dry_run_plan(cluster)
     return Plan(job=cluster.name, plan=text)
 
@@ -277,11 +289,12 @@ def prepared_files(cluster: Cluster, shown: UpProgress) -> dict[int, HostFiles]:
     return local_files(cluster)
 
 
-def local_files(cluster: Cluster) -> dict[int, HostFiles]:
-    """What each host must hold, hashed (cached) and checked here, before connecting."""
+def local_files(cluster: Cluster, data: bool = True) -> dict[int, HostFiles]:
+    """What each host must hold, hashed (cached) and checked here, before connecting.
+    `data`: False leaves the shards out (a dry run's split that `up` would make first)."""
     if cluster.job.array is not None:
         return prepare.array_files(cluster)
-    split = load_split(cluster) if cluster.data.shards else None
+    split = load_split(cluster) if cluster.data.shards and data else None
     cache = DigestCache(cluster.state_dir.parent / "digests.json")
     check_entrypoint(cluster.base_dir, cluster.code.paths, cluster.code.exclude,
                      cluster.job.entrypoint, str(cluster.path))

@@ -274,6 +274,8 @@ class PullResult:
     skipped: list[dict[str, str]]   # {"p": path, "why": reason}, the first ones
     skipped_count: int
     failed: list[dict[str, str]]    # files that could not be written here
+    # outputs/<name>/ held an earlier run's files: the folder they were moved to first
+    earlier_run: str | None = field(default=None, metadata=OMIT_NONE)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """`pull`: files from a host's job output/ to this machine, incrementally and verified."""
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -11,6 +13,7 @@ from orchestrator.api.outcomes import PullResult
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import OrchError, UsageError
 from orchestrator.files.pull import PullReport, check_paths, raise_failed
+from orchestrator.files.pulldest import set_aside
 from orchestrator.session import state as job_state
 from orchestrator.session.session import Session
 
@@ -44,11 +47,12 @@ def pull(inventory: jobs.Inventory, paths: Sequence[str] = (), *, rank: int | No
     cluster = jobs.run_cluster(inventory)
     rel = check_paths(list(paths))
     source = pick_host(cluster, rank, host)
-    out = Path(dest).absolute() if dest else default_dest(cluster)
-    session = jobs.open_session(cluster, job_state.load(cluster), hosts=(source,))
+    st = job_state.load(cluster)
+    out, aside = (Path(dest).absolute(), None) if dest else run_dest(cluster, st)
+    session = jobs.open_session(cluster, st, hosts=(source,))
     try:
         session.require_all("to connect")
-        return pull_on(session, source, rel, out, progress)
+        return pull_on(session, source, rel, out, progress, aside)
     finally:
         session.close()
 
@@ -56,14 +60,38 @@ def pull(inventory: jobs.Inventory, paths: Sequence[str] = (), *, rank: int | No
 def job_output(session: Session, progress: Progress = quiet) -> PullResult:
     """`up`'s pull when the job ended: rank 0's output/ on the up's open links."""
     cluster = session.cluster
-    return pull_on(session, cluster.host_of(0), [], default_dest(cluster), progress)
+    dest, aside = run_dest(cluster, job_state.load(cluster))
+    return pull_on(session, cluster.host_of(0), [], dest, progress, aside)
+
+
+def run_dest(cluster: Cluster, st: job_state.JobState | None) -> tuple[Path, Path | None]:
+    """outputs/<name>/, holding this run's files only: when it holds an earlier run's
+    (`.orch/<name>/pulled-run.json` says which), that folder is renamed first to
+    outputs/<name>.<when that run started>/, so runs never mix and nothing is deleted.
+    (the destination, where the earlier run's files went or None)."""
+    dest, record = default_dest(cluster), cluster.state_dir / "pulled-run.json"
+    if st is None:   # an `up` killed before it saved its run: nothing to tell runs apart
+        return dest, None
+    try:
+        held = json.loads(record.read_text())
+    except (OSError, ValueError):
+        held = {}
+    aside = None
+    earlier = isinstance(held, dict) and held.get("run_id") not in (None, st.run_id)
+    if earlier and dest.is_dir() and not dest.is_symlink() and any(dest.iterdir()):
+        started = held.get("started")
+        when = time.localtime(started if isinstance(started, (int, float)) else None)
+        aside = set_aside(dest, time.strftime("%Y%m%d-%H%M%S", when))
+    cluster.state_dir.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"run_id": st.run_id, "started": st.started}))
+    return dest, aside
 
 
 def pull_on(session: Session, host: Host, paths: list[str], dest: Path,
-            progress: Progress = quiet) -> PullResult:
+            progress: Progress = quiet, aside: Path | None = None) -> PullResult:
     with progress(host.label) as shown:
         report = session.pull(host, paths, dest, shown.received, shown.planned)
-    result = as_result(report)
+    result = as_result(report, aside)
     try:
         raise_failed(report)
     except OrchError as e:
@@ -72,11 +100,11 @@ def pull_on(session: Session, host: Host, paths: list[str], dest: Path,
     return result
 
 
-def as_result(r: PullReport) -> PullResult:
+def as_result(r: PullReport, aside: Path | None = None) -> PullResult:
     return PullResult(host=r.host, source=r.source, destination=r.dest, files=r.files,
                       bytes=r.bytes, unchanged=r.unchanged, listed=r.listed,
                       skipped=list(r.skipped), skipped_count=r.skipped_count,
-                      failed=list(r.failed))
+                      failed=list(r.failed), earlier_run=str(aside) if aside else None)
 
 
 def default_dest(cluster: Cluster) -> Path:

@@ -28,6 +28,7 @@ from orchestrator.errors import UsageError
 from orchestrator.remote.fanout import GroupResult
 from orchestrator.session.session import Session
 from orchestrator.session.state import JobState
+from orchestrator.ui.wording import hint_cmd
 from orchestrator.watch.monitor import signal_name
 
 
@@ -176,7 +177,7 @@ def results(inventory: jobs.Inventory) -> Results:
     if cluster.job.array is None:   # the CLI's message
         raise UsageError(f"{cluster.path.name}: job '{cluster.name}' is not a job array",
                          hint="add `array:` under `job:` (see the README's Job arrays), "
-                              f"or use `orch status -c {cluster.path.name}`")
+                              f"or use `{hint_cmd(cluster, 'status')}`")
     rec = plan.load(cluster)
     session = jobs.open_session(cluster, jobs.require_state(cluster))
     try:

@@ -113,9 +113,9 @@ def log_host(cluster: Cluster, rank: int | None, task: int | None) -> tuple[Host
 
 
 def not_ranks(cluster: Cluster) -> UsageError:
-    inv = cluster.path.name
     return UsageError(f"job '{cluster.name}' is a job array: it has tasks, not ranks",
-                      hint=f"use `orch logs -c {inv} --task I` (`orch status -c {inv}` lists the tasks)")
+                      hint=f"use `{hint_cmd(cluster, 'logs --task I')}` "
+                           f"(`{hint_cmd(cluster, 'status')}` lists the tasks)")
 
 
 @dataclass(frozen=True)
@@ -141,15 +141,18 @@ def follow_logs(inventory: jobs.Inventory, sink: Sink, *, tail: int = -1, follow
         session = jobs.open_job(cluster, jobs.saved_state(cluster))
         units, unit = (lambda i: list(cluster.hosts[i].ranks)), None
         every = list(range(cluster.world_size))
+    streams = {i: HostStream(link, session.records[i].job_dir, units(i))
+               for i, link in session.links.items()}
     try:
         for exc in session.failed.values():
             if unreached is not None:
                 unreached(exc)
-        streams = {i: HostStream(link, session.records[i].job_dir, units(i))
-                   for i, link in session.links.items()}
         finished = follow_hosts(streams, sink, tail, "events" if follow else "snapshot", unit=unit)
         while not finished():
             time.sleep(0.1)
     finally:
+        # ended here (Ctrl-C, SIGTERM): the connections this call closes are no lost hosts
+        for s in streams.values():
+            s.done = True
         session.close()
     return Followed(every, dict(session.failed))

@@ -14,6 +14,7 @@ from orchestrator.arrays.plan import ArrayRecord
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.session.session import Session
 from orchestrator.ui.console import console
+from orchestrator.ui.wording import hint_cmd
 from orchestrator.watch.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.watch.monitor import interrupt_stop, signal_name
 from orchestrator.wire import timeouts
@@ -73,7 +74,7 @@ def attach_array(session: Session, rec: ArrayRecord, fail_fast: bool) -> int:
         console.print(f"[bold red]job array '{cluster.name}'[/]: {done} of {n} tasks exited 0; "
                       f"failed: {', '.join(map(str, failed[:20])) or 'none'}"
                       + (" ..." if len(failed) > 20 else "")
-                      + (f"; see `orch logs --task {failed[0]}`" if failed else ""))
+                      + (f"; see `{hint_cmd(cluster, f'logs --task {failed[0]}')}`" if failed else ""))
         return EXIT_JOB_FAILED
     console.print(f"job array '{cluster.name}' finished: all {n} tasks exited 0")
     return EXIT_OK

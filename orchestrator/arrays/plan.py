@@ -23,6 +23,7 @@ from orchestrator.session.launch import rank_env
 from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import Session
 from orchestrator.session.state import write_record
+from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import timeouts
 
 
@@ -119,7 +120,7 @@ def save(cluster: Cluster, rec: ArrayRecord) -> None:
 def load(cluster: Cluster) -> ArrayRecord:
     """The array `orch up` started from this inventory; a usage error naming the fix."""
     path = record_path(cluster)
-    fix = f"start it with `orch up -c {cluster.path.name}`"
+    fix = f"start it with `{hint_cmd(cluster, 'up')}`"
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
         rec = ArrayRecord(str(raw["run_id"]), list(raw["keys"]), raw["args"], raw["host"],

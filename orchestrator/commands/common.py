@@ -12,8 +12,8 @@ from typing import Any
 from orchestrator.api import jobs
 from orchestrator.api.outcomes import JSON_VERSION, document
 from orchestrator.config.inventory import Cluster
-from orchestrator.ui.console import console
-from orchestrator.ui.termsafe import plain
+from orchestrator.ui.console import console, out
+from orchestrator.ui.termsafe import plain_lines
 from orchestrator.ui.wording import hint_cmd, plural
 
 __all__ = [
@@ -22,7 +22,9 @@ __all__ = [
     "hint_cmd",
     "inventory",
     "inventory_path",
+    "out",
     "plural",
+    "warn",
     "warn_unreachable",
 ]
 
@@ -40,7 +42,12 @@ def inventory_path(args: argparse.Namespace) -> Path:
 def warn_unreachable(failures: Iterable[BaseException]) -> None:
     """One warning per host that could not be reached (its message names it)."""
     for exc in failures:
-        console.print("[yellow]warning:[/]", plain(str(exc)))
+        warn(str(exc))
+
+
+def warn(message: str) -> None:
+    """A warning on stderr; host text shown escaped, its lines (a `fix:`) kept apart."""
+    console.print("[yellow]warning:[/]", plain_lines(message))
 
 
 def emit_json_line(obj: Any) -> None:

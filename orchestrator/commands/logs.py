@@ -18,7 +18,7 @@ from orchestrator.api.outcomes import (
     RankLines,
     TaskLines,
 )
-from orchestrator.commands.common import console, emit_json, inventory, warn_unreachable
+from orchestrator.commands.common import emit_json, inventory, out, warn, warn_unreachable
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
 from orchestrator.ui.termsafe import for_terminal, plain
@@ -65,14 +65,14 @@ def list_logs(cluster: Cluster, as_json: bool) -> int:
         emit_json(listed)
     else:
         for why in status.unreachable.values():
-            console.print("[yellow]warning:[/]", plain(why))
+            warn(why)
         t = Table(title=plain(f"job {cluster.name}: {plural(len(listed.ranks), 'rank')}"))
         for col in ("rank", "host", "state", "log"):
             t.add_column(col, no_wrap=True, overflow="ellipsis")
         for r in listed.ranks:
             size = "-" if r.log_bytes is None else f"{r.log_bytes} B"
             t.add_row(str(r.rank), plain(r.host), plain(r.state), size)
-        console.print(t)
+        out.print(t)
     return EXIT_HOST if status.unreachable else EXIT_OK
 
 
@@ -105,7 +105,7 @@ def raw_log(cluster: Cluster, args: argparse.Namespace) -> int:
     host, sink = reading.read_log(cluster, rank=args.rank, task=args.task, tail=args.tail,
                                   follow=args.follow, sink=RawSink(collect=args.json))
     if sink.why and not sink.broken:
-        console.print("[yellow]warning:[/]", plain(f"{host}: {sink.why}"))
+        warn(f"{host}: {sink.why}")
     if args.json:
         text = sink.data().decode("utf-8", "replace")
         emit_json(LogLines(job=cluster.name, host=host, lines=text.splitlines(),
@@ -135,7 +135,8 @@ class LogSink(LineSink):
     def host_lost(self, host: int, why: str) -> None:
         self.lost[host] = why
         if self.printer is not None:
-            console.print("[yellow]warning:[/]", plain(f"host {self.labels[host]}: {why}"))
+            label = self.labels[host]   # the link's messages name the host already
+            warn(why if why.startswith(label) else f"host {label}: {why}")
 
 
 def all_logs(cluster: Cluster, args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from orchestrator.api.outcomes import PullResult, Results, TaskResult
 from orchestrator.api.pulling import Transfer
-from orchestrator.commands.common import console
+from orchestrator.commands.common import console, out
 from orchestrator.ui.console import bytes_bar
 from orchestrator.ui.termsafe import plain
 from orchestrator.ui.wording import plural
@@ -49,6 +49,9 @@ def shown(path: str) -> str:
 
 def pulled(result: PullResult) -> None:
     where = shown(result.destination)
+    if result.earlier_run:
+        console.print(plain(f"{where} held an earlier run's files: moved to "
+                            f"{shown(result.earlier_run)} (each run keeps its own folder)"))
     if result.files:
         console.print(f"pulled {plural(result.files, 'file')} ({result.bytes / 1e6:.1f} MB) to {where}"
                       + (f"; {result.unchanged} unchanged" if result.unchanged else ""))
@@ -82,7 +85,7 @@ def results(res: Results) -> None:
         t.add_column(c)
     for r in res.tasks:
         t.add_row(str(r.task), plain(r.args), r.state, *(plain(r.metrics.get(c, "")) for c in cols))
-    console.print(t, soft_wrap=False)
+    out.print(t, soft_wrap=False)
     g = Table(title="grouped over folds (mean ± std)")
     for c in ("group", "tasks", "ok", *cols):
         g.add_column(c)
@@ -93,5 +96,5 @@ def results(res: Results) -> None:
             m = grp.metrics.get(c)
             cells.append(f"{m.mean:.4g} ± {m.std:.2g}" if m else "-")
         g.add_row(plain(name), str(len(grp.tasks)), str(grp.ok), *cells)
-    console.print(g, soft_wrap=False)
+    out.print(g, soft_wrap=False)
     console.print(f"results: {res.csv}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Group
@@ -12,17 +13,20 @@ from rich.table import Table
 from rich.text import Text
 
 from orchestrator.api import querying
-from orchestrator.api.outcomes import RankStatus, Status
+from orchestrator.api.outcomes import RankStatus, Status, TaskStatus
 from orchestrator.commands.common import (
     console,
     emit_json,
     emit_json_line,
     inventory,
+    out,
+    warn,
     warn_unreachable,
 )
 from orchestrator.config.inventory import Cluster
-from orchestrator.errors import EXIT_HOST, EXIT_OK
+from orchestrator.errors import EXIT_HOST, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.ui.termsafe import plain, visible
+from orchestrator.ui.wording import plural
 
 WATCH_EVERY = 2.0     # seconds between two rounds of `--watch`
 LAST_LINE_MAX = 200   # characters kept in a row (the table cuts it to the screen at the end)
@@ -36,8 +40,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit 3 when a host could not be reached or answer (its ranks read `unreachable`),
-    after the table is printed."""
+    """Exit 1 when a rank failed (the job failed), else 3 when a host could not be reached
+    or answer (its ranks read `unreachable`), after the table is printed; the failures are
+    summed up in one line on stderr, so a script sees them without reading the table."""
     cluster = inventory(args)
     if cluster.job.array is not None:
         return array_status(cluster, args)
@@ -49,28 +54,56 @@ def run(args: argparse.Namespace) -> int:
     else:
         warn_unreachable(status.unreached.values())
         for i, exc in status.unanswered.items():
-            console.print("[yellow]warning:[/]", plain(f"{cluster.hosts[i].label}: {exc}"))
-        console.print(table(cluster.name, status.ranks), soft_wrap=False, crop=True)
+            warn(f"{cluster.hosts[i].label}: {exc}")
+        out.print(table(cluster.name, status.ranks), soft_wrap=False, crop=True)
         restart_rows(status)
         gpu_view(status)
-    # a host that cannot be reached: its ranks' state is unknown, not "lost"
-    return EXIT_HOST if status.unreachable else EXIT_OK
+        summarize(status.failed, len(status.ranks), "rank")
+    return verdict(bool(status.failed), bool(status.unreachable))
+
+
+def verdict(failed: bool, unreachable: bool) -> int:
+    """A failed rank or task: the job failed (1), whatever else is known; a host that
+    cannot be reached: its ranks' state is unknown, not "lost" (3)."""
+    if failed:
+        return EXIT_JOB_FAILED
+    return EXIT_HOST if unreachable else EXIT_OK
+
+
+def summarize(failed: Sequence[RankStatus | TaskStatus], total: int, unit: str) -> None:
+    if failed:
+        console.print(plain(failed_summary(failed, total, unit)), style="red")
+
+
+SUMMARY_NAMED = 3   # failures named in the summary line; the rest counted
+
+
+def failed_summary(failed: Sequence[RankStatus | TaskStatus], total: int, unit: str) -> str:
+    """`1 of 4 ranks failed: rank 2 on 127.0.1.3 (exit code 1)`."""
+    named = []
+    for r in failed[:SUMMARY_NAMED]:
+        index = r.rank if isinstance(r, RankStatus) else r.task
+        why = r.state.removeprefix("failed").strip()
+        named.append(f"{unit} {index} on {r.host}" + (f" {why}" if why else ""))
+    more = len(failed) - SUMMARY_NAMED
+    return (f"{len(failed)} of {plural(total, unit)} failed: " + ", ".join(named)
+            + (f", and {more} more" if more > 0 else ""))
 
 
 def restart_rows(status: Status) -> None:
     """One row per restart of the run: attempt k of N, when, why, on which hosts."""
     for r in status.restarts:
         when = time.strftime("%H:%M:%S", time.localtime(r.at))
-        console.print(plain(f"attempt {r.attempt + 1} of {r.of + 1} (restart {r.attempt}) at "
+        out.print(plain(f"attempt {r.attempt + 1} of {r.of + 1} (restart {r.attempt}) at "
                             f"{when} after {r.why}; hosts {', '.join(r.hosts)}"))
 
 
 def gpu_view(status: Status) -> None:
     for label, why in status.gpu_errors.items():
-        console.print("[yellow]warning:[/]", plain(f"{label}: no GPU view: {why}"))
+        warn(f"{label}: no GPU view: {why}")
     if status.gpus:
         from orchestrator.commands import gpuview  # only with GPUs: a CPU job's status imports less
-        console.print(gpuview.table(status.gpus), soft_wrap=False, crop=True)
+        out.print(gpuview.table(status.gpus), soft_wrap=False, crop=True)
 
 
 def watch(cluster: Cluster, args: argparse.Namespace) -> int:
@@ -82,7 +115,7 @@ def watch(cluster: Cluster, args: argparse.Namespace) -> int:
             for status in rounds:
                 emit_json_line(status)
             return EXIT_OK
-        with Live(console=console, auto_refresh=False, transient=False) as live:
+        with Live(console=out, auto_refresh=False, transient=False) as live:
             for status in rounds:
                 live.update(Group(table(cluster.name, status.ranks), *gpu_tables(status),
                                   Text(f"every {WATCH_EVERY:.0f} s; Ctrl-C to end")),
@@ -98,9 +131,11 @@ def gpu_tables(status: Status) -> list[Any]:
 
 
 COLUMNS = ("rank", "host", "local", "pid", "state", "runtime", "last line")
-CAPS = {"host": 20, "state": 26}       # wider than this: cut with an ellipsis
-NARROW_CAPS = {"host": 12, "state": 16}
+CAPS = {"host": 20}                    # wider than this: cut with an ellipsis
+NARROW_CAPS = {"host": 12}
 NARROW = 100                           # below this width the pid column is left out
+# the state is never cut: on a screen too narrow for it, these columns are left out first
+DROPPED = ("last line", "local", "runtime", "host")
 
 
 def cells(r: RankStatus) -> dict[str, str]:
@@ -113,33 +148,47 @@ def cells(r: RankStatus) -> dict[str, str]:
 
 
 def widths(rows: list[dict[str, str]], cols: list[str], total: int) -> dict[str, int]:
-    """Every column as wide as its content (host and state capped), the last line the
-    rest: one screen row per rank at any width."""
+    """Every column as wide as its content (host capped; the state never: it is what
+    the table is read for), the last line the rest: one screen row per rank."""
     w = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in cols}
     for c, cap in (CAPS if total >= NARROW else NARROW_CAPS).items():
-        w[c] = min(w[c], cap)
+        if c in w:
+            w[c] = min(w[c], cap)
     frame = 3 * len(cols) + 1          # borders and one space of padding each side
     spare = total - frame - sum(v for c, v in w.items() if c != "last line")
-    if spare < 12:                     # a very narrow screen: host and state give way
-        for c in ("state", "host"):
-            give = min(w[c] - 6, 12 - spare)
-            if give > 0:
-                w[c] -= give
-                spare += give
-    w["last line"] = max(8, min(w["last line"], spare))
+    if spare < 12 and "host" in w:     # a narrow screen: the host gives way
+        give = min(w["host"] - 6, 12 - spare)
+        if give > 0:
+            w["host"] -= give
+            spare += give
+    if "last line" in w:
+        w["last line"] = max(8, min(w["last line"], spare))
     return w
+
+
+def fitted(rows: list[dict[str, str]], cols: list[str], total: int) -> tuple[list[str], dict[str, int]]:
+    """The columns that fit `total` with the state whole, and their widths: rich would
+    shrink every column, the state too, so columns are left out (DROPPED) instead."""
+    w = widths(rows, cols, total)
+    for c in DROPPED:
+        if 3 * len(cols) + 1 + sum(w.values()) <= total:
+            break
+        cols = [k for k in cols if k != c]
+        w = widths(rows, cols, total)
+    return cols, w
 
 
 def table(name: str, rows: list[RankStatus], width: int | None = None) -> Table:
     """One row per rank at any width: the last line is cut at its end (its start is what
     tells lines apart); host text is shown escaped, never read as markup."""
-    width = width or console.width
-    cols = [c for c in COLUMNS if c != "pid" or width >= NARROW]
+    width = width or out.width
     texts = [cells(r) for r in rows]
-    w = widths(texts, cols, width)
+    cols, w = fitted(texts, [c for c in COLUMNS if c != "pid" or width >= NARROW], width)
     t = Table(title=plain(f"job {name}"))
     for c in cols:
-        t.add_column(c, no_wrap=True, overflow="ellipsis", width=w[c])
+        # the state folds onto a second line on a screen too narrow even for it alone
+        t.add_column(c, no_wrap=c != "state", overflow="fold" if c == "state" else "ellipsis",
+                     width=w[c], min_width=w[c] if c == "state" else None)
     for r in texts:
         t.add_row(*(Text(r[c]) for c in cols))   # Text: never read as markup
     return t
@@ -148,17 +197,23 @@ def table(name: str, rows: list[RankStatus], width: int | None = None) -> Table:
 def array_status(cluster: Cluster, args: argparse.Namespace) -> int:
     """One row per task of a job array: index, args, host/slot, state, runtime, last line."""
     status = querying.array_status(cluster)
+    failed = [r for r in status.tasks if r.state.startswith("failed")]
     if args.json:
         emit_json(status)
-        return EXIT_HOST if status.unreachable else EXIT_OK
+        return verdict(bool(failed), bool(status.unreachable))
     warn_unreachable(status.unreached.values())
     t = Table(title=f"job array {cluster.name}")
+    state_w = max([5] + [len(r.state) for r in status.tasks])
     for col in ("task", "args", "host", "slot", "state", "runtime", "last line"):
-        t.add_column(col, overflow="fold" if col in ("last line", "args") else "ellipsis")
+        if col == "state":   # never cut: the other columns give way
+            t.add_column(col, no_wrap=True, min_width=state_w)
+        else:
+            t.add_column(col, overflow="fold" if col in ("last line", "args") else "ellipsis")
     for r in status.tasks:
         runtime = "-" if r.runtime_s is None else f"{r.runtime_s:.1f}s"
         slot = "-" if r.slot is None else str(r.slot)
         t.add_row(str(r.task), plain(r.args), r.host, slot, r.state, runtime,
                   plain(r.last_line[-80:]))
-    console.print(t, soft_wrap=False)
-    return EXIT_HOST if status.unreachable else EXIT_OK
+    out.print(t, soft_wrap=False)
+    summarize(failed, len(status.tasks), "task")
+    return verdict(bool(failed), bool(status.unreachable))

@@ -7,7 +7,7 @@ from typing import Any
 
 from orchestrator.api import stopping
 from orchestrator.api.outcomes import StopResult
-from orchestrator.commands.common import console, emit_json, inventory, plural
+from orchestrator.commands.common import console, emit_json, inventory, plural, warn
 from orchestrator.errors import EXIT_OK, OrchError
 from orchestrator.ui.termsafe import plain
 from orchestrator.wire import timeouts
@@ -35,10 +35,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         console.print(f"job '{cluster.name}' stopped on {plural(len(result.hosts), 'host')}")
     return EXIT_OK
-
-
-def warn(message: str) -> None:
-    console.print("[yellow]warning:[/]", plain(message))
 
 
 def show(result: StopResult, as_json: bool) -> None:

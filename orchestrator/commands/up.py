@@ -46,7 +46,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--wait", action="store_true",
                    help="GPUs held by other jobs: wait in line for them instead of exit 3")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the plan and each host's command; touch no host")
+                   help="make every local check of `up`, print the plan and each host's command; touch no host")
     p.add_argument("--fail-fast", action="store_true",
                    help="job arrays: the first failing task stops every task (default: the others go on)")
     p.add_argument("--hang-timeout", type=float, metavar="S",

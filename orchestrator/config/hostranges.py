@@ -131,3 +131,17 @@ def _is_ip(address: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+_FOLDABLE_RE = re.compile(r"[A-Za-z0-9._:#-]+", re.ASCII)
+
+
+def fold(labels: list[str]) -> str:
+    """Host labels the way a range is written (`127.0.1.[1-3]`, `gpu[01-04,07]`), by
+    ClusterShell as pdsh users read them; labels it could misread: joined with commas."""
+    if not all(_FOLDABLE_RE.fullmatch(label) for label in labels):
+        return ", ".join(labels)
+    try:
+        return str(NodeSet.fromlist(labels, resolver=RESOLVER_NOGROUP))
+    except NodeSetException:
+        return ", ".join(labels)

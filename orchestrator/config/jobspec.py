@@ -9,6 +9,8 @@ names of the pushed code paths and the most procs of any host.
 """
 from __future__ import annotations
 
+import difflib
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -112,9 +114,38 @@ def _check_entrypoint_pushed(sec: Section, entrypoint: str, pushed: dict[str, Pa
         found = exists(sec.src, node, module.with_name(module.name + ".py"), file=True) or \
             (exists(sec.src, node, module) and module.is_dir())
     if not found:
+        near = difflib.get_close_matches(entrypoint, entrypoints(pushed, entrypoint.endswith(".py")),
+                                         n=1, cutoff=0.6)
         sec.src.fail(sec.node("entrypoint"), f"`job.entrypoint` {short(entrypoint)!r} is not {where}",
-                     "paths are relative to the synced code folder, where each code.paths entry keeps "
-                     f"its name (pushed: {', '.join(sorted(pushed))})")
+                     f"did you mean `{near[0]}`?" if near else
+                     "paths are relative to the synced code folder, where each code.paths entry "
+                     f"keeps its name (pushed: {', '.join(sorted(pushed))})")
+
+
+MAX_CANDIDATES = 5000   # files looked at for a did-you-mean: a huge code folder stays fast
+
+
+def entrypoints(pushed: dict[str, Path], scripts: bool) -> list[str]:
+    """What job.entrypoint could name in the pushed code: scripts (`job/train.py`) or
+    modules (`worker.train`, a package with __main__.py as `worker`)."""
+    found: list[str] = []
+    for name, path in sorted(pushed.items()):
+        if path.is_file() and name.endswith(".py"):
+            found.append(name if scripts else name[:-3])
+            continue
+        for root, dirs, files in os.walk(path):
+            dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__pycache__")))
+            rel = PurePosixPath(name, Path(root).relative_to(path).as_posix())
+            for f in sorted(f for f in files if f.endswith(".py")):
+                if scripts:
+                    found.append(str(rel / f))
+                elif f in ("__init__.py", "__main__.py"):
+                    found.append(".".join(rel.parts))
+                else:
+                    found.append(".".join((*rel.parts, f[:-3])))
+            if len(found) > MAX_CANDIDATES:
+                return found
+    return found
 
 
 def _args(sec: Section) -> tuple[str, ...]:

@@ -178,3 +178,25 @@ class Writing:
             os.close(self.fd)
         with contextlib.suppress(OSError):
             os.unlink(self.tmp, dir_fd=self.pfd)
+
+
+def set_aside(root: Path, suffix: str) -> Path:
+    """Rename the folder `root` to `<root>.<suffix>` (one rename: nothing is copied or
+    deleted), under its pull lock; the name taken is returned (`-2`, `-3`... if taken).
+    A pull writing into it now: UsageError, nothing moved."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UsageError(f"{root}: another `orch pull` is writing into this folder",
+                             hint="wait for it to end, then pull again") from None
+        for n in range(1, 1000):
+            aside = root.with_name(f"{root.name}.{suffix}" + (f"-{n}" if n > 1 else ""))
+            if not os.path.lexists(aside):
+                os.rename(root, aside)
+                return aside
+        raise UsageError(f"{root}: too many earlier runs named {root.name}.{suffix}-*",
+                         hint="move some of them away, or pull with -o DIR")
+    finally:
+        os.close(fd)

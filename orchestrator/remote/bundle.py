@@ -13,8 +13,11 @@ import importlib.util
 import io
 import marshal
 import os
+import posixpath
 import zipfile
 from pathlib import Path
+
+from orchestrator.config.inventory import Host
 
 PACKAGE = Path(__file__).parent.parent   # orchestrator/
 SHIPPED = ("agent", "wire")               # the packages that travel, whole (stdlib only)
@@ -63,6 +66,21 @@ def bundle() -> tuple[bytes, str]:
 # host's python3, and preflight says so (ORCH_PYTHON_MISSING)
 FALLBACK = ('p="$1"; shift; if ! command -v "$p" >/dev/null 2>&1; then '
             'ORCH_PYTHON_MISSING="$p"; export ORCH_PYTHON_MISSING; p=python3; fi; exec "$p" "$@"')
+
+
+def host_python(host: Host, job_dir: str, base_dir: str | None = None) -> str:
+    """`python:` as a path on the host. A name (`python3`), an absolute or a `~/` path is
+    used as written. A relative path is taken, on an SSH host, from the job's `code/`
+    folder, where the ranks and `setup:` run (`../venv/bin/python` is `<job dir>/venv/
+    bin/python`, the venv a setup `python3 -m venv ../venv` makes), written out whole
+    so that it also holds before code/ exists; on a local host, from the inventory's
+    folder (`base_dir`; None: the local transport's own folder, which is that one)."""
+    python = host.python
+    if "/" not in python or python.startswith(("/", "~")):
+        return python
+    if host.is_local:
+        return os.path.join(base_dir, python) if base_dir else python
+    return posixpath.normpath(f"{job_dir.rstrip('/')}/code/{python}")
 
 
 def agent_argv(python: str, label: str = "", fallback: bool = False, part: str = "") -> list[str]:

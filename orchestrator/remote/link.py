@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.errors import HostError, OrchError, for_category
-from orchestrator.remote.bundle import agent_argv, agent_stdin, bundle
+from orchestrator.remote.bundle import agent_argv, agent_stdin, bundle, host_python
 from orchestrator.remote.transport import Channel, Transport
 from orchestrator.wire import protocol, timeouts
 
@@ -88,7 +88,8 @@ class Link:
     def start(self, timeout: float = timeouts.AGENT_START) -> dict[str, Any]:
         """Start the agent (one session) and wait for its hello; the bundle's hash must
         match ours, so the host runs exactly this controller's code."""
-        argv = agent_argv(self.host.python, self.argv_label, self.python_fallback, self.part)
+        python = host_python(self.host, self.argv_label) if self.argv_label else self.host.python
+        argv = agent_argv(python, self.argv_label, self.python_fallback, self.part)
         self.chan = self.transport.open(argv, timeout)
         self.chan.settimeout(None)   # the reader thread waits; callers time out on events
         threading.Thread(target=self._read, daemon=True, name=f"link-{self.name}").start()

@@ -7,11 +7,13 @@ from typing import Any
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.files.shards import resplit_size
+from orchestrator.remote.bundle import host_python
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
 from orchestrator.session.preflight import HostInfo, PreflightReport, job_dir
 from orchestrator.ui.termsafe import escaped
+from orchestrator.ui.wording import plural
 from orchestrator.wire import timeouts
 
 # On a GPU host, NCCL keeps its last collectives and dumps them when its watchdog times
@@ -130,7 +132,7 @@ def dry_run_plan(cluster: Cluster) -> str:
     """The plan and the exact command per host, computed without touching any host."""
     addr = master_addr(cluster)
     port = cluster.job.master_port or "<free port on host 0>"
-    lines = [f"job {cluster.name}: {len(cluster.hosts)} hosts, world size {cluster.world_size}, "
+    lines = [f"job {cluster.name}: {plural(len(cluster.hosts), 'host')}, world size {cluster.world_size}, "
              f"MASTER_ADDR={addr} MASTER_PORT={port}",
              "preflight on every host, in parallel: connect (host key checked), python runs, "
              "torch version (same everywhere), GPUs, remote_dir writable, master port free"]
@@ -153,7 +155,8 @@ def dry_run_plan(cluster: Cluster) -> str:
                              f"split-data --workers {cluster.world_size}`), before the push")
     for h in cluster.hosts:
         job_dir = f"{h.remote_dir.rstrip('/')}/{cluster.name}"
-        argv = torchrun_argv(cluster, h, h.python, job_dir, addr, port)
+        python = host_python(h, job_dir, str(cluster.base_dir))
+        argv = torchrun_argv(cluster, h, python, job_dir, addr, port)
         where = "local" if h.is_local else "ssh"
         gpus = "" if h.gpu_ids is None else \
             f", GPUs {','.join(map(str, h.gpu_ids))} (CUDA_VISIBLE_DEVICES)"

@@ -12,11 +12,13 @@ from orchestrator.config.inventory import Cluster
 from orchestrator.config.setupspec import fingerprint
 from orchestrator.errors import HostError
 from orchestrator.files.localfiles import LocalFile
+from orchestrator.remote.bundle import host_python
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.session.preflight import HostInfo, PreflightReport, torch_mismatch
 from orchestrator.session.shellcmd import Outcome, submit_all, wait_all
 from orchestrator.session.shelloutput import HostOutput, Printer
+from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import timeouts
 
 TAIL = 10  # lines of a failing host's setup output in the message
@@ -86,7 +88,8 @@ def run_setup(
     if outcome.interrupted:
         raise KeyboardInterrupt
     logs = {i: f"{pre.hosts[i].job_dir}/logs/{where[i].get('log', 'setup.log')}" for i in targets}
-    raise_setup_failures(cluster, outcome, outputs, logs)
+    raise_setup_failures(cluster, outcome, outputs, logs,
+                         {i: pre.hosts[i].job_dir for i in targets})
     return outcome.ok
 
 
@@ -110,7 +113,8 @@ def setup_hosts(cluster: Cluster, pre: PreflightReport, links: dict[int, Link]
 
 
 def raise_setup_failures(
-    cluster: Cluster, outcome: Outcome, outputs: dict[int, HostOutput], logs: dict[int, str]
+    cluster: Cluster, outcome: Outcome, outputs: dict[int, HostOutput], logs: dict[int, str],
+    job_dirs: dict[int, str] | None = None,
 ) -> None:
     failures = dict(outcome.failed)
     for i, reply in outcome.ok.items():
@@ -121,10 +125,11 @@ def raise_setup_failures(
                 f"{label}: `{failed}` exited with {_status(reply['code'])}; "
                 f"its last lines:{tail or ' (no output)'}",
                 hint=f"fix the command (the whole output is in "
-                f"{logs[i]} on {label}), then run `orch up` again",
+                f"{logs[i]} on {label}), then run `{hint_cmd(cluster, 'up')}` again",
             )
     if failures:
-        GroupResult(failed=failures).raise_failures(cluster.hosts, "setup; nothing was started")
+        GroupResult(failed=failures).raise_failures(cluster.hosts, "setup; nothing was started",
+                                                    job_dirs=job_dirs)
 
 
 def _status(code: int) -> str:
@@ -153,7 +158,7 @@ def _probe(cluster: Cluster, link: Link, info: HostInfo) -> HostInfo:
         "probe",
         timeouts.PROBE + 15,
         job_dir=info.job_dir,
-        python=host.python,
+        python=host_python(host, info.job_dir, str(cluster.base_dir)),
         entrypoint=job.entrypoint,
         module=job.is_module,
         env=command_env(cluster, info.job_dir),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import getpass
 import logging
 import os
+import re
 import socket
 import threading
 import weakref
@@ -202,11 +203,15 @@ def check_local_files(hosts: tuple[Host, ...]) -> None:
             _check_known_hosts(opts.known_hosts)
 
 
+# the first bytes of a public key file: `<type> AAAA...` (OpenSSH) or RFC 4716's header
+_PUBLIC_KEY = re.compile(rb"^(?:(?:ssh|ecdsa|sk)-[\w@.-]+ AAAA|---- BEGIN SSH2 PUBLIC KEY)")
+
+
 def _check_identity(path: str, at: tuple[str, int] | None) -> None:
     file, line = at or ("the inventory", None)
     try:
         with open(path, "rb") as f:
-            f.read(1)
+            head = f.read(64)
     except FileNotFoundError:
         raise InventoryError(file, line, f"`identity_file` {path}: no such file",
                              "fix the path (relative paths start at the folder of the inventory), "
@@ -215,6 +220,11 @@ def _check_identity(path: str, at: tuple[str, int] | None) -> None:
         raise InventoryError(file, line, f"`identity_file` {path} cannot be read: {exc.strerror}",
                              f"give it to this user with mode 600 (chmod 600 {path}), or "
                              "point identity_file at a readable private key") from None
+    if _PUBLIC_KEY.match(head):   # paramiko would say "not a valid private key" per host
+        private = path[:-4] if path.endswith(".pub") else ""
+        raise InventoryError(file, line, f"`identity_file` {path}: this is a public key",
+                             f"use the file without .pub ({private})" if private else
+                             "point identity_file at the private key (the file without .pub)")
 
 
 def _check_known_hosts(path: str) -> None:

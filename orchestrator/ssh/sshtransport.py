@@ -7,6 +7,7 @@ inventory or `split-data`."""
 from __future__ import annotations
 
 import base64
+import logging
 import socket
 import threading
 from pathlib import Path
@@ -90,6 +91,8 @@ class SSHTransport(Transport):
         self.client.close()
 
 
+log = logging.getLogger("orchestrator.ssh")
+
 def fingerprint(key: paramiko.PKey) -> str:
     """SHA256:... as `ssh-keygen -l` and OpenSSH's own prompts show it."""
     import hashlib
@@ -148,3 +151,6 @@ class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
                 hint=f"make {self.known_hosts} (and its folder) writable, or set "
                      "`ssh.known_hosts` to a writable file") from None
         client.get_host_keys().add(name, key.get_name(), key)
+        # as OpenSSH's "Permanently added", with what to compare against the host's own key
+        log.warning("permanently added the host key of %s (%s %s) to %s",
+                    name, key.get_name(), fingerprint(key), self.known_hosts)

@@ -1,5 +1,9 @@
-"""Where messages and progress go: stderr (stdout carries only the job's output, so it pipes)."""
+"""Where things go: messages and progress on stderr (`console`); what a command answers
+(its table, the job's output) on stdout (`out`), so `orch status > f` and
+`orch status | grep running` work as with any CLI."""
 from __future__ import annotations
+
+import logging
 
 from rich.console import Console
 from rich.progress import (
@@ -11,7 +15,10 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from orchestrator.ui.termsafe import plain_lines
+
 console = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True)   # tables: the answer, on stdout
 
 
 def hosts_bar() -> Progress:
@@ -22,3 +29,16 @@ def hosts_bar() -> Progress:
 def bytes_bar() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                     TransferSpeedColumn(), console=console, transient=True)
+
+
+class _Warnings(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        console.print("[yellow]warning:[/]", plain_lines(record.getMessage()))
+
+
+def warnings_to_console() -> None:
+    """The library's warnings (the `orchestrator` logger: a damaged state file, a host key
+    recorded under accept-new) printed as the CLI's own `warning:` lines on stderr."""
+    log = logging.getLogger("orchestrator")
+    if not any(isinstance(h, _Warnings) for h in log.handlers):
+        log.addHandler(_Warnings(logging.WARNING))

@@ -55,6 +55,12 @@ def plain(text: str) -> Text:
     return Text(visible(text, keep_sgr=False))
 
 
+def plain_lines(text: str) -> Text:
+    """A message of several lines (an error and its `fix:` line) as `plain` makes each:
+    the line breaks stay breaks, not a literal `\\n` in the middle of a warning."""
+    return Text("\n".join(visible(line, keep_sgr=False) for line in text.split("\n")))
+
+
 def markup_safe(text: str) -> str:
     """Host text to put inside a rich markup string: escaped twice over, for the
     terminal (no control sequence) and for rich (no `[tag]` read as markup)."""
