@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -69,11 +70,13 @@ HANG_TIMEOUT = 15            # job.hang_timeout for the `stop` fault, seconds
 TARGET_FIRST_STEP = 30.0     # host loss -> first step of the restarted run, seconds
 TARGET_REDONE = 1.0          # work lost: at most one checkpoint interval (epochs)
 TARGET_ACC_POINTS = 1.0      # final accuracy within this many points of the unfaulted run
+TRAIN_PER_CLASS = 160        # demo data: 4 classes, 160 training images each (10 steps of 16)
 
 STEP = re.compile(r"\bepoch (\d+) step (\d+)/(\d+)")
 EPOCH_DONE = re.compile(r"\bepoch\s+(\d+)/(\d+)\s+time\b")
 RESUMED = re.compile(r"resumed from the checkpoint of epoch (\d+)")
 ATTEMPT = re.compile(r"\battempt (\d+) of (\d+) \(ORCH_RESTART_COUNT=(\d+)\)")
+RESTART_LINE = re.compile(r"\brestart 1 of \d+ in ")
 DETECTED = re.compile(r"root cause|restart 1 of|went silent|\blost\b|\bhang\b|\bhung\b")
 
 
@@ -89,6 +92,7 @@ class Line:
 class Timeline:
     """What the lines of one faulted run say, times from the fault."""
     detect: float = float("nan")
+    restart: float = float("nan")   # orch's `restart 1 of N in S s after: ...` line
     first_step: float = float("nan")
     last_done: int = 0              # the last epoch finished before the fault
     partial: float = 0.0            # the part of the interrupted epoch done (0..1)
@@ -118,6 +122,8 @@ def timeline(lines: list[Line], fault: float) -> Timeline:
             continue
         if DETECTED.search(ln.text) and tl.detect != tl.detect:
             tl.detect = ln.t - fault
+        if RESTART_LINE.search(ln.text) and tl.restart != tl.restart:
+            tl.restart = ln.t - fault
         if m := ATTEMPT.search(ln.text):
             attempt = int(m.group(3))
             tl.restarted = tl.restarted or attempt >= 1
@@ -249,7 +255,9 @@ class Reader:
 def mid_epoch(text: str) -> bool:
     """A step of epoch >= 2, a third of the way in or more."""
     m = STEP.search(text)
-    return bool(m) and int(m.group(1)) >= 2 and int(m.group(2)) * 3 >= int(m.group(3))
+    if m is None:
+        return False
+    return int(m.group(1)) >= 2 and int(m.group(2)) * 3 >= int(m.group(3))
 
 
 @dataclass
@@ -300,7 +308,8 @@ class Bed:
 def hosts(bed: Bed, tag: str, n: int) -> Iterator[BenchHosts]:
     """n fresh hosts for one run; on the way out every process in them ended, the
     namespaces deleted (stop() raises if a pid, namespace or veth is left)."""
-    net = BenchHosts(bed.work / f"net-{tag}", n).start()
+    net = BenchHosts(bed.work / f"net-{tag}", n)
+    net.start()
     bed.sshds += [h.proc.pid for h in net.hosts if h.proc is not None]
     try:
         yield net
@@ -379,10 +388,12 @@ def faulted(bed: Bed, fault: str) -> dict[str, Any]:
         if code != 0 or not tl.restarted:
             print(f"  {fault}: orch up exited {code}, restarted={tl.restarted}\n"
                   + run.text()[-3000:], flush=True)
-    row = {"fault": fault, "exit": code, "detect_s": tl.detect, "first_step_s": tl.first_step,
+    row = {"fault": fault, "exit": code, "detect_s": tl.detect, "restart_line_s": tl.restart,
+           "first_step_s": tl.first_step,
            "last_done": tl.last_done, "partial": tl.partial, "resumed": tl.resumed,
            "redone_epochs": tl.redone, "lost_s": tl.since_checkpoint, "val_acc": acc}
-    print(f"  {fault}: exit {code}, detect {tl.detect:.1f} s, first step {tl.first_step:.1f} s, "
+    print(f"  {fault}: exit {code}, detect {tl.detect:.1f} s, restart line {tl.restart:.1f} s, "
+          f"first step {tl.first_step:.1f} s, "
           f"epoch {tl.last_done} done + {tl.partial:.2f}, resumed from {tl.resumed}, "
           f"val_acc {acc:.4f}", flush=True)
     return row
@@ -417,7 +428,7 @@ def baseline(bed: Bed, cap: float) -> dict[str, Any]:
                   f"--nnodes 4 --node-rank $R --nproc-per-node 1 --master-addr {master} "
                   f"--master-port 29500 -m worker.train --data-dir {bed.shards} "
                   f"--output-dir {d}/out$R " + " ".join(bed.job_args()))
-        argv = ["pdsh", "-R", "ssh", "-f", "4", "-l", "root",
+        argv = ["pdsh", "-S", "-R", "ssh", "-f", "4", "-l", "root",
                 "-w", ",".join(h.address for h in net.hosts), remote]
         env = dict(orch_env(), PDSH_SSH_ARGS_APPEND=(
             f"-i {net.client_key} -o UserKnownHostsFile={net.known_hosts} "
@@ -438,14 +449,17 @@ def baseline(bed: Bed, cap: float) -> dict[str, Any]:
             code, ended = None, float("nan")
         net.end_all()
         run.finish(10)
-        tl = timeline(run.lines, t_fault)
-    how = (f"ended failed (pdsh exit {code}) {ended:.1f} s after the fault" if code
+        done = [int(m.group(1)) for ln in run.lines if (m := EPOCH_DONE.search(ln.text))]
+    finished = bool(done) and max(done) == bed.epochs
+    how = ("finished all epochs (not lost)" if finished
+           else f"ended failed (pdsh -S exit {code}) {ended:.1f} s after the fault" if code
            else f"still hung {cap:g} s after the fault" if code is None
-           else f"pdsh exit 0 {ended:.1f} s after the fault")
-    print(f"  pdsh + torchrun, kill: {how}; no restart: run lost "
-          f"(last epoch done {tl.last_done})", flush=True)
-    return {"fault": "kill", "exit": code, "ended_s": ended, "last_done": tl.last_done,
-            "how": how}
+           else f"pdsh exit 0 {ended:.1f} s after the fault, epochs unfinished")
+    print(f"  pdsh + torchrun, kill: {how}; no restart: "
+          f"{'run lost' if not finished else 'run done'} (last epoch done {max(done or [0])} "
+          f"of {bed.epochs})", flush=True)
+    return {"fault": "kill", "exit": code, "ended_s": ended, "last_done": max(done or [0]),
+            "finished": finished, "how": how, "tail": run.text()[-1500:]}
 
 
 # ---------------------------------------------------------------- main
@@ -464,9 +478,6 @@ def make_data(bed: Bed, net_for_split: Path) -> None:
     subprocess.run([str(ORCH), "split-data", "-c", str(net_for_split), "--pack",
                     "--image-size", "32"], check=True, env=orch_env(),
                    stdout=subprocess.DEVNULL)
-
-
-TRAIN_PER_CLASS = 160
 
 
 def leftovers(bed: Bed) -> tuple[list[int], list[int], list[str]]:
@@ -500,7 +511,8 @@ def main() -> None:
                     help="the baseline's wait for its end after the fault, seconds")
     ap.add_argument("--quick", action="store_true",
                     help="the kill fault only, 3 epochs, no baseline")
-    ap.add_argument("--json", default="recovery.json", help="file name under bench/out/")
+    ap.add_argument("--json", type=Path,
+                    help="where the raw results go (default: bench/out/recovery.json)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("bench/recovery.py needs root (network namespaces, sshd)")
@@ -525,7 +537,7 @@ def main() -> None:
                       "`job.hang_timeout` yet (hang detection comes with another branch)",
                       flush=True)
                 rows.append(["rank SIGSTOPped", "skipped: no job.hang_timeout", "-", "-",
-                             "-", "-", "-", "-"])
+                             "-", "-", "-", "-", "-"])
                 continue
             r = faulted(bed, fault)
             result["faults"].append(r)
@@ -533,7 +545,7 @@ def main() -> None:
             points = 100 * (r["val_acc"] - ref["val_acc"])
             rows.append([
                 {"cut": "link cut", "kill": "host killed", "stop": "rank SIGSTOPped"}[fault],
-                f"exit {r['exit']}", r["detect_s"],
+                f"exit {r['exit']}", r["detect_s"], r["restart_line_s"],
                 f"{r['first_step_s']:.1f} ({verdict(r['first_step_s'], TARGET_FIRST_STEP)})",
                 f"{r['last_done']} + {r['partial']:.2f} / {r['resumed']}",
                 f"{r['redone_epochs']:.2f} ({verdict(r['redone_epochs'], TARGET_REDONE)})",
@@ -543,7 +555,7 @@ def main() -> None:
         if not args.no_baseline:
             b = baseline(bed, args.cap)
             result["baseline"] = b
-            rows.append(["host killed, pdsh + torchrun", b["how"], "-", "never (no restart)",
+            rows.append(["host killed, pdsh + torchrun", b["how"], "-", "-", "never (no restart)",
                          f"{b['last_done']} / -", "the run (lost)", "-",
                          "pdsh + torchrun again, by hand"])
     finally:
@@ -563,11 +575,14 @@ def main() -> None:
           f"(torch's import included); epochs redone <= {TARGET_REDONE:g} (one checkpoint "
           f"interval); final accuracy within {TARGET_ACC_POINTS:g} point of the unfaulted "
           f"run; no command typed\n")
-    markdown(["fault", "run", "fault -> detected s", "fault -> first step s (<= 30)",
+    markdown(["fault", "run", "fault -> detected s", "fault -> `restart 1` s",
+              "fault -> first step s (<= 30)",
               "epochs done before / resumed from", "epochs redone (<= 1)",
               "final val_acc vs unfaulted (1 point)", "command typed"], rows)
     result["load_average"] = list(load)
-    print(f"raw results: {save_json(args.json, result)}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    print(f"raw results: {args.json or save_json('recovery.json', result)}")
     if not clean or not ok:
         sys.exit(1)
 
