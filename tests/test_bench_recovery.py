@@ -87,16 +87,19 @@ def test_verdicts() -> None:
 
 def test_the_worker_prints_the_step_lines_the_bench_reads(
         capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
     import worker.train as train
+    from worker.distrib import Ctx
 
-    class Main:
-        is_main = True
-
-    assert list(train.progress([10, 11, 12, 13], 2, 2, Main())) == [10, 11, 12, 13]
+    main = Ctx(0, 4, 0, 1, torch.device("cpu"), "gloo")
+    assert list(train.progress([10, 11, 12, 13], 2, 2, main)) == [10, 11, 12, 13]
     printed = capsys.readouterr().out.splitlines()
     assert printed == ["epoch 2 step 1/4", "epoch 2 step 2/4", "epoch 2 step 4/4"]
     assert all(recovery.STEP.search(p) for p in printed)
-    assert train.progress([1], 2, 0, Main()) == [1]   # off: the loader itself
+    assert train.progress([1], 2, 0, main) == [1]   # off: the loader itself
+    other = Ctx(1, 4, 1, 1, torch.device("cpu"), "gloo")
+    assert train.progress([1], 2, 1, other) == [1]   # only rank 0 prints
 
 
 @pytest.mark.ssh
