@@ -70,7 +70,8 @@ HANG_TIMEOUT = 15            # job.hang_timeout for the `stop` fault, seconds
 TARGET_FIRST_STEP = 30.0     # host loss -> first step of the restarted run, seconds
 TARGET_REDONE = 1.0          # work lost: at most one checkpoint interval (epochs)
 TARGET_ACC_POINTS = 1.0      # final accuracy within this many points of the unfaulted run
-TRAIN_PER_CLASS = 160        # demo data: 4 classes, 160 training images each (10 steps of 16)
+TRAIN_PER_CLASS = 800        # demo data: 4 classes; 800 training images each: 100 steps
+BATCH = 8                    # of 8 per rank and epoch, an epoch of seconds here
 
 STEP = re.compile(r"\bepoch (\d+) step (\d+)/(\d+)")
 EPOCH_DONE = re.compile(r"\bepoch\s+(\d+)/(\d+)\s+time\b")
@@ -190,15 +191,17 @@ class BenchHosts(NsHosts):
 
 
 def rank_pids(net: BenchHosts, i: int, rank: int) -> list[int]:
-    """The processes of one rank on host i (RANK=<rank> in their environment)."""
+    """The training process of one rank on host i: RANK=<rank> in its environment, and
+    not orch's per-rank wrapper (rankexec.py, its parent, which only waits)."""
     want = f"\0RANK={rank}\0".encode()
     found = []
     for pid in net.ns_pids(i):
         try:
             env = b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if want in env:
+        if want in env and b"rankexec" not in cmd:
             found.append(pid)
     return found
 
@@ -267,10 +270,11 @@ class Bed:
     shards: Path
     epochs: int
     hang_ok: bool
+    per_class: int = TRAIN_PER_CLASS
     sshds: list[int] = field(default_factory=list)
 
     def job_args(self) -> list[str]:
-        return ["--model", "lenet", "--image-size", "32", "--batch-size", "16",
+        return ["--model", "lenet", "--image-size", "32", "--batch-size", str(BATCH),
                 "--optimizer", "adam", "--lr", "0.001", "--epochs", str(self.epochs),
                 "--workers", "0", "--seed", "0", "--checkpoint-every", "1", "--resume",
                 "--log-every", "1"]
@@ -467,7 +471,7 @@ def baseline(bed: Bed, cap: float) -> dict[str, Any]:
 def make_data(bed: Bed, net_for_split: Path) -> None:
     """Demo data (4 classes, small) and its shards for 4 ranks, packed at 32 px."""
     subprocess.run([str(VENV_PY), "-m", "worker.demo_data", "--out", str(bed.data),
-                    "--classes", "4", "--train-per-class", str(TRAIN_PER_CLASS),
+                    "--classes", "4", "--train-per-class", str(bed.per_class),
                     "--val-per-class", "40", "--seed", "0"], check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL)
     doc = {"name": "split", "hosts": [{"address": f"10.251.{i}.2"} for i in range(4)],
@@ -507,10 +511,12 @@ def main() -> None:
     ap.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--train-per-class", type=int, default=TRAIN_PER_CLASS,
+                    help="demo images per class (4 classes) to train on: the epoch's length")
     ap.add_argument("--cap", type=float, default=120.0,
                     help="the baseline's wait for its end after the fault, seconds")
     ap.add_argument("--quick", action="store_true",
-                    help="the kill fault only, 3 epochs, no baseline")
+                    help="the kill fault only, 3 epochs of half the data, no baseline")
     ap.add_argument("--json", type=Path,
                     help="where the raw results go (default: bench/out/recovery.json)")
     args = ap.parse_args()
@@ -518,11 +524,13 @@ def main() -> None:
         raise SystemExit("bench/recovery.py needs root (network namespaces, sshd)")
     if args.quick:
         args.faults, args.epochs, args.no_baseline = ["kill"], 3, True
+        args.train_per_class = TRAIN_PER_CLASS // 2
     if args.epochs < 3:
         raise SystemExit("--epochs must be at least 3 (a fault in epoch 2, then a restart)")
     compile_orch()
     work = Path(tempfile.mkdtemp(prefix="orch-recovery-"))
-    bed = Bed(work, work / "data", work / "shards", args.epochs, hang_timeout_accepted())
+    bed = Bed(work, work / "data", work / "shards", args.epochs, hang_timeout_accepted(),
+              args.train_per_class)
     rows: list[list[object]] = []
     result: dict[str, Any] = {"epochs": args.epochs, "faults": [], "baseline": None}
     t0 = time.monotonic()
@@ -548,7 +556,8 @@ def main() -> None:
                 f"exit {r['exit']}", r["detect_s"], r["restart_line_s"],
                 f"{r['first_step_s']:.1f} ({verdict(r['first_step_s'], TARGET_FIRST_STEP)})",
                 f"{r['last_done']} + {r['partial']:.2f} / {r['resumed']}",
-                f"{r['redone_epochs']:.2f} ({verdict(r['redone_epochs'], TARGET_REDONE)})",
+                f"{r['redone_epochs']:.2f}, {r['lost_s']:.1f} s "
+                f"({verdict(r['redone_epochs'], TARGET_REDONE)})",
                 f"{r['val_acc']:.4f} vs {ref['val_acc']:.4f} "
                 f"({verdict(abs(points), TARGET_ACC_POINTS)})",
                 "none" if r["exit"] == 0 else "run failed"])
@@ -568,7 +577,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     load = os.getloadavg()
     print(f"\nrecovery: 4 hosts + 1 spare in network namespaces, real sshd, worker.train "
-          f"(lenet, gloo), {args.epochs} epochs, checkpoint every epoch, job.restarts 2 "
+          f"(lenet, gloo), {args.epochs} epochs of {-(-bed.per_class // BATCH)} steps, "
+          f"checkpoint every epoch, job.restarts 2 "
           f"({time.monotonic() - t0:.0f} s; load average {load[0]:.2f} {load[1]:.2f} "
           f"{load[2]:.2f}, {os.cpu_count()} cores)")
     print(f"targets: fault -> first step of the restarted run <= {TARGET_FIRST_STEP:g} s "
@@ -577,7 +587,7 @@ def main() -> None:
           f"run; no command typed\n")
     markdown(["fault", "run", "fault -> detected s", "fault -> `restart 1` s",
               "fault -> first step s (<= 30)",
-              "epochs done before / resumed from", "epochs redone (<= 1)",
+              "epochs done before / resumed from", "epochs redone, training s lost (<= 1 epoch)",
               "final val_acc vs unfaulted (1 point)", "command typed"], rows)
     result["load_average"] = list(load)
     if args.json:
