@@ -99,7 +99,6 @@ class Timeline:
     partial: float = 0.0            # the part of the interrupted epoch done (0..1)
     resumed: int | None = None      # the checkpoint's epoch the restart started after
     restarted: bool = False
-    since_checkpoint: float = float("nan")   # seconds of training lost: fault - last epoch end
 
     @property
     def redone(self) -> float:
@@ -112,12 +111,11 @@ class Timeline:
 def timeline(lines: list[Line], fault: float) -> Timeline:
     """Read one run's lines (orch's and the ranks', as they came) around the fault."""
     tl = Timeline()
-    last_epoch_at = float("nan")
     attempt = 0
     for ln in lines:
         if ln.t < fault:
             if m := EPOCH_DONE.search(ln.text):
-                tl.last_done, tl.partial, last_epoch_at = int(m.group(1)), 0.0, ln.t
+                tl.last_done, tl.partial = int(m.group(1)), 0.0
             elif m := STEP.search(ln.text):
                 tl.partial = int(m.group(2)) / int(m.group(3))
             continue
@@ -134,17 +132,21 @@ def timeline(lines: list[Line], fault: float) -> Timeline:
             tl.first_step = ln.t - fault
     if tl.restarted and tl.resumed is None:
         tl.resumed = 0   # --resume found no checkpoint: from the start
-    tl.since_checkpoint = fault - last_epoch_at
     return tl
 
 
-def final_accuracy(metrics_csv: str) -> float:
-    """The last row's val_acc of worker.train's metrics.csv, as a fraction."""
+def column(metrics_csv: str, name: str) -> list[float]:
+    """One column of worker.train's metrics.csv, an entry per epoch row."""
     rows = [r for r in metrics_csv.splitlines() if r.strip()]
-    header = rows[0].split(",")
-    if len(rows) < 2 or "val_acc" not in header:
-        raise ValueError("metrics.csv has no epoch row with val_acc")
-    return float(rows[-1].split(",")[header.index("val_acc")])
+    header = rows[0].split(",") if rows else []
+    if len(rows) < 2 or name not in header:
+        raise ValueError(f"metrics.csv has no epoch row with {name}")
+    return [float(r.split(",")[header.index(name)]) for r in rows[1:]]
+
+
+def final_accuracy(metrics_csv: str) -> float:
+    """The last row's val_acc, as a fraction."""
+    return column(metrics_csv, "val_acc")[-1]
 
 
 def verdict(value: float, target: float) -> str:
@@ -343,9 +345,13 @@ def reference(bed: Bed) -> dict[str, Any]:
         code = run.finish(900)
         if code != 0:
             raise SystemExit(f"the unfaulted run failed (exit {code}):\n{run.text()[-3000:]}")
-        acc = final_accuracy(metrics_of(net, "rec-ref"))
-    print(f"  unfaulted: {time.monotonic() - t0:.1f} s, final val_acc {acc:.4f}", flush=True)
-    return {"fault": "none", "seconds": time.monotonic() - t0, "val_acc": acc}
+        csv = metrics_of(net, "rec-ref")
+        acc, epoch_s = final_accuracy(csv), column(csv, "epoch_time_s")
+    mean = sum(epoch_s) / len(epoch_s)
+    print(f"  unfaulted: {time.monotonic() - t0:.1f} s, final val_acc {acc:.4f}, "
+          f"{mean:.1f} s an epoch", flush=True)
+    return {"fault": "none", "seconds": time.monotonic() - t0, "val_acc": acc,
+            "epoch_s": mean}
 
 
 def inject(net: BenchHosts, fault: str) -> str:
@@ -395,7 +401,7 @@ def faulted(bed: Bed, fault: str) -> dict[str, Any]:
     row = {"fault": fault, "exit": code, "detect_s": tl.detect, "restart_line_s": tl.restart,
            "first_step_s": tl.first_step,
            "last_done": tl.last_done, "partial": tl.partial, "resumed": tl.resumed,
-           "redone_epochs": tl.redone, "lost_s": tl.since_checkpoint, "val_acc": acc}
+           "redone_epochs": tl.redone, "val_acc": acc}
     print(f"  {fault}: exit {code}, detect {tl.detect:.1f} s, restart line {tl.restart:.1f} s, "
           f"first step {tl.first_step:.1f} s, "
           f"epoch {tl.last_done} done + {tl.partial:.2f}, resumed from {tl.resumed}, "
@@ -548,6 +554,7 @@ def main() -> None:
                              "-", "-", "-", "-", "-"])
                 continue
             r = faulted(bed, fault)
+            r["lost_s"] = r["redone_epochs"] * ref["epoch_s"]   # training time done twice
             result["faults"].append(r)
             ok = ok and r["exit"] == 0
             points = 100 * (r["val_acc"] - ref["val_acc"])

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 import recovery  # noqa: E402
-from recovery import Line, final_accuracy, mid_epoch, timeline, verdict  # noqa: E402
+from recovery import Line, column, final_accuracy, mid_epoch, timeline, verdict  # noqa: E402
 
 # what `orch up` shows of a run with restarts: orch's lines and rank 0's, prefixed
 RUN = [
@@ -45,7 +45,6 @@ def test_timeline_reads_detection_restart_first_step_and_the_epochs_redone() -> 
     assert tl.first_step == pytest.approx(15.0)
     assert (tl.last_done, tl.partial, tl.resumed, tl.restarted) == (1, 0.5, 1, True)
     assert tl.redone == pytest.approx(0.5)
-    assert tl.since_checkpoint == pytest.approx(2.0)
 
 
 def test_timeline_of_a_run_that_never_restarted_has_no_first_step() -> None:
@@ -76,6 +75,7 @@ def test_final_accuracy_is_the_last_rows_val_acc() -> None:
            "epoch_time_s\n1,3.0,1.2,0.4,1.1,0.5,400,0.001,0,3.0\n"
            "2,6.0,0.9,0.6,0.8,0.7125,410,0.001,0,3.0\n")
     assert final_accuracy(csv) == pytest.approx(0.7125)
+    assert column(csv, "epoch_time_s") == [3.0, 3.0]
     with pytest.raises(ValueError):
         final_accuracy("epoch,time_s\n")
 
