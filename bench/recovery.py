@@ -60,7 +60,17 @@ from typing import Any
 
 import yaml
 
-from common import ORCH, REPO, VENV_PY, compile_orch, kill_pids, markdown, orch_env, save_json
+from common import (
+    ORCH,
+    OUT_DIR,
+    REPO,
+    VENV_PY,
+    compile_orch,
+    kill_pids,
+    markdown,
+    orch_env,
+    save_json,
+)
 from netns_hosts import NsHosts
 from sshd_cluster import pid_alive
 
@@ -273,7 +283,14 @@ class Bed:
     epochs: int
     hang_ok: bool
     per_class: int = TRAIN_PER_CLASS
+    logs: Path | None = None         # each run's lines go to recovery-<run>.log there
     sshds: list[int] = field(default_factory=list)
+
+    def keep_log(self, name: str, run: Reader) -> None:
+        if self.logs is not None:
+            self.logs.mkdir(parents=True, exist_ok=True)
+            (self.logs / f"recovery-{name}.log").write_text(
+                "".join(f"{ln.t:.3f} {ln.text}\n" for ln in run.lines))
 
     def job_args(self) -> list[str]:
         return ["--model", "lenet", "--image-size", "32", "--batch-size", str(BATCH),
@@ -336,22 +353,24 @@ def metrics_of(net: BenchHosts, name: str) -> str:
     return (net.hosts[0].remote_dir / name / "output" / "metrics.csv").read_text()
 
 
-def reference(bed: Bed) -> dict[str, Any]:
-    """The unfaulted run: the same job, seed and epochs."""
-    with hosts(bed, "ref", 4) as net:
-        inv = bed.inventory(net, "rec-ref", 4, spare=False)
+def reference(bed: Bed, k: int) -> dict[str, Any]:
+    """The unfaulted run (the k-th): the same job, seed and epochs."""
+    name = f"rec-ref{k}"
+    with hosts(bed, f"ref{k}", 4) as net:
+        inv = bed.inventory(net, name, 4, spare=False)
         t0 = time.monotonic()
         run = orch_up(net, inv)
         code = run.finish(900)
+        bed.keep_log(name, run)
         if code != 0:
             raise SystemExit(f"the unfaulted run failed (exit {code}):\n{run.text()[-3000:]}")
-        csv = metrics_of(net, "rec-ref")
-        acc, epoch_s = final_accuracy(csv), column(csv, "epoch_time_s")
+        csv = metrics_of(net, name)
+        accs, epoch_s = column(csv, "val_acc"), column(csv, "epoch_time_s")
     mean = sum(epoch_s) / len(epoch_s)
-    print(f"  unfaulted: {time.monotonic() - t0:.1f} s, final val_acc {acc:.4f}, "
+    print(f"  unfaulted {k}: {time.monotonic() - t0:.1f} s, final val_acc {accs[-1]:.4f}, "
           f"{mean:.1f} s an epoch", flush=True)
-    return {"fault": "none", "seconds": time.monotonic() - t0, "val_acc": acc,
-            "epoch_s": mean}
+    return {"fault": "none", "seconds": time.monotonic() - t0, "val_acc": accs[-1],
+            "val_accs": accs, "epoch_s": mean}
 
 
 def inject(net: BenchHosts, fault: str) -> str:
@@ -388,20 +407,22 @@ def faulted(bed: Bed, fault: str) -> dict[str, Any]:
         what = inject(net, fault)
         print(f"  {fault}: {what} at '{at.text.strip()}'", flush=True)
         code = run.finish(600)
+        bed.keep_log(name, run)
         if fault == "stop":
             kill_pids_sig(rank_pids(net, FAULTED_HOST, FAULTED_HOST), signal.SIGCONT)
         tl = timeline(run.lines, t_fault)
         try:
-            acc = final_accuracy(metrics_of(net, name))
+            accs = column(metrics_of(net, name), "val_acc")
         except (OSError, ValueError, IndexError):
-            acc = float("nan")
+            accs = [float("nan")]
+        acc = accs[-1]
         if code != 0 or not tl.restarted:
             print(f"  {fault}: orch up exited {code}, restarted={tl.restarted}\n"
                   + run.text()[-3000:], flush=True)
     row = {"fault": fault, "exit": code, "detect_s": tl.detect, "restart_line_s": tl.restart,
            "first_step_s": tl.first_step,
            "last_done": tl.last_done, "partial": tl.partial, "resumed": tl.resumed,
-           "redone_epochs": tl.redone, "val_acc": acc}
+           "redone_epochs": tl.redone, "val_acc": acc, "val_accs": accs}
     print(f"  {fault}: exit {code}, detect {tl.detect:.1f} s, restart line {tl.restart:.1f} s, "
           f"first step {tl.first_step:.1f} s, "
           f"epoch {tl.last_done} done + {tl.partial:.2f}, resumed from {tl.resumed}, "
@@ -517,6 +538,9 @@ def main() -> None:
     ap.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--reference-runs", type=int, default=2,
+                    help="unfaulted runs: the first is the reference, the others show how "
+                         "far two runs of the same seed differ")
     ap.add_argument("--train-per-class", type=int, default=TRAIN_PER_CLASS,
                     help="demo images per class (4 classes) to train on: the epoch's length")
     ap.add_argument("--cap", type=float, default=120.0,
@@ -530,21 +554,28 @@ def main() -> None:
         raise SystemExit("bench/recovery.py needs root (network namespaces, sshd)")
     if args.quick:
         args.faults, args.epochs, args.no_baseline = ["kill"], 3, True
+        args.reference_runs = 1
         args.train_per_class = TRAIN_PER_CLASS // 2
     if args.epochs < 3:
         raise SystemExit("--epochs must be at least 3 (a fault in epoch 2, then a restart)")
     compile_orch()
     work = Path(tempfile.mkdtemp(prefix="orch-recovery-"))
     bed = Bed(work, work / "data", work / "shards", args.epochs, hang_timeout_accepted(),
-              args.train_per_class)
+              args.train_per_class, args.json.parent if args.json else OUT_DIR)
     rows: list[list[object]] = []
     result: dict[str, Any] = {"epochs": args.epochs, "faults": [], "baseline": None}
     t0 = time.monotonic()
     ok = True
     try:
         make_data(bed, work / "split.yaml")
-        ref = reference(bed)
-        result["reference"] = ref
+        refs = [reference(bed, k) for k in range(1, args.reference_runs + 1)]
+        ref = result["reference"] = refs[0]
+        result["references"] = refs
+        for k, other in enumerate(refs[1:], 2):
+            points = 100 * (other["val_acc"] - ref["val_acc"])
+            rows.append([f"none (unfaulted run {k}: the noise)", "exit 0", "-", "-", "-", "-",
+                         "-", f"{other['val_acc']:.4f} vs {ref['val_acc']:.4f} "
+                         f"({points:+.1f} points)", "none"])
         for fault in args.faults:
             if fault == "stop" and not bed.hang_ok:
                 print("  stop: skipped: this orch's inventory does not accept "
