@@ -82,6 +82,7 @@ TARGET_REDONE = 1.0          # work lost: at most one checkpoint interval (epoch
 TARGET_ACC_POINTS = 1.0      # final accuracy within this many points of the unfaulted run
 TRAIN_PER_CLASS = 800        # demo data: 4 classes; 800 training images each: 100 steps
 BATCH = 8                    # of 8 per rank and epoch, an epoch of seconds here
+VAL_PER_CLASS = 250          # 1000 validation images: an image is 0.1 point of accuracy
 
 STEP = re.compile(r"\bepoch (\d+) step (\d+)/(\d+)")
 EPOCH_DONE = re.compile(r"\bepoch\s+(\d+)/(\d+)\s+time\b")
@@ -499,7 +500,7 @@ def make_data(bed: Bed, net_for_split: Path) -> None:
     """Demo data (4 classes, small) and its shards for 4 ranks, packed at 32 px."""
     subprocess.run([str(VENV_PY), "-m", "worker.demo_data", "--out", str(bed.data),
                     "--classes", "4", "--train-per-class", str(bed.per_class),
-                    "--val-per-class", "40", "--seed", "0"], check=True, cwd=REPO,
+                    "--val-per-class", str(VAL_PER_CLASS), "--seed", "0"], check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL)
     doc = {"name": "split", "hosts": [{"address": f"10.251.{i}.2"} for i in range(4)],
            "python": str(VENV_PY),
