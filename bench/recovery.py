@@ -14,6 +14,8 @@ Faults, each injected once rank 0 printed a step of epoch >= 2 at a third of the
 
 - `cut`: host 1's cable pulled (NsHosts.cut): no reset, silence;
 - `kill`: every process of host 1's namespace SIGKILLed, sshd included (the host dies);
+- `crash`: rank 1's training process SIGKILLed (the host stays: the restart runs on the
+  same hosts, no spare);
 - `stop`: rank 1 SIGSTOPped: needs hang detection (`job.hang_timeout`); skipped with a
   note while the inventory does not accept that key.
 
@@ -74,7 +76,7 @@ from common import (
 from netns_hosts import NsHosts
 from sshd_cluster import pid_alive
 
-FAULTS = ("cut", "kill", "stop")
+FAULTS = ("cut", "kill", "crash", "stop")
 FAULTED_HOST = 1             # never rank 0's host: the checkpoint lives there
 HANG_TIMEOUT = 15            # job.hang_timeout for the `stop` fault, seconds
 TARGET_FIRST_STEP = 30.0     # host loss -> first step of the restarted run, seconds
@@ -381,6 +383,10 @@ def inject(net: BenchHosts, fault: str) -> str:
     if fault == "kill":
         n = net.kill_host(FAULTED_HOST)
         return f"host {FAULTED_HOST} killed ({n} processes, sshd included)"
+    if fault == "crash":
+        pids = rank_pids(net, FAULTED_HOST, FAULTED_HOST)
+        kill_pids(pids)
+        return f"rank {FAULTED_HOST} SIGKILLed (pids {pids})"
     pids = rank_pids(net, FAULTED_HOST, FAULTED_HOST)
     kill_pids_sig(pids, signal.SIGSTOP)
     return f"rank {FAULTED_HOST} SIGSTOPped (pids {pids})"
@@ -591,7 +597,8 @@ def main() -> None:
             ok = ok and r["exit"] == 0
             points = 100 * (r["val_acc"] - ref["val_acc"])
             rows.append([
-                {"cut": "link cut", "kill": "host killed", "stop": "rank SIGSTOPped"}[fault],
+                {"cut": "link cut", "kill": "host killed", "crash": "rank killed",
+                 "stop": "rank SIGSTOPped"}[fault],
                 f"exit {r['exit']}", r["detect_s"], r["restart_line_s"],
                 f"{r['first_step_s']:.1f} ({verdict(r['first_step_s'], TARGET_FIRST_STEP)})",
                 f"{r['last_done']} + {r['partial']:.2f} / {r['resumed']}",
