@@ -373,7 +373,7 @@ def reference(bed: Bed, k: int) -> dict[str, Any]:
     print(f"  unfaulted {k}: {time.monotonic() - t0:.1f} s, final val_acc {accs[-1]:.4f}, "
           f"{mean:.1f} s an epoch", flush=True)
     return {"fault": "none", "seconds": time.monotonic() - t0, "val_acc": accs[-1],
-            "val_accs": accs, "epoch_s": mean}
+            "val_accs": accs, "epoch_s": mean, "metrics_csv": csv}
 
 
 def inject(net: BenchHosts, fault: str) -> str:
@@ -419,9 +419,10 @@ def faulted(bed: Bed, fault: str) -> dict[str, Any]:
             kill_pids_sig(rank_pids(net, FAULTED_HOST, FAULTED_HOST), signal.SIGCONT)
         tl = timeline(run.lines, t_fault)
         try:
-            accs = column(metrics_of(net, name), "val_acc")
+            csv = metrics_of(net, name)
+            accs = column(csv, "val_acc")
         except (OSError, ValueError, IndexError):
-            accs = [float("nan")]
+            csv, accs = "", [float("nan")]
         acc = accs[-1]
         if code != 0 or not tl.restarted:
             print(f"  {fault}: orch up exited {code}, restarted={tl.restarted}\n"
@@ -429,7 +430,7 @@ def faulted(bed: Bed, fault: str) -> dict[str, Any]:
     row = {"fault": fault, "exit": code, "detect_s": tl.detect, "restart_line_s": tl.restart,
            "first_step_s": tl.first_step,
            "last_done": tl.last_done, "partial": tl.partial, "resumed": tl.resumed,
-           "redone_epochs": tl.redone, "val_acc": acc, "val_accs": accs}
+           "redone_epochs": tl.redone, "val_acc": acc, "val_accs": accs, "metrics_csv": csv}
     print(f"  {fault}: exit {code}, detect {tl.detect:.1f} s, restart line {tl.restart:.1f} s, "
           f"first step {tl.first_step:.1f} s, "
           f"epoch {tl.last_done} done + {tl.partial:.2f}, resumed from {tl.resumed}, "
