@@ -297,7 +297,8 @@ class Bed:
 
     def job_args(self) -> list[str]:
         return ["--model", "lenet", "--image-size", "32", "--batch-size", str(BATCH),
-                "--optimizer", "adam", "--lr", "0.001", "--epochs", str(self.epochs),
+                "--optimizer", "adam", "--lr", "0.001", "--lr-schedule", "cosine",
+                "--epochs", str(self.epochs),
                 "--workers", "0", "--seed", "0", "--checkpoint-every", "1", "--resume",
                 "--log-every", "1"]
 
