@@ -72,6 +72,7 @@ demo: install
 	$(VENV)/bin/orch up cluster.yaml
 
 # BENCH_ARGS=--scale adds bench/scale.py (16, 64, 128 fake hosts; about 13 minutes)
+# BENCH_ARGS=--recovery adds bench/recovery.py (restarts after faults, real torch; about 4 minutes)
 bench: install system-deps
 	$(VPY) bench/run_all.py $(BENCH_ARGS)
 

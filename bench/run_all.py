@@ -16,9 +16,11 @@ BENCHES = ["launch.py", "lifecycle.py", "push.py", "split.py", "loader.py", "ter
 
 def main() -> int:
     # --scale adds bench/scale.py (16-128 fake hosts, ~13 minutes): `make bench BENCH_ARGS=--scale`;
-    # --faults bench/faults.py (4-64 fake hosts, two login shells, ~10 minutes)
+    # --faults bench/faults.py (4-64 fake hosts, two login shells, ~10 minutes);
+    # --recovery bench/recovery.py (real torch on 4 netns hosts + a spare, restarts, ~4 minutes)
     benches = BENCHES + (["scale.py"] if "--scale" in sys.argv[1:] else []) + (
-        ["faults.py"] if "--faults" in sys.argv[1:] else [])
+        ["faults.py"] if "--faults" in sys.argv[1:] else []) + (
+        ["recovery.py"] if "--recovery" in sys.argv[1:] else [])
     failed = []
     for name in benches:
         if not (HERE / name).exists():

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Union
@@ -131,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--checkpoint-every", type=_positive(int, zero_ok=True), default=1,
       help="epochs between checkpoints (0: never)")
     a("--resume", action="store_true", help="continue from the newest checkpoint, if any")
+    a("--log-every", type=_positive(int, zero_ok=True), default=0, metavar="STEPS",
+      help="rank 0 prints `epoch E step S/T` after every STEPS training steps (0: never)")
     a("--data-dir", type=Path, default=os.environ.get("ORCH_DATA_DIR"), metavar="DIR",
       help="folder of worker_<r>_of_<W> shards (default: $ORCH_DATA_DIR)")
     a("--output-dir", type=Path, default=Path(os.environ.get("ORCH_OUTPUT_DIR") or "output"),
@@ -475,13 +478,33 @@ def validate(args: argparse.Namespace, ctx: Ctx, st: State,
     return loss_sum, correct, seen
 
 
+def progress(loader: Any, epoch: int, every: int, ctx: Ctx) -> Any:
+    """The loader, and on rank 0 with --log-every N a line `epoch E step S/T` once step S
+    (every Nth, and the first) is done: printed when the next batch is asked for."""
+    if not every or not ctx.is_main:
+        return loader
+    return _progress_lines(loader, epoch, every)
+
+
+def _progress_lines(loader: Any, epoch: int, every: int) -> Iterator[Any]:
+    total = len(loader) if hasattr(loader, "__len__") else "?"
+    step = 0
+    for batch in loader:
+        if step and (step == 1 or step % every == 0):
+            print(f"epoch {epoch} step {step}/{total}", flush=True)
+        yield batch
+        step += 1
+    if step and (step == 1 or step % every == 0):
+        print(f"epoch {epoch} step {step}/{total}", flush=True)
+
+
 def run_epoch(args: argparse.Namespace, ctx: Ctx, st: State, epoch: int, loaders: tuple,
               started: float) -> dict[str, float]:
     """One epoch on every rank; returns the row rank 0 logs (averaged/summed over ranks)."""
     t0 = time.perf_counter()
     loaders[0].sampler.set_epoch(epoch)
     sent_before = st.comm.bytes_sent if st.comm is not None else 0
-    tr = train_epoch(args, ctx, st, loaders[0])
+    tr = train_epoch(args, ctx, st, progress(loaders[0], epoch, args.log_every, ctx))
     v_loss, v_correct, v_seen = validate(args, ctx, st, loaders[1])
     loss, corr, seen, ips, vl, vc, vs = distrib.sum_over_ranks(
         [tr["loss_sum"], tr["correct"], tr["seen"], tr["images_per_s"], v_loss, v_correct, v_seen],
