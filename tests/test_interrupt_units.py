@@ -3,7 +3,6 @@ first Ctrl-C stops every host with the grace period, a second one kills at once 
 waiting for it; an interrupted `up` pulls nothing (a job that ends does)."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fake_agent import FakeChannel, FakeTransport, later
+from orchestrator import cli
 from orchestrator.api import launching
 from orchestrator.api.outcomes import UpHost, UpResult
 from orchestrator.commands import up as up_cmd
@@ -139,9 +139,7 @@ def run_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hosts: Hosts) -> int
         finally:
             session.close()
     monkeypatch.setattr(launching, "start", start)   # up.py calls launching.start
-    args = argparse.Namespace(config=str(path), file=None, json=False, hosts=None, exclude=None,
-                              dry_run=False, detach=False, setup=False, fail_fast=False,
-                              no_pull=False)
+    args = cli.parse(["up", "-c", str(path)])   # every flag of `orch up` at its default
     with sigint_raises():
         return up_cmd.run(args)
 

@@ -214,7 +214,7 @@ def test_status_and_logs_list_json(tmp_path: Path, fake_job, capsys) -> None:
     """The hosts say "exited" and a code; the documents carry the controller's states,
     each rank's own pid and log size, in rank order across the hosts."""
     use(last_line="ok", raw=True)
-    assert status_cmd.run(command_args(tmp_path, json=True)) == 0
+    assert status_cmd.run(command_args(tmp_path, json=True)) == EXIT_JOB_FAILED   # rank 1 failed
     doc = json.loads(capsys.readouterr().out)
     assert [(r["rank"], r["host"], r["state"], r["code"], r["pid"]) for r in doc["ranks"]] == [
         (0, "localhost#0", "exited 0", 0, 100), (1, "localhost#0", "failed (exit code 3)", 3, 101),
