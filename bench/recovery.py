@@ -9,15 +9,15 @@ orch runs in the client namespace. The job is `python -m worker.train --model le
 (worker.demo_data, split with `orch split-data --pack`): a checkpoint every epoch, and
 rank 0 prints `epoch E step S/T` after each step.
 
-Faults, each injected once rank 0 printed a step of epoch >= 2 at a third of the epoch
-(host 1, never rank 0's host: its checkpoint stays where rank 0 resumes):
+Faults, each injected once rank 0 printed a step of epoch >= 2 half way through the epoch.
+A lost host is rank 0's, the only one holding the checkpoint: the restart resumes from
+the copy orch kept off it (`job.checkpoint`, #22 item 3), put back on the spare:
 
-- `cut`: host 1's cable pulled (NsHosts.cut): no reset, silence;
-- `kill`: every process of host 1's namespace SIGKILLed, sshd included (the host dies);
+- `cut`: host 0's cable pulled (NsHosts.cut): no reset, silence;
+- `kill`: every process of host 0's namespace SIGKILLed, sshd included (the host dies);
 - `crash`: rank 1's training process SIGKILLed (the host stays: the restart runs on the
   same hosts, no spare);
-- `stop`: rank 1 SIGSTOPped: needs hang detection (`job.hang_timeout`); skipped with a
-  note while the inventory does not accept that key.
+- `stop`: rank 1 SIGSTOPped: found by hang detection (`job.hang_timeout`).
 
 Per fault (one clock: every "host" is on this machine):
 
@@ -77,12 +77,14 @@ from netns_hosts import NsHosts
 from sshd_cluster import pid_alive
 
 FAULTS = ("cut", "kill", "crash", "stop")
-FAULTED_HOST = 1             # never rank 0's host: the checkpoint lives there
+LOST_HOST = 0                # cut, kill: rank 0's host, where the checkpoint was written
+FAULTED_RANK = 1             # crash, stop: a rank other than 0, its host stays
+SPARE = 4                    # the spare's index in the bench's hosts: rank 0 after a loss
 HANG_TIMEOUT = 15            # job.hang_timeout for the `stop` fault, seconds
 TARGET_FIRST_STEP = 30.0     # host loss -> first step of the restarted run, seconds
 TARGET_REDONE = 1.0          # work lost: at most one checkpoint interval (epochs)
 TARGET_ACC_POINTS = 1.0      # final accuracy within this many points of the unfaulted run
-TRAIN_PER_CLASS = 800        # demo data: 4 classes; 800 training images each: 100 steps
+TRAIN_PER_CLASS = 2000       # demo data: 4 classes; 2000 training images each: 250 steps
 BATCH = 8                    # of 8 per rank and epoch, an epoch of seconds here
 VAL_PER_CLASS = 250          # 1000 validation images: an image is 0.1 point of accuracy
 
@@ -271,11 +273,12 @@ class Reader:
 
 
 def mid_epoch(text: str) -> bool:
-    """A step of epoch >= 2, a third of the way in or more."""
+    """A step of epoch >= 2, half way in or more: the last checkpoint (epoch 1's) was
+    written half an epoch before, a few seconds, as a real run's minutes would be."""
     m = STEP.search(text)
     if m is None:
         return False
-    return int(m.group(1)) >= 2 and int(m.group(2)) * 3 >= int(m.group(3))
+    return int(m.group(1)) >= 2 and int(m.group(2)) * 2 >= int(m.group(3))
 
 
 @dataclass
@@ -284,7 +287,6 @@ class Bed:
     data: Path
     shards: Path
     epochs: int
-    hang_ok: bool
     per_class: int = TRAIN_PER_CLASS
     logs: Path | None = None         # each run's lines go to recovery-<run>.log there
     sshds: list[int] = field(default_factory=list)
@@ -352,9 +354,10 @@ def orch_up(net: BenchHosts, inv: Path) -> Reader:
     return Reader(proc)
 
 
-def metrics_of(net: BenchHosts, name: str) -> str:
-    """Rank 0's metrics.csv, on host 0 (rank 0's host on every attempt here)."""
-    return (net.hosts[0].remote_dir / name / "output" / "metrics.csv").read_text()
+def metrics_of(net: BenchHosts, name: str, host: int = 0) -> str:
+    """Rank 0's metrics.csv on the host that ran rank 0 last (the spare after a loss of
+    host 0: it holds the epochs from the resumed one on)."""
+    return (net.hosts[host].remote_dir / name / "output" / "metrics.csv").read_text()
 
 
 def reference(bed: Bed, k: int) -> dict[str, Any]:
@@ -379,18 +382,17 @@ def reference(bed: Bed, k: int) -> dict[str, Any]:
 
 def inject(net: BenchHosts, fault: str) -> str:
     if fault == "cut":
-        net.cut(FAULTED_HOST)
-        return f"host {FAULTED_HOST}'s link cut"
+        net.cut(LOST_HOST)
+        return f"host {LOST_HOST}'s link cut"
     if fault == "kill":
-        n = net.kill_host(FAULTED_HOST)
-        return f"host {FAULTED_HOST} killed ({n} processes, sshd included)"
+        n = net.kill_host(LOST_HOST)
+        return f"host {LOST_HOST} killed ({n} processes, sshd included)"
+    pids = rank_pids(net, FAULTED_RANK, FAULTED_RANK)   # one rank per host: host i, rank i
     if fault == "crash":
-        pids = rank_pids(net, FAULTED_HOST, FAULTED_HOST)
         kill_pids(pids)
-        return f"rank {FAULTED_HOST} SIGKILLed (pids {pids})"
-    pids = rank_pids(net, FAULTED_HOST, FAULTED_HOST)
+        return f"rank {FAULTED_RANK} SIGKILLed (pids {pids})"
     kill_pids_sig(pids, signal.SIGSTOP)
-    return f"rank {FAULTED_HOST} SIGSTOPped (pids {pids})"
+    return f"rank {FAULTED_RANK} SIGSTOPped (pids {pids})"
 
 
 def kill_pids_sig(pids: list[int], sig: int) -> None:
@@ -417,10 +419,10 @@ def faulted(bed: Bed, fault: str) -> dict[str, Any]:
         code = run.finish(600)
         bed.keep_log(name, run)
         if fault == "stop":
-            kill_pids_sig(rank_pids(net, FAULTED_HOST, FAULTED_HOST), signal.SIGCONT)
+            kill_pids_sig(rank_pids(net, FAULTED_RANK, FAULTED_RANK), signal.SIGCONT)
         tl = timeline(run.lines, t_fault)
         try:
-            csv = metrics_of(net, name)
+            csv = metrics_of(net, name, SPARE if fault in ("cut", "kill") else 0)
             accs = column(csv, "val_acc")
         except (OSError, ValueError, IndexError):
             csv, accs = "", [float("nan")]
@@ -437,19 +439,6 @@ def faulted(bed: Bed, fault: str) -> dict[str, Any]:
           f"epoch {tl.last_done} done + {tl.partial:.2f}, resumed from {tl.resumed}, "
           f"val_acc {acc:.4f}", flush=True)
     return row
-
-
-def hang_timeout_accepted() -> bool:
-    """Whether this orch's inventory takes `job.hang_timeout` (another branch adds it)."""
-    from orchestrator.config import inventory
-    from orchestrator.errors import OrchError
-    doc = {"name": "probe", "hosts": [{"address": "10.0.0.1"}],
-           "job": {"entrypoint": "x.py", "hang_timeout": HANG_TIMEOUT}}
-    try:
-        inventory.parse(yaml.safe_dump(doc), "probe.yaml")
-    except OrchError as e:
-        return "hang_timeout" not in str(e)
-    return True
 
 
 # ---------------------------------------------------------------- the baseline
@@ -569,7 +558,7 @@ def main() -> None:
         raise SystemExit("--epochs must be at least 3 (a fault in epoch 2, then a restart)")
     compile_orch()
     work = Path(tempfile.mkdtemp(prefix="orch-recovery-"))
-    bed = Bed(work, work / "data", work / "shards", args.epochs, hang_timeout_accepted(),
+    bed = Bed(work, work / "data", work / "shards", args.epochs,
               args.train_per_class, args.json.parent if args.json else OUT_DIR)
     rows: list[list[object]] = []
     result: dict[str, Any] = {"epochs": args.epochs, "faults": [], "baseline": None}
@@ -586,13 +575,6 @@ def main() -> None:
                          "-", f"{other['val_acc']:.4f} vs {ref['val_acc']:.4f} "
                          f"({points:+.1f} points)", "none"])
         for fault in args.faults:
-            if fault == "stop" and not bed.hang_ok:
-                print("  stop: skipped: this orch's inventory does not accept "
-                      "`job.hang_timeout` yet (hang detection comes with another branch)",
-                      flush=True)
-                rows.append(["rank SIGSTOPped", "skipped: no job.hang_timeout", "-", "-",
-                             "-", "-", "-", "-", "-"])
-                continue
             r = faulted(bed, fault)
             r["lost_s"] = r["redone_epochs"] * ref["epoch_s"]   # training time done twice
             result["faults"].append(r)

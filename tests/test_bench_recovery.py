@@ -63,10 +63,10 @@ def test_a_step_before_the_restart_is_not_the_restarted_runs_first_step() -> Non
     assert timeline(lines(rows), 10.0).first_step == pytest.approx(15.0)
 
 
-def test_mid_epoch_is_a_third_into_epoch_2_or_later() -> None:
+def test_mid_epoch_is_half_way_into_epoch_2_or_later() -> None:
     assert not mid_epoch("[r0 h] epoch 1 step 9/10")
-    assert not mid_epoch("[r0 h] epoch 2 step 3/10")
-    assert mid_epoch("[r0 h] epoch 2 step 4/10") and mid_epoch("epoch 7 step 1/2")
+    assert not mid_epoch("[r0 h] epoch 2 step 4/10")
+    assert mid_epoch("[r0 h] epoch 2 step 5/10") and mid_epoch("epoch 7 step 1/2")
     assert not mid_epoch("[r0 h] epoch   2/5  time 3.0s")
 
 

@@ -115,9 +115,8 @@ def attempt(plan: healing.Plan, args: argparse.Namespace, view: launching.UpProg
         try:
             code = attach(got.session, got.state, seen)
         finally:
-            if keeper is not None:   # one last round unless rank 0's host is gone
-                lost = bool(seen) and cluster.host_of(0).index in seen[0].lost
-                keeper.stop(final=not lost, timeout=30)
+            if keeper is not None:
+                end_keeper(keeper, seen[0] if seen else None, cluster.host_of(0).index)
         mon = seen[0]
         if code in (EXIT_OK, EXIT_INTERRUPTED) or mon.user_stop or plan.left <= 0:
             if mon.user_stop:
@@ -126,6 +125,15 @@ def attempt(plan: healing.Plan, args: argparse.Namespace, view: launching.UpProg
                 console.print(f"no restart left ({plan.restarts} made)", markup=False)
             return code if args.no_pull or code == EXIT_INTERRUPTED else pull_after(got, code)
         return blame(cluster, mon)
+
+
+def end_keeper(keeper: checkpoints.Keeper, mon: Monitor | None, host0: int) -> None:
+    """One last round while rank 0's host answers. When it is lost or silent, a round
+    may be waiting on it: that thread is left to end when the session closes the link
+    (before the next attempt puts anything back), not waited for."""
+    gone = mon is None or host0 in mon.lost or (
+        mon.cause is not None and host0 in mon.cause.silent)
+    keeper.stop(final=not gone, timeout=1.0 if gone else 30.0)
 
 
 def put_back(session: Session, pre: PreflightReport) -> None:

@@ -38,7 +38,10 @@ from orchestrator.remote.link import Link
 from orchestrator.session.session import Session
 from orchestrator.wire import globs, protocol, timeouts
 
-INTERVAL = 5.0     # seconds between two rounds
+# seconds between two rounds: a round is one listing request on the open link, and the
+# host hashes a file only when it changed, so rounds are cheap; a short interval keeps
+# the work lost to a host's death close to one checkpoint interval
+INTERVAL = 0.5
 SETTLE = 1.0       # a file written less than this long ago waits for the next round
 log = logging.getLogger("orchestrator")
 
