@@ -271,6 +271,7 @@ def parse(text: str, path: str | Path) -> Cluster:
     code = _code(top, base_dir)
     job = _job(top, code, base_dir, max(h.procs for h in hosts))
     _check_gpus_per_task(src, hosts, job)
+    _check_min_hosts(top, hosts, job)
     data = _data(top, base_dir)
     setup = parse_setup(top, code.paths, base_dir)
     ranks = tuple(RankSlot(r, h.index, r - h.first_rank) for h in hosts for r in h.ranks)
@@ -292,6 +293,19 @@ def _split_spares(src: Source, every: tuple[Host, ...]) -> tuple[tuple[Host, ...
     spares = tuple(replace(h, index=len(hosts) + j, first_rank=0)
                    for j, h in enumerate(h for h in every if h.spare))
     return tuple(hosts), spares
+
+
+def _check_min_hosts(top: Section, hosts: tuple[Host, ...], job: JobSpec) -> None:
+    """`job.min_hosts` above the hosts the job runs on could never be met: the run would
+    end at the first lost host however many spares there are, which the user did not mean."""
+    if job.min_hosts is None or job.min_hosts <= len(hosts):
+        return
+    sec = Section(top.src, top.node("job"), "job", top.key_line("job"))
+    top.src.fail(sec.node("min_hosts"), f"`job.min_hosts` is {job.min_hosts}, more than the "
+                 f"{len(hosts)} host{'s' if len(hosts) != 1 else ''} the job runs on "
+                 "(spares not counted)",
+                 f"write at most `min_hosts: {len(hosts)}`: the fewest hosts the job may go on "
+                 "with after a loss")
 
 
 def _check_gpus_per_task(src: Source, hosts: tuple[Host, ...], job: JobSpec) -> None:

@@ -70,7 +70,7 @@ def parse_job(sec: Section, pushed: dict[str, Path], max_procs: int) -> JobSpec:
                      "remove `hang_timeout:`, or `array:` to run one distributed job")
     return JobSpec(entrypoint=entrypoint, args=args, env=env,
                    master_port=sec.integer("master_port", None, 1, 65535, example=29500),
-                   max_restarts=sec.integer("max_restarts", 0, 0, example=0),
+                   max_restarts=sec.integer("max_restarts", 0, 0, MAX_RESTARTS, example=0),
                    array=array, hang_timeout=hang,
                    restarts=sec.integer("restarts", 0, 0, MAX_RESTARTS, example=3),
                    min_hosts=sec.integer("min_hosts", None, 1, example=2),
