@@ -3,11 +3,14 @@ rank byte for byte, and what a file system allows in a name round-trips.
 
 - job.args items and job.env values with line breaks, a carriage return, an escape, a
   tab, non-ASCII text and a PEM key: the rank gets exactly those (written as JSON there);
-- a shard file whose name holds a backslash reaches its rank under that name, and a file
-  of output/ named so comes back with `orch pull`."""
+- shard files whose names hold any byte POSIX allows (a backslash, a line break, a tab,
+  an escape, a byte that is not UTF-8, quotes, a leading space or dash, a glob character,
+  decomposed Unicode, 255 bytes) reach their rank under those names, byte for byte, and
+  files of output/ named so come back with `orch pull`."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -26,14 +29,26 @@ out = os.environ["ORCH_OUTPUT_DIR"]
 os.makedirs(out, exist_ok=True)
 data = os.path.join(os.environ["ORCH_DATA_DIR"], "worker_%s_of_%s" % (os.environ["RANK"],
                     os.environ["WORLD_SIZE"]))
+bdata = os.fsencode(data)
 seen = {"args": sys.argv[1:], "env": [os.environ["V%d" % i] for i in range(%d)],
-        "data": sorted(os.path.relpath(os.path.join(d, f), data)
-                       for d, _, fs in os.walk(data) for f in fs)}
+        "data": sorted(os.path.relpath(os.path.join(d, f), bdata).hex()
+                       for d, _, fs in os.walk(bdata) for f in fs)}
 with open(os.path.join(out, "seen-%s.json" % os.environ["RANK"]), "w") as f:
     json.dump(seen, f)
-with open(os.path.join(out, "back\\\\slash.txt"), "w") as f:
-    f.write("kept")
+for name in NAMES:
+    with open(os.path.join(os.fsencode(out), bytes.fromhex(name)), "w") as f:
+        f.write("kept")
 """.replace("%d)", f"{len(VALUES)})")
+# names any POSIX file system takes (every byte but "/" and NUL), as bytes
+NAMES = [b"back\\slash", b"line\nbreak", b"tab\there", b"\x1b[31mred", b"not-utf8-\xff\xfe",
+         b"q'uote\"s", b" leading space", b"-leading-dash", b"*star?[x]", b"e\xcc\x81-nfd",
+         b"x" * 251 + b".jpg"]
+JOB = JOB.replace("NAMES:", repr([n.hex() for n in NAMES]) + ":")
+
+
+def image(name: bytes) -> bytes:
+    """The name as split-data takes it: an image's extension."""
+    return name if name.endswith(b".jpg") else name + b".jpg"
 
 
 def test_args_env_and_names_reach_the_rank_exactly(sshd_cluster: SshdCluster, tmp_path: Path,
@@ -43,7 +58,8 @@ def test_args_env_and_names_reach_the_rank_exactly(sshd_cluster: SshdCluster, tm
     src = tmp_path / "src" / "cls"
     src.mkdir(parents=True)
     (src / "plain.jpg").write_bytes(b"a")
-    (src / "back\\slash.jpg").write_bytes(b"b")
+    for name in NAMES:
+        Path(os.fsdecode(os.path.join(os.fsencode(src), image(name)))).write_bytes(name)
     inv = sshd_cluster.write_inventory(
         tmp_path / "cluster.yaml", hosts=[host], name="hostile", args=VALUES,
         env={f"V{i}": v for i, v in enumerate(VALUES)},
@@ -57,7 +73,10 @@ def test_args_env_and_names_reach_the_rank_exactly(sshd_cluster: SshdCluster, tm
     assert up.returncode == 0, up.stdout + up.stderr
     seen = json.loads((host.remote_dir / "hostile" / "output" / "seen-0.json").read_text())
     assert seen["args"] == VALUES and seen["env"] == VALUES
-    assert seen["data"] == ["cls/back\\slash.jpg", "cls/plain.jpg"]
-    pulled = tmp_path / "outputs" / "hostile"
-    assert (pulled / "back\\slash.txt").read_text() == "kept", sorted(pulled.rglob("*"))
+    assert sorted(bytes.fromhex(h) for h in seen["data"]) == sorted(
+        [b"cls/plain.jpg"] + [b"cls/" + image(n) for n in NAMES])
+    pulled = os.fsencode(tmp_path / "outputs" / "hostile")
+    for name in NAMES:
+        with open(os.path.join(pulled, name)) as f:
+            assert f.read() == "kept", sorted(os.listdir(pulled))
     assert_nothing_left([host], "hostile")

@@ -359,3 +359,14 @@ def test_a_tampered_ledger_entry_is_dropped(tmp_path: Path) -> None:
     assert ledger.files == {}
     assert manifest(JobDir(str(job)), "code")["files"] == {}
     assert (tmp_path / "outside.txt").read_text() == "x"
+
+
+def test_a_file_is_written_beside_under_a_name_that_fits() -> None:
+    """A 255-byte name cannot take the `.orch-part-<pid>` suffix: its half-written file
+    gets a short name of its own, still one every sweep finds (and distinct per name)."""
+    from orchestrator.agent.paths import PART, part_name
+    assert part_name("a.txt") == f"a.txt{PART}{os.getpid()}"
+    long = "x" * 251 + ".jpg"
+    tmp, other = part_name(long), part_name("y" * 255)
+    assert len(os.fsencode(tmp)) <= 255 and PART in tmp and tmp != other
+    assert part_name("\udcff" * 255).startswith(PART)   # bytes count, not characters

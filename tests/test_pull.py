@@ -46,14 +46,20 @@ def entry(data: bytes) -> list:
 # ---------------------------------------------------------------- names from the host
 
 HOSTILE = ["/etc/passwd", "../escape", "a/../../escape", "a/./b", "a//b", "", "a\0b",
-           "a\nb", "a\x1bb", "x" * 300, "/".join(["d"] * 600),
-           "a.orch-part-12", "bad\udcff"]
+           "x" * 300, "/".join(["d"] * 600), "a.orch-part-12", "bad\ud800"]
+# names a POSIX file system holds: pulled as they are (shown escaped)
+ODD = ["a\nb", "a\x1bb", "bad\udcff", "back\\slash", " lead", "-dash", "x" * 255]
 
 
 @pytest.mark.parametrize("name", HOSTILE)
 def test_a_hostile_name_in_the_manifest_is_refused(name: str) -> None:
     with pytest.raises(HostError, match="pull manifest is refused"):
         check_manifest("h", {"ok.txt": entry(b"x"), name: entry(b"y")})
+
+
+@pytest.mark.parametrize("name", ODD)
+def test_any_name_a_file_system_holds_is_taken(name: str) -> None:
+    check_manifest("h", {"ok.txt": entry(b"x"), name: entry(b"y")})
 
 
 @pytest.mark.parametrize("value", [[-1, sha(b"")], [protocol.MAX_PULL_SIZE + 1, sha(b"")],
@@ -74,7 +80,7 @@ def test_a_file_that_is_also_a_folder_and_too_many_files_are_refused(monkeypatch
 def test_user_paths_are_relative_to_output() -> None:
     assert check_paths(["ckpt/", "./metrics.csv", "ckpt"]) == ["ckpt", "metrics.csv"]
     assert check_paths(["."]) == []
-    for bad in ("/etc", "../x", "a/../../b", "a\nb"):
+    for bad in ("/etc", "../x", "a/../../b", "a\0b"):
         with pytest.raises(UsageError, match="cannot pull"):
             check_paths([bad])
 
@@ -209,7 +215,8 @@ def make_output(job: Path) -> None:
     (out / "escape").symlink_to("/etc/passwd")
     (out / "ckpt" / "linked").symlink_to(out / "ckpt")
     os.mkfifo(out / "pipe")
-    (out / "new\nline").write_text("x")
+    (out / "new\nline").write_text("x")          # any name a file system holds is pulled
+    (out / "not-utf8-\udcff").write_text("y")
 
 
 def test_the_host_lists_regular_files_only_and_caches_digests(tmp_path: Path) -> None:
@@ -217,11 +224,12 @@ def test_the_host_lists_regular_files_only_and_caches_digests(tmp_path: Path) ->
     req = FakeReq(job_dir=str(tmp_path / "job"), paths=[])
     reply = host_pull.run_manifest(req)
     files = {k: v for kind, body in req.parts for k, v in body["files"].items()}
-    assert files == {"metrics.csv": entry(b"epoch\n1\n"), "ckpt/w.bin": entry(b"w" * 3000)}
-    assert (reply["files"], reply["bytes"], reply["skipped_count"]) == (2, 3008, 4)
+    assert files == {"metrics.csv": entry(b"epoch\n1\n"), "ckpt/w.bin": entry(b"w" * 3000),
+                     "new\nline": entry(b"x"), "not-utf8-\udcff": entry(b"y")}
+    assert (reply["files"], reply["bytes"], reply["skipped_count"]) == (4, 3010, 3)
     whys = {n["p"]: n["why"] for n in reply["skipped"]}
     assert "symbolic link" in whys["escape"] and "symbolic link" in whys["ckpt/linked"]
-    assert whys["pipe"] == "not a regular file" and "control character" in whys["new\nline"]
+    assert whys["pipe"] == "not a regular file"
     assert (tmp_path / "job/run/output-digests.json").exists()
     one = host_pull.run_manifest(FakeReq(job_dir=str(tmp_path / "job"), paths=["ckpt/w.bin"]))
     assert one["files"] == 1
@@ -281,13 +289,15 @@ def test_pull_over_a_link_then_nothing_then_the_change(tmp_path: Path) -> None:
     with session(tmp_path, agent_handlers()) as s:
         host = s.cluster.hosts[0]
         first = s.pull(host, [], dest)
-        assert (first.files, first.unchanged, first.skipped_count) == (3, 0, 4)
+        assert (first.files, first.unchanged, first.skipped_count) == (5, 0, 3)
         assert (dest / "big.bin").read_bytes() == (job / "output" / "big.bin").read_bytes()
+        assert os.fsencode("not-utf8-\udcff") in os.listdir(os.fsencode(dest))
+        assert (dest / "new\nline").read_text() == "x"
         again = s.pull(host, [], dest)
-        assert (again.files, again.unchanged) == (0, 3)
+        assert (again.files, again.unchanged) == (0, 5)
         (job / "output" / "metrics.csv").write_text("epoch\n1\n2\n")
         third = s.pull(host, [], dest)
-        assert (third.files, third.unchanged) == (1, 2)
+        assert (third.files, third.unchanged) == (1, 4)
     assert (dest / "metrics.csv").read_text() == "epoch\n1\n2\n"
     assert not list(dest.rglob("*.orch-part-*"))
 
@@ -315,10 +325,10 @@ def test_a_file_changed_on_the_host_while_sent_is_dropped_then_pulled_next_time(
         assert cut == [3 << 20]
         assert {"p": "big.bin", "why": "changed on the host while it was sent; pull again"} \
             in first.skipped, first.skipped
-        assert first.files == 2 and not first.failed, first
+        assert first.files == 4 and not first.failed, first
         assert not (dest / "big.bin").exists() and not list(dest.rglob("*.orch-part-*"))
         again = s.pull(host, [], dest)
-        assert (again.files, again.unchanged) == (1, 2), again
+        assert (again.files, again.unchanged) == (1, 4), again
     assert (dest / "big.bin").read_bytes() == big.read_bytes() and len(big.read_bytes()) == 1 << 20
 
 

@@ -15,7 +15,16 @@ import time
 from orchestrator.agent.common import AgentError, folder_of
 from orchestrator.agent.common import StreamIdle as StreamIdle  # (raised here; tests name it here)
 from orchestrator.agent.ledger import Ledger
-from orchestrator.agent.paths import PART, Dirs, JobDir, create_excl, lstat_at, not_a, split_parent
+from orchestrator.agent.paths import (
+    PART,
+    Dirs,
+    JobDir,
+    create_excl,
+    lstat_at,
+    not_a,
+    part_name,
+    split_parent,
+)
 from orchestrator.wire import protocol, timeouts
 
 MYPY = False
@@ -164,7 +173,7 @@ def receive_file(reader: Reader, dirs: Dirs, base: str, head: dict[str, Any],
     staging folder no one reads) is written under its name. Returns (stat, digest)."""
     parent, name = split_parent(base + "/" + head["p"])
     pfd = dirs.fd(parent)
-    tmp = name if staged else "%s%s%d" % (name, PART, os.getpid())
+    tmp = name if staged else part_name(name)
     h, mode = hashlib.sha256(), head["m"] & 0o777
     if head["s"] < 0:
         raise ValueError("bad size %r for %s" % (head["s"], head["p"]))

@@ -14,6 +14,7 @@ Stdlib only, Python 3.8 (the agent's bundle carries it, see bundle.py).
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import shlex
 import stat
@@ -28,7 +29,7 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
 EXCL_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-PART = ".orch-part-"          # a file being written beside its final name
+PART = ".orch-part-"          # a file being written beside its final name (part_name)
 ORCH_FOLDERS = ("code", "data", "logs", "run", "output")
 # This host's part of the job folder: run/<HOST_PART>/ holds its lock, records and state, so
 # that hosts sharing one job folder (NFS, a bind mount) never take each other's. Set from
@@ -38,6 +39,17 @@ PART_PREFIX = "host-"
 # run/ entries of the filesystem, not of one host: what orch pushed into code/ and data/
 # (their ledgers and receive locks) and a setup run once per filesystem
 SHARED_RUN = ("code-", "data-", "shared-", PART_PREFIX)
+
+
+def part_name(name: str) -> str:
+    """Where a file is written before it is renamed over `name`, in the same folder:
+    `<name>.orch-part-<pid>`, which every sweep finds. A name too long to take that
+    suffix (a file system allows 255 bytes) gets a short one of its own, found the same
+    way: `.orch-part-<pid>-<digest of the name>`."""
+    tmp = "%s%s%d" % (name, PART, os.getpid())
+    if len(os.fsencode(tmp)) <= 255:
+        return tmp
+    return "%s%d-%s" % (PART, os.getpid(), hashlib.sha256(os.fsencode(name)).hexdigest()[:16])
 OWN_FILES_IN = ("logs", "run")  # folders that hold orch's files only: no link belongs there
 
 
@@ -308,7 +320,7 @@ class JobDir:
             st = lstat_at(pfd, name)
             if st is not None and stat.S_ISLNK(st.st_mode):
                 raise link_refused(self.show(rel))
-            tmp = "%s%s%d" % (name, PART, os.getpid())
+            tmp = part_name(name)
             fd = create_excl(pfd, tmp, mode)
             try:
                 write_all(fd, data)
@@ -327,7 +339,7 @@ class JobDir:
         rel = self.map(rel)
         parent, name = split_parent(rel)
         with self.dirfd(parent, create=True, mapped=True) as pfd:
-            tmp = "%s%s%d" % (name, PART, os.getpid())
+            tmp = part_name(name)
             fd = create_excl(pfd, tmp, 0o644)
             try:
                 write_all(fd, data)
@@ -447,7 +459,7 @@ class JobDir:
         check_link_target(rel, target)
         parent, name = split_parent(rel)
         with self.dirfd(parent, create=True, mapped=True) as pfd:
-            tmp = "%s%s%d" % (name, PART, os.getpid())
+            tmp = part_name(name)
             if lstat_at(pfd, tmp) is not None:
                 os.unlink(tmp, dir_fd=pfd)
             os.symlink(target, tmp, dir_fd=pfd)

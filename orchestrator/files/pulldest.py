@@ -20,7 +20,15 @@ import stat
 from pathlib import Path
 
 from orchestrator.agent.ledger import sha256_fd
-from orchestrator.agent.paths import DIR_FLAGS, PART, READ_FLAGS, create_excl, lstat_at, sweep_fd
+from orchestrator.agent.paths import (
+    DIR_FLAGS,
+    PART,
+    READ_FLAGS,
+    create_excl,
+    lstat_at,
+    part_name,
+    sweep_fd,
+)
 from orchestrator.errors import UsageError
 from orchestrator.wire import protocol
 
@@ -141,7 +149,7 @@ class Dest:
             raise Refused(f"{rel[:200]!r}: {why}")
         parent, _, name = rel.rpartition("/")
         pfd = self.folder(parent, create=True)
-        tmp = f"{name}{PART}{os.getpid()}"
+        tmp = part_name(name)
         return Writing(self, rel, pfd, name, tmp, create_excl(pfd, tmp, mode & 0o777))
 
 

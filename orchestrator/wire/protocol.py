@@ -421,23 +421,25 @@ STREAM: dict[str, dict[str, Any]] = {"file": {"p": str, "s": int, "h": str, "m":
 def pull_path_problem(rel: Any) -> str:
     """Why `rel` cannot be a pulled file's path (relative to output/), or "" when it can.
     Both sides ask: the host skips such a file, the controller refuses a host that sends
-    one. Plain relative UTF-8 names only: no absolute path, no empty, . or .. part, no
-    control character, no name orch gives its half-written files (a backslash is an
-    ordinary character of a POSIX name, and is kept)."""
+    one. Any name a POSIX file system holds is pulled, byte for byte: a line break, an
+    escape, a backslash or bytes that are not UTF-8 (they travel as the surrogates
+    os.fsdecode makes, escaped in JSON, and are shown escaped). Refused: an absolute path,
+    an empty, . or .. part, a NUL, a name over 255 bytes, and the names orch gives its
+    half-written files."""
     if not isinstance(rel, str) or not rel:
         return "an empty path"
     try:
-        size = len(rel.encode("utf-8"))
-    except UnicodeEncodeError:
-        return "a name that is not UTF-8"
-    parts = rel.split("/")
-    if size > MAX_PULL_PATH or any(len(p.encode("utf-8")) > 255 for p in parts):
+        raw = rel.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:   # a surrogate that no byte decodes to
+        return "a name no file system holds"
+    parts = raw.split(b"/")
+    if len(raw) > MAX_PULL_PATH or any(len(p) > 255 for p in parts):
         return "a path longer than %d bytes (or a name longer than 255)" % MAX_PULL_PATH
-    if any(ord(c) < 32 or ord(c) == 127 for c in rel):
-        return "a control character in the name"
-    if any(p in ("", ".", "..") for p in parts):
+    if b"\0" in raw:
+        return "a NUL in the name"
+    if any(p in (b"", b".", b"..") for p in parts):
         return "not a plain relative path"
-    if ".orch-part-" in rel:
+    if b".orch-part-" in raw:   # agent/paths.PART (wire/ imports no agent module)
         return "a name orch gives its half-written files"
     return ""
 
