@@ -60,8 +60,14 @@ def test_args_env_and_names_reach_the_rank_exactly(sshd_cluster: SshdCluster, tm
     (src / "plain.jpg").write_bytes(b"a")
     for name in NAMES:
         Path(os.fsdecode(os.path.join(os.fsencode(src), image(name)))).write_bytes(name)
+    lib = os.path.join(os.fsencode(tmp_path), b"lib")
+    os.mkdir(lib)
+    for name in NAMES:   # code/ too: pushed once, under its own name
+        with open(os.path.join(lib, name), "wb") as f:
+            f.write(name)
     inv = sshd_cluster.write_inventory(
         tmp_path / "cluster.yaml", hosts=[host], name="hostile", args=VALUES,
+        code_paths=("job.py", "lib"),
         env={f"V{i}": v for i, v in enumerate(VALUES)},
         top={"data": {"source": "src", "shards": "shards"}})
     jobs.add(inv, [host], "hostile")
@@ -75,6 +81,11 @@ def test_args_env_and_names_reach_the_rank_exactly(sshd_cluster: SshdCluster, tm
     assert seen["args"] == VALUES and seen["env"] == VALUES
     assert sorted(bytes.fromhex(h) for h in seen["data"]) == sorted(
         [b"cls/plain.jpg"] + [b"cls/" + image(n) for n in NAMES])
+    code = os.fsencode(host.remote_dir / "hostile" / "code" / "lib")
+    assert sorted(os.listdir(code)) == sorted(NAMES)
+    for name in NAMES:
+        with open(os.path.join(code, name), "rb") as f:
+            assert f.read() == name
     pulled = os.fsencode(tmp_path / "outputs" / "hostile")
     for name in NAMES:
         with open(os.path.join(pulled, name)) as f:
