@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -438,3 +438,17 @@ class SshdCluster:
 def ssh_cmd(cluster: SshdCluster) -> list[str]:
     """OpenSSH client argv prefix for this cluster: `ssh_cmd(c) + [addr, "true"]`."""
     return ["ssh", "-F", str(cluster.ssh_config)]
+
+
+@contextlib.contextmanager
+def own_cluster(root: Path, hosts: int, first_octet: int) -> Iterator[SshdCluster]:
+    """A module's own cluster of `hosts` sshd on 127.0.0.<first_octet>..., apart from the
+    session's (a test may kill one of its hosts); proven gone at the end."""
+    port = free_port([f"127.0.0.{first_octet + i}" for i in range(hosts)])
+    cluster = SshdCluster(root, hosts, port=port, first_octet=first_octet).start()
+    try:
+        yield cluster
+    finally:
+        pids = [h.pid for h in cluster.all_hosts()]
+        cluster.stop()
+    assert not [p for p in pids if pid_alive(p)], f"an sshd of the {hosts}-host cluster survived"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import Jobs, assert_nothing_left, orch, wait_until, write_job
-from sshd_cluster import SshdCluster, free_port, pid_alive, pids_with_env
+from sshd_cluster import SshdCluster, own_cluster, pid_alive, pids_with_env
 
 pytestmark = pytest.mark.ssh
 
@@ -39,13 +39,8 @@ if mode == "sleep":
 @pytest.fixture(scope="module")
 def cluster3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
     """3 sshd hosts of this module's own: a test may kill one (a lost host)."""
-    port = free_port([f"127.0.0.{FIRST_OCTET + i}" for i in range(3)])
-    cluster = SshdCluster(tmp_path_factory.mktemp("sshd3"), 3, port=port,
-                          first_octet=FIRST_OCTET).start()
-    yield cluster
-    pids = [h.pid for h in cluster.all_hosts()]
-    cluster.stop()
-    assert not [p for p in pids if pid_alive(p)], "an sshd of the 3-host cluster survived"
+    with own_cluster(tmp_path_factory.mktemp("sshd3"), 3, FIRST_OCTET) as cluster:
+        yield cluster
 
 
 def inventory(cluster: SshdCluster, tmp: Path, name: str, mode: str, *, spare: bool = False,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import Jobs, assert_nothing_left, wait_until, write_job
-from sshd_cluster import SshdCluster, free_port, pid_alive
+from sshd_cluster import SshdCluster, own_cluster
 from test_e2e_restarts import kill_host
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
@@ -143,13 +143,8 @@ def kept_epoch(path: Path) -> int:
 @pytest.fixture(scope="module")
 def cluster3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
     """3 sshd hosts of this module's own: the test kills one."""
-    port = free_port([f"127.0.0.{FIRST_OCTET + i}" for i in range(3)])
-    cluster = SshdCluster(tmp_path_factory.mktemp("sshd3"), 3, port=port,
-                          first_octet=FIRST_OCTET).start()
-    yield cluster
-    pids = [h.pid for h in cluster.all_hosts()]
-    cluster.stop()
-    assert not [p for p in pids if pid_alive(p)], "an sshd of the 3-host cluster survived"
+    with own_cluster(tmp_path_factory.mktemp("sshd3"), 3, FIRST_OCTET) as cluster:
+        yield cluster
 
 
 def test_the_tutorials_snapshot_outlives_its_host_and_every_rank_resumes_from_it(

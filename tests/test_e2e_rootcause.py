@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import Jobs, assert_nothing_left, orch, write_job
-from sshd_cluster import SshdCluster, free_port, pid_alive
+from sshd_cluster import SshdCluster, own_cluster, pid_alive
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 HOSTS = 16
@@ -32,13 +32,8 @@ time.sleep(600)
 
 @pytest.fixture(scope="module")
 def big_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
-    port = free_port([f"127.0.0.{FIRST_OCTET + i}" for i in range(HOSTS)])
-    cluster = SshdCluster(tmp_path_factory.mktemp("sshd16"), HOSTS, port=port,
-                          first_octet=FIRST_OCTET).start()
-    yield cluster
-    pids = [h.pid for h in cluster.all_hosts()]
-    cluster.stop()
-    assert not [p for p in pids if pid_alive(p)], "an sshd of the 16-host cluster survived"
+    with own_cluster(tmp_path_factory.mktemp("sshd16"), HOSTS, FIRST_OCTET) as cluster:
+        yield cluster
 
 
 @pytest.fixture
