@@ -364,6 +364,10 @@ def render_verdict(session: Session, mon: Monitor, v: Verdict) -> str:
         lines.append(f"{escape(' and '.join(describe(cluster, f) for f in v.failures))} failed "
                      f"within {spread * 1000:.0f} ms of each other (clock uncertainty "
                      f"{unc * 1000:.0f} ms): either may be the cause")
+    if v.later:   # failed after the cause by the clocks: listed, earliest first
+        more = f" and {len(v.later) - 8} more" if len(v.later) > 8 else ""
+        lines.append("also failed after it: "
+                     + escape(", ".join(describe(cluster, f) for f in v.later[:8])) + more)
     return "\n".join(lines)
 
 
