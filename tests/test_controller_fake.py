@@ -84,3 +84,67 @@ def test_fail_fast_with_failures_on_several_hosts_names_the_earliest(
     assert "stopped the job on every host" in err
     # the error file is asked of the root cause's host alone
     assert [m["ranks"] for m in fake.requests("status")] == [[1]]
+
+
+# ---------------------------------------------------------------- a host lost in each phase
+
+WITH_SETUP = THREE + "setup: {commands: ['pip install -r req.txt']}\n"
+
+
+def lose_while_running(chan: FakeChannel, msg: dict) -> None:
+    """The ranks print their first line, then the host's connection drops."""
+    for r in msg["ranks"]:
+        chan.push(protocol.output(r, b"rank %d up\n" % r))
+    chan.close()
+
+
+@pytest.mark.parametrize("phase, said", [
+    ("connect", "1 of 3 hosts failed preflight: - 127.0.0.2: connection refused"),
+    ("preflight", "1 of 3 hosts failed preflight: - 127.0.0.2: the agent's connection ended"),
+    ("sync", "failed to receive code or data: - 127.0.0.2: the agent's connection ended"),
+    ("setup", "failed setup; nothing was started: - 127.0.0.2: the agent's connection ended"),
+    ("launch", "1 of 3 hosts failed to start: - 127.0.0.2: the agent's connection ended")])
+def test_a_host_lost_before_the_job_runs_starts_nothing_anywhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        phase: str, said: str) -> None:
+    """127.0.0.2 gone in one phase: exit 3 with its name; no host runs anything: no
+    launch before the launch, and at the launch every host that started is stopped."""
+    fake = FakeCluster(lambda label, rank, env: None).install(monkeypatch)
+    lost = HOSTS[1]
+    request = {"preflight": "preflight", "sync": "receive", "setup": "setup",
+               "launch": "launch"}.get(phase)
+    if request is None:
+        fake.down.add(lost)
+    else:
+        fake.on(request, lose, lost)
+    text = WITH_SETUP if phase == "setup" else THREE
+    assert orch("up", "-c", inventory(tmp_path, text), "--no-pull") == EXIT_HOST
+    err = flat(capsys)
+    assert said in err and "Traceback" not in err, err
+    assert "started job" not in err and not fake.requests("follow")
+    others = [h for h in HOSTS if h != lost]
+    if phase == "launch":
+        # the others started, and were stopped at once (grace 0)
+        assert fake.asked("launch") == dict.fromkeys(HOSTS, 1)
+        assert fake.asked("stop") == dict.fromkeys(others, 1), fake.log
+        assert all(m["grace"] == 0 for m in fake.requests("stop"))
+    else:
+        assert not fake.requests("launch") and not fake.requests("stop"), fake.log
+    if phase in ("connect", "preflight"):   # all or nothing: nothing was pushed either
+        assert not fake.requests("receive"), fake.log
+    assert not (tmp_path / ".orch" / "fk" / "state.json").exists()
+
+
+def test_a_host_lost_while_the_job_runs_is_the_root_cause_and_the_others_are_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 1 (the job failed; exit-codes.md: not 3), the lost host named as the cause and
+    as NOT stopped with the `orch stop` that finishes; every other host stopped once."""
+    fake = FakeCluster(lambda label, rank, env: None).install(monkeypatch)
+    lost = HOSTS[1]
+    fake.on("follow", lose_while_running, lost)
+    path = inventory(tmp_path)
+    assert orch("up", "-c", path, "--no-pull") == EXIT_JOB_FAILED
+    err = flat(capsys)
+    assert f"root cause host {lost}: it went silent before any rank failed" in err, err
+    assert f"NOT stopped on {lost}" in err and f"`orch stop -c {path}`" in err, err
+    assert fake.asked("stop") == {HOSTS[0]: 1, HOSTS[2]: 1}, fake.log
