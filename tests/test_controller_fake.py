@@ -98,15 +98,18 @@ def lose_while_running(chan: FakeChannel, msg: dict) -> None:
     chan.close()
 
 
-@pytest.mark.parametrize("phase, said", [
-    ("connect", "1 of 3 hosts failed preflight: - 127.0.0.2: connection refused"),
-    ("preflight", "1 of 3 hosts failed preflight: - 127.0.0.2: the agent's connection ended"),
-    ("sync", "failed to receive code or data: - 127.0.0.2: the agent's connection ended"),
-    ("setup", "failed setup; nothing was started: - 127.0.0.2: the agent's connection ended"),
-    ("launch", "1 of 3 hosts failed to start: - 127.0.0.2: the agent's connection ended")])
+LOST_IN = {   # phase -> what `orch up` says of it
+    "connect": "1 of 3 hosts failed preflight: - 127.0.0.2: connection refused",
+    "preflight": "1 of 3 hosts failed preflight: - 127.0.0.2: the agent's connection ended",
+    "sync": "failed to receive code or data: - 127.0.0.2: the agent's connection ended",
+    "setup": "failed setup; nothing was started: - 127.0.0.2: the agent's connection ended",
+    "launch": "1 of 3 hosts failed to start: - 127.0.0.2: the agent's connection ended"}
+
+
+@pytest.mark.parametrize("phase", list(LOST_IN))
 def test_a_host_lost_before_the_job_runs_starts_nothing_anywhere(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-        phase: str, said: str) -> None:
+        phase: str) -> None:
     """127.0.0.2 gone in one phase: exit 3 with its name; no host runs anything: no
     launch before the launch, and at the launch every host that started is stopped."""
     fake = FakeCluster(lambda label, rank, env: None).install(monkeypatch)
@@ -120,7 +123,7 @@ def test_a_host_lost_before_the_job_runs_starts_nothing_anywhere(
     text = WITH_SETUP if phase == "setup" else THREE
     assert orch("up", "-c", inventory(tmp_path, text), "--no-pull") == EXIT_HOST
     err = flat(capsys)
-    assert said in err and "Traceback" not in err, err
+    assert LOST_IN[phase] in err and "Traceback" not in err, err
     assert "started job" not in err and not fake.requests("follow")
     others = [h for h in HOSTS if h != lost]
     if phase == "launch":
@@ -148,3 +151,59 @@ def test_a_host_lost_while_the_job_runs_is_the_root_cause_and_the_others_are_sto
     assert f"root cause host {lost}: it went silent before any rank failed" in err, err
     assert f"NOT stopped on {lost}" in err and f"`orch stop -c {path}`" in err, err
     assert fake.asked("stop") == {HOSTS[0]: 1, HOSTS[2]: 1}, fake.log
+
+
+# ---------------------------------------------------------------- Ctrl-C during the launch
+
+
+@contextlib.contextmanager
+def sigint_raises() -> Iterator[None]:
+    """Ctrl-C as in a terminal (a test runner's worker may ignore SIGINT)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_the_launch_stops_every_host_that_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while 127.0.0.3's launch has no reply yet (test_interrupt_units covers an
+    attached job's first and second Ctrl-C): exit 130, and every host is sent a kill
+    (grace 0): the two that started, and the one whose start may still land."""
+    fake = FakeCluster(lambda label, rank, env: None).install(monkeypatch)
+
+    def press(chan: FakeChannel, msg: dict) -> None:
+        os.kill(os.getpid(), signal.SIGINT)   # its reply never comes
+    fake.on("launch", press, HOSTS[2])
+    with sigint_raises():
+        assert orch("up", "-c", inventory(tmp_path), "--no-pull") == EXIT_INTERRUPTED
+    err = flat(capsys)
+    assert "orch: interrupted" in err and "started job" not in err, err
+    assert fake.asked("stop") == dict.fromkeys(HOSTS, 1), fake.log
+    assert all(m["grace"] == 0 for m in fake.requests("stop"))
+    assert not fake.requests("follow") and not fake.requests("pull_manifest")
+
+
+# ---------------------------------------------------------------- orch stop, one host silent
+
+
+@pytest.mark.parametrize("fault", [ignore, lose], ids=["no-answer", "lost-mid-stop"])
+def test_a_stop_one_host_does_not_answer_stops_the_others_and_exits_3(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        fault) -> None:
+    """127.0.0.2 takes the stop and never answers (its wait is grace + STOP_EXTRA), or
+    drops its connection: the two others are stopped and said so; exit 3 with its ranks
+    named as NOT stopped, and the `orch stop` that finishes."""
+    monkeypatch.setattr(timeouts, "STOP_EXTRA", 0.3)
+    fake = FakeCluster().install(monkeypatch)
+    fake.on("stop", fault, HOSTS[1])
+    path = inventory(tmp_path)
+    assert orch("stop", "-c", path, "--grace", "0") == EXIT_HOST
+    err = flat(capsys)
+    assert fake.asked("stop") == dict.fromkeys(HOSTS, 1), fake.log
+    for label in (HOSTS[0], HOSTS[2]):
+        assert f"{label}: stopped 2 processes; verified none left" in err, err
+    assert "1 of 3 hosts failed to stop: - 127.0.0.2: " in err, err
+    assert "ranks 2-3 on 127.0.0.2 are NOT stopped and may still be running" in err, err
+    assert f"`orch stop -c {path}` again finishes the stop" in err, err
