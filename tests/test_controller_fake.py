@@ -207,3 +207,120 @@ def test_a_stop_one_host_does_not_answer_stops_the_others_and_exits_3(
     assert "1 of 3 hosts failed to stop: - 127.0.0.2: " in err, err
     assert "ranks 2-3 on 127.0.0.2 are NOT stopped and may still be running" in err, err
     assert f"`orch stop -c {path}` again finishes the stop" in err, err
+
+
+# ---------------------------------------------------------------- restarts
+
+SPARE = THREE.replace("code: ", "  - {address: 127.0.0.9, connection: local, remote_dir: /r9, "
+                               "spare: true}\ncode: ")
+
+
+@pytest.fixture
+def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(healing, "backoff", lambda attempt: 0.0)
+
+
+def lost_for_good(fake: FakeCluster, label: str) -> None:
+    """`label` is lost while the job runs and cannot be reached again."""
+    def gone(chan: FakeChannel, msg: dict) -> None:
+        fake.down.add(label)
+        lose_while_running(chan, msg)
+    fake.on("follow", gone, label)
+
+
+def attempts(fake: FakeCluster) -> list[dict[str, tuple[str, list[int]]]]:
+    """Per attempt (ORCH_RESTART_COUNT), each launched host's label -> ranks."""
+    out: dict[int, dict[str, list[int]]] = {}
+    for label, t, msg in list(fake.log):
+        if t == "launch":
+            env = msg["spec"]["env"]
+            out.setdefault(int(env["ORCH_RESTART_COUNT"]), {})[label] = msg["spec"]["ranks"]
+    return [out[k] for k in sorted(out)]
+
+
+def test_a_failed_rank_restarts_the_whole_job_with_the_count(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        no_backoff: None) -> None:
+    """Rank 3 fails in the first attempt only: every host is stopped once, then the whole
+    job starts again on the same hosts with ORCH_RESTART_COUNT=1, and succeeds."""
+    fake = FakeCluster(lambda label, rank, env: (
+        3 if rank == 3 and env["ORCH_RESTART_COUNT"] == "0" else
+        None if env["ORCH_RESTART_COUNT"] == "0" else 0)).install(monkeypatch)
+    assert orch("up", "-c", inventory(tmp_path), "--restarts", "2", "--no-pull") == EXIT_OK
+    err = flat(capsys)
+    whole = {h: [2 * i, 2 * i + 1] for i, h in enumerate(HOSTS)}
+    assert attempts(fake) == [whole, whole], fake.log
+    assert fake.asked("stop") == dict.fromkeys(HOSTS, 1)
+    assert "restart 1 of 2 in 0 s after: rank 3 on 127.0.0.2 failed (exit code 3)" in err, err
+    assert "attempt 2 of 3 (ORCH_RESTART_COUNT=1)" in err and "finished: all 6 ranks" in err
+
+
+def test_a_lost_host_is_replaced_by_the_spare_which_takes_its_ranks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        no_backoff: None) -> None:
+    """127.0.0.2 is lost while the first attempt runs: the restart runs on 127.0.0.1,
+    the spare (ranks 2-3, node rank 1) and 127.0.0.3. The lost host cannot be reached
+    again (the restart's check that the last run's hosts run nothing does not hold it
+    up), and was asked nothing after it was lost."""
+    fake = FakeCluster(lambda label, rank, env: (
+        None if env["ORCH_RESTART_COUNT"] == "0" else 0)).install(monkeypatch)
+    lost_for_good(fake, HOSTS[1])
+    assert orch("up", "-c", inventory(tmp_path, SPARE), "--restarts", "1", "--no-pull") == EXIT_OK
+    err = flat(capsys)
+    first, second = attempts(fake)
+    assert first == {HOSTS[0]: [0, 1], HOSTS[1]: [2, 3], HOSTS[2]: [4, 5]}
+    assert second == {HOSTS[0]: [0, 1], "127.0.0.9": [2, 3], HOSTS[2]: [4, 5]}
+    spare_launch = fake.requests("launch", "127.0.0.9")[0]["spec"]["argv"]
+    assert "--node-rank" in spare_launch and spare_launch[spare_launch.index("--node-rank") + 1] == "1"
+    lost_at = max(i for i, (label, _, _) in enumerate(fake.log) if label == HOSTS[1])
+    assert fake.log[lost_at][1] == "follow", fake.log   # nothing after it was lost
+    assert "restart 1 of 1 in 0 s after: host 127.0.0.2 went silent; hosts: 127.0.0.1, " \
+           "127.0.0.9, 127.0.0.3" in err, err
+
+
+def test_without_a_spare_min_hosts_lets_the_run_go_on_with_fewer_hosts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        no_backoff: None) -> None:
+    """No spare, job.min_hosts 2: the lost host is dropped, the world size shrinks to 4
+    and the hosts are numbered again (127.0.0.3 is node rank 1 with ranks 2-3)."""
+    text = THREE.replace("job: {entrypoint: job.py}", "job: {entrypoint: job.py, min_hosts: 2}")
+    fake = FakeCluster(lambda label, rank, env: (
+        None if env["ORCH_RESTART_COUNT"] == "0" else 0)).install(monkeypatch)
+    lost_for_good(fake, HOSTS[1])
+    assert orch("up", "-c", inventory(tmp_path, text), "--restarts", "1", "--no-pull") == EXIT_OK
+    err = flat(capsys)
+    assert attempts(fake)[1] == {HOSTS[0]: [0, 1], HOSTS[2]: [2, 3]}, fake.log
+    argv = fake.requests("launch", HOSTS[2])[-1]["spec"]["argv"]
+    assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--node-rank") + 1] == "1"
+    assert "finished: all 4 ranks exited 0" in err, err
+
+
+def test_a_host_failing_twice_is_left_out_and_the_spare_takes_its_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        no_backoff: None) -> None:
+    """Rank 4 on 127.0.0.3 fails in attempts 1 and 2: the first strike keeps the host, the
+    second leaves it out; the third attempt runs on the spare and succeeds."""
+    def ranks(label: str, rank: int, env: dict) -> int | None:
+        if env["ORCH_RESTART_COUNT"] == "2":
+            return 0
+        return 1 if rank == 4 else None
+    fake = FakeCluster(ranks).install(monkeypatch)
+    assert orch("up", "-c", inventory(tmp_path, SPARE), "--restarts", "3", "--no-pull") == EXIT_OK
+    runs = attempts(fake)
+    assert [sorted(a) for a in runs] == [sorted(HOSTS), sorted(HOSTS),
+                                         sorted([HOSTS[0], HOSTS[1], "127.0.0.9"])], runs
+    assert runs[2]["127.0.0.9"] == [4, 5]
+    err = flat(capsys)
+    assert err.count("after: rank 4 on 127.0.0.3 failed (exit code 1)") == 2, err
+
+
+def test_no_restart_left_ends_with_the_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        no_backoff: None) -> None:
+    """Rank 0 fails in every attempt: one restart, then exit 1 with the reason."""
+    fake = FakeCluster(lambda label, rank, env: 2 if rank == 0 else None).install(monkeypatch)
+    assert orch("up", "-c", inventory(tmp_path), "--restarts", "1",
+                "--no-pull") == EXIT_JOB_FAILED
+    err = flat(capsys)
+    assert len(attempts(fake)) == 2 and "no restart left (1 made)" in err, err
+    assert fake.asked("stop") == dict.fromkeys(HOSTS, 2)
