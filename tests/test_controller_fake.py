@@ -278,6 +278,32 @@ def test_a_lost_host_is_replaced_by_the_spare_which_takes_its_ranks(
            "127.0.0.9, 127.0.0.3" in err, err
 
 
+def test_a_host_unreachable_at_the_restarts_preflight_is_replaced_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        no_backoff: None) -> None:
+    """Rank 4 fails; by the restart 127.0.0.2 refuses connections: that preflight fails,
+    which counts as the host lost (not the run's end); the next attempt has the spare."""
+    fake = FakeCluster()
+
+    def ranks(label: str, rank: int, env: dict) -> int | None:
+        if env["ORCH_RESTART_COUNT"] != "0":
+            return 0
+        if rank == 4:
+            fake.down.add(HOSTS[1])
+            return 1
+        return None
+    fake.ranks = ranks
+    fake.install(monkeypatch)
+    assert orch("up", "-c", inventory(tmp_path, SPARE), "--restarts", "2", "--no-pull") == EXIT_OK
+    err = flat(capsys)
+    assert "restart 2 of 2 in 0 s after: preflight failed on 127.0.0.2" in err, err
+    runs = attempts(fake)
+    assert len(runs) == 2 and runs[1] == {HOSTS[0]: [0, 1], "127.0.0.9": [2, 3],
+                                          HOSTS[2]: [4, 5]}, runs
+    spare = fake.requests("launch", "127.0.0.9")[0]["spec"]["env"]
+    assert spare["ORCH_RESTART_COUNT"] == "2"   # the attempt that never started counts
+
+
 def test_without_a_spare_min_hosts_lets_the_run_go_on_with_fewer_hosts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         no_backoff: None) -> None:
@@ -324,3 +350,69 @@ def test_no_restart_left_ends_with_the_failure(
     err = flat(capsys)
     assert len(attempts(fake)) == 2 and "no restart left (1 made)" in err, err
     assert fake.asked("stop") == dict.fromkeys(HOSTS, 2)
+
+
+# ---------------------------------------------------------------- GPU claims
+
+GPUS = """name: fk
+hosts:
+  - {address: 127.0.0.1, connection: local, remote_dir: /r1, gpus: all}
+  - {address: 127.0.0.2, connection: local, remote_dir: /r2, gpus: 2}
+code: {paths: [job.py]}
+job: {entrypoint: job.py}
+"""
+
+
+def gpu(index: int, holder: dict | None) -> dict:
+    return {"index": index, "uuid": f"GPU-{index}", "name": "Fake GPU", "util": 0,
+            "mem_used": 0, "mem_total": 80, "holder": holder, "procs": []}
+
+
+def claims(taken: dict[str, list[int]], busy: dict[str, list[dict]] | None = None):
+    """A preflight whose GPU claim takes `taken[label]`, or finds `busy[label]`."""
+    def answer(chan: FakeChannel, msg: dict) -> None:
+        label = chan.host.label
+        if busy and label in busy:
+            extra = {"gpus": len(busy[label]), "gpu_busy": busy[label]}
+        else:
+            extra = {"gpus": 4, "gpu_ids": taken[label],
+                     "gpu_uuids": [f"GPU-{i}" for i in range(4)]}
+        chan.push(protocol.reply(msg["id"], preflight_body(chan, msg, **extra)))
+    return answer
+
+
+def test_busy_gpus_are_refused_with_every_holder_and_nothing_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """127.0.0.2 asks for 2 GPUs; one is another job's, one a process no claim covers:
+    exit 3 naming both holders and the fixes; nothing pushed or started anywhere."""
+    busy = [gpu(0, {"job": "theirs", "user": "bob"}),
+            gpu(1, {"pids": [{"pid": 77, "user": "carol"}]}), gpu(2, None)]
+    fake = FakeCluster().install(monkeypatch)
+    fake.on("preflight", claims({HOSTS[0]: [0, 1]}, {HOSTS[1]: busy}))
+    assert orch("up", "-c", inventory(tmp_path, GPUS), "--no-pull") == EXIT_HOST
+    err = flat(capsys)
+    assert ("127.0.0.2: 2 GPUs asked for, 1 of 3 free: GPU 0 held by job 'theirs' (user bob); "
+            "GPU 1 held by pid 77 (user carol), not an orch job") in err, err
+    assert "--wait" in err and "--exclude 127.0.0.2" in err, err
+    asked = {label: m.get("gpus") for label, t, m in fake.log if t == "preflight"}
+    assert asked == {HOSTS[0]: "all", HOSTS[1]: 2}, asked   # each claim as the inventory says
+    assert not fake.requests("receive") and not fake.requests("launch"), fake.log
+
+
+def test_gpus_all_lays_the_world_out_from_the_claims(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpus: all` on 127.0.0.1 gets GPUs 0, 2 and 3 (GPU 1 is another job's): three ranks
+    there, two on 127.0.0.2 (GPUs 1, 3): world size 5, each host's ranks see only its
+    claimed GPUs (CUDA_VISIBLE_DEVICES in the launch's environment)."""
+    fake = FakeCluster().install(monkeypatch)
+    fake.on("preflight", claims({HOSTS[0]: [0, 2, 3], HOSTS[1]: [1, 3]}))
+    assert orch("up", "-c", inventory(tmp_path, GPUS), "--no-pull") == EXIT_OK
+    err = flat(capsys)
+    specs = {label: m["spec"] for label, t, m in fake.log if t == "launch"}
+    assert specs[HOSTS[0]]["ranks"] == [0, 1, 2] and specs[HOSTS[1]]["ranks"] == [3, 4]
+    assert specs[HOSTS[0]]["env"]["CUDA_VISIBLE_DEVICES"] == "0,2,3"
+    assert specs[HOSTS[1]]["env"]["CUDA_VISIBLE_DEVICES"] == "1,3"
+    argv = specs[HOSTS[1]]["argv"]
+    assert argv[argv.index("--nproc-per-node") + 1] == "2"
+    assert "gpus: claimed for the job's life: 127.0.0.1 GPUs 0,2,3; 127.0.0.2 GPUs 1,3" in err
+    assert "started job 'fk' on 2 hosts (5 ranks" in err and "all 5 ranks exited 0" in err, err
