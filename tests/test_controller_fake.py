@@ -416,3 +416,31 @@ def test_gpus_all_lays_the_world_out_from_the_claims(
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
     assert "gpus: claimed for the job's life: 127.0.0.1 GPUs 0,2,3; 127.0.0.2 GPUs 1,3" in err
     assert "started job 'fk' on 2 hosts (5 ranks" in err and "all 5 ranks exited 0" in err, err
+
+
+def test_up_wait_queues_for_busy_gpus_then_starts_on_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--wait`: 127.0.0.2's GPUs are busy at preflight. Every claim is let go and taken
+    again host after host; 127.0.0.2's first claim is still refused (the holder said),
+    its second takes GPUs 2, 3, which its ranks then see."""
+    busy = [gpu(0, {"job": "theirs", "user": "bob"}), gpu(1, {"job": "theirs", "user": "bob"}),
+            gpu(2, None), gpu(3, None)]
+    fake = FakeCluster().install(monkeypatch)
+    fake.on("preflight", claims({HOSTS[0]: [0, 1, 2, 3]}, {HOSTS[1]: busy[:2]}))
+    tries: list[str] = []
+
+    def claim(chan: FakeChannel, msg: dict) -> None:
+        tries.append(chan.host.label)
+        if chan.host.label == HOSTS[1] and tries.count(HOSTS[1]) == 1:
+            body: dict = {"busy": busy[:2]}
+        else:
+            body = {"ids": [0, 1, 2, 3] if chan.host.label == HOSTS[0] else [2, 3]}
+        chan.push(protocol.reply(msg["id"], body))
+    fake.on("gpu_claim", claim)
+    assert orch("up", "-c", inventory(tmp_path, GPUS), "--wait", "--no-pull") == EXIT_OK
+    err = flat(capsys)
+    assert fake.asked("gpu_release") == dict.fromkeys(HOSTS[:2], 1)
+    assert tries == [HOSTS[0], HOSTS[1], HOSTS[1]], tries   # one order: no deadlock
+    assert "held by job 'theirs' (user bob)" in err, err
+    spec = fake.requests("launch", HOSTS[1])[0]["spec"]
+    assert spec["env"]["CUDA_VISIBLE_DEVICES"] == "2,3" and spec["ranks"] == [4, 5]
