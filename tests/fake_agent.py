@@ -7,6 +7,7 @@ import queue
 import struct
 import threading
 import time
+from functools import partial
 from typing import Any, Callable
 
 from orchestrator.config.inventory import Host
@@ -275,18 +276,19 @@ class FakeCluster:
         plan = {r: self.ranks(chan.host.label, r, env) for r in msg["ranks"]}
         for r in msg["ranks"]:
             chan.push(protocol.output(r, b"rank %d up\n" % r))
-        sent = []
+        timers: list[threading.Timer] = []
         for r, code in plan.items():
             if code is not None:
                 when = self.exit_times.get(r, time.time()) + chan.skew
                 ev = protocol.event("exit", rank=r, code=code, time=when)
-                sent.append(later(self.late[r], lambda ev=ev: chan.push(ev))
-                            if r in self.late else chan.push(ev))
+                if r in self.late:
+                    timers.append(later(self.late[r], partial(chan.push, ev)))
+                else:
+                    chan.push(ev)
 
         def end() -> None:
-            for timer in sent:
-                if timer is not None:
-                    timer.join(30)
+            for timer in timers:   # a host's `done` comes after all its exits
+                timer.join(30)
             running = [r for r, code in plan.items() if code is None]
             if running:
                 chan.stopped.wait(30)

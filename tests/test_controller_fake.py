@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,12 +51,6 @@ def orch(*argv: str) -> int:
 
 def flat(capsys: pytest.CaptureFixture[str]) -> str:
     return " ".join(capsys.readouterr().err.split())
-
-
-def launched(fake: FakeCluster) -> dict[str, list[int]]:
-    """Each host's launched ranks, by label."""
-    return {m["spec"]["env"]["ORCH_JOB_DIR"]: m["spec"]["ranks"]
-            for m in fake.requests("launch")}
 
 
 # ---------------------------------------------------------------- fail-fast
@@ -228,7 +221,7 @@ def lost_for_good(fake: FakeCluster, label: str) -> None:
     fake.on("follow", gone, label)
 
 
-def attempts(fake: FakeCluster) -> list[dict[str, tuple[str, list[int]]]]:
+def attempts(fake: FakeCluster) -> list[dict[str, list[int]]]:
     """Per attempt (ORCH_RESTART_COUNT), each launched host's label -> ranks."""
     out: dict[int, dict[str, list[int]]] = {}
     for label, t, msg in list(fake.log):
