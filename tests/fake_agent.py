@@ -188,6 +188,8 @@ def stop_reply(chan: FakeChannel, msg: dict) -> None:
 
 
 def status_reply(chan: FakeChannel, msg: dict) -> None:
+    """Nothing of the job runs here (no supervisor): its ranks ended; the error file,
+    if asked for, is empty."""
     ranks = [{"rank": r, "state": "exited", "last_line": "", "code": 1} for r in msg["ranks"]]
     chan.push(protocol.reply(msg["id"], {"supervisor": None, "host_exit": None,
                                          "time": time.time() + chan.skew, "ranks": ranks}))
@@ -224,7 +226,8 @@ def ignore(chan: FakeChannel, msg: dict) -> None:
 
 
 class FakeCluster:
-    """Every host an in-process agent, kept by label across the sessions of a command.
+    """Every host an in-process agent, answering by its label in every session a command
+    opens (a restart's attempts, the spares' preflight).
     `ranks(label, rank, env)` says how each launched rank ends: an exit code (at once,
     after its first line) or None (it runs until a stop ends it); `env` is the launch
     spec's, so a test can tell a restart (ORCH_RESTART_COUNT) from the first attempt."""
