@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fake_agent import FakeChannel, FakeCluster, ignore, lose, preflight_body
+from fake_agent import FakeChannel, FakeCluster, Handler, ignore, lose, preflight_body
 from orchestrator import cli
 from orchestrator.api import healing
 from orchestrator.errors import EXIT_HOST, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
@@ -185,7 +185,7 @@ def test_ctrl_c_during_the_launch_stops_every_host_that_started(
 @pytest.mark.parametrize("fault", [ignore, lose], ids=["no-answer", "lost-mid-stop"])
 def test_a_stop_one_host_does_not_answer_stops_the_others_and_exits_3(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-        fault) -> None:
+        fault: Handler) -> None:
     """127.0.0.2 takes the stop and never answers (its wait is grace + STOP_EXTRA), or
     drops its connection: the two others are stopped and said so; exit 3 with its ranks
     named as NOT stopped, and the `orch stop` that finishes."""
@@ -362,7 +362,7 @@ def gpu(index: int, holder: dict | None) -> dict:
             "mem_used": 0, "mem_total": 80, "holder": holder, "procs": []}
 
 
-def claims(taken: dict[str, list[int]], busy: dict[str, list[dict]] | None = None):
+def claims(taken: dict[str, list[int]], busy: dict[str, list[dict]] | None = None) -> Handler:
     """A preflight whose GPU claim takes `taken[label]`, or finds `busy[label]`."""
     def answer(chan: FakeChannel, msg: dict) -> None:
         label = chan.host.label
