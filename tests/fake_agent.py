@@ -236,6 +236,7 @@ class FakeCluster:
         self.ranks: RankPlan = ranks or (lambda label, rank, env: 0)
         self.overrides: dict[str | None, dict[str, Handler]] = {}
         self.down: set[str] = set()          # labels that refuse the connection
+        self.tried: list[str] = []           # every connection asked for, by label
         self.lock = threading.Lock()
         self.log: list[tuple[str, str, dict]] = []   # (label, request, message), in order
         self.exit_times: dict[int, float] = {}   # rank -> our time of its exit (default: now)
@@ -253,6 +254,7 @@ class FakeCluster:
         return {**HEALTHY, "follow": self.follow}.get(t) or DEFAULTS[t]
 
     def connector(self, host: Host) -> FakeTransport:
+        self.tried.append(host.label)
         if host.label in self.down:
             raise HostError(f"{host.label}: connection refused",
                             hint="check that sshd runs there")

@@ -268,6 +268,7 @@ def test_a_lost_host_is_replaced_by_the_spare_which_takes_its_ranks(
     assert "--node-rank" in spare_launch and spare_launch[spare_launch.index("--node-rank") + 1] == "1"
     lost_at = max(i for i, (label, _, _) in enumerate(fake.log) if label == HOSTS[1])
     assert fake.log[lost_at][1] == "follow", fake.log   # nothing after it was lost
+    assert fake.tried.count(HOSTS[1]) == 1, fake.tried   # not even a connection tried
     assert "restart 1 of 1 in 0 s after: host 127.0.0.2 went silent; hosts: 127.0.0.1, " \
            "127.0.0.9, 127.0.0.3" in err, err
 

@@ -161,15 +161,19 @@ def plan(inventory: jobs.Inventory, *, hosts: str | None = None,
 def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str | None = None,
           setup: bool = False, wait: bool = False, progress: UpProgress | None = None,
           attempts: list[dict[str, Any]] | None = None,
-          before_launch: Callable[[Session, PreflightReport], None] | None = None) -> Iterator[Started]:
+          before_launch: Callable[[Session, PreflightReport], None] | None = None,
+          restart: bool = False) -> Iterator[Started]:
     """Every step up to the start on every host; the session closes when the block ends.
     `hosts`, `exclude`, `wait`: as `up`'s (a loaded Cluster may come narrowed already).
     `attempts`: the restarts so far of this run (api/healing.py), kept in its state.
     `before_launch`: called with the session and preflight once every host is ready,
-    just before the start (a restart puts the kept checkpoints back there)."""
+    just before the start (a restart puts the kept checkpoints back there). `restart`: an
+    attempt of a run that started and stopped the last one itself: the hosts it leaves
+    out (lost ones among them, which may not even answer a connect) are not asked."""
     cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     shown = progress or UpProgress()
-    refuse_running_elsewhere(cluster)
+    if not restart:
+        refuse_running_elsewhere(cluster)
     # bad data is refused before any host is touched; with `gpus: all` the world size
     # is known once the GPUs are claimed, and the shards are checked then
     files = prepared_files(cluster, shown) if not counted_at_preflight(cluster) else None

@@ -102,7 +102,7 @@ def attempt(plan: healing.Plan, args: argparse.Namespace, view: launching.UpProg
     cluster = plan.cluster
     keep = bool(cluster.job.checkpoint) and plan.restarts > 0
     with launching.start(cluster, setup=args.setup, wait=args.wait, progress=view,
-                         attempts=plan.attempts,
+                         attempts=plan.attempts, restart=plan.attempt > 0,
                          before_launch=put_back if keep and plan.attempt else None) as got:
         cluster = got.session.cluster
         if plan.attempt:
