@@ -218,6 +218,19 @@ def test_gitignore_not_utf8_is_refused_naming_the_file(tmp_path: Path) -> None:
     assert_refused(orch_up(write_inventory(tmp_path)), tmp_path, ".gitignore:2", "UTF-8")
 
 
+def test_a_pattern_python_warns_about_prints_no_library_warning(tmp_path: Path) -> None:
+    """`[[a]` and `[--z]` make Python's re warn (FutureWarning) from pathspec's and
+    fnmatch's own source lines: a user can do nothing with those. The dry run, which
+    compiles every pattern and walks the code, says nothing but its plan."""
+    job_tree(tmp_path)
+    (tmp_path / ".gitignore").write_text("[[a]x\n")
+    inv = write_inventory(tmp_path, exclude=["[[b]y", "c[--z]"])
+    res = orch(inv.parent, "up", "-c", str(inv), "--dry-run",
+               env=dict(os.environ, ORCH_NO_COLOR="1", PYTHONWARNINGS="default"))
+    assert res.returncode == 0, res.stderr
+    assert "Warning" not in res.stderr and "pattern.py" not in res.stderr, res.stderr
+
+
 def test_gitignore_invalid_pattern_names_file_line_and_pattern(tmp_path: Path) -> None:
     job_tree(tmp_path)
     (tmp_path / ".gitignore").write_text("*.log\n\n# comment\nfoo\\\n")

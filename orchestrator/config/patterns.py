@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import warnings
 
 import pathspec
+
+# Python's re warns (FutureWarning, with pathspec's or fnmatch's source line) about a
+# pattern such as `[[a]` or `[a--b]` whose meaning a future Python may change. Today's
+# meaning is the one gitignore gives it, and the user can do nothing about a library's
+# source line: only these messages are silenced, everywhere orch compiles a pattern.
+warnings.filterwarnings("ignore", category=FutureWarning,
+                        message=r"Possible (nested set|set (difference|union|intersection|"
+                                r"symmetric difference))")
 
 
 def pattern_problem(text: str) -> str | None:
