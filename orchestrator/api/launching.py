@@ -175,6 +175,7 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
     files = prepared_files(cluster, shown) if not counted_at_preflight(cluster) else None
     session = Session(cluster)
     session.attempts = list(attempts or [])
+    session.expected = files
     if wait:
         session.waiting = gpuclaims.Waiting(shown.gpu_wait)
     try:
