@@ -196,6 +196,8 @@ def receive_file(reader: Reader, dirs: Dirs, base: str, head: dict[str, Any],
         raise ValueError("digest mismatch for %s" % head["p"])
     if not staged:
         place(dirs.jd, pfd, tmp, name, base + "/" + head["p"])
+        # the rename moved the file's ctime on (ledger.stat_key has it): recorded as placed
+        st = lstat_at(pfd, name) or st
     return st, h.hexdigest()
 
 

@@ -4,7 +4,7 @@ The job runs with code/ as its working folder, so code/ also holds what the job 
 (checkpoints, __pycache__, lightning_logs/). orch must never delete those: the host
 remembers, per folder, every file and link it received, in
 ``<job>/run/<folder>-pushed.json`` ({"version": 1, "files": {rel: [size, digest, key]}},
-key = size:mtime_ns:inode:device, digest = sha256 or "link:<target>"), written atomically at the
+key = size:mtime_ns:inode:device:ctime_ns, digest = sha256 or "link:<target>"), written atomically at the
 end of each receive. While a receive runs, each file that lands is also appended to
 ``run/<folder>-pushed.journal``, so a receiver killed half way (SIGKILL, a crash) still
 leaves a record of what it placed; the next read merges the journal in.
@@ -41,9 +41,11 @@ VERSION = 1
 
 
 def stat_key(st: os.stat_result) -> str:
-    """size:mtime_ns:inode:device. A ledger of an older orch (no device) matches no file:
-    each is hashed once more and recorded again."""
-    return "%d:%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+    """size:mtime_ns:inode:device:ctime_ns. mtime can be set back by anyone (`touch -d`);
+    ctime cannot, and moves with every write: a file rewritten in place with its size
+    and mtime kept still differs here. A ledger of an older orch (size:mtime:inode)
+    matches no file: each is hashed once more and recorded again."""
+    return "%d:%d:%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
 
 
 def hash_at(pfd: int, name: str, shown: str) -> str:
