@@ -582,11 +582,12 @@ def orch_sync(b: Bench, m: Many, fresh: bool) -> Sample:
                                             "shards": str(m.inventory.parent / "shards")}})
     host0, cpu0, t = host_cpu(b.cluster), time.process_time(), time.perf_counter()
     cluster = load(m.inventory)
-    files = launching.local_files(cluster)
+    listing = launching.Listing(cluster, launching.UpProgress())   # as launching.start
     session = Session(cluster)
-    session.warm, session.expected = False, files
+    session.warm, session.expected = False, listing.get
     try:
-        sent = session.sync(files, session.open_and_preflight())[0]["data"].files
+        pre = session.open_and_preflight()
+        sent = session.sync(listing.get(), pre)[0]["data"].files
     finally:
         session.close()
     seconds = time.perf_counter() - t

@@ -70,7 +70,7 @@ def up_sync(inv: Path, spy: Spy) -> dict[str, Any]:
     files = launching.local_files(cluster)
     session = Session(cluster)
     session.warm = False
-    session.expected = files
+    session.expected = lambda: files
     try:
         pre = session.open_and_preflight()
         return session.sync(files, pre)[0]

@@ -91,9 +91,10 @@ class Session:
         self.waiting: gpuclaims.Waiting | None = None   # `up --wait`: GPUs are queued for
         self.attempts: list[dict[str, Any]] = []   # the run's restarts so far (its state keeps them)
         self.warm = True   # torchrun started warm at preflight (not on a spare: it runs nothing)
-        # what each host's folders will hold, when known before preflight: a folder that
-        # holds exactly that is not listed back (preflight.manifests_of)
-        self.expected: dict[int, HostFiles] | None = None
+        # what each host's folders will hold, when known before preflight (a call that
+        # waits for the local list): a folder that holds exactly that is not listed back
+        # (preflight.manifests_of); a preflight request waits for it
+        self.expected: Callable[[], dict[int, HostFiles]] | None = None
 
     # ------------------------------------------------------------ connections
 
@@ -240,7 +241,7 @@ class Session:
         return self.preflight(checked, early)
 
     def expect(self, h: Host) -> dict[str, list[LocalFile]] | None:
-        mine = self.expected.get(h.index) if self.expected is not None else None
+        mine = self.expected().get(h.index) if self.expected is not None else None
         if mine is None:
             return None
         out = {"code": mine.code}
