@@ -165,7 +165,7 @@ def run(req: Request) -> dict[str, Any]:
     for folder in a["folders"]:
         if folder not in ("code", "data"):
             raise ValueError("unknown folder %r" % folder)
-        files.send_manifest(req, folder, p["jd"], folder)
+        files.send_manifest(req, folder, p["jd"], folder, a.get("expect", {}).get(folder))
     if a["want_port"]:
         port = a["master_port"] or free_port()
         report["port"], report["port_free"] = port, port_free(port)

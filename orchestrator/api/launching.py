@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -174,16 +175,24 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
     shown = progress or UpProgress()
     if not restart:
         refuse_running_elsewhere(cluster)
-    # bad data is refused before any host is touched; with `gpus: all` the world size
-    # is known once the GPUs are claimed, and the shards are checked then
-    files = prepared_files(cluster, shown) if not counted_at_preflight(cluster) else None
+    # the local files are listed (and bad data refused) while the connections open: no
+    # request reaches a host before the list is complete. With `gpus: all` the world
+    # size is known once the GPUs are claimed, and the shards are checked then
+    listing = None if counted_at_preflight(cluster) else Listing(cluster, shown)
     session = Session(cluster)
     session.attempts = list(attempts or [])
+    session.expected = listing.get if listing else None
     if wait:
         session.waiting = gpuclaims.Waiting(shown.gpu_wait)
     try:
         with shown.preflight(len(cluster.hosts)) as checked:
-            pre = session.open_and_preflight(checked=checked)
+            try:
+                pre = session.open_and_preflight(checked=checked)
+            except BaseException:
+                if listing:
+                    listing.get()   # bad data is the cause (exit 2), not the hosts that waited
+                raise
+        files = listing.get() if listing else None
         claimed = session.claimed(pre)
         if files is None or claimed.world_size != cluster.world_size:
             files = prepared_files(claimed, shown)
@@ -198,6 +207,32 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
         yield launch_array(session, pre) if cluster.job.array else launch(session, pre)
     finally:
         session.close()
+
+
+class Listing:
+    """prepared_files() in a thread of its own, begun before the hosts are connected to:
+    at 100,000 files the list takes about as long as opening the connections, which
+    then no longer wait for it. `get` waits and returns it, or raises what it raised."""
+
+    def __init__(self, cluster: Cluster, shown: UpProgress) -> None:
+        self.files: dict[int, HostFiles] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(cluster, shown), daemon=True,
+                                       name="local-files")
+        self.thread.start()
+
+    def _run(self, cluster: Cluster, shown: UpProgress) -> None:
+        try:
+            self.files = prepared_files(cluster, shown)
+        except BaseException as e:  # handed to whoever waits: raised there
+            self.error = e
+
+    def get(self) -> dict[int, HostFiles]:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.files is not None
+        return self.files
 
 
 def prepare_spares(cluster: Cluster) -> dict[str, str]:

@@ -16,6 +16,7 @@ import json
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -46,8 +47,28 @@ def link_file(rel: str, path: str, target: str) -> LocalFile:
     return LocalFile(rel, path, 0, 0o777, "link:" + target, link=target)
 
 
+RACY_NS = 2_000_000_000   # a file changed this recently is hashed again next time (below)
+
+
+def stat_key(st: os.stat_result) -> str:
+    """What must be unchanged for a remembered digest to stand: the file (device, inode),
+    its size, and both clocks. mtime alone can be set back (`touch -d`, `cp -p`, a tool
+    that restores it); ctime cannot be set by a user and moves on every write, chmod or
+    rename, and a new file at the same path has another inode. Stricter than rsync's
+    quick check (size + mtime): a false "changed" costs one hash, a false "unchanged"
+    would leave a host with old bytes."""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def racy(st: os.stat_result) -> bool:
+    """Changed within the clocks' granularity of now: a write in the same tick after
+    the hash would leave every field of the key as it was (git's "racily clean"), so
+    such a file's digest is not remembered."""
+    return max(st.st_mtime_ns, st.st_ctime_ns) >= time.time_ns() - RACY_NS
+
+
 class DigestCache:
-    """sha256 of local files, remembered by (size, mtime, inode) across runs."""
+    """sha256 of local files, remembered by stat_key across runs (a JSON file under .orch/)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -60,27 +81,28 @@ class DigestCache:
         self.dirty = False
 
     def digest(self, path: str, st: os.stat_result) -> str:
-        key = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-        with self.lock:
-            hit = self.entries.get(path)
-        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key and isinstance(hit[1], str):
-            return hit[1]
+        known = self.known(path, st)
+        if known is not None:
+            return known
         digest = sha256_of(path)
-        with self.lock:
-            self.entries[path] = [key, digest]
-            self.dirty = True
+        self.remember(path, st, digest)
         return digest
 
     def known(self, path: str, st: os.stat_result) -> str | None:
-        """The digest remembered for path at this (size, mtime, inode), else None."""
-        with self.lock:
-            hit = self.entries.get(path)
-        key = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-        return hit[1] if isinstance(hit, list) and len(hit) == 2 and hit[0] == key else None
+        """The digest remembered for path at this stat_key, else None."""
+        hit = self.entries.get(path)   # a dict read is atomic: no lock for the common case
+        if isinstance(hit, list) and len(hit) == 2 and hit[0] == stat_key(st) \
+                and isinstance(hit[1], str):
+            return hit[1]
+        return None
 
     def remember(self, path: str, st: os.stat_result, digest: str) -> None:
+        """st: the stat taken before the bytes were read (a change during the read moves
+        the key on, so the next run hashes again)."""
+        if racy(st):
+            return
         with self.lock:
-            self.entries[path] = [f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}", digest]
+            self.entries[path] = [stat_key(st), digest]
             self.dirty = True
 
     def save(self) -> None:
@@ -88,7 +110,7 @@ class DigestCache:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.entries))
+        tmp.write_text(json.dumps(self.entries, separators=(",", ":")))
         os.replace(tmp, self.path)
 
 

@@ -7,6 +7,7 @@ host writes each file beside its final name, checks the digest, then renames.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -57,13 +58,13 @@ def stream_files(send: Callable[[bytes | memoryview], None], files: list[LocalFi
             pending += 1
             continue
         batch += file_head(f)
-        with open(f.path, "rb") as src:
-            if f.size <= BATCH:
-                data = src.read()
-                batch += protocol.frame(protocol.DATA, data) if data else b""
-            else:
-                send(bytes(batch))
-                batch = bytearray()
+        if f.size <= BATCH:
+            data = read_whole(f.path)
+            batch += protocol.frame(protocol.DATA, data) if data else b""
+        else:
+            send(bytes(batch))
+            batch = bytearray()
+            with open(f.path, "rb") as src:
                 for n in iter(lambda: src.readinto(buf), 0):
                     send(protocol.HEADER.pack(protocol.DATA, n))
                     send(view[:n])
@@ -80,6 +81,22 @@ def stream_files(send: Callable[[bytes | memoryview], None], files: list[LocalFi
         send(bytes(batch))
     if progress:
         progress(len(batch), pending)
+
+
+def read_whole(path: str) -> bytes:
+    """A small file's bytes, to its end (a file grown since it was listed sends more than
+    its head says, and the host refuses it): os.read, no buffered file object, which
+    was a third of the controller's time for tiny files."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks: list[bytes] = []
+        while True:
+            chunk = os.read(fd, BATCH)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
 
 
 class Stall:

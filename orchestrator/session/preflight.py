@@ -7,11 +7,12 @@ from typing import Any, Callable
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import HostError, UsageError
+from orchestrator.files.localfiles import LocalFile
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.session import gpuclaims
 from orchestrator.ui.wording import hint_cmd
-from orchestrator.wire import timeouts
+from orchestrator.wire import protocol, timeouts
 
 
 @dataclass(frozen=True)
@@ -66,15 +67,24 @@ def folders(cluster: Cluster) -> list[str]:
     return [f for f, want in (("code", cluster.code.paths), ("data", cluster.data.shards)) if want]
 
 
+Expected = dict[str, list[LocalFile]]   # {"code"|"data": what the push will make the folder hold}
+
+
 def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
-               nonce: str = "") -> tuple[HostInfo, dict[str, Any]]:
+               nonce: str = "", expect: Expected | None = None) -> tuple[HostInfo, dict[str, Any]]:
     """One request: the checks and the folders' manifests (sent as parts). `warm`: the
     ranks' environment: a host whose own checks pass starts torchrun warm at once
     (agent/warm.py), before its reply. `nonce`: the host leaves this preflight's marker
-    in its job folder, or finds another host's there (shared_groups)."""
+    in its job folder, or finds another host's there (shared_groups). `expect`: the
+    files this host's folders will get; a folder that holds exactly them answers with
+    their token instead of its entries (manifests_of)."""
     host = link.host
     sent = time.time()
     extra: dict[str, Any] = {"warm": {"env": warm}} if warm is not None else {}
+    tokens = {f: protocol.manifest_token((x.rel, x.digest) for x in files)
+              for f, files in (expect or {}).items() if f in folders(cluster)}
+    if tokens:
+        extra["expect"] = tokens
     if nonce:
         extra["share"] = {"nonce": nonce, "index": host.index}
     if host.gpu_want is not None:
@@ -86,9 +96,7 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
     r = link.wait(pending, max(timeouts.scaled(timeouts.PREFLIGHT, len(cluster.hosts)),
                                host.ssh.connect_timeout * 3))
     offset = r["time"] - (sent + time.time()) / 2
-    manifests: dict[str, Any] = {f: {} for f in folders(cluster)}
-    for part in pending.parts:
-        manifests.setdefault(part["folder"], {}).update(part["files"])
+    manifests = manifests_of(cluster, pending.parts, tokens, expect or {})
     info = HostInfo(r["job_dir"], r["executable"], r["torch"], r["gpus"], offset,
                     r["running"], r["ssh_connection"], manifests, r.get("python_missing", ""),
                     r.get("share_leader", -1),
@@ -105,6 +113,24 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
         raise HostError(f"{host.label}: " + "; ".join(p for p, _ in problems),
                         hint="; ".join(h for _, h in problems if h))
     return info, r
+
+
+def manifests_of(cluster: Cluster, parts: list[dict[str, Any]], tokens: dict[str, str],
+                 expect: Expected) -> dict[str, Any]:
+    """{folder: {rel: [size, digest]}} from the parts. A part that says `same` with the
+    token we sent stands for exactly the files we expect (the host computed the token
+    over what it holds): the manifest is made from those, and the push finds nothing
+    to send or delete."""
+    manifests: dict[str, Any] = {f: {} for f in folders(cluster)}
+    for part in parts:
+        folder = part["folder"]
+        if "same" in part:
+            if part["same"] != tokens.get(folder):
+                raise protocol.ProtocolError(f"manifest of {folder}: a token not asked for")
+            manifests[folder] = {f.rel: [f.size, f.digest] for f in expect[folder]}
+        else:
+            manifests.setdefault(folder, {}).update(part["files"])
+    return manifests
 
 
 def host_problems(host: Host, info: HostInfo, r: dict[str, Any],

@@ -91,6 +91,10 @@ class Session:
         self.waiting: gpuclaims.Waiting | None = None   # `up --wait`: GPUs are queued for
         self.attempts: list[dict[str, Any]] = []   # the run's restarts so far (its state keeps them)
         self.warm = True   # torchrun started warm at preflight (not on a spare: it runs nothing)
+        # what each host's folders will hold, when known before preflight (a call that
+        # waits for the local list): a folder that holds exactly that is not listed back
+        # (preflight.manifests_of); a preflight request waits for it
+        self.expected: Callable[[], dict[int, HostFiles]] | None = None
 
     # ------------------------------------------------------------ connections
 
@@ -225,7 +229,7 @@ class Session:
         def check(h: Host, link: Link) -> None:
             try:
                 got = check_host(self.cluster, link, warm_env(self.cluster, h, self.run_id)
-                                 if warm else None, self.run_id)
+                                 if warm else None, self.run_id, self.expect(h))
                 with lock:
                     early.ok[h.index] = got
             except Exception as exc:  # collected: judged with every other host's
@@ -235,6 +239,15 @@ class Session:
                 checked()
         self.open(done=opened, then=check)
         return self.preflight(checked, early)
+
+    def expect(self, h: Host) -> dict[str, list[LocalFile]] | None:
+        mine = self.expected().get(h.index) if self.expected is not None else None
+        if mine is None:
+            return None
+        out = {"code": mine.code}
+        if mine.data is not None:
+            out["data"] = mine.data
+        return out
 
     def sync(self, files: dict[int, HostFiles], pre: PreflightReport,
              progress: Callable[[int], None] | None = None,

@@ -220,6 +220,27 @@ def manifest_files(value: Any) -> str | None:
     return None
 
 
+def manifest_token(entries: Any) -> str:
+    """One digest of a folder's manifest: its (path, sha256 or "link:<target>") pairs in
+    path order. Both sides compute it, the controller over what the folder must hold,
+    the host over what it holds: equal tokens mean a push would send and delete nothing,
+    so the host sends the token instead of the entries. NUL ends every field (no path,
+    digest or link target can hold one): two different manifests never give the same
+    bytes to hash."""
+    import hashlib  # here: the agent's start does not pay for it
+    h = hashlib.sha256()
+    for rel, digest in sorted(entries):
+        h.update(("%s\0%s\0" % (rel, digest)).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def token_map(value: Any) -> str | None:
+    if not isinstance(value, dict) or len(value) > 2 or \
+            not all(k in ("code", "data") and isinstance(v, str) for k, v in value.items()):
+        return "must map code and data to manifest tokens"
+    return None
+
+
 def glob_list(value: Any) -> str | None:
     """A keeper's globs, relative to the folder asked for (wire/globs.py)."""
     if not isinstance(value, list) or len(value) > globs.MAX_GLOBS:
@@ -271,7 +292,10 @@ REQUESTS: dict[str, dict[str, Any]] = {
                   "?share": {"nonce": str, "index": int},
                   # gpus: claim these GPUs (agent/gpus.py) for the job's life; the reply's
                   # gpu_ids are those taken, or gpu_busy lists every GPU and its holder
-                  "?gpus": gpu_want},
+                  "?gpus": gpu_want,
+                  # expect: {folder: manifest_token of what the controller will push}; a
+                  # folder that holds exactly that sends a part with `same` and no entries
+                  "?expect": token_map},
     # orch up --wait: claim again, trying for up to wait_s; release: let go of them all
     "gpu_claim": {"job_dir": str, "want": gpu_want, "wait_s": NUM},
     "gpu_release": {"job_dir": str},
@@ -395,7 +419,7 @@ REPLIES: dict[str, dict[str, Any]] = {
     "stacks": {"ranks": stack_list, "nccl_dumps": name_list, "time": NUM},
 }
 # Parts that may come before a reply (with the request's id).
-PARTS = {"manifest": {"folder": str, "files": manifest_files}}
+PARTS = {"manifest": {"folder": str, "files": manifest_files, "?same": str}}
 EVENTS: dict[str, dict[str, Any]] = {
     # a rank ended (host clock); after_stop: it ended after this host received a stop,
     # so it is a consequence of the stop, never a job's root cause
@@ -480,6 +504,8 @@ def check(obj: dict[str, Any], schema: dict[str, Any], what: str) -> dict[str, A
             if key.startswith("?"):
                 continue
             raise ProtocolError("%s: field %r is missing" % (what, name))
+        if type(obj[name]) is spec and spec is not bool:
+            continue   # the common case, without the error's text (a receive: per file)
         check_value(obj[name], spec, "%s: field %r" % (what, name))
     return obj
 
