@@ -21,7 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-import gpu_standin
 from common import (
     ORCH,
     fake_cluster,
@@ -33,6 +32,7 @@ from common import (
     scan_marked,
     timed_run,
 )
+from gpu_standin import describe, install
 
 JOB = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"
 FIRST_OCTET = 120
@@ -112,14 +112,14 @@ def main() -> int:
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="orch-bench-gpus-"))
     python = make_standin(root / "standin")
-    gpu_standin.install(root / "bin")
+    install(root / "bin")
     env = (f"PATH={root / 'bin'}:/usr/local/bin:/usr/bin:/bin ORCH_FAKE_GPUS_DIR={root} "
            f"ORCH_GPU_CLAIMS_DIR={root / 'claims'}")
     try:
         with fake_cluster(args.hosts, root / "c", first_octet=FIRST_OCTET,
                           sshd_options={"SetEnv": env}) as cluster:
             for h in cluster.hosts:
-                gpu_standin.describe(root, h.address, 4, util=[30, 60, 90, 0])
+                describe(root, h.address, 4, util=[30, 60, 90, 0])
             work = root / "work"
             work.mkdir()
             times = status_times(work, python, cluster, args.reps)
