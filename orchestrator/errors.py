@@ -67,6 +67,7 @@ class GroupError(HostError):
         self.failures = failures
         self.hosts = hosts
         self.result = result
+        self.reached = False   # True: the hosts answered preflight; a later step failed
 
 
 class JobError(OrchError):

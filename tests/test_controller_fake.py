@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import fake_agent
 from fake_agent import FakeChannel, FakeCluster, Handler, ignore, lose, preflight_body
 from orchestrator import cli
 from orchestrator.api import healing
@@ -297,6 +298,36 @@ def test_a_host_unreachable_at_the_restarts_preflight_is_replaced_too(
                                           HOSTS[2]: [4, 5]}, runs
     spare = fake.requests("launch", "127.0.0.9")[0]["spec"]["env"]
     assert spare["ORCH_RESTART_COUNT"] == "2"   # the attempt that never started counts
+
+
+def test_a_restart_refused_by_a_host_that_answers_tries_it_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        no_backoff: None) -> None:
+    """Rank 4 fails; at the restart 127.0.0.2 answers preflight but refuses the launch
+    once (its last attempt's processes still ending on a loaded host). It is reached, so
+    not lost: a strike, the error said, and the next attempt runs on the same hosts,
+    the spare left idle."""
+    fake = FakeCluster()
+    refused: list[int] = []
+
+    def ranks(label: str, rank: int, env: dict) -> int | None:
+        return 1 if rank == 4 and env["ORCH_RESTART_COUNT"] == "0" else 0
+
+    def launch_once_refused(chan: FakeChannel, msg: dict) -> None:
+        if msg["spec"]["env"]["ORCH_RESTART_COUNT"] == "1" and not refused:
+            refused.append(1)
+            chan.push(protocol.error(msg["id"], protocol.USAGE, "already running"))
+            return
+        fake_agent.launch(chan, msg)
+    fake.ranks = ranks
+    fake.on("launch", launch_once_refused, HOSTS[1])
+    fake.install(monkeypatch)
+    assert orch("up", "-c", inventory(tmp_path, SPARE), "--restarts", "2", "--no-pull") == EXIT_OK
+    err = flat(capsys)
+    assert "attempt 2 could not start:" in err and "already running" in err, err
+    assert "restart 2 of 2 in 0 s after: the start failed on 127.0.0.2; hosts: 127.0.0.1, " \
+           "127.0.0.2, 127.0.0.3" in err, err
+    assert not fake.requests("launch", "127.0.0.9"), "the spare was not needed"
 
 
 def test_without_a_spare_min_hosts_lets_the_run_go_on_with_fewer_hosts(

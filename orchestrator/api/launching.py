@@ -21,7 +21,7 @@ from orchestrator.arrays import plan as array_plan
 from orchestrator.arrays import prepare
 from orchestrator.config.hostselect import narrow
 from orchestrator.config.inventory import Cluster, Host, RankSlot
-from orchestrator.errors import OrchError, UsageError
+from orchestrator.errors import GroupError, OrchError, UsageError
 from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_files
 from orchestrator.files.shards import host_files, load_split, resplit, resplit_size
 from orchestrator.files.splitdata import SplitResult
@@ -200,11 +200,16 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
         shown.preflight_done(cluster, pre)
         if any(h.gpu_ids is not None for h in cluster.hosts):
             shown.gpus_claimed(cluster, session.waiting.waited if session.waiting else 0.0)
-        sync(session, files, pre, shown)
-        pre = setup_and_check(session, files, pre, setup, shown)
-        if before_launch is not None:
-            before_launch(session, pre)
-        yield launch_array(session, pre) if cluster.job.array else launch(session, pre)
+        try:
+            sync(session, files, pre, shown)
+            pre = setup_and_check(session, files, pre, setup, shown)
+            if before_launch is not None:
+                before_launch(session, pre)
+            started = launch_array(session, pre) if cluster.job.array else launch(session, pre)
+        except GroupError as err:
+            err.reached = True   # every host passed preflight: a step failed on one it reached
+            raise
+        yield started
     finally:
         session.close()
 

@@ -38,11 +38,11 @@ def run(cluster: Cluster, args: argparse.Namespace, restarts: int,
     while True:
         try:
             outcome = attempt(plan, args, view(), started, pull_after, ready.start)
-        except GroupError as err:   # a restart's preflight: hosts gone since are lost
+        except GroupError as err:   # a restart's start: the hosts that failed it are lost
             if plan.attempt == 0:
                 raise
-            outcome = Failed(f"preflight failed on {', '.join(sorted(err.hosts.values()))}",
-                             healing.unreachable(plan.cluster, err), set(), err.exit_code)
+            console.print(plain(f"attempt {plan.attempt + 1} could not start: {err.message}"))
+            outcome = start_failed(plan, err)
         if isinstance(outcome, int):
             return outcome
         ready.join()
@@ -54,6 +54,18 @@ def run(cluster: Cluster, args: argparse.Namespace, restarts: int,
         console.print(plain(f"restart {nxt.restart} of {restarts} in {delay:.0f} s after: "
                             f"{outcome.why}; hosts: {', '.join(h.label for h in nxt.hosts)}"))
         time.sleep(delay)
+
+
+def start_failed(plan: healing.Plan, err: GroupError) -> Failed:
+    """A restart that could not start. Hosts its preflight could not reach are lost; a
+    host that answered but failed a later step (its previous attempt's processes still
+    ending on a loaded host, a full disk) takes a strike: it is tried once more, and left
+    out if it fails again."""
+    failed = healing.unreachable(plan.cluster, err)
+    names = ", ".join(sorted(err.hosts.values()))
+    if err.reached:
+        return Failed(f"the start failed on {names}", set(), failed, err.exit_code)
+    return Failed(f"preflight failed on {names}", failed, set(), err.exit_code)
 
 
 class Spares:
