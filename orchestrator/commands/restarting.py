@@ -22,7 +22,7 @@ from orchestrator.remote.fanout import fan_out
 from orchestrator.session import checkpoints
 from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import Session
-from orchestrator.ui.termsafe import plain
+from orchestrator.ui.termsafe import plain, plain_lines
 from orchestrator.watch.hang import reason
 from orchestrator.watch.monitor import Monitor, attach, signal_name
 
@@ -41,7 +41,7 @@ def run(cluster: Cluster, args: argparse.Namespace, restarts: int,
         except GroupError as err:   # a restart's start: the hosts that failed it are lost
             if plan.attempt == 0:
                 raise
-            console.print(plain(f"attempt {plan.attempt + 1} could not start: {err.message}"))
+            console.print(plain_lines(f"attempt {plan.attempt + 1} could not start: {err}"))
             outcome = start_failed(plan, err)
         if isinstance(outcome, int):
             return outcome
