@@ -79,7 +79,7 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     pytest.importorskip("material")
     site = tmp_path / "site"
     r = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site),
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site),
          "-f", str(REPO / "mkdocs.yml")],
         cwd=REPO, capture_output=True, text=True, timeout=120,
         env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
