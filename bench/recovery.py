@@ -37,7 +37,9 @@ and that nothing restarts it: the run is lost until someone types a command.
     flock /tmp/orch-sshd.lock .venv/bin/python bench/recovery.py
         [--faults cut kill stop] [--epochs 5] [--no-baseline] [--cap 120] [--quick]
 
---quick: the `kill` fault only, 3 epochs, no baseline (the smoke test's run). Every
+--quick: the `kill` fault only, 3 epochs, no baseline (the smoke test's run). Its epochs
+are as long as the full run's: the fault comes half an epoch (seconds) after the
+checkpoint, and the copy kept off the lost host must hold it. Every
 sshd, process and namespace of the run is gone at the end (checked and printed; exit 1
 if anything is left). Needs root and iproute2.
 """
@@ -544,7 +546,7 @@ def main() -> None:
     ap.add_argument("--cap", type=float, default=120.0,
                     help="the baseline's wait for its end after the fault, seconds")
     ap.add_argument("--quick", action="store_true",
-                    help="the kill fault only, 3 epochs of half the data, no baseline")
+                    help="the kill fault only, 3 epochs, no baseline")
     ap.add_argument("--json", type=Path,
                     help="where the raw results go (default: bench/out/recovery.json)")
     args = ap.parse_args()
@@ -553,7 +555,6 @@ def main() -> None:
     if args.quick:
         args.faults, args.epochs, args.no_baseline = ["kill"], 3, True
         args.reference_runs = 1
-        args.train_per_class = TRAIN_PER_CLASS // 2
     if args.epochs < 3:
         raise SystemExit("--epochs must be at least 3 (a fault in epoch 2, then a restart)")
     compile_orch()
