@@ -223,19 +223,29 @@ class Bench:
         return self.cluster.hosts[0]
 
 
-def tar_once(b: Bench, ds: DataSet, cipher: str | None) -> Sample:
+def baseline_run(b: Bench, cmd: list[str], what: str) -> Sample:
+    """A baseline command timed, with its CPU here (children) and on the host (sshd's)."""
+    host0, local0 = host_cpu(b.cluster), children_cpu()
+    run = timed_run(cmd, env=clean_env(), timeout=900)
+    if not run.ok:
+        raise SystemExit(f"{what} failed: {run.tail()}")
+    time.sleep(0.2)  # let sshd reap the session, so its CPU is counted
+    return Sample(run.seconds, children_cpu() - local0, host_cpu(b.cluster) - host0)
+
+
+def tar_to_host(b: Bench, src: Path, cipher: str | None = None) -> tuple[Path, Sample]:
+    """`tar -cf - | ssh host tar -xf -` of src into a new folder on the host."""
     dst = b.fresh("tar")
     opt = f"-c {cipher} " if cipher else ""
-    cmd = (f"set -o pipefail; tar -cf - -C {ds.src} . | ssh -F {b.cluster.ssh_config} {opt}"
+    cmd = (f"set -o pipefail; tar -cf - -C {src} . | ssh -F {b.cluster.ssh_config} {opt}"
            f"{b.host.address} 'mkdir -p {dst} && tar -xf - -C {dst}'")
-    host0, local0 = host_cpu(b.cluster), children_cpu()
-    run = timed_run(["bash", "-c", cmd], env=clean_env(), timeout=900)
-    if not run.ok:
-        raise SystemExit(f"tar baseline failed: {run.tail()}")
-    time.sleep(0.2)  # let sshd reap the session, so its CPU is counted
-    ctl, host = children_cpu() - local0, host_cpu(b.cluster) - host0
+    return dst, baseline_run(b, ["bash", "-c", cmd], "tar baseline")
+
+
+def tar_once(b: Bench, ds: DataSet, cipher: str | None) -> Sample:
+    dst, sample = tar_to_host(b, ds.src, cipher)
     check_dest(dst, ds)
-    return Sample(run.seconds, ctl, host)
+    return sample
 
 
 def connect(b: Bench) -> Link:
@@ -602,30 +612,17 @@ def rsync_once(b: Bench, m: Many, fresh: bool) -> Sample:
     dst = b.fresh("rsync") if fresh else b.dest_root / f"rsync-{b.counter}"
     cmd = ["rsync", "-a", "-e", f"ssh -F {b.cluster.ssh_config}", f"{m.src}/",
            f"{b.host.address}:{dst}/"]
-    host0, local0 = host_cpu(b.cluster), children_cpu()
-    run = timed_run(cmd, env=clean_env(), timeout=900)
-    if not run.ok:
-        raise SystemExit(f"rsync failed: {run.tail()}")
-    time.sleep(0.2)   # let sshd reap the session, so its CPU is counted
-    ctl, host = children_cpu() - local0, host_cpu(b.cluster) - host0
+    sample = baseline_run(b, cmd, "rsync")
     if fresh:
         check_many(dst, m)
-    return Sample(run.seconds, ctl, host)
+    return sample
 
 
 def tar_many(b: Bench, m: Many) -> Sample:
-    dst = b.fresh("tar")
-    cmd = (f"set -o pipefail; tar -cf - -C {m.src} . | ssh -F {b.cluster.ssh_config} "
-           f"{b.host.address} 'mkdir -p {dst} && tar -xf - -C {dst}'")
-    host0, local0 = host_cpu(b.cluster), children_cpu()
-    run = timed_run(["bash", "-c", cmd], env=clean_env(), timeout=900)
-    if not run.ok:
-        raise SystemExit(f"tar failed: {run.tail()}")
-    time.sleep(0.2)
-    ctl, host = children_cpu() - local0, host_cpu(b.cluster) - host0
+    dst, sample = tar_to_host(b, m.src)
     check_many(dst, m)
     shutil.rmtree(dst)
-    return Sample(run.seconds, ctl, host)
+    return sample
 
 
 def check_many(dst: Path, m: Many) -> None:
