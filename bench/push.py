@@ -763,8 +763,9 @@ def main() -> int:
             small = [ds for ds in sets if ds.name == "small"]
             if args.profile and small:
                 profiled = profile(b, small[0])
-            if b.transport is not None:  # type: ignore[attr-defined]  # Bench has no transport: a bug, left for its owner
-                b.transport.close()  # type: ignore[attr-defined]
+            if b.link is not None:   # the last orch rep's connection (connect() closes the others)
+                b.link.close()
+                b.link.transport.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(results, profiled, args)
