@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, Callable, Protocol
 
@@ -397,3 +397,13 @@ def spawn_ranks(fn: Callable[..., None], world: int, timeout: float) -> None:
                 proc.kill()
             proc.join(5)
         assert not any(p.is_alive() for p in ctx.processes), "a worker process survived"
+
+
+@contextlib.contextmanager
+def sigint_raises() -> Iterator[None]:
+    """Ctrl-C as in a terminal (a test runner's worker may ignore SIGINT)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

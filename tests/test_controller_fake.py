@@ -6,17 +6,16 @@ loop's decisions, the controller's side of GPU claims. No SSH, no process, no re
 beyond a few hundred milliseconds."""
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import fake_agent
 from fake_agent import FakeChannel, FakeCluster, Handler, ignore, lose, preflight_body
+from helpers import sigint_raises
 from orchestrator import cli
 from orchestrator.api import healing
 from orchestrator.errors import EXIT_HOST, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
@@ -149,16 +148,6 @@ def test_a_host_lost_while_the_job_runs_is_the_root_cause_and_the_others_are_sto
 
 
 # ---------------------------------------------------------------- Ctrl-C during the launch
-
-
-@contextlib.contextmanager
-def sigint_raises() -> Iterator[None]:
-    """Ctrl-C as in a terminal (a test runner's worker may ignore SIGINT)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def test_ctrl_c_during_the_launch_stops_every_host_that_started(

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fake_agent import FakeChannel, FakeTransport, later
+from helpers import sigint_raises
 from orchestrator import cli
 from orchestrator.api import launching
 from orchestrator.api.outcomes import UpHost, UpResult
@@ -106,16 +107,6 @@ class Hosts:
 
     def requests(self, kind: str) -> list[tuple]:
         return [e for e in self.log if e[1] == kind]
-
-
-@contextlib.contextmanager
-def sigint_raises() -> Iterator[None]:
-    """Ctrl-C as in a terminal (a test runner's worker may ignore SIGINT)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def run_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hosts: Hosts) -> int:
