@@ -39,6 +39,7 @@ PART_PREFIX = "host-"
 # run/ entries of the filesystem, not of one host: what orch pushed into code/ and data/
 # (their ledgers and receive locks) and a setup run once per filesystem
 SHARED_RUN = ("code-", "data-", "shared-", PART_PREFIX)
+OWN_FILES_IN = ("logs", "run")  # folders that hold orch's files only: no link belongs there
 
 
 def part_name(name: str) -> str:
@@ -50,7 +51,6 @@ def part_name(name: str) -> str:
     if len(os.fsencode(tmp)) <= 255:
         return tmp
     return "%s%d-%s" % (PART, os.getpid(), hashlib.sha256(os.fsencode(name)).hexdigest()[:16])
-OWN_FILES_IN = ("logs", "run")  # folders that hold orch's files only: no link belongs there
 
 
 class UnsafePath(OSError):

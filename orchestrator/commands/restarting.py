@@ -38,7 +38,7 @@ def run(cluster: Cluster, args: argparse.Namespace, restarts: int,
     while True:
         try:
             outcome = attempt(plan, args, view(), started, pull_after, ready.start)
-        except GroupError as err:   # a restart's start: the hosts that failed it are lost
+        except GroupError as err:   # a restart that could not start: start_failed says why
             if plan.attempt == 0:
                 raise
             console.print(plain_lines(f"attempt {plan.attempt + 1} could not start: {err}"))
