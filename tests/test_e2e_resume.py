@@ -140,6 +140,17 @@ def kept_epoch(path: Path) -> int:
     return int(torch.load(path, map_location="cpu")["EPOCHS_RUN"])
 
 
+def torch_teardown_abort(text: str) -> bool:
+    """gloo's rare abort at interpreter exit, after `destroy_process_group()` returned
+    (a C++ worker thread still joinable: "terminate called without an active exception").
+    It came once in CI under full load, after rank 0 had printed its last epoch; the
+    work this test checks is done by then and orch rightly reports the SIGABRT. Anything
+    else that ends the run early still fails the assertions that follow."""
+    last = f"Epoch {int(EPOCHS) - 1} "
+    return ("terminate called without an active exception" in text
+            and "killed by SIGABRT" in text and text.count(last) >= 2)
+
+
 @pytest.fixture(scope="module")
 def cluster3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
     """3 sshd hosts of this module's own: the test kills one."""
@@ -171,7 +182,7 @@ def test_the_tutorials_snapshot_outlives_its_host_and_every_rank_resumes_from_it
     kill_host(cluster3, 0, name)     # the only host with snapshot.pt is gone
     code = run.finish(300)
     text = "\n".join(run.out + run.err)
-    assert code == 0, run.text()
+    assert code == 0 or torch_teardown_abort(text), run.text()
     spare, other = cluster3.hosts[2].address, cluster3.hosts[1].address
     assert f"hosts: {spare}, {other}" in text
     assert re.search(rf"checkpoint put back on .*{re.escape(spare)}.*: code/snapshot.pt", text), text
