@@ -140,8 +140,18 @@ def save_json(name: str, data: object) -> Path:
 
 
 def pdsh_env(cluster: SshdCluster) -> dict:
-    """pdsh -R ssh reads the fake cluster's ssh config (host keys, port, identity)."""
-    return clean_env(PDSH_SSH_ARGS_APPEND=f"-F {cluster.ssh_config}")
+    """pdsh -R ssh with the fake cluster's ssh options on ssh's command line (port,
+    identity, host keys) and no ssh config read at all (-F /dev/null): the cheapest
+    ssh start there is, which is what a tuned run_dist.sh gets."""
+    return clean_env(PDSH_SSH_ARGS_APPEND=" ".join(ssh_options(cluster)))
+
+
+def ssh_options(cluster: SshdCluster) -> list[str]:
+    """The fake cluster's client settings as ssh command-line options."""
+    opts = {"Port": cluster.port, "IdentityFile": cluster.client_key, "IdentitiesOnly": "yes",
+            "UserKnownHostsFile": cluster.known_hosts, "GlobalKnownHostsFile": "/dev/null",
+            "StrictHostKeyChecking": "yes", "BatchMode": "yes", "LogLevel": "ERROR"}
+    return ["-F", "/dev/null"] + [f"-o{k}={v}" for k, v in opts.items()]
 
 
 def orch_env() -> dict:
@@ -231,25 +241,50 @@ STANDIN_TORCH = ('"""Stand-in torch for the benchmarks."""\n'
                  'time.sleep(float(os.environ.get("BENCH_TORCH_IMPORT_DELAY") or 0))\n')
 
 
+def make_venv(root: Path) -> Path:
+    """A venv of the system python at root (no pip: 0.1 s), readable by every user (the
+    plain shell's user too, who cannot reach root's own pythons); its site-packages."""
+    subprocess.run([SYSTEM_PY, "-m", "venv", "--without-pip", str(root)], check=True)
+    root.chmod(0o755)
+    found = sorted((root / "lib").glob("python3*/site-packages"))
+    return found[0]
+
+
 def make_standin(root: Path) -> str:
-    """<root>/torch/distributed/run.py (bench/torchrun_standin.py), a torch dist-info with
-    the real version (preflight compares versions) and <root>/python, the wrapper the
-    hosts run: `python -m torch.distributed.run` then starts the stand-in."""
+    """A venv of the system python at <root>/venv whose site-packages holds the stand-in
+    torch: torch/distributed/run.py (bench/torchrun_standin.py) and a torch dist-info with
+    the real version (preflight compares versions). Its python is run straight, as a user's
+    venv is: no wrapper script, no PYTHONPATH, so orch and the baseline pay exactly one
+    interpreter start for each python they run. Returns that python."""
     from importlib.metadata import version
-    pkg = root / "torch" / "distributed"
+    root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o755)
+    site = make_venv(root / "venv")
+    pkg = site / "torch" / "distributed"
     pkg.mkdir(parents=True)
-    (root / "torch" / "__init__.py").write_text(STANDIN_TORCH)
+    (site / "torch" / "__init__.py").write_text(STANDIN_TORCH)
     (pkg / "__init__.py").write_text("")
     shutil.copy(STANDIN, pkg / "run.py")
-    info = root / f"torch-{version('torch')}.dist-info"
+    info = site / f"torch-{version('torch')}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version('torch')}\n")
-    wrapper = root / "python"
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}} '
-                       f'exec {SYSTEM_PY} "$@"\n')
-    for p in [root, *root.rglob("*")]:
-        p.chmod(0o755 if p.is_dir() or p == wrapper else 0o644)
-    return str(wrapper)
+    for p in [site / "torch", *(site / "torch").rglob("*"), info, *info.iterdir()]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    return str(root / "venv" / "bin" / "python")
+
+
+def torch_venv(root: Path) -> str:
+    """The real torch for a user who cannot run this checkout's venv (its python is under
+    /root): a venv of the system python at root whose site-packages reaches this venv's
+    packages (a .pth line) and holds torch's dist-info (preflight's fast look). Its python."""
+    root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o755)
+    site = make_venv(root / "venv")
+    ours = sorted((VENV / "lib").glob("python3*/site-packages"))[0]
+    (site / "orch-bench-torch.pth").write_text(f"{ours}\n")
+    for info in ours.glob("torch-*.dist-info"):
+        (site / info.name).symlink_to(info)
+    return str(root / "venv" / "bin" / "python")
 
 
 # ---------------------------------------------------------------- processes
@@ -338,8 +373,8 @@ class Bed:
         return d
 
     def pdsh_argv(self, remote: str) -> list[str]:
-        """pdsh over ssh to every host of the bed at once (-f N), as the bed's user."""
-        return ["pdsh", "-R", "ssh", "-f", str(self.n), "-l", self.shell.user,
+        """pdsh over ssh to every host of the bed at once (-f 256, or the host count if more), as the bed's user."""
+        return ["pdsh", "-R", "ssh", "-f", str(max(256, self.n)), "-l", self.shell.user,
                 "-w", ",".join(h.address for h in self.hosts), remote]
 
     def torchrun_remote(self, d: Path, port: int, env: str = "") -> str:
@@ -367,6 +402,7 @@ class Beds:
     cluster: SshdCluster
     python: str
     shells: dict[str, Shell]
+    torch_python: str = ""   # the real torch, runnable by the plain user too
     clean: bool = False
 
 
@@ -382,6 +418,7 @@ def bed_cluster(n: int, shells: Sequence[str], first_octet: int = 2) -> Iterator
     beds = None
     try:
         python = make_standin(standin)
+        real = torch_venv(standin / "torch")
         options = {"AuthorizedKeysFile": "{authorized_keys} .ssh/authorized_keys"}
         with fake_cluster(n, first_octet=first_octet, sshd_options=options) as cluster:
             sshds = [h.pid for h in cluster.hosts]
@@ -390,7 +427,7 @@ def bed_cluster(n: int, shells: Sequence[str], first_octet: int = 2) -> Iterator
             made = {"root": ROOT_SHELL}
             if "plain" in shells:
                 made["plain"] = plain_shell(pub)
-            beds = Beds(cluster, python, made)
+            beds = Beds(cluster, python, made, real)
             try:
                 yield beds
             finally:   # the jobs' supervisors are not under any sshd

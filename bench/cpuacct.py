@@ -95,7 +95,7 @@ def kinds(records: list[Proc], sshds: set[int], host_uid: int, controller: int,
     host = descendants(records, sshds)
     seen = {p.pid for p in host}
     orphans = [p for p in records if p.uid == host_uid and p.pid not in seen
-               and p.ppid not in seen and p.comm.startswith("python")]
+               and p.ppid not in seen and is_python(p.comm)]
     tree = host + orphans + descendants(records, {p.pid for p in orphans})
     tree = list({p.pid: p for p in tree}.values())
     by_pid = {p.pid: p for p in tree}
@@ -107,11 +107,17 @@ def kinds(records: list[Proc], sshds: set[int], host_uid: int, controller: int,
     return dict(out)
 
 
+def is_python(comm: str) -> bool:
+    """A python process: torch renames a process that imported it (its main thread's
+    name, which is what the record keeps) to pt_main_thread."""
+    return comm.startswith(("python", "pt_main"))
+
+
 def python_depth(p: Proc, by_pid: dict[int, Proc]) -> tuple[int, bool]:
     """(python processes above p, whether the chain leaves the sessions: a detached one)."""
     depth, q = 0, by_pid.get(p.ppid)
     while q is not None:
-        if q.comm.startswith("python"):
+        if is_python(q.comm):
             depth += 1
         if q.comm.startswith("sshd"):
             return depth, False
@@ -127,7 +133,7 @@ PDSH_KINDS = {(0, False): "torchrun", (1, False): "job"}
 def kind_of(p: Proc, by_pid: dict[int, Proc], side: str) -> str:
     if p.comm.startswith("sshd"):
         return "sshd"
-    if not p.comm.startswith("python"):
+    if not is_python(p.comm):
         return "login shell" if p.comm in ("sh", "bash", "dash") else "shell's commands"
     depth, detached = python_depth(p, by_pid)
     if p.forked_only and side == "orch" and not detached:

@@ -1,10 +1,23 @@
-"""Launch latency: `orch up` against the pdsh + torchrun baseline on 1, 2, 4 fake hosts.
+"""Launch latency: `orch up` against the pdsh + torchrun baseline on fake hosts.
 
-Both launch the same 1-process-per-host gloo all-reduce (bench/jobs/allreduce.py) on the
-same sshd hosts and wait for it to end. Runs are interleaved (pdsh, orch, pdsh, orch...)
-so that the noise of this shared machine hits both alike; the figure is the median.
+Both launch the same gloo job (bench/jobs/firstline.py: each rank prints `first-line`
+before importing torch, `imported` and `joined` after, rank 0 the all-reduce's sum) on the
+same sshd hosts, --procs ranks per host, and wait for it to end. Runs are interleaved
+(pdsh, orch, pdsh, orch...) so that the noise of this shared machine hits both alike;
+figures are medians. Each run's output is read line by line as it comes, so that the
+timeline says where the time goes, from the command's start:
 
-    .venv/bin/python bench/launch.py [--hosts 1 2 4] [--reps 3] [--compare DIR]
+  first line   orch: its first line (preflight); pdsh prints nothing of its own
+  go           orch: the first host's supervisor handed torchrun its go (run/supervisor.json)
+  started      orch: `started job ...` (every host launched)
+  wrapper      orch: the first rank wrapper started its rank (run/rank-<r>.pid)
+  rank runs    the first rank's own clock at its first line (the job's code began)
+  rank seen    that line reaching the command's output (orch: through the agent's follow)
+  imported     the last rank done importing torch
+  joined       the last rank through init_process_group
+  end          the command returned
+
+    .venv/bin/python bench/launch.py [--hosts 3] [--procs 2] [--reps 3] [--compare DIR]
 
 --compare DIR also times the orch of another checkout (e.g. `git archive` of an older
 commit unpacked in DIR) in the same interleaved loop, so both see the same noise.
@@ -12,15 +25,23 @@ commit unpacked in DIR) in the same interleaved loop, so both see the same noise
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
 import shutil
+import subprocess
 import sys
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
 
 from common import (
     ORCH,
     REPO,
     VENV_PY,
-    Run,
     SshdCluster,
     clean_env,
     fake_cluster,
@@ -29,14 +50,82 @@ from common import (
     pdsh_env,
     print_table,
     save_json,
-    timed_run,
 )
 
-JOB = REPO / "bench" / "jobs" / "allreduce.py"
+JOB = REPO / "bench" / "jobs" / "firstline.py"
 MASTER = "127.0.0.2"
+MARKS = ("first line", "go", "started", "wrapper", "rank runs", "rank seen", "imported", "joined", "end")
 
 
-def pdsh_setup(cluster: SshdCluster, hosts: list) -> dict[str, Path]:
+@dataclass
+class Timed:
+    """One run read line by line: seconds from its start to each mark."""
+    returncode: int
+    text: str
+    wall0: float
+    marks: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.marks["end"]
+
+
+def stream_run(cmd: list[str], env: dict, cwd: Path | None = None,
+               timeout: float = 300) -> Timed:
+    """Run cmd; every line of stdout and stderr stamped as it arrives."""
+    wall0, t0 = time.time(), time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[tuple[float, str]] = []
+    lock = threading.Lock()
+
+    def read(stream) -> None:   # type: ignore[no-untyped-def]
+        for line in stream:
+            with lock:
+                lines.append((time.perf_counter() - t0, line))
+    readers = [threading.Thread(target=read, args=(s,), daemon=True)
+               for s in (proc.stdout, proc.stderr)]
+    for th in readers:
+        th.start()
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    end = time.perf_counter() - t0
+    for th in readers:
+        th.join(5)
+    lines.sort()
+    run = Timed(code, "".join(text for _, text in lines), wall0)
+    run.marks = marks_of(lines, wall0)
+    run.marks["end"] = end
+    return run
+
+
+def marks_of(lines: list[tuple[float, str]], wall0: float) -> dict[str, float]:
+    """The timeline's marks (seconds from the start) found in the stamped lines."""
+    out: dict[str, float] = {}
+    clocks: dict[str, list[float]] = {"first-line": [], "imported": [], "joined": []}
+    for at, text in lines:
+        m = re.search(r"(first-line|imported|joined) rank=\d+ t=(\d+\.\d+)", text)
+        if m:
+            clocks[m.group(1)].append(float(m.group(2)) - wall0)
+            if m.group(1) == "first-line":
+                out.setdefault("rank seen", at)
+            continue
+        if "started job" in text:
+            out.setdefault("started", at)
+        if "allreduce sum=" not in text:
+            out.setdefault("first line", at)
+    if clocks["first-line"]:
+        out["rank runs"] = min(clocks["first-line"])
+    for name in ("imported", "joined"):
+        if clocks[name]:
+            out[name] = max(clocks[name])
+    return out
+
+
+def pdsh_setup(hosts: list) -> dict[str, Path]:
     """Copy the job to every host's dir, outside the timing (as a user would beforehand)."""
     dirs = {}
     for h in hosts:
@@ -47,105 +136,136 @@ def pdsh_setup(cluster: SshdCluster, hosts: list) -> dict[str, Path]:
     return dirs
 
 
-def pdsh_command(cluster: SshdCluster, dirs: dict[str, Path], port: int) -> list[str]:
-    """What a run_dist.sh writer would do: one pdsh, node rank and dir picked per host."""
+def pdsh_command(cluster: SshdCluster, dirs: dict[str, Path], port: int, procs: int) -> list[str]:
+    """What a run_dist.sh writer would do: one pdsh, node rank and dir picked per host,
+    every host at once (-f at least the host count), ssh's options on its command line."""
     n = len(dirs)
     cases = " ".join(f"{addr}) R={i}; D={d};;" for i, (addr, d) in enumerate(dirs.items()))
     remote = (f"case %h in {cases} esac; cd $D && {VENV_PY} -m torch.distributed.run "
-              f"--nnodes {n} --node-rank $R --nproc-per-node 1 "
+              f"--nnodes {n} --node-rank $R --nproc-per-node {procs} "
               f"--master-addr {MASTER} --master-port {port} {JOB.name}")
-    return ["pdsh", "-R", "ssh", "-f", "64", "-w", ",".join(dirs), remote]
+    return ["pdsh", "-R", "ssh", "-f", str(max(256, n)), "-w", ",".join(dirs), remote]
 
 
-def run_pdsh(cluster: SshdCluster, dirs: dict[str, Path]) -> Run:
+def run_pdsh(cluster: SshdCluster, dirs: dict[str, Path], procs: int) -> Timed:
     port = free_port([MASTER], 29500, 29900)
-    return timed_run(pdsh_command(cluster, dirs, port), env=pdsh_env(cluster), timeout=300)
+    return stream_run(pdsh_command(cluster, dirs, port, procs), env=pdsh_env(cluster))
 
 
-def orch_setup(cluster: SshdCluster, hosts: list, workdir: Path, name: str = "allreduce") -> Path:
+def orch_setup(cluster: SshdCluster, hosts: list, workdir: Path, procs: int,
+               name: str = "firstline") -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     shutil.copy(JOB, workdir / JOB.name)
-    return cluster.write_inventory(workdir / "cluster.yaml", hosts=hosts,
+    return cluster.write_inventory(workdir / "cluster.yaml", hosts=hosts, procs=procs,
                                    name=f"{name}-n{len(hosts)}", entrypoint=JOB.name,
                                    code_paths=[JOB.name])
 
 
 def orch_argv() -> tuple[list[str], dict]:
     """The installed `orch`, or the source tree's module before `make install`."""
+    env = clean_env()
+    env.pop("PYTHONDONTWRITEBYTECODE", None)   # as installed: orch's bytecode is kept
     if ORCH.exists():
-        return [str(ORCH)], clean_env()
-    return [str(VENV_PY), "-m", "orchestrator"], clean_env(PYTHONPATH=str(REPO))
+        return [str(ORCH)], env
+    return [str(VENV_PY), "-m", "orchestrator"], dict(env, PYTHONPATH=str(REPO))
 
 
-def run_orch(inventory: Path, repo: Path | None = None) -> Run:
+def run_orch(inventory: Path, hosts: list, repo: Path | None = None) -> Timed:
     argv, env = orch_argv()
     if repo is not None:   # another checkout's orch, with this venv's packages
-        argv, env = [str(VENV_PY), "-m", "orchestrator"], clean_env(PYTHONPATH=str(repo))
-    return timed_run([*argv, "up", str(inventory)], env=env, cwd=inventory.parent, timeout=300)
+        argv, env = [str(VENV_PY), "-m", "orchestrator"], dict(env, PYTHONPATH=str(repo))
+    run = stream_run([*argv, "up", str(inventory)], env=env, cwd=inventory.parent)
+    name = yaml.safe_load(inventory.read_text())["name"]
+    records = [p for h in hosts for p in (h.remote_dir / name / "run").glob("*/*")]
+    for mark_name, pattern, key in (("go", "supervisor.json", "started"),
+                                    ("wrapper", "rank-*.pid", "time")):
+        times = [json.loads(p.read_text())[key] for p in records if p.match(pattern)]
+        if times:
+            run.marks[mark_name] = min(times) - run.wall0
+    return run
 
 
-def job_ok(run: Run, world: int) -> bool:
+def job_ok(run: Timed, world: int) -> bool:
     """Exit 0 and rank 0 printed the right sum: the job really ran everywhere."""
-    want = f"allreduce sum={4 * world} expected={4 * world}"
-    return run.ok and want in run.stdout + run.stderr  # orch prefixes lines; either stream
+    return run.returncode == 0 and f"allreduce sum={4 * world} expected={4 * world}" in run.text
 
 
-def bench_hosts(cluster: SshdCluster, n: int, reps: int, workdir: Path,
+def tail(run: Timed) -> str:
+    return f"exit {run.returncode}: {run.text.strip()[-800:]}"
+
+
+def bench_hosts(cluster: SshdCluster, n: int, procs: int, reps: int, workdir: Path,
                 compare: Path | None = None) -> dict:
     hosts = cluster.hosts[:n]
-    dirs = pdsh_setup(cluster, hosts)
-    inventory = orch_setup(cluster, hosts, workdir / f"orch-n{n}")
+    dirs = pdsh_setup(hosts)
+    inventory = orch_setup(cluster, hosts, workdir / f"orch-n{n}", procs)
     # a job name of its own: the two orch versions never share a job folder
-    other = orch_setup(cluster, hosts, workdir / f"other-n{n}", "other") if compare else None
-    pdsh_s, orch_s, other_s, orch_err = [], [], [], ""
+    other = orch_setup(cluster, hosts, workdir / f"other-n{n}", procs, "other") \
+        if compare else None
+    got: dict[str, list[dict[str, float]]] = {"pdsh": [], "orch": [], "other": []}
+    errors: list[str] = []
     for rep in range(reps):
-        p = run_pdsh(cluster, dirs)
-        if not job_ok(p, n):
-            sys.exit(f"baseline failed on {n} hosts (exit {p.returncode}): {p.tail()}")
-        pdsh_s.append(p.seconds)
-        o = run_orch(inventory)
-        if job_ok(o, n):
-            orch_s.append(o.seconds)
-        else:
-            orch_err = f"exit {o.returncode}: {o.tail()}"
-            print(f"orch failed: {orch_err}", file=sys.stderr)
-        line = f"  n={n} rep={rep + 1}: pdsh {p.seconds:.2f} s, orch " + (
-            f"{o.seconds:.2f} s" if job_ok(o, n) else "failed")
+        runs = [("pdsh", run_pdsh(cluster, dirs, procs)), ("orch", run_orch(inventory, hosts))]
         if other is not None:
-            c = run_orch(other, compare)
-            if job_ok(c, n):
-                other_s.append(c.seconds)
-            line += f", {compare.name} " + (f"{c.seconds:.2f} s" if job_ok(c, n) else "failed")  # type: ignore[union-attr]  # set with other
-        print(line, flush=True)
-    return {"hosts": n, "pdsh_s": pdsh_s, "orch_s": orch_s, "other_s": other_s,
-            "orch_error": orch_err}
+            runs.append(("other", run_orch(other, hosts, compare)))
+        for who, r in runs:
+            if job_ok(r, n * procs):
+                got[who].append(r.marks)
+            else:
+                errors.append(f"{who}: {tail(r)}")
+                print(f"{who} failed: {tail(r)}", file=sys.stderr)
+        print(f"  n={n} x {procs} rep={rep + 1}: " + "; ".join(
+            f"{who} " + " ".join(f"{k} {r.marks[k]:.2f}" for k in MARKS if k in r.marks)
+            for who, r in runs), flush=True)
+    return {"hosts": n, "procs": procs, "runs": got, "errors": errors,
+            "load": os.getloadavg()[0]}
+
+
+def mark(runs: list[dict[str, float]], name: str) -> float:
+    return median([r[name] for r in runs if name in r])
 
 
 def report(results: list[dict], compare: Path | None = None) -> None:
     rows = []
     for r in results:
-        p, o = median(r["pdsh_s"]), median(r["orch_s"])
-        row = [r["hosts"], p, o, o / p if r["orch_s"] else float("nan"), o - p]
+        p, o = r["runs"]["pdsh"], r["runs"]["orch"]
+        row = [f"{r['hosts']} x {r['procs']}", mark(p, "end"), mark(o, "end"),
+               mark(o, "end") / mark(p, "end") if p and o else float("nan")]
         if compare:
-            c = median(r["other_s"])
-            row += [c, c / p if r["other_s"] else float("nan")]
+            row.append(mark(r["runs"]["other"], "end"))
         rows.append(row)
-    cols = ["hosts", "pdsh+torchrun", "orch up", "orch/pdsh", "orch-pdsh"]
+    cols = ["hosts x ranks", "pdsh+torchrun", "orch up", "orch/pdsh"]
     if compare:
-        cols += [f"{compare.name} up", f"{compare.name}/pdsh"]
+        cols.append(f"{compare.name} up")
     print_table("launch + tiny all-reduce, median seconds (lower is better)", cols, rows)
+    for r in results:
+        who = ["pdsh", "orch"] + (["other"] if compare else [])
+        print_table(f"timeline, {r['hosts']} hosts x {r['procs']} ranks: median seconds from "
+                    f"the command's start (load {r['load']:.1f})", ["mark", *who],
+                    [[m, *(mark(r["runs"][w], m) for w in who)] for m in MARKS])
+        o = r["runs"]["orch"]
+        print(f"orch: first line -> ranks' first output {between(o, 'first line', 'rank seen'):.2f} s, "
+              f"started -> ranks' first output {between(o, 'started', 'rank seen'):.2f} s; "
+              f"pdsh + torchrun: start -> ranks' first output "
+              f"{mark(r['runs']['pdsh'], 'rank seen'):.2f} s")
+
+
+def between(runs: list[dict[str, float]], a: str, b: str) -> float:
+    return median([r[b] - r[a] for r in runs if a in r and b in r])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hosts", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--hosts", type=int, nargs="+", default=[3])
+    ap.add_argument("--procs", type=int, default=2, help="ranks per host")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compare", type=Path, metavar="DIR",
                     help="also time the orch of this other checkout, interleaved")
     args = ap.parse_args()
     with fake_cluster(max(args.hosts)) as cluster:
         workdir = cluster.root.parent / "work"
-        results = [bench_hosts(cluster, n, args.reps, workdir, args.compare) for n in args.hosts]
+        results = [bench_hosts(cluster, n, args.procs, args.reps, workdir, args.compare)
+                   for n in args.hosts]
     report(results, args.compare)
     print(f"raw samples: {save_json('launch.json', results)}")
 

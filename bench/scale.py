@@ -46,9 +46,9 @@ from common import (
     ORCH,
     VENV_PY,
     Bed,
+    Beds,
     Run,
     Shell,
-    SshdCluster,
     bed_cluster,
     compile_orch,
     free_port,
@@ -201,6 +201,15 @@ def counted(bed: Bed, s: Series, who: str) -> Iterator[None]:
                                        for name, n, c in cpuacct.summary(k)), flush=True)
 
 
+def count_ssh_true(bed: Bed, s: Series) -> None:
+    """--cpu: what one `ssh host true` per host costs, counted as `up` is (the yardstick
+    for orch's own processes per host)."""
+    with counted(bed, s, "ssh true"):
+        t = pdsh(bed, "true")
+    if not t.ok:
+        s.fail("pdsh true", t)
+
+
 def median_kinds(ks: list[dict[str, list[float]]]) -> dict[str, list[float]]:
     """The repetition whose host-side total is the median one."""
     def total(k: dict[str, list[float]]) -> float:
@@ -235,6 +244,8 @@ def measure_up(bed: Bed, s: Series, reps: int, clock: Clock) -> None:
             s.add("up", "orch", o.seconds)
         else:
             s.fail("orch up", o)
+        if COUNT_CPU[0]:
+            count_ssh_true(bed, s)
         print(f"  up rep {rep + 1}: pdsh {p.seconds:.2f} s, orch {o.seconds:.2f} s "
               f"(rss {rss:.0f} MiB, {threads} threads)", flush=True)
         if delay:   # the same with torchrun started cold (after every host's preflight)
@@ -375,11 +386,14 @@ def report(series: list[Series], clock: Clock) -> None:
     print("\ncontroller during `orch up`")
     markdown(["hosts", "shell", "peak RSS MiB", "threads"],
              [[s.n, s.shell, s.rss_mib, s.threads] for s in series])
-    cpu_rows = [[s.n, s.shell, who, *row] for s in series for who, ks in s.cpu.items()
+    cpu_rows = [[s.n, s.shell, who, *row, row[2] / s.n * 1000]
+                for s in series for who, ks in s.cpu.items()
                 for row in cpuacct.summary(median_kinds(ks))]
     if cpu_rows:
-        print("\nCPU seconds per `up` by process kind (process accounting, median of the reps)")
-        markdown(["hosts", "shell", "side", "kind", "processes", "CPU s"], cpu_rows)
+        print(f"\nCPU seconds per `up` by process kind (process accounting, median of the reps; "
+              f"load {os.getloadavg()[0]:.1f})")
+        markdown(["hosts", "shell", "side", "kind", "processes", "CPU s", "ms per host"],
+                 cpu_rows)
     for s in series:
         for note in s.notes:
             print(f"note ({s.shell}, {s.n} hosts): {note[:300]}")
@@ -401,14 +415,17 @@ def parse_series(specs: list[str]) -> list[tuple[str, int]]:
     return out
 
 
-def run_series(cluster: SshdCluster, shell: Shell, n: int, python: str, work: Path,
+def run_series(beds: Beds, shell: Shell, n: int, work: Path,
                args: argparse.Namespace, clock: Clock) -> Series:
-    real = n <= args.real_torch_max and shell.user == "root"
+    cluster, python = beds.cluster, beds.python
+    # the plain shell too with --cpu: its counts are per host, whatever the load
+    real = n <= args.real_torch_max and (shell.user == "root" or args.cpu)
     torch = "real torch" if real else "stand-in torchrun"
     print(f"\n== {n} hosts, {shell.name} shell ({shell.user}), {torch} "
           f"[{clock.elapsed():.0f} s]", flush=True)
     reps = args.reps if n < 128 else args.reps_big
-    bed = Bed(cluster, cluster.hosts[:n], shell, str(VENV_PY) if real else python,
+    real_python = str(VENV_PY) if shell.user == "root" else beds.torch_python
+    bed = Bed(cluster, cluster.hosts[:n], shell, real_python if real else python,
               work / f"{shell.name}{n}", remote_base(cluster, shell) / f"n{n}", real)
     s = Series(shell.name, n, torch)
     measure_up(bed, s, args.reps_real if real else reps, clock)
@@ -456,8 +473,7 @@ def main() -> None:
             if series and clock.over():
                 print(f"\n(budget spent: {shell_name}:{n} skipped)")
                 continue
-            series.append(run_series(beds.cluster, beds.shells[shell_name], n, beds.python,
-                                     work, args, clock))
+            series.append(run_series(beds, beds.shells[shell_name], n, work, args, clock))
     report(series, clock)
     if not beds.clean:
         sys.exit(1)
