@@ -386,7 +386,7 @@ def report(series: list[Series], clock: Clock) -> None:
     print("\ncontroller during `orch up`")
     markdown(["hosts", "shell", "peak RSS MiB", "threads"],
              [[s.n, s.shell, s.rss_mib, s.threads] for s in series])
-    cpu_rows = [[s.n, s.shell, who, *row, row[2] / s.n * 1000]
+    cpu_rows = [[s.n, s.shell, who, *row, float(row[2]) / s.n * 1000]  # type: ignore[arg-type]
                 for s in series for who, ks in s.cpu.items()
                 for row in cpuacct.summary(median_kinds(ks))]
     if cpu_rows:
