@@ -83,6 +83,7 @@ class HostKeeper(Keeper):
                  interval: float = INTERVAL, settle: float = SETTLE) -> None:
         super().__init__(session, cluster, interval, settle)
         self.keeper = keeper
+        session.pinned.add(keeper.index)   # its ranks may end before rank 0's last save
         self.stage = cluster.state_dir / RELAY
         self.pushed = 0                            # files sent to the keeper host
         self.deleted = 0                           # files it pruned
