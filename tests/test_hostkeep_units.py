@@ -151,7 +151,7 @@ def relay(tmp_path: Path) -> Iterator[tuple[Cluster, Session, list[str]]]:
         def counted(t: str, *a: Any, _submit: Any = submit, **k: Any) -> Any:
             sent.append(t)
             return _submit(t, *a, **k)
-        link.submit = counted  # type: ignore[method-assign]
+        link.submit = counted  # type: ignore[method-assign,assignment]
     try:
         yield cluster, session, sent
     finally:

@@ -43,8 +43,16 @@ from orchestrator.files.pulldest import Dest
 from orchestrator.files.sync import Stall, stream_and_wait
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.link import Link
-from orchestrator.session.checkpoints import INTERVAL, SETTLE, Keeper, KeptReceiver, \
-    folder_globs, kept, restore, stale
+from orchestrator.session.checkpoints import (
+    INTERVAL,
+    SETTLE,
+    Keeper,
+    KeptReceiver,
+    folder_globs,
+    kept,
+    restore,
+    stale,
+)
 from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import Session
 from orchestrator.wire import globs
