@@ -42,6 +42,7 @@ HANDLERS = {
     "pull_send": ("pull", "run_send"),
     "restore_check": ("restore", "run_check"),
     "restore": ("restore", "run_restore"),
+    "keep_receive": ("keep", "run_receive"),
     "clock": ("main", "run_clock"),
     "setup": ("shellcmd", "run_setup"),
     "probe": ("shellcmd", "run_probe"),

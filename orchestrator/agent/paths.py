@@ -37,8 +37,9 @@ ORCH_FOLDERS = ("code", "data", "logs", "run", "output")
 HOST_PART = ""
 PART_PREFIX = "host-"
 # run/ entries of the filesystem, not of one host: what orch pushed into code/ and data/
-# (their ledgers and receive locks) and a setup run once per filesystem
-SHARED_RUN = ("code-", "data-", "shared-", PART_PREFIX)
+# (their ledgers and receive locks), the keeper host's checkpoints/ (its ledger, lock and
+# digests) and a setup run once per filesystem
+SHARED_RUN = ("code-", "data-", "checkpoints-", "shared-", PART_PREFIX)
 OWN_FILES_IN = ("logs", "run")  # folders that hold orch's files only: no link belongs there
 
 

@@ -1,7 +1,8 @@
 """`orch pull` on the host: list the job's output/ (or named paths under it) with each
 file's size and sha256, then send the files the controller asks for. The checkpoint
 keeper (session/checkpoints.py) asks the same of output/ or code/, for the files that
-match its globs (wire/globs.py) and were not written in the last `settle` seconds.
+match its globs (wire/globs.py) and were not written in the last `settle` seconds, and
+of checkpoints/ (the keeper host's copy, `job.checkpoint_to: host`) for the relay.
 
 A link is neither followed nor sent (it is skipped and named in the reply), nor is
 anything that is not a regular file. Every path goes through the job's JobDir
@@ -25,7 +26,8 @@ from orchestrator.agent.paths import DIR_FLAGS, JobDir, UnsafePath
 from orchestrator.wire import globs, protocol
 
 OUTPUT = "output"
-DIGESTS = {"output": "run/output-digests.json", "code": "run/code-pull-digests.json"}
+DIGESTS = {"output": "run/output-digests.json", "code": "run/code-pull-digests.json",
+           globs.KEEP: "run/checkpoints-digests.json"}
 HEX = frozenset("0123456789abcdef")
 
 
@@ -156,8 +158,9 @@ def digest_of(jd: JobDir, rel: str, cache: dict[str, Any],
 
 def folder_of(req: Any) -> str:
     folder: str = req.args.get("folder", OUTPUT)
-    if folder not in globs.FOLDERS:
-        raise AgentError("cannot pull from %r: only output/ or code/" % folder, protocol.USAGE)
+    if folder not in globs.FOLDERS and folder != globs.KEEP:
+        raise AgentError("cannot pull from %r: only output/, code/ or checkpoints/" % folder,
+                         protocol.USAGE)
     return folder
 
 

@@ -19,7 +19,7 @@ from orchestrator.commands.common import console
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, GroupError
 from orchestrator.remote.fanout import fan_out
-from orchestrator.session import checkpoints
+from orchestrator.session import checkpoints, hostkeep
 from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import Session
 from orchestrator.ui.termsafe import plain, plain_lines
@@ -35,9 +35,10 @@ def run(cluster: Cluster, args: argparse.Namespace, restarts: int,
     """`view()`: what shows each attempt's steps (`orch up`'s bars and lines)."""
     plan = healing.Plan.first(cluster, restarts)
     ready = Spares(plan)
+    last = hostkeep.Kept()
     while True:
         try:
-            outcome = attempt(plan, args, view(), started, pull_after, ready.start)
+            outcome = attempt(plan, args, view(), started, pull_after, ready.start, last)
         except GroupError as err:   # a restart that could not start: start_failed says why
             if plan.attempt == 0:
                 raise
@@ -45,6 +46,7 @@ def run(cluster: Cluster, args: argparse.Namespace, restarts: int,
             outcome = start_failed(plan, err)
         if isinstance(outcome, int):
             return outcome
+        last.lost |= outcome.lost
         ready.join()
         nxt = plan.after(outcome.why, outcome.lost, outcome.culprits)
         if nxt is None:
@@ -109,26 +111,38 @@ class Failed:
 
 
 def attempt(plan: healing.Plan, args: argparse.Namespace, view: launching.UpProgress,
-            started: Started, pull_after: PullAfter, running: Callable[[], None]) -> int | Failed:
-    """One attempt, started and followed; its exit code when the run ends with it."""
+            started: Started, pull_after: PullAfter, running: Callable[[], None],
+            last: hostkeep.Kept) -> int | Failed:
+    """One attempt, started and followed; its exit code when the run ends with it.
+    `last`: where the previous attempt kept its checkpoints (`checkpoint_to: host`)."""
     cluster = plan.cluster
     keep = bool(cluster.job.checkpoint) and plan.restarts > 0
+    on_host = keep and cluster.job.checkpoint_to == "host"
+    pres: list[PreflightReport] = []
+
+    def before(session: Session, pre: PreflightReport) -> None:
+        pres.append(pre)
+        if plan.attempt and on_host:
+            put_back_host(session, pre, last)
+        elif plan.attempt:
+            put_back(session, pre)
+
     with launching.start(cluster, setup=args.setup, wait=args.wait, progress=view,
                          attempts=plan.attempts, restart=plan.attempt > 0,
-                         before_launch=put_back if keep and plan.attempt else None) as got:
+                         before_launch=before if keep else None) as got:
         cluster = got.session.cluster
         if plan.attempt:
             console.print(plain(f"attempt {plan.attempt + 1} of {plan.restarts + 1} "
                                 f"(ORCH_RESTART_COUNT={plan.attempt})"))
         started(cluster, got.state)
         running()
-        keeper = checkpoints.Keeper(got.session, cluster).start() if keep else None
+        keeper = new_keeper(got.session, cluster, pres[-1], last) if keep else None
         seen: list[Monitor] = []
         try:
             code = attach(got.session, got.state, seen)
         finally:
             if keeper is not None:
-                end_keeper(keeper, seen[0] if seen else None, cluster.host_of(0).index)
+                end_keeper(keeper, seen[0] if seen else None, keeper_hosts(cluster, keeper))
         mon = seen[0]
         if code in (EXIT_OK, EXIT_INTERRUPTED) or mon.user_stop or plan.left <= 0:
             if mon.user_stop:
@@ -139,12 +153,32 @@ def attempt(plan: healing.Plan, args: argparse.Namespace, view: launching.UpProg
         return blame(cluster, mon)
 
 
-def end_keeper(keeper: checkpoints.Keeper, mon: Monitor | None, host0: int) -> None:
-    """One last round while rank 0's host answers. When it is lost or silent, a round
-    may be waiting on it: that thread is left to end when the session closes the link
-    (before the next attempt puts anything back), not waited for."""
-    gone = mon is None or host0 in mon.lost or (
-        mon.cause is not None and host0 in mon.cause.silent)
+def new_keeper(session: Session, cluster: Cluster, pre: PreflightReport,
+               last: hostkeep.Kept) -> checkpoints.Keeper:
+    """The attempt's keeper, started: on the controller, or with `checkpoint_to: host` on
+    the host `hostkeep.choose` picks (said in a line; the controller when none fits)."""
+    if cluster.job.checkpoint_to != "host":
+        return checkpoints.Keeper(session, cluster).start()
+    choice = hostkeep.choose(cluster, pre.groups())
+    console.print(plain(choice.line))
+    last.chosen(cluster, choice)
+    if choice.host is None:
+        return checkpoints.Keeper(session, cluster).start()
+    return hostkeep.HostKeeper(session, cluster, choice.host).start()
+
+
+def keeper_hosts(cluster: Cluster, keeper: checkpoints.Keeper) -> set[int]:
+    """The hosts a keeper's round talks to: rank 0's, and the keeper host's."""
+    extra = {keeper.keeper.index} if isinstance(keeper, hostkeep.HostKeeper) else set()
+    return {cluster.host_of(0).index} | extra
+
+
+def end_keeper(keeper: checkpoints.Keeper, mon: Monitor | None, hosts: set[int]) -> None:
+    """One last round while rank 0's host (and the keeper host) answer. When one is lost
+    or silent, a round may be waiting on it: that thread is left to end when the session
+    closes the link (before the next attempt puts anything back), not waited for."""
+    gone = mon is None or bool(hosts & set(mon.lost)) or (
+        mon.cause is not None and bool(hosts & set(mon.cause.silent)))
     keeper.stop(final=not gone, timeout=1.0 if gone else 30.0)
 
 
@@ -162,6 +196,17 @@ def put_back(session: Session, pre: PreflightReport) -> None:
         shown = ", ".join(sent[:3]) + (f" and {len(sent) - 3} more" if len(sent) > 3 else "")
         where = ", ".join(h.label for h in leaders if result.ok.get(h.index))
         console.print(plain(f"checkpoint put back on {where}: {shown}"))
+
+
+def put_back_host(session: Session, pre: PreflightReport, last: hostkeep.Kept) -> None:
+    """`checkpoint_to: host`: put_back from the last attempt's keeper host (or what
+    survives it), relayed through the controller; said in a line."""
+    sent, where, source = hostkeep.put_back(session, pre, last)
+    if sent:
+        shown = ", ".join(sent[:3]) + (f" and {len(sent) - 3} more" if len(sent) > 3 else "")
+        console.print(plain(f"checkpoint put back on {', '.join(where)} from {source}: {shown}"))
+    elif source.startswith("nothing"):
+        console.print(plain(f"no checkpoint to put back: {source}"))
 
 
 def blame(cluster: Cluster, mon: Monitor) -> Failed:

@@ -23,7 +23,7 @@ from orchestrator.config.yamlnodes import TAG, Section, Source, exists, scalar_t
 from orchestrator.wire import globs
 
 JOB_KEYS = ("entrypoint", "args", "env", "master_port", "max_restarts", "hang_timeout", "array",
-            "restarts", "min_hosts", "checkpoint")
+            "restarts", "min_hosts", "checkpoint", "checkpoint_to")
 MAX_RESTARTS = 1000
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "GROUP_RANK")
@@ -32,6 +32,7 @@ _MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # what worker.train writes (worker/checkpoint.py: epoch-NNNNN.pt, written beside and renamed)
 DEFAULT_CHECKPOINT = ("output/checkpoints/*.pt",)
+CHECKPOINT_TO = ("controller", "host")   # where the kept copy lives (session/hostkeep.py)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class JobSpec:
     # globs relative to the job folder (wire/globs.py): kept off rank 0's host, put back
     # at a restart (session/checkpoints.py)
     checkpoint: tuple[str, ...] = DEFAULT_CHECKPOINT
+    # where the copy lives: "controller" (.orch/<name>/checkpoints/) or "host" (another
+    # host of the job, relayed through the controller)
+    checkpoint_to: str = "controller"
 
     @property
     def is_module(self) -> bool:
@@ -74,7 +78,8 @@ def parse_job(sec: Section, pushed: dict[str, Path], max_procs: int) -> JobSpec:
                    array=array, hang_timeout=hang,
                    restarts=sec.integer("restarts", 0, 0, MAX_RESTARTS, example=3),
                    min_hosts=sec.integer("min_hosts", None, 1, example=2),
-                   checkpoint=_checkpoint(sec))
+                   checkpoint=_checkpoint(sec),
+                   checkpoint_to=sec.choice("checkpoint_to", CHECKPOINT_TO, "controller"))
 
 
 def _entrypoint(sec: Section) -> str:

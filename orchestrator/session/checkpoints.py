@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config.inventory import Cluster
+from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import HostError
 from orchestrator.files.localfiles import DigestCache, LocalFile
 from orchestrator.files.pull import PullReport, Receiver, manifest, plan, receive
@@ -151,12 +151,8 @@ class Keeper:
         """One round now; False (and the reason recorded) when it failed."""
         host = self.cluster.host_of(0)
         try:
-            link = self.session.links.get(host.index)
-            if link is None:
-                raise HostError(f"{host.label}: not connected")
-            job_dir = self.session.records[host.index].job_dir
-            for folder, rests in folder_globs(self.cluster.job.checkpoint).items():
-                self._folder(link, job_dir, folder, rests)
+            link, job_dir = self.link_to(host)
+            self.one_round(link, job_dir)
         except Exception as e:  # recorded, never raised: the caller is watching a job
             with self.lock:
                 self.errors += 1
@@ -167,6 +163,18 @@ class Keeper:
             self.rounds += 1
             self.last_error = None
         return True
+
+    def link_to(self, host: Host) -> tuple[Link, str]:
+        """The session's link to a host and its job folder; HostError when it has none."""
+        link = self.session.links.get(host.index)
+        if link is None:
+            raise HostError(f"{host.label}: not connected")
+        return link, self.session.records[host.index].job_dir
+
+    def one_round(self, link: Link, job_dir: str) -> None:
+        """Rank 0's files (on `link`) into the controller's copy."""
+        for folder, rests in folder_globs(self.cluster.job.checkpoint).items():
+            self._folder(link, job_dir, folder, rests)
 
     def _folder(self, link: Link, job_dir: str, folder: str, rests: list[str]) -> None:
         _, remote = manifest(link, job_dir, [], folder=folder, globs=rests, settle=self.settle)
@@ -194,18 +202,20 @@ class Keeper:
 
 # ---------------------------------------------------------------- restore
 
-def restore(session: Session, cluster: Cluster, index: int | None = None) -> list[str]:
+def restore(session: Session, cluster: Cluster, index: int | None = None,
+            root: Path | None = None) -> list[str]:
     """Put the kept files back into the job folder of host `index` (default: the host of
     global rank 0; its agent up in `session`), those missing or different there only.
-    Returns their paths, relative to the job folder. Raises HostError when the host
-    cannot take them."""
+    `root`: where the kept files are (default `.orch/<name>/checkpoints/`; the relay's
+    staging folder for `checkpoint_to: host`). Returns their paths, relative to the job
+    folder. Raises HostError when the host cannot take them."""
     host = cluster.host_of(0) if index is None else cluster.hosts[index]
     link: Link | None = session.links.get(host.index)
     if link is None:
         raise HostError(f"{host.label}: not connected: the checkpoints cannot be put back")
     job_dir = session.records[host.index].job_dir
     cache = DigestCache(cluster.state_dir / "checkpoint-digests.json")
-    files = kept(cluster.state_dir / "checkpoints", cache, cluster.job.checkpoint)
+    files = kept(root or cluster.state_dir / "checkpoints", cache, cluster.job.checkpoint)
     cache.save()
     if not files:
         return []

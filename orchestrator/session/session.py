@@ -90,6 +90,7 @@ class Session:
         self.releasing: list[threading.Thread] = []
         self.waiting: gpuclaims.Waiting | None = None   # `up --wait`: GPUs are queued for
         self.attempts: list[dict[str, Any]] = []   # the run's restarts so far (its state keeps them)
+        self.pinned: set[int] = set()   # hosts release() leaves open (a checkpoint keeper host)
         self.warm = True   # torchrun started warm at preflight (not on a spare: it runs nothing)
         # what each host's folders will hold, when known before preflight (a call that
         # waits for the local list): a folder that holds exactly that is not listed back
@@ -181,7 +182,7 @@ class Session:
         ended well is not needed again (fail-fast stops the others; the pull is rank 0's
         host). At 128 hosts, closing them all at the end cost a third of a second."""
         link = self.records[index].link
-        if link is None:
+        if link is None or index in self.pinned:
             return
         self.records[index].link = None
         th = threading.Thread(target=end_link, args=(link,), daemon=True)

@@ -16,6 +16,9 @@ if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent st
     from typing import Any
 
 FOLDERS = ("output", "code")      # the job folders a checkpoint may live in
+# `job.checkpoint_to: host`: the keeper host's copy, <job dir>/checkpoints/<output|code>/...
+# (orch's folder: only orch writes or prunes it, session/hostkeep.py, agent/keep.py)
+KEEP = "checkpoints"
 MAX_GLOBS = 64                    # globs in job.checkpoint (and in one request)
 MAX_GLOB = 1024                   # bytes of one glob
 WILD = frozenset("*?[")

@@ -318,7 +318,8 @@ REQUESTS: dict[str, dict[str, Any]] = {
                                               "?gpus": [int], "?gpus_per_task": int}},
     "array_status": {"job_dir": str, "tasks": [int]},
     "array_results": {"job_dir": str, "tasks": [int]},
-    # paths relative to the folder (output/ unless `folder`: "output" or "code"); globs
+    # paths relative to the folder (output/ unless `folder`: "output", "code", or
+    # "checkpoints", the keeper host's copy: globs.KEEP); globs
     # (the checkpoint keeper): only the files they match, none written in the last `settle` s
     "pull_manifest": {"job_dir": str, "paths": [str], "?folder": str, "?globs": glob_list,
                       "?settle": NUM},
@@ -328,6 +329,10 @@ REQUESTS: dict[str, dict[str, Any]] = {
     # written beside and renamed, never recorded in code/'s ledger (agent/restore.py)
     "restore_check": {"job_dir": str, "files": restore_files},
     "restore": {"job_dir": str},
+    # `job.checkpoint_to: host`: the receive stream into <job dir>/checkpoints/ (paths
+    # output/... or code/...), recorded in its own ledger; `end` deletes only what orch
+    # put there (agent/keep.py)
+    "keep_receive": {"job_dir": str},
     "clock": {},                          # the host's time now: offsets measured NTP-style
     # setup: `commands` (each run with the host's shell, -c) or `script` (a file in code/),
     # in code/; skipped when run/setup.json holds `fingerprint` (unless `force`)
@@ -402,6 +407,7 @@ REPLIES: dict[str, dict[str, Any]] = {
     "pull_send": {"files": int, "bytes": int},
     "restore_check": {"want": [str]},
     "restore": {"files": int, "bytes": int},
+    "keep_receive": {"files": int, "bytes": int, "deleted": int},
     "clock": {"time": NUM},
     "array_launch": {"supervisor": SUPERVISOR},
     "array_status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
