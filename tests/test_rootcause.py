@@ -69,15 +69,19 @@ def handlers(*, fail: tuple[int, int, float, float] | None, stopped: threading.E
         if chan.host.index == silent:
             return                               # frozen: no beat, no exit, ever
         ended = set()
+        failed = threading.Event()   # the failure's exit event is out
         if fail and fail[0] in msg["ranks"]:
             rank, code, at, delay = fail
             ended.add(rank)
-            later(at + delay, lambda: chan.push(protocol.event(
-                "exit", rank=rank, code=code, time=t0 + at + skew)))
+
+            def exit_event() -> None:
+                chan.push(protocol.event("exit", rank=rank, code=code, time=t0 + at + skew))
+                failed.set()
+            later(since(t0, at + delay), exit_event)
         if consequence and consequence[0] in msg["ranks"]:
             crank, ccode, cat = consequence
             ended.add(crank)
-            later(cat, lambda: chan.push(protocol.event(
+            later(since(t0, cat), lambda: chan.push(protocol.event(
                 "exit", rank=crank, code=ccode, time=t0 + cat + skew)))
 
         def beat() -> None:
@@ -87,7 +91,7 @@ def handlers(*, fail: tuple[int, int, float, float] | None, stopped: threading.E
         def end() -> None:
             stopped.wait(30)
             if fail and fail[0] in msg["ranks"]:   # a host's `done` comes after all its exits
-                time.sleep(max(0.0, t0 + fail[2] + fail[3] + 0.05 - time.time()))
+                failed.wait(30)
             stop_at = time.time() + skew
             for r in msg["ranks"]:
                 if r not in ended:   # killed by the stop: tagged by the host
@@ -111,6 +115,12 @@ def handlers(*, fail: tuple[int, int, float, float] | None, stopped: threading.E
         if chan.host.index != silent:
             fake_agent.clock(chan, msg)
     return {"follow": follow, "stop": stop, "status": status, "clock": clock}
+
+
+def since(t0: float, at: float) -> float:
+    """Seconds from now until `at` seconds after t0: every timer of a job counts from the
+    same start, however late (under load) a host's follow begins."""
+    return max(0.0, t0 + at - time.time())
 
 
 def flat(capsys) -> str:
