@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--size-to-binarize", type=_positive(int), default=256,
       help="TernGrad: tensors with fewer elements stay float")
     a("--quantize-logits", action="store_true", help="TernGrad: quantise the last layer too")
+    a("--error-feedback", action=argparse.BooleanOptionalAction, default=False,
+      help="TernGrad: add what each rank's last message left out to its next gradient")
     return p
 
 
@@ -313,7 +315,8 @@ def _install_comm_hook(ddp: DDP, args: argparse.Namespace, logits: set[str]) -> 
     return install_comm_hook(ddp, args.grad_compression, clip_factor=args.clip_factor,
                              size_to_binarize=args.size_to_binarize,
                              quantize_logits=args.quantize_logits,
-                             logits_param_names=logits, seed=args.seed)
+                             logits_param_names=logits, seed=args.seed,
+                             error_feedback=args.error_feedback)
 
 
 def _restore(args: argparse.Namespace, ctx: Ctx, model: nn.Module,
