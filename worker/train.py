@@ -144,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--size-to-binarize", type=_positive(int), default=256,
       help="TernGrad: tensors with fewer elements stay float")
     a("--quantize-logits", action="store_true", help="TernGrad: quantise the last layer too")
-    a("--error-feedback", action=argparse.BooleanOptionalAction, default=False,
-      help="TernGrad: add what each rank's last message left out to its next gradient")
+    a("--error-feedback", action=argparse.BooleanOptionalAction,
+      help="TernGrad: add what each rank's last message left out to its next gradient "
+           "(default: on with terngrad; --no-error-feedback: the paper's TernGrad)")
     return p
 
 
@@ -158,12 +159,22 @@ def check_folds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--folds {args.folds} --fold {args.fold}: need K >= 2 and 0 <= k < K")
 
 
+def check_error_feedback(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--error-feedback defaults to on with TernGrad; it means nothing for the others."""
+    ternary = getattr(args, "grad_compression", None) == "terngrad"
+    if getattr(args, "error_feedback", None) is None:
+        args.error_feedback = ternary
+    elif args.error_feedback and not ternary:
+        parser.error("--error-feedback works with --grad-compression terngrad only")
+
+
 def parse_args(argv: list[str] | None = None,
                parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """`parser`: another program's (worker.hogwild), checked and completed the same way."""
     parser = parser or build_parser()
     args = parser.parse_args(argv)
     check_folds(parser, args)
+    check_error_feedback(parser, args)
     args.model = ALIASES.get(args.model, args.model)
     args.image_size = args.image_size or DEFAULT_IMAGE_SIZE[args.model]
     return args
