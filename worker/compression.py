@@ -75,22 +75,20 @@ class CommStats:
 # Encoding: pure tensor functions, usable without torch.distributed.
 
 
-def local_scaler(grad: torch.Tensor, clip_factor: float | None = None,
-                 rows: int = 1) -> torch.Tensor:
-    """This rank's scaler for one tensor: ``max|g|`` or ``clip_factor * std(g)``; with
-    ``rows`` > 1, one per row of ``grad`` seen as ``rows`` equal rows (shape ``(rows,)``).
+def local_scaler(grad: torch.Tensor, clip_factor: float | None = None) -> torch.Tensor:
+    """This rank's scaler for one tensor: ``max|g|`` or ``clip_factor * std(g)``.
 
     With a clip factor, a constant tensor has std 0; it then falls back to ``max|g|``
     so that its gradient is not silently zeroed (the reference would send zeros).
     """
-    g = grad.detach().float().reshape(rows, -1)
-    low, high = torch.aminmax(g, dim=1)  # no |g| temporary; NaN and inf propagate
+    g = grad.detach().reshape(-1).float()
+    low, high = torch.aminmax(g)  # no |g| temporary; NaN and inf propagate
     max_abs = torch.maximum(-low, high)
-    if clip_factor is not None:
-        # Population std, as the reference computes it (sqrt(mean((g - mean)^2))).
-        clipped = (clip_factor * g.std(dim=1, correction=0)).nan_to_num(0.0)
-        max_abs = torch.where(clipped > 0, clipped, max_abs)
-    return max_abs[0] if rows == 1 else max_abs
+    if clip_factor is None:
+        return max_abs
+    # Population std, as the reference computes it (sqrt(mean((g - mean)^2))).
+    clipped = (clip_factor * g.std(correction=0)).nan_to_num(0.0)
+    return torch.where(clipped > 0, clipped, max_abs)
 
 
 def ternarize(grad: torch.Tensor, scaler: torch.Tensor | float,
@@ -219,19 +217,10 @@ class _Layout:
     quant: list[tuple[int, int]]  # (offset, numel) per quantised tensor
     floats: list[tuple[int, int]]
     keys: list[int] = field(default_factory=list)  # data_ptr of each quantised parameter
-    rows: list[int] = field(default_factory=list)  # scalers of each quantised parameter
 
     @property
     def quant_numel(self) -> int:
         return sum(n for _, n in self.quant)
-
-    def scale(self, shared: torch.Tensor, k: int) -> torch.Tensor:
-        """Scaler of quantised tensor k: one value, or one per element (row scalers)."""
-        start, rows = sum(self.rows[:k]), self.rows[k]
-        if rows == 1:
-            return shared[start]
-        # Python-int repeats: no host sync on a GPU.
-        return shared[start:start + rows].repeat_interleave(self.quant[k][1] // rows)
 
 
 @dataclass
@@ -252,7 +241,6 @@ class TernGradState(_CountingState):
     float_params: frozenset[int] = frozenset()  # data_ptr of parameters kept float
     seed: int = 0
     error_feedback: bool = False
-    row_scalers: bool = False  # one scaler per output row of a matrix or filter bank
     # Per quantised parameter (by data_ptr): what this rank's messages have left out so
     # far, flat, in the gradient's dtype. Local to the rank; empty without error feedback.
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -279,7 +267,6 @@ class TernGradState(_CountingState):
             (out.floats if keep_float else out.quant).append((offset, n))
             if not keep_float:
                 out.keys.append(param.data_ptr())
-                out.rows.append(param.shape[0] if self.row_scalers and param.dim() > 1 else 1)
             offset += n
         return out
 
@@ -334,8 +321,8 @@ def _shared_scalers(state: TernGradState, buf: torch.Tensor,
     then NaN, so the layers decode to NaN as they would without compression (AMP's
     GradScaler sees it and skips the step) instead of silently becoming zeros.
     """
-    local = torch.cat([local_scaler(buf[o:o + n], state.clip_factor, r).reshape(-1)
-                       for (o, n), r in zip(layout.quant, layout.rows)])
+    local = torch.stack([local_scaler(buf[o:o + n], state.clip_factor)
+                         for o, n in layout.quant])
     flag = (~torch.isfinite(local)).any().to(local.dtype).reshape(1)
     reduced = torch.cat([local, flag])
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=state.group)
@@ -346,10 +333,10 @@ def _shared_scalers(state: TernGradState, buf: torch.Tensor,
 def _ternarize_layers(state: TernGradState, buf: torch.Tensor, layout: _Layout,
                       shared: torch.Tensor) -> torch.Tensor:
     if state.error_feedback:
-        return torch.cat([ternarize_nearest(buf[o:o + n], layout.scale(shared, k))
+        return torch.cat([ternarize_nearest(buf[o:o + n], shared[k])
                           for k, (o, n) in enumerate(layout.quant)])
     gen = state.generator(buf.device)
-    return torch.cat([ternarize(buf[o:o + n], layout.scale(shared, k), gen)
+    return torch.cat([ternarize(buf[o:o + n], shared[k], gen)
                       for k, (o, n) in enumerate(layout.quant)])
 
 
@@ -403,13 +390,12 @@ def _keep_residuals(state: TernGradState, buf: torch.Tensor, layout: _Layout,
     """
     pos = 0
     for k, ((o, n), key) in enumerate(zip(layout.quant, layout.keys)):
-        scale = layout.scale(shared, k)
-        left_out = buf[o:o + n] - decode_ternary(codes[pos:pos + n], scale, buf.dtype)
+        left_out = buf[o:o + n] - decode_ternary(codes[pos:pos + n], shared[k], buf.dtype)
         residual = state.residuals.get(key)
         if residual is None or residual.numel() != n:
             residual = state.residuals[key] = torch.zeros_like(left_out)
         # torch.where, not an `if`: no host sync per layer on a GPU
-        residual.copy_(torch.where(torch.isfinite(scale), left_out, residual))
+        residual.copy_(torch.where(torch.isfinite(shared[k]), left_out, residual))
         pos += n
 
 
@@ -421,7 +407,7 @@ def _average_into(buf: torch.Tensor, gathered: list[torch.Tensor], layout: _Layo
     pos = 0
     for k, (o, n) in enumerate(layout.quant):
         # mean of the ternaries = (sum of codes - W) * s / W
-        factor = (layout.scale(shared, k) / world).to(buf.dtype)
+        factor = (shared[k] / world).to(buf.dtype)
         torch.mul(sums[pos:pos + n] - world * _ZERO_CODE, factor, out=buf[o:o + n])
         pos += n
     if layout.floats:
@@ -434,7 +420,7 @@ def _record(state: TernGradState, index: int, buf: torch.Tensor, layout: _Layout
             shared: torch.Tensor) -> None:
     mine, pos = torch.empty_like(buf), 0
     for k, (o, n) in enumerate(layout.quant):
-        mine[o:o + n] = decode_ternary(codes[pos:pos + n], layout.scale(shared, k), buf.dtype)
+        mine[o:o + n] = decode_ternary(codes[pos:pos + n], shared[k], buf.dtype)
         pos += n
     _scatter_segments(mine, layout.floats, floats)
     state.records[index] = BucketRecord(local, shared, mine, buf.clone(), layout)
@@ -461,8 +447,7 @@ def _logits_params(module: torch.nn.Module, names: set[str] | frozenset[str]
 def _terngrad_state(ddp_model: Any, stats: CommStats, process_group: Any,
                     clip_factor: float | None, size_to_binarize: int,
                     quantize_logits: bool, logits_param_names: set[str] | frozenset[str],
-                    seed: int, error_feedback: bool = False,
-                    row_scalers: bool = False) -> TernGradState:
+                    seed: int, error_feedback: bool = False) -> TernGradState:
     if clip_factor is not None and not clip_factor > 0:
         raise ValueError(f"clip_factor must be > 0 (the paper uses 2.5), got {clip_factor}")
     if size_to_binarize < 1:
@@ -473,14 +458,14 @@ def _terngrad_state(ddp_model: Any, stats: CommStats, process_group: Any,
     return TernGradState(process_group, stats, clip_factor=clip_factor,
                          size_to_binarize=size_to_binarize,
                          float_params=frozenset(p.data_ptr() for p in logits), seed=seed,
-                         error_feedback=error_feedback, row_scalers=row_scalers)
+                         error_feedback=error_feedback)
 
 
 def install_comm_hook(ddp_model: Any, kind: str, *, clip_factor: float | None = None,
                       size_to_binarize: int = 256, quantize_logits: bool = False,
                       logits_param_names: set[str] | frozenset[str] = frozenset(),
                       process_group: Any = None, seed: int = 0,
-                      error_feedback: bool = False, row_scalers: bool = False) -> CommStats:
+                      error_feedback: bool = False) -> CommStats:
     """Register the gradient communication hook ``kind`` on a DDP model.
 
     ``kind``: ``none`` (fp32 allreduce, DDP's default semantics), ``fp16`` (torch's
@@ -493,9 +478,7 @@ def install_comm_hook(ddp_model: Any, kind: str, *, clip_factor: float | None = 
     the logits layer stays float: the parameters named in ``logits_param_names``, or,
     if none are named, those of the last module that owns parameters), ``seed`` (the
     random draws of rank r are seeded from ``seed`` and r), ``error_feedback`` (keep
-    each quantised parameter's residual on this rank and add it to the next gradient),
-    ``row_scalers`` (one scaler per output row of every quantised matrix or filter bank,
-    4 more bytes each, instead of one per tensor).
+    each quantised parameter's residual on this rank and add it to the next gradient).
 
     Call it once, after wrapping the model in DDP and before the first backward.
     """
@@ -508,7 +491,7 @@ def install_comm_hook(ddp_model: Any, kind: str, *, clip_factor: float | None = 
     if kind == "terngrad":
         state: _CountingState = _terngrad_state(
             ddp_model, stats, process_group, clip_factor, size_to_binarize,
-            quantize_logits, logits_param_names, seed, error_feedback, row_scalers)
+            quantize_logits, logits_param_names, seed, error_feedback)
     else:
         state = _CountingState(process_group, stats)
     stats.hook_state = state

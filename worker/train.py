@@ -144,8 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--size-to-binarize", type=_positive(int), default=256,
       help="TernGrad: tensors with fewer elements stay float")
     a("--quantize-logits", action="store_true", help="TernGrad: quantise the last layer too")
-    a("--row-scalers", action="store_true",
-      help="TernGrad: one scaler per output row (neuron, filter) instead of per layer")
     a("--error-feedback", action=argparse.BooleanOptionalAction,
       help="TernGrad: add what each rank's last message left out to its next gradient "
            "(default: on with terngrad; --no-error-feedback: the paper's TernGrad)")
@@ -329,8 +327,7 @@ def _install_comm_hook(ddp: DDP, args: argparse.Namespace, logits: set[str]) -> 
                              size_to_binarize=args.size_to_binarize,
                              quantize_logits=args.quantize_logits,
                              logits_param_names=logits, seed=args.seed,
-                             error_feedback=args.error_feedback,
-                             row_scalers=args.row_scalers)
+                             error_feedback=args.error_feedback)
 
 
 def _restore(args: argparse.Namespace, ctx: Ctx, model: nn.Module,
