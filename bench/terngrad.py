@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accuracy", action="store_true",
                    help="train for real and report accuracy per epoch (not bytes per step)")
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
-                   help="--accuracy: demo (6 classes) and/or hard (20 classes)")
+                   help="--accuracy: demo (6 classes), hard (20 classes), demo-sgd (SGD)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="--accuracy")
     p.add_argument("--epochs", type=int, default=8, help="--accuracy (the demo reaches 0.95 by 8)")
     p.add_argument("--model", default="lenet", help="a model of worker.models (default lenet)")

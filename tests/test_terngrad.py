@@ -365,3 +365,33 @@ def _worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_hooks_in_multiprocess_gloo_run(world: int) -> None:
     spawn_ranks(_worker, world, SPAWN_TIMEOUT_S)
+
+
+# ---------------------------------------------------------------------------
+# The training program's option
+
+
+def test_error_feedback_option_is_for_terngrad_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from worker import train
+
+    assert train.parse_args(["--grad-compression", "terngrad", "--error-feedback"]).error_feedback
+    assert not train.parse_args(["--grad-compression", "terngrad"]).error_feedback
+    with pytest.raises(SystemExit) as stop:
+        train.parse_args(["--grad-compression", "fp16", "--error-feedback"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: rank 0: --error-feedback works with --grad-compression "
+                          "terngrad only (fix: ") and "Traceback" not in err
+
+
+def test_nearest_rounding_contracts_where_random_draws_do_not() -> None:
+    """Why feedback uses nearest rounding: its error is below the gradient's own size."""
+    grad = torch.randn(100_000, generator=torch.Generator().manual_seed(1))
+    s = 1.5 * grad.std(correction=0)
+    nearest = C.decode_ternary(C.ternarize_nearest(grad, s), s)
+    assert set(torch.unique(nearest / s).tolist()) == {-1.0, 0.0, 1.0}
+    assert torch.equal(nearest == 0, grad.abs() <= s / 2)
+    assert ((nearest - grad) ** 2).sum() < 0.25 * (grad ** 2).sum()
+    wide = 2.5 * grad.std(correction=0)
+    drawn = C.decode_ternary(C.ternarize(grad, wide, torch.Generator().manual_seed(2)), wide)
+    assert ((drawn - grad) ** 2).sum() > 0.9 * (grad ** 2).sum()

@@ -144,9 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--size-to-binarize", type=_positive(int), default=256,
       help="TernGrad: tensors with fewer elements stay float")
     a("--quantize-logits", action="store_true", help="TernGrad: quantise the last layer too")
-    a("--error-feedback", action=argparse.BooleanOptionalAction,
-      help="TernGrad: add what each rank's last message left out to its next gradient "
-           "(default: on with terngrad; --no-error-feedback: the paper's TernGrad)")
+    a("--error-feedback", action="store_true",
+      help="TernGrad: add what each rank's last message left out to its next gradient")
     return p
 
 
@@ -160,11 +159,8 @@ def check_folds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 
 def check_error_feedback(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--error-feedback defaults to on with TernGrad; it means nothing for the others."""
-    ternary = getattr(args, "grad_compression", None) == "terngrad"
-    if getattr(args, "error_feedback", None) is None:
-        args.error_feedback = ternary
-    elif args.error_feedback and not ternary:
+    """--error-feedback changes TernGrad's codes; it means nothing for the other kinds."""
+    if getattr(args, "error_feedback", False) and args.grad_compression != "terngrad":
         parser.error("--error-feedback works with --grad-compression terngrad only")
 
 
