@@ -1,9 +1,13 @@
-"""Gradient bytes per step and step time for none / fp16 / terngrad (gloo, CPU).
+"""Gradient bytes per step and step time for none / fp16 / terngrad (gloo, CPU);
+with --accuracy, validation accuracy per epoch of fp32, TernGrad and TernGrad with error
+feedback in real 2-process trainings.
 
     .venv/bin/python bench/terngrad.py                 # W = 2 and 4, the demo model
     .venv/bin/python bench/terngrad.py --workers 2 --steps 10 --json out.json
+    .venv/bin/python bench/terngrad.py --accuracy      # ~15-25 min on 2 cores
+    .venv/bin/python bench/terngrad.py --accuracy --settings demo --seeds 0
 
-For every world size W it starts W processes on 127.0.0.1 (gloo, one thread each) that
+Bytes mode: for every world size W it starts W processes on 127.0.0.1 (gloo, one thread each) that
 train the demo model on random 32x32 images with each hook in turn, and prints per
 kind: the gradient bytes one rank handed to collectives per step (CommStats.bytes_sent),
 the ratio to ``none``, an estimate of what a ring algorithm puts on the wire per rank
@@ -12,6 +16,12 @@ median step time (forward, backward with communication, SGD step). ``terngrad+lo
 is TernGrad with --quantize-logits. Loopback is far faster than a real network, and
 with fewer cores than W the step times include CPU contention: they show the cost of
 encoding, not the saving on a slow link.
+
+Accuracy mode (bench/terngrad_accuracy.py): ``torchrun --nproc-per-node 2 -m
+worker.train`` (gloo, one thread per process) per setting x seed x variant, on the demo
+data made by worker.demo_data; prints per setting a table of validation accuracy per epoch
+(mean +- std over the seeds) and the gradient bytes per epoch from metrics.csv, and writes
+them to bench/out/terngrad-accuracy.md. Accuracy does not depend on the machine's load.
 """
 from __future__ import annotations
 
@@ -150,7 +160,15 @@ def format_table(rows: list[dict]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from terngrad_accuracy import SETTINGS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--accuracy", action="store_true",
+                   help="train for real and report accuracy per epoch (not bytes per step)")
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
+                   help="--accuracy: demo (6 classes), hard (20 classes), demo-sgd (SGD)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="--accuracy")
+    p.add_argument("--epochs", type=int, default=8, help="--accuracy (the demo reaches 0.95 by 8)")
     p.add_argument("--model", default="lenet", help="a model of worker.models (default lenet)")
     p.add_argument("--classes", type=int, default=6, help="logits (the demo task has 6)")
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4])
@@ -166,6 +184,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.accuracy:
+        from terngrad_accuracy import run_accuracy
+
+        return run_accuracy(args.settings, args.seeds, args.epochs)
     rows = [row for world in args.workers for row in run_world(args, world)]
     print(f"model={args.model} batch={args.batch_size}/rank steps={args.steps} "
           f"params={rows[0]['params']:,} clip_factor={args.clip_factor}")

@@ -99,7 +99,8 @@ def test_terngrad_codec_stays_on_the_gpu_without_host_sync() -> None:
         layout = C._Layout(quant=[(0, 6000), (6000, 4001)], floats=[])
         buf, shared = grad.clone(), torch.stack([scaler, scaler])
         C._average_into(buf, [packed, packed], layout, shared)
-    for t in (scaler, packed, decoded, sums, buf):
+        nearest = C.ternarize_nearest(grad, scaler)  # --error-feedback's codes
+    for t in (scaler, packed, decoded, sums, buf, nearest):
         assert t.device.type == "cuda"
     assert packed.numel() == 2501 and packed.dtype == torch.uint8
     values = set(torch.unique(decoded / scaler).tolist())

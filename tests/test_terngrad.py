@@ -238,6 +238,109 @@ def _run_none_and_fp16(rank: int) -> None:
             torch.testing.assert_close(grad, raw[name], rtol=tol, atol=tol)
 
 
+# ---------------------------------------------------------------------------
+# Error feedback (same runs)
+
+EF_STEPS = 5
+EF_CLIP = 1.0  # clips often: much of each gradient is left out and must come back later
+
+
+def _local_grads(base: nn.Module, rank: int, step: int) -> dict[str, torch.Tensor]:
+    """This rank's own gradient (what reaches the hook), flat, at the base weights."""
+    local = copy.deepcopy(base)
+    x, y = _batch(rank, step)
+    nn.functional.cross_entropy(local(x), y).backward()
+    return {n: _grad(p).reshape(-1).clone() for n, p in local.named_parameters()}
+
+
+def _sent_by_me(state: C.TernGradState, names: dict[int, str]
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Per quantised parameter: this rank's decoded ternaries and its local scaler."""
+    sent, scalers = {}, {}
+    for rec in state.records.values():
+        for k, ((o, n), key) in enumerate(zip(rec.layout.quant, rec.layout.keys)):
+            sent[names[key]] = rec.local_decoded[o:o + n].clone()
+            scalers[names[key]] = rec.local_scalers[k]
+    state.records.clear()
+    return sent, scalers
+
+
+def _residual(state: C.TernGradState, param: torch.Tensor) -> torch.Tensor:
+    kept = state.residuals.get(param.data_ptr())
+    return torch.zeros(param.numel()) if kept is None else kept.clone()
+
+
+def _ef_step(ddp: DDP, state: C.TernGradState, base: nn.Module, rank: int, step: int,
+             sums: dict[str, dict[str, torch.Tensor]]) -> None:
+    """One step: check what was quantised and what was kept, and add up the sums."""
+    params = dict(ddp.module.named_parameters())
+    quant = [n for n in params if n not in FLOAT_NAMES]
+    before = {n: _residual(state, params[n]) for n in quant}
+    applied = _ddp_step(ddp, rank, step)
+    raw = _local_grads(base, rank, step)
+    sent, scalers = _sent_by_me(state, {p.data_ptr(): n for n, p in params.items()})
+    assert sorted(sent) == sorted(quant)
+    for n in quant:
+        # The residual was added before quantising: the scaler is that of gradient + residual.
+        expected = C.local_scaler(raw[n] + before[n], EF_CLIP)
+        torch.testing.assert_close(scalers[n], expected, rtol=1e-5, atol=1e-8)
+        # ... and the new residual is what this rank's message left out.
+        torch.testing.assert_close(_residual(state, params[n]), raw[n] + before[n] - sent[n],
+                                   rtol=1e-5, atol=1e-6)
+        for key, value in (("raw", raw[n]), ("sent", sent[n]),
+                           ("applied", applied[n].reshape(-1)),
+                           ("raw_mean", _all_gather(raw[n]).mean(dim=0))):
+            sums[key][n] = sums[key].get(n, torch.zeros_like(value)) + value
+
+
+def _check_ef_sums(ddp: DDP, state: C.TernGradState,
+                   sums: dict[str, dict[str, torch.Tensor]]) -> None:
+    params = dict(ddp.module.named_parameters())
+    for n, raw_sum in sums["raw"].items():
+        residual = _residual(state, params[n])
+        # On this rank: everything it sent plus what it still holds = its raw gradients.
+        torch.testing.assert_close(sums["sent"][n] + residual, raw_sum, rtol=1e-4, atol=1e-5)
+        # Over the ranks: what every rank applied plus the mean residual = the fp32 means.
+        torch.testing.assert_close(sums["applied"][n] + _all_gather(residual).mean(dim=0),
+                                   sums["raw_mean"][n], rtol=1e-4, atol=1e-5)
+        # Without the residual the applied sum is off (clipping at 1 std left much out).
+        assert not torch.allclose(sums["applied"][n], sums["raw_mean"][n], atol=1e-3), n
+        # Fed back, the residual stays of the order of one gradient (no random walk).
+        assert residual.abs().max() <= 3 * raw_sum.abs().max() / EF_STEPS + 1e-6, n
+    assert len(state.residuals) == len(sums["raw"])  # the float tensors keep none
+
+
+def _run_error_feedback(rank: int) -> None:
+    torch.manual_seed(0)
+    base = _model()
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.004)
+    stats = C.install_comm_hook(ddp, "terngrad", size_to_binarize=SIZE_TO_BINARIZE,
+                                logits_param_names={"4.weight", "4.bias"},
+                                clip_factor=EF_CLIP, error_feedback=True)
+    state = stats.hook_state
+    state.record = True
+    sums: dict[str, dict[str, torch.Tensor]] = {k: {} for k in ("raw", "sent", "applied",
+                                                                 "raw_mean")}
+    # No optimizer step: the weights stay at base, so each step's raw gradient is known.
+    # Step 0 uses DDP's initial buckets, later steps the rebuilt ones (residuals survive).
+    for step in range(EF_STEPS):
+        _ef_step(ddp, state, base, rank, step, sums)
+    _check_ef_sums(ddp, state, sums)
+    # A non-finite step (inf on rank 1) leaves every rank's residuals as they were.
+    kept = {k: v.clone() for k, v in state.residuals.items()}
+    state.record = False
+    _check_non_finite_propagates(ddp, rank)
+    assert all(torch.equal(kept[k], v) for k, v in state.residuals.items())
+
+
+def _run_no_feedback_keeps_nothing(rank: int) -> None:
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(_model())
+    stats = C.install_comm_hook(ddp, "terngrad", size_to_binarize=SIZE_TO_BINARIZE)
+    _ddp_step(ddp, rank, 0)
+    assert stats.hook_state.residuals == {}
+
+
 def _worker(rank: int, world: int, port: int) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
@@ -245,6 +348,8 @@ def _worker(rank: int, world: int, port: int) -> None:
                             rank=rank, world_size=world)
     try:
         _run_terngrad(rank, world)
+        _run_error_feedback(rank)
+        _run_no_feedback_keeps_nothing(rank)
         _run_none_and_fp16(rank)
         dist.barrier()
     finally:
@@ -260,3 +365,33 @@ def _worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_hooks_in_multiprocess_gloo_run(world: int) -> None:
     spawn_ranks(_worker, world, SPAWN_TIMEOUT_S)
+
+
+# ---------------------------------------------------------------------------
+# The training program's option
+
+
+def test_error_feedback_option_is_for_terngrad_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from worker import train
+
+    assert train.parse_args(["--grad-compression", "terngrad", "--error-feedback"]).error_feedback
+    assert not train.parse_args(["--grad-compression", "terngrad"]).error_feedback
+    with pytest.raises(SystemExit) as stop:
+        train.parse_args(["--grad-compression", "fp16", "--error-feedback"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: rank 0: --error-feedback works with --grad-compression "
+                          "terngrad only (fix: ") and "Traceback" not in err
+
+
+def test_nearest_rounding_contracts_where_random_draws_do_not() -> None:
+    """Why feedback uses nearest rounding: its error is below the gradient's own size."""
+    grad = torch.randn(100_000, generator=torch.Generator().manual_seed(1))
+    s = 1.5 * grad.std(correction=0)
+    nearest = C.decode_ternary(C.ternarize_nearest(grad, s), s)
+    assert set(torch.unique(nearest / s).tolist()) == {-1.0, 0.0, 1.0}
+    assert torch.equal(nearest == 0, grad.abs() <= s / 2)
+    assert ((nearest - grad) ** 2).sum() < 0.25 * (grad ** 2).sum()
+    wide = 2.5 * grad.std(correction=0)
+    drawn = C.decode_ternary(C.ternarize(grad, wide, torch.Generator().manual_seed(2)), wide)
+    assert ((drawn - grad) ** 2).sum() > 0.9 * (grad ** 2).sum()

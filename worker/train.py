@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--size-to-binarize", type=_positive(int), default=256,
       help="TernGrad: tensors with fewer elements stay float")
     a("--quantize-logits", action="store_true", help="TernGrad: quantise the last layer too")
+    a("--error-feedback", action="store_true",
+      help="TernGrad: add what each rank's last message left out to its next gradient")
     return p
 
 
@@ -156,12 +158,19 @@ def check_folds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--folds {args.folds} --fold {args.fold}: need K >= 2 and 0 <= k < K")
 
 
+def check_error_feedback(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--error-feedback changes TernGrad's codes; it means nothing for the other kinds."""
+    if getattr(args, "error_feedback", False) and args.grad_compression != "terngrad":
+        parser.error("--error-feedback works with --grad-compression terngrad only")
+
+
 def parse_args(argv: list[str] | None = None,
                parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
     """`parser`: another program's (worker.hogwild), checked and completed the same way."""
     parser = parser or build_parser()
     args = parser.parse_args(argv)
     check_folds(parser, args)
+    check_error_feedback(parser, args)
     args.model = ALIASES.get(args.model, args.model)
     args.image_size = args.image_size or DEFAULT_IMAGE_SIZE[args.model]
     return args
@@ -313,7 +322,8 @@ def _install_comm_hook(ddp: DDP, args: argparse.Namespace, logits: set[str]) -> 
     return install_comm_hook(ddp, args.grad_compression, clip_factor=args.clip_factor,
                              size_to_binarize=args.size_to_binarize,
                              quantize_logits=args.quantize_logits,
-                             logits_param_names=logits, seed=args.seed)
+                             logits_param_names=logits, seed=args.seed,
+                             error_feedback=args.error_feedback)
 
 
 def _restore(args: argparse.Namespace, ctx: Ctx, model: nn.Module,
