@@ -14,7 +14,7 @@ import time
 
 from orchestrator.agent.common import AgentError, folder_of
 from orchestrator.agent.common import StreamIdle as StreamIdle  # (raised here; tests name it here)
-from orchestrator.agent.ledger import Ledger
+from orchestrator.agent.ledger import Ledger, same
 from orchestrator.agent.paths import (
     PART,
     Dirs,
@@ -125,7 +125,7 @@ def is_leftover(name: str) -> bool:
     return name.startswith(STAGING) or PART in name
 
 
-def manifest(jd: JobDir, folder: str) -> dict[str, Any]:
+def manifest(jd: JobDir, folder: str, expect: str | None = None) -> dict[str, Any]:
     """{relpath: [size, sha256 or "link:<target>"]} of what orch pushed into the folder
     and is still there (agent/ledger.py); digests kept by (size, mtime, inode).
 
@@ -133,18 +133,30 @@ def manifest(jd: JobDir, folder: str) -> dict[str, Any]:
     receiver that did not finish (its journal is there), or a host upgraded from the old
     digest cache, gets its staging folders and .orch-part- files removed first;
     manifests are made before a push, when no receiver writes here.
+
+    `expect`: the controller's manifest_token of what it will push. When the folder
+    holds exactly that, the answer is {"root", "files": {}, "same": True}: from the
+    ledger's signature alone while every file's stat key stands (no JSON read, no file
+    hashed), else from the full manifest (which then writes the signature anew).
     """
     if jd.lstat(folder) is None:
         return {"root": jd.show(folder), "files": {}}
     lock = receive_lock(jd, folder)
     try:
+        if expect is not None and same(jd, folder, expect):
+            return {"root": jd.show(folder), "files": {}, "same": True}
         ledger = Ledger(jd, folder)
         if ledger.interrupted or not ledger.found:
             jd.sweep(folder, is_leftover)
         if not ledger.found:   # the cache of orch before the ledger: every file, the job's too
             jd.unlink("run/%s-digests.json" % folder)
         files = ledger.manifest()
-        ledger.save()
+        wrote = ledger.save()
+        if expect is not None and protocol.manifest_token(
+                (rel, e[1]) for rel, e in files.items()) == expect:
+            if not wrote:
+                ledger.write_sig()   # missing or stale: the next check is the quick one
+            return {"root": jd.show(folder), "files": {}, "same": True}
     finally:
         os.close(lock)
     return {"root": jd.show(folder), "files": files}
@@ -157,16 +169,14 @@ def send_manifest(req: Request, part_folder: str, jd: JobDir, folder: str,
     `expect`: the controller's manifest_token of what it will push; when the folder
     holds exactly that, one part says `same` and carries no entries (a hundred thousand
     files are 10 MB of JSON the controller then neither receives nor parses)."""
-    found = manifest(jd, folder)
-    if expect is not None and protocol.manifest_token(
-            (rel, e[1]) for rel, e in found["files"].items()) == expect:
+    found = manifest(jd, folder, expect)
+    shown: str = found["root"]
+    if found.get("same"):
         req.part("manifest", {"folder": part_folder, "files": {}, "same": expect})
-        root: str = found["root"]
-        return root
+        return shown
     items, step = list(found["files"].items()), protocol.MANIFEST_PART
     for i in range(0, max(len(items), 1), step):
         req.part("manifest", {"folder": part_folder, "files": dict(items[i:i + step])})
-    shown: str = found["root"]
     return shown
 
 

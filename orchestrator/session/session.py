@@ -355,6 +355,6 @@ class Session:
         if link is None:
             self.require_all("to connect")
             raise HostError(f"{host.label}: not connected")
-        cache = DigestCache(self.cluster.state_dir / "pull-digests.json")
+        cache = DigestCache(self.cluster.state_dir / "pull-digests.bin")
         return pull_files(link, self.records[host.index].job_dir, paths, dest, cache,
                           progress, planned)
