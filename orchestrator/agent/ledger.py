@@ -29,7 +29,6 @@ from orchestrator.agent.paths import (
     JobDir,
     UnsafePath,
     open_file_at,
-    split_parent,
     split_rel,
 )
 from orchestrator.wire import protocol
@@ -110,13 +109,17 @@ class Ledger:
             self.replay(journal)
 
     def replay(self, journal: bytes) -> None:
+        """Each line: [[rel, entry], ...] (one write of record_many), or [rel, entry]
+        (an older orch's)."""
         for line in journal.splitlines():
             try:
-                rel, entry = json.loads(line.decode())
-            except (ValueError, UnicodeDecodeError, TypeError):
+                got = json.loads(line.decode())
+            except (ValueError, UnicodeDecodeError):
                 continue   # the torn last line of a killed receiver
-            if valid_entry(rel, entry):
-                self.files[rel] = entry
+            pairs = got if isinstance(got, list) and got and isinstance(got[0], list) else [got]
+            for pair in pairs:
+                if isinstance(pair, list) and len(pair) == 2 and valid_entry(*pair):
+                    self.files[pair[0]] = pair[1]
 
     def begin(self) -> None:
         """A receive starts: from now on every file placed is journaled at once."""
@@ -149,14 +152,14 @@ class Ledger:
 
     def record_many(self, placed: list[Any]) -> None:
         """[(rel, stat, digest)] placed by orch: one journal write for all of them."""
-        lines, dumps = [], json.dumps
+        files, pairs = self.files, []
         for rel, st, digest in placed:
-            entry = [st.st_size, digest, stat_key(st)]
-            self.files[rel] = entry
-            lines.append('[%s,[%d,%s,"%s"]]' % (dumps(rel), entry[0], dumps(digest), entry[2]))
+            entry = files[rel] = [st.st_size, digest, "%d:%d:%d:%d:%d" % (
+                st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)]   # stat_key
+            pairs.append([rel, entry])
         self.dirty = self.dirty or bool(placed)
-        if self.journal_fd is not None and lines:
-            data = ("\n".join(lines) + "\n").encode()
+        if self.journal_fd is not None and pairs:   # one line: json's C encoder, not one a file
+            data = (json.dumps(pairs, separators=(",", ":")) + "\n").encode()
             while data:
                 data = data[os.write(self.journal_fd, data):]
 
@@ -256,11 +259,16 @@ class Ledger:
 
 
 def group_by_parent(files: dict[str, Any]) -> dict[str, Any]:
-    """{parent: [names]} of the paths (each checked: split_parent)."""
+    """{parent: [names]} of the ledger's paths: each was checked as it came in (a
+    loaded entry by valid_entry, a recorded one where the receiver opened it)."""
     by_parent: dict[str, Any] = {}
+    get = by_parent.get
     for rel in files:
-        parent, name = split_parent(rel)
-        by_parent.setdefault(parent, []).append(name)
+        parent, _, name = rel.rpartition("/")
+        names = get(parent)
+        if names is None:
+            names = by_parent[parent] = []
+        names.append(name)
     return by_parent
 
 
