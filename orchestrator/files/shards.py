@@ -18,6 +18,8 @@ from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import DataError
 from orchestrator.files import splitdata
 from orchestrator.files.localfiles import (
+    ENTRY,
+    KEY,
     DigestCache,
     LocalFile,
     Resolver,
@@ -290,7 +292,7 @@ def shard_files(w: Where, entries: list[Any], listed: Listed, cache: DigestCache
     readlink, lstat, isreg = os.readlink, os.lstat, stat.S_ISREG
     hashed, cached, folders, folder_of = cache.hashed, cache.entries.get, resolver.folders, \
         resolver.folder
-    prefix, name, append, new = w.prefix, w.name + "/", out.append, tuple.__new__
+    prefix, name, append, new, pack = w.prefix, w.name + "/", out.append, tuple.__new__, KEY.pack
     inside_shard, inside_source = w.folder.rstrip("/") + "/", (w.source or "").rstrip("/") + "/"
     texts, at, links = LinkTexts(cache), None, {}
     for rel, _size in entries:
@@ -317,10 +319,11 @@ def shard_files(w: Where, entries: list[Any], listed: Listed, cache: DigestCache
             append(shard_file(w, rel, listed, cache, resolver))
             continue
         hit = cached(hop)
-        if type(hit) is tuple and len(hit) == 6 and type(hit[5]) is str and \
-                hit[:5] == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+        if type(hit) is bytes and len(hit) == ENTRY and hit[:KEY.size] == pack(
+                st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
             # tuple.__new__: LocalFile's own __new__ is a Python function, 3 µs a file
-            append(new(LocalFile, (name + rel, hop, st.st_size, 0o644, hit[5], None, None)))
+            append(new(LocalFile, (name + rel, hop, st.st_size, 0o644, hit[KEY.size:].hex(),
+                                   None, None)))
         else:
             digest, data = hashed(hop, st)
             append(LocalFile(name + rel, hop, st.st_size, 0o644, digest, None, data))

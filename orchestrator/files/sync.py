@@ -32,6 +32,18 @@ class SyncReport:
     sent: tuple[str, ...]
 
 
+class Same:
+    """A host folder's manifest when the host answered `same`: it holds exactly `files`
+    (the list whose token preflight sent). A push of that very list has nothing to send
+    or delete, and skips building and comparing a manifest of every file."""
+
+    def __init__(self, files: list[LocalFile]) -> None:
+        self.files = files
+
+    def manifest(self) -> dict[str, list[Any]]:
+        return {f.rel: [f.size, f.digest] for f in self.files}
+
+
 # ---------------------------------------------------------------- the stream
 
 def plan(local: list[LocalFile], remote: dict[str, list[Any]]) -> tuple[list[LocalFile], list[str]]:
@@ -201,9 +213,13 @@ class Stall:
 
 
 def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | None = None,
-         remote: dict[str, list[Any]] | None = None) -> SyncReport:
+         remote: dict[str, list[Any]] | Same | None = None) -> SyncReport:
     """Make `dest` on the host hold exactly `local` (by content); send only differences.
     `remote` is the host's manifest of dest when the caller has it already."""
+    if isinstance(remote, Same):
+        if remote.files is local:
+            return SyncReport(0, 0, 0, ())
+        remote = remote.manifest()   # another list (hosts sharing a folder): compared
     if remote is None:
         _, asked = link.submit("manifest", root=dest)
         link.wait(asked, timeouts.SYNC)

@@ -228,9 +228,9 @@ def manifest_token(entries: Any) -> str:
     digest or link target can hold one): two different manifests never give the same
     bytes to hash."""
     import hashlib  # here: the agent's start does not pay for it
-    h, pairs = hashlib.sha256(), sorted(entries)
+    h, pairs, nul = hashlib.sha256(), sorted(entries), "\0"
     for i in range(0, len(pairs), 65536):   # an encode and an update per 65536, not per file
-        text = "".join(["%s\0%s\0" % (rel, digest) for rel, digest in pairs[i:i + 65536]])
+        text = nul.join(map(nul.join, pairs[i:i + 65536])) + nul   # "rel\0digest\0" each
         h.update(text.encode("utf-8", "surrogatepass"))
     return h.hexdigest()
 
