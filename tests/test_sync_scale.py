@@ -283,3 +283,19 @@ def test_the_cache_keeps_the_bytes_it_hashed_for_small_files_within_its_budget(
     other = tmp_path / "other"
     other.write_bytes(b"o" * 100)
     assert cache.hashed(str(other), os.stat(other)) == (sha(b"o" * 100), None)   # over budget
+
+
+def test_batches_of_long_names_stay_under_the_json_frame_limit() -> None:
+    """4096 paths of 1000 non-ASCII characters are 24 MB of JSON: split into batches
+    that the host's frame reader takes (MAX_JSON), every file in one of them."""
+    name = "\u00e9" * 1000
+    local = [LocalFile(f"w{i}/{name}", "", 1, 0o644, sha(b"x"), data=b"x") for i in range(4096)]
+    sent = bytearray()
+    stream_files(sent.extend, local, None)
+    reader = reader_of(bytes(sent))
+    got, heads = [], 0
+    while (frame := reader.read_frame()) is not None:
+        if frame[0] == protocol.JSON:
+            heads += 1
+            got += [e[0] for e in protocol.decode(frame, "test")["f"]]
+    assert got == [f.rel for f in local] and heads > 1

@@ -87,6 +87,7 @@ def stream_files(send: Callable[[bytes | memoryview], None], files: list[LocalFi
 
 SMALL = 64 << 10      # a file this small goes in a `files` batch
 BATCH_FILES = protocol.MAX_BATCH_FILES   # files in one `files` message
+BATCH_HEAD = protocol.MAX_JSON // 2      # bytes of its JSON, at most
 
 
 class Batcher:
@@ -98,7 +99,7 @@ class Batcher:
         self.out, self.pending = bytearray(), 0     # bytes to write, files in them
         self.entries: list[list[Any]] = []          # the small files' batch
         self.chunks: list[bytes] = []
-        self.nbytes = 0
+        self.nbytes = self.head = 0   # the batch's data bytes, and its head's most
 
     def add(self, data: bytes, files: int = 1) -> None:
         self.out += data
@@ -107,11 +108,16 @@ class Batcher:
             self.write()
 
     def small(self, rel: str, data: bytes, digest: str, mode: int) -> None:
-        if self.nbytes + len(data) > BATCH or len(self.entries) >= BATCH_FILES:
+        # the head's JSON stays far below protocol.MAX_JSON: a path's character is at
+        # most 6 bytes of JSON (\\uXXXX), the rest of an entry under 120
+        head = 6 * len(rel) + 120
+        if self.nbytes + len(data) > BATCH or len(self.entries) >= BATCH_FILES or \
+                self.head + head > BATCH_HEAD:
             self.flush_small()
         self.entries.append([rel, len(data), digest, mode])
         self.chunks.append(data)
         self.nbytes += len(data)
+        self.head += head
 
     def flush_small(self) -> None:
         if not self.entries:
@@ -119,7 +125,7 @@ class Batcher:
         head = protocol.stream_item("files", f=self.entries)
         data = protocol.frame(protocol.DATA, b"".join(self.chunks)) if self.nbytes else b""
         count = len(self.entries)
-        self.entries, self.chunks, self.nbytes = [], [], 0
+        self.entries, self.chunks, self.nbytes, self.head = [], [], 0, 0
         self.add(head + data, count)
 
     def big(self, f: LocalFile) -> None:
