@@ -74,8 +74,12 @@ def load_split(cluster: Cluster, cache: DigestCache | None = None) -> dict[str, 
                         f"(splits there: {have})", hint=m.fix)
     checked = check_split(split, m)
     if cache is not None and not racy(st):   # st: taken before the bytes were read
+        key, same_file = stat_key(st), memo_key.rpartition(":")[0] + ":"
         with cache.lock:
-            cache.memo[memo_key] = (stat_key(st), checked)
+            for old in [k for k, v in cache.memo.items() if k.startswith(same_file)
+                        and not (type(v) is tuple and len(v) == 2 and v[0] == key)]:
+                del cache.memo[old]   # another world size's split of an older manifest
+            cache.memo[memo_key] = (key, checked)
             cache.dirty = True
     return checked
 
