@@ -329,6 +329,8 @@ def shard_files(w: Where, entries: list[Any], listed: Listed, cache: DigestCache
             append(new(LocalFile, (name + rel, hop, st.st_size, 0o644, hit[KEY.size:].hex(),
                                    None, None)))
         else:
+            if hop == text:   # the very string the link memo keeps: marshal writes it once
+                hop = text
             digest, data = hashed(hop, st)
             append(LocalFile(name + rel, hop, st.st_size, 0o644, digest, None, data))
     return out
