@@ -161,13 +161,20 @@ def preflight(chan: FakeChannel, msg: dict) -> None:
 
 
 def receive(chan: FakeChannel, msg: dict) -> None:
-    """A push: the stream's `file` items (data frames skipped) until its `end`."""
+    """A push: the stream's `file`, `link` and `files` items (data frames skipped) until
+    its `end`."""
     chan.receiving = (msg["id"], 0)
 
 
 def stream_file(chan: FakeChannel, msg: dict) -> None:
     rid, n = chan.receiving
     chan.receiving = (rid, n + 1)
+
+
+def stream_batch(chan: FakeChannel, msg: dict) -> None:
+    """A `files` batch: its files counted (its data frame skipped)."""
+    rid, n = chan.receiving
+    chan.receiving = (rid, n + len(msg["f"]))
 
 
 def stream_end(chan: FakeChannel, msg: dict) -> None:
@@ -206,7 +213,7 @@ def reply_with(body: dict) -> Handler:
 
 HEALTHY: dict[str, Handler] = {
     "preflight": preflight, "receive": receive, "file": stream_file, "link": stream_file,
-    "end": stream_end, "launch": launch, "stop": stop_reply, "status": status_reply,
+    "files": stream_batch, "end": stream_end, "launch": launch, "stop": stop_reply, "status": status_reply,
     "pull_manifest": pull_manifest,
     "setup": reply_with({"skipped": False, "code": 0, "failed": None, "shell": "/bin/sh",
                          "seconds": 0.0}),

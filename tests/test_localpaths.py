@@ -200,7 +200,10 @@ def test_stream_sends_a_link_as_a_header_without_bytes(tmp_path: Path) -> None:
         frames.append(f)
     link_head, file_head, file_data = frames
     assert json.loads(link_head[1]) == {"t": "link", "p": "job/alias.py", "link": "train.py"}
-    assert json.loads(file_head[1])["p"] == "job/train.py"
+    # a small file goes in a `files` batch: [path, size, sha256, mode], then its bytes
+    train = got["job/train.py"]
+    assert json.loads(file_head[1]) == {"t": "files", "f": [["job/train.py", 15, train.digest,
+                                                             train.mode]]}
     assert file_data == (protocol.DATA, b"print('train')\n")
     # an unchanged link on the host (same "link:" digest) is not sent again
     remote = {"job/alias.py": [0, link_digest("train.py")]}

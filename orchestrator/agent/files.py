@@ -14,7 +14,7 @@ import time
 
 from orchestrator.agent.common import AgentError, folder_of
 from orchestrator.agent.common import StreamIdle as StreamIdle  # (raised here; tests name it here)
-from orchestrator.agent.ledger import Ledger
+from orchestrator.agent.ledger import Ledger, same
 from orchestrator.agent.paths import (
     PART,
     Dirs,
@@ -125,7 +125,7 @@ def is_leftover(name: str) -> bool:
     return name.startswith(STAGING) or PART in name
 
 
-def manifest(jd: JobDir, folder: str) -> dict[str, Any]:
+def manifest(jd: JobDir, folder: str, expect: str | None = None) -> dict[str, Any]:
     """{relpath: [size, sha256 or "link:<target>"]} of what orch pushed into the folder
     and is still there (agent/ledger.py); digests kept by (size, mtime, inode).
 
@@ -133,18 +133,30 @@ def manifest(jd: JobDir, folder: str) -> dict[str, Any]:
     receiver that did not finish (its journal is there), or a host upgraded from the old
     digest cache, gets its staging folders and .orch-part- files removed first;
     manifests are made before a push, when no receiver writes here.
+
+    `expect`: the controller's manifest_token of what it will push. When the folder
+    holds exactly that, the answer is {"root", "files": {}, "same": True}: from the
+    ledger's signature alone while every file's stat key stands (no JSON read, no file
+    hashed), else from the full manifest (which then writes the signature anew).
     """
     if jd.lstat(folder) is None:
         return {"root": jd.show(folder), "files": {}}
     lock = receive_lock(jd, folder)
     try:
+        if expect is not None and same(jd, folder, expect):
+            return {"root": jd.show(folder), "files": {}, "same": True}
         ledger = Ledger(jd, folder)
         if ledger.interrupted or not ledger.found:
             jd.sweep(folder, is_leftover)
         if not ledger.found:   # the cache of orch before the ledger: every file, the job's too
             jd.unlink("run/%s-digests.json" % folder)
         files = ledger.manifest()
-        ledger.save()
+        wrote = ledger.save()
+        if expect is not None and protocol.manifest_token(
+                (rel, e[1]) for rel, e in files.items()) == expect:
+            if not wrote:
+                ledger.write_sig()   # missing or stale: the next check is the quick one
+            return {"root": jd.show(folder), "files": {}, "same": True}
     finally:
         os.close(lock)
     return {"root": jd.show(folder), "files": files}
@@ -157,16 +169,14 @@ def send_manifest(req: Request, part_folder: str, jd: JobDir, folder: str,
     `expect`: the controller's manifest_token of what it will push; when the folder
     holds exactly that, one part says `same` and carries no entries (a hundred thousand
     files are 10 MB of JSON the controller then neither receives nor parses)."""
-    found = manifest(jd, folder)
-    if expect is not None and protocol.manifest_token(
-            (rel, e[1]) for rel, e in found["files"].items()) == expect:
+    found = manifest(jd, folder, expect)
+    shown: str = found["root"]
+    if found.get("same"):
         req.part("manifest", {"folder": part_folder, "files": {}, "same": expect})
-        root: str = found["root"]
-        return root
+        return shown
     items, step = list(found["files"].items()), protocol.MANIFEST_PART
     for i in range(0, max(len(items), 1), step):
         req.part("manifest", {"folder": part_folder, "files": dict(items[i:i + step])})
-    shown: str = found["root"]
     return shown
 
 
@@ -286,7 +296,9 @@ class Staging:
             if staged and self.jd.lstat(self.dir + "/" + top) is not None:
                 self.jd.replace(self.dir + "/" + top, self.base + "/" + top)
                 moved.add(top)
-        ledger.record_many([(rel, st, digest) for rel, st, digest in self.landed
+        everything = moved == {top for top, staged in self.tops.items() if staged}
+        ledger.record_many(self.landed if everything else
+                           [(rel, st, digest) for rel, st, digest in self.landed
                             if rel.split("/", 1)[0] in moved])
         if any(self.tops.values()):
             self.dirs.close()
@@ -304,6 +316,10 @@ def receive_stream(reader: Reader, dirs: Dirs, base: str, ledger: Ledger,
         protocol.check(head, protocol.STREAM[kind], "receive: " + kind)
         if kind == "end":
             return head, count, nbytes
+        if kind == "files":
+            got = receive_batch(reader, dirs, base, head["f"], ledger, staging)
+            count, nbytes = count + len(head["f"]), nbytes + got
+            continue
         staged = staging.wants(head["p"])   # the path is checked where it is opened
         where = staging.dir if staged else base
         if kind == "link":
@@ -315,6 +331,88 @@ def receive_stream(reader: Reader, dirs: Dirs, base: str, ledger: Ledger,
         else:
             ledger.record(head["p"], st, digest)
         count, nbytes = count + 1, nbytes + head.get("s", 0)
+
+
+def batch_data(reader: Reader, entries: list[Any]) -> memoryview:
+    """The bytes of a `files` batch: its entries checked ([path, size, sha256, mode]),
+    then its one data frame, whose length must be their sizes' sum."""
+    if len(entries) > protocol.MAX_BATCH_FILES:
+        raise protocol.ProtocolError("receive: a batch of %d files" % len(entries))
+    total = 0
+    for e in entries:
+        if not (type(e) is list and len(e) == 4 and type(e[0]) is str and type(e[1]) is int
+                and e[1] >= 0 and type(e[2]) is str and type(e[3]) is int):
+            raise protocol.ProtocolError("receive: a batch entry is not [path, size, sha256, "
+                                         "mode]: %.200r" % (e,))
+        total += e[1]
+    if not total:
+        return memoryview(b"")
+    got = reader.read_frame()
+    if got is None:
+        raise EOFError("stream ended inside a batch of files")
+    if got[0] != protocol.DATA or len(got[1]) != total:
+        raise protocol.ProtocolError("receive: a batch's data is not the %d bytes of its "
+                                     "files" % total)
+    return memoryview(got[1])
+
+
+def receive_batch(reader: Reader, dirs: Dirs, base: str, entries: list[Any], ledger: Ledger,
+                  staging: Staging) -> int:
+    """Small files sent as one batch: each verified before a byte of it is written
+    (its bytes are all here), then written as receive_file writes (beside, or under its
+    name in a staging folder), and recorded in one ledger write. Returns the bytes."""
+    data, pos, placed = batch_data(reader, entries), 0, []
+    sha256, at, pfd, staged, where = hashlib.sha256, None, -1, False, base
+    try:
+        for rel, size, digest, mode in entries:
+            chunk = data[pos:pos + size]
+            pos += size
+            if sha256(chunk).hexdigest() != digest:
+                raise ValueError("digest mismatch for %s" % rel)
+            folder, _, name = rel.rpartition("/")
+            if folder != at or name in ("", ".", "..") or "\0" in name:
+                # a batch is a few folders' files in order: the folder is checked,
+                # opened and judged for staging once; split_parent refuses a bad name
+                staged = staging.wants(rel)
+                where = staging.dir if staged else base
+                parent, name = split_parent(where + "/" + rel)
+                pfd, at = dirs.fd(parent), folder
+            st = write_small(dirs, pfd, name, chunk, mode & 0o777, staged, (where, rel))
+            if staged:
+                staging.landed.append((rel, st, digest))
+            else:
+                placed.append((rel, st, digest))
+    finally:
+        ledger.record_many(placed)   # also what landed before a refused file
+    return pos
+
+
+def write_small(dirs: Dirs, pfd: int, name: str, data: memoryview, mode: int, staged: bool,
+                at: tuple[str, str]) -> Any:
+    """One verified small file: O_EXCL beside its name (under it when staged), written,
+    renamed into place; a failure leaves nothing half-written. `at`: (the folder it
+    goes into, its path there). Returns its stat."""
+    tmp = name if staged else part_name(name)
+    fd = create_excl(pfd, tmp, mode)
+    try:
+        left = data
+        while left:
+            left = left[os.write(fd, left):]
+        if mode & UMASK:
+            os.fchmod(fd, mode)
+        st = os.fstat(fd)
+    except BaseException as e:
+        os.close(fd)
+        os.unlink(tmp, dir_fd=pfd)
+        if isinstance(e, OSError) and e.errno in NO_SPACE:
+            top = at[0].split("/", 1)[0]   # code or data, also from a staging folder
+            raise NoSpace(top + "/" + at[1], len(data), dirs.jd.show(top)) from None
+        raise
+    os.close(fd)
+    if staged:
+        return st
+    place(dirs.jd, pfd, tmp, name, at[0] + "/" + at[1])
+    return lstat_at(pfd, name) or st   # the rename moved ctime on (ledger.stat_key has it)
 
 
 def drain(reader: Reader) -> None:

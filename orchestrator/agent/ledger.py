@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import marshal
 import os
 import stat
 
@@ -28,9 +29,9 @@ from orchestrator.agent.paths import (
     JobDir,
     UnsafePath,
     open_file_at,
-    split_parent,
     split_rel,
 )
+from orchestrator.wire import protocol
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
@@ -38,6 +39,7 @@ if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent st
 
 LEDGER_CAP = 1 << 30      # about 5 million entries; a bigger file is not orch's
 VERSION = 1
+SIG_VERSION = 1
 
 
 def stat_key(st: os.stat_result) -> str:
@@ -81,6 +83,7 @@ class Ledger:
         self.jd, self.folder = jd, folder
         self.path = "run/%s-pushed.json" % folder
         self.journal_path = "run/%s-pushed.journal" % folder
+        self.sig_path = "run/%s-pushed.sig" % folder
         self.files: dict[str, Any] = {}
         self.journal_fd: int | None = None
         self.found = False         # a ledger file was there
@@ -106,31 +109,40 @@ class Ledger:
             self.replay(journal)
 
     def replay(self, journal: bytes) -> None:
+        """Each line: [[rel, entry], ...] (one write of record_many), or [rel, entry]
+        (an older orch's)."""
         for line in journal.splitlines():
             try:
-                rel, entry = json.loads(line.decode())
-            except (ValueError, UnicodeDecodeError, TypeError):
+                got = json.loads(line.decode())
+            except (ValueError, UnicodeDecodeError):
                 continue   # the torn last line of a killed receiver
-            if valid_entry(rel, entry):
-                self.files[rel] = entry
+            pairs = got if isinstance(got, list) and got and isinstance(got[0], list) else [got]
+            for pair in pairs:
+                if isinstance(pair, list) and len(pair) == 2 and valid_entry(*pair):
+                    self.files[pair[0]] = pair[1]
 
     def begin(self) -> None:
         """A receive starts: from now on every file placed is journaled at once."""
         self.journal_fd = self.jd.open_for_write(self.journal_path, 0o644, append=True)
 
-    def save(self) -> None:
-        """Write the ledger atomically, then drop the journal it now contains."""
+    def save(self) -> bool:
+        """Write the ledger atomically (and its signature), then drop the journal it now
+        contains. True when it was written."""
         had_journal = self.journal_fd is not None or self.interrupted
-        if self.dirty or had_journal or not self.found:
+        wrote = self.dirty or had_journal or not self.found
+        if wrote:
             doc = {"version": VERSION, "files": self.files}
+            self.jd.unlink(self.sig_path)   # never a signature of another ledger than this one
             self.jd.write_file(self.path, json.dumps(doc, separators=(",", ":")).encode(), 0o644)
             self.dirty, self.found = False, True
+            self.write_sig()
         if self.journal_fd is not None:
             os.close(self.journal_fd)
             self.journal_fd = None
         if had_journal:
             self.jd.unlink(self.journal_path)
             self.interrupted = False
+        return wrote
 
     # ------------------------------------------------------------ entries
 
@@ -140,14 +152,14 @@ class Ledger:
 
     def record_many(self, placed: list[Any]) -> None:
         """[(rel, stat, digest)] placed by orch: one journal write for all of them."""
-        lines, dumps = [], json.dumps
+        files, pairs = self.files, []
         for rel, st, digest in placed:
-            entry = [st.st_size, digest, stat_key(st)]
-            self.files[rel] = entry
-            lines.append('[%s,[%d,%s,"%s"]]' % (dumps(rel), entry[0], dumps(digest), entry[2]))
+            entry = files[rel] = [st.st_size, digest, "%d:%d:%d:%d:%d" % (
+                st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)]   # stat_key
+            pairs.append([rel, entry])
         self.dirty = self.dirty or bool(placed)
-        if self.journal_fd is not None and lines:
-            data = ("\n".join(lines) + "\n").encode()
+        if self.journal_fd is not None and pairs:   # one line: json's C encoder, not one a file
+            data = (json.dumps(pairs, separators=(",", ":")) + "\n").encode()
             while data:
                 data = data[os.write(self.journal_fd, data):]
 
@@ -172,10 +184,7 @@ class Ledger:
         record, after verifying the bytes; a write by anyone else moves mtime, a
         replacement changes the inode. One lstat per file, as rsync's quick check
         makes on its receiving side, and no byte read."""
-        by_parent: dict[str, Any] = {}
-        for rel in self.files:
-            parent, name = split_parent(rel)
-            by_parent.setdefault(parent, []).append(name)
+        by_parent = group_by_parent(self.files)
         report: dict[str, Any] = {}
         for parent in sorted(by_parent):
             where = self.folder + "/" + parent if parent else self.folder
@@ -226,3 +235,83 @@ class Ledger:
             self.files[rel] = [st.st_size, digest, stat_key(st)]
             self.dirty = True
         report[rel] = [st.st_size, digest]
+
+    # ------------------------------------------------------------ the signature
+
+    def write_sig(self) -> None:
+        """``run/<folder>-pushed.sig``: the ledger in the form a nothing-changed check
+        reads fastest (marshal: {"version", "token", "folders": [[parent, [names]]],
+        "keys": sha256 of the stat keys in that order}). While every file's stat key is
+        the one recorded, the folder holds exactly the ledger's files, whose manifest
+        token is `token` (same()). Written after the ledger: a stale one fails its keys."""
+        folders, keys = [], []
+        for parent, names in sorted(group_by_parent(self.files).items()):
+            prefix = parent + "/" if parent else ""
+            folders.append([parent, names])
+            keys += [self.files[prefix + name][2] for name in names]
+        token = protocol.manifest_token((rel, e[1]) for rel, e in self.files.items())
+        doc = {"version": SIG_VERSION, "token": token, "folders": folders,
+               "keys": keys_digest(keys)}
+        try:
+            self.jd.write_file(self.sig_path, marshal.dumps(doc, 4), 0o644)
+        except OSError:   # a full disk: only the quick check is lost (the ledger stands)
+            pass
+
+
+def group_by_parent(files: dict[str, Any]) -> dict[str, Any]:
+    """{parent: [names]} of the ledger's paths: each was checked as it came in (a
+    loaded entry by valid_entry, a recorded one where the receiver opened it)."""
+    by_parent: dict[str, Any] = {}
+    get = by_parent.get
+    for rel in files:
+        parent, _, name = rel.rpartition("/")
+        names = get(parent)
+        if names is None:
+            names = by_parent[parent] = []
+        names.append(name)
+    return by_parent
+
+
+def keys_digest(keys: list[str]) -> str:
+    return hashlib.sha256("\n".join(keys).encode()).hexdigest()
+
+
+def same(jd: "JobDir", folder: str, token: str) -> bool:
+    """The nothing-changed answer without reading the ledger: True when the folder's
+    signature says `token` and every file it names has its recorded stat key (one lstat
+    a file, no JSON, no hash of a file). Anything else (no signature, a journal of an
+    unfinished receive, one file moved) is False: the full manifest decides."""
+    try:
+        raw = jd.read("run/%s-pushed.sig" % folder, LEDGER_CAP)
+        doc = marshal.loads(raw) if raw is not None else None
+    except (ValueError, EOFError, TypeError, OSError):
+        return False
+    if not isinstance(doc, dict) or doc.get("version") != SIG_VERSION or \
+            doc.get("token") != token or not isinstance(doc.get("folders"), list) or \
+            jd.lstat("run/%s-pushed.journal" % folder) is not None:
+        return False
+    try:
+        keys = stat_keys(jd, folder, doc["folders"])
+    except (OSError, ValueError, TypeError):
+        return False
+    return keys is not None and keys_digest(keys) == doc.get("keys")
+
+
+def stat_keys(jd: "JobDir", folder: str, folders: list[Any]) -> list[str] | None:
+    """Every named file's stat key (not followed), in order; None when one is gone or a
+    name is not a plain one (a signature orch did not write)."""
+    keys: list[str] = []
+    add, lstat = keys.append, os.stat
+    for parent, names in folders:
+        split_rel(parent)
+        fd = jd.open_dir(folder + "/" + parent if parent else folder)
+        try:
+            for name in names:
+                if "/" in name or name in ("", ".", "..") or "\0" in name:
+                    return None
+                st = lstat(name, dir_fd=fd, follow_symlinks=False)
+                add("%d:%d:%d:%d:%d" % (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev,
+                                        st.st_ctime_ns))
+        finally:
+            os.close(fd)
+    return keys

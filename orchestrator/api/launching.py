@@ -22,7 +22,7 @@ from orchestrator.arrays import prepare
 from orchestrator.config.hostselect import narrow
 from orchestrator.config.inventory import Cluster, Host, RankSlot
 from orchestrator.errors import GroupError, OrchError, UsageError
-from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_files
+from orchestrator.files.localfiles import HOLD, DigestCache, check_entrypoint, code_files
 from orchestrator.files.shards import host_files, load_split, resplit, resplit_size
 from orchestrator.files.splitdata import SplitResult
 from orchestrator.files.sync import SyncReport
@@ -245,7 +245,7 @@ def prepare_spares(cluster: Cluster) -> dict[str, str]:
     a replacement then only needs its shards. Label -> why it cannot serve ("": ready).
     One spare at a time is its own one-host run: a bad spare does not spoil the others."""
     code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude,
-                      DigestCache(cluster.state_dir.parent / "digests.json"), str(cluster.path))
+                      DigestCache(cluster.state_dir.parent / "digests.bin"), str(cluster.path))
 
     def one(spare: Host) -> str:
         alone = replace(spare, index=0, first_rank=0, spare=False)
@@ -338,8 +338,8 @@ def local_files(cluster: Cluster, data: bool = True) -> dict[int, HostFiles]:
     `data`: False leaves the shards out (a dry run's split that `up` would make first)."""
     if cluster.job.array is not None:
         return prepare.array_files(cluster)
-    split = load_split(cluster) if cluster.data.shards and data else None
-    cache = DigestCache(cluster.state_dir.parent / "digests.json")
+    cache = DigestCache(cluster.state_dir.parent / "digests.bin", hold=HOLD)
+    split = load_split(cluster, cache) if cluster.data.shards and data else None
     check_entrypoint(cluster.base_dir, cluster.code.paths, cluster.code.exclude,
                      cluster.job.entrypoint, str(cluster.path))
     code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude, cache,

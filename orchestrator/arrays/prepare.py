@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from orchestrator.arrays import plan
 from orchestrator.config.inventory import Cluster, RankSlot
-from orchestrator.files.localfiles import DigestCache, check_entrypoint, code_files
+from orchestrator.files.localfiles import HOLD, DigestCache, check_entrypoint, code_files
 from orchestrator.files.shards import host_files, load_split
 from orchestrator.remote.transport import remote_command
 from orchestrator.session.session import HostFiles
@@ -22,7 +22,7 @@ def data_view(cluster: Cluster) -> Cluster:
 
 
 def array_files(cluster: Cluster) -> dict[int, HostFiles]:
-    cache = DigestCache(cluster.state_dir.parent / "digests.json")
+    cache = DigestCache(cluster.state_dir.parent / "digests.bin", hold=HOLD)
     check_entrypoint(cluster.base_dir, cluster.code.paths, cluster.code.exclude,
                      cluster.job.entrypoint, str(cluster.path))
     code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude, cache,
@@ -31,7 +31,7 @@ def array_files(cluster: Cluster) -> dict[int, HostFiles]:
     if cluster.data.shards:
         view = data_view(cluster)
         whole = replace(cluster.hosts[0], first_rank=0, procs=view.world_size)
-        data = host_files(view, whole, load_split(view), cache)
+        data = host_files(view, whole, load_split(view, cache), cache)
     cache.save()
     return {h.index: HostFiles(code, data) for h in cluster.hosts}
 

@@ -12,15 +12,16 @@ from __future__ import annotations
 import errno
 import fnmatch
 import hashlib
-import json
+import marshal
 import os
 import stat
+import struct
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, NamedTuple
 
 import pathspec
 
@@ -31,14 +32,17 @@ BATCH = 1 << 20
 MAX_GITIGNORE = 16 << 20   # bytes: a .gitignore larger than this is not a .gitignore
 
 
-@dataclass(frozen=True)
-class LocalFile:
+class LocalFile(NamedTuple):
+    """A named tuple, not a dataclass: a million of them are made per `up`, and a frozen
+    dataclass's __init__ was a quarter of a nothing-changed listing."""
     rel: str        # path on the host, relative to the destination folder
     path: str       # where the bytes are here (links already resolved)
     size: int
     mode: int
     digest: str
     link: str | None = None   # set: push a symlink with this (relative) target, no bytes
+    data: bytes | None = None   # the bytes that were hashed (a small file on a cold cache):
+    #                             the push sends them without reading the file again
 
 
 def link_file(rel: str, path: str, target: str) -> LocalFile:
@@ -48,16 +52,23 @@ def link_file(rel: str, path: str, target: str) -> LocalFile:
 
 
 RACY_NS = 2_000_000_000   # a file changed this recently is hashed again next time (below)
+CACHE_VERSION = 2
+HOLD = 64 << 20      # bytes of small files a listing keeps after hashing them (LocalFile.data)
+HOLD_FILE = 1 << 16  # the largest file kept so
 
 
-def stat_key(st: os.stat_result) -> str:
+KEY = struct.Struct("<QQqqq")   # stat_key, packed: one bytes object per file in the cache
+ENTRY = KEY.size + 32           # a cache entry: the key, then the sha256's bytes
+
+
+def stat_key(st: os.stat_result) -> bytes:
     """What must be unchanged for a remembered digest to stand: the file (device, inode),
     its size, and both clocks. mtime alone can be set back (`touch -d`, `cp -p`, a tool
     that restores it); ctime cannot be set by a user and moves on every write, chmod or
     rename, and a new file at the same path has another inode. Stricter than rsync's
     quick check (size + mtime): a false "changed" costs one hash, a false "unchanged"
-    would leave a host with old bytes."""
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    would leave a host with old bytes. Packed: compared as is, never formatted."""
+    return KEY.pack(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def racy(st: os.stat_result) -> bool:
@@ -68,32 +79,45 @@ def racy(st: os.stat_result) -> bool:
 
 
 class DigestCache:
-    """sha256 of local files, remembered by stat_key across runs (a JSON file under .orch/)."""
+    """sha256 of local files, remembered by stat_key across runs: a marshal file under
+    .orch/ ({"version": 2, "entries": {path: stat_key + the 32 bytes of the digest},
+    "memo": {...}}): two objects a file, loaded in a fraction of the JSON's time. `memo` keeps other checks whose
+    answer stands while a stat key does (shards.py: a split checked, a shard folder's
+    links). A cache that does not load as that is no cache: everything is hashed again.
+    `hold`: bytes of small files hashed here to keep in LocalFile.data (a cold push of
+    many small files then reads each file once)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, hold: int = 0) -> None:
+        self.path, self.hold = path, hold
         self.lock = threading.Lock()
-        try:
-            entries = json.loads(path.read_text())
-        except (OSError, ValueError):
-            entries = {}
-        self.entries: dict[str, Any] = entries if isinstance(entries, dict) else {}
+        self.entries, self.memo = load_cache(path)
         self.dirty = False
 
     def digest(self, path: str, st: os.stat_result) -> str:
+        return self.hashed(path, st)[0]
+
+    def hashed(self, path: str, st: os.stat_result) -> tuple[str, bytes | None]:
+        """(digest, the bytes when this call read them and they are kept, else None)."""
         known = self.known(path, st)
         if known is not None:
-            return known
-        digest = sha256_of(path)
+            return known, None
+        if st.st_size > HOLD_FILE or self.hold < st.st_size:
+            digest, data = sha256_of(path), None
+        else:
+            data = read_small(path, st.st_size)
+            digest = hashlib.sha256(data).hexdigest()
+            if len(data) != st.st_size:   # changed since its stat: neither kept nor remembered
+                return digest, None
+            with self.lock:
+                self.hold -= len(data)
         self.remember(path, st, digest)
-        return digest
+        return digest, data
 
     def known(self, path: str, st: os.stat_result) -> str | None:
         """The digest remembered for path at this stat_key, else None."""
         hit = self.entries.get(path)   # a dict read is atomic: no lock for the common case
-        if isinstance(hit, list) and len(hit) == 2 and hit[0] == stat_key(st) \
-                and isinstance(hit[1], str):
-            return hit[1]
+        if type(hit) is bytes and len(hit) == ENTRY and hit[:KEY.size] == stat_key(st):
+            return hit[KEY.size:].hex()
         return None
 
     def remember(self, path: str, st: os.stat_result, digest: str) -> None:
@@ -102,7 +126,7 @@ class DigestCache:
         if racy(st):
             return
         with self.lock:
-            self.entries[path] = [stat_key(st), digest]
+            self.entries[path] = stat_key(st) + bytes.fromhex(digest)
             self.dirty = True
 
     def save(self) -> None:
@@ -110,16 +134,55 @@ class DigestCache:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.entries, separators=(",", ":")))
+        with self.lock:
+            doc = {"version": CACHE_VERSION, "entries": self.entries, "memo": self.memo}
+            tmp.write_bytes(marshal.dumps(doc))
         os.replace(tmp, self.path)
+        self.dirty = False
+
+
+def load_cache(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(entries, memo) of a cache file; empty ones when it is missing or not one
+    (an older orch's JSON, a torn write): only a slower run follows."""
+    try:
+        doc = marshal.loads(path.read_bytes())
+    except (OSError, ValueError, EOFError, TypeError):
+        return {}, {}
+    if not isinstance(doc, dict) or doc.get("version") != CACHE_VERSION or \
+            not isinstance(doc.get("entries"), dict) or not isinstance(doc.get("memo"), dict):
+        return {}, {}
+    return doc["entries"], doc["memo"]
+
+
+def read_small(path: str, size: int) -> bytes:
+    """A small file's bytes to its end: one read of size + 1 bytes answers "that was
+    all" for a regular file (a shorter read is its end); os.read, no file object."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror})",
+                        hint=read_fix(e, "leave it out of what is pushed")) from None
+    try:
+        chunks = [os.read(fd, size + 1)]
+        while len(chunks[-1]) and sum(map(len, chunks)) > size:   # it grew: read on
+            chunks.append(os.read(fd, BATCH))
+        return b"".join(chunks)
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror})",
+                        hint=read_fix(e, "leave it out of what is pushed")) from None
+    finally:
+        os.close(fd)
 
 
 def sha256_of(path: str) -> str:
     h = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(BATCH), b""):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for block in iter(lambda: os.read(fd, BATCH), b""):
                 h.update(block)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise DataError(f"{path}: cannot be read ({e.strerror})",
                         hint=read_fix(e, "leave it out of what is pushed")) from None
@@ -385,7 +448,8 @@ def code_link(dest: str, path: str, root: str, top: str, rules: IgnoreRules, fix
 
 
 def regular_file(dest: str, path: str, st: os.stat_result, cache: DigestCache) -> LocalFile:
-    return LocalFile(dest, path, st.st_size, st.st_mode & 0o777, cache.digest(path, st))
+    digest, data = cache.hashed(path, st)
+    return LocalFile(dest, path, st.st_size, st.st_mode & 0o777, digest, data=data)
 
 
 def unreadable(e: OSError) -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,18 +18,23 @@ from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import DataError
 from orchestrator.files import splitdata
 from orchestrator.files.localfiles import (
+    ENTRY,
+    KEY,
     DigestCache,
     LocalFile,
     Resolver,
     inside,
     link_file,
+    racy,
     resolve_link,
+    stat_key,
 )
 from orchestrator.ui.wording import hint_cmd
 
 MAX_MANIFEST = 256 << 20       # bytes; orch split-data writes about 50 bytes per file
 MAX_FILES = 5_000_000          # entries in one split
 MAX_PATH = 4096                # bytes in one manifest path (PATH_MAX)
+CHECKS = 1                     # of check_split: a split memo of other checks is not used
 
 
 class Manifest:
@@ -45,17 +51,37 @@ class Manifest:
         return DataError(f"{self.path}: {what}", hint=self.fix_whole if whole else self.fix)
 
 
-def load_split(cluster: Cluster) -> dict[str, Any]:
-    """The split made for this job's world size, checked, or a message saying what to do."""
+def load_split(cluster: Cluster, cache: DigestCache | None = None) -> dict[str, Any]:
+    """The split made for this job's world size, checked, or a message saying what to do.
+    With a cache: a split checked before is taken from its memo while manifest.json's
+    stat key stands (a million entries' JSON and checks were a third of a nothing-changed
+    listing)."""
     m = Manifest(cluster)
-    manifest = read(m)
+    memo_key = f"split:{CHECKS}:{os.path.abspath(m.path)}:{m.world}"
+    try:
+        st = os.stat(m.path)
+    except OSError:
+        st = None   # read() says what is wrong
+    hit = cache.memo.get(memo_key) if cache is not None and st is not None else None
+    if type(hit) is tuple and len(hit) == 2 and st is not None and hit[0] == stat_key(st):
+        return hit[1]   # type: ignore[no-any-return]
+    manifest, st = read_with_stat(m)
     splits = manifest["splits"]
     split = splits.get(str(m.world))
     if split is None:
         have = ", ".join(sorted(splits, key=int)) or "none"
         raise DataError(f"{cluster.data.shards} has no split for world size {m.world} "
                         f"(splits there: {have})", hint=m.fix)
-    return check_split(split, m)
+    checked = check_split(split, m)
+    if cache is not None and not racy(st):   # st: taken before the bytes were read
+        key, same_file = stat_key(st), memo_key.rpartition(":")[0] + ":"
+        with cache.lock:
+            for old in [k for k, v in cache.memo.items() if k.startswith(same_file)
+                        and not (type(v) is tuple and len(v) == 2 and v[0] == key)]:
+                del cache.memo[old]   # another world size's split of an older manifest
+            cache.memo[memo_key] = (key, checked)
+            cache.dirty = True
+    return checked
 
 
 def resplit_size(cluster: Cluster) -> int | None:
@@ -92,18 +118,23 @@ def resplit(cluster: Cluster) -> splitdata.SplitResult:
 
 def read(m: Manifest) -> dict[str, Any]:
     """The parsed manifest, its top level checked: {"version": 1, "splits": {"<N>": ...}}."""
+    return read_with_stat(m)[0]
+
+
+def read_with_stat(m: Manifest) -> tuple[dict[str, Any], os.stat_result]:
+    """read(), and the file's stat taken before its bytes (the key a memo may keep)."""
     try:
-        size = os.stat(m.path).st_size
-        if size > MAX_MANIFEST:
-            raise m.fail(f"{size} bytes, more than the {MAX_MANIFEST >> 20} MiB "
-                         "a manifest may have", whole=True)
         with open(m.path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_size > MAX_MANIFEST:
+                raise m.fail(f"{st.st_size} bytes, more than the {MAX_MANIFEST >> 20} MiB "
+                             "a manifest may have", whole=True)
             data = f.read(MAX_MANIFEST + 1)
     except FileNotFoundError:
         raise DataError(f"{m.path} not found: the data has not been split", hint=m.fix) from None
     except OSError as e:
         raise m.fail(f"cannot be read ({e.strerror})", whole=True) from None
-    return parse(data, m)
+    return parse(data, m), st
 
 
 def parse(data: bytes, m: Manifest) -> dict[str, Any]:
@@ -202,38 +233,106 @@ def host_files(cluster: Cluster, host: Host, split: dict[str, Any],
     for rank in host.ranks:
         shard = split["shards"][rank]
         folder = shard_folder(cluster, shard["name"])
-        listed = {rel for rel, _size in shard["files"]}
+        listed = Listed(shard["files"])
         where = Where(f"{cluster.data.shards}/{shard['name']}/", folder, shard["name"], source, fix)
         files += shard_files(where, shard["files"], listed, cache, resolver)
     return files
 
 
-def shard_files(w: Where, entries: list[Any], listed: set[str], cache: DigestCache,
+class Listed:
+    """The paths a shard lists, as a set made only when a link inside the shard asks."""
+
+    def __init__(self, entries: list[Any]) -> None:
+        self.entries = entries
+        self.set: set[str] | None = None
+
+    def __contains__(self, rel: object) -> bool:
+        if self.set is None:
+            self.set = {rel for rel, _size in self.entries}
+        return rel in self.set
+
+    def __iter__(self) -> Iterator[str]:
+        return (rel for rel, _size in self.entries)
+
+
+class LinkTexts:
+    """What the links of a shard's folders say, remembered in the digest cache's memo by
+    the folder's stat key: a link's text cannot change in place (a new link is a new
+    entry, which moves its folder's mtime and ctime), so while a folder's key stands, a
+    nothing-changed listing reads no link of it. {folder: (key, {name: text})}."""
+
+    def __init__(self, cache: DigestCache) -> None:
+        memo = cache.memo.get("links")
+        self.cache = cache
+        self.memo: dict[str, Any] = memo if isinstance(memo, dict) else {}
+        cache.memo["links"] = self.memo
+
+    def of(self, folder: str) -> dict[str, str]:
+        """The texts known for folder (a dict that fills as links are read: kept when
+        the folder is a real one not changed within the clocks' granularity)."""
+        try:
+            st = os.lstat(folder)
+        except OSError:
+            return {}
+        if not stat.S_ISDIR(st.st_mode) or racy(st):
+            return {}
+        key, hit = stat_key(st), self.memo.get(folder)
+        if type(hit) is tuple and len(hit) == 2 and hit[0] == key and type(hit[1]) is dict:
+            return hit[1]
+        texts: dict[str, str] = {}
+        self.memo[folder] = (key, texts)
+        self.cache.dirty = True
+        return texts
+
+
+def shard_files(w: Where, entries: list[Any], listed: Listed, cache: DigestCache,
                 resolver: Resolver) -> list[LocalFile]:
     """shard_file() of every entry, with link_into_source's common case written out in
     the loop: at a million files, each function call and attribute look-up per file is
-    most of a nothing-changed `up`'s local part. Anything unusual goes to shard_file."""
-    out, readlink, lstat, isreg = [], os.readlink, os.lstat, stat.S_ISREG
-    known, folder_of = cache.known, resolver.folder
-    prefix, name = w.prefix, w.name + "/"
+    most of a nothing-changed `up`'s local part (a link read only when its folder
+    changed: LinkTexts; the digest cache's entry compared inline, as DigestCache.known
+    does). Anything unusual goes to shard_file."""
+    out: list[LocalFile] = []
+    readlink, lstat, isreg = os.readlink, os.lstat, stat.S_ISREG
+    hashed, cached, folders, folder_of = cache.hashed, cache.entries.get, resolver.folders, \
+        resolver.folder
+    prefix, name, append, new, pack = w.prefix, w.name + "/", out.append, tuple.__new__, KEY.pack
     inside_shard, inside_source = w.folder.rstrip("/") + "/", (w.source or "").rstrip("/") + "/"
+    texts, at, links = LinkTexts(cache), None, {}
     for rel, _size in entries:
         path = prefix + rel
+        parent, _, base = path.rpartition("/")
+        if parent != at:
+            at, links = parent, texts.of(parent)
+        text = links.get(base)
         try:
-            text = readlink(path)
-            hop = text if text[:1] == "/" else path.rpartition("/")[0] + "/" + text
+            if text is None:
+                text = links[base] = readlink(path)
+            hop = text if text[:1] == "/" else parent + "/" + text
             head, _, tail = hop.rpartition("/")
-            hop = folder_of(head) + "/" + tail if head and tail not in ("", ".", "..") else ""
+            if head and tail not in ("", ".", ".."):
+                real = folders.get(head)
+                hop = (real if real is not None else folder_of(head)) + "/" + tail
+            else:
+                hop = ""
             st = lstat(hop) if hop and w.source else None
         except OSError:
             st = None
         if st is None or not isreg(st.st_mode) or hop.startswith(inside_shard) \
                 or not hop.startswith(inside_source):
-            out.append(shard_file(w, rel, listed, cache, resolver))
+            append(shard_file(w, rel, listed, cache, resolver))
             continue
-        digest = known(hop, st)
-        out.append(LocalFile(name + rel, hop, st.st_size, 0o644,
-                             digest if digest is not None else cache.digest(hop, st)))
+        hit = cached(hop)
+        if type(hit) is bytes and len(hit) == ENTRY and hit[:KEY.size] == pack(
+                st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+            # tuple.__new__: LocalFile's own __new__ is a Python function, 3 µs a file
+            append(new(LocalFile, (name + rel, hop, st.st_size, 0o644, hit[KEY.size:].hex(),
+                                   None, None)))
+        else:
+            if hop == text:   # the very string the link memo keeps: marshal writes it once
+                hop = text
+            digest, data = hashed(hop, st)
+            append(LocalFile(name + rel, hop, st.st_size, 0o644, digest, None, data))
     return out
 
 
@@ -271,7 +370,7 @@ def shard_folder(cluster: Cluster, name: str) -> str:
     return real
 
 
-def shard_file(w: Where, rel: str, listed: set[str], cache: DigestCache,
+def shard_file(w: Where, rel: str, listed: Listed, cache: DigestCache,
                resolver: Resolver) -> LocalFile:
     """One listed file: content when it is (or links to) a file in the shard or the data
     source; a link when it links to a listed path of the same shard; else refused."""
@@ -327,7 +426,7 @@ def link_into_source(path: str, w: Where, resolver: Resolver) -> tuple[str, os.s
     return hop, st
 
 
-def shard_link(dest: str, path: str, real: str, target: str, folder: str, listed: set[str],
+def shard_link(dest: str, path: str, real: str, target: str, folder: str, listed: Listed,
                fix: str) -> LocalFile:
     """A link inside the shard stays a link, if what it points to is pushed with it."""
     sub = os.path.relpath(real, folder)

@@ -32,6 +32,18 @@ class SyncReport:
     sent: tuple[str, ...]
 
 
+class Same:
+    """A host folder's manifest when the host answered `same`: it holds exactly `files`
+    (the list whose token preflight sent). A push of that very list has nothing to send
+    or delete, and skips building and comparing a manifest of every file."""
+
+    def __init__(self, files: list[LocalFile]) -> None:
+        self.files = files
+
+    def manifest(self) -> dict[str, list[Any]]:
+        return {f.rel: [f.size, f.digest] for f in self.files}
+
+
 # ---------------------------------------------------------------- the stream
 
 def plan(local: list[LocalFile], remote: dict[str, list[Any]]) -> tuple[list[LocalFile], list[str]]:
@@ -47,40 +59,97 @@ def file_head(f: LocalFile) -> bytes:
 
 
 def stream_files(send: Callable[[bytes | memoryview], None], files: list[LocalFile],
-                 progress: Progress | None) -> None:
-    """A `file` message and data frames (at most 1 MiB each) per file; small files are
-    batched into 1 MiB writes."""
-    batch, pending, buf = bytearray(), 0, bytearray(BATCH)
-    view = memoryview(buf)
+                 progress: Progress | None, batch: bool = True) -> None:
+    """A `file` message and data frames (at most 1 MiB each) per file. `batch`: small
+    files go as `files` messages instead, each one JSON list of up to BATCH_FILES files
+    and one data frame of their bytes end to end (the host's per-file cost was most of
+    a first push of many small files); their bytes are those LocalFile.data kept from
+    the hash, else read now. Everything goes out in writes of about 1 MiB."""
+    out = Batcher(send, progress)
     for f in files:
         if f.link is not None:   # a symlink: its message carries the target, no data frames
-            batch += protocol.stream_item("link", p=f.rel, link=f.link)
-            pending += 1
-            continue
-        batch += file_head(f)
-        if f.size <= BATCH:
-            data = read_whole(f.path)
-            batch += protocol.frame(protocol.DATA, data) if data else b""
+            out.add(protocol.stream_item("link", p=f.rel, link=f.link))
+        elif batch and f.size <= SMALL:
+            data = f.data if f.data is not None else read_whole(f.path)
+            # a file that changed since its hash goes with its new length and its old
+            # digest: the host refuses it, as it refuses a changed big file
+            out.small(f.rel, data, f.digest, f.mode)
         else:
-            send(bytes(batch))
-            batch = bytearray()
-            with open(f.path, "rb") as src:
-                for n in iter(lambda: src.readinto(buf), 0):
-                    send(protocol.HEADER.pack(protocol.DATA, n))
-                    send(view[:n])
-        pending += 1
-        if len(batch) >= BATCH:
-            send(bytes(batch))
-            if progress:
-                progress(len(batch), pending)
-            batch, pending = bytearray(), 0
-        elif f.size > BATCH and progress:
-            progress(f.size, pending)
-            pending = 0
-    if batch:
-        send(bytes(batch))
-    if progress:
-        progress(len(batch), pending)
+            out.flush_small()
+            out.add(file_head(f), 0)
+            if f.size <= BATCH:
+                data = read_whole(f.path)
+                out.add(protocol.frame(protocol.DATA, data) if data else b"")
+            else:
+                out.big(f)
+    out.close()
+
+
+SMALL = 64 << 10      # a file this small goes in a `files` batch
+BATCH_FILES = protocol.MAX_BATCH_FILES   # files in one `files` message
+BATCH_HEAD = protocol.MAX_JSON // 2      # bytes of its JSON, at most
+
+
+class Batcher:
+    """The stream's bytes gathered into writes of about BATCH, small files into batches."""
+
+    def __init__(self, send: Callable[[bytes | memoryview], None],
+                 progress: Progress | None) -> None:
+        self.send, self.progress = send, progress
+        self.out, self.pending = bytearray(), 0     # bytes to write, files in them
+        self.entries: list[list[Any]] = []          # the small files' batch
+        self.chunks: list[bytes] = []
+        self.nbytes = self.head = 0   # the batch's data bytes, and its head's most
+
+    def add(self, data: bytes, files: int = 1) -> None:
+        self.out += data
+        self.pending += files
+        if len(self.out) >= BATCH:
+            self.write()
+
+    def small(self, rel: str, data: bytes, digest: str, mode: int) -> None:
+        # the head's JSON stays far below protocol.MAX_JSON: a path's character is at
+        # most 6 bytes of JSON (\\uXXXX), the rest of an entry under 120
+        head = 6 * len(rel) + 120
+        if self.nbytes + len(data) > BATCH or len(self.entries) >= BATCH_FILES or \
+                self.head + head > BATCH_HEAD:
+            self.flush_small()
+        self.entries.append([rel, len(data), digest, mode])
+        self.chunks.append(data)
+        self.nbytes += len(data)
+        self.head += head
+
+    def flush_small(self) -> None:
+        if not self.entries:
+            return
+        head = protocol.stream_item("files", f=self.entries)
+        data = protocol.frame(protocol.DATA, b"".join(self.chunks)) if self.nbytes else b""
+        count = len(self.entries)
+        self.entries, self.chunks, self.nbytes, self.head = [], [], 0, 0
+        self.add(head + data, count)
+
+    def big(self, f: LocalFile) -> None:
+        """A file over BATCH: its frames straight from the file, 1 MiB at a time."""
+        self.write()
+        buf = bytearray(BATCH)
+        view = memoryview(buf)
+        with open(f.path, "rb") as src:
+            for n in iter(lambda: src.readinto(buf), 0):
+                self.send(protocol.HEADER.pack(protocol.DATA, n))
+                self.send(view[:n])
+        if self.progress:
+            self.progress(f.size, 1)
+
+    def write(self) -> None:
+        if self.out:
+            self.send(bytes(self.out))
+        if self.progress and (self.out or self.pending):
+            self.progress(len(self.out), self.pending)
+        self.out, self.pending = bytearray(), 0
+
+    def close(self) -> None:
+        self.flush_small()
+        self.write()
 
 
 def read_whole(path: str) -> bytes:
@@ -150,9 +219,13 @@ class Stall:
 
 
 def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | None = None,
-         remote: dict[str, list[Any]] | None = None) -> SyncReport:
+         remote: dict[str, list[Any]] | Same | None = None) -> SyncReport:
     """Make `dest` on the host hold exactly `local` (by content); send only differences.
     `remote` is the host's manifest of dest when the caller has it already."""
+    if isinstance(remote, Same):
+        if remote.files is local:
+            return SyncReport(0, 0, 0, ())
+        remote = remote.manifest()   # another list (hosts sharing a folder): compared
     if remote is None:
         _, asked = link.submit("manifest", root=dest)
         link.wait(asked, timeouts.SYNC)
@@ -175,11 +248,12 @@ def stream_and_wait(link: Link, stall: Stall, dest: str, send: list[LocalFile],
                     delete: list[str], progress: Progress | None,
                     command: str = "receive", **fields: Any) -> dict[str, Any]:
     """The stream after its request (`receive` into dest, or another that takes the same
-    stream with `fields`: a checkpoint `restore`), then the reply."""
+    stream with `fields`: a checkpoint `restore`, which takes no `files` batches), then
+    the reply."""
     try:
         with link.wlock:   # the stream follows its request with nothing in between
             _, pending = link.submit(command, **(fields or {"root": dest}))
-            stream_files(stall.send, send, progress)
+            stream_files(stall.send, send, progress, batch=command == "receive")
             link.send(protocol.stream_item("end", delete=delete))
     except (OSError, EOFError) as e:
         raise HostError(f"{link.name}: push to {dest} broke off: {e}",

@@ -108,7 +108,7 @@ class Keeper:
         self.session, self.cluster = session, cluster
         self.interval, self.settle = interval, settle
         self.root = cluster.state_dir / "checkpoints"
-        self.cache = DigestCache(cluster.state_dir / "checkpoint-digests.json")
+        self.cache = DigestCache(cluster.state_dir / "checkpoint-digests.bin")
         self.lock = threading.Lock()
         self.held: dict[str, str] = {}          # rel to the job folder -> sha256, held here
         self.rounds = 0                          # rounds that ended well
@@ -214,7 +214,7 @@ def restore(session: Session, cluster: Cluster, index: int | None = None,
     if link is None:
         raise HostError(f"{host.label}: not connected: the checkpoints cannot be put back")
     job_dir = session.records[host.index].job_dir
-    cache = DigestCache(cluster.state_dir / "checkpoint-digests.json")
+    cache = DigestCache(cluster.state_dir / "checkpoint-digests.bin")
     files = kept(root or cluster.state_dir / "checkpoints", cache, cluster.job.checkpoint)
     cache.save()
     if not files:

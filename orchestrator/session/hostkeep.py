@@ -246,7 +246,7 @@ def gather(session: Session, cluster: Cluster, last: Kept, stage: Path,
                 listed.update({f"{folder}/{rel}": e for rel, e in remote.items()})
             fetch_into(link, job_dir, stage, listed)
         return stage, f"rank 0's last host {last.rank0}{why}"
-    cache = DigestCache(cluster.state_dir / "checkpoint-digests.json")
+    cache = DigestCache(cluster.state_dir / "checkpoint-digests.bin")
     if kept(mine, cache, cluster.job.checkpoint):
         return mine, f"the controller's copy{why}"
     return None, f"nothing survives{why}"

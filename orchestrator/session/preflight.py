@@ -8,6 +8,7 @@ from typing import Any, Callable
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import HostError, UsageError
 from orchestrator.files.localfiles import LocalFile
+from orchestrator.files.sync import Same
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.session import gpuclaims
@@ -119,15 +120,15 @@ def manifests_of(cluster: Cluster, parts: list[dict[str, Any]], tokens: dict[str
                  expect: Expected) -> dict[str, Any]:
     """{folder: {rel: [size, digest]}} from the parts. A part that says `same` with the
     token we sent stands for exactly the files we expect (the host computed the token
-    over what it holds): the manifest is made from those, and the push finds nothing
-    to send or delete."""
+    over what it holds): sync.Same of those, and the push of them sends and deletes
+    nothing."""
     manifests: dict[str, Any] = {f: {} for f in folders(cluster)}
     for part in parts:
         folder = part["folder"]
         if "same" in part:
             if part["same"] != tokens.get(folder):
                 raise protocol.ProtocolError(f"manifest of {folder}: a token not asked for")
-            manifests[folder] = {f.rel: [f.size, f.digest] for f in expect[folder]}
+            manifests[folder] = Same(expect[folder])
         else:
             manifests.setdefault(folder, {}).update(part["files"])
     return manifests

@@ -58,8 +58,8 @@ def group_files(files: dict[int, HostFiles], pre: PreflightReport) -> dict[int, 
     out = {}
     for group in pre.groups():
         first = files[group[0]]
-        data = None
-        if first.data is not None:
+        data = first.data   # alone in its folder: the very list preflight's token was of
+        if first.data is not None and len(group) > 1:
             merged: dict[str, LocalFile] = {}
             for member in group:
                 for f in files[member].data or ():
@@ -356,6 +356,6 @@ class Session:
         if link is None:
             self.require_all("to connect")
             raise HostError(f"{host.label}: not connected")
-        cache = DigestCache(self.cluster.state_dir / "pull-digests.json")
+        cache = DigestCache(self.cluster.state_dir / "pull-digests.bin")
         return pull_files(link, self.records[host.index].job_dir, paths, dest, cache,
                           progress, planned)

@@ -228,9 +228,10 @@ def manifest_token(entries: Any) -> str:
     digest or link target can hold one): two different manifests never give the same
     bytes to hash."""
     import hashlib  # here: the agent's start does not pay for it
-    h = hashlib.sha256()
-    for rel, digest in sorted(entries):
-        h.update(("%s\0%s\0" % (rel, digest)).encode("utf-8", "surrogatepass"))
+    h, pairs, nul = hashlib.sha256(), sorted(entries), "\0"
+    for i in range(0, len(pairs), 65536):   # an encode and an update per 65536, not per file
+        text = nul.join(map(nul.join, pairs[i:i + 65536])) + nul   # "rel\0digest\0" each
+        h.update(text.encode("utf-8", "surrogatepass"))
     return h.hexdigest()
 
 
@@ -445,7 +446,11 @@ PULL_STREAM: dict[str, dict[str, Any]] = {"pull_file": {"p": str, "s": int, "m":
 # The receive stream, after the receive request.
 STREAM: dict[str, dict[str, Any]] = {"file": {"p": str, "s": int, "h": str, "m": int},
           "link": {"p": str, "link": str},
+          # small files: f = [[path, size, sha256, mode], ...] (MAX_BATCH_FILES at most),
+          # then one data frame of their bytes end to end when any has a byte (receive only)
+          "files": {"f": list},
           "end": {"delete": [str]}}
+MAX_BATCH_FILES = 4096
 
 
 def pull_path_problem(rel: Any) -> str:

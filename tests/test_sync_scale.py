@@ -1,0 +1,301 @@
+"""The shortcuts that make a push of many small files fast keep every answer and every
+safety rule: the host's ledger signature (a nothing-changed manifest from one lstat a
+file), the `files` batches of the stream, and the controller's memos (a split checked,
+a shard folder's link texts, the digest cache's format and the bytes it holds).
+
+Agent functions are called in this process; the controller's listing runs on a split
+made here. The end-to-end push of these paths is in test_sync_cache.py and test_push.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import marshal
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.agent import files, ledger
+from orchestrator.agent.paths import JobDir, UnsafePath
+from orchestrator.config.inventory import load
+from orchestrator.errors import DataError
+from orchestrator.files import localfiles, shards, splitdata
+from orchestrator.files.localfiles import DigestCache, LocalFile
+from orchestrator.files.sync import stream_files
+from orchestrator.wire import protocol
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def reader_of(stream: bytes) -> protocol.FrameReader:
+    chunks = iter([stream, b""])
+    return protocol.FrameReader(lambda n: next(chunks), caps=protocol.CAPS)
+
+
+def batch(entries: list[list[Any]], data: bytes) -> bytes:
+    return protocol.stream_item("files", f=entries) + (protocol.frame(protocol.DATA, data)
+                                                       if data else b"")
+
+
+def end() -> bytes:
+    return protocol.stream_item("end", delete=[])
+
+
+def push(jd: JobDir, named: dict[str, bytes]) -> dict[str, Any]:
+    """named pushed as the controller streams them (small files: batches)."""
+    local = [LocalFile(rel, "", len(data), 0o644, sha(data), data=data)
+             for rel, data in sorted(named.items())]
+    sent = bytearray()
+    stream_files(sent.extend, local, None)
+    return files.receive_into(reader_of(bytes(sent) + end()), jd, "data")
+
+
+def token_of(named: dict[str, bytes]) -> str:
+    return protocol.manifest_token((rel, sha(data)) for rel, data in named.items())
+
+
+NAMED = {"w0/a/1.bin": b"one", "w0/a/2.bin": b"two", "w0/b/3.bin": b"", "top.bin": b"top"}
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> JobDir:
+    jd = JobDir(str(tmp_path / "job"))
+    assert push(jd, NAMED) == {"files": 4, "bytes": 9, "deleted": 0}
+    return jd
+
+
+# ---------------------------------------------------------------- the host's signature
+
+def test_nothing_changed_is_answered_from_the_signature_without_reading_the_ledger(
+        job: JobDir, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_ledger(*args: Any) -> None:
+        raise AssertionError("the ledger was read")
+    monkeypatch.setattr(files, "Ledger", no_ledger)
+    assert files.manifest(job, "data", token_of(NAMED)) == \
+        {"root": job.show("data"), "files": {}, "same": True}
+    with pytest.raises(AssertionError):   # another token: the full manifest decides
+        files.manifest(job, "data", token_of({"w0/a/1.bin": b"one"}))
+
+
+def test_a_file_rewritten_on_the_host_with_size_and_mtime_kept_fails_the_signature(
+        job: JobDir, tmp_path: Path) -> None:
+    path = tmp_path / "job" / "data" / "w0" / "a" / "2.bin"
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        f.write(b"TWO")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert not ledger.same(job, "data", token_of(NAMED))
+    got = files.manifest(job, "data", token_of(NAMED))
+    assert "same" not in got and got["files"]["w0/a/2.bin"] == [3, sha(b"TWO")]
+
+
+@pytest.mark.parametrize("spoil", ["gone", "journal", "unsafe name", "unsafe folder",
+                                   "not marshal"])
+def test_a_signature_is_trusted_only_whole_and_alone(job: JobDir, tmp_path: Path,
+                                                     spoil: str) -> None:
+    run, data = tmp_path / "job" / "run", tmp_path / "job" / "data"
+    sig = run / "data-pushed.sig"
+    doc = marshal.loads(sig.read_bytes())
+    assert ledger.same(job, "data", token_of(NAMED))
+    if spoil == "gone":
+        (data / "w0" / "b" / "3.bin").unlink()
+    elif spoil == "journal":   # a receiver that did not finish
+        (run / "data-pushed.journal").write_text("")
+    elif spoil in ("unsafe name", "unsafe folder"):   # forged (by the job): keys and all
+        outside = tmp_path / "outside.bin"
+        outside.write_bytes(b"x")
+        (data / "w0" / "a" / "sub").symlink_to(tmp_path)
+        keys = ledger.stat_keys(job, "data", doc["folders"])
+        assert keys is not None
+        st = os.lstat(outside)
+        keys.append(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_dev}:{st.st_ctime_ns}")
+        doc["folders"].append(["w0/a", ["sub/outside.bin"]] if spoil == "unsafe name"
+                              else ["w0/../..", ["outside.bin"]])
+        doc["keys"] = ledger.keys_digest(keys)
+        sig.write_bytes(marshal.dumps(doc))
+    else:
+        sig.write_bytes(b"{not marshal")
+    assert not ledger.same(job, "data", token_of(NAMED))
+
+
+def test_a_missing_signature_is_written_by_the_full_manifest(job: JobDir, tmp_path: Path) -> None:
+    (tmp_path / "job" / "run" / "data-pushed.sig").unlink()
+    assert files.manifest(job, "data", token_of(NAMED))["same"] is True
+    assert ledger.same(job, "data", token_of(NAMED))
+
+
+# ---------------------------------------------------------------- `files` batches
+
+def test_a_batch_with_a_bad_digest_keeps_the_files_before_it_and_writes_nothing_of_it(
+        job: JobDir, tmp_path: Path) -> None:
+    entries = [["w0/a/4.bin", 4, sha(b"four"), 0o644], ["w0/a/5.bin", 4, sha(b"nope"), 0o644],
+               ["w0/a/6.bin", 3, sha(b"six"), 0o644]]
+    with pytest.raises(ValueError, match=r"digest mismatch for w0/a/5\.bin"):
+        files.receive_into(reader_of(batch(entries, b"fourfivesix") + end()), job, "data")
+    folder = tmp_path / "job" / "data" / "w0" / "a"
+    assert sorted(p.name for p in folder.iterdir()) == ["1.bin", "2.bin", "4.bin"]
+    assert ledger.Ledger(job, "data").owns("w0/a/4.bin")
+
+
+@pytest.mark.parametrize("entries,data,error", [
+    ([["../evil.bin", 1, sha(b"x"), 0o644]], b"x", UnsafePath),
+    ([["w0/../../evil.bin", 1, sha(b"x"), 0o644]], b"x", UnsafePath),
+    ([["w0/a/", 1, sha(b"x"), 0o644]], b"x", UnsafePath),
+    ([["w0/a/fine.bin", 1, sha(b"x"), 0o644], ["w0/a/..", 1, sha(b"x"), 0o644]], b"xx", UnsafePath),
+    ([["w0/a/x.bin", 2, sha(b"xy"), 0o644]], b"xyz", protocol.ProtocolError),
+    ([["w0/a/x.bin", -1, sha(b""), 0o644]], b"", protocol.ProtocolError),
+    ([["w0/a/x.bin", 1, sha(b"x")]], b"x", protocol.ProtocolError),
+    ([["w0/a/x.bin", 0, sha(b""), 0o644]] * (protocol.MAX_BATCH_FILES + 1), b"",
+     protocol.ProtocolError),
+])
+def test_a_batch_refuses_unsafe_paths_and_data_that_is_not_its_files(
+        job: JobDir, tmp_path: Path, entries: list[Any], data: bytes, error: type) -> None:
+    with pytest.raises(error):
+        files.receive_into(reader_of(batch(entries, data) + end()), job, "data")
+    assert not (tmp_path / "evil.bin").exists() and not (tmp_path / "job" / "evil.bin").exists()
+    assert not (tmp_path / "job" / "data" / "w0" / "a" / "x.bin").exists()
+
+
+def test_a_batch_replaces_a_link_at_a_files_name_and_never_writes_through_it(
+        job: JobDir, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"keep")
+    planted = tmp_path / "job" / "data" / "w0" / "a" / "1.bin"
+    planted.unlink()
+    planted.symlink_to(outside)
+    push(job, {"w0/a/1.bin": b"ONE"})
+    assert outside.read_bytes() == b"keep" and not planted.is_symlink()
+    assert planted.read_bytes() == b"ONE"
+    # a link where a folder of the batch goes is refused, not entered
+    (tmp_path / "job" / "data" / "w0" / "c").symlink_to(tmp_path)
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        push(job, {"w0/c/outside.bin": b"evil"})
+    assert outside.read_bytes() == b"keep"
+
+
+def test_names_of_any_bytes_round_trip_through_a_batch(tmp_path: Path) -> None:
+    named = {"w0/caf\udce9.bin": b"latin-1", "w0/line\nbreak.bin": b"nl", "w0/back\\slash": b""}
+    jd = JobDir(str(tmp_path / "job"))
+    push(jd, named)
+    got = sorted(os.listdir(os.fsencode(tmp_path / "job" / "data" / "w0")))
+    assert got == sorted(os.fsencode(rel.split("/")[1]) for rel in named)
+    assert files.manifest(jd, "data", token_of(named))["same"] is True
+
+
+def test_a_journal_of_batch_lines_and_a_torn_last_line_is_replayed(job: JobDir,
+                                                                  tmp_path: Path) -> None:
+    entry = [3, sha(b"new"), "3:1:2:3:4"]
+    lines = [json.dumps([["w0/x.bin", entry], ["w0/y.bin", entry]]),
+             json.dumps(["w0/old-style.bin", entry]), '[["w0/torn.bin", [3, "ab']
+    (tmp_path / "job" / "run" / "data-pushed.journal").write_text("\n".join(lines))
+    got = ledger.Ledger(job, "data")
+    assert got.interrupted
+    assert all(got.owns(rel) for rel in ("w0/x.bin", "w0/y.bin", "w0/old-style.bin", "w0/a/1.bin"))
+    assert not got.owns("w0/torn.bin")
+
+
+# ---------------------------------------------------------------- the controller's memos
+
+@pytest.fixture
+def split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A one-worker split of 2 classes of 3 files, and an inventory naming it."""
+    monkeypatch.setattr(localfiles, "RACY_NS", -10**18)   # files written just now may be memoized
+    source = tmp_path / "src"
+    for c in range(2):
+        (source / f"c{c}").mkdir(parents=True)
+        for i in range(3):
+            (source / f"c{c}" / f"{i}.bin").write_bytes(b"%d-%d" % (c, i))
+    splitdata.split(source, tmp_path / "shards", 1)
+    inv = tmp_path / "cluster.yaml"
+    inv.write_text("name: scale\nhosts:\n  - {address: localhost, connection: local}\n"
+                   "job: {entrypoint: job.py}\n"
+                   f"data: {{source: {source}, shards: {tmp_path}/shards}}\n")
+    return inv
+
+
+def listing(inv: Path) -> list[LocalFile]:
+    cluster = load(inv)
+    cache = DigestCache(inv.parent / ".orch" / "digests.bin")
+    got = shards.host_files(cluster, cluster.hosts[0], shards.load_split(cluster, cache), cache)
+    cache.save()
+    return got
+
+
+def test_a_second_listing_reads_no_link_and_checks_no_split(
+        split: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = listing(split)
+    read: list[str] = []
+    real = os.readlink
+
+    def readlink(path: Any, *args: Any, **kw: Any) -> Any:
+        read.append(str(path))
+        return real(path, *args, **kw)
+    monkeypatch.setattr(os, "readlink", readlink)
+    monkeypatch.setattr(shards, "check_split", lambda *a: pytest.fail("checked again"))
+    monkeypatch.setattr(localfiles, "sha256_of", lambda p: pytest.fail(f"hashed {p}"))
+    assert listing(split) == first and read == []
+    # a link replaced in one folder: that folder's links are read again, its new target used
+    link = split.parent / "shards" / "worker_0_of_1" / "c1" / "2.bin"
+    link.unlink()
+    link.symlink_to(split.parent / "src" / "c0" / "0.bin")
+    monkeypatch.setattr(localfiles, "sha256_of", real_sha256_of)
+    again = {f.rel: f for f in listing(split)}
+    assert again["worker_0_of_1/c1/2.bin"].digest == sha(b"0-0")
+    assert read and all("/c1/" in p for p in read)
+
+
+real_sha256_of = localfiles.sha256_of
+
+
+def test_a_changed_manifest_is_checked_again(split: Path) -> None:
+    listing(split)
+    path = split.parent / "shards" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["splits"]["1"]["shards"][0]["files"][0][0] = "../../etc/passwd"
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match="unsafe path"):
+        listing(split)
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage", b'{"/x": ["1:2:3:4:5", "ab"]}',
+                                     marshal.dumps({"version": 2, "entries": [], "memo": {}})])
+def test_a_digest_cache_that_is_not_one_is_empty(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "digests.bin"
+    path.write_bytes(content)
+    cache = DigestCache(path)
+    assert cache.entries == {} and cache.memo == {}
+
+
+def test_the_cache_keeps_the_bytes_it_hashed_for_small_files_within_its_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(localfiles, "RACY_NS", -10**18)
+    small, big = tmp_path / "small", tmp_path / "big"
+    small.write_bytes(b"s" * 100)
+    big.write_bytes(b"b" * (localfiles.HOLD_FILE + 1))
+    cache = DigestCache(tmp_path / "c.bin", hold=150)
+    assert cache.hashed(str(small), os.stat(small)) == (sha(b"s" * 100), b"s" * 100)
+    assert cache.hashed(str(big), os.stat(big))[1] is None        # too big to keep
+    assert cache.hashed(str(small), os.stat(small))[1] is None    # known: not read again
+    other = tmp_path / "other"
+    other.write_bytes(b"o" * 100)
+    assert cache.hashed(str(other), os.stat(other)) == (sha(b"o" * 100), None)   # over budget
+
+
+def test_batches_of_long_names_stay_under_the_json_frame_limit() -> None:
+    """4096 paths of 1000 non-ASCII characters are 24 MB of JSON: split into batches
+    that the host's frame reader takes (MAX_JSON), every file in one of them."""
+    name = "\u00e9" * 1000
+    local = [LocalFile(f"w{i}/{name}", "", 1, 0o644, sha(b"x"), data=b"x") for i in range(4096)]
+    sent = bytearray()
+    stream_files(sent.extend, local, None)
+    reader = reader_of(bytes(sent))
+    got, heads = [], 0
+    while (frame := reader.read_frame()) is not None:
+        if frame[0] == protocol.JSON:
+            heads += 1
+            got += [e[0] for e in protocol.decode(frame, "test")["f"]]
+    assert got == [f.rel for f in local] and heads > 1
