@@ -1,5 +1,7 @@
 """The `orch` command line itself: help, usage errors, a missing inventory, both entry
-points (the `orch` console script and `python -m orchestrator`). No host is contacted."""
+points (the `orch` console script and `python -m orchestrator`). No host is contacted.
+Most tests run orch's `cli()` in process (the same parser and messages, without a new
+interpreter's imports); the entry points, signals and imports are tested on new processes."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -10,13 +12,18 @@ from pathlib import Path
 import pytest
 
 import orchestrator
-from helpers import ORCH, orch
+from helpers import ORCH, orch, orch_in_process
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "orch"
 SUBCOMMANDS = ("up", "stop", "logs", "status", "split-data")
 
 
-def run(cwd: Path, *args: str, entry: str = "module") -> subprocess.CompletedProcess:
+def run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return orch_in_process(cwd, *args)
+
+
+def run_process(cwd: Path, *args: str, entry: str = "module") -> subprocess.CompletedProcess:
+    """A new process, through the console script or `python -m orchestrator`."""
     return orch(cwd, *args, timeout=60,
                 command=ORCH if entry == "module" else [str(CONSOLE_SCRIPT)])
 
@@ -71,14 +78,15 @@ def test_default_inventory_is_cluster_yaml(tmp_path: Path) -> None:
 
 def test_console_script_and_module_agree(tmp_path: Path) -> None:
     assert CONSOLE_SCRIPT.exists(), f"{CONSOLE_SCRIPT}: run `make install`"
-    script, module = run(tmp_path, "--version", entry="script"), run(tmp_path, "--version")
+    script = run_process(tmp_path, "--version", entry="script")
+    module = run_process(tmp_path, "--version")
     assert script.returncode == module.returncode == 0, script.stderr + module.stderr
     assert script.stdout == module.stdout and script.stdout.startswith("orch ")
     # the version is written once (orchestrator/__init__.py); the package metadata reads it
     assert script.stdout.split() == ["orch", orchestrator.__version__]
     assert importlib.metadata.version("orch") == orchestrator.__version__
-    helped = run(tmp_path, "--help", entry="script")
-    assert helped.returncode == 0 and helped.stdout == run(tmp_path, "--help").stdout
+    helped = run_process(tmp_path, "--help", entry="script")
+    assert helped.returncode == 0 and helped.stdout == run_process(tmp_path, "--help").stdout
 
 
 def test_mistyped_command_suggests_the_right_one(tmp_path: Path) -> None:
