@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, Callable, Protocol
 
-from sshd_cluster import pid_alive, pids_with_env
+from sshd_cluster import descendants_of, pid_alive, pids_with_env
 
 ORCH = [sys.executable, "-m", "orchestrator"]
 PREFIXED = re.compile(r"^\[r(\d+) (\S+)\] (.*)$")
@@ -64,7 +64,8 @@ def orch_in_process(cwd: Path, *args: str, env: dict | None = None
     process itself (its imports, signals, entry points) starts one with orch(). An
     exception that escapes cli() fails the test, as a traceback on stderr would. What cli()
     changes in the process (cwd, environment, signal handlers, the `orchestrator`
-    logger's handlers) is put back."""
+    logger's handlers) is put back, and every process it started (a local host's agent)
+    must be gone once it returns."""
     from orchestrator.cli import cli
     # streams with bytes below, as a process's: `orch logs` writes the rank's bytes there
     out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
@@ -73,6 +74,7 @@ def orch_in_process(cwd: Path, *args: str, env: dict | None = None
     signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     log = logging.getLogger("orchestrator")
     handlers, saved_env, here = list(log.handlers), dict(os.environ), os.getcwd()
+    before = set(descendants_of(os.getpid()))
     try:
         if env is not None:
             os.environ.clear()
@@ -90,7 +92,18 @@ def orch_in_process(cwd: Path, *args: str, env: dict | None = None
         log.handlers[:] = handlers
         for sig, handler in signals.items():
             signal.signal(sig, handler)
+    left = wait_until_gone(set(descendants_of(os.getpid())) - before, 10)
+    kill_all({"here": left})
+    assert not left, f"orch {' '.join(args)} left processes: {left}"
     return subprocess.CompletedProcess(["orch", *args], code, _as_text(out), _as_text(err))
+
+
+def wait_until_gone(pids: Iterable[int], timeout: float) -> list[int]:
+    """Those of pids still alive after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
 
 
 def _as_text(stream: io.TextIOWrapper) -> str:
