@@ -1,10 +1,11 @@
 """The `orch` command line itself: help, usage errors, a missing inventory, both entry
 points (the `orch` console script and `python -m orchestrator`). No host is contacted.
 Most tests run orch's `cli()` in process (the same parser and messages, without a new
-interpreter's imports); the entry points, signals and imports are tested on new processes."""
+interpreter's imports); the entry points and what a start imports are tested on new processes."""
 from __future__ import annotations
 
 import importlib.metadata
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 import orchestrator
 from helpers import ORCH, orch, orch_in_process
+from orchestrator.cli import interrupt_on_termination
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "orch"
 SUBCOMMANDS = ("up", "stop", "logs", "status", "split-data")
@@ -112,16 +114,19 @@ def test_an_option_before_its_command_says_where_it_goes(tmp_path: Path) -> None
 @pytest.mark.parametrize("ignored", [False, True], ids=["terminal", "nohup"])
 def test_hangup_stops_the_job_unless_orch_was_started_with_nohup(ignored: bool) -> None:
     """SIGHUP (a closed terminal) is Ctrl-C for orch, unless it was ignored at start, as
-    `nohup orch up` does: then orch outlives its terminal."""
-    code = ("import signal, sys\n"
-            f"signal.signal(signal.SIGHUP, signal.SIG_IGN if {ignored} else signal.SIG_DFL)\n"
-            "from orchestrator.cli import interrupt_on_termination\n"
-            "interrupt_on_termination()\n"
-            "print(signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,\n"
-            "      callable(signal.getsignal(signal.SIGTERM)))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [str(ignored), "True"]
+    `nohup orch up` does: then orch outlives its terminal. (What cli() does first, here
+    in this process, with the handlers put back after.)"""
+    kept = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if ignored else signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        interrupt_on_termination()
+        hup, term = signal.getsignal(signal.SIGHUP), signal.getsignal(signal.SIGTERM)
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+    assert (hup == signal.SIG_IGN) == ignored and callable(hup) != ignored
+    assert callable(term)
 
 
 def test_a_command_that_reaches_no_host_imports_neither_ssh_nor_other_commands(
