@@ -46,7 +46,8 @@ test: install system-deps
 	$(VPY) -m pytest
 
 # The unit tests only: no sshd, no training, a quarter of the fuzz documents; on every
-# core (up to 4, pytest-xdist): their time is mostly subprocesses and fake agents' waits.
+# core (up to 4, pytest-xdist): their time is mostly each worker's start (torch's
+# import), the fuzz and the fake agents' waits (docs/development.md, Testing).
 test-fast: install
 	$(VPY) -m pytest -m "not ssh and not slow" --hypothesis-profile=fast \
 	  -n auto --maxprocesses 4 --dist worksteal

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -79,6 +80,17 @@ def sshd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdClust
     pids = [h.pid for h in cluster.all_hosts()]
     cluster.stop()
     assert not [p for p in pids if pid_alive(p)], "an sshd of the fake cluster survived"
+
+
+@pytest.fixture(autouse=True)
+def _torch_on_one_thread() -> None:
+    """The tests that call torch in this process do so on tiny tensors, beside another
+    pytest worker or a job on the same cores: torch's own thread pool would only spin
+    against them (a MobileNet forward at 32 px took 0.9 s of CPU with 2 threads, 0.03 s
+    with one). A test that sets the count (worker.distrib does) gets it back to 1 after."""
+    torch = sys.modules.get("torch")   # never imported for this: most tests do not need it
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
+import logging
 import os
 import re
 import signal
@@ -23,7 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, Callable, Protocol
 
-from sshd_cluster import pid_alive, pids_with_env
+from sshd_cluster import descendants_of, pid_alive, pids_with_env
 
 ORCH = [sys.executable, "-m", "orchestrator"]
 PREFIXED = re.compile(r"^\[r(\d+) (\S+)\] (.*)$")
@@ -52,6 +54,63 @@ def orch(cwd: Path, *args: str, timeout: float = 120, env: dict | None = None,
     wrapper in front); `run` replaces subprocess.run (a network namespace's runner)."""
     return run([*command, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                env=env if env is not None else dict(os.environ), stdin=subprocess.DEVNULL)
+
+
+def orch_in_process(cwd: Path, *args: str, env: dict | None = None
+                    ) -> subprocess.CompletedProcess:
+    """The same command as orch(), run by orch's own `cli()` in this process: what a
+    user sees (exit code, stdout, stderr) without the 0.3 s of CPU a new interpreter and
+    its imports cost. For what is decided before any host is contacted; a test of the
+    process itself (its imports, signals, entry points) starts one with orch(). An
+    exception that escapes cli() fails the test, as a traceback on stderr would. What cli()
+    changes in the process (cwd, environment, signal handlers, the `orchestrator`
+    logger's handlers) is put back, and every process it started (a local host's agent)
+    must be gone once it returns."""
+    from orchestrator.cli import cli
+    # streams with bytes below, as a process's: `orch logs` writes the rank's bytes there
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
+    err = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="backslashreplace",
+                           write_through=True)
+    signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    log = logging.getLogger("orchestrator")
+    handlers, saved_env, here = list(log.handlers), dict(os.environ), os.getcwd()
+    before = set(descendants_of(os.getpid()))
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli(list(args))
+            except SystemExit as e:   # argparse: --help, --version, a usage error
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        log.handlers[:] = handlers
+        for sig, handler in signals.items():
+            signal.signal(sig, handler)
+    left = wait_until_gone(set(descendants_of(os.getpid())) - before, 10)
+    kill_all({"here": left})
+    assert not left, f"orch {' '.join(args)} left processes: {left}"
+    return subprocess.CompletedProcess(["orch", *args], code, _as_text(out), _as_text(err))
+
+
+def wait_until_gone(pids: Iterable[int], timeout: float) -> list[int]:
+    """Those of pids still alive after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def _as_text(stream: io.TextIOWrapper) -> str:
+    """What subprocess.run(text=True) makes of a stream's bytes (universal newlines)."""
+    stream.flush()
+    data = stream.buffer.getvalue()  # type: ignore[attr-defined]
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()
 
 
 class Running:

@@ -1,8 +1,11 @@
 """The `orch` command line itself: help, usage errors, a missing inventory, both entry
-points (the `orch` console script and `python -m orchestrator`). No host is contacted."""
+points (the `orch` console script and `python -m orchestrator`). No host is contacted.
+Most tests run orch's `cli()` in process (the same parser and messages, without a new
+interpreter's imports); the entry points and what a start imports are tested on new processes."""
 from __future__ import annotations
 
 import importlib.metadata
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +13,19 @@ from pathlib import Path
 import pytest
 
 import orchestrator
-from helpers import ORCH, orch
+from helpers import ORCH, orch, orch_in_process
+from orchestrator.cli import interrupt_on_termination
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "orch"
 SUBCOMMANDS = ("up", "stop", "logs", "status", "split-data")
 
 
-def run(cwd: Path, *args: str, entry: str = "module") -> subprocess.CompletedProcess:
+def run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return orch_in_process(cwd, *args)
+
+
+def run_process(cwd: Path, *args: str, entry: str = "module") -> subprocess.CompletedProcess:
+    """A new process, through the console script or `python -m orchestrator`."""
     return orch(cwd, *args, timeout=60,
                 command=ORCH if entry == "module" else [str(CONSOLE_SCRIPT)])
 
@@ -71,14 +80,15 @@ def test_default_inventory_is_cluster_yaml(tmp_path: Path) -> None:
 
 def test_console_script_and_module_agree(tmp_path: Path) -> None:
     assert CONSOLE_SCRIPT.exists(), f"{CONSOLE_SCRIPT}: run `make install`"
-    script, module = run(tmp_path, "--version", entry="script"), run(tmp_path, "--version")
+    script = run_process(tmp_path, "--version", entry="script")
+    module = run_process(tmp_path, "--version")
     assert script.returncode == module.returncode == 0, script.stderr + module.stderr
     assert script.stdout == module.stdout and script.stdout.startswith("orch ")
     # the version is written once (orchestrator/__init__.py); the package metadata reads it
     assert script.stdout.split() == ["orch", orchestrator.__version__]
     assert importlib.metadata.version("orch") == orchestrator.__version__
-    helped = run(tmp_path, "--help", entry="script")
-    assert helped.returncode == 0 and helped.stdout == run(tmp_path, "--help").stdout
+    helped = run_process(tmp_path, "--help", entry="script")
+    assert helped.returncode == 0 and helped.stdout == run_process(tmp_path, "--help").stdout
 
 
 def test_mistyped_command_suggests_the_right_one(tmp_path: Path) -> None:
@@ -104,32 +114,35 @@ def test_an_option_before_its_command_says_where_it_goes(tmp_path: Path) -> None
 @pytest.mark.parametrize("ignored", [False, True], ids=["terminal", "nohup"])
 def test_hangup_stops_the_job_unless_orch_was_started_with_nohup(ignored: bool) -> None:
     """SIGHUP (a closed terminal) is Ctrl-C for orch, unless it was ignored at start, as
-    `nohup orch up` does: then orch outlives its terminal."""
-    code = ("import signal, sys\n"
-            f"signal.signal(signal.SIGHUP, signal.SIG_IGN if {ignored} else signal.SIG_DFL)\n"
-            "from orchestrator.cli import interrupt_on_termination\n"
-            "interrupt_on_termination()\n"
-            "print(signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,\n"
-            "      callable(signal.getsignal(signal.SIGTERM)))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [str(ignored), "True"]
+    `nohup orch up` does: then orch outlives its terminal. (What cli() does first, here
+    in this process, with the handlers put back after.)"""
+    kept = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if ignored else signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        interrupt_on_termination()
+        hup, term = signal.getsignal(signal.SIGHUP), signal.getsignal(signal.SIGTERM)
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+    assert (hup == signal.SIG_IGN) == ignored and callable(hup) != ignored
+    assert callable(term)
 
 
 def test_a_command_that_reaches_no_host_imports_neither_ssh_nor_other_commands(
         tmp_path: Path) -> None:
     """paramiko (0.1 s) is imported by the commands that open a connection, and a command's
-    module only when it is named: `--help` and a broken inventory start in a few ms."""
+    module only when it is named: `--help` and a broken inventory start in a few ms. One
+    new process runs `orch --help`, then `orch status` on a broken inventory."""
     probe = ("import sys\nfrom orchestrator import cli\n"
-             "try:\n    code = cli.cli(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
-             "mods = sorted(m for m in sys.modules if m.startswith(('paramiko', 'orchestrator.commands.')))\n"
-             "print('imported:', code, *mods)\n")
+             "for argv in (['--help'], ['status']):\n"
+             "    try:\n        code = cli.cli(argv)\n    except SystemExit as e:\n        code = e.code\n"
+             "    mods = sorted(m for m in sys.modules if m.startswith(('paramiko', 'orchestrator.commands.')))\n"
+             "    print('imported:', code, *mods)\n")
     (tmp_path / "cluster.yaml").write_text("name: x\nhosts: [\n")
-    out = subprocess.run([sys.executable, "-c", probe, "status"], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60)
-    assert out.stdout.split() == ["imported:", "2", "orchestrator.commands.common",
-                                  "orchestrator.commands.status"], out.stdout + out.stderr
-    helped = subprocess.run([sys.executable, "-c", probe, "--help"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=60)
-    assert "split-data" in helped.stdout, helped.stderr
-    assert helped.stdout.splitlines()[-1] == "imported: 0", helped.stdout
+    lines = out.stdout.splitlines()
+    assert "split-data" in out.stdout and lines[-2] == "imported: 0", out.stdout + out.stderr
+    assert lines[-1].split() == ["imported:", "2", "orchestrator.commands.common",
+                                 "orchestrator.commands.status"], out.stdout + out.stderr

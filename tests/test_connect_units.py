@@ -3,7 +3,6 @@ its bastions are resolved (no host is contacted)."""
 from __future__ import annotations
 
 import io
-import os
 import subprocess
 import sys
 import textwrap
@@ -138,14 +137,16 @@ def test_known_hosts_parsed_once_and_again_when_changed(tmp_path: Path) -> None:
 
 def test_invoke_is_imported_only_for_a_config_that_may_run_commands(tmp_path: Path) -> None:
     """paramiko imports invoke (asyncio, unittest.mock: 30-50 ms) only to run `Match
-    exec`; orch holds it back at start and gives it back for a config that has one."""
-    probe = ("import sys, orchestrator.cli\nfrom orchestrator.ssh import connect\n"
-             "got = connect.ssh_config().lookup('h')\n"
-             "print(got.get('user'), 'invoke' in sys.modules and sys.modules['invoke'] is not None)\n")
+    exec`; orch holds it back at start and gives it back for a config that has one. One
+    new process reads the plain config, then the one with `Match exec`."""
+    probe = ("import os, sys, orchestrator.cli\nfrom orchestrator.ssh import connect\n"
+             "for path in sys.argv[1:]:\n"
+             "    os.environ['ORCH_SSH_CONFIG'] = path\n"
+             "    got = connect.ssh_config().lookup('h')\n"
+             "    print(got.get('user'), 'invoke' in sys.modules and sys.modules['invoke'] is not None)\n")
     plain, matching = tmp_path / "plain", tmp_path / "matching"
     plain.write_text("Host h\n  User plainuser\n")
     matching.write_text('Match exec "true"\n  User matched\n')
-    for path, want in ((plain, "plainuser False"), (matching, "matched True")):
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                             env=dict(os.environ, ORCH_SSH_CONFIG=str(path)), timeout=60)
-        assert out.stdout.split() == want.split(), out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-c", probe, str(plain), str(matching)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines() == ["plainuser False", "matched True"], out.stdout + out.stderr

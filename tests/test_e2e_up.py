@@ -28,6 +28,7 @@ from helpers import (
     job_dir,
     marker,
     orch,
+    orch_in_process,
     prefixed,
     sessions_of,
     write_job,
@@ -328,7 +329,7 @@ def test_broken_inventory_through_cli(stem: str, tmp_path: Path) -> None:
     path = CORPUS / f"{stem}.yaml"
     expect = re.fullmatch(r"# expect: (\d+) (.+)", path.read_text().splitlines()[0])
     assert expect, path
-    result = orch(tmp_path, "up", str(path), timeout=30)
+    result = orch_in_process(tmp_path, "up", str(path))
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
     assert result.stderr.startswith(f"orch: {path}:{expect[1]}: "), result.stderr

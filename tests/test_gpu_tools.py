@@ -24,7 +24,7 @@ import gpu as bench_gpu  # noqa: E402
 import gpu_check  # noqa: E402
 import gpu_standin  # noqa: E402
 import gputable  # noqa: E402
-from helpers import wait_until  # noqa: E402
+from helpers import orch_in_process, wait_until  # noqa: E402
 from sshd_cluster import pids_with_env  # noqa: E402
 from worker import compression as C  # noqa: E402
 from worker.augment import crops_by_grid, crops_by_interpolate, draw_boxes, resized_crop_flip  # noqa: E402
@@ -320,8 +320,8 @@ def test_preflight_refuses_more_gpus_than_nvidia_smi_lists(tmp_path: Path, liste
         job:
           entrypoint: job.py
         """))
-    r = run([sys.executable, "-m", "orchestrator", "up", "cluster.yaml"],
-            {"PATH": path, "PYTHONPATH": str(REPO), "ORCH_NO_COLOR": "1", **env}, cwd=tmp_path)
+    r = orch_in_process(tmp_path, "up", "cluster.yaml",   # the host's agent: a new process
+                        env={**os.environ, "PATH": path, "ORCH_NO_COLOR": "1", **env})
     text = r.stdout + r.stderr
     found = listed or 0
     assert r.returncode == 3, text

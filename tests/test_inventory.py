@@ -4,14 +4,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from helpers import orch_in_process
 from orchestrator.config import yamlnodes
 from orchestrator.config.inventory import (
     MAX_FILE_BYTES,
@@ -322,9 +321,7 @@ def test_special_files_are_refused_without_blocking(kind: str, tmp_path: Path) -
 def test_command_line_exits_2(inventory: str, expect: str, tmp_path: Path) -> None:
     if inventory == "fifo":
         os.mkfifo(tmp_path / "cluster.yaml")
-    result = subprocess.run([sys.executable, "-m", "orchestrator", "status", "-c", inventory.replace(
-        "fifo", "cluster.yaml")], cwd=tmp_path, capture_output=True, text=True, timeout=30,
-        stdin=subprocess.DEVNULL)
+    result = orch_in_process(tmp_path, "status", "-c", inventory.replace("fifo", "cluster.yaml"))
     assert result.returncode == 2, result.stderr
     assert expect in result.stderr and "fix: " in result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""

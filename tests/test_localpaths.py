@@ -4,8 +4,9 @@ A symlink inside a code path or a shard is pushed as a link when its target stay
 that tree, else refused (exit 2, before any host is touched); shards' links into the
 inventory's data.source are pushed as content, whatever manifest.json's `source` says.
 manifest.json and .gitignore are untrusted input: every defect is one message, exit 2.
-Most tests call the controller's functions; a few run the CLI to prove "exit 2, no
-traceback, nothing touched". One test pushes through real sshd.
+Most tests call the controller's functions; a few run the CLI (its `cli()`, in process)
+to prove "exit 2, no traceback, nothing touched"; one starts orch to prove a fresh
+process prints no library warning. One test pushes through real sshd.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from helpers import orch
+from helpers import orch, orch_in_process
 from orchestrator.config.inventory import load
 from orchestrator.errors import DataError
 from orchestrator.files import splitdata
@@ -88,7 +89,7 @@ def write_inventory(base: Path, *, paths: tuple[str, ...] = ("job",),
 
 def orch_up(inventory: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, ORCH_NO_COLOR="1", ORCH_SSH_CONFIG=os.devnull)
-    return orch(inventory.parent, "up", "-c", str(inventory), env=env)
+    return orch_in_process(inventory.parent, "up", "-c", str(inventory), env=env)
 
 
 def assert_refused(res: subprocess.CompletedProcess, base: Path, *words: str) -> None:

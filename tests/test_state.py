@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 import yaml
 
-from helpers import Jobs, assert_nothing_left, job_pids, orch, wait_until, write_job
+from helpers import (
+    Jobs,
+    assert_nothing_left,
+    job_pids,
+    orch,
+    orch_in_process,
+    wait_until,
+    write_job,
+)
 from orchestrator.config import inventory
 from orchestrator.session import state
 from sshd_cluster import SshdCluster
@@ -82,7 +90,7 @@ def test_status_and_logs_refuse_a_damaged_state(command: list[str], tmp_path: Pa
     cluster.state_dir.mkdir(parents=True)
     path = state.state_path(cluster)
     path.write_text('{"name": "st", "hosts": [')
-    result = orch(tmp_path, *command, "-c", str(cluster.path))
+    result = orch_in_process(tmp_path, *command, "-c", str(cluster.path))
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert f"{path}: the job state is damaged" in result.stderr

@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from fake_agent import session_factory
-from helpers import orch
+from helpers import orch_in_process
 from orchestrator.agent import launch as host_launch
 from orchestrator.agent import procs as host_procs
 from orchestrator.agent import status as host_status
@@ -34,7 +34,6 @@ from orchestrator.ui.wording import hint_cmd, plural
 from orchestrator.watch.follow import PrefixPrinter
 from orchestrator.wire import protocol
 
-ROOT = Path(__file__).resolve().parent.parent
 INVENTORY = """name: ux
 hosts:
   - {address: localhost, connection: local, remote_dir: /r0, procs: 2}
@@ -64,7 +63,7 @@ def test_hint_keeps_the_inventory(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 # ---------------------------------------------------------------- --json
 
 def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return orch(cwd, *args, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
+    return orch_in_process(cwd, *args)
 
 
 def test_json_errors_are_documents_with_the_same_exit_code(tmp_path: Path) -> None:

@@ -305,6 +305,12 @@ class Link:
                **fields: Any) -> tuple[int, Pending]:
         """Send a request; its Pending fills in when the reply comes. `stream` gets what
         the host streams for it until the reply (a command's output, a pull's files)."""
+        id, p = self._register(command, stream)
+        self.send(protocol.request(command, id, **fields))
+        return id, p
+
+    def _register(self, command: str, stream: Stream | None = None) -> tuple[int, Pending]:
+        """A request's id and Pending, in place before it is sent: its reply may be read first."""
         if self.dead:
             raise self.dead
         id, p = next(self.ids), Pending(command)
@@ -315,7 +321,6 @@ class Link:
             self.pending[id] = p
             if stream is not None:
                 self.streams[id] = stream
-        self.send(protocol.request(command, id, **fields))
         return id, p
 
     def wait(self, p: Pending, timeout: float | None) -> dict[str, Any]:
@@ -333,7 +338,15 @@ class Link:
     def follow(self, sink: Any, **fields: Any) -> None:
         """Stream rank output and events into sink until the `done` event."""
         self.sink, self.follow_ranks = sink, frozenset(fields["ranks"])
-        self.follow_id, _ = self.submit("follow", **fields)
+        # follow_id is set before the request goes: the host's first events, or a refused
+        # one that loses the host, may be read before send() returns, and the loss must
+        # reach the sink (else the monitor waits for a host that is gone)
+        self.follow_id, _ = self._register("follow")
+        try:
+            self.send(protocol.request("follow", self.follow_id, **fields))
+        except BaseException:
+            self.follow_id = None
+            raise
 
     def close(self, wait: float = timeouts.CLOSE) -> None:
         """End the agent: its stdin closes, it finishes a running stop, then exits."""
