@@ -97,24 +97,24 @@ class CorrectedAdam(Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._update(p, group)
+                    self._update(p, p.grad, group)
         return loss
 
-    def _square(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def _square(self, p: torch.Tensor, raw: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         given = self.squares.get(p.data_ptr())
         if given is None or given.numel() != p.numel():
             return grad * grad
         given = given.view_as(p)
-        if grad is p.grad:
+        if grad is raw:
             return given
         # L2 decay: (g + d)^2 = g^2 + (2g + d) d, with the corrected g^2
-        return given + (grad + p.grad) * (grad - p.grad)
+        return given + (grad + raw) * (grad - raw)
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+    def _update(self, p: torch.Tensor, raw: torch.Tensor, group: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]
-        grad = p.grad
+        grad = raw
         if group["weight_decay"]:
-            grad = grad.add(p, alpha=group["weight_decay"])
+            grad = raw.add(p, alpha=group["weight_decay"])
         state = self.state[p]
         if not state:
             state["step"] = 0
@@ -123,7 +123,7 @@ class CorrectedAdam(Optimizer):
         state["step"] += 1
         t = state["step"]
         state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).add_(self._square(p, grad), alpha=1 - beta2)
+        state["exp_avg_sq"].mul_(beta2).add_(self._square(p, raw, grad), alpha=1 - beta2)
         denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** t)).add_(group["eps"])
         p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** t))
 
