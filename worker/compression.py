@@ -130,18 +130,23 @@ def ternarize_nearest(grad: torch.Tensor, scaler: torch.Tensor | float) -> torch
 
 def corrected_square(mean: torch.Tensor, scaler: torch.Tensor | float,
                      world: int) -> torch.Tensor:
-    """``max(m^2 - (s|m| - m^2) / W, 0)``: the square of the decoded mean ``m`` of W
-    stochastic ternaries, less an estimate of the variance the draws added.
+    """``max(m^2 - (s|m| - m^2) / (W - 1), m^2 / W^2)``: the square of the decoded mean
+    ``m`` of W stochastic ternaries, less an estimate of the variance the draws added.
 
     A draw q of a value g with scaler s has E[q^2] = s|g|, not g^2: its variance is
     s|g| - g^2, and the mean of W independent draws carries 1/W of it. Adam's second
     moment fed with m^2 therefore grows with s|g| and its steps shrink. The variance is
-    estimated with g ~ m from values every rank holds (m and the shared s), so every rank
-    computes the same square. Where the quantiser is exact (|m| in {0, s}) it is m^2.
+    estimated from values every rank holds (m and the shared s), so every rank computes
+    the same square: E[s|m| - m^2] is (W - 1) times the variance of m where the ranks'
+    gradients agree in sign, hence the division by W - 1 (for W = 2 it is the product
+    of the two ranks' draws, an unbiased estimate of g1 g2). The floor m^2 / W^2 keeps
+    Adam's denominator away from 0 where m is not (one rank drew a value, the others
+    0), which would make a huge step. Where the quantiser is exact (|m| in {0, s}) it
+    is m^2.
     """
     square = mean * mean
-    excess = (torch.abs(mean) * scaler - square) / world
-    return torch.clamp_min(square - excess, 0.0)
+    excess = (torch.abs(mean) * scaler - square) / max(1, world - 1)
+    return torch.maximum(square - excess, square / (world * world))
 
 
 def pack_ternary(codes: torch.Tensor) -> torch.Tensor:
