@@ -369,9 +369,10 @@ def _check_squares(model: nn.Module, state: C.TernGradState,
     assert {names[k] for k in state.squares} == set(names.values()) - FLOAT_NAMES
     for key, square in state.squares.items():
         m = grads[names[key]].reshape(-1)
-        # never above m^2 (the draws only add variance), below it somewhere, the same
-        # on every rank
-        assert bool((square <= m * m).all()) and bool((square < m * m).any())
+        # never above m^2 (the draws only add variance; |m| may pass s by a rounding
+        # ulp), below it somewhere, the same on every rank
+        assert bool((square <= m * m * (1 + 1e-6)).all())
+        assert bool((square < 0.9 * m * m).any())
         gathered = _all_gather(square)
         assert all(torch.equal(gathered[0], g) for g in gathered[1:])
 

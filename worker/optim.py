@@ -107,8 +107,9 @@ class CorrectedAdam(Optimizer):
         given = given.view_as(p)
         if grad is raw:
             return given
-        # L2 decay: (g + d)^2 = g^2 + (2g + d) d, with the corrected g^2
-        return given + (grad + raw) * (grad - raw)
+        # L2 decay d: (g' + d)^2 with g' = sign(g) sqrt(corrected g^2), never negative
+        # (g^2 + 2gd + d^2 with the corrected g^2 can be, and Adam takes its root)
+        return (torch.sign(raw) * given.sqrt() + (grad - raw)).square()
 
     def _update(self, p: torch.Tensor, raw: torch.Tensor, group: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]
