@@ -1,11 +1,13 @@
 """Gradient bytes per step and step time for none / fp16 / terngrad (gloo, CPU);
-with --accuracy, validation accuracy per epoch of fp32, TernGrad and TernGrad with error
-feedback in real 2-process trainings.
+with --accuracy, validation accuracy per epoch of fp32, TernGrad, TernGrad with error
+feedback and TernGrad with the Adam correction in real 2-process trainings.
 
     .venv/bin/python bench/terngrad.py                 # W = 2 and 4, the demo model
     .venv/bin/python bench/terngrad.py --workers 2 --steps 10 --json out.json
     .venv/bin/python bench/terngrad.py --accuracy      # ~15-25 min on 2 cores
     .venv/bin/python bench/terngrad.py --accuracy --settings demo --seeds 0
+    .venv/bin/python bench/terngrad.py --accuracy --settings demo \
+        --variants "terngrad --terngrad-adam-correction"   # fp32 and this one only
 
 Bytes mode: for every world size W it starts W processes on 127.0.0.1 (gloo, one thread each) that
 train the demo model on random 32x32 images with each hook in turn, and prints per

@@ -1,5 +1,6 @@
-"""Accuracy per epoch of fp32, TernGrad and TernGrad with error feedback (bench/terngrad.py
---accuracy): real 2-process trainings of worker.train on the demo data.
+"""Accuracy per epoch of fp32 and the TernGrad variants (plain, error feedback, the Adam
+correction; bench/terngrad.py --accuracy): real 2-process trainings of worker.train on
+the demo data.
 
 Every run is ``torchrun --nproc-per-node 2 -m worker.train`` (gloo, OMP_NUM_THREADS=1)
 with the shipped demo's training options (LeNet, Adam, lr 0.001, batch 32 per rank; no
@@ -46,7 +47,8 @@ SETTINGS = {
 }
 
 # Variant -> worker.train options. TernGrad as measured before (stochastic, 2.5 std);
-# with error feedback the codes are deterministic and the scaler its default.
+# with error feedback the codes are deterministic and the scaler its default; the Adam
+# correction keeps the stochastic codes (it only changes Adam's second moment).
 VARIANTS = {
     "fp32": ["--grad-compression", "none"],
     "terngrad": ["--grad-compression", "terngrad", "--clip-factor", "2.5", "--quantize-logits"],
