@@ -1,11 +1,13 @@
 """Gradient bytes per step and step time for none / fp16 / terngrad (gloo, CPU);
-with --accuracy, validation accuracy per epoch of fp32, TernGrad and TernGrad with error
-feedback in real 2-process trainings.
+with --accuracy, validation accuracy per epoch of fp32, TernGrad, TernGrad with error
+feedback and TernGrad with the Adam correction in real 2-process trainings.
 
     .venv/bin/python bench/terngrad.py                 # W = 2 and 4, the demo model
     .venv/bin/python bench/terngrad.py --workers 2 --steps 10 --json out.json
     .venv/bin/python bench/terngrad.py --accuracy      # ~15-25 min on 2 cores
     .venv/bin/python bench/terngrad.py --accuracy --settings demo --seeds 0
+    .venv/bin/python bench/terngrad.py --accuracy --settings demo \
+        --variants "terngrad --terngrad-adam-correction"   # fp32 and this one only
 
 Bytes mode: for every world size W it starts W processes on 127.0.0.1 (gloo, one thread each) that
 train the demo model on random 32x32 images with each hook in turn, and prints per
@@ -161,12 +163,15 @@ def format_table(rows: list[dict]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from terngrad_accuracy import SETTINGS
+    from terngrad_accuracy import VARIANTS as ACC_VARIANTS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--accuracy", action="store_true",
                    help="train for real and report accuracy per epoch (not bytes per step)")
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
                    help="--accuracy: demo (6 classes), hard (20 classes), demo-sgd (SGD)")
+    p.add_argument("--variants", nargs="+", choices=list(ACC_VARIANTS), default=None,
+                   help="--accuracy: which variants to run (fp32 always runs; default all)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="--accuracy")
     p.add_argument("--epochs", type=int, default=8, help="--accuracy (the demo reaches 0.95 by 8)")
     p.add_argument("--model", default="lenet", help="a model of worker.models (default lenet)")
@@ -187,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.accuracy:
         from terngrad_accuracy import run_accuracy
 
-        return run_accuracy(args.settings, args.seeds, args.epochs)
+        return run_accuracy(args.settings, args.seeds, args.epochs, args.variants)
     rows = [row for world in args.workers for row in run_world(args, world)]
     print(f"model={args.model} batch={args.batch_size}/rank steps={args.steps} "
           f"params={rows[0]['params']:,} clip_factor={args.clip_factor}")

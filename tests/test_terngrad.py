@@ -341,6 +341,54 @@ def _run_no_feedback_keeps_nothing(rank: int) -> None:
     assert stats.hook_state.residuals == {}
 
 
+ADAM_STEPS = 5
+
+
+def _adam_run(rank: int, corrected: bool) -> tuple[nn.Module, C.TernGradState]:
+    from worker.optim import CorrectedAdam
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.004)
+    stats = C.install_comm_hook(ddp, "terngrad", size_to_binarize=SIZE_TO_BINARIZE,
+                                clip_factor=2.5, adam_correction=corrected, seed=3)
+    opt = CorrectedAdam(ddp.parameters(), lr=0.01, weight_decay=0.01)
+    if corrected:
+        opt.squares = stats.hook_state.squares
+    for step in range(ADAM_STEPS):
+        grads = _ddp_step(ddp, rank, step)
+        opt.step()
+    _check_squares(ddp.module, stats.hook_state, grads)
+    return ddp.module, stats.hook_state
+
+
+def _check_squares(model: nn.Module, state: C.TernGradState,
+                   grads: dict[str, torch.Tensor]) -> None:
+    if state.squares is None:
+        return
+    names = {p.data_ptr(): n for n, p in model.named_parameters()}
+    assert {names[k] for k in state.squares} == set(names.values()) - FLOAT_NAMES
+    for key, square in state.squares.items():
+        m = grads[names[key]].reshape(-1)
+        # never above m^2 (the draws only add variance; |m| may pass s by a rounding
+        # ulp), below it somewhere, the same on every rank
+        assert bool((square <= m * m * (1 + 1e-6)).all())
+        assert bool((square < 0.9 * m * m).any())
+        gathered = _all_gather(square)
+        assert all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+def _run_adam_correction(rank: int) -> None:
+    """With the correction every rank applies the same update (the replicas stay equal),
+    and the update differs from plain Adam's on the same codes."""
+    corrected, _ = _adam_run(rank, corrected=True)
+    plain, _ = _adam_run(rank, corrected=False)
+    for (n, p), q in zip(corrected.named_parameters(), plain.parameters()):
+        gathered = _all_gather(p.detach())
+        assert all(torch.equal(gathered[0], g) for g in gathered[1:]), n
+        if n not in FLOAT_NAMES:
+            assert not torch.equal(p, q), n
+
+
 def _worker(rank: int, world: int, port: int) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
@@ -351,6 +399,7 @@ def _worker(rank: int, world: int, port: int) -> None:
         _run_error_feedback(rank)
         _run_no_feedback_keeps_nothing(rank)
         _run_none_and_fp16(rank)
+        _run_adam_correction(rank)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -395,3 +444,74 @@ def test_nearest_rounding_contracts_where_random_draws_do_not() -> None:
     wide = 2.5 * grad.std(correction=0)
     drawn = C.decode_ternary(C.ternarize(grad, wide, torch.Generator().manual_seed(2)), wide)
     assert ((drawn - grad) ** 2).sum() > 0.9 * (grad ** 2).sum()
+
+
+# ---------------------------------------------------------------------------
+# The Adam correction (single process; the multiprocess run checks the ranks agree)
+
+
+def test_corrected_square_is_the_plain_square_where_the_quantiser_is_exact() -> None:
+    s = 0.37
+    m = torch.tensor([s, -s, 0.0, s, 0.0])  # every rank sent exactly +-s or 0, as one
+    assert torch.equal(C.corrected_square(m, s, 2), m * m)
+    half = torch.tensor([s / 2])  # two ranks differ: one +s, one 0 -> the floor m^2 / W^2
+    assert torch.allclose(C.corrected_square(half, s, 2), half * half / 4)
+
+
+def test_corrected_square_removes_most_of_the_variance_of_the_draws() -> None:
+    world, reps, s = 2, 20_000, 1.0
+    g = torch.tensor([0.05, 0.2, -0.3, 0.6])
+    gen = torch.Generator().manual_seed(5)
+    draws = C.decode_ternary(C.ternarize(g.repeat(world * reps), s, gen), s)
+    m = draws.view(reps, world, -1).mean(dim=1)
+    plain = (m * m).mean(dim=0)
+    corrected = C.corrected_square(m, s, world).mean(dim=0)
+    # E[m^2] = g^2 + (s|g| - g^2) / W; for W = 2 the correction leaves a quarter of that
+    # excess (the floor m^2 / 4 where one rank drew s and the other 0)
+    assert torch.allclose(plain, g * g + (s * g.abs() - g * g) / world, rtol=0.05)
+    excess = (s * g.abs() - g * g) / 8
+    torch.testing.assert_close(corrected, g * g + excess, rtol=0.1, atol=1e-4)
+    assert bool((corrected - g * g < 0.35 * (plain - g * g)).all())
+
+
+def test_corrected_adam_is_adam_without_squares_and_with_exact_squares() -> None:
+    from worker.optim import CorrectedAdam
+
+    torch.manual_seed(0)
+    ref, mine, exact = (nn.Linear(6, 3) for _ in range(3))
+    mine.load_state_dict(ref.state_dict())
+    exact.load_state_dict(ref.state_dict())
+    opts = [torch.optim.Adam(ref.parameters(), lr=0.05, weight_decay=0.1),
+            CorrectedAdam(mine.parameters(), lr=0.05, weight_decay=0.1),
+            CorrectedAdam(exact.parameters(), lr=0.05, weight_decay=0.1)]
+    for step in range(6):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for model, opt in zip((ref, mine, exact), opts):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+        # an exact quantiser: the corrected square of the decoded mean is grad^2
+        grads = [_grad(p) for p in exact.parameters()]
+        squares = {p.data_ptr(): C.corrected_square(g, g.abs(), 2)
+                   for p, g in zip(exact.parameters(), grads)}
+        opts[2].squares = squares  # type: ignore[attr-defined]
+        for opt in opts:
+            opt.step()
+    for a, b, c in zip(ref.parameters(), mine.parameters(), exact.parameters()):
+        torch.testing.assert_close(b, a)
+        torch.testing.assert_close(c, a)
+
+
+@pytest.mark.parametrize("extra", [["--optimizer", "sgd"], ["--error-feedback"],
+                                   ["--grad-compression", "fp16"]])
+def test_adam_correction_option_needs_terngrad_adam_and_draws(
+        extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from worker import train
+
+    base = ["--grad-compression", "terngrad", "--optimizer", "adam",
+            "--terngrad-adam-correction"]
+    assert train.parse_args(base).terngrad_adam_correction
+    with pytest.raises(SystemExit) as stop:
+        train.parse_args(base + extra)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--terngrad-adam-correction" in err and "Traceback" not in err

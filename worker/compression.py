@@ -30,6 +30,11 @@ what a rank sent plus its residual equals the sum of its raw gradients, so the c
 of ``--clip-factor`` and the noise of the draws stop accumulating into the weights. The
 residual is local to the rank (it never travels); every rank still applies the same
 decoded mean.
+
+With ``squares`` (``--terngrad-adam-correction``) the hook also keeps, per quantised
+parameter, a variance-corrected square of the decoded mean m for Adam's second moment
+(see :func:`corrected_square`); it uses only m and the shared scalers, so it is the same
+on every rank.
 """
 from __future__ import annotations
 
@@ -121,6 +126,27 @@ def ternarize_nearest(grad: torch.Tensor, scaler: torch.Tensor | float) -> torch
     up = torch.gt(g, half)
     down = torch.lt(g, -half)
     return up.to(torch.uint8).add_(_ZERO_CODE).sub_(down.to(torch.uint8))
+
+
+def corrected_square(mean: torch.Tensor, scaler: torch.Tensor | float,
+                     world: int) -> torch.Tensor:
+    """``max(m^2 - (s|m| - m^2) / (W - 1), m^2 / W^2)``: the square of the decoded mean
+    ``m`` of W stochastic ternaries, less an estimate of the variance the draws added.
+
+    A draw q of a value g with scaler s has E[q^2] = s|g|, not g^2: its variance is
+    s|g| - g^2, and the mean of W independent draws carries 1/W of it. Adam's second
+    moment fed with m^2 therefore grows with s|g| and its steps shrink. The variance is
+    estimated from values every rank holds (m and the shared s), so every rank computes
+    the same square: E[s|m| - m^2] is (W - 1) times the variance of m where the ranks'
+    gradients agree in sign, hence the division by W - 1 (for W = 2 it is the product
+    of the two ranks' draws, an unbiased estimate of g1 g2). The floor m^2 / W^2 keeps
+    Adam's denominator away from 0 where m is not (one rank drew a value, the others
+    0), which would make a huge step. Where the quantiser is exact (|m| in {0, s}) it
+    is m^2.
+    """
+    square = mean * mean
+    excess = (torch.abs(mean) * scaler - square) / max(1, world - 1)
+    return torch.maximum(square - excess, square / (world * world))
 
 
 def pack_ternary(codes: torch.Tensor) -> torch.Tensor:
@@ -244,6 +270,9 @@ class TernGradState(_CountingState):
     # Per quantised parameter (by data_ptr): what this rank's messages have left out so
     # far, flat, in the gradient's dtype. Local to the rank; empty without error feedback.
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Per quantised parameter (by data_ptr): corrected_square of the last decoded mean,
+    # for worker.optim.CorrectedAdam; None: not kept.
+    squares: dict[int, torch.Tensor] | None = None
     record: bool = False
     records: dict[int, BucketRecord] = field(default_factory=dict)
     _generators: dict[str, torch.Generator] = field(default_factory=dict)
@@ -364,6 +393,8 @@ def _terngrad_hook(state: TernGradState, bucket: dist.GradBucket
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()  # re-raises a failed all_gather instead of averaging garbage
         _average_into(buf, gathered, layout, shared)
+        if state.squares is not None:
+            _keep_squares(state.squares, buf, layout, shared, state.world_size)
         if state.record:
             _record(state, bucket.index(), buf, layout, codes, floats, local, shared)
         return buf
@@ -397,6 +428,12 @@ def _keep_residuals(state: TernGradState, buf: torch.Tensor, layout: _Layout,
         # torch.where, not an `if`: no host sync per layer on a GPU
         residual.copy_(torch.where(torch.isfinite(shared[k]), left_out, residual))
         pos += n
+
+
+def _keep_squares(squares: dict[int, torch.Tensor], buf: torch.Tensor, layout: _Layout,
+                  shared: torch.Tensor, world: int) -> None:
+    for k, ((o, n), key) in enumerate(zip(layout.quant, layout.keys)):
+        squares[key] = corrected_square(buf[o:o + n], shared[k].to(buf.dtype), world)
 
 
 def _average_into(buf: torch.Tensor, gathered: list[torch.Tensor], layout: _Layout,
@@ -447,25 +484,31 @@ def _logits_params(module: torch.nn.Module, names: set[str] | frozenset[str]
 def _terngrad_state(ddp_model: Any, stats: CommStats, process_group: Any,
                     clip_factor: float | None, size_to_binarize: int,
                     quantize_logits: bool, logits_param_names: set[str] | frozenset[str],
-                    seed: int, error_feedback: bool = False) -> TernGradState:
+                    seed: int, error_feedback: bool = False,
+                    adam_correction: bool = False) -> TernGradState:
     if clip_factor is not None and not clip_factor > 0:
         raise ValueError(f"clip_factor must be > 0 (the paper uses 2.5), got {clip_factor}")
     if size_to_binarize < 1:
         raise ValueError(f"size_to_binarize must be >= 1, got {size_to_binarize}")
     logits = [] if quantize_logits else _logits_params(ddp_model.module, logits_param_names)
+    if error_feedback and adam_correction:
+        raise ValueError("the Adam correction assumes stochastic ternaries; error feedback "
+                         "rounds to the nearest: use one of them")
     if error_feedback and clip_factor is None:
         clip_factor = EF_CLIP_FACTOR
     return TernGradState(process_group, stats, clip_factor=clip_factor,
                          size_to_binarize=size_to_binarize,
                          float_params=frozenset(p.data_ptr() for p in logits), seed=seed,
-                         error_feedback=error_feedback)
+                         error_feedback=error_feedback,
+                         squares={} if adam_correction else None)
 
 
 def install_comm_hook(ddp_model: Any, kind: str, *, clip_factor: float | None = None,
                       size_to_binarize: int = 256, quantize_logits: bool = False,
                       logits_param_names: set[str] | frozenset[str] = frozenset(),
                       process_group: Any = None, seed: int = 0,
-                      error_feedback: bool = False) -> CommStats:
+                      error_feedback: bool = False,
+                      adam_correction: bool = False) -> CommStats:
     """Register the gradient communication hook ``kind`` on a DDP model.
 
     ``kind``: ``none`` (fp32 allreduce, DDP's default semantics), ``fp16`` (torch's
@@ -478,7 +521,9 @@ def install_comm_hook(ddp_model: Any, kind: str, *, clip_factor: float | None = 
     the logits layer stays float: the parameters named in ``logits_param_names``, or,
     if none are named, those of the last module that owns parameters), ``seed`` (the
     random draws of rank r are seeded from ``seed`` and r), ``error_feedback`` (keep
-    each quantised parameter's residual on this rank and add it to the next gradient).
+    each quantised parameter's residual on this rank and add it to the next gradient),
+    ``adam_correction`` (keep the corrected squares in ``stats.hook_state.squares`` for
+    :class:`worker.optim.CorrectedAdam`).
 
     Call it once, after wrapping the model in DDP and before the first backward.
     """
@@ -491,7 +536,7 @@ def install_comm_hook(ddp_model: Any, kind: str, *, clip_factor: float | None = 
     if kind == "terngrad":
         state: _CountingState = _terngrad_state(
             ddp_model, stats, process_group, clip_factor, size_to_binarize,
-            quantize_logits, logits_param_names, seed, error_feedback)
+            quantize_logits, logits_param_names, seed, error_feedback, adam_correction)
     else:
         state = _CountingState(process_group, stats)
     stats.hook_state = state

@@ -65,6 +65,70 @@ class NovoGrad(Optimizer):
         p.add_(state["exp_avg"], alpha=-group["lr"])
 
 
+class CorrectedAdam(Optimizer):
+    """Adam (torch's, without amsgrad) whose second moment takes, where ``squares`` holds
+    one, a given estimate of the gradient's square instead of grad * grad.
+
+    ``squares`` maps a parameter's ``data_ptr()`` to that estimate; TernGrad's hook fills
+    it with the variance-corrected square of the decoded mean (worker.compression's
+    ``corrected_square``), identical on every rank. With an empty map this is Adam.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"invalid Adam settings lr={lr} betas={betas} eps={eps}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.squares: dict[int, torch.Tensor] = {}
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, p.grad, group)
+        return loss
+
+    def _square(self, p: torch.Tensor, raw: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        given = self.squares.get(p.data_ptr())
+        if given is None or given.numel() != p.numel():
+            return grad * grad
+        given = given.view_as(p)
+        if grad is raw:
+            return given
+        # L2 decay d: (g' + d)^2 with g' = sign(g) sqrt(corrected g^2), never negative
+        # (g^2 + 2gd + d^2 with the corrected g^2 can be, and Adam takes its root)
+        return (torch.sign(raw) * given.sqrt() + (grad - raw)).square()
+
+    def _update(self, p: torch.Tensor, raw: torch.Tensor, group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        grad = raw
+        if group["weight_decay"]:
+            grad = raw.add(p, alpha=group["weight_decay"])
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        state["step"] += 1
+        t = state["step"]
+        state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).add_(self._square(p, raw, grad), alpha=1 - beta2)
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** t)).add_(group["eps"])
+        p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** t))
+
+
 def scaled_lr(base_lr: float, world_size: int, scaling: str) -> float:
     """The learning rate for ``world_size`` processes: linear (Goyal et al.), sqrt or none."""
     factor = {"linear": world_size, "sqrt": math.sqrt(world_size), "none": 1.0}[scaling]
@@ -84,7 +148,10 @@ def warmup_factor(step: int, steps_per_epoch: int, warmup_epochs: float, world_s
 
 
 def make_optimizer(name: str, params: Iterable, lr: float, momentum: float,
-                   weight_decay: float) -> Optimizer:
+                   weight_decay: float, corrected: bool = False) -> Optimizer:
+    """``corrected``: Adam as :class:`CorrectedAdam` (for --terngrad-adam-correction)."""
+    if name == "adam" and corrected:
+        return CorrectedAdam(params, lr=lr, weight_decay=weight_decay)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if name == "adam":

@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--quantize-logits", action="store_true", help="TernGrad: quantise the last layer too")
     a("--error-feedback", action="store_true",
       help="TernGrad: add what each rank's last message left out to its next gradient")
+    a("--terngrad-adam-correction", action="store_true",
+      help="TernGrad with Adam: feed Adam's second moment a square with the variance of "
+           "the ternary draws taken out")
     return p
 
 
@@ -162,6 +165,17 @@ def check_error_feedback(parser: argparse.ArgumentParser, args: argparse.Namespa
     """--error-feedback changes TernGrad's codes; it means nothing for the other kinds."""
     if getattr(args, "error_feedback", False) and args.grad_compression != "terngrad":
         parser.error("--error-feedback works with --grad-compression terngrad only")
+    if not getattr(args, "terngrad_adam_correction", False):
+        return
+    if args.grad_compression != "terngrad" or args.optimizer != "adam":
+        parser.error("--terngrad-adam-correction works with --grad-compression terngrad "
+                     "and --optimizer adam only")
+    if args.error_feedback:
+        parser.error("--terngrad-adam-correction assumes stochastic ternaries and "
+                     "--error-feedback rounds to the nearest: use one of them")
+    if args.amp:
+        parser.error("--terngrad-adam-correction does not work with --amp (the hook sees "
+                     "scaled gradients): drop one of them")
 
 
 def parse_args(argv: list[str] | None = None,
@@ -323,7 +337,12 @@ def _install_comm_hook(ddp: DDP, args: argparse.Namespace, logits: set[str]) -> 
                              size_to_binarize=args.size_to_binarize,
                              quantize_logits=args.quantize_logits,
                              logits_param_names=logits, seed=args.seed,
-                             error_feedback=args.error_feedback)
+                             error_feedback=args.error_feedback,
+                             adam_correction=_corrected(args))
+
+
+def _corrected(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "terngrad_adam_correction", False))
 
 
 def _restore(args: argparse.Namespace, ctx: Ctx, model: nn.Module,
@@ -361,11 +380,13 @@ def build_state(args: argparse.Namespace, ctx: Ctx, data: Data) -> State:
         model = model.to(memory_format=torch.channels_last)
     lr = scaled_lr(args.lr, ctx.world, args.lr_scaling)
     optimizer = make_optimizer(args.optimizer, model.parameters(), lr, args.momentum,
-                               args.weight_decay)
+                               args.weight_decay, corrected=_corrected(args))
     steps = -(-data.train_total // args.batch_size)
     scheduler = make_scheduler(optimizer, steps, args.warmup_epochs, ctx.world,
                                args.lr_schedule, args.epochs, args.restart_epochs)
     wrapped, comm = _wrap(model, args, ctx, logits)
+    if comm is not None and getattr(comm.hook_state, "squares", None) is not None:
+        optimizer.squares = comm.hook_state.squares  # type: ignore[attr-defined]
     st = State(wrapped, optimizer, scheduler,  # type: ignore[arg-type]  # _wrap gives DDP or Local
                torch.amp.GradScaler(ctx.device.type, enabled=args.amp), comm)
     # Ranks draw different augmentations and dropout masks; a resume restores the draws.
