@@ -42,8 +42,9 @@ from worker.distrib import Ctx, cpu_threads
 from worker.errors import WorkerError
 from worker.models import ALIASES, AUGMENTATION, MODELS, build_model
 from worker.optim import SCHEDULES, schedule_factor
+from worker.options import _Help, _Parser, _positive
 from worker.stopping import STOPPED, Stopped, on_sigterm
-from worker.train import _Help, _open_local, _Parser, _positive
+from worker.train import _open_local
 
 POLL_S = 0.2  # how often the parent checks that its processes are alive while it waits
 
