@@ -332,3 +332,49 @@ def test_stop_finds_the_unmarked_warm_torchrun(tmp_path: Path, started: list[int
     assert report["found"] == 2 and report["left"] == [], report
     all_gone([supervisor, torchrun], timeout=2)
     assert not stray_pids([job.path])
+
+
+# torchrun's end as the warm launcher runs it: what torch/distributed/run.py does last
+ENDING = """\
+import atexit, os, sys, threading, time
+import torch
+class Teardown:   # only the interpreter's teardown frees it (torch is never freed);
+    # builtins and globals may be gone by then: what it needs is bound now
+    def __del__(self, path=os.environ["STANDIN_TEARDOWN"], mkfile=os.open, close=os.close,
+                flags=os.O_CREAT | os.O_WRONLY):
+        close(mkfile(path, flags))
+if __name__ == "__main__":
+    torch.kept = Teardown()
+    atexit.register(lambda: print("ATEXIT ran"))
+    threading.Thread(target=lambda: (time.sleep(0.3), print("THREAD done"))).start()
+    print("LAST unflushed")   # stdout is the log, a file: block-buffered
+    end = os.environ["STANDIN_END"]
+    if end == "exit3":
+        sys.exit(3)
+    if end == "raise":
+        raise RuntimeError("a rank failed")
+"""
+
+
+@pytest.mark.parametrize(("end", "code"), [("return", 0), ("exit3", 3), ("raise", 1)])
+def test_warm_torchrun_ends_without_the_teardown(tmp_path: Path, started: list[int],
+                                                 end: str, code: int) -> None:
+    """Once torchrun returned, the launcher does what a normal exit does that matters
+    (joins the threads, runs atexit, flushes) and exits with torchrun's code, skipping
+    the interpreter's teardown (seconds with torch loaded); an exception other than
+    SystemExit takes python's own end: its traceback in the log, exit 1."""
+    job = Job(tmp_path)
+    job.run_py.write_text(ENDING)
+    teardown = tmp_path / "teardown"
+    env = dict(job.env, STANDIN_TEARDOWN=str(teardown), STANDIN_END=end)
+    waiting = start(job, started, env)
+    supervisor = parent_of(waiting.launcher)
+    waiting.go(job.spec(env=env))
+    assert job.host_exit()["code"] == code, job.log()
+    log = job.log()
+    for line in ("LAST unflushed", "THREAD done", "ATEXIT ran"):
+        assert line in log, log
+    assert teardown.exists() == (end == "raise"), log
+    assert ("RuntimeError: a rank failed" in log) == (end == "raise"), log
+    all_gone([supervisor, waiting.launcher])
+    assert not stray_pids([job.path], wait=2)

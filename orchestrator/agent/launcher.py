@@ -10,8 +10,9 @@ The go is torchrun's arguments (after `-m torch.distributed.run`) and the ranks'
 environment (JSON; the marker ORCH_JOB_DIR comes only now) with two descriptors: the
 job's run/torchrun.log and its code/ folder, both opened by the agent's JobDir (no link
 followed). It then runs torch.distributed.run as `python -m` would, in code/, writing
-to the log. The end of the socket without a go (the job was not started after all)
-ends it at once, even mid-import, having run nothing.
+to the log, and once it returned ends without the interpreter's teardown (`end_now`).
+The end of the socket without a go (the job was not started after all) ends it at
+once, even mid-import, having run nothing.
 """
 import os
 import sys
@@ -113,7 +114,37 @@ def main():
     sys.modules.pop("torch.distributed.run", None)
     sys.argv = ["torchrun"] + [str(a) for a in args]
     import runpy
-    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+    # another exception (a failed rank's ChildFailedError) goes on up: python's own end,
+    # its traceback in the log, exit 1, as a cold torchrun's
+    try:
+        runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code is not None and not isinstance(e.code, int):
+            raise   # a message: python prints it and exits 1, as a cold torchrun would
+        end_now(e.code or 0)
+    end_now(0)
+
+
+def end_now(code):
+    # type: (int) -> None
+    """torchrun returned (its ranks ended, every node passed its exit barrier): what a
+    normal exit does that matters here (non-daemon threads joined, the atexit handlers,
+    logging's flush among them, stdio flushed), then the exit itself, without the
+    interpreter's teardown. With torch loaded that teardown is 0.5-1 s of CPU (seconds
+    on a loaded host) after the job is over, and the job's end is its slowest host's."""
+    import atexit
+    import threading
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # closed, or the log's disk is full: nothing to save
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":
