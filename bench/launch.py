@@ -260,9 +260,9 @@ def report(results: list[dict], compare: Path | None = None) -> None:
               f"started -> ranks' first output {between(o, 'started', 'rank seen'):.2f} s; "
               f"pdsh + torchrun: start -> ranks' first output "
               f"{mark(r['runs']['pdsh'], 'rank seen'):.2f} s")
-        for who in ("pdsh", "orch"):
-            w = r["runs"][who]
-            print(f"{who}: the end: last rank's last line -> torchrun exited "
+        for side in ("pdsh", "orch"):
+            w = r["runs"][side]
+            print(f"{side}: the end: last rank's last line -> torchrun exited "
                   f"{between(w, 'rank ends', 'torchrun'):.2f} s -> returned "
                   f"{between(w, 'torchrun', 'end'):.2f} s (last line -> returned "
                   f"{between(w, 'rank ends', 'end'):.2f} s)")

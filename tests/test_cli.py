@@ -133,3 +133,22 @@ def test_a_command_that_reaches_no_host_imports_neither_ssh_nor_other_commands(
                             capture_output=True, text=True, timeout=60)
     assert "split-data" in helped.stdout, helped.stderr
     assert helped.stdout.splitlines()[-1] == "imported: 0", helped.stdout
+
+
+def test_up_imports_before_its_first_login_only_what_the_start_needs(tmp_path: Path) -> None:
+    """`orch up` reaches its first login with the start's modules only: following the
+    job, pulling, status, results and restarts (the api package resolves its names on
+    first use) are imported once the job runs, while the hosts import torch."""
+    probe = ("import sys\nfrom orchestrator import cli\n"
+             "try:\n    code = cli.cli(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+             "later = ('orchestrator.watch.monitor', 'orchestrator.api.querying',\n"
+             "         'orchestrator.api.pulling', 'orchestrator.api.executing',\n"
+             "         'orchestrator.commands.restarting', 'orchestrator.commands.render',\n"
+             "         'orchestrator.arrays.attach')\n"
+             "print('imported:', code, 'orchestrator.api.launching' in sys.modules,\n"
+             "      *sorted(m for m in later if m in sys.modules))\n")
+    # an inventory that fails after the command's module is imported, before any login
+    (tmp_path / "cluster.yaml").write_text("name: x\nhosts: [\n")
+    out = subprocess.run([sys.executable, "-c", probe, "up"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["imported:", "2", "True"], out.stdout + out.stderr
