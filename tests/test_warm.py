@@ -378,3 +378,26 @@ def test_warm_torchrun_ends_without_the_teardown(tmp_path: Path, started: list[i
     assert ("RuntimeError: a rank failed" in log) == (end == "raise"), log
     all_gone([supervisor, waiting.launcher])
     assert not stray_pids([job.path], wait=2)
+
+
+def test_node_zero_of_several_keeps_pythons_end(tmp_path: Path, started: list[int]) -> None:
+    """Node 0 of several serves torchrun's store, which the other nodes may still read
+    the exit barrier's answer from: its torchrun takes python's own end (the teardown
+    runs), with the same exit code; one node alone, or node 1, ends at once."""
+    from orchestrator.agent import launcher
+    assert launcher.hosts_store(["--nnodes", "3", "--node-rank", "0", "x.py"])
+    assert launcher.hosts_store(["--nnodes=2", "--node-rank=0"])
+    assert not launcher.hosts_store(["--nnodes", "3", "--node-rank", "1", "x.py"])
+    assert not launcher.hosts_store(["--nnodes", "1", "--node-rank", "0"])
+    job = Job(tmp_path)
+    job.run_py.write_text(ENDING)
+    teardown = tmp_path / "teardown"
+    env = dict(job.env, STANDIN_TEARDOWN=str(teardown), STANDIN_END="exit3")
+    waiting = start(job, started, env)
+    supervisor = parent_of(waiting.launcher)
+    args = ["--nnodes", "2", "--node-rank", "0", "train.py"]
+    waiting.go(job.spec(argv=TORCHRUN + args, env=env))
+    assert job.host_exit()["code"] == 3, job.log()
+    assert "ATEXIT ran" in job.log() and teardown.exists(), job.log()
+    all_gone([supervisor, waiting.launcher])
+    assert not stray_pids([job.path], wait=2)
