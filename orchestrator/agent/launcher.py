@@ -120,7 +120,7 @@ def main():
     try:
         runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
     except SystemExit as e:
-        if e.code is not None and not isinstance(e.code, int) or hosts_store(args):
+        if (e.code is not None and not isinstance(e.code, int)) or hosts_store(args):
             raise   # python's own end (a message: printed, exit 1), as a cold torchrun's
         end_now(e.code or 0)
     if not hosts_store(args):
