@@ -15,6 +15,11 @@ timeline says where the time goes, from the command's start:
   rank seen    that line reaching the command's output (orch: through the agent's follow)
   imported     the last rank done importing torch
   joined       the last rank through init_process_group
+  rank ends    the last rank's own clock at its last line (after destroy_process_group:
+               what is left is its interpreter's end)
+  rank exited  orch: the last rank wrapper saw its rank's exit (run/rank-<r>.exit)
+  torchrun     the last host's torchrun exited (orch: the supervisor's run/host.exit;
+               pdsh: the remote shell's clock right after torchrun, `torchrun-exit`)
   end          the command returned
 
     .venv/bin/python bench/launch.py [--hosts 3] [--procs 2] [--reps 3] [--compare DIR]
@@ -54,7 +59,10 @@ from common import (
 
 JOB = REPO / "bench" / "jobs" / "firstline.py"
 MASTER = "127.0.0.2"
-MARKS = ("first line", "go", "started", "wrapper", "rank runs", "rank seen", "imported", "joined", "end")
+MARKS = ("first line", "go", "started", "wrapper", "rank runs", "rank seen", "imported", "joined",
+         "rank ends", "rank exited", "torchrun", "end")
+STAMP = re.compile(r"(first-line|imported|joined|end|torchrun-exit) (?:rank|node)=\d+ t=(\d+\.\d+)")
+LAST = {"imported": "imported", "joined": "joined", "end": "rank ends", "torchrun-exit": "torchrun"}
 
 
 @dataclass
@@ -105,9 +113,9 @@ def stream_run(cmd: list[str], env: dict, cwd: Path | None = None,
 def marks_of(lines: list[tuple[float, str]], wall0: float) -> dict[str, float]:
     """The timeline's marks (seconds from the start) found in the stamped lines."""
     out: dict[str, float] = {}
-    clocks: dict[str, list[float]] = {"first-line": [], "imported": [], "joined": []}
+    clocks: dict[str, list[float]] = {k: [] for k in ("first-line", *LAST)}
     for at, text in lines:
-        m = re.search(r"(first-line|imported|joined) rank=\d+ t=(\d+\.\d+)", text)
+        m = STAMP.search(text)
         if m:
             clocks[m.group(1)].append(float(m.group(2)) - wall0)
             if m.group(1) == "first-line":
@@ -119,9 +127,9 @@ def marks_of(lines: list[tuple[float, str]], wall0: float) -> dict[str, float]:
             out.setdefault("first line", at)
     if clocks["first-line"]:
         out["rank runs"] = min(clocks["first-line"])
-    for name in ("imported", "joined"):
+    for name, mark_name in LAST.items():
         if clocks[name]:
-            out[name] = max(clocks[name])
+            out[mark_name] = max(clocks[name])
     return out
 
 
@@ -138,12 +146,14 @@ def pdsh_setup(hosts: list) -> dict[str, Path]:
 
 def pdsh_command(cluster: SshdCluster, dirs: dict[str, Path], port: int, procs: int) -> list[str]:
     """What a run_dist.sh writer would do: one pdsh, node rank and dir picked per host,
-    every host at once (-f at least the host count), ssh's options on its command line."""
+    every host at once (-f at least the host count), ssh's options on its command line.
+    The remote shell stamps torchrun's exit (bash's clock: no process started for it)."""
     n = len(dirs)
     cases = " ".join(f"{addr}) R={i}; D={d};;" for i, (addr, d) in enumerate(dirs.items()))
     remote = (f"case %h in {cases} esac; cd $D && {VENV_PY} -m torch.distributed.run "
               f"--nnodes {n} --node-rank $R --nproc-per-node {procs} "
-              f"--master-addr {MASTER} --master-port {port} {JOB.name}")
+              f"--master-addr {MASTER} --master-port {port} {JOB.name}; c=$?; "
+              "echo torchrun-exit node=$R t=${EPOCHREALTIME:-$(date +%s.%N)}; exit $c")
     return ["pdsh", "-R", "ssh", "-f", str(max(256, n)), "-w", ",".join(dirs), remote]
 
 
@@ -177,11 +187,13 @@ def run_orch(inventory: Path, hosts: list, repo: Path | None = None) -> Timed:
     run = stream_run([*argv, "up", str(inventory)], env=env, cwd=inventory.parent)
     name = yaml.safe_load(inventory.read_text())["name"]
     records = [p for h in hosts for p in (h.remote_dir / name / "run").glob("*/*")]
-    for mark_name, pattern, key in (("go", "supervisor.json", "started"),
-                                    ("wrapper", "rank-*.pid", "time")):
+    for mark_name, pattern, key, pick in (("go", "supervisor.json", "started", min),
+                                          ("wrapper", "rank-*.pid", "time", min),
+                                          ("rank exited", "rank-*.exit", "time", max),
+                                          ("torchrun", "host.exit", "time", max)):
         times = [json.loads(p.read_text())[key] for p in records if p.match(pattern)]
         if times:
-            run.marks[mark_name] = min(times) - run.wall0
+            run.marks[mark_name] = pick(times) - run.wall0
     return run
 
 
@@ -248,6 +260,12 @@ def report(results: list[dict], compare: Path | None = None) -> None:
               f"started -> ranks' first output {between(o, 'started', 'rank seen'):.2f} s; "
               f"pdsh + torchrun: start -> ranks' first output "
               f"{mark(r['runs']['pdsh'], 'rank seen'):.2f} s")
+        for side in ("pdsh", "orch"):
+            w = r["runs"][side]
+            print(f"{side}: the end: last rank's last line -> torchrun exited "
+                  f"{between(w, 'rank ends', 'torchrun'):.2f} s -> returned "
+                  f"{between(w, 'torchrun', 'end'):.2f} s (last line -> returned "
+                  f"{between(w, 'rank ends', 'end'):.2f} s)")
 
 
 def between(runs: list[dict[str, float]], a: str, b: str) -> float:

@@ -1,3 +1,3 @@
-from orchestrator.cli import cli
+from orchestrator.cli import main
 
-raise SystemExit(cli())
+main()

@@ -142,5 +142,28 @@ def cli(argv: list[str] | None = None) -> int:
         return 0
 
 
+def main() -> NoReturn:
+    """The `orch` command: `cli()`, then the process's end without the interpreter's
+    teardown, once the command is done: what a normal exit does that matters (threads
+    joined, atexit handlers, output flushed), not the freeing of every module (paramiko,
+    cryptography, rich): at the end of an `orch up`, 0.25 s on a loaded machine after its
+    last line."""
+    code = cli()
+    import atexit
+    import os
+    import threading
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # a closed pipe (`orch status | head`): nothing to save
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(cli())
+    main()

@@ -146,3 +146,43 @@ def test_a_command_that_reaches_no_host_imports_neither_ssh_nor_other_commands(
     assert "split-data" in out.stdout and lines[-2] == "imported: 0", out.stdout + out.stderr
     assert lines[-1].split() == ["imported:", "2", "orchestrator.commands.common",
                                  "orchestrator.commands.status"], out.stdout + out.stderr
+
+
+def test_up_imports_before_its_first_login_only_what_the_start_needs(tmp_path: Path) -> None:
+    """`orch up` reaches its first login with the start's modules only: following the
+    job, pulling, status, results and restarts (the api package resolves its names on
+    first use) are imported once the job runs, while the hosts import torch."""
+    probe = ("import sys\nfrom orchestrator import cli\n"
+             "try:\n    code = cli.cli(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+             "later = ('orchestrator.watch.monitor', 'orchestrator.api.querying',\n"
+             "         'orchestrator.api.pulling', 'orchestrator.api.executing',\n"
+             "         'orchestrator.commands.restarting', 'orchestrator.commands.render',\n"
+             "         'orchestrator.arrays.attach')\n"
+             "print('imported:', code, 'orchestrator.api.launching' in sys.modules,\n"
+             "      *sorted(m for m in later if m in sys.modules))\n")
+    # an inventory that fails after the command's module is imported, before any login
+    (tmp_path / "cluster.yaml").write_text("name: x\nhosts: [\n")
+    out = subprocess.run([sys.executable, "-c", probe, "up"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["imported:", "2", "True"], out.stdout + out.stderr
+
+
+def test_orch_ends_without_the_teardown_yet_flushes_and_runs_atexit(tmp_path: Path) -> None:
+    """cli.main (the `orch` command): the command's exit code, its output flushed and the
+    atexit handlers run, without the interpreter's teardown (an object only that frees
+    is never freed)."""
+    probe = ("import atexit, os, sys\nfrom orchestrator import cli, errors\n"
+             "class Teardown:\n"
+             "    def __del__(self, mk=os.open, close=os.close, path=sys.argv.pop(1)):\n"
+             "        close(mk(path, os.O_CREAT | os.O_WRONLY))\n"
+             "errors.kept = Teardown()\n"
+             "atexit.register(lambda: sys.stdout.write('ATEXIT ran\\n'))\n"
+             "sys.stdout.write('unflushed\\n')\n"
+             "sys.argv[0] = 'orch'\ncli.main()\n")
+    (tmp_path / "cluster.yaml").write_text("name: x\nhosts: [\n")
+    teardown = tmp_path / "teardown"
+    out = subprocess.run([sys.executable, "-c", probe, str(teardown), "status"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stdout.splitlines() == ["unflushed", "ATEXIT ran"], out.stdout
+    assert "cluster.yaml" in out.stderr and not teardown.exists()

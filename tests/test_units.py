@@ -183,6 +183,49 @@ def test_follow_reads_the_run_records_only_when_run_changed(tmp_path: Path, monk
         rundir.close()
 
 
+def test_follow_wakes_when_the_supervisor_ends(tmp_path: Path) -> None:
+    """host/follow.SupervisorEnd: once every rank ended, the follow's sleep ends when the
+    supervisor does (its pidfd), not at the next poll; without a live supervisor the
+    sleep is the plain one."""
+    import json
+    import os
+    import subprocess
+    import threading
+    import time
+
+    import pytest
+
+    from orchestrator.agent import follow
+    from orchestrator.agent.common import job_paths, write_atomic
+    from orchestrator.agent.procs import proc_start_time
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("no os.pidfd_open in this python")
+    p = job_paths(str(tmp_path / "job"))
+    (tmp_path / "job" / "run").mkdir(parents=True)
+    sup = subprocess.Popen(["sleep", "60"])
+    try:
+        write_atomic(p["jd"], "run/supervisor.json", json.dumps(
+            {"pid": sup.pid, "start_ticks": proc_start_time(sup.pid)}).encode())
+        end = follow.SupervisorEnd()
+        end.watch(p)
+        assert end.fd is not None
+        end.sleep(0.01)
+        assert not end.ended                          # alive: the whole sleep
+        threading.Timer(0.3, sup.kill).start()
+        t0 = time.monotonic()
+        end.sleep(30)
+        assert end.ended and time.monotonic() - t0 < 10
+        assert end.fd is None                         # once: the next sleeps are plain
+        end.sleep(0.01)
+        assert not end.ended
+        gone = follow.SupervisorEnd()                 # no supervisor alive: plain sleeps
+        gone.watch(p)
+        assert gone.fd is None
+    finally:
+        sup.kill()
+        sup.wait()
+
+
 class StubLink:
     """What the host-lost watchdog reads of a link: when it last heard from the host."""
 

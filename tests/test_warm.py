@@ -332,3 +332,72 @@ def test_stop_finds_the_unmarked_warm_torchrun(tmp_path: Path, started: list[int
     assert report["found"] == 2 and report["left"] == [], report
     all_gone([supervisor, torchrun], timeout=2)
     assert not stray_pids([job.path])
+
+
+# torchrun's end as the warm launcher runs it: what torch/distributed/run.py does last
+ENDING = """\
+import atexit, os, sys, threading, time
+import torch
+class Teardown:   # only the interpreter's teardown frees it (torch is never freed);
+    # builtins and globals may be gone by then: what it needs is bound now
+    def __del__(self, path=os.environ["STANDIN_TEARDOWN"], mkfile=os.open, close=os.close,
+                flags=os.O_CREAT | os.O_WRONLY):
+        close(mkfile(path, flags))
+if __name__ == "__main__":
+    torch.kept = Teardown()
+    atexit.register(lambda: print("ATEXIT ran"))
+    threading.Thread(target=lambda: (time.sleep(0.3), print("THREAD done"))).start()
+    print("LAST unflushed")   # stdout is the log, a file: block-buffered
+    end = os.environ["STANDIN_END"]
+    if end == "exit3":
+        sys.exit(3)
+    if end == "raise":
+        raise RuntimeError("a rank failed")
+"""
+
+
+@pytest.mark.parametrize(("end", "code"), [("return", 0), ("exit3", 3), ("raise", 1)])
+def test_warm_torchrun_ends_without_the_teardown(tmp_path: Path, started: list[int],
+                                                 end: str, code: int) -> None:
+    """Once torchrun returned, the launcher does what a normal exit does that matters
+    (joins the threads, runs atexit, flushes) and exits with torchrun's code, skipping
+    the interpreter's teardown (seconds with torch loaded); an exception other than
+    SystemExit takes python's own end: its traceback in the log, exit 1."""
+    job = Job(tmp_path)
+    job.run_py.write_text(ENDING)
+    teardown = tmp_path / "teardown"
+    env = dict(job.env, STANDIN_TEARDOWN=str(teardown), STANDIN_END=end)
+    waiting = start(job, started, env)
+    supervisor = parent_of(waiting.launcher)
+    waiting.go(job.spec(env=env))
+    assert job.host_exit()["code"] == code, job.log()
+    log = job.log()
+    for line in ("LAST unflushed", "THREAD done", "ATEXIT ran"):
+        assert line in log, log
+    assert teardown.exists() == (end == "raise"), log
+    assert ("RuntimeError: a rank failed" in log) == (end == "raise"), log
+    all_gone([supervisor, waiting.launcher])
+    assert not stray_pids([job.path], wait=2)
+
+
+def test_node_zero_of_several_keeps_pythons_end(tmp_path: Path, started: list[int]) -> None:
+    """Node 0 of several serves torchrun's store, which the other nodes may still read
+    the exit barrier's answer from: its torchrun takes python's own end (the teardown
+    runs), with the same exit code; one node alone, or node 1, ends at once."""
+    from orchestrator.agent import launcher
+    assert launcher.hosts_store(["--nnodes", "3", "--node-rank", "0", "x.py"])
+    assert launcher.hosts_store(["--nnodes=2", "--node-rank=0"])
+    assert not launcher.hosts_store(["--nnodes", "3", "--node-rank", "1", "x.py"])
+    assert not launcher.hosts_store(["--nnodes", "1", "--node-rank", "0"])
+    job = Job(tmp_path)
+    job.run_py.write_text(ENDING)
+    teardown = tmp_path / "teardown"
+    env = dict(job.env, STANDIN_TEARDOWN=str(teardown), STANDIN_END="exit3")
+    waiting = start(job, started, env)
+    supervisor = parent_of(waiting.launcher)
+    args = ["--nnodes", "2", "--node-rank", "0", "train.py"]
+    waiting.go(job.spec(argv=TORCHRUN + args, env=env))
+    assert job.host_exit()["code"] == 3, job.log()
+    assert "ATEXIT ran" in job.log() and teardown.exists(), job.log()
+    all_gone([supervisor, waiting.launcher])
+    assert not stray_pids([job.path], wait=2)

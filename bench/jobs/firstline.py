@@ -1,6 +1,7 @@
 """Launch timeline job: each rank prints `first-line` with its clock before importing
 torch (the earliest a launcher can get a rank to speak), then `imported` and `joined`
-after torch's import and the gloo group's start; rank 0 then prints the all-reduce."""
+after torch's import and the gloo group's start; rank 0 then prints the all-reduce, and
+every rank `end` with its clock as its last act (the start of its interpreter's end)."""
 import os
 import time
 
@@ -22,3 +23,4 @@ try:
               flush=True)
 finally:
     dist.destroy_process_group()
+    print(f"end rank={RANK} t={time.time():.6f}", flush=True)

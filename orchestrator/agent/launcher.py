@@ -10,8 +10,10 @@ The go is torchrun's arguments (after `-m torch.distributed.run`) and the ranks'
 environment (JSON; the marker ORCH_JOB_DIR comes only now) with two descriptors: the
 job's run/torchrun.log and its code/ folder, both opened by the agent's JobDir (no link
 followed). It then runs torch.distributed.run as `python -m` would, in code/, writing
-to the log. The end of the socket without a go (the job was not started after all)
-ends it at once, even mid-import, having run nothing.
+to the log, and once it returned ends without the interpreter's teardown (`end_now`;
+not node 0 of several, which serves torchrun's store: `hosts_store`).
+The end of the socket without a go (the job was not started after all) ends it at
+once, even mid-import, having run nothing.
 """
 import os
 import sys
@@ -113,7 +115,55 @@ def main():
     sys.modules.pop("torch.distributed.run", None)
     sys.argv = ["torchrun"] + [str(a) for a in args]
     import runpy
-    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+    # another exception (a failed rank's ChildFailedError) goes on up: python's own end,
+    # its traceback in the log, exit 1, as a cold torchrun's
+    try:
+        runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if (e.code is not None and not isinstance(e.code, int)) or hosts_store(args):
+            raise   # python's own end (a message: printed, exit 1), as a cold torchrun's
+        end_now(e.code or 0)
+    if not hosts_store(args):
+        end_now(0)
+
+
+def hosts_store(args):
+    # type: (list[Any]) -> bool
+    """Node 0 of several: its process serves torchrun's store, and the other nodes may
+    still be reading the exit barrier's answer from it when its own barrier returns (an
+    exit then is "Error waiting on exit barrier" in their logs, and their slow end). It
+    keeps python's own end, whose teardown gives them the time, as a cold torchrun's."""
+    def value(flag, default):
+        # type: (str, str) -> str
+        for i, a in enumerate(args):
+            if a == flag and i + 1 < len(args):
+                return str(args[i + 1])
+            if str(a).startswith(flag + "="):
+                return str(a)[len(flag) + 1:]
+        return default
+    return value("--node-rank", "0") == "0" and value("--nnodes", "1") != "1"
+
+
+def end_now(code):
+    # type: (int) -> None
+    """torchrun returned (its ranks ended, every node passed its exit barrier): what a
+    normal exit does that matters here (non-daemon threads joined, the atexit handlers,
+    logging's flush among them, stdio flushed), then the exit itself, without the
+    interpreter's teardown. With torch loaded that teardown is 0.5-1 s of CPU (seconds
+    on a loaded host) after the job is over, and the job's end is its slowest host's."""
+    import atexit
+    import threading
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # closed, or the log's disk is full: nothing to save
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

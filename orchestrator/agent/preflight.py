@@ -162,13 +162,8 @@ def run(req: Request) -> dict[str, Any]:
         claim_gpus(p, a["gpus"], report)
     if os.environ.get("ORCH_PYTHON_MISSING"):   # bundle.FALLBACK: `python:` is not there yet
         report["python_missing"] = os.environ["ORCH_PYTHON_MISSING"][:4096]
-    for folder in a["folders"]:
-        if folder not in ("code", "data"):
-            raise ValueError("unknown folder %r" % folder)
-        files.send_manifest(req, folder, p["jd"], folder, a.get("expect", {}).get(folder))
-    if a["want_port"]:
-        port = a["master_port"] or free_port()
-        report["port"], report["port_free"] = port, port_free(port)
+    # before the manifests and the port: the warm torchrun's seconds of imports begin
+    # as early as this host is known to be fit
     if "warm" in a and not report["running"] and report["writable"] is None \
             and report["torch"] and "python_missing" not in report \
             and "gpu_busy" not in report and "gpu_error" not in report:
@@ -177,6 +172,13 @@ def run(req: Request) -> dict[str, Any]:
         if "gpu_ids" in report:
             env.update(gpus.visible_env(report["gpu_ids"]))
         warm.prewarm(p, a["job_dir"], env)
+    for folder in a["folders"]:
+        if folder not in ("code", "data"):
+            raise ValueError("unknown folder %r" % folder)
+        files.send_manifest(req, folder, p["jd"], folder, a.get("expect", {}).get(folder))
+    if a["want_port"]:
+        port = a["master_port"] or free_port()
+        report["port"], report["port_free"] = port, port_free(port)
     return report
 
 

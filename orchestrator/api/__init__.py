@@ -39,45 +39,84 @@ logger unless a `warn` callable is given.
 """
 from __future__ import annotations
 
-from orchestrator.api.executing import exec
-from orchestrator.api.jobs import Inventory
-from orchestrator.api.launching import UpProgress, array_up, plan, up
-from orchestrator.api.outcomes import (
-    JSON_VERSION,
-    AllLogs,
-    ArrayHost,
-    ArrayLogs,
-    ArrayStatus,
-    ArrayUpResult,
-    ExecResult,
-    GpuStatus,
-    HostExec,
-    LogEntry,
-    LogLines,
-    LogList,
-    MetricStats,
-    Plan,
-    PullResult,
-    RankLines,
-    RankStatus,
-    Restart,
-    ResultGroup,
-    Results,
-    Status,
-    StopResult,
-    TaskLines,
-    TaskResult,
-    TaskStatus,
-    UpHost,
-    UpResult,
-    document,
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # the names as the type checker sees them; at run time: __getattr__
+    from orchestrator.api.executing import exec
+    from orchestrator.api.jobs import Inventory
+    from orchestrator.api.launching import UpProgress, array_up, plan, up
+    from orchestrator.api.outcomes import (
+        JSON_VERSION,
+        AllLogs,
+        ArrayHost,
+        ArrayLogs,
+        ArrayStatus,
+        ArrayUpResult,
+        ExecResult,
+        GpuStatus,
+        HostExec,
+        LogEntry,
+        LogLines,
+        LogList,
+        MetricStats,
+        Plan,
+        PullResult,
+        RankLines,
+        RankStatus,
+        Restart,
+        ResultGroup,
+        Results,
+        Status,
+        StopResult,
+        TaskLines,
+        TaskResult,
+        TaskStatus,
+        UpHost,
+        UpResult,
+        document,
+    )
+    from orchestrator.api.pulling import Transfer, pull
+    from orchestrator.api.querying import array_status, results, status, watch
+    from orchestrator.api.reading import logs
+    from orchestrator.api.stopping import stop
+    from orchestrator.errors import GroupError, HostError, JobError, OrchError, UsageError
+    from orchestrator.session.stopper import StopReport
+
+# Each name is imported the first time it is used (PEP 562): `orch up` imports
+# orchestrator.api.launching, which makes Python import this package first, and should
+# not pay for status, logs, exec and pull (their modules, the watch, the rendering of
+# results) before its first login.
+_MODULES = (
+    ("orchestrator.api.executing", "exec"),
+    ("orchestrator.api.jobs", "Inventory"),
+    ("orchestrator.api.launching", "UpProgress array_up plan up"),
+    ("orchestrator.api.outcomes", "JSON_VERSION AllLogs ArrayHost ArrayLogs ArrayStatus "
+     "ArrayUpResult ExecResult GpuStatus HostExec LogEntry LogLines LogList MetricStats Plan "
+     "PullResult RankLines RankStatus Restart ResultGroup Results Status StopResult TaskLines "
+     "TaskResult TaskStatus UpHost UpResult document"),
+    ("orchestrator.api.pulling", "Transfer pull"),
+    ("orchestrator.api.querying", "array_status results status watch"),
+    ("orchestrator.api.reading", "logs"),
+    ("orchestrator.api.stopping", "stop"),
+    ("orchestrator.errors", "GroupError HostError JobError OrchError UsageError"),
+    ("orchestrator.session.stopper", "StopReport"),
 )
-from orchestrator.api.pulling import Transfer, pull
-from orchestrator.api.querying import array_status, results, status, watch
-from orchestrator.api.reading import logs
-from orchestrator.api.stopping import stop
-from orchestrator.errors import GroupError, HostError, JobError, OrchError, UsageError
-from orchestrator.session.stopper import StopReport
+WHERE = {name: module for module, names in _MODULES for name in names.split()}
+
+
+def __getattr__(name: str) -> object:
+    module = WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(WHERE))
+
 
 __all__ = [
     "JSON_VERSION",

@@ -13,12 +13,10 @@ from typing import Any, Callable
 from rich.markup import escape
 from rich.progress import Progress, TaskID
 
-from orchestrator.api import launching, pulling, querying
+from orchestrator.api import launching
 from orchestrator.api.jobs import cluster_of
 from orchestrator.api.outcomes import ArrayUpResult
 from orchestrator.arrays import plan as array_plan
-from orchestrator.arrays.attach import attach_array
-from orchestrator.commands import render, restarting
 from orchestrator.commands.common import console, emit_json, hint_cmd, inventory_path, plural
 from orchestrator.config.hostselect import narrow
 from orchestrator.config.inventory import Cluster, Host
@@ -28,7 +26,6 @@ from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.shelloutput import Printer
 from orchestrator.ui.console import bytes_bar, hosts_bar
 from orchestrator.ui.termsafe import plain
-from orchestrator.watch.monitor import attach
 
 
 def add_parser(sub: Any) -> None:
@@ -74,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--restarts {restarts}: must be 0 or more",
                          hint="give the most restarts after a failure, e.g. --restarts 3")
     if restarts and not args.detach and cluster.job.array is None:
+        from orchestrator.commands import restarting
         return restarting.run(cluster, args, restarts, UpView, started_line, pull_after)
     if restarts and args.detach:
         console.print(f"note: restarts ({restarts}) need an attached `orch up`: this detached run "
@@ -98,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 emit_json(started.result)
             return EXIT_OK
+        # what follows the start, imported once the job runs (the hosts' torch imports
+        # leave this process seconds to spare): not before the first login
+        from orchestrator.watch.monitor import attach
         code = attach(started.session, st)
         if args.no_pull or code == EXIT_INTERRUPTED:
             return code
@@ -127,6 +128,8 @@ def with_hang_timeout(cluster: Cluster, seconds: float | None) -> Cluster:
 def pull_after(started: launching.Started, code: int) -> int:
     """The pull of rank 0's output/ when the job ended (succeeded or failed), on the up's
     open links. A failed pull keeps a failed job's code, else it is the code."""
+    from orchestrator.api import pulling
+    from orchestrator.commands import render
     try:
         render.pulled(pulling.job_output(started.session, render.pull_bar))
     except OrchError as e:   # the job's outcome is already printed; say why the pull failed
@@ -155,6 +158,9 @@ def array_started(started: launching.Started, args: argparse.Namespace) -> int:
         if args.json:
             emit_json(started.result)
         return EXIT_OK
+    from orchestrator.api import querying
+    from orchestrator.arrays.attach import attach_array
+    from orchestrator.commands import render
     code = attach_array(started.session, rec, args.fail_fast)
     render.results(querying.results_of(started.session, rec))
     return code
