@@ -45,12 +45,13 @@ system-deps:
 test: install system-deps
 	$(VPY) -m pytest
 
-# The unit tests only: no sshd, no training, a quarter of the fuzz documents; on every
-# core (up to 4, pytest-xdist): their time is mostly each worker's start (torch's
-# import), the fuzz and the fake agents' waits (docs/development.md, Testing).
+# The unit tests only: no sshd, no training, a quarter of the fuzz documents; in 4
+# pytest-xdist workers even on 2 cores: their time is mostly each worker's start (torch's
+# import), the fuzz and the fake agents' real waits, which a third and fourth worker
+# overlap with the CPU work (2 cores: 25 s with 4 workers, 28 s with 2; docs/development.md).
 test-fast: install
 	$(VPY) -m pytest -m "not ssh and not slow" --hypothesis-profile=fast \
-	  -n auto --maxprocesses 4 --dist worksteal
+	  -n 4 --dist worksteal
 
 # Lint, types and layers: ruff on every Python folder, mypy as configured in pyproject.toml
 # (strict on orchestrator/), import-linter's contracts ([tool.importlinter]: the layers,
