@@ -148,21 +148,8 @@ def main() -> NoReturn:
     joined, atexit handlers, output flushed), not the freeing of every module (paramiko,
     cryptography, rich): at the end of an `orch up`, 0.25 s on a loaded machine after its
     last line."""
-    code = cli()
-    import atexit
-    import os
-    import threading
-    me = threading.current_thread()
-    for t in threading.enumerate():
-        if t is not me and not t.daemon:
-            t.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):   # a closed pipe (`orch status | head`): nothing to save
-            pass
-    os._exit(code)
+    from orchestrator.agent.launcher import end_now  # the warm torchrun ends the same way
+    end_now(cli())
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 
 MYPY = False
 if MYPY:   # names for the type comments, never imported by the warm torchrun
-    from typing import Any  # noqa: F401
+    from typing import Any, NoReturn  # noqa: F401
 
 GO_MAX = 1 << 22      # the go's arguments, JSON
 EARLY_MAX = 1 << 20   # what the import printed before the go, copied to the log
@@ -145,7 +145,7 @@ def hosts_store(args):
 
 
 def end_now(code):
-    # type: (int) -> None
+    # type: (int) -> NoReturn
     """torchrun returned (its ranks ended, every node passed its exit barrier): what a
     normal exit does that matters here (non-daemon threads joined, the atexit handlers,
     logging's flush among them, stdio flushed), then the exit itself, without the
