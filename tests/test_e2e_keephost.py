@@ -23,7 +23,8 @@ EPOCHS = 200
 # rank 0 saves epoch-N.pt each epoch (beside, then renamed) and keeps the four newest
 # (the keeper leaves out a file younger than a second: at two saves a second, the older
 # two are kept); every rank starts from the newest epoch-*.pt its job folder holds; a
-# restart runs fast
+# restart runs fast (no save of it settles), then rank 0 waits 3 s so that its last four
+# are relayed (rounds every 0.5 s leave out what is younger than 1 s)
 JOB = """\
 import glob, os, time
 rank = int(os.environ["RANK"])
@@ -43,6 +44,8 @@ for epoch in range(start, EPOCHS):
         for old in sorted(glob.glob(os.path.join(ck, "epoch-*.pt")),
                           key=lambda p: int(p.rsplit("-", 1)[1][:-3]))[:-4]:
             os.unlink(old)
+if rank == 0:   # the newest set outlives the keeper's settle before the job ends
+    time.sleep(3)
 print("rank %d done" % rank, flush=True)
 """.replace("EPOCHS", str(EPOCHS))
 
