@@ -10,77 +10,15 @@ import torch
 from torch.optim import Optimizer
 
 
-class NovoGrad(Optimizer):
-    """NovoGrad (Ginsburg et al., 2019): Adam-like, with one second moment per layer.
+class _PerTensor(Optimizer):
+    """An optimiser whose step is one `_update` per parameter tensor with a gradient; its
+    settings are checked as Adam's are (lr, eps >= 0; betas in [0, 1))."""
 
-    Per parameter tensor: v = beta2 * v + (1 - beta2) * ||g||^2 (v = ||g||^2 at the first
-    step); m = beta1 * m + (g / (sqrt(v) + eps) + weight_decay * w); w -= lr * m.
-    Defaults are the paper's (betas 0.95, 0.98), as in the DDP tutorial.
-    """
-
-    def __init__(self, params: Iterable, lr: float = 1e-2,
-                 betas: tuple[float, float] = (0.95, 0.98), eps: float = 1e-8,
-                 weight_decay: float = 0.0, grad_averaging: bool = False) -> None:
+    def __init__(self, name: str, params: Iterable, defaults: dict[str, Any]) -> None:
+        lr, betas, eps = defaults["lr"], defaults["betas"], defaults["eps"]
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"invalid NovoGrad settings lr={lr} betas={betas} eps={eps}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      grad_averaging=grad_averaging))
-
-    @overload
-    def step(self, closure: None = None) -> None: ...
-
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, p.grad, group, beta1, beta2)
-        return loss
-
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any], beta1: float,
-                beta2: float) -> None:
-        state = self.state[p]
-        norm_sq = grad.float().pow(2).sum()
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = norm_sq.clone()
-        else:
-            state["exp_avg_sq"].mul_(beta2).add_(norm_sq, alpha=1 - beta2)
-        state["step"] += 1
-        update = grad / (state["exp_avg_sq"].sqrt() + group["eps"])
-        if group["weight_decay"]:
-            update = update.add(p, alpha=group["weight_decay"])
-        if group["grad_averaging"]:
-            update = update.mul(1 - beta1)
-        state["exp_avg"].mul_(beta1).add_(update)
-        p.add_(state["exp_avg"], alpha=-group["lr"])
-
-
-class CorrectedAdam(Optimizer):
-    """Adam (torch's, without amsgrad) whose second moment takes, where ``squares`` holds
-    one, a given estimate of the gradient's square instead of grad * grad.
-
-    ``squares`` maps a parameter's ``data_ptr()`` to that estimate; TernGrad's hook fills
-    it with the variance-corrected square of the decoded mean (worker.compression's
-    ``corrected_square``), identical on every rank. With an empty map this is Adam.
-    """
-
-    def __init__(self, params: Iterable, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
-        if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"invalid Adam settings lr={lr} betas={betas} eps={eps}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.squares: dict[int, torch.Tensor] = {}
+            raise ValueError(f"invalid {name} settings lr={lr} betas={betas} eps={eps}")
+        super().__init__(params, defaults)
 
     @overload
     def step(self, closure: None = None) -> None: ...
@@ -99,6 +37,61 @@ class CorrectedAdam(Optimizer):
                 if p.grad is not None:
                     self._update(p, p.grad, group)
         return loss
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class NovoGrad(_PerTensor):
+    """NovoGrad (Ginsburg et al., 2019): Adam-like, with one second moment per layer.
+
+    Per parameter tensor: v = beta2 * v + (1 - beta2) * ||g||^2 (v = ||g||^2 at the first
+    step); m = beta1 * m + (g / (sqrt(v) + eps) + weight_decay * w); w -= lr * m.
+    Defaults are the paper's (betas 0.95, 0.98), as in the DDP tutorial.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-2,
+                 betas: tuple[float, float] = (0.95, 0.98), eps: float = 1e-8,
+                 weight_decay: float = 0.0, grad_averaging: bool = False) -> None:
+        super().__init__("NovoGrad", params, dict(lr=lr, betas=betas, eps=eps,
+                                                  weight_decay=weight_decay,
+                                                  grad_averaging=grad_averaging))
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        state = self.state[p]
+        norm_sq = grad.float().pow(2).sum()
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = norm_sq.clone()
+        else:
+            state["exp_avg_sq"].mul_(beta2).add_(norm_sq, alpha=1 - beta2)
+        state["step"] += 1
+        update = grad / (state["exp_avg_sq"].sqrt() + group["eps"])
+        if group["weight_decay"]:
+            update = update.add(p, alpha=group["weight_decay"])
+        if group["grad_averaging"]:
+            update = update.mul(1 - beta1)
+        state["exp_avg"].mul_(beta1).add_(update)
+        p.add_(state["exp_avg"], alpha=-group["lr"])
+
+
+class CorrectedAdam(_PerTensor):
+    """Adam (torch's, without amsgrad) whose second moment takes, where ``squares`` holds
+    one, a given estimate of the gradient's square instead of grad * grad.
+
+    ``squares`` maps a parameter's ``data_ptr()`` to that estimate; TernGrad's hook fills
+    it with the variance-corrected square of the decoded mean (worker.compression's
+    ``corrected_square``), identical on every rank. With an empty map this is Adam.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__("Adam", params,
+                         dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.squares: dict[int, torch.Tensor] = {}
 
     def _square(self, p: torch.Tensor, raw: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         given = self.squares.get(p.data_ptr())

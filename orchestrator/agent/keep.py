@@ -18,7 +18,8 @@ from orchestrator.agent import files
 from orchestrator.agent.common import AgentError
 from orchestrator.agent.ledger import Ledger
 from orchestrator.agent.paths import Dirs, JobDir
-from orchestrator.wire import globs, protocol, timeouts
+from orchestrator.agent.restore import job_path, stream_head
+from orchestrator.wire import globs, timeouts
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
@@ -48,12 +49,8 @@ def receive(reader: Any, jd: JobDir) -> dict[str, Any]:
     count, nbytes = 0, 0
     try:
         while True:
-            head = reader.read_json("the end of the keep stream")
-            kind = head["t"]
-            if kind not in ("file", "end"):
-                raise protocol.ProtocolError("keep_receive: unexpected message %r" % kind)
-            protocol.check(head, protocol.STREAM[kind], "keep_receive: " + kind)
-            if kind == "end":
+            head = stream_head(reader, "keep", "keep_receive")
+            if head["t"] == "end":
                 break
             try:
                 st, digest = files.receive_file(reader, dirs, KEEP, checked(head))
@@ -73,10 +70,5 @@ def receive(reader: Any, jd: JobDir) -> dict[str, Any]:
 
 def checked(head: dict[str, Any]) -> dict[str, Any]:
     """A path of the copy: a plain relative one under output/ or code/."""
-    rel = head["p"]
-    why = protocol.pull_path_problem(rel)
-    folder, _, sub = rel.partition("/")
-    if why or folder not in globs.FOLDERS or not sub:
-        raise AgentError("cannot keep %r: %s" % (rel[:200], why or "not under output/ or code/"),
-                         protocol.USAGE)
+    job_path(head["p"], "keep")
     return head

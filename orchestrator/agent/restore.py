@@ -67,12 +67,8 @@ def receive(reader: Any, jd: JobDir) -> dict[str, Any]:
     count, nbytes = 0, 0
     try:
         while True:
-            head = reader.read_json("the end of the restore stream")
-            kind = head["t"]
-            if kind not in ("file", "end"):
-                raise protocol.ProtocolError("restore: unexpected message %r" % kind)
-            protocol.check(head, protocol.STREAM[kind], "restore: " + kind)
-            if kind == "end":
+            head = stream_head(reader, "restore", "restore")
+            if head["t"] == "end":
                 if head["delete"]:
                     raise protocol.ProtocolError("restore: a restore deletes nothing")
                 return {"files": count, "bytes": nbytes}
@@ -87,10 +83,27 @@ def receive(reader: Any, jd: JobDir) -> dict[str, Any]:
 
 
 def one(reader: Any, dirs: Dirs, head: dict[str, Any]) -> None:
-    rel = head["p"]
+    folder, sub = job_path(head["p"], "restore")
+    files.receive_file(reader, dirs, folder, dict(head, p=sub))
+
+
+def stream_head(reader: Any, stream: str, request: str) -> dict[str, Any]:
+    """The next message of a checkpoint stream (this request's, or keep_receive's): a
+    `file` or the `end`, checked against its schema."""
+    head = reader.read_json("the end of the %s stream" % stream)
+    kind = head["t"]
+    if kind not in ("file", "end"):
+        raise protocol.ProtocolError("%s: unexpected message %r" % (request, kind))
+    protocol.check(head, protocol.STREAM[kind], "%s: %s" % (request, kind))
+    return head  # type: ignore[no-any-return]
+
+
+def job_path(rel: str, verb: str) -> tuple[str, str]:
+    """(output or code, the rest) of a checkpoint's path in the job folder: a plain
+    relative one under output/ or code/, else refused ("cannot <verb> ...")."""
     why = protocol.pull_path_problem(rel)
     folder, _, sub = rel.partition("/")
     if why or folder not in globs.FOLDERS or not sub:
-        raise AgentError("cannot restore %r: %s" % (rel[:200], why or "not under output/ or code/"),
+        raise AgentError("cannot %s %r: %s" % (verb, rel[:200], why or "not under output/ or code/"),
                          protocol.USAGE)
-    files.receive_file(reader, dirs, folder, dict(head, p=sub))
+    return folder, sub
