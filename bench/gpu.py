@@ -11,8 +11,11 @@ fed by one input:
 - ``synthetic``: normalised float batches already on the GPU: the ceiling;
 - ``synthetic-aug``: uint8 batches already on the GPU, augmented and normalised there
   each step, as worker.train does: what augmentation on the GPU costs;
-- ``packed``: worker's packed memmap loader (``--workers`` processes, pinned memory,
-  copies one step ahead on a side stream), then the same augmentation;
+- ``packed``: worker's packed memmap loader (``--workers`` processes writing into a
+  page-locked ring shared with this process, copies one step ahead on a side stream),
+  then the same augmentation;
+- ``packed-torch``: the same files through torch's own path (a shared-memory file per
+  batch, then its pin-memory thread): what the ring replaced;
 - ``imagefolder``: the same loader over JPEG files decoded with PIL.
 
 The images (``--images`` JPEGs at ``--source-size``, 8 classes) are made in a temp folder
@@ -41,7 +44,7 @@ import gputable  # noqa: E402
 
 MODELS = ("resnet50", "vggf", "resnet18", "wrn", "lenet")  # the last three: small, for tests
 MODES = ("fp32", "amp", "amp-cl")
-INPUTS = ("synthetic", "synthetic-aug", "packed", "imagefolder")
+INPUTS = ("synthetic", "synthetic-aug", "packed", "packed-torch", "imagefolder")
 CLASSES = 8
 HEAD = 1000  # ImageNet-sized classifier, as on the real task
 DEFAULT_OUT = REPO / "bench" / "out" / "gpu-bench.md"
@@ -138,15 +141,17 @@ def datasets(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from worker.pack import pack_shard
     from worker.packed import PackedBatches
 
-    needs = {"packed", "imagefolder"} & set(args.inputs)
+    needs = {"packed", "packed-torch", "imagefolder"} & set(args.inputs)
     if not needs:
         return {}
     t0 = time.perf_counter()
     shard = write_images(tmp / "shard", args.images, args.source_size)
     train = scan_shard(shard).train
     out: dict[str, Any] = {"imagefolder": ImageFolderBatches(train, args.image_size)}
-    if "packed" in needs:
-        out["packed"] = PackedBatches(pack_shard(shard, args.image_size), "train")
+    if needs & {"packed", "packed-torch"}:
+        packed = pack_shard(shard, args.image_size)
+        for name in needs & {"packed", "packed-torch"}:   # one object each: a ring is its own
+            out[name] = PackedBatches(packed, "train")
     print(f"data: {args.images} JPEGs {args.source_size}px, packed at {args.image_size}px, "
           f"in {time.perf_counter() - t0:.1f}s", flush=True)
     return out
@@ -215,14 +220,14 @@ def synthetic(tr: Trainer, batch: int, size: int, raw: bool) -> Callable[[int], 
     return epoch
 
 
-def loader(tr: Trainer, dataset: Any, batch: int,
-           args: argparse.Namespace) -> Callable[[int], Iterable]:
+def loader(tr: Trainer, dataset: Any, batch: int, args: argparse.Namespace,
+           ring: bool) -> Callable[[int], Iterable]:
     from worker.data import DevicePrefetcher, EpochSampler, make_loader
 
     total = max(args.steps, args.warmup) * batch
     cuda = tr.device.type == "cuda"
     sampler = EpochSampler(len(dataset), batch, seed=0, rank=0, total=total)
-    dl = make_loader(dataset, sampler, args.workers, pin_memory=cuda)
+    dl = make_loader(dataset, sampler, args.workers, pin_memory=cuda, ring=ring)
     source = DevicePrefetcher(dl, tr.device) if cuda else dl
     return lambda steps: source
 
@@ -246,11 +251,21 @@ def measure(tr: Trainer, inp: str, batch: int, args: argparse.Namespace,
     if inp in ("synthetic", "synthetic-aug"):
         epoch = synthetic(tr, batch, args.image_size, raw=inp == "synthetic-aug")
     else:
-        epoch = loader(tr, data[inp], batch, args)
+        epoch = loader(tr, data[inp], batch, args, ring=inp == "packed")
     prepare = inp != "synthetic"
-    run_steps(tr, epoch(args.warmup), args.warmup, prepare)
-    images, seconds = run_steps(tr, epoch(args.steps), args.steps, prepare)
-    return {"images": images, "seconds": round(seconds, 4), "images_per_s": images / seconds}
+    ring = None
+    try:
+        run_steps(tr, epoch(args.warmup), args.warmup, prepare)
+        images, seconds = run_steps(tr, epoch(args.steps), args.steps, prepare)
+        ring = getattr(data.get(inp), "ring", None)
+    finally:   # this measurement's loader processes (and ring) go now, not at exit
+        from worker.data import end_loaders
+        del epoch
+        end_loaders()
+        getattr(data.get(inp), "use_ring", lambda ring: None)(None)
+    pinned = {} if ring is None else {"ring_pinned": ring.pinned}
+    return {"images": images, "seconds": round(seconds, 4), "images_per_s": images / seconds,
+            **pinned}
 
 
 def measure_safely(tr: Trainer, inp: str, batch: int, args: argparse.Namespace,
@@ -260,8 +275,8 @@ def measure_safely(tr: Trainer, inp: str, batch: int, args: argparse.Namespace,
     except tr.torch.cuda.OutOfMemoryError:
         tr.torch.cuda.empty_cache()
         return {"error": "out of GPU memory"}
-    except RuntimeError as e:  # e.g. a loader worker died: report it in the table, go on
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+    except Exception as e:  # e.g. a loader worker died: report it in the table, go on
+        return {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"}
 
 
 def run_all(args: argparse.Namespace, device: Any, data: dict[str, Any]) -> list[dict[str, Any]]:

@@ -203,8 +203,10 @@ def write_report(out: Path, machine: str, tests: str, bench: str) -> str:
 def check(args: argparse.Namespace, python: str, info: dict[str, Any]) -> int:
     machine = machine_section(python, info)
     with tempfile.TemporaryDirectory(prefix="orch-gpu-check-") as tmp:
-        junit, bench_json = Path(tmp) / "junit.xml", Path(tmp) / "bench.json"
-        bench_md = args.out.with_name("gpu-bench.md")
+        junit = Path(tmp) / "junit.xml"
+        # the raw results stay beside the report (gpu-bench.json), for tables in the docs
+        bench_json, bench_md = args.out.with_name("gpu-bench.json"), args.out.with_name("gpu-bench.md")
+        bench_json.unlink(missing_ok=True)
         write_report(args.out, machine, "running", "waiting")
         tests_rc = None if args.skip_tests else run_tests(python, junit, args.pytest_args)
         tests = tests_section(tests_rc, junit)

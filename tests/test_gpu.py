@@ -2,8 +2,10 @@
 skipped with "no CUDA" without it; the multi-GPU ones need 2 GPUs.
 
 - orch up on a `connection: local` host with `gpus: 1` (2 where there are 2): NCCL, demo
-  to target;
-  preflight reads nvidia-smi and refuses one GPU more than it lists;
+  to target; preflight reads nvidia-smi and refuses one GPU more than it lists, and a GPU
+  held by another process (this one), naming it; while a job runs, the rank's
+  CUDA_VISIBLE_DEVICES and `orch status`'s GPU rows against the real nvidia-smi; a stalled
+  NCCL collective reported as a hang with NCCL's flight recorder dump;
 - --amp, --channels-last, --sync-bn, --grad-compression fp16|terngrad: demo to target;
 - checkpoint on CPU -> --resume on GPU -> --resume on CPU again;
 - the TernGrad codec and the input path stay on the GPU, with no host synchronisation;
@@ -14,10 +16,14 @@ from __future__ import annotations
 
 import copy
 import csv
+import getpass
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,6 +77,203 @@ def train(runner: Torchrun, nproc: int, args: list[str], data: Path, out: Path) 
     log = runner.rank_log(0, "stdout") + runner.rank_log(0, "stderr")
     assert rc == 0, output[-3000:] + log[-3000:]
     return log
+
+
+# ---------------------------------------------------------------- orch up on a local GPU host
+# These come first in the file: an in-process CUDA test below leaves this process holding
+# a context on GPU 0 until it exits, and preflight then (rightly) finds that GPU taken.
+
+
+def _free_gpu_here() -> None:
+    assert not torch.cuda.is_initialized(), (
+        "this test process already holds a CUDA context, so preflight finds its GPU taken: "
+        "run the orch up checks before the in-process CUDA ones (file order)")
+
+
+def _inventory(tmp: Path, gpus: int, args: list[str] | None = None,
+               entrypoint: str = "worker.train", job_extra: str = "") -> Path:
+    if not (tmp / "worker").exists():
+        (tmp / "worker").symlink_to(REPO / "worker")
+    argv = [*DEMO, "--epochs", "30", "--dist-backend", "nccl"] if args is None else args
+    job_args = ", ".join(f'"{a}"' for a in argv)
+    (tmp / "cluster.yaml").write_text(f"""\
+name: gpu-check
+hosts:
+  - address: localhost
+    connection: local
+    gpus: {gpus}
+    remote_dir: node0
+python: {sys.executable}
+code:
+  paths: [worker]
+  exclude: ["*.pyc", "__pycache__"]
+data:
+  source: data/demo
+  shards: data/demo-shards
+job:
+  entrypoint: {entrypoint}
+  args: [{job_args}]
+{job_extra}""")
+    return tmp / "cluster.yaml"
+
+
+def _orch(tmp: Path, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    # extends PYTHONPATH: offline, paramiko may come from carried wheels (README, "GPU check")
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, ORCH_NO_COLOR="1")
+    return orch(tmp, *argv, env=env, timeout=timeout)
+
+
+def _job_pids(tmp: Path) -> list[int]:
+    return pids_with_env(f"ORCH_JOB_DIR={tmp / 'node0' / 'gpu-check'}")
+
+
+@pytest.fixture
+def gpu_cluster(tmp_path: Path, demo: dict[int, Path]) -> Iterator[Callable[..., Path]]:
+    """cluster.yaml for one local host with ``gpus`` GPUs; afterwards no process of it is left."""
+    shutil.copytree(demo[1].parent / "demo", tmp_path / "data" / "demo")
+    yield lambda gpus, **kw: _inventory(tmp_path, gpus, **kw)
+    deadline = time.monotonic() + 15
+    while _job_pids(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _job_pids(tmp_path) == [], "a process of the job was left behind"
+
+
+@pytest.mark.slow
+def test_orch_up_on_a_local_gpu_host_trains_with_nccl(gpu_cluster: Callable,
+                                                      tmp_path: Path) -> None:
+    _free_gpu_here()
+    gpu_cluster(RANKS)  # 1 GPU, or 2 ranks where there are 2 (the demo's lr is for 1-2)
+    split_run = _orch(tmp_path, "split-data")
+    assert split_run.returncode == 0, split_run.stdout + split_run.stderr
+    up = _orch(tmp_path, "up", "cluster.yaml")
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    assert f"worker.train: {RANKS} process(es), backend nccl" in up.stdout
+    for rank in range(RANKS):
+        assert f"[r{rank} " in up.stdout
+    rows = metrics(tmp_path / "node0" / "gpu-check" / "output")
+    assert float(rows[-1]["val_acc"]) >= TARGET
+
+
+def test_preflight_refuses_more_gpus_than_nvidia_smi_lists(gpu_cluster: Callable,
+                                                           tmp_path: Path) -> None:
+    assert shutil.which("nvidia-smi"), \
+        "preflight counts GPUs with nvidia-smi -L: it must be on PATH"
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    assert sum(line.startswith("GPU ") for line in listed.splitlines()) == GPUS
+    gpu_cluster(GPUS + 1)
+    assert _orch(tmp_path, "split-data", "--workers", str(GPUS + 1)).returncode == 0
+    up = _orch(tmp_path, "up", "cluster.yaml", timeout=120)
+    text = up.stdout + up.stderr
+    assert up.returncode == 3, text
+    assert f"{GPUS + 1} GPUs asked for, {GPUS} found (nvidia-smi)" in text
+    assert f"set gpus: {GPUS} for this host" in text
+    assert "Traceback" not in text
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [e.decode(errors="replace").partition("=") for e in f.read().split(b"\0") if e]
+    return {k: v for k, _, v in pairs}
+
+
+def _status_gpus(tmp: Path) -> list[dict]:
+    st = _orch(tmp, "status", "--json", timeout=60)
+    assert st.returncode in (0, 1), st.stdout + st.stderr
+    return json.loads(st.stdout)["gpus"]
+
+
+@pytest.mark.slow
+def test_claim_env_and_status_rows_against_the_real_nvidia_smi(gpu_cluster: Callable,
+                                                               tmp_path: Path) -> None:
+    """While the job runs: the rank sees exactly its claimed GPU (CUDA_VISIBLE_DEVICES, in
+    PCI bus order), and `orch status` finds nvidia-smi's compute process on GPU 0 to be
+    this job's rank 0; once stopped, nothing of it is left and the GPU is free again."""
+    _free_gpu_here()
+    gpu_cluster(1, args=[*DEMO[:-4], "--epochs", "100000", "--dist-backend", "nccl"])
+    assert _orch(tmp_path, "split-data", "--workers", "1").returncode == 0
+    up = _orch(tmp_path, "up", "cluster.yaml", "--detach", timeout=300)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    try:
+        mine: list[dict] = []
+        deadline = time.monotonic() + 120
+        while not mine and time.monotonic() < deadline:
+            gpus = _status_gpus(tmp_path)
+            mine = [g for g in gpus if g["holder"] == "this job" and g["pids"]]
+            time.sleep(1)
+        assert mine, gpus
+        g = mine[0]
+        assert (g["index"], g["ranks"]) == (0, [0]) and g["name"] == torch.cuda.get_device_name(0)
+        assert g["mem_total"] > 0 and g["mem_used"] > 0
+        ranks = [p for p in _job_pids(tmp_path) if _environ(p).get("RANK") == "0"
+                 and "worker.train" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert ranks and set(ranks) & set(g["pids"]), (ranks, g)
+        env = _environ(ranks[0])
+        assert (env["CUDA_VISIBLE_DEVICES"], env["CUDA_DEVICE_ORDER"]) == ("0", "PCI_BUS_ID")
+        assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+        shown = _orch(tmp_path, "status", timeout=60).stdout
+        assert "this job, rank 0" in shown and torch.cuda.get_device_name(0) in shown, shown
+    finally:
+        stop = _orch(tmp_path, "stop", timeout=120)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(g["holder"] != "free" for g in _status_gpus(tmp_path)):
+        time.sleep(0.5)
+    assert [g["holder"] for g in _status_gpus(tmp_path)] == ["free"] * GPUS
+
+
+HANG = """\
+import datetime, os, torch, torch.distributed as dist
+dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+torch.cuda.set_device(dev)
+dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=4), device_id=dev)
+x = torch.ones(1, device=dev)
+dist.all_reduce(x)
+torch.cuda.synchronize()
+print("first all_reduce done", flush=True)
+torch.cuda._sleep(2 ** 62)        # the stream is busy "forever": the next collective stalls
+dist.all_reduce(x)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.slow
+def test_a_stalled_nccl_collective_is_reported_with_its_flight_recorder_dump(
+        gpu_cluster: Callable, tmp_path: Path) -> None:
+    """NCCL's watchdog times the stalled collective out (4 s) and, with orch's flight
+    recorder settings, dumps its trace into run/; orch's hang report (hang_timeout 12 s)
+    names the file beside every rank's stack, and the job is stopped."""
+    _free_gpu_here()
+    (tmp_path / "hang.py").write_text(HANG)
+    gpu_cluster(1, entrypoint="hang.py", args=[], job_extra=(
+        "  hang_timeout: 12\n"
+        "  env: {TORCH_NCCL_ASYNC_ERROR_HANDLING: \"0\"}\n"))   # dump, and stay alive
+    text = (tmp_path / "cluster.yaml").read_text().replace("paths: [worker]",
+                                                             "paths: [worker, hang.py]")
+    (tmp_path / "cluster.yaml").write_text(text)
+    assert _orch(tmp_path, "split-data", "--workers", "1").returncode == 0
+    up = _orch(tmp_path, "up", "cluster.yaml", timeout=300)
+    out = up.stdout + up.stderr
+    assert up.returncode == 1, out[-4000:]
+    assert "first all_reduce done" in out and "Traceback" not in out.split("first all_reduce")[0]
+    named = re.findall(r"NCCL flight recorder dump: [^:]+: (\S+)", out)
+    assert named, out[-4000:]
+    dump = Path(named[0]) if Path(named[0]).is_absolute() else tmp_path / named[0]
+    assert dump.name.startswith("nccl-trace-rank-0") and dump.stat().st_size > 0, named
+
+
+def test_preflight_names_the_process_that_holds_the_gpu(gpu_cluster: Callable,
+                                                        tmp_path: Path) -> None:
+    """This test process takes a CUDA context on GPU 0: nvidia-smi lists it as a compute
+    process, and orch refuses the GPU, naming the pid and its user."""
+    torch.zeros(1, device="cuda")
+    gpu_cluster(GPUS)
+    assert _orch(tmp_path, "split-data", "--workers", str(GPUS)).returncode == 0
+    up = _orch(tmp_path, "up", "cluster.yaml", timeout=120)
+    text = up.stdout + up.stderr
+    assert up.returncode == 3, text
+    assert f"GPU 0 held by pid {os.getpid()} (user {getpass.getuser()}), not an orch job" in text
+    assert "orch up --wait" in text and "Traceback" not in text
 
 
 # ---------------------------------------------------------------- in-process: no host sync
@@ -150,80 +353,6 @@ def test_prefetcher_delivers_every_batch_pinned_and_on_the_gpu(workers: int) -> 
     assert DevicePrefetcher(loader, torch.device("cuda")).sampler is sampler
 
 
-# ---------------------------------------------------------------- orch up on a local GPU host
-
-
-def _inventory(tmp: Path, gpus: int) -> Path:
-    (tmp / "worker").symlink_to(REPO / "worker")
-    job_args = ", ".join(f'"{a}"' for a in [*DEMO, "--epochs", "30"])
-    (tmp / "cluster.yaml").write_text(f"""\
-name: gpu-check
-hosts:
-  - address: localhost
-    connection: local
-    gpus: {gpus}
-    remote_dir: node0
-python: {sys.executable}
-code:
-  paths: [worker]
-  exclude: ["*.pyc", "__pycache__"]
-data:
-  source: data/demo
-  shards: data/demo-shards
-job:
-  entrypoint: worker.train
-  args: [{job_args}]
-""")
-    return tmp / "cluster.yaml"
-
-
-def _orch(tmp: Path, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    # extends PYTHONPATH: offline, paramiko may come from carried wheels (README, "GPU check")
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, PYTHONPATH=path, ORCH_NO_COLOR="1")
-    return orch(tmp, *argv, env=env, timeout=timeout)
-
-
-@pytest.fixture
-def gpu_cluster(tmp_path: Path, demo: dict[int, Path]) -> Iterator[Callable[[int], Path]]:
-    """cluster.yaml for one local host with ``gpus`` GPUs; afterwards no process of it is left."""
-    shutil.copytree(demo[1].parent / "demo", tmp_path / "data" / "demo")
-    yield lambda gpus: _inventory(tmp_path, gpus)
-    marker = f"ORCH_JOB_DIR={tmp_path / 'node0' / 'gpu-check'}"
-    assert pids_with_env(marker) == [], "a process of the job was left behind"
-
-
-@pytest.mark.slow
-def test_orch_up_on_a_local_gpu_host_trains_with_nccl(gpu_cluster: Callable,
-                                                      tmp_path: Path) -> None:
-    gpu_cluster(RANKS)  # 1 GPU, or 2 ranks where there are 2 (the demo's lr is for 1-2)
-    split_run = _orch(tmp_path, "split-data")
-    assert split_run.returncode == 0, split_run.stdout + split_run.stderr
-    up = _orch(tmp_path, "up", "cluster.yaml")
-    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-    assert f"worker.train: {RANKS} process(es), backend nccl" in up.stdout
-    for rank in range(RANKS):
-        assert f"[r{rank} " in up.stdout
-    rows = metrics(tmp_path / "node0" / "gpu-check" / "output")
-    assert float(rows[-1]["val_acc"]) >= TARGET
-
-
-def test_preflight_refuses_more_gpus_than_nvidia_smi_lists(gpu_cluster: Callable,
-                                                           tmp_path: Path) -> None:
-    assert shutil.which("nvidia-smi"), \
-        "preflight counts GPUs with nvidia-smi -L: it must be on PATH"
-    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-    assert sum(line.startswith("GPU ") for line in listed.splitlines()) == GPUS
-    gpu_cluster(GPUS + 1)
-    assert _orch(tmp_path, "split-data", "--workers", str(GPUS + 1)).returncode == 0
-    up = _orch(tmp_path, "up", "cluster.yaml", timeout=120)
-    text = up.stdout + up.stderr
-    assert up.returncode == 3, text
-    assert f"{GPUS + 1} GPUs asked for, {GPUS} found (nvidia-smi)" in text
-    assert f"set gpus: {GPUS} for this host" in text
-    assert "Traceback" not in text
-
-
 # ---------------------------------------------------------------- worker.train options on GPU
 
 OPTIONS = {
@@ -242,7 +371,8 @@ OPTIONS = {
 def test_option_trains_the_demo_to_target_on_gpu(name: str, torchrun: Torchrun,
                                                  demo: dict[int, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
-    log = train(torchrun, RANKS, [*DEMO, "--epochs", "30", *OPTIONS[name]], demo[RANKS], out)
+    log = train(torchrun, RANKS, [*DEMO, "--epochs", "30", "--dist-backend", "nccl",
+                                  *OPTIONS[name]], demo[RANKS], out)
     assert f"{RANKS} process(es), backend nccl" in log
     assert "has no effect on CPU" not in log
     assert float(metrics(out)[-1]["val_acc"]) >= TARGET, metrics(out)[-1]
@@ -254,14 +384,15 @@ def test_checkpoint_moves_between_cpu_and_gpu(torchrun: Torchrun,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     out, args = tmp_path / "out", [*DEMO[:-4], "--checkpoint-every", "1"]  # no early stop
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # first on the CPU
-    log = train(torchrun, 1, [*args, "--epochs", "2"], demo[1], out)
+    log = train(torchrun, 1, [*args, "--epochs", "2", "--dist-backend", "gloo"], demo[1], out)
     assert "backend gloo" in log
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # CPU checkpoint -> GPU
-    log = train(torchrun, 1, [*args, "--epochs", "4", "--resume"], demo[1], out)
+    log = train(torchrun, 1, [*args, "--epochs", "4", "--resume", "--dist-backend", "nccl"],
+                demo[1], out)
     assert "backend nccl" in log and "resumed from the checkpoint of epoch 2" in log
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # GPU checkpoint -> CPU
     log = train(torchrun, 1, [*args, "--epochs", "5", "--resume"], demo[1], out)
-    assert "backend gloo" in log and "resumed from the checkpoint of epoch 4" in log
+    assert "backend none" in log and "resumed from the checkpoint of epoch 4" in log
     rows = metrics(out)
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4, 5]
     assert float(rows[-1]["val_acc"]) > float(rows[0]["val_acc"])

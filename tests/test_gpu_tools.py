@@ -104,7 +104,7 @@ def test_gpu_bench_defaults_and_lists() -> None:
     a = bench_gpu.parse_args([])
     assert (a.models, a.batch_sizes, a.modes) == (["resnet50", "vggf"], [64, 128],
                                                   ["fp32", "amp", "amp-cl"])
-    assert a.inputs == ["synthetic", "synthetic-aug", "packed", "imagefolder"]
+    assert a.inputs == ["synthetic", "synthetic-aug", "packed", "packed-torch", "imagefolder"]
     assert (a.image_size, a.device, a.out) == (224, "cuda", REPO / "bench" / "out" / "gpu-bench.md")
     a = bench_gpu.parse_args(["--models", "vggf", "--batch-sizes", "32,256", "--modes", "amp-cl",
                               "--inputs", "synthetic,packed", "--workers", "12"])
@@ -115,7 +115,7 @@ def test_gpu_bench_defaults_and_lists() -> None:
 @pytest.mark.parametrize("argv, message", [
     (["--models", "resnet51"], "resnet51: choose from resnet50,vggf"),
     (["--modes", "fp32,bf16"], "bf16: choose from fp32,amp,amp-cl"),
-    (["--inputs", ""], "choose from synthetic,synthetic-aug,packed,imagefolder"),
+    (["--inputs", ""], "choose from synthetic,synthetic-aug,packed,packed-torch,imagefolder"),
     (["--batch-sizes", "64,0"], "give whole numbers >= 1"),
     (["--steps", "ten"], "give a whole number >= 1"),
     (["--device", "cpu"], "--device cpu measures fp32 only: add --modes fp32"),
@@ -133,6 +133,8 @@ def test_gpu_bench_refuses_bad_arguments(argv: list[str], message: str,
 RESULTS: list[dict[str, Any]] = [
     {"model": "resnet50", "batch": 64, "mode": "amp", "input": "synthetic", "images_per_s": 1000.0},
     {"model": "resnet50", "batch": 64, "mode": "amp", "input": "packed", "images_per_s": 950.0},
+    {"model": "resnet50", "batch": 64, "mode": "amp", "input": "packed-torch",
+     "images_per_s": 700.0},
     {"model": "resnet50", "batch": 64, "mode": "amp", "input": "imagefolder",
      "images_per_s": 400.0},
     {"model": "vggf", "batch": 128, "mode": "fp32", "input": "synthetic", "images_per_s": 500.0},
@@ -144,8 +146,8 @@ RESULTS: list[dict[str, Any]] = [
 
 def test_efficiency_is_packed_over_synthetic_per_configuration() -> None:
     assert gputable.efficiency_rows(RESULTS) == [
-        ("resnet50", 64, "amp", "1000", "0.95", "met", "0.40"),
-        ("vggf", 128, "fp32", "500", "0.80", "NOT met", "-"),
+        ("resnet50", 64, "amp", "1000", "0.95", "met", "0.70", "0.40"),
+        ("vggf", 128, "fp32", "500", "0.80", "NOT met", "-", "-"),
     ]
 
 
@@ -161,7 +163,7 @@ def test_throughput_table_is_markdown_with_ratios_and_errors() -> None:
     assert lines[0] == "| model | batch | precision | input | images/s | / synthetic |"
     assert lines[1] == "|---|---|---|---|---|---|"
     assert lines[3] == "| resnet50 | 64 | amp | packed | 950 | 0.95 |"
-    assert lines[7] == "| vggf | 128 | fp32 | imagefolder | (out of GPU memory) | - |"
+    assert lines[8] == "| vggf | 128 | fp32 | imagefolder | (out of GPU memory) | - |"
     assert gputable.markdown_table(["a"], [["x|y"]]).splitlines()[2] == "| x\\|y |"
 
 
@@ -222,7 +224,7 @@ def test_report_sections(tmp_path: Path) -> None:
     for part in ("# GPU check (make gpu-check)", "## Machine", "## Checks: pytest -m gpu",
                  "## Training throughput: bench/gpu.py", "bench/gpu.py exited 1",
                  "Set-up: gpu H100, device cuda.",
-                 "| resnet50 | 64 | amp | 1000 | 0.95 | met | 0.40 |",
+                 "| resnet50 | 64 | amp | 1000 | 0.95 | met | 0.70 | 0.40 |",
                  "met in 1 of 2"):
         assert part in text
     assert gpu_check.bench_section(None, bench) == "not run (--skip-bench)"
@@ -245,7 +247,8 @@ def test_gpu_bench_harness_runs_on_cpu(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     wait_until(lambda: not pids_with_env(marker), 10, "the bench's loader processes to end")
     results = json.loads(js.read_text())["results"]
-    assert [x["input"] for x in results] == ["synthetic", "synthetic-aug", "packed", "imagefolder"]
+    assert [x["input"] for x in results] == ["synthetic", "synthetic-aug", "packed", "packed-torch",
+                                             "imagefolder"]
     for x in results:
         assert x["images"] == 24 and x["images_per_s"] > 0 and "error" not in x
     text = out.read_text()

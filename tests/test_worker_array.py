@@ -22,6 +22,7 @@ from sshd_cluster import pids_with_env
 from test_worker_common import REPO, make_data, split, torchrun  # noqa: F401 (torchrun: fixture)
 from worker import distrib, folds, hogwild, metrics, optim, train
 from worker.data import ImageFolderBatches, scan_shard
+from worker.errors import WorkerError
 from worker.models import build_model
 
 FAST = ["--model", "lenet", "--image-size", "16", "--batch-size", "16", "--workers", "0"]
@@ -214,6 +215,29 @@ def test_one_process_sets_up_no_process_group(single, monkeypatch: pytest.Monkey
                        ("MASTER_PORT", "1")):
         monkeypatch.setenv(var, value)
     assert distrib.setup().world == 1 and not dist.is_initialized()
+
+
+def test_explicit_backend_makes_a_group_of_one(single) -> None:
+    """--dist-backend gloo: a group even for one process, without torchrun's rendezvous
+    (an in-process store), so the collectives run as they do on many ranks."""
+    try:
+        ctx = distrib.setup("gloo")
+        assert (ctx.rank, ctx.world, ctx.backend) == (0, 1, "gloo") and dist.is_initialized()
+        assert distrib.gather_all("x") == ["x"] and distrib.sum_over_ranks([1, 2], ctx.device) == [1, 2]
+    finally:
+        distrib.teardown()
+    assert not dist.is_initialized()
+
+
+def test_nccl_without_a_gpu_is_refused_with_the_fix(single, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(WorkerError) as e:
+        distrib.setup("nccl")
+    assert "--dist-backend nccl needs a CUDA GPU" in e.value.one_line()
+    assert "CUDA_VISIBLE_DEVICES=)" in e.value.one_line() and "fix: use --dist-backend gloo" in e.value.one_line()
+    assert not dist.is_initialized()
+    assert train.parse_args(["--dist-backend", "nccl"]).dist_backend == "nccl"
 
 
 @pytest.mark.slow   # trains

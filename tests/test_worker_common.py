@@ -20,7 +20,7 @@ import torch
 from sshd_cluster import free_port, pids_with_env
 from worker import demo_data, pack
 from worker.augment import augment, crop_flip, normalize, resized_crop_flip
-from worker.data import EpochSampler, ImageFolderBatches, scan_shard
+from worker.data import EpochSampler, ImageFolderBatches, end_loaders, make_loader, scan_shard
 from worker.errors import WorkerError
 from worker.packed import PackedBatches, find_packed, read_index
 
@@ -189,6 +189,51 @@ def test_packed_dataset_survives_pickling(tmp_path: Path) -> None:
     ds[[0]]
     clone = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker receives
     assert clone._images is None and torch.equal(clone[[1, 2]][0], ds[[1, 2]][0])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ring_batches_are_the_sampled_images_and_slots_go_round(tmp_path: Path,
+                                                                 workers: int) -> None:
+    """The loader processes write each batch into its ring slot (shared memory, no pin on
+    the CPU); what arrives is exactly images[indices] and labels[indices], over two epochs
+    (persistent workers), a short last batch included; the slots go round in order."""
+    from worker.ring import SLACK, PinnedRing, RingBatch, SlotSampler
+
+    shard = make_data(tmp_path / "s", classes=3, train=9, val=1)
+    ds, ref = (PackedBatches(pack.pack_shard(shard, 8), "train") for _ in range(2))
+    sampler = EpochSampler(len(ds), 4, seed=0, rank=0, total=len(ds) + 2)
+    slots = 2 * workers + SLACK
+    ds.use_ring(PinnedRing(slots, 4, ds.item_shape, pin=False))
+    assert ds.ring is not None and not ds.ring.pinned
+    loader = torch.utils.data.DataLoader(ds, sampler=SlotSampler(sampler, slots), batch_size=None,
+                                         num_workers=workers, persistent_workers=True,
+                                         prefetch_factor=2)
+    try:
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            want = list(sampler)
+            got = []
+            for k, batch in enumerate(loader):
+                assert isinstance(batch, RingBatch) and batch.slot == k % slots
+                x, y = ds.ring.view(batch)
+                got.append((x.clone(), y.clone()))  # a consumer copies it at once
+            assert len(got) == len(want) == len(sampler)
+            for (x, y), idx in zip(got, want):
+                wx, wy = ref[idx]
+                assert torch.equal(x, wx) and torch.equal(y, wy)
+    finally:
+        end_loaders()
+
+
+def test_without_a_gpu_make_loader_keeps_torchs_path(tmp_path: Path) -> None:
+    shard = make_data(tmp_path / "s", classes=2, train=3, val=1)
+    ds = PackedBatches(pack.pack_shard(shard, 8), "train")
+    loader = make_loader(ds, EpochSampler(len(ds), 2, 0, 0), 1, pin_memory=False, ring=True)
+    try:
+        assert ds.ring is None and isinstance(loader.sampler, EpochSampler)
+        assert [len(y) for _, y in loader] == [2, 2, 2]
+    finally:
+        end_loaders()
 
 
 # ---------------------------------------------------------------- sampler and augmentation

@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -141,16 +141,29 @@ class EpochSampler:
             yield sorted(order[start:start + self.batch_size].tolist())
 
 
+RING_PREFETCH = 2  # batches ahead per loader process with a ring: the ring is the prefetch
 # The loaders with worker processes, for end_loaders.
 _LOADERS: weakref.WeakSet[torch.utils.data.DataLoader] = weakref.WeakSet()
 
 
 def make_loader(dataset: torch.utils.data.Dataset, sampler: EpochSampler, workers: int,
-                pin_memory: bool = False) -> torch.utils.data.DataLoader:
+                pin_memory: bool = False, ring: bool = False) -> torch.utils.data.DataLoader:
+    """``ring`` (with ``pin_memory`` and workers, for a dataset with ``use_ring``: the
+    packed format): batches land in a page-locked ring shared with the loader processes
+    (worker/ring.py) instead of torch's copy, descriptor and pin thread per batch."""
+    prefetch = 4
+    batches: Any = sampler
+    if ring and pin_memory and workers > 0 and hasattr(dataset, "use_ring"):
+        from worker.ring import SLACK, PinnedRing, SlotSampler
+        prefetch = RING_PREFETCH
+        slots = prefetch * workers + SLACK
+        packed: Any = dataset   # PackedBatches (data.py cannot import it: it imports us)
+        packed.use_ring(PinnedRing(slots, sampler.batch_size, packed.item_shape))
+        batches, pin_memory = SlotSampler(sampler, slots), False
     loader = torch.utils.data.DataLoader(
-        dataset, sampler=sampler, batch_size=None, num_workers=workers,
+        dataset, sampler=batches, batch_size=None, num_workers=workers,
         persistent_workers=workers > 0, pin_memory=pin_memory,
-        prefetch_factor=4 if workers > 0 else None)
+        prefetch_factor=prefetch if workers > 0 else None)
     if workers > 0:
         _LOADERS.add(loader)
     return loader
@@ -180,7 +193,8 @@ class DevicePrefetcher:
 
     @property
     def sampler(self) -> EpochSampler:
-        return cast(EpochSampler, self.loader.sampler)  # make_loader gave it an EpochSampler
+        # make_loader gave it an EpochSampler, or a SlotSampler around one
+        return cast(EpochSampler, getattr(self.loader.sampler, "inner", self.loader.sampler))
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -188,18 +202,34 @@ class DevicePrefetcher:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         stream = torch.cuda.Stream(self.device)
         compute = torch.cuda.current_stream(self.device)
+        ring = getattr(self.loader.dataset, "ring", None)
+        if ring is not None:
+            ring.drain()
         batches = iter(self.loader)
-        ahead = self._send(next(batches, None), stream)
+        ahead = self._send(self._next(batches, ring), stream, ring)
         while ahead is not None:
             compute.wait_stream(stream)
             for t in ahead:  # allocated on the side stream, used on the compute stream
                 t.record_stream(compute)
-            batch, ahead = ahead, self._send(next(batches, None), stream)
+            batch, ahead = ahead, self._send(self._next(batches, ring), stream, ring)
             yield batch
 
-    def _send(self, batch: tuple[torch.Tensor, ...] | None,
-              stream: torch.cuda.Stream) -> tuple[torch.Tensor, ...] | None:
+    @staticmethod
+    def _next(batches: Iterator[Any], ring: Any) -> Any:
+        if ring is None:
+            return next(batches, None)
+        ring.before_next()
+        got = next(batches, None)
+        return None if got is None else ring.view(got)
+
+    def _send(self, batch: tuple[torch.Tensor, ...] | None, stream: torch.cuda.Stream,
+              ring: Any = None) -> tuple[torch.Tensor, ...] | None:
         if batch is None:
             return None
         with torch.cuda.stream(stream):
-            return tuple(t.to(self.device, non_blocking=True) for t in batch)
+            sent = tuple(t.to(self.device, non_blocking=True) for t in batch)
+            if ring is not None:   # the slot may be rewritten once this copy is done
+                event = torch.cuda.Event()
+                event.record(stream)
+                ring.copied(event)
+        return sent

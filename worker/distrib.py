@@ -44,25 +44,38 @@ def grouped() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def setup() -> Ctx:
-    """init_process_group from torchrun's variables when WORLD_SIZE > 1; else no group.
+def setup(choice: str = "auto") -> Ctx:
+    """init_process_group from torchrun's variables; ``choice`` is --dist-backend.
 
-    One process (WORLD_SIZE unset or 1, e.g. one task of a job array) needs no rendezvous,
-    no store and no gloo threads: the collectives below then act on this process alone.
-    Backend nccl when CUDA is available, else gloo: the same program runs on laptops,
-    CPU clusters and GPU boxes.
+    ``auto``: nccl when CUDA is available, else gloo (the same program runs on laptops,
+    CPU clusters and GPU boxes), and no group at all for one process (WORLD_SIZE unset or
+    1, e.g. one task of a job array): it needs no rendezvous, no store and no gloo threads,
+    and the collectives below then act on this process alone. ``nccl`` or ``gloo``: that
+    backend, with a group even for one process (what a torchrun script does), so one GPU
+    runs the same NCCL path as many; without torchrun's MASTER_ADDR one process's group
+    lives in an in-process store.
     """
     cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
+    if choice == "nccl" and not cuda:
+        raise WorkerError("--dist-backend nccl needs a CUDA GPU and this process sees none "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})",
+                          hint="use --dist-backend gloo, or auto to pick by the device")
+    backend = ("nccl" if cuda else "gloo") if choice == "auto" else choice
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True  # fixed image size: pick the fastest kernels once
     torch.set_num_threads(cpu_threads(local_world))
-    if _env_int("WORLD_SIZE", 1) <= 1:
+    world = _env_int("WORLD_SIZE", 1)
+    if world <= 1 and choice == "auto":
         return Ctx(0, 1, local_rank, local_world, device, "none")
-    dist.init_process_group(backend, device_id=device if cuda else None)
+    device_id = device if backend == "nccl" else None
+    if world <= 1 and not os.environ.get("MASTER_ADDR"):
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=device_id)
+    else:
+        dist.init_process_group(backend, device_id=device_id)
     return Ctx(dist.get_rank(), dist.get_world_size(), local_rank, local_world, device, backend)
 
 

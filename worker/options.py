@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--folds", type=_positive(int), metavar="K",
       help="K-fold cross-validation of the training set: validate on fold --fold, train on the rest")
     a("--fold", type=_positive(int, zero_ok=True), metavar="k", help="which fold validates (0..K-1)")
+    a("--dist-backend", choices=("auto", "nccl", "gloo"), default="auto",
+      help="auto: nccl with CUDA, else gloo, and no process group for one process; "
+           "nccl or gloo: that backend, with a group even for one process")
     a("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA only)")
     a("--amp", action="store_true", help="mixed precision (CUDA only)")
     a("--channels-last", action="store_true", help="NHWC memory format (CUDA only)")

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
 
 from worker.data import PACKED_DIR
 from worker.errors import WorkerError
+from worker.ring import PinnedRing, RingBatch
 
 FORMAT, VERSION = "orch-packed", 1
 SPLITS = ("train", "val")
@@ -49,7 +50,9 @@ def find_packed(shard: Path, image_size: int) -> tuple[Path | None, str]:
 
 
 class PackedBatches(torch.utils.data.Dataset):
-    """dataset[list of indices] -> (uint8 NHWC tensor, int64 labels), from the memory map."""
+    """dataset[list of indices] -> (uint8 NHWC tensor, int64 labels), from the memory map;
+    with a ring (``use_ring``), dataset[(slot, indices)] writes them into the ring's slot
+    and returns only where (worker/ring.py)."""
 
     def __init__(self, packed: Path, split: str) -> None:
         entry = read_index(packed)["splits"][split]
@@ -57,6 +60,7 @@ class PackedBatches(torch.utils.data.Dataset):
         self.labels = np.load(packed / entry["labels"])
         self.count = int(entry["count"])
         self._images: np.ndarray | None = None
+        self.ring: PinnedRing | None = None
 
     def __len__(self) -> int:
         return self.count
@@ -71,6 +75,23 @@ class PackedBatches(torch.utils.data.Dataset):
             self._images = np.load(self.images_path, mmap_mode="r")
         return self._images
 
-    def __getitem__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = np.asarray(indices, dtype=np.int64)
+    @property
+    def item_shape(self) -> tuple[int, ...]:
+        return tuple(self.images.shape[1:])
+
+    def use_ring(self, ring: PinnedRing) -> None:
+        self.ring = ring
+
+    @overload
+    def __getitem__(self, item: tuple[int, Sequence[int]]) -> RingBatch: ...  # type: ignore[overload-overlap]  # a (slot, indices) pair is no index list
+
+    @overload
+    def __getitem__(self, item: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def __getitem__(self, item: Any) -> Any:
+        if isinstance(item, tuple):   # (slot, indices) from a SlotSampler
+            assert self.ring is not None, "a slot without a ring"
+            slot, indices = item
+            return self.ring.fill(slot, self.images, self.labels, np.asarray(indices, np.int64))
+        idx = np.asarray(item, dtype=np.int64)
         return torch.from_numpy(self.images[idx]), torch.from_numpy(self.labels[idx])

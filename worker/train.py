@@ -417,7 +417,7 @@ def _loaders(args: argparse.Namespace, ctx: Ctx, data: Data) -> tuple:
     pin = ctx.device.type == "cuda"
     train = EpochSampler(len(data.train), args.batch_size, args.seed, ctx.rank, data.train_total)
     val = EpochSampler(len(data.val), 2 * args.batch_size, args.seed, ctx.rank, shuffle=False)
-    loaders = (make_loader(data.train, train, args.workers, pin),
+    loaders = (make_loader(data.train, train, args.workers, pin, ring=True),
                make_loader(data.val, val, min(args.workers, 1), pin))
     if pin:  # CUDA: batches are copied to the GPU one step ahead, on a side stream
         return tuple(DevicePrefetcher(loader, ctx.device) for loader in loaders)
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     ctx, stopped = None, False
     try:
-        ctx = distrib.setup()
+        ctx = distrib.setup(args.dist_backend)
         run(args, ctx)
         return 0
     except WorkerError as e:
