@@ -298,7 +298,7 @@ def shard_files(w: Where, entries: list[Any], listed: Listed, cache: DigestCache
         resolver.folder
     prefix, name, append, new, pack = w.prefix, w.name + "/", out.append, tuple.__new__, KEY.pack
     inside_shard, inside_source = w.folder.rstrip("/") + "/", (w.source or "").rstrip("/") + "/"
-    texts, at, links = LinkTexts(cache), None, {}
+    texts, at, links, defer = LinkTexts(cache), None, {}, cache.defer
     for rel, _size in entries:
         path = prefix + rel
         parent, _, base = path.rpartition("/")
@@ -327,7 +327,10 @@ def shard_files(w: Where, entries: list[Any], listed: Listed, cache: DigestCache
                 st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
             # tuple.__new__: LocalFile's own __new__ is a Python function, 3 µs a file
             append(new(LocalFile, (name + rel, hop, st.st_size, 0o644, hit[KEY.size:].hex(),
-                                   None, None)))
+                                   None, None, None)))
+        elif defer:   # hashed by the push as it reads the file (localfiles.fill)
+            append(new(LocalFile, (name + rel, hop, st.st_size, 0o644, "", None, None, pack(
+                st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))))
         else:
             if hop == text:   # the very string the link memo keeps: marshal writes it once
                 hop = text
