@@ -20,6 +20,7 @@ from orchestrator.agent.files import manifest
 from orchestrator.agent.ledger import Ledger
 from orchestrator.api import launching
 from orchestrator.config.inventory import load
+from orchestrator.errors import DataError
 from orchestrator.files import localfiles, splitdata
 from orchestrator.session import preflight
 from orchestrator.session.session import Session
@@ -202,8 +203,11 @@ def test_a_cold_listing_reads_no_shard_file_and_the_push_remembers_their_digests
     inv, spy = inventory(tmp_path), Spy(monkeypatch)
     read: list[str] = []
     real_read = localfiles.read_small
-    monkeypatch.setattr(localfiles, "read_small",
-                        lambda path, size: read.append(path) or real_read(path, size))
+
+    def spying(path: str, size: int) -> bytes:
+        read.append(path)
+        return real_read(path, size)
+    monkeypatch.setattr(localfiles, "read_small", spying)
     files = launching.local_files(load(inv))
     data = files[0].data or []
     assert len(data) == 10 and all(f.digest == "" and f.key for f in data)
@@ -227,10 +231,10 @@ def test_a_file_unreadable_half_way_ends_the_push_with_its_name_and_keeps_what_l
 
     def read(path: str, size: int) -> bytes:
         if path == bad:
-            raise localfiles.DataError(f"{path}: cannot be read (Permission denied)", hint="x")
+            raise DataError(f"{path}: cannot be read (Permission denied)", hint="x")
         return real_read(path, size)
     monkeypatch.setattr(localfiles, "read_small", read)
-    with pytest.raises(localfiles.DataError, match="img0.bin: cannot be read") as err:
+    with pytest.raises(DataError, match=r"img0\.bin: cannot be read") as err:
         up_sync(inv, spy)
     assert err.value.exit_code == 2
     jd = job_paths(str(tmp_path / "host" / "synccache"))["jd"]

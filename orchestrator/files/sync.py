@@ -18,8 +18,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from orchestrator.errors import DataError, HostError
-from orchestrator.files.localfiles import DigestCache, LocalFile, code_files  # noqa: F401 (re-exported)
-from orchestrator.files.localfiles import fill
+from orchestrator.files.localfiles import (  # noqa: F401 (code_files: re-exported)
+    DigestCache,
+    LocalFile,
+    code_files,
+    fill,
+)
 from orchestrator.remote.link import Link
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import protocol, timeouts
