@@ -20,6 +20,7 @@ from orchestrator.agent.files import manifest
 from orchestrator.agent.ledger import Ledger
 from orchestrator.api import launching
 from orchestrator.config.inventory import load
+from orchestrator.errors import DataError
 from orchestrator.files import localfiles, splitdata
 from orchestrator.session import preflight
 from orchestrator.session.session import Session
@@ -188,3 +189,76 @@ def test_the_ledger_rehashes_a_replaced_file(tmp_path: Path) -> None:
     os.replace(job / "b.bin", f)
     got = manifest(jd, "data")["files"]
     assert got == {"a.bin": [3, hashlib.sha256(b"new").hexdigest()]}
+
+
+# ---------------------------------------------------------------- hashing while pushing
+
+def test_a_cold_listing_reads_no_shard_file_and_the_push_remembers_their_digests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first push's shard files are hashed as the push reads them, not before the
+    preflight: the listing leaves their digests empty (LocalFile.key), the preflight
+    sends no token for data/, and the digests land in the cache for the next `up`."""
+    monkeypatch.setattr(localfiles, "RACY_NS", -10**18)
+    monkeypatch.chdir(tmp_path)
+    inv, spy = inventory(tmp_path), Spy(monkeypatch)
+    read: list[str] = []
+    real_read = localfiles.read_small
+
+    def spying(path: str, size: int) -> bytes:
+        read.append(path)
+        return real_read(path, size)
+    monkeypatch.setattr(localfiles, "read_small", spying)
+    files = launching.local_files(load(inv))
+    data = files[0].data or []
+    assert len(data) == 10 and all(f.digest == "" and f.key for f in data)
+    assert [p for p in read if "/src/" in p] == [], "the listing read shard files"
+    first = up_sync(inv, spy)
+    assert first["data"].files == 10 and spy.same == []
+    assert host_bytes(tmp_path, "class1/img4.bin") == b"1-4-old"
+    again = up_sync(inv, spy)
+    assert again["data"].files == 0 and sorted(spy.same) == ["code", "data"]
+
+
+def test_a_file_unreadable_half_way_ends_the_push_with_its_name_and_keeps_what_landed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read errors of a deferred file come during the push: the stream ends there (no
+    deletion), the host records what landed, and the error names the file (exit 2)."""
+    monkeypatch.setattr(localfiles, "RACY_NS", -10**18)
+    monkeypatch.chdir(tmp_path)
+    inv, spy = inventory(tmp_path), Spy(monkeypatch)
+    bad = str(tmp_path / "src" / "class1" / "img0.bin")
+    real_read = localfiles.read_small
+
+    def read(path: str, size: int) -> bytes:
+        if path == bad:
+            raise DataError(f"{path}: cannot be read (Permission denied)", hint="x")
+        return real_read(path, size)
+    monkeypatch.setattr(localfiles, "read_small", read)
+    with pytest.raises(DataError, match=r"img0\.bin: cannot be read") as err:
+        up_sync(inv, spy)
+    assert err.value.exit_code == 2
+    jd = job_paths(str(tmp_path / "host" / "synccache"))["jd"]
+    landed = sorted(manifest(jd, "data")["files"])
+    assert landed == [f"worker_0_of_1/class0/img{i}.bin" for i in range(5)]
+    monkeypatch.setattr(localfiles, "read_small", real_read)
+    again = up_sync(inv, spy)
+    assert again["data"].sent == tuple(f"worker_0_of_1/class1/img{i}.bin" for i in range(5))
+
+
+def test_deferred_files_the_host_holds_at_their_size_are_hashed_before_the_plan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lost digest cache here, the files there: only the one that differs is sent."""
+    inv, spy = pushed_again(tmp_path, monkeypatch)
+    (tmp_path / ".orch" / "digests.bin").unlink()
+    rewrite_in_place(tmp_path / "src" / "class0" / "img2.bin", b"0-2-NEW", keep_mtime=False)
+    got = up_sync(inv, spy)
+    assert got["data"].sent == ("worker_0_of_1/class0/img2.bin",) and got["data"].deleted == 0
+    assert host_bytes(tmp_path, "class0/img2.bin") == b"0-2-NEW"
+
+
+def pushed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Spy]:
+    monkeypatch.setattr(localfiles, "RACY_NS", -10**18)
+    monkeypatch.chdir(tmp_path)
+    inv, spy = inventory(tmp_path), Spy(monkeypatch)
+    assert up_sync(inv, spy)["data"].files == 10
+    return inv, spy

@@ -334,18 +334,20 @@ def prepared_files(cluster: Cluster, shown: UpProgress) -> dict[int, HostFiles]:
 
 
 def local_files(cluster: Cluster, data: bool = True) -> dict[int, HostFiles]:
-    """What each host must hold, hashed (cached) and checked here, before connecting.
+    """What each host must hold, checked here, before connecting. The code is hashed
+    (cached); a shard file the cache does not know is hashed by the push as it reads it
+    (DigestCache's `defer`), which saves the cache again.
     `data`: False leaves the shards out (a dry run's split that `up` would make first)."""
     if cluster.job.array is not None:
         return prepare.array_files(cluster)
-    cache = DigestCache(cluster.state_dir.parent / "digests.bin", hold=HOLD)
+    cache = DigestCache(cluster.state_dir.parent / "digests.bin", hold=HOLD, defer=True)
     split = load_split(cluster, cache) if cluster.data.shards and data else None
     check_entrypoint(cluster.base_dir, cluster.code.paths, cluster.code.exclude,
                      cluster.job.entrypoint, str(cluster.path))
     code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude, cache,
                       str(cluster.path))
-    files = {h.index: HostFiles(code, host_files(cluster, h, split, cache) if split else None)
-             for h in cluster.hosts}
+    files = {h.index: HostFiles(code, host_files(cluster, h, split, cache) if split else None,
+                                cache) for h in cluster.hosts}
     cache.save()
     return files
 

@@ -43,6 +43,9 @@ class LocalFile(NamedTuple):
     link: str | None = None   # set: push a symlink with this (relative) target, no bytes
     data: bytes | None = None   # the bytes that were hashed (a small file on a cold cache):
     #                             the push sends them without reading the file again
+    key: bytes | None = None    # set (with digest ""): not hashed yet, by a deferring
+    #                             listing; the push hashes it as it reads it (fill), and the
+    #                             cache remembers the digest under this stat key of the listing
 
 
 def link_file(rel: str, path: str, target: str) -> LocalFile:
@@ -85,10 +88,12 @@ class DigestCache:
     answer stands while a stat key does (shards.py: a split checked, a shard folder's
     links). A cache that does not load as that is no cache: everything is hashed again.
     `hold`: bytes of small files hashed here to keep in LocalFile.data (a cold push of
-    many small files then reads each file once)."""
+    many small files then reads each file once). `defer`: a shard file not known here
+    is listed unhashed (LocalFile.key) and hashed by the push as it reads it (`fill`):
+    a first push's bytes then start to flow while the rest is still read and hashed."""
 
-    def __init__(self, path: Path, hold: int = 0) -> None:
-        self.path, self.hold = path, hold
+    def __init__(self, path: Path, hold: int = 0, defer: bool = False) -> None:
+        self.path, self.hold, self.defer = path, hold, defer
         self.lock = threading.Lock()
         self.entries, self.memo = load_cache(path)
         self.dirty = False
@@ -127,6 +132,17 @@ class DigestCache:
             return
         with self.lock:
             self.entries[path] = stat_key(st) + bytes.fromhex(digest)
+            self.dirty = True
+
+    def learn(self, path: str, key: bytes, digest: str) -> None:
+        """remember() for a deferred file: key is the stat key its listing took, before
+        the push read the bytes (a change since moves the key on: hashed again next time)."""
+        _dev, _ino, _size, mtime, ctime = KEY.unpack(key)
+        if max(mtime, ctime) >= time.time_ns() - RACY_NS:
+            return
+        entry = key + bytes.fromhex(digest)
+        with self.lock:
+            self.entries[path] = entry
             self.dirty = True
 
     def save(self) -> None:
@@ -172,6 +188,24 @@ def read_small(path: str, size: int) -> bytes:
                         hint=read_fix(e, "leave it out of what is pushed")) from None
     finally:
         os.close(fd)
+
+
+def fill(f: LocalFile, cache: DigestCache | None, keep: int) -> tuple[LocalFile, bytes | None]:
+    """A deferred file (digest "", key set) hashed now: (the file with its digest, its
+    bytes when it has at most `keep` of them, else None: read again to be sent). A file
+    that changed size since its listing goes as read (its digest is of those bytes) and
+    is not remembered."""
+    if f.size <= keep:
+        data = read_small(f.path, f.size)
+        digest = hashlib.sha256(data).hexdigest()
+    else:
+        data, digest = None, sha256_of(f.path)
+    if cache is not None and f.key is not None and (data is None or len(data) == f.size):
+        cache.learn(f.path, f.key, digest)
+    size = f.size if data is None else len(data)
+    # tuple.__new__: LocalFile's own __new__ is a Python function, a cost per file
+    return tuple.__new__(LocalFile, (f.rel, f.path, size, f.mode, digest, f.link, data,
+                                     None)), data
 
 
 def sha256_of(path: str) -> str:

@@ -4,6 +4,10 @@ Both pushes work the same way: list the local files with their sha256, ask the h
 for its manifest (digests cached there by size/mtime/inode), send only what differs as
 one stream of header+bytes frames, and delete what the host has but should not. The
 host writes each file beside its final name, checks the digest, then renames.
+
+A shard file the digest cache does not know is listed unhashed (LocalFile.key) and
+hashed here as it is read to be sent: on a first push, reading and hashing on this
+side overlap the host's writing instead of preceding the first byte.
 """
 from __future__ import annotations
 
@@ -13,8 +17,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from orchestrator.errors import HostError
-from orchestrator.files.localfiles import DigestCache, LocalFile, code_files  # noqa: F401 (re-exported)
+from orchestrator.errors import DataError, HostError
+from orchestrator.files.localfiles import (  # noqa: F401 (code_files: re-exported)
+    DigestCache,
+    LocalFile,
+    code_files,
+    fill,
+)
 from orchestrator.remote.link import Link
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import protocol, timeouts
@@ -59,18 +68,36 @@ def file_head(f: LocalFile) -> bytes:
 
 
 def stream_files(send: Callable[[bytes | memoryview], None], files: list[LocalFile],
-                 progress: Progress | None, batch: bool = True) -> None:
+                 progress: Progress | None, batch: bool = True,
+                 cache: DigestCache | None = None) -> None:
     """A `file` message and data frames (at most 1 MiB each) per file. `batch`: small
     files go as `files` messages instead, each one JSON list of up to BATCH_FILES files
     and one data frame of their bytes end to end (the host's per-file cost was most of
     a first push of many small files); their bytes are those LocalFile.data kept from
-    the hash, else read now. Everything goes out in writes of about 1 MiB."""
+    the hash, else read now. A deferred file (digest "") is hashed as it is read, its
+    digest remembered in `cache` (one over BATCH is read twice: its head, which
+    carries the digest, goes before its bytes). Everything goes out in writes of about
+    1 MiB."""
     out = Batcher(send, progress)
+    try:
+        stream_each(out, files, batch, cache)
+    except DataError:   # a file that cannot be read: what was read before it still goes
+        out.close()
+        raise
+    out.close()
+
+
+def stream_each(out: Batcher, files: list[LocalFile], batch: bool,
+                cache: DigestCache | None) -> None:
     for f in files:
+        data = None
+        if not f.digest and f.link is None:
+            f, data = fill(f, cache, BATCH)
         if f.link is not None:   # a symlink: its message carries the target, no data frames
             out.add(protocol.stream_item("link", p=f.rel, link=f.link))
         elif batch and f.size <= SMALL:
-            data = f.data if f.data is not None else read_whole(f.path)
+            if data is None:
+                data = f.data if f.data is not None else read_whole(f.path)
             # a file that changed since its hash goes with its new length and its old
             # digest: the host refuses it, as it refuses a changed big file
             out.small(f.rel, data, f.digest, f.mode)
@@ -78,11 +105,11 @@ def stream_files(send: Callable[[bytes | memoryview], None], files: list[LocalFi
             out.flush_small()
             out.add(file_head(f), 0)
             if f.size <= BATCH:
-                data = read_whole(f.path)
+                if data is None:
+                    data = read_whole(f.path)
                 out.add(protocol.frame(protocol.DATA, data) if data else b"")
             else:
                 out.big(f)
-    out.close()
 
 
 SMALL = 64 << 10      # a file this small goes in a `files` batch
@@ -219,9 +246,11 @@ class Stall:
 
 
 def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | None = None,
-         remote: dict[str, list[Any]] | Same | None = None) -> SyncReport:
+         remote: dict[str, list[Any]] | Same | None = None,
+         cache: DigestCache | None = None) -> SyncReport:
     """Make `dest` on the host hold exactly `local` (by content); send only differences.
-    `remote` is the host's manifest of dest when the caller has it already."""
+    `remote` is the host's manifest of dest when the caller has it already; `cache`
+    learns the digests of deferred files (LocalFile.key) hashed on the way."""
     if isinstance(remote, Same):
         if remote.files is local:
             return SyncReport(0, 0, 0, ())
@@ -230,12 +259,12 @@ def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | Non
         _, asked = link.submit("manifest", root=dest)
         link.wait(asked, timeouts.SYNC)
         remote = {rel: entry for part in asked.parts for rel, entry in part["files"].items()}
-    send, delete = plan(local, remote)
+    send, delete = plan(settle(local, remote, cache), remote)
     if not send and not delete:
         return SyncReport(0, 0, 0, ())
     with Stall(link) as stall:
         try:
-            reply = stream_and_wait(link, stall, dest, send, delete, progress)
+            reply = stream_and_wait(link, stall, dest, send, delete, progress, cache=cache)
         except Exception:
             if stall.fired:
                 raise stall.error(dest) from None
@@ -244,16 +273,39 @@ def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | Non
                       tuple(f.rel for f in send))
 
 
+def settle(local: list[LocalFile], remote: dict[str, list[Any]],
+           cache: DigestCache | None) -> list[LocalFile]:
+    """Deferred files that the host holds at the same size, hashed now: sent only when
+    their digest differs (a cold cache here, the files there). The rest stay deferred:
+    the host has none of them, or another size, so they are sent in any case."""
+    if not remote:
+        return local
+    out = []
+    for f in local:
+        if not f.digest and f.link is None and remote.get(f.rel, [None])[0] == f.size:
+            f = fill(f, cache, 0)[0]
+        out.append(f)
+    return out
+
+
 def stream_and_wait(link: Link, stall: Stall, dest: str, send: list[LocalFile],
                     delete: list[str], progress: Progress | None,
-                    command: str = "receive", **fields: Any) -> dict[str, Any]:
+                    command: str = "receive", cache: DigestCache | None = None,
+                    **fields: Any) -> dict[str, Any]:
     """The stream after its request (`receive` into dest, or another that takes the same
     stream with `fields`: a checkpoint `restore`, which takes no `files` batches), then
-    the reply."""
+    the reply. A local file that cannot be read half way (a deferred file's hash is taken
+    here) ends the stream there without deleting anything: the host keeps and records
+    what landed, and the DataError names the file."""
+    unreadable: DataError | None = None
     try:
         with link.wlock:   # the stream follows its request with nothing in between
             _, pending = link.submit(command, **(fields or {"root": dest}))
-            stream_files(stall.send, send, progress, batch=command == "receive")
+            try:
+                stream_files(stall.send, send, progress, batch=command == "receive",
+                             cache=cache)
+            except DataError as e:
+                unreadable, delete = e, []
             link.send(protocol.stream_item("end", delete=delete))
     except (OSError, EOFError) as e:
         raise HostError(f"{link.name}: push to {dest} broke off: {e}",
@@ -264,4 +316,7 @@ def stream_and_wait(link: Link, stall: Stall, dest: str, send: list[LocalFile],
     # the stall watchdog ends a silent host sooner (its reader then fails the wait)
     while not pending.done.wait(0.5) and time.monotonic() < deadline:
         pass
-    return link.wait(pending, max(0.0, deadline - time.monotonic()))
+    reply = link.wait(pending, max(0.0, deadline - time.monotonic()))
+    if unreadable is not None:
+        raise unreadable
+    return reply

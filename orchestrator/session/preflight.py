@@ -82,8 +82,11 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
     host = link.host
     sent = time.time()
     extra: dict[str, Any] = {"warm": {"env": warm}} if warm is not None else {}
+    # a folder with a file not hashed yet (a deferring listing) has no token: the host
+    # lists it back (for a first push, an empty folder or none)
     tokens = {f: protocol.manifest_token((x.rel, x.digest) for x in files)
-              for f, files in (expect or {}).items() if f in folders(cluster)}
+              for f, files in (expect or {}).items()
+              if f in folders(cluster) and all(x.digest for x in files)}
     if tokens:
         extra["expect"] = tokens
     if nonce:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from orchestrator.config.inventory import Cluster, Host
-from orchestrator.errors import EXIT_USAGE, HostError, OrchError
+from orchestrator.errors import EXIT_USAGE, DataError, HostError, OrchError
 from orchestrator.files.localfiles import DigestCache, LocalFile, Pushable
 from orchestrator.files.pull import Progress, PullReport
 from orchestrator.files.pull import pull as pull_files
@@ -49,6 +49,7 @@ class HostFiles:
 
     code: list[LocalFile]
     data: list[LocalFile] | None
+    cache: DigestCache | None = None   # learns the digests of shard files hashed by the push
 
 
 def group_files(files: dict[int, HostFiles], pre: PreflightReport) -> dict[int, HostFiles]:
@@ -65,7 +66,7 @@ def group_files(files: dict[int, HostFiles], pre: PreflightReport) -> dict[int, 
                 for f in files[member].data or ():
                     merged.setdefault(f.rel, f)
             data = list(merged.values())
-        out[group[0]] = HostFiles(first.code, data)
+        out[group[0]] = HostFiles(first.code, data, first.cache)
     return out
 
 
@@ -271,13 +272,20 @@ class Session:
                                    pushable(info.manifests["code"]))
             if mine.data is not None:
                 out["data"] = push(link, f"{info.job_dir}/data", mine.data, tick,
-                                   info.manifests["data"])
+                                   info.manifests["data"], mine.cache)
             if host_done:
                 for member in pre.group_of(h.index):
                     host_done(member)
             return out
         pushers = tuple(self.cluster.hosts[i] for i in grouped)
-        result = fan_out(pushers, one)
+        try:
+            result = fan_out(pushers, one)
+        finally:   # the digests the pushes learned, also of a push that broke off
+            for cache in {id(hf.cache): hf.cache for hf in grouped.values() if hf.cache}.values():
+                cache.save()
+        unreadable = [e for e in result.failed.values() if isinstance(e, DataError)]
+        if unreadable:
+            raise unreadable[0]   # a local file (exit 2), not the host that was pushed to
         result.raise_failures(self.cluster.hosts, "to receive code or data")
         return result.ok
 
