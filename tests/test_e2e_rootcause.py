@@ -103,3 +103,34 @@ def test_a_frozen_host_is_named_and_finished_once_it_is_back(
     stop = orch(tmp_path, "stop", "-c", str(inv), "--grace", "2")
     assert stop.returncode == 0, stop.stderr
     assert_nothing_left(hosts, name)
+
+
+DUMP_JOB = """\
+import os, sys, time
+rank = int(os.environ["RANK"])
+print("rank %d started" % rank, flush=True)
+if rank == 1:   # what NCCL's watchdog leaves before the process is torn down
+    run = os.path.join(os.environ["ORCH_JOB_DIR"], "run", os.environ["ORCH_JOB_PART"])
+    with open(os.path.join(run, "nccl-trace-rank-1"), "wb") as f:
+        f.write(b"trace")
+    sys.exit(4)
+time.sleep(600)
+"""
+
+
+def test_a_failed_ranks_nccl_flight_recorder_dump_is_named(
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    """NCCL's watchdog dumps its flight recorder, then tears the process down (its
+    default): the failure's report names the dump on that rank's host."""
+    hosts = sshd_cluster.hosts[:2]
+    write_job(tmp_path, DUMP_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name="ncclfail")
+    jobs.add(inv, hosts, "ncclfail")
+    run = jobs.start(tmp_path, "up", str(inv))
+    assert run.finish(timeout=120) == 1, run.text()
+    report = " ".join("\n".join(run.err).split())
+    assert re.search(r"root cause rank 1 on host \S+ .*exit code 4", report), report
+    named = re.findall(r"NCCL flight recorder dump: (\S+): (\S+/nccl-trace-rank-1) ", report)
+    assert named and named[0][0] == hosts[1].address, report
+    assert Path(named[0][1]).read_bytes() == b"trace"   # the host's folder, seen from here
+    assert_nothing_left(hosts, "ncclfail")

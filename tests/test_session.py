@@ -2,6 +2,7 @@
 every host and names the earliest failing rank; a stop reaches every host once."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -66,8 +67,9 @@ def failing_job_handlers(stopped: threading.Event) -> dict:
         ranks = [{"rank": r, "state": "exited", "last_line": "", "code": 7 if r == 3 else -15,
                   "error_file": f"ValueError: bad batch {r}" if r == 3 else f"SIGTERM in rank {r}"}
                  for r in msg["ranks"]]
+        dumps = {"nccl_dumps": ["nccl-trace-rank-3"]} if 3 in msg["ranks"] else {}
         chan.push(protocol.reply(msg["id"], {"supervisor": None, "host_exit": None,
-                                             "time": 1.0, "ranks": ranks}))
+                                             "time": 1.0, "ranks": ranks, **dumps}))
     return {"follow": follow, "stop": stop, "status": status}
 
 
@@ -90,6 +92,8 @@ def test_fail_fast_stops_every_host_and_names_the_root_cause(tmp_path: Path, cap
     assert "root cause rank 3 on host localhost" in err and "exit code 7" in err, err
     # the error file is rank 3's, asked of rank 3's host alone
     assert "ValueError: bad batch 3" in err and "boom" in err and "SIGTERM in rank" not in err, err
+    # NCCL's flight recorder dump on that host (its watchdog wrote it before the rank died)
+    assert re.search(r"NCCL flight recorder dump: localhost#1: /r1/fake/run/host-\S+/nccl-trace-rank-3 ", err), err
     asked = [m["ranks"] for t in transports.values() for m in t.channel.requests if m["t"] == "status"]
     assert asked == [[3]], asked
     assert [m["t"] for m in transports[0].channel.requests].count("status") == 0

@@ -101,6 +101,9 @@ def run(req: Request) -> dict[str, Any]:
     reply = {"supervisor": sup, "host_exit": read_json(p["jd"], "run/host.exit"),
              "time": time.time(),
              "ranks": [rank_status(p, r, first + i, sup) for i, r in enumerate(ranks)]}
+    if any(r.get("code") for r in reply["ranks"]):   # a failed rank: NCCL may have dumped
+        from orchestrator.agent.stacks import nccl_dumps
+        reply["nccl_dumps"] = nccl_dumps(p)
     if req.args.get("gpus"):   # the GPU view: every GPU and its holder (agent/gpus.py)
         from orchestrator.agent import gpus
         try:

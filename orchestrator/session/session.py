@@ -342,19 +342,26 @@ class Session:
             "stacks", timeouts.STACKS, job_dir=self.records[h.index].job_dir,
             ranks=list(h.ranks), reason=reason))
 
-    def error_file(self, rank: int) -> str:
-        """torchrun's error file of a failed rank ("" when there is none or no answer)."""
+    def error_file(self, rank: int) -> tuple[str, tuple[str, ...]]:
+        """torchrun's error file of a failed rank ("" when there is none or no answer), and
+        the NCCL flight recorder dumps in its host's run/ (paths on that host)."""
         host = self.cluster.host_of(rank)
         link = self.links.get(host.index)
         if link is None:
-            return ""
+            return "", ()
         try:
             reply = link.request("status", timeouts.ERROR_FILE, job_dir=self.records[host.index].job_dir,
                                  ranks=[rank], first_local=rank - host.first_rank)
         except Exception:  # the report is still useful without the error file
-            return ""
+            return "", ()
         error_file: str = reply["ranks"][0].get("error_file", "")[-2000:]
-        return error_file
+        run = self.run_dir(host.index)
+        return error_file, tuple(f"{run}/{name}" for name in reply.get("nccl_dumps", ()))
+
+    def run_dir(self, host: int) -> str:
+        """The host's part of run/, as its agent maps it."""
+        record = self.records[host]
+        return f"{record.job_dir}/run" + (f"/{record.part}" if record.part else "")
 
     def pull(self, host: Host, paths: list[str], dest: Path, progress: Progress | None = None,
              planned: Callable[[int], None] | None = None) -> PullReport:

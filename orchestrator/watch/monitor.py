@@ -52,6 +52,7 @@ class RankFailure:
     code: int
     error_file: str
     last_lines: tuple[str, ...]
+    nccl_dumps: tuple[str, ...] = ()   # paths on its host
 
 
 @dataclass
@@ -225,17 +226,11 @@ def investigate(session: Session, hang: Hang) -> HangReport:
     """Every rank's stack (also appended to its log by its host), and the culprits."""
     result = session.stacks(reason(hang))
     stacks = rank_stacks(result.ok)
-    dumps = tuple(f"{session.cluster.hosts[i].label}: {run_dir(session, i)}/{name}"
+    dumps = tuple(f"{session.cluster.hosts[i].label}: {session.run_dir(i)}/{name}"
                   for i, reply in sorted(result.ok.items()) for name in reply["nccl_dumps"])
     unreachable = tuple(f"{session.cluster.hosts[i].label}: {exc}"
                         for i, exc in sorted(result.failed.items()))
     return HangReport(hang, stacks, culprits(hang, stacks), dumps, unreachable)
-
-
-def run_dir(session: Session, host: int) -> str:
-    """The host's part of run/, as its agent maps it."""
-    record = session.records[host]
-    return f"{record.job_dir}/run" + (f"/{record.part}" if record.part else "")
 
 
 def on_hang(session: Session, mon: Monitor, finished: Callable[[], bool],
@@ -347,8 +342,9 @@ def describe(cluster: Cluster, f: Failure) -> str:
 
 def rank_failure(session: Session, mon: Monitor, f: Failure) -> RankFailure:
     host = session.cluster.hosts[f.host]
-    return RankFailure(host.label, f.rank, f.rank - host.first_rank, f.code,
-                       session.error_file(f.rank), tuple(mon.printer.tail(f.rank)[-10:]))
+    error_file, dumps = session.error_file(f.rank)
+    return RankFailure(host.label, f.rank, f.rank - host.first_rank, f.code, error_file,
+                       tuple(mon.printer.tail(f.rank)[-10:]), dumps)
 
 
 def render_verdict(session: Session, mon: Monitor, v: Verdict) -> str:
@@ -391,6 +387,8 @@ def render_cause(cluster: Cluster, mon: Monitor, cause: RankFailure) -> str:
     if cause.error_file:
         lines.append("torchrun error file:\n  " + "\n  ".join(
             escape(text) for text in cause.error_file.splitlines()))
+    for path in cause.nccl_dumps:
+        lines.append(f"NCCL flight recorder dump: {escape(cause.host)}: {escape(path)}")
     lines.append(f"full log: `{escape(hint_cmd(cluster, f'logs --rank {rank}'))}`")
     for i, why in sorted(mon.lost.items()):
         lines.append(f"also: host {escape(cluster.hosts[i].label)} was lost ({escape(why)})")

@@ -399,8 +399,10 @@ REPLIES: dict[str, dict[str, Any]] = {
     "receive": {"files": int, "bytes": int, "deleted": int},
     "launch": {"supervisor": SUPERVISOR},
     "follow": {},
+    # nccl_dumps (when a rank of the reply failed): as in stacks' reply below
     "status": {"supervisor": (dict, type(None)), "host_exit": (dict, type(None)),
-               "time": NUM, "ranks": [RANK_STATUS], "?gpus": [GPU], "?gpu_error": str},
+               "time": NUM, "ranks": [RANK_STATUS], "?gpus": [GPU], "?gpu_error": str,
+               "?nccl_dumps": name_list},
     "stop": {"found": int, "killed": int, "left": [int], "seconds": NUM},
     "pull_manifest": {"root": str, "files": int, "bytes": int,
                       "skipped": [{"p": str, "why": str}], "skipped_count": int,
