@@ -70,6 +70,13 @@ def test_gpu_bench_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+@pytest.mark.slow  # starts Python with torch in a subprocess
+def test_gpu_loader_bench_without_cuda_says_so_and_exits_0() -> None:
+    r = run([sys.executable, "bench/gpu_loader.py", "--batches", "3"], NO_CUDA)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("no CUDA GPU: skipping bench/gpu_loader.py")
+
+
 @pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
 def test_choose_python_finds_no_cuda_and_names_what_it_saw(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

@@ -79,7 +79,7 @@ class PackedBatches(torch.utils.data.Dataset):
     def item_shape(self) -> tuple[int, ...]:
         return tuple(self.images.shape[1:])
 
-    def use_ring(self, ring: PinnedRing) -> None:
+    def use_ring(self, ring: PinnedRing | None) -> None:
         self.ring = ring
 
     @overload
