@@ -42,7 +42,9 @@ def parse(argv):
 
 
 def rendezvous(a):
-    """Node 0 accepts nnodes-1 connections, then releases everyone with one byte."""
+    """Node 0 accepts nnodes-1 nodes (each says so with one byte: a connection closed
+    without it, a launcher's probe of the port, does not count), then releases everyone
+    with one byte."""
     if a.nnodes <= 1:
         return
     deadline = time.monotonic() + RENDEZVOUS_S
@@ -50,9 +52,16 @@ def rendezvous(a):
         srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         srv.bind((a.master_addr, a.master_port))
-        srv.listen(a.nnodes)
+        srv.listen(socket.SOMAXCONN)   # probes of the port queue there too
         srv.settimeout(RENDEZVOUS_S)
-        peers = [srv.accept()[0] for _ in range(a.nnodes - 1)]
+        peers = []
+        while len(peers) < a.nnodes - 1:
+            peer = srv.accept()[0]
+            peer.settimeout(RENDEZVOUS_S)
+            if peer.recv(1):
+                peers.append(peer)
+            else:
+                peer.close()
         for p in peers:
             p.sendall(b"g")
             p.close()
@@ -61,6 +70,7 @@ def rendezvous(a):
     while True:
         try:
             s = socket.create_connection((a.master_addr, a.master_port), timeout=5)
+            s.sendall(b"n")
             break
         except OSError:
             if time.monotonic() > deadline:

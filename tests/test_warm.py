@@ -13,8 +13,10 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -244,6 +246,7 @@ def test_launcher_gone_before_go_starts_cold(tmp_path: Path, started: list[int],
 
 HOLDER = """\
 import sys
+import threading
 from orchestrator.agent import paths, procs
 from orchestrator.agent.common import job_paths
 paths.HOST_PART = sys.argv[2] if len(sys.argv) > 2 else ""
@@ -399,5 +402,80 @@ def test_node_zero_of_several_keeps_pythons_end(tmp_path: Path, started: list[in
     waiting.go(job.spec(argv=TORCHRUN + args, env=env))
     assert job.host_exit()["code"] == 3, job.log()
     assert "ATEXIT ran" in job.log() and teardown.exists(), job.log()
+    all_gone([supervisor, waiting.launcher])
+    assert not stray_pids([job.path], wait=2)
+
+
+def free_local_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_store_address_only_for_the_other_nodes_of_a_static_rendezvous() -> None:
+    from orchestrator.agent import launcher
+    two = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "29501"]
+    assert launcher.store_address([*two, "--node-rank", "1", "x.py"]) == ("10.0.0.1", "29501")
+    assert launcher.store_address(["--nnodes=3", "--node-rank=2", "--master-addr=h",
+                                   "--master-port=7"]) == ("h", "7")
+    assert launcher.store_address([*two, "--node-rank", "0"]) is None     # it serves it
+    assert launcher.store_address(["--nnodes", "1", "--node-rank", "1"]) is None
+    assert launcher.store_address([*two, "--node-rank", "1", "--rdzv-backend", "c10d"]) is None
+    # the job's own arguments come after torchrun's: the first one found is torchrun's
+    assert launcher.store_address([*two, "--node-rank", "1", "x.py", "--master-port", "1"]
+                                  ) == ("10.0.0.1", "29501")
+
+
+def test_wait_for_store_returns_once_node_zero_listens() -> None:
+    """Refused while nothing listens (the poll goes on), True within a poll of the
+    listen; False after the limit, when torchrun's own retries take over."""
+    from orchestrator.agent import launcher
+    port = free_local_port()
+    args = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), "x.py"]
+    t0 = time.monotonic()
+    assert launcher.wait_for_store(args, limit=0.3) is False
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    listened: list[float] = []
+
+    def listen_later() -> None:
+        time.sleep(0.4)
+        srv.listen(8)
+        listened.append(time.monotonic())
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", port))
+        th = threading.Thread(target=listen_later)
+        th.start()
+        t0 = time.monotonic()
+        assert launcher.wait_for_store(args, limit=10) is True
+        th.join()
+        assert listened and time.monotonic() - listened[0] < 0.5
+        assert time.monotonic() - t0 >= 0.4
+    node0 = ["--nnodes", "2", "--node-rank", "0", "--master-port", str(port)]
+    assert launcher.wait_for_store(node0, limit=10) is False   # node 0: no wait
+
+
+def test_other_node_starts_torchrun_once_the_store_listens(tmp_path: Path,
+                                                          started: list[int]) -> None:
+    """The warm torchrun of node 1 runs torchrun (the stand-in's GO) only once node 0's
+    store accepts connections, not before."""
+    port = free_local_port()
+    job = Job(tmp_path)
+    waiting = start(job, started)
+    supervisor = parent_of(waiting.launcher)
+    args = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), "train.py"]
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", port))
+        waiting.go(job.spec(argv=TORCHRUN + args))
+        time.sleep(1.0)
+        assert "GO " not in job.log(), job.log()
+        srv.listen(8)
+        assert job.go_line()["argv"] == args
+    job.release()
+    assert job.host_exit()["code"] == 0
     all_gone([supervisor, waiting.launcher])
     assert not stray_pids([job.path], wait=2)

@@ -24,6 +24,10 @@ if MYPY:   # names for the type comments, never imported by the warm torchrun
 
 GO_MAX = 1 << 22      # the go's arguments, JSON
 EARLY_MAX = 1 << 20   # what the import printed before the go, copied to the log
+# how long another node than 0 waits for node 0's store before torchrun's own retries
+# (this source runs alone in the job's python: wire/timeouts.py is not there)
+STORE_WAIT = 30.0
+STORE_POLL = 0.02     # a refused connect: microseconds, however many nodes probe
 
 
 def receive(sock):
@@ -114,6 +118,7 @@ def main():
     # otherwise); the packages it imported stay, which is what the warm start kept
     sys.modules.pop("torch.distributed.run", None)
     sys.argv = ["torchrun"] + [str(a) for a in args]
+    wait_for_store(args)
     import runpy
     # another exception (a failed rank's ChildFailedError) goes on up: python's own end,
     # its traceback in the log, exit 1, as a cold torchrun's
@@ -127,21 +132,72 @@ def main():
         end_now(0)
 
 
+def option(args, flag, default):
+    # type: (list[Any], str, str) -> str
+    """torchrun's option `flag` (`--flag value` or `--flag=value`): orch's own come
+    before the entrypoint, so the first one found is torchrun's."""
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return str(args[i + 1])
+        if str(a).startswith(flag + "="):
+            return str(a)[len(flag) + 1:]
+    return default
+
+
 def hosts_store(args):
     # type: (list[Any]) -> bool
     """Node 0 of several: its process serves torchrun's store, and the other nodes may
     still be reading the exit barrier's answer from it when its own barrier returns (an
     exit then is "Error waiting on exit barrier" in their logs, and their slow end). It
     keeps python's own end, whose teardown gives them the time, as a cold torchrun's."""
-    def value(flag, default):
-        # type: (str, str) -> str
-        for i, a in enumerate(args):
-            if a == flag and i + 1 < len(args):
-                return str(args[i + 1])
-            if str(a).startswith(flag + "="):
-                return str(a)[len(flag) + 1:]
-        return default
-    return value("--node-rank", "0") == "0" and value("--nnodes", "1") != "1"
+    return option(args, "--node-rank", "0") == "0" and option(args, "--nnodes", "1") != "1"
+
+
+def store_address(args):
+    # type: (list[Any]) -> Any
+    """Where node 0's store listens (torchrun's static rendezvous at --master-addr and
+    --master-port), for the other nodes of several; None on node 0, on a single node,
+    or with another rendezvous."""
+    if option(args, "--nnodes", "1") == "1" or option(args, "--node-rank", "0") == "0" \
+            or option(args, "--rdzv-backend", "static") != "static":
+        return None
+    return option(args, "--master-addr", "127.0.0.1"), option(args, "--master-port", "29500")
+
+
+def wait_for_store(args, limit=STORE_WAIT, every=STORE_POLL):
+    # type: (list[Any], float, float) -> bool
+    """Another node than 0: wait until node 0's store accepts a connection, then start
+    torchrun. Its store client, started before the store listens, retries with a
+    growing back-off: the whole job's ranks started up to 0.5 s after the last node
+    was ready, whenever node 0 finished importing torch after another node (which host
+    logs in first is chance). A refused connect costs microseconds; torchrun's own
+    store takes the probe's empty connection as any closed client. After `limit`
+    seconds (node 0 failed or is slow), torchrun's own retries and timeout take over.
+    True once the store answered."""
+    where = store_address(args)
+    if where is None:
+        return False
+    import socket
+    import time
+    try:
+        addrs = socket.getaddrinfo(where[0], int(where[1]), 0, socket.SOCK_STREAM)
+    except (OSError, ValueError):   # torchrun reports a bad address in its own words
+        return False
+    end = time.monotonic() + limit
+    while True:
+        for family, kind, proto, _, address in addrs:
+            s = socket.socket(family, kind, proto)
+            s.settimeout(1.0)
+            try:
+                s.connect(address)
+                return True
+            except OSError:
+                pass
+            finally:
+                s.close()
+        if time.monotonic() >= end:
+            return False
+        time.sleep(every)
 
 
 def end_now(code):
