@@ -9,6 +9,7 @@ skipped with "no CUDA" without it; the multi-GPU ones need 2 GPUs.
 - --amp, --channels-last, --sync-bn, --grad-compression fp16|terngrad: demo to target;
 - checkpoint on CPU -> --resume on GPU -> --resume on CPU again;
 - the TernGrad codec and the input path stay on the GPU, with no host synchronisation;
+  packed batches through the page-locked ring arrive intact over two epochs;
 - 2+ GPUs: SyncBatchNorm over 2 NCCL ranks = BatchNorm on the concatenated batch;
   TernGrad's hook over NCCL all_gather.
 """
@@ -353,6 +354,36 @@ def test_prefetcher_delivers_every_batch_pinned_and_on_the_gpu(workers: int) -> 
         assert x.device.type == "cuda" and y.device.type == "cuda"
         assert torch.equal(y.cpu(), want) and torch.equal(x[:, 0, 0, 0].long().cpu(), want)
     assert DevicePrefetcher(loader, torch.device("cuda")).sampler is sampler
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_ring_batches_arrive_on_the_gpu_intact_over_epochs(tmp_path: Path, workers: int) -> None:
+    """Packed batches through the page-locked ring (worker/ring.py): every batch of two
+    epochs (one cut short, as a break leaves it) is the sampled images and labels, while
+    the GPU holds earlier batches and the loader processes write later slots."""
+    from worker import pack
+    from worker.packed import PackedBatches
+
+    shard = demo_data.generate(tmp_path / "d", classes=3, train_per_class=40, val_per_class=1,
+                               image_size=16, seed=0)
+    packed = pack.pack_shard(shard, 16)
+    ds, ref = PackedBatches(packed, "train"), PackedBatches(packed, "train")
+    sampler = EpochSampler(len(ds), 8, seed=0, rank=0, total=3 * len(ds))
+    source = DevicePrefetcher(make_loader(ds, sampler, workers, pin_memory=True, ring=True),
+                              torch.device("cuda"))
+    assert ds.ring is not None and ds.ring.pinned
+    for i, _ in enumerate(source):   # an epoch left after 3 batches
+        if i == 3:
+            break
+    sampler.set_epoch(1)
+    want = list(sampler)
+    held = list(source)   # all of it kept on the GPU: no batch's memory is reused
+    torch.cuda.synchronize()
+    assert len(held) == len(want) == len(sampler)
+    for (x, y), idx in zip(held, want):
+        wx, wy = ref[idx]
+        assert x.device.type == "cuda" and torch.equal(x.cpu(), wx) and torch.equal(y.cpu(), wy)
+    assert source.sampler is sampler
 
 
 # ---------------------------------------------------------------- worker.train options on GPU
