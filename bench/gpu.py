@@ -258,14 +258,20 @@ def measure(tr: Trainer, inp: str, batch: int, args: argparse.Namespace,
         run_steps(tr, epoch(args.warmup), args.warmup, prepare)
         images, seconds = run_steps(tr, epoch(args.steps), args.steps, prepare)
         ring = getattr(data.get(inp), "ring", None)
-    finally:   # this measurement's loader processes (and ring) go now, not at exit
-        from worker.data import end_loaders
+    finally:
         del epoch
-        end_loaders()
-        getattr(data.get(inp), "use_ring", lambda ring: None)(None)
+        release(data.get(inp))
     pinned = {} if ring is None else {"ring_pinned": ring.pinned}
     return {"images": images, "seconds": round(seconds, 4), "images_per_s": images / seconds,
             **pinned}
+
+
+def release(dataset: Any) -> None:
+    """A measurement's loader processes, and its dataset's ring, go now, not at exit."""
+    from worker.data import end_loaders
+    end_loaders()
+    if getattr(dataset, "ring", None) is not None:
+        dataset.use_ring(None)
 
 
 def measure_safely(tr: Trainer, inp: str, batch: int, args: argparse.Namespace,

@@ -37,7 +37,8 @@ def rate(packed: Path, workers: int, batches: int, ring: bool) -> float:
     """Images/s of `batches` batches after WARMUP, all on the GPU when timed."""
     import torch
 
-    from worker.data import DevicePrefetcher, EpochSampler, end_loaders, make_loader
+    import gpu
+    from worker.data import DevicePrefetcher, EpochSampler, make_loader
     from worker.packed import PackedBatches
     ds = PackedBatches(packed, "train")
     sampler = EpochSampler(len(ds), BATCH, 0, 0, total=batches * BATCH)
@@ -53,8 +54,7 @@ def rate(packed: Path, workers: int, batches: int, ring: bool) -> float:
         torch.cuda.synchronize()
         return n / (time.perf_counter() - t0)
     finally:
-        end_loaders()
-        ds.use_ring(None)
+        gpu.release(ds)
 
 
 def main(argv: list[str] | None = None) -> int:
