@@ -342,7 +342,7 @@ class Session:
             "stacks", timeouts.STACKS, job_dir=self.records[h.index].job_dir,
             ranks=list(h.ranks), reason=reason))
 
-    def error_file(self, rank: int) -> tuple[str, tuple[str, ...]]:
+    def failure_files(self, rank: int) -> tuple[str, tuple[str, ...]]:
         """torchrun's error file of a failed rank ("" when there is none or no answer), and
         the NCCL flight recorder dumps in its host's run/ (paths on that host)."""
         host = self.cluster.host_of(rank)

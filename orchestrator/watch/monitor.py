@@ -342,7 +342,7 @@ def describe(cluster: Cluster, f: Failure) -> str:
 
 def rank_failure(session: Session, mon: Monitor, f: Failure) -> RankFailure:
     host = session.cluster.hosts[f.host]
-    error_file, dumps = session.error_file(f.rank)
+    error_file, dumps = session.failure_files(f.rank)
     return RankFailure(host.label, f.rank, f.rank - host.first_rank, f.code, error_file,
                        tuple(mon.printer.tail(f.rank)[-10:]), dumps)
 
