@@ -598,10 +598,11 @@ def orch_sync(b: Bench, m: Many, fresh: bool) -> Sample:
     cluster = load(m.inventory)
     listing = launching.Listing(cluster, launching.UpProgress())   # as launching.start
     session = Session(cluster)
-    session.warm, session.expected = False, listing.get
+    session.warm, session.expected = False, listing.first
     try:
         pre = session.open_and_preflight()
-        sent = session.sync(listing.get(), pre)[0]["data"].files
+        sent = session.sync(listing.first(), pre)[0]["data"].files
+        listing.get()
     finally:
         session.close()
     seconds = time.perf_counter() - t

@@ -22,6 +22,7 @@ from orchestrator.session import state as job_state
 from orchestrator.session.launch import rank_env
 from orchestrator.session.preflight import HostInfo
 from orchestrator.session.session import Session
+from orchestrator.session.session import whole as whole_list
 from test_api import status_reply, stop_reply
 
 THREE = """name: sel
@@ -160,7 +161,7 @@ def test_a_new_world_size_splits_the_data_again_before_the_push(
         pass
     assert told == ["--exclude localhost#1 -> 2 seed 7"] and splits(tmp_path) == ["2", "3"]
     files = launching.local_files(run)
-    assert [f.rel for f in files[1].data or []] == ["worker_1_of_2/train-00003-of-00006",
+    assert [f.rel for f in whole_list(files[1].data) or []] == ["worker_1_of_2/train-00003-of-00006",
                                                    "worker_1_of_2/train-00004-of-00006",
                                                    "worker_1_of_2/train-00005-of-00006"]
     assert resplit_size(run) is None   # made once

@@ -23,7 +23,7 @@ from orchestrator.config.inventory import load
 from orchestrator.errors import DataError
 from orchestrator.files import localfiles, splitdata
 from orchestrator.session import preflight
-from orchestrator.session.session import Session
+from orchestrator.session.session import Session, whole
 
 
 def inventory(tmp_path: Path) -> Path:
@@ -209,7 +209,7 @@ def test_a_cold_listing_reads_no_shard_file_and_the_push_remembers_their_digests
         return real_read(path, size)
     monkeypatch.setattr(localfiles, "read_small", spying)
     files = launching.local_files(load(inv))
-    data = files[0].data or []
+    data = whole(files[0].data) or []
     assert len(data) == 10 and all(f.digest == "" and f.key for f in data)
     assert [p for p in read if "/src/" in p] == [], "the listing read shard files"
     first = up_sync(inv, spy)

@@ -22,8 +22,16 @@ from orchestrator.arrays import prepare
 from orchestrator.config.hostselect import narrow
 from orchestrator.config.inventory import Cluster, Host, RankSlot
 from orchestrator.errors import GroupError, OrchError, UsageError
+from orchestrator.files.feed import Feed
 from orchestrator.files.localfiles import HOLD, DigestCache, check_entrypoint, code_files
-from orchestrator.files.shards import host_files, load_split, resplit, resplit_size
+from orchestrator.files.shards import (
+    host_chunks,
+    host_files,
+    load_split,
+    resplit,
+    resplit_size,
+    shard_bytes,
+)
 from orchestrator.files.splitdata import SplitResult
 from orchestrator.files.sync import SyncReport
 from orchestrator.remote.fanout import fan_out
@@ -31,7 +39,7 @@ from orchestrator.session import gpuclaims
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import dry_run_plan, master_addr
 from orchestrator.session.preflight import PreflightReport
-from orchestrator.session.session import HostFiles, Session, group_files
+from orchestrator.session.session import HostFiles, Session, group_files, whole
 from orchestrator.session.setupstep import needs_check
 from orchestrator.session.shelloutput import Printer
 from orchestrator.ui.wording import hint_cmd
@@ -181,7 +189,7 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
     listing = None if counted_at_preflight(cluster) else Listing(cluster, shown)
     session = Session(cluster)
     session.attempts = list(attempts or [])
-    session.expected = listing.get if listing else None
+    session.expected = listing.first if listing else None
     if wait:
         session.waiting = gpuclaims.Waiting(shown.gpu_wait)
     try:
@@ -192,16 +200,23 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
                 if listing:
                     listing.get()   # bad data is the cause (exit 2), not the hosts that waited
                 raise
-        files = listing.get() if listing else None
+        # shards still being listed go to the hosts as they are (files.feed)
+        files = listing.first() if listing else None
         claimed = session.claimed(pre)
         if files is None or claimed.world_size != cluster.world_size:
+            if listing:
+                listing.get()
             files = prepared_files(claimed, shown)
         cluster = claimed
         shown.preflight_done(cluster, pre)
         if any(h.gpu_ids is not None for h in cluster.hosts):
             shown.gpus_claimed(cluster, session.waiting.waited if session.waiting else 0.0)
         try:
-            sync(session, files, pre, shown)
+            try:
+                sync(session, files, pre, shown)
+            finally:   # a listing that failed half way is the cause, not the push it ended
+                if listing:
+                    listing.get()
             pre = setup_and_check(session, files, pre, setup, shown)
             if before_launch is not None:
                 before_launch(session, pre)
@@ -217,26 +232,50 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
 class Listing:
     """prepared_files() in a thread of its own, begun before the hosts are connected to:
     at 100,000 files the list takes about as long as opening the connections, which
-    then no longer wait for it. `get` waits and returns it, or raises what it raised."""
+    then no longer wait for it. `first` gives what each host must hold as soon as the
+    code is listed, the shards still being listed as Feeds (a first push starts with
+    their first chunk); `get` waits for the whole list. Both raise what the listing
+    raised."""
 
     def __init__(self, cluster: Cluster, shown: UpProgress) -> None:
         self.files: dict[int, HostFiles] | None = None
+        self.early: dict[int, HostFiles] | None = None
         self.error: BaseException | None = None
+        self.ready = threading.Event()   # early, files or error is set
         self.thread = threading.Thread(target=self._run, args=(cluster, shown), daemon=True,
                                        name="local-files")
         self.thread.start()
 
     def _run(self, cluster: Cluster, shown: UpProgress) -> None:
         try:
-            self.files = prepared_files(cluster, shown)
+            self.files = prepared_files(cluster, shown, early=self._early)
         except BaseException as e:  # handed to whoever waits: raised there
             self.error = e
+        finally:
+            self.ready.set()
+
+    def _early(self, files: dict[int, HostFiles]) -> None:
+        self.early = files
+        self.ready.set()
+
+    def first(self) -> dict[int, HostFiles]:
+        self.ready.wait()
+        if self.error is not None:
+            raise self.error
+        files = self.files if self.files is not None else self.early
+        assert files is not None
+        return files
 
     def get(self) -> dict[int, HostFiles]:
+        """Every list complete (what a push listed as it went, the rest listed here)."""
         self.thread.join()
         if self.error is not None:
             raise self.error
         assert self.files is not None
+        if any(isinstance(hf.data, Feed) for hf in self.files.values()):
+            self.files = {i: replace(hf, data=whole(hf.data)) for i, hf in self.files.items()}
+            for cache in {id(hf.cache): hf.cache for hf in self.files.values() if hf.cache}.values():
+                cache.save()
         return self.files
 
 
@@ -326,17 +365,23 @@ def counted_at_preflight(cluster: Cluster) -> bool:
     return any(h.all_gpus and not h.procs_given for h in cluster.hosts)
 
 
-def prepared_files(cluster: Cluster, shown: UpProgress) -> dict[int, HostFiles]:
+def prepared_files(cluster: Cluster, shown: UpProgress,
+                   early: Early | None = None) -> dict[int, HostFiles]:
     """The data split again where the run's world size needs it, then every host's files."""
     if resplit_size(cluster) is not None:   # before the data is checked: it is made here
         shown.resplit(cluster, resplit(cluster))
-    return local_files(cluster)
+    return local_files(cluster, early=early)
 
 
-def local_files(cluster: Cluster, data: bool = True) -> dict[int, HostFiles]:
-    """What each host must hold, checked here, before connecting. The code is hashed
-    (cached); a shard file the cache does not know is hashed by the push as it reads it
-    (DigestCache's `defer`), which saves the cache again.
+Early = Callable[[dict[int, HostFiles]], None]
+
+
+def local_files(cluster: Cluster, data: bool = True,
+                early: Early | None = None) -> dict[int, HostFiles]:
+    """What each host must hold, checked here (the code is hashed, cached); a shard file
+    the cache does not know is hashed by the push as it reads it (DigestCache's
+    `defer`), which saves the cache again. `early`: given, once the code is listed, each
+    host's files with its shards as a Feed that fills as they are listed.
     `data`: False leaves the shards out (a dry run's split that `up` would make first)."""
     if cluster.job.array is not None:
         return prepare.array_files(cluster)
@@ -346,6 +391,16 @@ def local_files(cluster: Cluster, data: bool = True) -> dict[int, HostFiles]:
                      cluster.job.entrypoint, str(cluster.path))
     code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude, cache,
                       str(cluster.path))
+    if split and early is not None:
+        # each host's shards made as they are needed (files.feed): this thread lists
+        # ahead until a push takes them over
+        files = {h.index: HostFiles(code, Feed(shard_bytes(split, h), host_chunks(
+            cluster, h, split, cache)), cache) for h in cluster.hosts}
+        early(files)
+        for hf in files.values():
+            assert isinstance(hf.data, Feed)
+            hf.data.run_ahead()
+        return files
     files = {h.index: HostFiles(code, host_files(cluster, h, split, cache) if split else None,
                                 cache) for h in cluster.hosts}
     cache.save()
@@ -355,7 +410,7 @@ def local_files(cluster: Cluster, data: bool = True) -> dict[int, HostFiles]:
 def sync(session: Session, files: dict[int, HostFiles], pre: PreflightReport,
          shown: UpProgress) -> None:
     cluster = session.cluster
-    total = sum(sum(f.size for f in hf.code) + sum(f.size for f in hf.data or ())
+    total = sum(sum(f.size for f in hf.code) + hf.data_bytes()
                 for hf in group_files(files, pre).values())
     with shown.sync(len(cluster.hosts), total) as bar:
         reports = session.sync(files, pre, bar.sent, bar.host_done)

@@ -146,15 +146,17 @@ class DigestCache:
             self.dirty = True
 
     def save(self) -> None:
-        if not self.dirty:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
+        """Under the lock from the write to the rename: the listing and a push that
+        started before it ended may both save (one .tmp file between them)."""
         with self.lock:
+            if not self.dirty:
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
             doc = {"version": CACHE_VERSION, "entries": self.entries, "memo": self.memo}
             tmp.write_bytes(marshal.dumps(doc))
-        os.replace(tmp, self.path)
-        self.dirty = False
+            os.replace(tmp, self.path)
+            self.dirty = False
 
 
 def load_cache(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:

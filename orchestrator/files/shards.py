@@ -35,6 +35,7 @@ MAX_MANIFEST = 256 << 20       # bytes; orch split-data writes about 50 bytes pe
 MAX_FILES = 5_000_000          # entries in one split
 MAX_PATH = 4096                # bytes in one manifest path (PATH_MAX)
 CHECKS = 1                     # of check_split: a split memo of other checks is not used
+CHUNK = 4096                   # files a listing hands to an early push at a time (a `files` batch)
 
 
 class Manifest:
@@ -248,15 +249,31 @@ def host_files(cluster: Cluster, host: Host, split: dict[str, Any],
                cache: DigestCache) -> list[LocalFile]:
     """The host's own shards, as `worker_<r>_of_<W>/<rel>` under data/: the bytes of files
     and of links into data.source; links inside a shard stay links."""
+    files: list[LocalFile] = []
+    for chunk in host_chunks(cluster, host, split, cache, MAX_FILES):
+        files += chunk
+    return files
+
+
+def host_chunks(cluster: Cluster, host: Host, split: dict[str, Any], cache: DigestCache,
+                step: int = CHUNK) -> Iterator[list[LocalFile]]:
+    """host_files() as it is made, `step` files at a time (files.feed: a push that starts
+    before the list is whole)."""
     source = os.path.realpath(cluster.data.source) if cluster.data.source else None
-    files, resolver, fix = [], Resolver(), shard_fix(cluster, source)
+    resolver, fix = Resolver(), shard_fix(cluster, source)
     for rank in host.ranks:
         shard = split["shards"][rank]
         folder = shard_folder(cluster, shard["name"])
         listed = Listed(shard["files"])
         where = Where(f"{cluster.data.shards}/{shard['name']}/", folder, shard["name"], source, fix)
-        files += shard_files(where, shard["files"], listed, cache, resolver)
-    return files
+        entries = shard["files"]
+        for lo in range(0, len(entries), step):
+            yield shard_files(where, entries[lo:lo + step], listed, cache, resolver)
+
+
+def shard_bytes(split: dict[str, Any], host: Host) -> int:
+    """The bytes the split says the host's shards hold (a push's total before the list is)."""
+    return sum(split["shards"][rank]["bytes"] for rank in host.ranks)
 
 
 class Listed:

@@ -14,10 +14,12 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from orchestrator.errors import DataError, HostError
+from orchestrator.files.feed import Feed
 from orchestrator.files.localfiles import (  # noqa: F401 (code_files: re-exported)
     DigestCache,
     LocalFile,
@@ -67,7 +69,7 @@ def file_head(f: LocalFile) -> bytes:
     return protocol.stream_item("file", p=f.rel, s=f.size, h=f.digest, m=f.mode)
 
 
-def stream_files(send: Callable[[bytes | memoryview], None], files: list[LocalFile],
+def stream_files(send: Callable[[bytes | memoryview], None], files: Iterable[LocalFile],
                  progress: Progress | None, batch: bool = True,
                  cache: DigestCache | None = None) -> None:
     """A `file` message and data frames (at most 1 MiB each) per file. `batch`: small
@@ -87,7 +89,7 @@ def stream_files(send: Callable[[bytes | memoryview], None], files: list[LocalFi
     out.close()
 
 
-def stream_each(out: Batcher, files: list[LocalFile], batch: bool,
+def stream_each(out: Batcher, files: Iterable[LocalFile], batch: bool,
                 cache: DigestCache | None) -> None:
     for f in files:
         data = None
@@ -245,12 +247,17 @@ class Stall:
                               "files that landed are kept, only the rest is sent")
 
 
-def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | None = None,
-         remote: dict[str, list[Any]] | Same | None = None,
+def push(link: Link, dest: str, local: list[LocalFile] | Feed,
+         progress: Progress | None = None, remote: dict[str, list[Any]] | Same | None = None,
          cache: DigestCache | None = None) -> SyncReport:
     """Make `dest` on the host hold exactly `local` (by content); send only differences.
     `remote` is the host's manifest of dest when the caller has it already; `cache`
-    learns the digests of deferred files (LocalFile.key) hashed on the way."""
+    learns the digests of deferred files (LocalFile.key) hashed on the way. `local` as a
+    Feed (still being listed) into a folder that holds nothing: sent as it comes."""
+    if isinstance(local, Feed):
+        if isinstance(remote, dict) and not remote:
+            return push_fed(link, dest, local, progress, cache)
+        local = local.whole()
     if isinstance(remote, Same):
         if remote.files is local:
             return SyncReport(0, 0, 0, ())
@@ -273,6 +280,27 @@ def push(link: Link, dest: str, local: list[LocalFile], progress: Progress | Non
                       tuple(f.rel for f in send))
 
 
+def push_fed(link: Link, dest: str, feed: Feed, progress: Progress | None,
+             cache: DigestCache | None) -> SyncReport:
+    """A first push into a folder that holds nothing: every file is sent and none
+    deleted, so the stream starts with the listing's first chunk. The request waits for
+    that chunk (the host's receive gives up on a stream silent for RECEIVE_IDLE)."""
+    if feed.empty():
+        return SyncReport(0, 0, 0, ())
+    with Stall(link) as stall:
+        def arrived() -> None:   # waiting for the listing is not the host's stall
+            stall.sent = stall.clock.now()
+        try:
+            reply = stream_and_wait(link, stall, dest, feed.each(arrived), [], progress,
+                                    cache=cache)
+        except Exception:
+            if stall.fired:
+                raise stall.error(dest) from None
+            raise
+    return SyncReport(reply["files"], reply["bytes"], reply["deleted"],
+                      tuple(f.rel for f in feed.whole()))
+
+
 def settle(local: list[LocalFile], remote: dict[str, list[Any]],
            cache: DigestCache | None) -> list[LocalFile]:
     """Deferred files that the host holds at the same size, hashed now: sent only when
@@ -288,7 +316,7 @@ def settle(local: list[LocalFile], remote: dict[str, list[Any]],
     return out
 
 
-def stream_and_wait(link: Link, stall: Stall, dest: str, send: list[LocalFile],
+def stream_and_wait(link: Link, stall: Stall, dest: str, send: Iterable[LocalFile],
                     delete: list[str], progress: Progress | None,
                     command: str = "receive", cache: DigestCache | None = None,
                     **fields: Any) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_USAGE, DataError, HostError, OrchError
+from orchestrator.files.feed import Feed
 from orchestrator.files.localfiles import DigestCache, LocalFile, Pushable
 from orchestrator.files.pull import Progress, PullReport
 from orchestrator.files.pull import pull as pull_files
@@ -48,8 +49,13 @@ class HostFiles:
     """What one host must hold: the code, and its own shards (None: no data section)."""
 
     code: list[LocalFile]
-    data: list[LocalFile] | None
+    data: list[LocalFile] | Feed | None   # a Feed: the shards still being listed
     cache: DigestCache | None = None   # learns the digests of shard files hashed by the push
+
+    def data_bytes(self) -> int:
+        if isinstance(self.data, Feed):
+            return self.data.nbytes
+        return sum(f.size for f in self.data or ())
 
 
 def group_files(files: dict[int, HostFiles], pre: PreflightReport) -> dict[int, HostFiles]:
@@ -63,11 +69,16 @@ def group_files(files: dict[int, HostFiles], pre: PreflightReport) -> dict[int, 
         if first.data is not None and len(group) > 1:
             merged: dict[str, LocalFile] = {}
             for member in group:
-                for f in files[member].data or ():
+                for f in whole(files[member].data) or ():
                     merged.setdefault(f.rel, f)
             data = list(merged.values())
         out[group[0]] = HostFiles(first.code, data, first.cache)
     return out
+
+
+def whole(data: list[LocalFile] | Feed | None) -> list[LocalFile] | None:
+    """A host's shard files, complete (a Feed waited for)."""
+    return data.whole() if isinstance(data, Feed) else data
 
 
 def end_link(link: Link) -> None:
@@ -247,8 +258,10 @@ class Session:
         if mine is None:
             return None
         out = {"code": mine.code}
-        if mine.data is not None:
-            out["data"] = mine.data
+        # shards still being listed stand for a token only once every file is hashed
+        data = mine.data.known() if isinstance(mine.data, Feed) else mine.data
+        if data is not None:
+            out["data"] = data
         return out
 
     def sync(self, files: dict[int, HostFiles], pre: PreflightReport,
