@@ -68,13 +68,16 @@ def up_sync(inv: Path, spy: Spy) -> dict[str, Any]:
     spy.hashed.clear()
     spy.same.clear()
     cluster = load(inv)
-    files = launching.local_files(cluster)
+    listing = launching.Listing(cluster, launching.UpProgress())   # as launching.start
     session = Session(cluster)
     session.warm = False
-    session.expected = lambda: files
+    session.expected = listing.first
     try:
         pre = session.open_and_preflight()
-        return session.sync(files, pre)[0]
+        try:
+            return session.sync(listing.first(), pre)[0]
+        finally:
+            listing.get()
     finally:
         session.close()
 

@@ -145,6 +145,18 @@ class DigestCache:
             self.entries[path] = entry
             self.dirty = True
 
+    def learn_many(self, learned: list[tuple[str, bytes, bytes]], since: int) -> None:
+        """learn() of many (path, stat key, sha256 bytes) at once; `since`: a time before
+        any of them was read (a file changed within RACY_NS of it is not remembered)."""
+        limit = since - RACY_NS
+        unpack = KEY.unpack
+        with self.lock:
+            for path, key, digest in learned:
+                _dev, _ino, _size, mtime, ctime = unpack(key)
+                if mtime < limit and ctime < limit:
+                    self.entries[path] = key + digest
+            self.dirty = True
+
     def save(self) -> None:
         """Under the lock from the write to the rename: the listing and a push that
         started before it ended may both save (one .tmp file between them)."""
@@ -181,10 +193,13 @@ def read_small(path: str, size: int) -> bytes:
         raise DataError(f"{path}: cannot be read ({e.strerror})",
                         hint=read_fix(e, "leave it out of what is pushed")) from None
     try:
-        chunks = [os.read(fd, size + 1)]
-        while len(chunks[-1]) and sum(map(len, chunks)) > size:   # it grew: read on
-            chunks.append(os.read(fd, BATCH))
-        return b"".join(chunks)
+        data = os.read(fd, size + 1)
+        if len(data) > size:   # it grew since its stat: read on to its end
+            chunks = [data]
+            while chunks[-1]:
+                chunks.append(os.read(fd, BATCH))
+            data = b"".join(chunks)
+        return data
     except OSError as e:
         raise DataError(f"{path}: cannot be read ({e.strerror})",
                         hint=read_fix(e, "leave it out of what is pushed")) from None

@@ -256,9 +256,10 @@ def host_files(cluster: Cluster, host: Host, split: dict[str, Any],
 
 
 def host_chunks(cluster: Cluster, host: Host, split: dict[str, Any], cache: DigestCache,
-                step: int = CHUNK) -> Iterator[list[LocalFile]]:
-    """host_files() as it is made, `step` files at a time (files.feed: a push that starts
-    before the list is whole)."""
+                step: int | None = None) -> Iterator[list[LocalFile]]:
+    """host_files() as it is made, `step` (CHUNK) files at a time (files.feed: a push that
+    starts before the list is whole)."""
+    step = step or CHUNK
     source = os.path.realpath(cluster.data.source) if cluster.data.source else None
     resolver, fix = Resolver(), shard_fix(cluster, source)
     for rank in host.ranks:
