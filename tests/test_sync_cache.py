@@ -75,9 +75,12 @@ def up_sync(inv: Path, spy: Spy) -> dict[str, Any]:
     try:
         pre = session.open_and_preflight()
         try:
-            return session.sync(listing.first(), pre)[0]
-        finally:
-            listing.get()
+            reports = session.sync(listing.first(), pre)[0]
+        except DataError:
+            listing.raise_failure()
+            raise
+        listing.get()
+        return reports
     finally:
         session.close()
 

@@ -21,7 +21,7 @@ from orchestrator.arrays import plan as array_plan
 from orchestrator.arrays import prepare
 from orchestrator.config.hostselect import narrow
 from orchestrator.config.inventory import Cluster, Host, RankSlot
-from orchestrator.errors import GroupError, OrchError, UsageError
+from orchestrator.errors import DataError, GroupError, OrchError, UsageError
 from orchestrator.files.feed import Feed
 from orchestrator.files.localfiles import HOLD, DigestCache, check_entrypoint, code_files
 from orchestrator.files.shards import (
@@ -214,9 +214,12 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
         try:
             try:
                 sync(session, files, pre, shown)
-            finally:   # a listing that failed half way is the cause, not the push it ended
+            except DataError:   # a listing that failed half way is the cause, not the push
                 if listing:
-                    listing.get()
+                    listing.raise_failure()
+                raise
+            if listing:
+                listing.get()
             pre = setup_and_check(session, files, pre, setup, shown)
             if before_launch is not None:
                 before_launch(session, pre)
@@ -265,6 +268,15 @@ class Listing:
         files = self.files if self.files is not None else self.early
         assert files is not None
         return files
+
+    def raise_failure(self) -> None:
+        """The listing's own error, if it met one (also in a host's shards listed by its
+        push), without listing what is left."""
+        if self.error is not None:
+            raise self.error
+        for hf in (self.files or self.early or {}).values():
+            if isinstance(hf.data, Feed) and hf.data.error is not None:
+                raise hf.data.error
 
     def get(self) -> dict[int, HostFiles]:
         """Every list complete (what a push listed as it went, the rest listed here)."""
