@@ -383,7 +383,8 @@ def receive_batch(reader: Reader, dirs: Dirs, base: str, entries: list[Any], led
     The loop runs once a file (100,000 in a first push of a sharded dataset), so what
     does not change from one file to the next is decided once a folder: the list a
     file is added to (staged or placed), the folder's descriptor and path."""
-    data, pos, placed = batch_data(reader, entries), 0, []
+    data, pos = batch_data(reader, entries), 0
+    placed: list[Any] = []
     sha256, at, pfd, staged, where = hashlib.sha256, None, -1, False, base
     add = placed.append
     try:

@@ -7,7 +7,10 @@ remembers, per folder, every file and link it received, in
 key = size:mtime_ns:inode:device:ctime_ns, digest = sha256 or "link:<target>"), written atomically at the
 end of each receive. While a receive runs, each file that lands is also appended to
 ``run/<folder>-pushed.journal``, so a receiver killed half way (SIGKILL, a crash) still
-leaves a record of what it placed; the next read merges the journal in.
+leaves a record of what it placed; the next read merges the journal in. A new top folder
+written in a staging folder is recorded instead by the ledger written right after it is
+renamed into place (files.Staging.promote): the same record at the same moment, without a
+journal line of its every file.
 
 The manifest the host reports is the ledger's files that are still there; only those can
 be deleted. A host with only the old digest cache (every file of the folder, the job's
