@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from orchestrator.agent import files, ledger
-from orchestrator.agent.paths import JobDir, UnsafePath
+from orchestrator.agent.paths import PART, JobDir, UnsafePath
 from orchestrator.config.inventory import load
 from orchestrator.errors import DataError
 from orchestrator.files import localfiles, shards, splitdata
@@ -196,6 +196,118 @@ def test_a_journal_of_batch_lines_and_a_torn_last_line_is_replayed(job: JobDir,
     assert got.interrupted
     assert all(got.owns(rel) for rel in ("w0/x.bin", "w0/y.bin", "w0/old-style.bin", "w0/a/1.bin"))
     assert not got.owns("w0/torn.bin")
+
+
+# ---------------------------------------------------------------- a receiver killed at its end
+
+class Killed(BaseException):
+    """A SIGKILL at that point: nothing after it runs (no except, no cleanup of orch's)."""
+
+
+def kill_at(monkeypatch: pytest.MonkeyPatch, obj: Any, name: str) -> None:
+    def killed(*args: Any, **kwargs: Any) -> None:
+        raise Killed(name)
+    monkeypatch.setattr(obj, name, killed)
+
+
+def test_a_receiver_killed_after_its_new_folders_moved_into_place_but_before_their_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The staged files are in place and recorded nowhere (not journaled: the ledger
+    written at promote is their record): never reported, so never deleted, and the
+    next push sends them again and records them. top.bin, written in place, is
+    journaled as it lands and known."""
+    jd = JobDir(str(tmp_path / "job"))
+    with monkeypatch.context() as m:
+        kill_at(m, ledger.Ledger, "save")
+        with pytest.raises(Killed):
+            push(jd, NAMED)
+    run, data = tmp_path / "job" / "run", tmp_path / "job" / "data"
+    assert (data / "w0" / "a" / "1.bin").read_bytes() == b"one"
+    assert not (run / "data-pushed.json").exists()
+    assert "w0/" not in (run / "data-pushed.journal").read_text()   # no line of the staged
+    assert files.manifest(jd, "data")["files"] == {"top.bin": [3, sha(b"top")]}
+    staged = [rel for rel in NAMED if rel != "top.bin"]
+    gone = files.receive_into(reader_of(protocol.stream_item("end", delete=staged)), jd, "data")
+    assert gone["deleted"] == 0 and all((data / rel).exists() for rel in staged)
+    push(jd, NAMED)
+    assert files.manifest(jd, "data", token_of(NAMED))["same"] is True
+
+
+def test_a_receiver_killed_after_the_record_of_its_new_folders_keeps_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    jd = JobDir(str(tmp_path / "job"))
+    with monkeypatch.context() as m:
+        kill_at(m, files, "apply_deletes")
+        with pytest.raises(Killed):
+            push(jd, NAMED)
+    run = tmp_path / "job" / "run"
+    assert (run / "data-pushed.json").exists() and not (run / "data-pushed.journal").exists()
+    assert files.manifest(jd, "data", token_of(NAMED))["same"] is True
+    assert files.manifest(jd, "data")["files"] == {rel: [len(b), sha(b)] for rel, b in NAMED.items()}
+
+
+def test_a_first_push_writes_its_ledger_once_and_journals_nothing_it_staged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    journaled: list[Any] = []
+    real = ledger.Ledger.save
+
+    def save(self: ledger.Ledger) -> bool:
+        journaled.append(self.jd.read(self.journal_path, 1 << 20))
+        return real(self)
+    monkeypatch.setattr(ledger.Ledger, "save", save)
+    push(JobDir(str(tmp_path / "job")), {"w0/a/1.bin": b"one", "w1/2.bin": b"two"})
+    assert journaled == [b"", None]   # written at promote; the end's save has nothing to do
+    assert not (tmp_path / "job" / "run" / "data-pushed.journal").exists()
+
+
+# ---------------------------------------------------------------- the signature's form
+
+def test_the_signature_lists_a_folder_again_after_a_sub_folder_sorting_inside_its_names(
+        tmp_path: Path) -> None:
+    named = {"w0/b-1": b"1", "w0/b/x": b"x", "w0/b0": b"0", "w0/b/y": b"y", "w1/z": b"z"}
+    jd = JobDir(str(tmp_path / "job"))
+    push(jd, named)
+    doc = marshal.loads((tmp_path / "job" / "run" / "data-pushed.sig").read_bytes())
+    assert doc["folders"] == [["w0", ["b-1"]], ["w0/b", ["x", "y"]], ["w0", ["b0"]],
+                              ["w1", ["z"]]]
+    assert doc["token"] == token_of(named) and ledger.same(jd, "data", token_of(named))
+    (tmp_path / "job" / "data" / "w0" / "b0").write_bytes(b"0")   # rewritten: ctime moved
+    assert not ledger.same(jd, "data", token_of(named))
+
+
+@pytest.mark.parametrize("count", [0, 1, 65536, 65537 + 3])
+def test_the_token_of_sorted_paths_is_the_manifest_token(count: int) -> None:
+    pairs = sorted((f"w{i % 7}/caf\udce9-{i:06d}", sha(str(i).encode())) for i in range(count))
+    assert protocol.sorted_token([p for p, _ in pairs], [d for _, d in pairs]) == \
+        protocol.manifest_token(reversed(pairs))
+    if count:   # every field counts
+        assert protocol.sorted_token([p for p, _ in pairs], [d for _, d in pairs][:-1] + ["x"]) \
+            != protocol.manifest_token(pairs)
+
+
+# ---------------------------------------------------------------- the small-file loop
+
+def test_a_short_write_of_a_small_file_is_completed(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: real(fd, bytes(data[:1])))
+    named = {"w0/a.bin": b"several bytes", "w0/b.bin": b"", "top.bin": b"in place"}
+    jd = JobDir(str(tmp_path / "job"))
+    push(jd, named)
+    monkeypatch.setattr(os, "write", real)
+    assert all((tmp_path / "job" / "data" / rel).read_bytes() == b for rel, b in named.items())
+    assert files.manifest(jd, "data", token_of(named))["same"] is True
+
+
+def test_a_link_left_at_a_part_name_is_replaced_never_written_through(
+        job: JobDir, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"keep")
+    part = tmp_path / "job" / "data" / "w0" / "a" / ("1.bin" + PART + str(os.getpid()))
+    part.symlink_to(outside)
+    push(job, {"w0/a/1.bin": b"ONE"})
+    assert outside.read_bytes() == b"keep" and not part.exists() and not part.is_symlink()
+    assert (tmp_path / "job" / "data" / "w0" / "a" / "1.bin").read_bytes() == b"ONE"
 
 
 # ---------------------------------------------------------------- the controller's memos

@@ -17,6 +17,7 @@ from orchestrator.agent.common import AgentError, folder_of
 from orchestrator.agent.common import StreamIdle as StreamIdle  # (raised here; tests name it here)
 from orchestrator.agent.ledger import Ledger, same
 from orchestrator.agent.paths import (
+    EXCL_FLAGS,
     PART,
     Dirs,
     JobDir,
@@ -25,6 +26,7 @@ from orchestrator.agent.paths import (
     not_a,
     part_name,
     split_parent,
+    write_all,
 )
 from orchestrator.wire import protocol, timeouts
 
@@ -291,7 +293,20 @@ class Staging:
 
     def promote(self, ledger: Ledger) -> None:
         """Every staged file was verified when written: move the folders into place
-        (also after a broken stream, so that a resumed push sends only the rest)."""
+        (also after a broken stream, so that a resumed push sends only the rest), and
+        record them by writing the ledger at once.
+
+        Not through the journal: the journal exists so that a receiver killed half way
+        leaves a record of what it placed. Here the record is the ledger itself, written
+        (save(), atomic) right after the renames instead of a journal line, so a kill
+        lands on one of the same three states as with the journal line: before a rename
+        (the staging folder is swept by the next manifest, nothing recorded), between
+        the renames and the record (the files are in place and unknown: never reported,
+        never deleted, sent again by the next push; the journal that begin() opened is
+        still there, so the next manifest still sweeps leftovers), or after it (all
+        recorded). Only the bytes differ: one JSON line of every staged file less (a
+        tenth of the host's CPU in a first push of 100,000 small files), and the save at
+        the end of the receive then writes nothing unless deletes follow."""
         moved = set()
         for top, staged in self.tops.items():
             if staged and self.jd.lstat(self.dir + "/" + top) is not None:
@@ -300,10 +315,12 @@ class Staging:
         everything = moved == {top for top, staged in self.tops.items() if staged}
         ledger.record_many(self.landed if everything else
                            [(rel, st, digest) for rel, st, digest in self.landed
-                            if rel.split("/", 1)[0] in moved])
+                            if rel.split("/", 1)[0] in moved], journal=False)
         if any(self.tops.values()):
             self.dirs.close()
             self.jd.rmtree(self.dir)
+        if moved:
+            ledger.save()
 
 
 def receive_stream(reader: Reader, dirs: Dirs, base: str, ledger: Ledger,
@@ -361,13 +378,19 @@ def receive_batch(reader: Reader, dirs: Dirs, base: str, entries: list[Any], led
                   staging: Staging) -> int:
     """Small files sent as one batch: each verified before a byte of it is written
     (its bytes are all here), then written as receive_file writes (beside, or under its
-    name in a staging folder), and recorded in one ledger write. Returns the bytes."""
-    data, pos, placed = batch_data(reader, entries), 0, []
+    name in a staging folder), and recorded in one ledger write. Returns the bytes.
+
+    The loop runs once a file (100,000 in a first push of a sharded dataset), so what
+    does not change from one file to the next is decided once a folder: the list a
+    file is added to (staged or placed), the folder's descriptor and path."""
+    data, pos = batch_data(reader, entries), 0
+    placed: list[Any] = []
     sha256, at, pfd, staged, where = hashlib.sha256, None, -1, False, base
+    add = placed.append
     try:
         for rel, size, digest, mode in entries:
-            chunk = data[pos:pos + size]
-            pos += size
+            end = pos + size
+            chunk, pos = data[pos:end], end
             if sha256(chunk).hexdigest() != digest:
                 raise ValueError("digest mismatch for %s" % rel)
             folder, _, name = rel.rpartition("/")
@@ -378,27 +401,28 @@ def receive_batch(reader: Reader, dirs: Dirs, base: str, entries: list[Any], led
                 where = staging.dir if staged else base
                 parent, name = split_parent(where + "/" + rel)
                 pfd, at = dirs.fd(parent), folder
-            st = write_small(dirs, pfd, name, chunk, mode & 0o777, staged, (where, rel))
-            if staged:
-                staging.landed.append((rel, st, digest))
-            else:
-                placed.append((rel, st, digest))
+                add = staging.landed.append if staged else placed.append
+            add((rel, write_small(dirs, pfd, name, chunk, mode & 0o777, staged, where, rel),
+                 digest))
     finally:
         ledger.record_many(placed)   # also what landed before a refused file
     return pos
 
 
 def write_small(dirs: Dirs, pfd: int, name: str, data: memoryview, mode: int, staged: bool,
-                at: tuple[str, str]) -> Any:
+                where: str, rel: str) -> Any:
     """One verified small file: O_EXCL beside its name (under it when staged), written,
-    renamed into place; a failure leaves nothing half-written. `at`: (the folder it
-    goes into, its path there). Returns its stat."""
+    renamed into place; a failure leaves nothing half-written. `where`: the folder it
+    goes into, `rel` its path there. Returns its stat."""
     tmp = name if staged else part_name(name)
-    fd = create_excl(pfd, tmp, mode)
+    try:   # create_excl's first try, inline: a call less a file; a name taken goes to it
+        fd = os.open(tmp, EXCL_FLAGS, mode, dir_fd=pfd)
+    except FileExistsError:
+        fd = create_excl(pfd, tmp, mode)
     try:
-        left = data
-        while left:
-            left = left[os.write(fd, left):]
+        done = os.write(fd, data) if data else 0   # a small file: one write (no slice, no loop)
+        if done < len(data):   # a short write: the rest
+            write_all(fd, data[done:])
         if mode & UMASK:
             os.fchmod(fd, mode)
         st = os.fstat(fd)
@@ -406,13 +430,13 @@ def write_small(dirs: Dirs, pfd: int, name: str, data: memoryview, mode: int, st
         os.close(fd)
         os.unlink(tmp, dir_fd=pfd)
         if isinstance(e, OSError) and e.errno in NO_SPACE:
-            top = at[0].split("/", 1)[0]   # code or data, also from a staging folder
-            raise NoSpace(top + "/" + at[1], len(data), dirs.jd.show(top)) from None
+            top = where.split("/", 1)[0]   # code or data, also from a staging folder
+            raise NoSpace(top + "/" + rel, len(data), dirs.jd.show(top)) from None
         raise
     os.close(fd)
     if staged:
         return st
-    place(dirs.jd, pfd, tmp, name, at[0] + "/" + at[1])
+    place(dirs.jd, pfd, tmp, name, where + "/" + rel)
     return lstat_at(pfd, name) or st   # the rename moved ctime on (ledger.stat_key has it)
 
 
