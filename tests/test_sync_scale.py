@@ -411,3 +411,58 @@ def test_batches_of_long_names_stay_under_the_json_frame_limit() -> None:
             heads += 1
             got += [e[0] for e in protocol.decode(frame, "test")["f"]]
     assert got == [f.rel for f in local] and heads > 1
+
+
+# ---------------------------------------------------------------- fresh digests
+
+def test_a_fresh_digest_is_taken_as_sent_and_any_other_is_verified(
+        job: JobDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fresh` (the controller hashed the very bytes it sent): the host records the
+    digest without hashing again; without it a digest that does not match is refused."""
+    hashed: list[int] = []
+    real = hashlib.sha256
+
+    def counting(data: Any = b"") -> Any:
+        hashed.append(len(data))
+        return real(data)
+    # every caller of hashlib.sha256 passes through here (the receive, and the ledger)
+    entries = [["w0/f/1.bin", 3, sha(b"one"), 0o644], ["w0/f/2.bin", 3, sha(b"two"), 0o644]]
+    fresh = protocol.stream_item("files", f=entries, fresh=True) + protocol.frame(
+        protocol.DATA, b"onetwo")
+    big = protocol.stream_item("file", p="w0/f/3.bin", s=5, h=sha(b"three"), m=0o644,
+                               fresh=True) + protocol.frame(protocol.DATA, b"three")
+    monkeypatch.setattr(hashlib, "sha256", counting)
+    files.receive_into(reader_of(fresh + big + end()), job, "data")
+    # (the ledger's signature hashes too: its token and keys, hundreds of bytes)
+    assert not [n for n in hashed if n in (3, 5, 6)], "a file's bytes were hashed again"
+    assert (tmp_path / "job" / "data" / "w0" / "f" / "3.bin").read_bytes() == b"three"
+    assert ledger.Ledger(job, "data").manifest()["w0/f/3.bin"] == [5, sha(b"three")]
+    wrong = protocol.stream_item("file", p="w0/f/4.bin", s=4, h=sha(b"nope"), m=0o644) + \
+        protocol.frame(protocol.DATA, b"four")
+    with pytest.raises(ValueError, match=r"digest mismatch for w0/f/4\.bin"):
+        files.receive_into(reader_of(wrong + end()), job, "data")
+    assert not (tmp_path / "job" / "data" / "w0" / "f" / "4.bin").exists()
+
+
+def test_the_controller_says_fresh_only_of_digests_it_took_from_the_bytes_it_sends(
+        tmp_path: Path) -> None:
+    """A deferred file (hashed as it is read for the stream) is fresh; a digest from
+    the cache, whose bytes are read now and may have changed since, is not; a batch is
+    fresh only when all its files are."""
+    for name, data in (("cold.bin", b"cold"), ("warm.bin", b"warm"), ("big.bin", b"b" * 70000)):
+        (tmp_path / name).write_bytes(data)
+    cold = LocalFile("d/cold.bin", str(tmp_path / "cold.bin"), 4, 0o644, "", key=b"k" * 40)
+    warm = LocalFile("d/warm.bin", str(tmp_path / "warm.bin"), 4, 0o644, sha(b"warm"))
+    big = LocalFile("d/big.bin", str(tmp_path / "big.bin"), 70000, 0o644, "", key=b"k" * 40)
+
+    def heads(local: list[LocalFile]) -> list[dict[str, Any]]:
+        sent = bytearray()
+        stream_files(sent.extend, local, None)
+        reader, out = reader_of(bytes(sent)), []
+        while (frame := reader.read_frame()) is not None:
+            if frame[0] == protocol.JSON:
+                out.append(protocol.decode(frame, "test"))
+        return out
+    assert [h.get("fresh") for h in heads([cold, big])] == [True, True]
+    assert [h.get("fresh") for h in heads([cold, warm])] == [None]
+    assert [h.get("fresh") for h in heads([warm])] == [None]

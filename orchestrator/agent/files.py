@@ -196,7 +196,8 @@ def receive_file(reader: Reader, dirs: Dirs, base: str, head: dict[str, Any],
     parent, name = split_parent(base + "/" + head["p"])
     pfd = dirs.fd(parent)
     tmp = name if staged else part_name(name)
-    h, mode = hashlib.sha256(), head["m"] & 0o777
+    # a fresh digest was taken from these very bytes (protocol.STREAM): not hashed again
+    h, mode = None if head.get("fresh") is True else hashlib.sha256(), head["m"] & 0o777
     if head["s"] < 0:
         raise ValueError("bad size %r for %s" % (head["s"], head["p"]))
     fd = create_excl(pfd, tmp, mode)
@@ -213,14 +214,14 @@ def receive_file(reader: Reader, dirs: Dirs, base: str, head: dict[str, Any],
             raise NoSpace(top + "/" + head["p"], head["s"], dirs.jd.show(top)) from None
         raise
     os.close(fd)
-    if h.hexdigest() != head["h"]:
+    if h is not None and h.hexdigest() != head["h"]:
         os.unlink(tmp, dir_fd=pfd)
         raise ValueError("digest mismatch for %s" % head["p"])
     if not staged:
         place(dirs.jd, pfd, tmp, name, base + "/" + head["p"])
         # the rename moved the file's ctime on (ledger.stat_key has it): recorded as placed
         st = lstat_at(pfd, name) or st
-    return st, h.hexdigest()
+    return st, head["h"]
 
 
 def place(jd: JobDir, pfd: int, tmp: str, name: str, rel: str) -> None:
@@ -253,7 +254,8 @@ def receive_bytes(reader: Reader, fd: int, h: Any, left: int, name: str) -> None
         kind, data = got
         if kind != protocol.DATA or len(data) > left:
             raise protocol.ProtocolError("%s: expected %d more bytes of data" % (name, left))
-        h.update(data)
+        if h is not None:
+            h.update(data)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
@@ -335,7 +337,8 @@ def receive_stream(reader: Reader, dirs: Dirs, base: str, ledger: Ledger,
         if kind == "end":
             return head, count, nbytes
         if kind == "files":
-            got = receive_batch(reader, dirs, base, head["f"], ledger, staging)
+            got = receive_batch(reader, dirs, base, head["f"], ledger, staging,
+                                head.get("fresh") is True)
             count, nbytes = count + len(head["f"]), nbytes + got
             continue
         staged = staging.wants(head["p"])   # the path is checked where it is opened
@@ -375,10 +378,11 @@ def batch_data(reader: Reader, entries: list[Any]) -> memoryview:
 
 
 def receive_batch(reader: Reader, dirs: Dirs, base: str, entries: list[Any], ledger: Ledger,
-                  staging: Staging) -> int:
+                  staging: Staging, fresh: bool = False) -> int:
     """Small files sent as one batch: each verified before a byte of it is written
-    (its bytes are all here), then written as receive_file writes (beside, or under its
-    name in a staging folder), and recorded in one ledger write. Returns the bytes.
+    (its bytes are all here; not when `fresh`: protocol.STREAM), then written as
+    receive_file writes (beside, or under its name in a staging folder), and recorded in
+    one ledger write. Returns the bytes.
 
     The loop runs once a file (100,000 in a first push of a sharded dataset), so what
     does not change from one file to the next is decided once a folder: the list a
@@ -391,7 +395,7 @@ def receive_batch(reader: Reader, dirs: Dirs, base: str, entries: list[Any], led
         for rel, size, digest, mode in entries:
             end = pos + size
             chunk, pos = data[pos:end], end
-            if sha256(chunk).hexdigest() != digest:
+            if not fresh and sha256(chunk).hexdigest() != digest:
                 raise ValueError("digest mismatch for %s" % rel)
             folder, _, name = rel.rpartition("/")
             if folder != at or name in ("", ".", "..") or "\0" in name:

@@ -67,7 +67,10 @@ def plan(local: list[LocalFile], remote: dict[str, list[Any]]) -> tuple[list[Loc
     return send, delete
 
 
-def file_head(f: LocalFile) -> bytes:
+def file_head(f: LocalFile, fresh: bool = False) -> bytes:
+    """`fresh`: f.digest was taken from the very bytes sent after it (protocol.STREAM)."""
+    if fresh:
+        return protocol.stream_item("file", p=f.rel, s=f.size, h=f.digest, m=f.mode, fresh=True)
     return protocol.stream_item("file", p=f.rel, s=f.size, h=f.digest, m=f.mode)
 
 
@@ -108,7 +111,7 @@ def stream_each(out: Batcher, files: Iterable[LocalFile], batch: bool,
                     if len(items) >= BATCH_FILES:
                         learned.flush()
                 if len(data) <= SMALL:
-                    small(f.rel, data, digest.hex(), f.mode)
+                    small(f.rel, data, digest.hex(), f.mode, True)
                     continue
                 f = f._replace(size=len(data), digest=digest.hex(), key=None)
                 stream_one(out, f, batch, cache, data)
@@ -135,9 +138,11 @@ class Learned:
 
 def stream_one(out: Batcher, f: LocalFile, batch: bool, cache: DigestCache | None,
                data: bytes | None) -> None:
-    """One file of the stream (`data`: its bytes, when read already)."""
+    """One file of the stream (`data`: its bytes, when read already and hashed then)."""
+    fresh = data is not None
     if not f.digest and f.link is None:
         f, data = fill(f, cache, BATCH)
+        fresh = data is not None
     if f.link is not None:   # a symlink: its message carries the target, no data frames
         out.add(protocol.stream_item("link", p=f.rel, link=f.link))
     elif batch and f.size <= SMALL:
@@ -145,10 +150,10 @@ def stream_one(out: Batcher, f: LocalFile, batch: bool, cache: DigestCache | Non
             data = f.data if f.data is not None else read_whole(f.path)
         # a file that changed since its hash goes with its new length and its old
         # digest: the host refuses it, as it refuses a changed big file
-        out.small(f.rel, data, f.digest, f.mode)
+        out.small(f.rel, data, f.digest, f.mode, fresh)
     else:
         out.flush_small()
-        out.add(file_head(f), 0)
+        out.add(file_head(f, fresh), 0)
         if f.size <= BATCH:
             if data is None:
                 data = read_whole(f.path)
@@ -172,6 +177,7 @@ class Batcher:
         self.entries: list[list[Any]] = []          # the small files' batch
         self.chunks: list[bytes] = []
         self.nbytes = self.head = 0   # the batch's data bytes, and its head's most
+        self.fresh = True             # every digest of the batch taken from its bytes
 
     def add(self, data: bytes, files: int = 1) -> None:
         self.out += data
@@ -179,7 +185,8 @@ class Batcher:
         if len(self.out) >= BATCH:
             self.write()
 
-    def small(self, rel: str, data: bytes, digest: str, mode: int) -> None:
+    def small(self, rel: str, data: bytes, digest: str, mode: int, fresh: bool = False) -> None:
+        """`fresh`: digest was taken from these very bytes (the batch is fresh when all are)."""
         # the head's JSON stays far below protocol.MAX_JSON: a path's character is at
         # most 6 bytes of JSON (\\uXXXX), the rest of an entry under 120
         head = 6 * len(rel) + 120
@@ -187,6 +194,7 @@ class Batcher:
                 self.head + head > BATCH_HEAD:
             self.flush_small()
         self.entries.append([rel, len(data), digest, mode])
+        self.fresh = self.fresh and fresh
         self.chunks.append(data)
         self.nbytes += len(data)
         self.head += head
@@ -194,10 +202,12 @@ class Batcher:
     def flush_small(self) -> None:
         if not self.entries:
             return
-        head = protocol.stream_item("files", f=self.entries)
+        head = protocol.stream_item("files", f=self.entries, fresh=True) if self.fresh else \
+            protocol.stream_item("files", f=self.entries)
         data = protocol.frame(protocol.DATA, b"".join(self.chunks)) if self.nbytes else b""
         count = len(self.entries)
         self.entries, self.chunks, self.nbytes, self.head = [], [], 0, 0
+        self.fresh = True
         self.add(head + data, count)
 
     def big(self, f: LocalFile) -> None:

@@ -457,11 +457,16 @@ PULL_STREAM: dict[str, dict[str, Any]] = {"pull_file": {"p": str, "s": int, "m":
                "pull_end": {"p": str, "h": str},
                "pull_skip": {"p": str, "why": str}}
 # The receive stream, after the receive request.
-STREAM: dict[str, dict[str, Any]] = {"file": {"p": str, "s": int, "h": str, "m": int},
+# `fresh`: true when each sha256 was taken by the controller from the very bytes that
+# follow, as it read them for this stream (a first push): the host need not hash them
+# again (SSH's MAC guards them on the way). Without it the host verifies each digest: a
+# digest from the controller's cache may be of bytes that changed since.
+STREAM: dict[str, dict[str, Any]] = {"file": {"p": str, "s": int, "h": str, "m": int,
+                                              "?fresh": bool},
           "link": {"p": str, "link": str},
           # small files: f = [[path, size, sha256, mode], ...] (MAX_BATCH_FILES at most),
           # then one data frame of their bytes end to end when any has a byte (receive only)
-          "files": {"f": list},
+          "files": {"f": list, "?fresh": bool},
           "end": {"delete": [str]}}
 MAX_BATCH_FILES = 4096
 
