@@ -2,6 +2,9 @@
 takes them over, then by the push; and a first push that starts with the first chunk."""
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import sys
 import threading
 from collections.abc import Iterator
@@ -130,27 +133,75 @@ def test_a_first_push_lists_as_it_sends_and_remembers_every_digest(
     assert again["data"].files == 0 and sorted(spy.same) == ["code", "data"]
 
 
-def test_a_bad_shard_file_met_half_way_ends_the_push_there_and_names_it(
+def test_a_shard_link_out_of_the_source_met_half_way_ends_the_push_at_its_chunk(
         lazy: tuple[Path, Spy], tmp_path: Path) -> None:
     """The listing's own message (exit 2); the chunks listed before its chunk landed
     (two files each: class0/img4 shares the bad file's), and a push after the fix
     sends only the rest."""
     inv, spy = lazy
+    (tmp_path / "secret.bin").write_bytes(b"secret")
     link = tmp_path / "shards" / "worker_0_of_1" / "class1" / "img0.bin"
     target = link.readlink()
     link.unlink()
-    link.symlink_to(tmp_path / "src" / "class1" / "gone.bin")
-    with pytest.raises(DataError, match=r"class1/img0\.bin: dangling symlink") as err:
+    link.symlink_to(tmp_path / "secret.bin")
+    with pytest.raises(DataError, match=r"class1/img0\.bin: symlink pointing outside") as err:
         up_sync(inv, spy)
     assert err.value.exit_code == 2
-    landed = sorted(p.relative_to(tmp_path / "host" / "synccache" / "data").as_posix()
-                    for p in (tmp_path / "host" / "synccache" / "data").rglob("*.bin"))
-    assert landed == [f"worker_0_of_1/class0/img{i}.bin" for i in range(4)]
+    assert landed(tmp_path) == [f"worker_0_of_1/class0/img{i}.bin" for i in range(4)]
     link.unlink()
     link.symlink_to(target)
     again = up_sync(inv, spy)
     assert again["data"].sent == ("worker_0_of_1/class0/img4.bin", *(
         f"worker_0_of_1/class1/img{i}.bin" for i in range(5)))
+
+
+@pytest.mark.parametrize("damage", ["gone", "a folder", "a fifo"])
+def test_a_target_gone_or_not_a_file_is_refused_as_the_push_opens_it(
+        lazy: tuple[Path, Spy], tmp_path: Path, damage: str) -> None:
+    """Listed without its stat (a cold cache), a shard file's target is judged when the
+    push opens it: never read through a FIFO (no wait) or a folder; its message names
+    the shard file and the target (exit 2); the files before it landed."""
+    inv, spy = lazy
+    target = tmp_path / "src" / "class1" / "img2.bin"
+    target.unlink()
+    if damage == "a folder":
+        target.mkdir()
+    elif damage == "a fifo":
+        os.mkfifo(target)
+    why = {"gone": "which is missing", "a folder": "not a regular file",
+           "a fifo": "not a regular file"}[damage]
+    with pytest.raises(DataError, match=rf"shard file worker_0_of_1/class1/img2\.bin links to "
+                       rf"{re.escape(str(target))}, .*{why}") as err:
+        up_sync(inv, spy)
+    assert err.value.exit_code == 2
+    assert landed(tmp_path) == [f"worker_0_of_1/class0/img{i}.bin" for i in range(5)] + [
+        "worker_0_of_1/class1/img0.bin", "worker_0_of_1/class1/img1.bin"]
+
+
+def test_a_target_that_is_a_link_inside_the_source_is_pushed_and_one_leaving_it_refused(
+        lazy: tuple[Path, Spy], tmp_path: Path) -> None:
+    """As the listing with a stat judges it: a link inside the data source is followed
+    to its file, one that leaves the source is refused before a byte of it is read."""
+    inv, spy = lazy
+    target = tmp_path / "src" / "class1" / "img3.bin"
+    target.unlink()
+    target.symlink_to(tmp_path / "src" / "class0" / "img0.bin")
+    first = up_sync(inv, spy)
+    assert first["data"].files == 10
+    assert host_bytes(tmp_path, "class1/img3.bin") == b"0-0-old"
+    shutil.rmtree(tmp_path / "host")
+    (tmp_path / ".orch" / "digests.bin").unlink()
+    (tmp_path / "secret.bin").write_bytes(b"secret")
+    target.unlink()
+    target.symlink_to(tmp_path / "secret.bin")
+    with pytest.raises(DataError, match="a symlink pointing outside the data source"):
+        up_sync(inv, spy)
+    assert "worker_0_of_1/class1/img3.bin" not in landed(tmp_path)
+
+
+def landed(tmp_path: Path) -> list[str]:
+    data = tmp_path / "host" / "synccache" / "data"
+    return sorted(p.relative_to(data).as_posix() for p in data.rglob("*.bin"))
 
 
 if __name__ == "__main__":

@@ -233,20 +233,21 @@ def test_a_file_unreadable_half_way_ends_the_push_with_its_name_and_keeps_what_l
     monkeypatch.chdir(tmp_path)
     inv, spy = inventory(tmp_path), Spy(monkeypatch)
     bad = str(tmp_path / "src" / "class1" / "img0.bin")
-    real_read = localfiles.read_small
+    real_read = localfiles.read_fd
 
-    def read(path: str, size: int) -> bytes:
+    def read(fd: int, size: int, path: str) -> bytes:
         if path == bad:
+            os.close(fd)
             raise DataError(f"{path}: cannot be read (Permission denied)", hint="x")
-        return real_read(path, size)
-    monkeypatch.setattr(localfiles, "read_small", read)
+        return real_read(fd, size, path)
+    monkeypatch.setattr(localfiles, "read_fd", read)
     with pytest.raises(DataError, match=r"img0\.bin: cannot be read") as err:
         up_sync(inv, spy)
     assert err.value.exit_code == 2
     jd = job_paths(str(tmp_path / "host" / "synccache"))["jd"]
     landed = sorted(manifest(jd, "data")["files"])
     assert landed == [f"worker_0_of_1/class0/img{i}.bin" for i in range(5)]
-    monkeypatch.setattr(localfiles, "read_small", real_read)
+    monkeypatch.setattr(localfiles, "read_fd", real_read)
     again = up_sync(inv, spy)
     assert again["data"].sent == tuple(f"worker_0_of_1/class1/img{i}.bin" for i in range(5))
 

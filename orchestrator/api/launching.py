@@ -397,7 +397,8 @@ def local_files(cluster: Cluster, data: bool = True,
     `data`: False leaves the shards out (a dry run's split that `up` would make first)."""
     if cluster.job.array is not None:
         return prepare.array_files(cluster)
-    cache = DigestCache(cluster.state_dir.parent / "digests.bin", hold=HOLD, defer=True)
+    cache = DigestCache(cluster.state_dir.parent / "digests.bin", hold=HOLD, defer=True,
+                        lazy=early is not None)
     split = load_split(cluster, cache) if cluster.data.shards and data else None
     check_entrypoint(cluster.base_dir, cluster.code.paths, cluster.code.exclude,
                      cluster.job.entrypoint, str(cluster.path))

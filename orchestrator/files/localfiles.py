@@ -46,6 +46,8 @@ class LocalFile(NamedTuple):
     key: bytes | None = None    # set (with digest ""): not hashed yet, by a deferring
     #                             listing; the push hashes it as it reads it (fill), and the
     #                             cache remembers the digest under this stat key of the listing
+    #                             (UNSTATTED: none taken yet, the size is the split's)
+    root: str | None = None     # with UNSTATTED: the data source it must stay in (open_listed)
 
 
 def link_file(rel: str, path: str, target: str) -> LocalFile:
@@ -54,6 +56,11 @@ def link_file(rel: str, path: str, target: str) -> LocalFile:
     return LocalFile(rel, path, 0, 0o777, "link:" + target, link=target)
 
 
+UNSTATTED = b""   # LocalFile.key of a shard file listed without a stat (open_listed)
+# a listed file opened for reading: never through a last link (one is judged first), and
+# never blocking (a FIFO where a file was is refused, not waited on)
+OPEN_LISTED = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+RESPLIT = "restore it, or split the data again (`orch split-data`)"
 RACY_NS = 2_000_000_000   # a file changed this recently is hashed again next time (below)
 CACHE_VERSION = 2
 HOLD = 64 << 20      # bytes of small files a listing keeps after hashing them (LocalFile.data)
@@ -92,8 +99,12 @@ class DigestCache:
     is listed unhashed (LocalFile.key) and hashed by the push as it reads it (`fill`):
     a first push's bytes then start to flow while the rest is still read and hashed."""
 
-    def __init__(self, path: Path, hold: int = 0, defer: bool = False) -> None:
+    def __init__(self, path: Path, hold: int = 0, defer: bool = False,
+                 lazy: bool = False) -> None:
         self.path, self.hold, self.defer = path, hold, defer
+        # `lazy` (with defer): a shard file not in the cache is listed without its stat,
+        # for a push that opens it at once (`orch up`; a dry run checks every file)
+        self.lazy = lazy
         self.lock = threading.Lock()
         self.entries, self.memo = load_cache(path)
         self.dirty = False
@@ -192,6 +203,11 @@ def read_small(path: str, size: int) -> bytes:
     except OSError as e:
         raise DataError(f"{path}: cannot be read ({e.strerror})",
                         hint=read_fix(e, "leave it out of what is pushed")) from None
+    return read_fd(fd, size, path)
+
+
+def read_fd(fd: int, size: int, path: str) -> bytes:
+    """read_small() of an open descriptor, which it closes."""
     try:
         data = os.read(fd, size + 1)
         if len(data) > size:   # it grew since its stat: read on to its end
@@ -212,31 +228,84 @@ def fill(f: LocalFile, cache: DigestCache | None, keep: int) -> tuple[LocalFile,
     bytes when it has at most `keep` of them, else None: read again to be sent). A file
     that changed size since its listing goes as read (its digest is of those bytes) and
     is not remembered."""
-    if f.size <= keep:
-        data = read_small(f.path, f.size)
-        digest = hashlib.sha256(data).hexdigest()
+    key, size = f.key, f.size
+    if key == UNSTATTED:
+        fd, st = open_listed(f)
+        key, size = stat_key(st), st.st_size
+        if size <= keep:
+            got = read_fd(fd, size, f.path)
+            data, digest = got, hashlib.sha256(got).hexdigest()
+        else:
+            data, digest = None, sha256_fd(fd, f.path)
+    elif size <= keep:
+        got = read_small(f.path, size)
+        data, digest = got, hashlib.sha256(got).hexdigest()
     else:
         data, digest = None, sha256_of(f.path)
-    if cache is not None and f.key is not None and (data is None or len(data) == f.size):
-        cache.learn(f.path, f.key, digest)
-    size = f.size if data is None else len(data)
+    if cache is not None and key is not None and (data is None or len(data) == size):
+        cache.learn(f.path, key, digest)
+    size = size if data is None else len(data)
     # tuple.__new__: LocalFile's own __new__ is a Python function, a cost per file
     return tuple.__new__(LocalFile, (f.rel, f.path, size, f.mode, digest, f.link, data,
-                                     None)), data
+                                     None, None)), data
+
+
+def open_listed(f: LocalFile) -> tuple[int, os.stat_result]:
+    """A shard file listed without a stat (key UNSTATTED), opened to be read, with its
+    stat from the descriptor: a cold listing then costs no lstat a file, and the push
+    one fstat. What the listing's checks would have refused is refused here, before a
+    byte is read: a target gone or not a regular file; a target that is itself a link
+    is followed only when it resolves inside the data source (`root`), as the listing
+    follows one."""
+    path, shard = f.path, f"shard file {f.rel} links to {f.path}"
+    try:
+        fd = os.open(path, OPEN_LISTED)
+    except OSError as e:
+        if e.errno != errno.ELOOP or f.root is None:
+            raise listed_problem(shard, e) from None
+        real = os.path.realpath(path)
+        if not inside(real, f.root):
+            raise DataError(f"{shard}, a symlink pointing outside the data source {f.root} "
+                            f"(to {real})", hint=RESPLIT) from None
+        try:
+            fd = os.open(real, OPEN_LISTED)
+        except OSError as e2:
+            raise listed_problem(f"{shard} (a symlink to {real})", e2) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise DataError(f"{shard}, which is not a regular file", hint=RESPLIT)
+    return fd, st
+
+
+def listed_problem(shard: str, e: OSError) -> DataError:
+    if e.errno == errno.ENOENT:
+        return DataError(f"{shard}, which is missing (gone since the data was split)",
+                         hint=RESPLIT)
+    return DataError(f"{shard}, which cannot be read ({e.strerror})",
+                     hint=read_fix(e, "leave it out of what is pushed"))
 
 
 def sha256_of(path: str) -> str:
-    h = hashlib.sha256()
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            for block in iter(lambda: os.read(fd, BATCH), b""):
-                h.update(block)
-        finally:
-            os.close(fd)
     except OSError as e:
         raise DataError(f"{path}: cannot be read ({e.strerror})",
                         hint=read_fix(e, "leave it out of what is pushed")) from None
+    return sha256_fd(fd, path)
+
+
+def sha256_fd(fd: int, path: str) -> str:
+    """The sha256 of what an open descriptor reads; it is closed."""
+    h = hashlib.sha256()
+    try:
+        for block in iter(lambda: os.read(fd, BATCH), b""):
+            h.update(block)
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror})",
+                        hint=read_fix(e, "leave it out of what is pushed")) from None
+    finally:
+        os.close(fd)
     return h.hexdigest()
 
 

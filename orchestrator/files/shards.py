@@ -20,6 +20,7 @@ from orchestrator.files import splitdata
 from orchestrator.files.localfiles import (
     ENTRY,
     KEY,
+    UNSTATTED,
     DigestCache,
     LocalFile,
     Resolver,
@@ -337,6 +338,9 @@ def shard_files(w: Where, entries: list[Any], listed: Listed, cache: DigestCache
     prefix, name, append, new, pack = w.prefix, w.name + "/", out.append, tuple.__new__, KEY.pack
     inside_shard, inside_source = w.folder.rstrip("/") + "/", (w.source or "").rstrip("/") + "/"
     texts, at, links, defer = LinkTexts(cache), None, {}, cache.defer
+    # a cold file listed without its lstat: only for a push that reads it right away
+    lazy, known, source = cache.defer and cache.lazy and w.source is not None, cache.entries, \
+        w.source
     for rel, _size in entries:
         path = prefix + rel
         parent, _, base = path.rpartition("/")
@@ -353,6 +357,13 @@ def shard_files(w: Where, entries: list[Any], listed: Listed, cache: DigestCache
                 hop = (real if real is not None else folder_of(head)) + "/" + tail
             else:
                 hop = ""
+            if lazy and hop and hop not in known and hop.startswith(inside_source) \
+                    and not hop.startswith(inside_shard):
+                # not in the cache, so nothing to compare a stat with: the push opens it
+                # (no link followed) and takes its stat then (localfiles.open_listed)
+                append(new(LocalFile, (name + rel, hop, _size, 0o644, "", None, None,
+                                       UNSTATTED, source)))
+                continue
             st = lstat(hop) if hop and w.source else None
         except OSError:
             st = None
@@ -365,10 +376,10 @@ def shard_files(w: Where, entries: list[Any], listed: Listed, cache: DigestCache
                 st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
             # tuple.__new__: LocalFile's own __new__ is a Python function, 3 µs a file
             append(new(LocalFile, (name + rel, hop, st.st_size, 0o644, hit[KEY.size:].hex(),
-                                   None, None, None)))
+                                   None, None, None, None)))
         elif defer:   # hashed by the push as it reads the file (localfiles.fill)
             append(new(LocalFile, (name + rel, hop, st.st_size, 0o644, "", None, None, pack(
-                st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))))
+                st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), None)))
         else:
             if hop == text:   # the very string the link memo keeps: marshal writes it once
                 hop = text

@@ -27,6 +27,8 @@ from orchestrator.files.localfiles import (  # noqa: F401 (code_files: re-export
     LocalFile,
     code_files,
     fill,
+    open_listed,
+    stat_key,
 )
 from orchestrator.remote.link import Link
 from orchestrator.ui.wording import hint_cmd
@@ -97,23 +99,28 @@ def stream_files(send: Callable[[bytes | memoryview], None], files: Iterable[Loc
 def stream_each(out: Batcher, files: Iterable[LocalFile], batch: bool,
                 cache: DigestCache | None) -> None:
     learned = Learned(cache)
-    items, small, read_small = learned.items, out.small, localfiles.read_small
+    items, small = learned.items, out.small
+    read_small, read_fd = localfiles.read_small, localfiles.read_fd
     try:
         for f in files:
             if batch and f.key is not None and not f.digest and f.size <= SMALL:
                 # a small file not hashed yet (a first push's usual file): read, hashed
                 # and batched here, its digest learned in bulk (fill() and a lock a file
                 # were a third of the controller's time at 100,000 files)
-                data = read_small(f.path, f.size)
+                if f.key:
+                    key, size, data = f.key, f.size, read_small(f.path, f.size)
+                else:   # listed without a stat: taken from the descriptor
+                    fd, st = open_listed(f)
+                    key, size, data = stat_key(st), st.st_size, read_fd(fd, st.st_size, f.path)
                 digest = sha256(data).digest()
-                if len(data) == f.size:
-                    items.append((f.path, f.key, digest))
+                if len(data) == size:
+                    items.append((f.path, key, digest))
                     if len(items) >= BATCH_FILES:
                         learned.flush()
                 if len(data) <= SMALL:
                     small(f.rel, data, digest.hex(), f.mode, True)
                     continue
-                f = f._replace(size=len(data), digest=digest.hex(), key=None)
+                f = f._replace(size=len(data), digest=digest.hex(), key=None, root=None)
                 stream_one(out, f, batch, cache, data)
             else:
                 stream_one(out, f, batch, cache, None)
