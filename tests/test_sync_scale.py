@@ -463,6 +463,9 @@ def test_the_controller_says_fresh_only_of_digests_it_took_from_the_bytes_it_sen
             if frame[0] == protocol.JSON:
                 out.append(protocol.decode(frame, "test"))
         return out
+    (tmp_path / "grown.bin").write_bytes(b"g" * (2 << 20))   # listed at 10 bytes, then grew
+    grown = LocalFile("d/grown.bin", str(tmp_path / "grown.bin"), 10, 0o644, "", key=b"k" * 40)
     assert [h.get("fresh") for h in heads([cold, big])] == [True, True]
+    assert [h.get("fresh") for h in heads([grown])] == [None], "read again to be sent"
     assert [h.get("fresh") for h in heads([cold, warm])] == [None]
     assert [h.get("fresh") for h in heads([warm])] == [None]

@@ -159,6 +159,7 @@ def stream_one(out: Batcher, f: LocalFile, batch: bool, cache: DigestCache | Non
         # digest: the host refuses it, as it refuses a changed big file
         out.small(f.rel, data, f.digest, f.mode, fresh)
     else:
+        fresh = fresh and f.size <= BATCH   # a bigger one is read again to be sent: verified
         out.flush_small()
         out.add(file_head(f, fresh), 0)
         if f.size <= BATCH:
