@@ -12,7 +12,10 @@ import hashlib
 import json
 import marshal
 import os
+import shutil
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -361,6 +364,31 @@ def test_a_second_listing_reads_no_link_and_checks_no_split(
 
 
 real_sha256_of = localfiles.sha256_of
+
+
+def test_link_memos_of_shard_folders_that_are_gone_are_dropped(split: Path) -> None:
+    """A split for another world size, then removed: its folders' link memos go at the
+    next listing (they were kept forever); the folders still there keep theirs."""
+    source = split.parent / "src"
+    splitdata.split(source, split.parent / "shards", 2)
+    cluster = load(split)
+    cache = DigestCache(split.parent / ".orch" / "digests.bin")
+    two = replace(cluster, world_size=2)
+    for rank in (0, 1):   # host_files asks a host only for its ranks
+        host: Any = SimpleNamespace(ranks=(rank,))
+        shards.host_files(two, host, shards.load_split(two, cache), cache)
+    cache.save()
+    listing(split)   # the one-worker split's folders, remembered beside them
+    memo = DigestCache(split.parent / ".orch" / "digests.bin").memo["links"]
+    assert any("worker_1_of_2" in folder for folder in memo)
+    for name in ("worker_0_of_2", "worker_1_of_2"):
+        shutil.rmtree(split.parent / "shards" / name)
+    cache = DigestCache(split.parent / ".orch" / "digests.bin")
+    assert shards.forget_gone_folders(cache) == sum("_of_2/" in f for f in memo)
+    cache.save()
+    kept = DigestCache(split.parent / ".orch" / "digests.bin").memo["links"]
+    assert kept and all("worker_0_of_1" in folder for folder in kept)
+    assert shards.forget_gone_folders(DigestCache(split.parent / ".orch" / "digests.bin")) == 0
 
 
 def test_a_changed_manifest_is_checked_again(split: Path) -> None:

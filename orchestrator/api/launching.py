@@ -25,6 +25,7 @@ from orchestrator.errors import DataError, GroupError, OrchError, UsageError
 from orchestrator.files.feed import Feed
 from orchestrator.files.localfiles import HOLD, DigestCache, check_entrypoint, code_files
 from orchestrator.files.shards import (
+    forget_gone_folders,
     host_chunks,
     host_files,
     load_split,
@@ -400,6 +401,8 @@ def local_files(cluster: Cluster, data: bool = True,
     cache = DigestCache(cluster.state_dir.parent / "digests.bin", hold=HOLD, defer=True,
                         lazy=early is not None)
     split = load_split(cluster, cache) if cluster.data.shards and data else None
+    if split:
+        forget_gone_folders(cache)
     check_entrypoint(cluster.base_dir, cluster.code.paths, cluster.code.exclude,
                      cluster.job.entrypoint, str(cluster.path))
     code = code_files(cluster.base_dir, cluster.code.paths, cluster.code.exclude, cache,

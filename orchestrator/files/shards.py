@@ -324,6 +324,21 @@ class LinkTexts:
         return texts
 
 
+def forget_gone_folders(cache: DigestCache) -> int:
+    """Link memos of shard folders that are gone (a split for another world size,
+    removed) dropped from the cache, once a listing: they would be kept, and loaded by
+    every `up`, forever. A folder still there stays remembered, also one of another
+    job sharing the cache. Returns how many were dropped."""
+    memo = cache.memo.get("links")
+    if not isinstance(memo, dict):
+        return 0
+    gone = [folder for folder in memo if not os.path.isdir(folder)]
+    for folder in gone:
+        del memo[folder]
+    cache.dirty = cache.dirty or bool(gone)
+    return len(gone)
+
+
 def shard_files(w: Where, entries: list[Any], listed: Listed, cache: DigestCache,
                 resolver: Resolver) -> list[LocalFile]:
     """shard_file() of every entry, with link_into_source's common case written out in
