@@ -410,12 +410,12 @@ def local_files(cluster: Cluster, data: bool = True,
     if split and early is not None:
         # each host's shards made as they are needed (files.feed): this thread lists
         # ahead until a push takes them over
-        files = {h.index: HostFiles(code, Feed(shard_bytes(split, h), host_chunks(
-            cluster, h, split, cache)), cache) for h in cluster.hosts}
+        feeds = {h.index: Feed(shard_bytes(split, h), host_chunks(cluster, h, split, cache))
+                 for h in cluster.hosts}
+        files = {i: HostFiles(code, feed, cache) for i, feed in feeds.items()}
         early(files)
-        for hf in files.values():
-            assert isinstance(hf.data, Feed)
-            hf.data.run_ahead()
+        for feed in feeds.values():
+            feed.run_ahead()
         return files
     files = {h.index: HostFiles(code, host_files(cluster, h, split, cache) if split else None,
                                 cache) for h in cluster.hosts}

@@ -148,13 +148,7 @@ class DigestCache:
     def learn(self, path: str, key: bytes, digest: str) -> None:
         """remember() for a deferred file: key is the stat key its listing took, before
         the push read the bytes (a change since moves the key on: hashed again next time)."""
-        _dev, _ino, _size, mtime, ctime = KEY.unpack(key)
-        if max(mtime, ctime) >= time.time_ns() - RACY_NS:
-            return
-        entry = key + bytes.fromhex(digest)
-        with self.lock:
-            self.entries[path] = entry
-            self.dirty = True
+        self.learn_many([(path, key, bytes.fromhex(digest))], time.time_ns())
 
     def learn_many(self, learned: list[tuple[str, bytes, bytes]], since: int) -> None:
         """learn() of many (path, stat key, sha256 bytes) at once; `since`: a time before
@@ -166,7 +160,7 @@ class DigestCache:
                 _dev, _ino, _size, mtime, ctime = unpack(key)
                 if mtime < limit and ctime < limit:
                     self.entries[path] = key + digest
-            self.dirty = True
+                    self.dirty = True
 
     def save(self) -> None:
         """Under the lock from the write to the rename: the listing and a push that
@@ -228,26 +222,29 @@ def fill(f: LocalFile, cache: DigestCache | None, keep: int) -> tuple[LocalFile,
     bytes when it has at most `keep` of them, else None: read again to be sent). A file
     that changed size since its listing goes as read (its digest is of those bytes) and
     is not remembered."""
-    key, size = f.key, f.size
-    if key == UNSTATTED:
-        fd, st = open_listed(f)
-        key, size = stat_key(st), st.st_size
-        if size <= keep:
-            got = read_fd(fd, size, f.path)
-            data, digest = got, hashlib.sha256(got).hexdigest()
-        else:
-            data, digest = None, sha256_fd(fd, f.path)
-    elif size <= keep:
-        got = read_small(f.path, size)
+    if f.size <= keep:
+        key, size, got = read_deferred(f)
         data, digest = got, hashlib.sha256(got).hexdigest()
+    elif f.key == UNSTATTED:
+        fd, st = open_listed(f)
+        key, size, data, digest = stat_key(st), st.st_size, None, sha256_fd(fd, f.path)
     else:
-        data, digest = None, sha256_of(f.path)
+        key, size, data, digest = f.key, f.size, None, sha256_of(f.path)
     if cache is not None and key is not None and (data is None or len(data) == size):
         cache.learn(f.path, key, digest)
     size = size if data is None else len(data)
     # tuple.__new__: LocalFile's own __new__ is a Python function, a cost per file
     return tuple.__new__(LocalFile, (f.rel, f.path, size, f.mode, digest, f.link, data,
                                      None, None)), data
+
+
+def read_deferred(f: LocalFile) -> tuple[bytes | None, int, bytes]:
+    """A deferred file's (stat key, size at that stat, bytes to its end): the listing's
+    key, or for a file listed without a stat (UNSTATTED) its descriptor's."""
+    if f.key != UNSTATTED:
+        return f.key, f.size, read_small(f.path, f.size)
+    fd, st = open_listed(f)
+    return stat_key(st), st.st_size, read_fd(fd, st.st_size, f.path)
 
 
 def open_listed(f: LocalFile) -> tuple[int, os.stat_result]:

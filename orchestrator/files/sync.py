@@ -20,15 +20,13 @@ from hashlib import sha256
 from typing import Any, Callable
 
 from orchestrator.errors import DataError, HostError
-from orchestrator.files import localfiles
 from orchestrator.files.feed import Feed
 from orchestrator.files.localfiles import (  # noqa: F401 (code_files: re-exported)
     DigestCache,
     LocalFile,
     code_files,
     fill,
-    open_listed,
-    stat_key,
+    read_deferred,
 )
 from orchestrator.remote.link import Link
 from orchestrator.ui.wording import hint_cmd
@@ -100,20 +98,15 @@ def stream_each(out: Batcher, files: Iterable[LocalFile], batch: bool,
                 cache: DigestCache | None) -> None:
     learned = Learned(cache)
     items, small = learned.items, out.small
-    read_small, read_fd = localfiles.read_small, localfiles.read_fd
     try:
         for f in files:
             if batch and f.key is not None and not f.digest and f.size <= SMALL:
                 # a small file not hashed yet (a first push's usual file): read, hashed
                 # and batched here, its digest learned in bulk (fill() and a lock a file
                 # were a third of the controller's time at 100,000 files)
-                if f.key:
-                    key, size, data = f.key, f.size, read_small(f.path, f.size)
-                else:   # listed without a stat: taken from the descriptor
-                    fd, st = open_listed(f)
-                    key, size, data = stat_key(st), st.st_size, read_fd(fd, st.st_size, f.path)
+                key, size, data = read_deferred(f)
                 digest = sha256(data).digest()
-                if len(data) == size:
+                if key is not None and len(data) == size:
                     items.append((f.path, key, digest))
                     if len(items) >= BATCH_FILES:
                         learned.flush()
