@@ -156,7 +156,8 @@ def plan(inventory: jobs.Inventory, *, hosts: str | None = None,
     `hosts`, `exclude`: as `up`'s (the plan is the narrowed run's)."""
     cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     again = resplit_size(cluster)   # the data cannot be split again: its error, as in up
-    local_files(cluster, data=again is None)   # a split up would make is not checked
+    # a split up would make is not checked, nor one for a world size counted at preflight
+    local_files(cluster, data=again is None and not counted_at_preflight(cluster))
     if any(not h.is_local for h in cluster.hosts):
         # imported here, as in Session: paramiko only where SSH is used
         from orchestrator.ssh import connect

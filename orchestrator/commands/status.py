@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     summed up in one line on stderr, so a script sees them without reading the table."""
     cluster = inventory(args)
     if cluster.job.array is not None:
+        if getattr(args, "watch", False):
+            return array_watch(cluster, args)
         return array_status(cluster, args)
     if getattr(args, "watch", False):
         return watch(cluster, args)
@@ -202,18 +204,41 @@ def array_status(cluster: Cluster, args: argparse.Namespace) -> int:
         emit_json(status)
         return verdict(bool(failed), bool(status.unreachable))
     warn_unreachable(status.unreached.values())
-    t = Table(title=f"job array {cluster.name}")
-    state_w = max([5] + [len(r.state) for r in status.tasks])
+    out.print(array_table(cluster.name, status.tasks), soft_wrap=False)
+    summarize(failed, len(status.tasks), "task")
+    return verdict(bool(failed), bool(status.unreachable))
+
+
+def array_watch(cluster: Cluster, args: argparse.Namespace) -> int:
+    """`--watch` of a job array: its table redrawn every 2 s (`--json`: one document per
+    line) until Ctrl-C, exit 0."""
+    try:
+        if args.json:
+            while True:
+                emit_json_line(querying.array_status(cluster))
+                time.sleep(WATCH_EVERY)
+        with Live(console=out, auto_refresh=False, transient=False) as live:
+            while True:
+                tasks = querying.array_status(cluster).tasks
+                live.update(Group(array_table(cluster.name, tasks),
+                                  Text(f"every {WATCH_EVERY:.0f} s; Ctrl-C to end")), refresh=True)
+                time.sleep(WATCH_EVERY)
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
+def array_table(name: str, tasks: Sequence[TaskStatus]) -> Table:
+    t = Table(title=f"job array {name}")
+    state_w = max([5] + [len(r.state) for r in tasks])
     for col in ("task", "args", "host", "slot", "state", "runtime", "last line"):
         if col == "state":   # never cut: the other columns give way
             t.add_column(col, no_wrap=True, min_width=state_w)
         else:
             t.add_column(col, overflow="fold" if col in ("last line", "args") else "ellipsis")
-    for r in status.tasks:
+    for r in tasks:
         runtime = "-" if r.runtime_s is None else f"{r.runtime_s:.1f}s"
         slot = "-" if r.slot is None else str(r.slot)
         t.add_row(str(r.task), plain(r.args), r.host, slot, r.state, runtime,
                   plain(r.last_line[-80:]))
-    out.print(t, soft_wrap=False)
-    summarize(failed, len(status.tasks), "task")
-    return verdict(bool(failed), bool(status.unreachable))
+    return t

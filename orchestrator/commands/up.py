@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     # the whole inventory, not the last run's hosts: this run chooses its own
     cluster = narrow(cluster_of(inventory_path(args)), args.hosts, args.exclude)
     cluster = with_hang_timeout(cluster, args.hang_timeout)
+    restarts = checked_restarts(cluster, args.restarts)
     if args.dry_run:
         plan = launching.plan(cluster)
         if args.json:
@@ -66,20 +67,16 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(plan.plan)
         return EXIT_OK
-    restarts = cluster.job.restarts if args.restarts is None else args.restarts
-    if restarts < 0:
-        raise UsageError(f"--restarts {restarts}: must be 0 or more",
-                         hint="give the most restarts after a failure, e.g. --restarts 3")
-    if restarts and not args.detach and cluster.job.array is None:
+    if args.json and not args.detach:
+        raise UsageError("`up --json` needs --detach: an attached job streams its ranks' output",
+                         hint=f"`{hint_cmd(cluster, 'up --detach --json')}`, then "
+                              f"`{hint_cmd(cluster, 'status --json')}`")
+    if restarts and not args.detach:
         from orchestrator.commands import restarting
         return restarting.run(cluster, args, restarts, UpView, started_line, pull_after)
     if restarts and args.detach:
         console.print(f"note: restarts ({restarts}) need an attached `orch up`: this detached run "
                       "will not restart after a failure", markup=False)
-    if args.json and not args.detach:
-        raise UsageError("`up --json` needs --detach: an attached job streams its ranks' output",
-                         hint=f"`{hint_cmd(cluster, 'up --detach --json')}`, then "
-                              f"`{hint_cmd(cluster, 'status --json')}`")
     with launching.start(cluster, setup=args.setup, wait=args.wait, progress=UpView()) as started:
         cluster = started.session.cluster   # as claimed: `gpus: all` counted
         if isinstance(started.result, ArrayUpResult):
@@ -109,6 +106,19 @@ def started_line(cluster: Cluster, st: Any) -> None:
     console.print(f"started job '{cluster.name}' on {plural(len(cluster.hosts), 'host')} "
                   f"({plural(cluster.world_size, 'rank')}, "
                   f"MASTER_ADDR={st.master_addr}:{st.master_port})")
+
+
+def checked_restarts(cluster: Cluster, given: int | None) -> int:
+    """`--restarts N` over job.restarts; refused below 0, and above 0 for a job array
+    (its tasks are independent: nothing would restart)."""
+    restarts = cluster.job.restarts if given is None else given
+    if restarts < 0:
+        raise UsageError(f"--restarts {restarts}: must be 0 or more",
+                         hint="give the most restarts after a failure, e.g. --restarts 3")
+    if given and cluster.job.array is not None:
+        raise UsageError("--restarts restarts one distributed job; this inventory's job is an "
+                         "array of independent tasks", hint="leave --restarts out for a job array")
+    return restarts
 
 
 def with_hang_timeout(cluster: Cluster, seconds: float | None) -> Cluster:

@@ -46,6 +46,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode
 
 from orchestrator.config import hostranges
 from orchestrator.config.jobspec import JOB_KEYS, JobSpec, parse_job
+from orchestrator.config.networkspec import NetworkSpec, parse_host_network, parse_network
 from orchestrator.config.patterns import PATTERN_HINT, pattern_problem
 from orchestrator.config.proxyjump import parse_jump
 from orchestrator.config.safefile import FileRefused, read_regular
@@ -55,14 +56,23 @@ from orchestrator.errors import InventoryError, UsageError
 
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "connect_timeout",
             "proxy_jump")
-HOST_KEYS = ("address", "connection", "gpus", "procs", "remote_dir", "python", "spare") + SSH_KEYS
-TOP_KEYS = ("name", "ssh", "hosts", "remote_dir", "python", "code", "data", "job", "setup")
+HOST_KEYS = ("address", "connection", "gpus", "procs", "remote_dir", "python", "spare",
+             "network") + SSH_KEYS
+TOP_KEYS = ("name", "ssh", "hosts", "remote_dir", "python", "code", "data", "job", "setup",
+            "network")
 CODE_KEYS = ("paths", "exclude")
 DATA_KEYS = ("source", "shards")
 HOST_KEY_POLICIES = ("strict", "accept-new")
 CONNECTIONS = ("ssh", "local")
 DEFAULT_EXCLUDE = ("*.pyc", "__pycache__", ".git")
 DEFAULT_REMOTE_DIR = "~/orch"
+# sections that `key:` with nothing after it would silently turn off: refused at their line
+EMPTY_SECTIONS = {
+    "ssh": "indent its settings under it, or delete the line (~/.ssh/config and the defaults apply)",
+    "code": "indent `paths: [...]` under it, or delete the line to push nothing",
+    "data": "indent `source:` and `shards:` under it, or delete the line to push no data",
+    "setup": "give it a command (`setup: pip install -r requirements.txt`), or delete the line",
+}
 DEFAULT_PYTHON = "python3"
 
 # Limits: far above real clusters, low enough that no inventory makes orch slow or big.
@@ -125,6 +135,7 @@ class Host:
     all_gpus: bool = False       # `gpus: all`: every GPU free at preflight (gpus is then 1)
     spare: bool = False          # `spare: true`: runs nothing until it replaces a lost host
     procs_given: bool = True     # `procs:` written: a claim of `gpus: all` leaves it as is
+    interface: tuple[str, ...] | None = None   # its own `network.interface` (None: the job's)
 
     @property
     def gpu_want(self) -> int | str | list[int] | None:
@@ -204,6 +215,7 @@ class Cluster:
     selection: str = ""
     spares: tuple[Host, ...] = ()    # `spare: true` hosts: outside the run until one is lost
     restart: int = 0                 # the attempt: 0, then k on the k-th restart (ORCH_RESTART_COUNT)
+    network: NetworkSpec = NetworkSpec()   # `network:` (networkspec.py)
 
     @property
     def base_dir(self) -> Path:
@@ -265,6 +277,8 @@ def parse(text: str, path: str | Path) -> Cluster:
                        f"got {src.describe(root)}", "start from the README's example cluster.yaml")
     top = Section(src, root, "", 1)
     top.check_keys(TOP_KEYS, _BELONGS)
+    for key, fix in EMPTY_SECTIONS.items():
+        top.refuse_empty(key, fix)
     base_dir = Path(os.path.abspath(path)).parent
     name = _name(top)
     hosts, spares = _split_spares(src, _hosts(top, base_dir))
@@ -274,9 +288,10 @@ def parse(text: str, path: str | Path) -> Cluster:
     _check_min_hosts(top, hosts, job)
     data = _data(top, base_dir)
     setup = parse_setup(top, code.paths, base_dir)
+    network = parse_network(top)
     ranks = tuple(RankSlot(r, h.index, r - h.first_rank) for h in hosts for r in h.ranks)
     return Cluster(Path(os.path.abspath(path)), name, hosts, code, data, job, len(ranks), ranks,
-                   setup, spares=spares)
+                   setup, spares=spares, network=network)
 
 
 def _split_spares(src: Source, every: tuple[Host, ...]) -> tuple[tuple[Host, ...], tuple[Host, ...]]:
@@ -390,7 +405,7 @@ def _entry(src: Source, node: Node, entry: int, room: int,
                 spare=_spare(src, sec),
                 gpus=gpus, procs=procs, first_rank=0, remote_dir=_remote_dir(sec, remote_dir),
                 python=sec.text("python", python), ssh=_ssh_options(sec, ssh, base_dir), line=sec.line,
-                all_gpus=all_gpus, procs_given=procs_given)
+                all_gpus=all_gpus, procs_given=procs_given, interface=parse_host_network(sec))
     return host, addresses
 
 
@@ -449,8 +464,10 @@ def _ssh_options(sec: Section, base: SSHOptions, base_dir: Path) -> SSHOptions:
 
 def _proxy_jump(sec: Section, default: tuple[str, ...] | None) -> tuple[str, ...] | None:
     """`a`, `a,b` or a list [a, b]: a chain of bastions; `none` or []: direct."""
+    sec.refuse_empty("proxy_jump", "write `proxy_jump: none` to connect directly, or delete "
+                                   "the line to use ssh's (and ~/.ssh/config's) setting")
     node = sec.node("proxy_jump")
-    if node is None or node.tag == TAG + "null":
+    if node is None:
         return default
     hops = [(hop, item) for value, item in _text_items(sec, "proxy_jump") or []
             for hop in value.split(",")]
@@ -566,6 +583,8 @@ def _code(top: Section, base_dir: Path) -> CodeSpec:
             sec.src.fail(node, f"`code.paths` {short(path)!r} and {short(paths[name])!r} would both land in the "
                                f"code folder as {short(name)!r}", "rename one, or push their common parent folder")
         paths[name] = path
+    sec.refuse_empty("exclude", "write `exclude: []` to push everything, or delete the line "
+                                "for the default (" + ", ".join(DEFAULT_EXCLUDE) + ")")
     exclude = _text_items(sec, "exclude")
     for value, node in exclude or []:
         problem = pattern_problem(value)

@@ -33,6 +33,16 @@ _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # what worker.train writes (worker/checkpoint.py: epoch-NNNNN.pt, written beside and renamed)
 DEFAULT_CHECKPOINT = ("output/checkpoints/*.pt",)
 CHECKPOINT_TO = ("controller", "host")   # where the kept copy lives (session/hostkeep.py)
+# keys whose empty value (`key:` alone) would silently mean something else: refused
+EMPTY_FIXES = {
+    "args": "write `args: []` for none, or delete the line",
+    "env": "write `env: {}` for none, or delete the line",
+    "hang_timeout": "give the seconds (`hang_timeout: 300`), or delete the line to leave the "
+                    "hang watch off",
+    "min_hosts": "give a number of hosts (`min_hosts: 2`), or delete the line: every host is needed",
+    "checkpoint": "write `checkpoint: []` to keep nothing, or delete the line for the default "
+                  f"({DEFAULT_CHECKPOINT[0]})",
+}
 
 
 @dataclass(frozen=True)
@@ -62,16 +72,16 @@ class JobSpec:
 
 def parse_job(sec: Section, pushed: dict[str, Path], max_procs: int) -> JobSpec:
     """The checked `job:` section; `pushed`: each code path's name -> its local path."""
+    for key, fix in EMPTY_FIXES.items():
+        sec.refuse_empty(key, fix)
     entrypoint = _entrypoint(sec)
     _check_entrypoint_pushed(sec, entrypoint, pushed)
     args = _args(sec)
     env = _env(sec, sum(len(a.encode()) + 1 for a in args))
     array = parse_array(sec, max_procs)
     hang = sec.number("hang_timeout", None)
-    if hang is not None and array is not None:
-        sec.src.fail(sec.node("hang_timeout"), "`job.hang_timeout` watches the ranks of one "
-                     "distributed job; a job array's tasks are independent",
-                     "remove `hang_timeout:`, or `array:` to run one distributed job")
+    if array is not None:
+        _refuse_with_array(sec)
     return JobSpec(entrypoint=entrypoint, args=args, env=env,
                    master_port=sec.integer("master_port", None, 1, 65535, example=29500),
                    max_restarts=sec.integer("max_restarts", 0, 0, MAX_RESTARTS, example=0),
@@ -80,6 +90,24 @@ def parse_job(sec: Section, pushed: dict[str, Path], max_procs: int) -> JobSpec:
                    min_hosts=sec.integer("min_hosts", None, 1, example=2),
                    checkpoint=_checkpoint(sec),
                    checkpoint_to=sec.choice("checkpoint_to", CHECKPOINT_TO, "controller"))
+
+
+# what acts on one distributed job only: with `array:` it would silently do nothing
+ONE_JOB_ONLY = {
+    "hang_timeout": "watches the ranks of one distributed job",
+    "restarts": "restarts one distributed job after a failure",
+    "min_hosts": "lets a restarted distributed job go on with fewer hosts",
+    "checkpoint": "is what a restarted distributed job carries across",
+    "checkpoint_to": "is where a restarted distributed job's checkpoints are kept",
+}
+
+
+def _refuse_with_array(sec: Section) -> None:
+    for key, does in ONE_JOB_ONLY.items():
+        if sec.node(key) is not None:
+            sec.src.fail(sec.key_line(key), f"`job.{key}` {does}; a job array's tasks are "
+                         "independent, and it would do nothing", f"remove `{key}:`, or `array:` "
+                         "to run one distributed job")
 
 
 def _entrypoint(sec: Section) -> str:

@@ -66,8 +66,8 @@ def parse_setup(top: Section, code_paths: tuple[str, ...], base_dir: Path) -> Se
         if node is None:
             src.fail(line, "missing `setup.commands`",
                      "add `commands: [pip install -r requirements.txt]` under `setup`")
-        if node.tag == TAG + "null":
-            return None
+        sec.refuse_empty("commands", "give a command (`commands: [pip install -r "
+                                     "requirements.txt]`), or delete `setup:`")
     spec = _commands(top, node, what, line, code_paths, base_dir)
     return replace(spec, once_per=once_per) if spec is not None else None
 

@@ -313,6 +313,15 @@ class Section:
                 hint = "valid keys here: " + ", ".join(allowed)
             self.src.fail(key_node, f"unknown key `{self.what(key)}`", hint)
 
+    def refuse_empty(self, key: str, fix: str) -> None:
+        """`key:` with nothing after it, refused at its line: for a key whose default is
+        not "unset", an empty value would silently mean something else (docs/reference/
+        cluster-yaml.md: only user, port, identity_file, the data paths and master_port
+        may be left empty)."""
+        node = self.node(key)
+        if node is not None and _is_null(node):
+            self.src.fail(self.key_line(key), f"`{self.what(key)}` has no value", fix)
+
     def _given(self, key: str, default: Any) -> Node | None:
         """The value node, or None when the default applies; refuses a missing required key."""
         node = self.node(key)

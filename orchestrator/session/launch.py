@@ -132,7 +132,11 @@ def dry_run_plan(cluster: Cluster) -> str:
     """The plan and the exact command per host, computed without touching any host."""
     addr = master_addr(cluster)
     port = cluster.job.master_port or "<free port on host 0>"
-    lines = [f"job {cluster.name}: {plural(len(cluster.hosts), 'host')}, world size {cluster.world_size}, "
+    # `gpus: all` without `procs:`: that host's ranks are its GPUs free at preflight
+    counted = [h.label for h in cluster.hosts if h.all_gpus and not h.procs_given]
+    world = f"world size counted at preflight (every free GPU of {', '.join(counted[:4])}" \
+        f"{' ...' if len(counted) > 4 else ''})" if counted else f"world size {cluster.world_size}"
+    lines = [f"job {cluster.name}: {plural(len(cluster.hosts), 'host')}, {world}, "
              f"MASTER_ADDR={addr} MASTER_PORT={port}",
              "preflight on every host, in parallel: connect (host key checked), python runs, "
              "torch version (same everywhere), GPUs, remote_dir writable, master port free"]
@@ -147,9 +151,11 @@ def dry_run_plan(cluster: Cluster) -> str:
     if cluster.code.paths:
         lines.append(f"sync code: {', '.join(cluster.code.paths)} -> <job dir>/code/ (changed files only)")
     if cluster.data.shards:
-        lines.append(f"push data: {cluster.data.shards}/worker_<r>_of_{cluster.world_size} -> "
-                     "<job dir>/data/ (each host only its own ranks)")
-        if resplit_size(cluster) is not None:
+        size = "<W>" if counted else cluster.world_size
+        lines.append(f"push data: {cluster.data.shards}/worker_<r>_of_{size} -> "
+                     "<job dir>/data/ (each host only its own ranks"
+                     + ("; the split for W checked once the GPUs are counted)" if counted else ")"))
+        if not counted and resplit_size(cluster) is not None:
             lines.insert(-1, f"split data: {cluster.data.source} again for world size "
                              f"{cluster.world_size} into {cluster.data.shards} (as `orch "
                              f"split-data --workers {cluster.world_size}`), before the push")
@@ -157,11 +163,14 @@ def dry_run_plan(cluster: Cluster) -> str:
         job_dir = f"{h.remote_dir.rstrip('/')}/{cluster.name}"
         python = host_python(h, job_dir, str(cluster.base_dir))
         argv = torchrun_argv(cluster, h, python, job_dir, addr, port)
+        if h.label in counted:   # its ranks: one per GPU free at preflight
+            argv[argv.index("--nproc-per-node") + 1] = "<free GPUs>"
         where = "local" if h.is_local else "ssh"
         gpus = "" if h.gpu_ids is None else \
             f", GPUs {','.join(map(str, h.gpu_ids))} (CUDA_VISIBLE_DEVICES)"
-        lines.append(f"host {h.index} {h.label} ({where}) ranks {h.ranks.start}-{h.ranks.stop - 1}"
-                     f"{gpus}:")
+        ranks = "ranks counted at preflight" if counted else \
+            f"ranks {h.ranks.start}-{h.ranks.stop - 1}"
+        lines.append(f"host {h.index} {h.label} ({where}) {ranks}{gpus}:")
         # as the host's shell gets it; a line break or an escape in an arg shown escaped
         lines.append("  " + escaped(remote_command(argv)))
     lines.append(sharing_plan(cluster))
