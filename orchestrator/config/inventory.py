@@ -46,7 +46,6 @@ from yaml.nodes import MappingNode, Node, ScalarNode
 
 from orchestrator.config import hostranges
 from orchestrator.config.jobspec import JOB_KEYS, JobSpec, parse_job
-from orchestrator.config.networkspec import NetworkSpec, parse_host_network, parse_network
 from orchestrator.config.patterns import PATTERN_HINT, pattern_problem
 from orchestrator.config.proxyjump import parse_jump
 from orchestrator.config.safefile import FileRefused, read_regular
@@ -56,10 +55,8 @@ from orchestrator.errors import InventoryError, UsageError
 
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "connect_timeout",
             "proxy_jump")
-HOST_KEYS = ("address", "connection", "gpus", "procs", "remote_dir", "python", "spare",
-             "network") + SSH_KEYS
-TOP_KEYS = ("name", "ssh", "hosts", "remote_dir", "python", "code", "data", "job", "setup",
-            "network")
+HOST_KEYS = ("address", "connection", "gpus", "procs", "remote_dir", "python", "spare") + SSH_KEYS
+TOP_KEYS = ("name", "ssh", "hosts", "remote_dir", "python", "code", "data", "job", "setup")
 CODE_KEYS = ("paths", "exclude")
 DATA_KEYS = ("source", "shards")
 HOST_KEY_POLICIES = ("strict", "accept-new")
@@ -135,7 +132,6 @@ class Host:
     all_gpus: bool = False       # `gpus: all`: every GPU free at preflight (gpus is then 1)
     spare: bool = False          # `spare: true`: runs nothing until it replaces a lost host
     procs_given: bool = True     # `procs:` written: a claim of `gpus: all` leaves it as is
-    interface: tuple[str, ...] | None = None   # its own `network.interface` (None: the job's)
 
     @property
     def gpu_want(self) -> int | str | list[int] | None:
@@ -215,7 +211,6 @@ class Cluster:
     selection: str = ""
     spares: tuple[Host, ...] = ()    # `spare: true` hosts: outside the run until one is lost
     restart: int = 0                 # the attempt: 0, then k on the k-th restart (ORCH_RESTART_COUNT)
-    network: NetworkSpec = NetworkSpec()   # `network:` (networkspec.py)
 
     @property
     def base_dir(self) -> Path:
@@ -288,10 +283,9 @@ def parse(text: str, path: str | Path) -> Cluster:
     _check_min_hosts(top, hosts, job)
     data = _data(top, base_dir)
     setup = parse_setup(top, code.paths, base_dir)
-    network = parse_network(top)
     ranks = tuple(RankSlot(r, h.index, r - h.first_rank) for h in hosts for r in h.ranks)
     return Cluster(Path(os.path.abspath(path)), name, hosts, code, data, job, len(ranks), ranks,
-                   setup, spares=spares, network=network)
+                   setup, spares=spares)
 
 
 def _split_spares(src: Source, every: tuple[Host, ...]) -> tuple[tuple[Host, ...], tuple[Host, ...]]:
@@ -393,6 +387,10 @@ def _entry(src: Source, node: Node, entry: int, room: int,
         src.fail(address_node, f"`{sec.what('address')}` {exc.message}", exc.hint)
     gpus_node = sec.node("gpus")
     all_gpus = gpus_node is not None and src.value(gpus_node, sec.what("gpus")) == "all"
+    if gpus_node is not None and not all_gpus and isinstance(src.value(gpus_node, ""), str):
+        src.fail(gpus_node, f"`{sec.what('gpus')}` must be a number of GPUs or `all`, got "
+                            f"{src.describe(gpus_node)}",
+                 "write e.g. `gpus: 2`, or `gpus: all` for every GPU free at preflight")
     # `gpus: all`: at least one; how many is the number free at preflight (agent/gpus.py)
     gpus = 1 if all_gpus else sec.integer("gpus", 0, 0, MAX_PROCS, example=1)
     procs_given = not all_gpus or sec.node("procs") is not None
@@ -405,7 +403,7 @@ def _entry(src: Source, node: Node, entry: int, room: int,
                 spare=_spare(src, sec),
                 gpus=gpus, procs=procs, first_rank=0, remote_dir=_remote_dir(sec, remote_dir),
                 python=sec.text("python", python), ssh=_ssh_options(sec, ssh, base_dir), line=sec.line,
-                all_gpus=all_gpus, procs_given=procs_given, interface=parse_host_network(sec))
+                all_gpus=all_gpus, procs_given=procs_given)
     return host, addresses
 
 
