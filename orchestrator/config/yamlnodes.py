@@ -179,8 +179,10 @@ class Source:
     def value(self, node: Node, what: str) -> Any:
         """A scalar's value as yaml.safe_load would give it."""
         if not isinstance(node, ScalarNode):
-            self.fail(node, f"`{what}` must be a single value, not {self.describe(node)}",
-                      "write one value here, e.g. `key: value`")
+            hint = ("YAML reads `text: more` as a mapping: put the whole value in quotes, "
+                    "e.g. `\"echo step: 1\"`" if isinstance(node, MappingNode)
+                    else "write one value here, not a list")
+            self.fail(node, f"`{what}` must be a single value, not {self.describe(node)}", hint)
         try:
             return self._constructor.construct_object(node)
         except yaml.YAMLError:

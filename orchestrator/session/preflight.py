@@ -11,7 +11,7 @@ from orchestrator.files.localfiles import LocalFile
 from orchestrator.files.sync import Same
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
-from orchestrator.session import gpuclaims
+from orchestrator.session import gpuclaims, network
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import protocol, timeouts
 
@@ -32,12 +32,14 @@ class HostInfo:
     share_leader: int = -1     # whose preflight marker it found in its job folder (-1: none)
     gpu_ids: tuple[int, ...] | None = None   # the GPUs its agent claimed for the job
     gpu_uuids: tuple[str, ...] = ()          # every GPU's (the order of `up --wait`)
+    net: dict[str, Any] | None = None        # its network (agent/network.learn)
 
 
 @dataclass(frozen=True)
 class PreflightReport:
     hosts: dict[int, HostInfo]
     master_port: int
+    network: Any = None   # session/network.NetPlan, once the probe has run
 
     def groups(self) -> list[tuple[int, ...]]:
         """The hosts that share one job folder, each group in inventory order (a host
@@ -93,6 +95,8 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
         extra["share"] = {"nonce": nonce, "index": host.index}
     if host.gpu_want is not None:
         extra["gpus"] = host.gpu_want
+    if network.wanted(cluster):
+        extra["net"] = network.preflight_args(cluster, host, nonce)
     _, pending = link.submit("preflight", job_dir=job_dir(cluster, host),
                              master_port=cluster.job.master_port or 0,
                              want_port=host.index == 0, folders=folders(cluster),
@@ -105,7 +109,8 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
                     r["running"], r["ssh_connection"], manifests, r.get("python_missing", ""),
                     r.get("share_leader", -1),
                     tuple(r["gpu_ids"]) if "gpu_ids" in r else None,
-                    tuple(r.get("gpu_uuids") or [g["uuid"] for g in r.get("gpu_busy", ())]))
+                    tuple(r.get("gpu_uuids") or [g["uuid"] for g in r.get("gpu_busy", ())]),
+                    r.get("net"))
     problems = host_problems(host, info, r, defer_torch=cluster.setup is not None)
     gpus = gpuclaims.problem(cluster, host, r)
     if isinstance(gpus, gpuclaims.GpusBusy) and not problems:
@@ -144,9 +149,6 @@ def host_problems(host: Host, info: HostInfo, r: dict[str, Any],
     if info.torch is None and not defer_torch:
         problems.append((f"torch is not installed for {info.executable}",
                          "pip install torch there, or point `python:` at an interpreter that has it"))
-    if host.gpu_want is None and host.gpus > info.gpus:   # no claim made: the old count
-        problems.append((f"{host.gpus} GPUs asked for, {info.gpus} found (nvidia-smi -L)",
-                         f"set gpus: {info.gpus} for this host, or fix its driver"))
     if r["writable"]:
         problems.append((f"remote_dir not writable: {r['writable']}",
                          "choose a remote_dir the SSH user can write"))

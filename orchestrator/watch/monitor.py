@@ -398,8 +398,11 @@ def render_cause(cluster: Cluster, mon: Monitor, cause: RankFailure) -> str:
 def host_level_cause(cluster: Cluster, mon: Monitor) -> str:
     for i, info in sorted(mon.host_exits.items()):
         if info.get("code") != 0:
+            host = cluster.hosts[i]
+            log = f"run/{host.part}/torchrun.log"
+            read = hint_cmd(cluster, f"exec --hosts {host.label} -- tail -n 50 {log}")
             return (f"[bold red]job '{cluster.name}' failed[/]: torchrun on host "
-                    f"{escape(cluster.hosts[i].label)} ended with {info.get('code')} "
-                    f"before its ranks "
-                    f"reported; see <job dir>/run/torchrun.log there")
+                    f"{escape(host.label)} ended with {info.get('code')} before its ranks "
+                    f"reported; see <job dir>/{escape(log)} there\n"
+                    f"  read it with `{escape(read)}`")
     return f"job '{cluster.name}' failed"
