@@ -56,6 +56,14 @@ def emit_json_line(obj: Any) -> None:
     sys.stdout.flush()
 
 
+def emit_json_failed(args: argparse.Namespace, result: Any, error: Exception, code: int) -> None:
+    """Under --json, a command that failed part way (stop, pull): its one document is what
+    was done with the error's `error` and `exit_code` added; the error itself then goes
+    to stderr only (cli() writes no second document)."""
+    emit_json({**document(result), "error": str(error), "exit_code": code})
+    args.json = False
+
+
 def emit_json(obj: Any) -> None:
     """The one JSON document of a command run with --json, on stdout: an api result
     (its document) or a document built here; either way with its `version` first."""

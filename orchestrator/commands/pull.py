@@ -8,7 +8,7 @@ from typing import Any
 from orchestrator.api import pulling
 from orchestrator.api.outcomes import PullResult
 from orchestrator.commands import render
-from orchestrator.commands.common import emit_json, inventory
+from orchestrator.commands.common import emit_json, emit_json_failed, inventory
 from orchestrator.errors import EXIT_OK, OrchError
 
 
@@ -31,7 +31,9 @@ def run(args: argparse.Namespace) -> int:
         result = pulling.pull(cluster, args.paths, rank=args.rank, host=args.host, dest=args.out,
                               progress=pulling.quiet if args.json else render.pull_bar)
     except OrchError as e:   # files that could not be written: what was pulled, then why
-        if isinstance(e.result, PullResult):
+        if isinstance(e.result, PullResult) and args.json:
+            emit_json_failed(args, e.result, e, e.exit_code)
+        elif isinstance(e.result, PullResult):
             show(result=e.result, as_json=args.json)
         raise
     show(result, args.json)

@@ -7,7 +7,14 @@ from typing import Any
 
 from orchestrator.api import stopping
 from orchestrator.api.outcomes import StopResult
-from orchestrator.commands.common import console, emit_json, inventory, plural, warn
+from orchestrator.commands.common import (
+    console,
+    emit_json,
+    emit_json_failed,
+    inventory,
+    plural,
+    warn,
+)
 from orchestrator.errors import EXIT_OK, OrchError
 from orchestrator.ui.termsafe import plain
 from orchestrator.wire import timeouts
@@ -28,7 +35,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = stopping.stop(cluster, grace=args.grace, warn=warn)
     except OrchError as e:   # some hosts were stopped: what they did, then the error
-        if isinstance(e.result, StopResult):
+        if isinstance(e.result, StopResult) and args.json:
+            emit_json_failed(args, e.result, e, e.exit_code)
+        elif isinstance(e.result, StopResult):
             show(e.result, args.json)
         raise
     show(result, args.json)

@@ -62,7 +62,7 @@ def quiet_paramiko() -> None:
     `paramiko` logger, which Python prints to stderr when nobody configured it. orch says
     the same thing in one line per host, so that output is only shown with ORCH_DEBUG=1."""
     log = logging.getLogger("paramiko")
-    if os.environ.get("ORCH_DEBUG"):
+    if os.environ.get("ORCH_DEBUG") == "1":
         if not log.handlers:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("paramiko %(name)s: %(message)s"))
