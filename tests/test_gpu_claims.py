@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import textwrap
@@ -46,7 +47,8 @@ def test_two_jobs_get_disjoint_gpus_and_a_third_is_told_who_holds_them(host: Pat
     c = gpus.claim("/x/c", 1, dict(WHO, job="c"))
     assert "ids" not in c and "/x/c" not in gpus.HELD
     holders = {g["index"]: g["holder"] for g in c["busy"]}
-    assert holders[0]["job"] == "a" and holders[3] == {"job": "b", "user": "bob",
+    # the user is the claim file's owner (the kernel's word), never what the job said
+    assert holders[0]["job"] == "a" and holders[3] == {"job": "b", "user": "root",
                                                        "job_dir": "/x/b", "part": "h"}
     gpus.release("/x/a")   # the kernel drops the lock with the descriptor
     assert gpus.claim("/x/c", 2, dict(WHO, job="c"))["ids"] == [0, 1]
@@ -101,14 +103,78 @@ def test_claims_outlive_the_agent_in_a_forked_child_only_while_it_lives(host: Pa
     assert gpus.claim("/x/b", [0], dict(WHO, job="b"))["ids"] == [0]
 
 
-def test_the_claims_folder_is_sticky_and_a_link_there_is_refused(host: Path) -> None:
-    folder = Path(gpus.claims_dir())
-    assert folder.stat().st_mode & 0o7777 == 0o1777
-    (host / "elsewhere").mkdir()
+FIX = "an admin makes it once: sudo install -d -m 1777 -o root -g root "
+
+
+def test_the_claims_folder_is_made_by_root_only_and_refused_unless_roots_and_sticky(
+        host: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whoever owns the folder may delete anyone's claim in it: it must be root's. Each
+    refusal names the folder, why, and the admin's one line."""
+    folder = Path(gpus.claims_dir())   # missing: root's agent makes it as the admin would
+    assert folder.stat().st_mode & 0o7777 == 0o1777 and folder.stat().st_uid == 0
+    os.chown(folder, 65534, 65534)
+    with pytest.raises(gpus.ClaimsFolderError, match="belongs to user nobody, who could "
+                       "delete anyone's claims; fix: " + re.escape(FIX + str(folder))):
+        gpus.claim("/x/a", 1, dict(WHO))
+    os.chown(folder, 0, 0)
+    folder.chmod(0o777)
+    with pytest.raises(gpus.ClaimsFolderError, match="other users may write and is not sticky"):
+        gpus.claims_dir()
+    folder.chmod(0o1777)
+    host.chmod(0o777)   # a parent another user could swap the folder in
+    with pytest.raises(gpus.ClaimsFolderError, match=f"is inside {host}, which other users"):
+        gpus.claims_dir()
+    host.chmod(0o755)
+    monkeypatch.setattr(gpus, "hardlinks_protected", lambda: False)
+    with pytest.raises(gpus.ClaimsFolderError, match=re.escape("sysctl -w fs.protected_hardlinks=1")):
+        gpus.claims_dir()
+
+
+def test_a_user_who_is_not_root_never_makes_the_folder(host: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "getuid", lambda: 65534)
+    with pytest.raises(gpus.ClaimsFolderError, match=re.escape(
+            f"does not exist; fix: {FIX}{host / 'claims'}")):
+        gpus.survey()
+    assert not (host / "claims").exists()
+
+
+def test_a_link_as_the_claims_folder_is_refused(host: Path) -> None:
+    (host / "elsewhere").mkdir(mode=0o1777)
     os.environ["ORCH_GPU_CLAIMS_DIR"] = str(host / "link")
     (host / "link").symlink_to(host / "elsewhere")
     with pytest.raises(gpus.GpuError, match="not a folder"):
         gpus.claims_dir()
+
+
+def test_a_refused_claims_folder_is_one_message_with_the_fix(tmp_path: Path) -> None:
+    cluster = load(inventory(tmp_path, "- address: a\n  gpus: 2\n"))
+    why = str(gpus.ClaimsFolderError("the folder /c belongs to user bob, who could delete "
+                                     "anyone's claims", FIX + "/c"))
+    err = gpuclaims.problem(cluster, cluster.hosts[0], {"gpu_error": why})
+    assert err is not None and err.exit_code == 3
+    assert err.message == ("a: 2 GPUs asked for, none can be claimed safely: the folder /c "
+                           "belongs to user bob, who could delete anyone's claims")
+    assert err.hint == FIX + "/c"
+
+
+def test_a_claim_is_a_private_file_locked_before_it_has_its_name(host: Path) -> None:
+    got = gpus.claim("/x/a", [1], dict(WHO))
+    names = sorted(os.listdir(gpus.claims_dir()))
+    assert len(names) == 2 and names[0].startswith("gpu-GPU-fake-local-1.")
+    claim, info = (Path(gpus.claims_dir()) / n for n in names)
+    assert claim.stat().st_mode & 0o777 == 0o600 and info.stat().st_mode & 0o777 == 0o644
+    assert got["ids"] == [1] and json.loads(info.read_text())["job"] == "a"
+    gpus.release("/x/a")   # no process holds it any more: gone
+    assert os.listdir(gpus.claims_dir()) == []
+
+
+def test_a_claim_left_by_an_ended_job_is_swept_and_frees_its_gpu(host: Path) -> None:
+    gpus.claim("/x/a", [0], dict(WHO))
+    os.close(gpus.HELD.pop("/x/a")[0][1])   # as if its supervisor ended: the lock dropped
+    left = gpus.FILES.pop("/x/a")[0]
+    assert gpus.claim("/x/b", [0], dict(WHO, job="b"))["ids"] == [0]
+    assert not Path(left).exists() and len(os.listdir(gpus.claims_dir())) == 2
 
 
 def test_nvidia_smi_output_is_parsed_with_caps_and_odd_values() -> None:
@@ -212,57 +278,185 @@ print(json.dumps({"ids": got.get("ids"),
 sys.stdin.read()   # holds its claim until told to end
 """
 
+NEEDS_TWO_USERS = pytest.mark.skipif(
+    os.getuid() != 0 or not Path("/usr/bin/python3").exists()
+    or not Path("/usr/sbin/runuser").exists(),
+    reason="needs root, runuser and /usr/bin/python3 to act as another user")
 
-@pytest.mark.skipif(os.getuid() != 0 or not Path("/usr/bin/python3").exists()
-                    or not Path("/usr/sbin/runuser").exists(),
-                    reason="needs root, runuser and /usr/bin/python3 to act as another user")
-def test_claims_hold_between_users(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another user's orch job (here `nobody`, through runuser) sees this user's claims
-    and its own are seen here: the folder is sticky and shared, each claim file lockable
-    by every user."""
+
+@pytest.fixture
+def shared(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, dict[str, str]]]:
+    """A 4-GPU host both root (this process) and `nobody` (through runuser) use: the
+    stand-in and the claims folder where `nobody` can reach them."""
     import tempfile
-    shared = Path(tempfile.mkdtemp(dir="/tmp", prefix="orch-claims-test-"))
+    folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="orch-claims-test-"))
     try:
-        shared.chmod(0o755)
-        gpu_standin.install(shared / "bin", "/usr/bin/python3")   # one `nobody` may run
-        gpu_standin.describe(shared, "local", 4)
-        env = {"PATH": f"{shared / 'bin'}:/usr/bin:/bin", "ORCH_FAKE_GPUS_DIR": str(shared),
-               "ORCH_GPU_CLAIMS_DIR": str(shared / "claims"), "PYTHONPATH": str(REPO)}
+        folder.chmod(0o755)
+        gpu_standin.install(folder / "bin", "/usr/bin/python3")   # one `nobody` may run
+        gpu_standin.describe(folder, "local", 4)
+        env = {"PATH": f"{folder / 'bin'}:/usr/bin:/bin", "ORCH_FAKE_GPUS_DIR": str(folder),
+               "ORCH_GPU_CLAIMS_DIR": str(folder / "claims"), "PYTHONPATH": str(REPO)}
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         monkeypatch.delenv("SSH_CONNECTION", raising=False)
-        assert gpus.claim("/x/mine", [0], dict(WHO, user="root"))["ids"] == [0]
-
-        other = subprocess.Popen(["/usr/sbin/runuser", "-u", "nobody", "--", "/usr/bin/python3",
-                                  "-c", CLAIM_AS_OTHER, "[0, 1]"], env=env, text=True,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert other.stdout is not None and other.stdin is not None
-        busy = json.loads(other.stdout.readline())
-        assert busy["ids"] is None and busy["holders"]["0"]["user"] == "root"
-        other.stdin.close()
-        other.wait(30)
-
-        other = subprocess.Popen(["/usr/sbin/runuser", "-u", "nobody", "--", "/usr/bin/python3",
-                                  "-c", CLAIM_AS_OTHER, "[1, 2]"], env=env, text=True,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert other.stdout is not None and other.stdin is not None
-        assert json.loads(other.stdout.readline())["ids"] == [1, 2]
-        mine = gpus.claim("/x/more", 2, dict(WHO))
-        holders = {g["index"]: g["holder"] for g in mine["busy"]}
-        assert holders[1] == {"job": "theirs", "user": "nobody"}
-        other.stdin.close()
-        other.wait(30)
-        assert gpus.claim("/x/more", 2, dict(WHO))["ids"] == [1, 2]   # freed with its process
-        assert (shared / "claims").stat().st_mode & 0o7777 == 0o1777
-        gpus.release("/x/mine")   # the file root made is lockable by the other user
-        other = subprocess.Popen(["/usr/sbin/runuser", "-u", "nobody", "--", "/usr/bin/python3",
-                                  "-c", CLAIM_AS_OTHER, "[0]"], env=env, text=True,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert other.stdout is not None and other.stdin is not None
-        assert json.loads(other.stdout.readline())["ids"] == [0]
-        other.stdin.close()
-        other.wait(30)
+        yield folder, env
     finally:
         for job in list(gpus.HELD):
             gpus.release(job)
-        shutil.rmtree(shared, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def as_nobody(env: dict[str, str], code: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(["/usr/sbin/runuser", "-u", "nobody", "--", "/usr/bin/python3",
+                             "-c", code, *args], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+def first_line(proc: subprocess.Popen[str]) -> dict:
+    assert proc.stdout is not None
+    return json.loads(proc.stdout.readline())
+
+
+def end(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    assert proc.wait(30) == 0
+
+
+@NEEDS_TWO_USERS
+def test_claims_hold_between_users(shared: tuple[Path, dict[str, str]]) -> None:
+    """Another user's orch job (here `nobody`, through runuser) sees this user's claims
+    and its own are seen here."""
+    _, env = shared
+    assert gpus.claim("/x/mine", [0], dict(WHO, user="root"))["ids"] == [0]
+    other = as_nobody(env, CLAIM_AS_OTHER, "[0, 1]")
+    busy = first_line(other)
+    assert busy["ids"] is None and busy["holders"]["0"]["user"] == "root"
+    assert "job_dir" not in busy["holders"]["0"]   # another user's folder is not shown
+    end(other)
+
+    other = as_nobody(env, CLAIM_AS_OTHER, "[1, 2]")
+    assert first_line(other)["ids"] == [1, 2]
+    mine = gpus.claim("/x/more", 2, dict(WHO))
+    holders = {g["index"]: g["holder"] for g in mine["busy"]}
+    assert holders[1] == {"job": "theirs", "user": "nobody"}
+    end(other)
+    assert gpus.claim("/x/more", 2, dict(WHO))["ids"] == [1, 2]   # freed with its process
+    gpus.release("/x/mine")
+    other = as_nobody(env, CLAIM_AS_OTHER, "[0]")
+    assert first_line(other)["ids"] == [0]
+    end(other)
+
+
+ATTACK = """
+import json, os, sys
+folder, uuid = sys.argv[1], sys.argv[2]
+broke = []
+def tried(what, act):
+    try:
+        act()
+        broke.append(what)
+    except OSError:
+        pass
+for name in sorted(os.listdir(folder)):
+    path = os.path.join(folder, name)
+    if os.lstat(path).st_uid == os.getuid():
+        continue
+    tried("unlink " + name, lambda: os.unlink(path))
+    tried("rename " + name, lambda: os.rename(path, path + ".moved"))
+    if name.endswith(".claim"):
+        tried("open " + name, lambda: os.close(os.open(path, os.O_RDONLY)))
+        tried("link " + name, lambda: os.link(path, os.path.join(folder, "gpu-%s.x.claim" % uuid)))
+        mine = os.path.join(folder, ".mine")
+        open(mine, "w").close()
+        tried("replace " + name, lambda: os.rename(mine, path))
+        os.unlink(mine)
+# a claim of its own on the free GPU, its .info naming root's job and root
+import fcntl
+claim = os.path.join(folder, "gpu-%s.fake.claim" % uuid)
+fd = os.open(claim, os.O_RDWR | os.O_CREAT, 0o666)
+fcntl.flock(fd, fcntl.LOCK_EX)
+with open(claim[:-6] + ".info", "w") as f:
+    json.dump({"job": "a", "user": "root", "job_dir": "/x/a", "part": "h"}, f)
+print(json.dumps(broke), flush=True)
+sys.stdin.read()
+"""
+
+PRE_CREATE = """
+import os, sys
+folder, uuids = sys.argv[1], sys.argv[2:]
+for uuid in uuids:   # every name a claim of these GPUs could have, as far as it can guess
+    for tok in ("0", "x", "fake"):
+        base = os.path.join(folder, "gpu-%s.%s" % (uuid, tok))
+        os.close(os.open(base + ".claim", os.O_RDWR | os.O_CREAT, 0o666))
+        os.symlink("/etc/passwd", base + "l.claim")
+        os.mkfifo(base + "f.claim")
+        with open(base + ".info", "w") as f:
+            f.write('{"job": "a", "user": "root"}')
+print("{}", flush=True)
+"""
+
+
+@NEEDS_TWO_USERS
+def test_another_user_cannot_delete_replace_or_fake_a_claim(
+        shared: tuple[Path, dict[str, str]]) -> None:
+    """`nobody` tries every file of root's claims (delete, rename, open, hard link,
+    replace), then holds a claim of its own whose .info names root's job: root's GPUs
+    stay held (nobody's own claim of them is refused, naming root), and nobody's claim
+    is shown as nobody's."""
+    _, env = shared
+    claims = Path(gpus.claims_dir())
+    assert gpus.claim("/x/a", [0, 1], dict(WHO, user="root"))["ids"] == [0, 1]
+    before = {p.name: p.stat().st_ino for p in claims.iterdir()}
+    attacker = as_nobody(env, ATTACK, str(claims), "GPU-fake-local-2")
+    assert first_line(attacker) == []   # nothing of root's could be touched
+    assert {p.name: p.stat().st_ino for p in claims.iterdir() if p.name in before} == before
+    other = as_nobody(env, CLAIM_AS_OTHER, "[0]")
+    holder = first_line(other)["holders"]["0"]
+    assert holder == {"job": "a", "user": "root"}
+    end(other)
+    found = {g["index"]: g["holder"] for g in gpus.survey()["gpus"]}
+    assert found[2] == {"job": "a", "user": "nobody"}   # its own claim, never root's
+    assert found[0]["user"] == "root" and found[3] is None
+    end(attacker)
+    assert {g["index"]: g["holder"] for g in gpus.survey()["gpus"]}[2] is None
+
+
+@NEEDS_TWO_USERS
+def test_names_pre_created_by_another_user_neither_block_nor_break_a_claim(
+        shared: tuple[Path, dict[str, str]]) -> None:
+    _, env = shared
+    claims = Path(gpus.claims_dir())
+    pre = as_nobody(env, PRE_CREATE, str(claims), "GPU-fake-local-0", "GPU-fake-local-1")
+    assert first_line(pre) == {}
+    end(pre)
+    assert gpus.claim("/x/a", 2, dict(WHO))["ids"] == [0, 1]   # unlocked files hold nothing
+    other = as_nobody(env, CLAIM_AS_OTHER, "[1]")
+    assert first_line(other)["holders"]["1"]["user"] == "root"
+    end(other)
+    attacker = as_nobody(env, ATTACK, str(claims), "GPU-fake-local-3")
+    assert first_line(attacker) == []
+    end(attacker)
+
+
+@NEEDS_TWO_USERS
+def test_a_claims_folder_an_ordinary_user_made_is_refused_to_everyone(
+        shared: tuple[Path, dict[str, str]]) -> None:
+    """The reported attack's start: `nobody` ran orch first and owns the folder."""
+    folder, env = shared
+    (folder / "claims").mkdir(mode=0o1777)
+    os.chown(folder / "claims", 65534, 65534)
+    with pytest.raises(gpus.ClaimsFolderError, match="belongs to user nobody"):
+        gpus.claim("/x/a", [0], dict(WHO))
+    seen = subprocess.run(["/usr/sbin/runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c",
+                           REFUSED], env=env, text=True, capture_output=True, timeout=30)
+    assert "belongs to user nobody, who could delete anyone's claims" in seen.stdout, seen
+
+
+REFUSED = """
+from orchestrator.agent import gpus
+try:
+    print("accepted", gpus.claims_dir())
+except gpus.GpuError as e:
+    print(e)
+"""

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from orchestrator.agent.gpus import CLAIMS_PROBLEM, FIX  # a claims folder refused
 from orchestrator.config.inventory import Cluster, Host, RankSlot
 from orchestrator.errors import HostError, InventoryError
 from orchestrator.remote.link import Link
@@ -68,6 +69,10 @@ def busy_hint(cluster: Cluster, host: Host) -> str:
 
 def problem(cluster: Cluster, host: Host, r: dict[str, Any]) -> HostError | None:
     """What the preflight reply says of the host's GPUs, as the error to report."""
+    if "gpu_error" in r and str(r["gpu_error"]).startswith(CLAIMS_PROBLEM):
+        why, _, fix = str(r["gpu_error"])[len(CLAIMS_PROBLEM):].partition(FIX)
+        return HostError(f"{host.label}: {asked(host)}, none can be claimed safely: "
+                         f"{safe(why)}", hint=safe(fix))
     if "gpu_error" in r:
         return HostError(f"{host.label}: {asked(host)}, 0 found ({r['gpu_error']})",
                          hint=f"set gpus: 0 for this host (line {host.line}), or fix its driver")
