@@ -1,5 +1,6 @@
 """`orch`: parse the command line, run one command, turn every OrchError into one
-message and its exit code (SPEC: 0 ok, 1 job failed, 2 usage/inventory, 3 host, 130 Ctrl-C)."""
+message and its exit code (SPEC: 0 ok, 1 job failed, 2 usage/inventory, 3 host, 130 Ctrl-C;
+and 141, as the shell reports a tool that SIGPIPE ended, when stdout's reader went away)."""
 from __future__ import annotations
 
 import argparse
@@ -13,10 +14,11 @@ from typing import Any, Callable, NoReturn
 from orchestrator import __version__
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, OrchError
 from orchestrator.ssh import lazyimport
-from orchestrator.ui.console import warnings_to_console
+from orchestrator.ui.console import STDOUT_CLOSED, guard_std_streams, warnings_to_console
 
 lazyimport.hold_back()   # before anything imports paramiko
 
+EXIT_PIPE = 141   # 128 + SIGPIPE: `orch logs | head -2`, once head has read its lines
 JSON_VERSION = 1   # api.outcomes.JSON_VERSION (tests/test_api.py checks they agree)
 
 # `orch COMMAND`: its module under orchestrator/commands/ and its line in `orch --help`.
@@ -133,13 +135,17 @@ def cli(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except OrchError as e:
+        if STDOUT_CLOSED.is_set():   # what the interruption left half done (exec, up)
+            return EXIT_PIPE
         sys.stderr.write(f"orch: {e}\n")
         return json_error(args, str(e), e.exit_code)
     except KeyboardInterrupt:
+        if STDOUT_CLOSED.is_set():   # the reader of our output left: nothing to say
+            return EXIT_PIPE
         sys.stderr.write("orch: interrupted\n")
         return json_error(args, "interrupted", EXIT_INTERRUPTED)
-    except BrokenPipeError:
-        return 0
+    except BrokenPipeError:   # a stdout that is not guarded (cli() called, not main())
+        return EXIT_PIPE
 
 
 def main() -> NoReturn:
@@ -149,7 +155,11 @@ def main() -> NoReturn:
     cryptography, rich): at the end of an `orch up`, 0.25 s on a loaded machine after its
     last line."""
     from orchestrator.agent.launcher import end_now  # the warm torchrun ends the same way
-    end_now(cli())
+    # a closed stdout is the user's pipe, never a host: guarded here, once, for every
+    # command and every thread that prints (ui/console.py)
+    guard_std_streams()
+    code = cli()
+    end_now(EXIT_PIPE if STDOUT_CLOSED.is_set() else code)
 
 
 if __name__ == "__main__":

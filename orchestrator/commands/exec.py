@@ -16,6 +16,7 @@ from orchestrator.api import executing
 from orchestrator.api.outcomes import ExecResult
 from orchestrator.commands.common import console, emit_json, inventory
 from orchestrator.errors import GroupError, UsageError
+from orchestrator.ui.console import STDOUT_CLOSED
 
 
 def add_parser(sub: Any) -> None:
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         result = e.result
     if args.json:
         emit_json(result)
-    else:
+    elif not STDOUT_CLOSED.is_set():   # `orch exec -- cat big | head`: ended quietly (141)
         summary(result)
     return result.exit_code
 
