@@ -42,13 +42,27 @@ def run(args: argparse.Namespace) -> int:
         raise
     show(result, args.json)
     if not args.json:
-        console.print(f"job '{cluster.name}' stopped on {plural(len(result.hosts), 'host')}")
+        console.print(plain(summary(cluster.name, result)))
     return EXIT_OK
 
 
 def show(result: StopResult, as_json: bool) -> None:
+    """A line per host that had something of the job (the idle ones are counted once,
+    in the summary)."""
     if as_json:
         emit_json(result)
         return
     for label, report in result.hosts.items():
-        console.print(plain(label), f": {report.describe()}", sep="")
+        if report.found or report.left:
+            console.print(plain(label), f": {report.describe()}", sep="")
+
+
+def summary(name: str, result: StopResult) -> str:
+    """What the stop did, said once: on how many hosts something was stopped, and on how
+    many nothing was running."""
+    stopped = sum(1 for r in result.hosts.values() if r.found)
+    idle = len(result.hosts) - stopped
+    if not stopped:
+        return f"job '{name}': nothing was running on {plural(idle, 'host')}"
+    more = f" (nothing was running on {plural(idle, 'other host')})" if idle else ""
+    return f"job '{name}' stopped on {plural(stopped, 'host')}{more}"

@@ -234,7 +234,7 @@ def judge(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseExcept
         failures.update(torch_mismatch(cluster, infos))
     if failures:
         GroupResult(failed=failures).raise_failures(cluster.hosts, "preflight")
-    running = [cluster.hosts[i].label for i, inf in infos.items() if inf.running]
+    running = [cluster.hosts[i].label for i, inf in sorted(infos.items()) if inf.running]
     if running:
         raise UsageError(f"job '{cluster.name}' is already running on {', '.join(running)}",
                          hint=f"stop it first with `{hint_cmd(cluster, 'stop')}`, "

@@ -27,14 +27,18 @@ console = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)   # tables: the answer, on stdout
 
 
+# The bars are drawn on a terminal only: redirected (`orch up 2>log`), a transient bar
+# would leave nothing useful but its end, an empty first line.
 def hosts_bar() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("hosts"), console=console, transient=True)
+                    TextColumn("hosts"), console=console, transient=True,
+                    disable=not console.is_terminal)
 
 
 def bytes_bar() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), console=console, transient=True)
+                    TransferSpeedColumn(), console=console, transient=True,
+                    disable=not console.is_terminal)
 
 
 class _Warnings(logging.Handler):

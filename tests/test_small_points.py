@@ -1,0 +1,36 @@
+"""The tutorial's small points: `orch stop` says once what it did, and the progress bars
+leave nothing in a redirected stderr."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from orchestrator.api.outcomes import StopResult
+from orchestrator.commands.stop import summary
+from orchestrator.session.stopper import StopReport
+
+IDLE, BUSY = StopReport(0, 0, (), 0.1), StopReport(6, 0, (), 0.4)
+
+
+def test_stop_says_once_that_nothing_was_running() -> None:
+    result = StopResult(job="hello", hosts={"a": IDLE, "b": IDLE}, failed={})
+    assert summary("hello", result) == "job 'hello': nothing was running on 2 hosts"
+
+
+def test_stop_counts_only_the_hosts_it_stopped() -> None:
+    both = StopResult(job="hello", hosts={"a": BUSY, "b": BUSY}, failed={})
+    assert summary("hello", both) == "job 'hello' stopped on 2 hosts"
+    one = StopResult(job="hello", hosts={"a": BUSY, "b": IDLE}, failed={})
+    assert summary("hello", one) == \
+        "job 'hello' stopped on 1 host (nothing was running on 1 other host)"
+
+
+def test_a_redirected_stderr_does_not_start_with_an_empty_line() -> None:
+    code = ("from orchestrator.ui.console import bytes_bar, hosts_bar, console\n"
+            "for bar in (hosts_bar(), bytes_bar()):\n"
+            "    with bar:\n"
+            "        bar.update(bar.add_task('x', total=2), advance=1)\n"
+            "console.print('first line')\n")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert got.stderr == "first line\n", got.stderr
