@@ -16,8 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,19 @@ SLOW = ("import os, time\nopen(os.environ['STANDIN_IMPORTING'], 'w').close()\n"
 WARM_BROKEN = ("import sys\nif 'orch-warm-torchrun' in sys.argv:\n"
                "    raise ImportError('no torch for the warm launcher')\n")
 ALL_BROKEN = "raise RuntimeError('torch is broken on this host')\n"
+# each refused connect of the process that imports it, a line in <release file>.refused
+COUNT_REFUSED = """\
+import os, socket
+class Counted(socket.socket):
+    def connect(self, address):
+        try:
+            return super().connect(address)
+        except OSError:
+            with open(os.environ["STANDIN_RELEASE"] + ".refused", "a") as f:
+                f.write("refused %r\\n" % (address,))
+            raise
+socket.socket = Counted
+"""
 
 
 def cmdline(pid: int) -> list[str]:
@@ -71,9 +83,19 @@ def parent_of(pid: int) -> int:
     return stat[0]
 
 
+def gone(pid: int) -> bool:
+    """pid has ended, every thread of it: its main thread a zombie (or reaped) is not
+    enough, as the other threads of its exit_group may still run and hold its
+    descriptors (the warm launcher's end of the go socket) until they too have ended."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    return not pid_alive(pid) and threads == [str(pid)]
+
+
 def all_gone(pids: list[int], timeout: float = 5.0) -> None:
-    wait_until(lambda: not [p for p in pids if pid_alive(p)], timeout,
-               f"processes {pids} to end")
+    wait_until(lambda: all(gone(p) for p in pids), timeout, f"processes {pids} to end")
 
 
 class Job:
@@ -172,10 +194,11 @@ def test_no_marker_before_go_and_cancel_ends_both(tmp_path: Path, started: list[
     assert "ORCH_JOB_DIR" not in env and env["ORCH_JOB"] == "warmjob", sorted(env)
     assert procs.marked_pids(str(job.path)) == []
     assert not procs.job_running(job.p)
-    t0 = time.monotonic()
+    assert pid_alive(supervisor) and pid_alive(waiting.launcher)
     waiting.cancel()
-    all_gone([supervisor, waiting.launcher], timeout=5)
-    assert time.monotonic() - t0 < 3
+    # nothing else ends them: no go comes, and their agent (this process) lives on, so
+    # their end is the cancel's; the deadline is only how long a loaded machine may take
+    all_gone([supervisor, waiting.launcher], timeout=30)
     assert snapshot(job.path) == before, "a warm start that got no go wrote in the job folder"
     assert not stray_pids([job.path])
 
@@ -227,13 +250,17 @@ def test_launcher_gone_before_go_starts_cold(tmp_path: Path, started: list[int],
               exit_code=3)
     waiting = start(job, started)
     supervisor = parent_of(waiting.launcher)
-    all_gone([waiting.launcher], timeout=10)   # its import failed: it ended by itself
+    # its import failed: it ended by itself, its socket closed with its last thread
+    all_gone([waiting.launcher], timeout=10)
     record = waiting.go(job.spec())["supervisor"]
     started.append(record["torchrun_pid"])
     assert record["torchrun_pid"] != waiting.launcher
     if broken == "warm only":
-        assert cmdline(record["torchrun_pid"]) == TORCHRUN + ARGS
+        # the GO line first: posix_spawn returns once the child has exec'd, but its new
+        # /proc/<pid>/cmdline is set up a moment later (empty until then); the stand-in
+        # prints GO only once it runs, past its exec
         assert job.go_line()["marker"] == str(job.path)
+        assert cmdline(record["torchrun_pid"]) == TORCHRUN + ARGS
         job.release()
         assert job.host_exit()["code"] == 3
     else:   # the cold torchrun's own error is what the user reads
@@ -427,32 +454,62 @@ def test_store_address_only_for_the_other_nodes_of_a_static_rendezvous() -> None
                                   ) == ("10.0.0.1", "29501")
 
 
-def test_wait_for_store_returns_once_node_zero_listens() -> None:
-    """Refused while nothing listens (the poll goes on), True within a poll of the
-    listen; False after the limit, when torchrun's own retries take over."""
+class PollClock:
+    """The `time` that launcher.wait_for_store imports when called: `monotonic` reads a
+    fake time that only its `sleep` moves, and each sleep then runs `at_sleep(now)`. The
+    polls are counted, not timed: a busy machine changes nothing."""
+
+    def __init__(self, at_sleep: Any = None) -> None:
+        self.now, self.sleeps, self.reads = 0.0, [], 0
+        self.at_sleep = at_sleep or (lambda now: None)
+        self.module = types.ModuleType("time")
+        self.module.monotonic = self.monotonic   # type: ignore[attr-defined]
+        self.module.sleep = self.sleep           # type: ignore[attr-defined]
+
+    def monotonic(self) -> float:
+        self.reads += 1
+        assert self.reads < 10_000, "polled without sleeping"
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.reads = 0
+        self.sleeps.append(seconds)
+        self.now += seconds
+        self.at_sleep(self.now)
+
+
+def test_wait_for_store_returns_once_node_zero_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused while nothing listens (the poll goes on, one connect every STORE_POLL),
+    True at the first poll after the listen; False at the first poll past the limit,
+    when torchrun's own retries take over. Real connects, on a fake clock."""
     from orchestrator.agent import launcher
     port = free_local_port()
     args = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
             "--master-port", str(port), "x.py"]
-    t0 = time.monotonic()
-    assert launcher.wait_for_store(args, limit=0.3) is False
-    assert 0.3 <= time.monotonic() - t0 < 2.0
+    clock = PollClock()
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "time", clock.module)
+        assert launcher.wait_for_store(args, limit=0.3) is False
+    assert set(clock.sleeps) == {launcher.STORE_POLL}, clock.sleeps
+    # ended at the first poll past the limit: the one before it was still within
+    assert clock.now - clock.sleeps[-1] < 0.3 <= clock.now, clock.sleeps
     listened: list[float] = []
-
-    def listen_later() -> None:
-        time.sleep(0.4)
-        srv.listen(8)
-        listened.append(time.monotonic())
     with socket.socket() as srv:
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         srv.bind(("127.0.0.1", port))
-        th = threading.Thread(target=listen_later)
-        th.start()
-        t0 = time.monotonic()
-        assert launcher.wait_for_store(args, limit=10) is True
-        th.join()
-        assert listened and time.monotonic() - listened[0] < 0.5
-        assert time.monotonic() - t0 >= 0.4
+
+        def listen_at(now: float) -> None:
+            if now >= 0.4 and not listened:
+                srv.listen(8)
+                listened.append(now)
+        clock = PollClock(listen_at)
+        with monkeypatch.context() as m:
+            m.setitem(sys.modules, "time", clock.module)
+            assert launcher.wait_for_store(args, limit=10) is True
+    # refused before the listen (it polled on past 0.4 s), answered at the first poll
+    # after it: no sleep since
+    assert listened == [clock.now] and clock.now >= 0.4, (listened, clock.now)
+    assert set(clock.sleeps) == {launcher.STORE_POLL}, clock.sleeps
     node0 = ["--nnodes", "2", "--node-rank", "0", "--master-port", str(port)]
     assert launcher.wait_for_store(node0, limit=10) is False   # node 0: no wait
 
@@ -462,17 +519,25 @@ def test_other_node_starts_torchrun_once_the_store_listens(tmp_path: Path,
     """The warm torchrun of node 1 runs torchrun (the stand-in's GO) only once node 0's
     store accepts connections, not before."""
     port = free_local_port()
-    job = Job(tmp_path)
+    job = Job(tmp_path, torch_init=COUNT_REFUSED)
+    refused = Path(str(job.release_file) + ".refused")
     waiting = start(job, started)
     supervisor = parent_of(waiting.launcher)
     args = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
             "--master-port", str(port), "train.py"]
+
+    def refusals() -> int:
+        return len(refused.read_text().splitlines()) if refused.exists() else 0
     with socket.socket() as srv:
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         srv.bind(("127.0.0.1", port))
         waiting.go(job.spec(argv=TORCHRUN + args))
-        time.sleep(1.0)
+        # the launcher polls the store, refused: torchrun has not run, and a refusal
+        # after this look shows it was still waiting when the log was read
+        wait_until(lambda: refusals() >= 3, 30, "the launcher's connects to be refused")
+        seen = refusals()
         assert "GO " not in job.log(), job.log()
+        wait_until(lambda: refusals() > seen, 30, "the launcher to poll on")
         srv.listen(8)
         assert job.go_line()["argv"] == args
     job.release()
