@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,8 @@ from helpers import ORCH, Jobs, assert_nothing_left, orch, wait_until, write_job
 from sshd_cluster import SshdCluster, free_port, pid_alive
 
 pytestmark = pytest.mark.ssh
+
+REPO = Path(__file__).resolve().parent.parent
 
 FIRST_OCTET = 60
 JOB = """\
@@ -35,18 +39,25 @@ time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 0)
 @pytest.fixture(scope="module")
 def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
     """2 sshd hosts whose sessions find the stand-in nvidia-smi first on PATH and keep
-    their claims in a folder of this module's."""
+    their claims in a folder of this module's, made by root's agent, that another user
+    (`nobody`) can reach."""
     root = tmp_path_factory.mktemp("gpus")
     gpu_standin.install(root / "bin")
+    shared = Path(tempfile.mkdtemp(dir="/tmp", prefix="orch-e2e-claims-"))
+    shared.chmod(0o755)
     env = (f"PATH={root / 'bin'}:/usr/local/bin:/usr/bin:/bin ORCH_FAKE_GPUS_DIR={root} "
-           f"ORCH_GPU_CLAIMS_DIR={root / 'claims'}")
+           f"ORCH_GPU_CLAIMS_DIR={shared / 'claims'}")
     port = free_port([f"127.0.0.{FIRST_OCTET + i}" for i in range(2)])
     cluster = SshdCluster(root / "sshd", 2, port=port, first_octet=FIRST_OCTET,
                           sshd_options={"SetEnv": env}).start()
     cluster.fake_gpus = root   # type: ignore[attr-defined]
-    yield cluster
-    pids = [h.pid for h in cluster.all_hosts()]
-    cluster.stop()
+    cluster.shared = shared    # type: ignore[attr-defined]
+    try:
+        yield cluster
+    finally:
+        pids = [h.pid for h in cluster.all_hosts()]
+        cluster.stop()
+        shutil.rmtree(shared, ignore_errors=True)
     assert not [p for p in pids if pid_alive(p)], "an sshd of the GPU cluster survived"
 
 
@@ -223,3 +234,102 @@ def test_job_array_tasks_are_pinned_to_gpus_of_their_own(
         seen_by[i] = (int(m.group(2)), m.group(3))
     assert {slot: gpus for slot, gpus in seen_by.values()} == {0: "0,1", 1: "2,3"}
     assert_nothing_left([host], "garr", wait=10)
+
+
+PRE_CREATE = """
+import os, sys
+folder, uuids = sys.argv[1], sys.argv[2:]
+for uuid in uuids:   # every name a claim of these GPUs might have, as far as one can guess
+    for name in ["gpu-%s.lock" % uuid] + ["gpu-%s.%s.claim" % (uuid, t) for t in "01x"]:
+        os.close(os.open(os.path.join(folder, name), os.O_RDWR | os.O_CREAT, 0o666))
+"""
+
+ATTACK = """
+import json, os, sys
+from orchestrator.agent import gpus
+folder, uuids = sys.argv[1], sys.argv[2:]
+broke = []
+def tried(what, act):
+    try:
+        act()
+        broke.append(what)
+    except OSError:
+        pass
+for name in sorted(os.listdir(folder)):
+    path = os.path.join(folder, name)
+    if os.lstat(path).st_uid == os.getuid():   # its own, made first: the reported exploit
+        os.unlink(path)                        # when the job had locked one of them
+        continue
+    tried("unlink " + name, lambda: os.unlink(path))
+    tried("rename " + name, lambda: os.rename(path, path + ".moved"))
+    mine = os.path.join(folder, ".mine")
+    open(mine, "w").close()
+    tried("replace " + name, lambda: os.rename(mine, path))
+    os.unlink(mine)
+got = gpus.claim("/tmp/nobody-job", len(uuids), {"job": "theirs"})
+print(json.dumps({"broke": broke, "ids": got.get("ids"),
+                  "holders": [g["holder"] for g in got.get("busy", [])]}), flush=True)
+"""
+
+
+def as_nobody(env: dict[str, str], code: str, *args: str) -> str:
+    done = subprocess.run(["/usr/sbin/runuser", "-u", "nobody", "--", "/usr/bin/python3",
+                           "-c", code, *args], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.skipif(not Path("/usr/sbin/runuser").exists() or os.getuid() != 0,
+                    reason="needs root and runuser to act as another user")
+def test_another_user_cannot_free_a_running_jobs_gpus(
+        gpu_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    """The reported double booking, over sshd. A claims folder an ordinary user owns is
+    refused (exit 3, the admin's line). In root's folder, `nobody` makes every claim name
+    it can guess before root's job h1 starts, then deletes its own files (the reported
+    exploit) and tries to delete, rename and replace h1's, then claims the GPUs itself:
+    refused, naming h1; root's next job is refused (exit 3) naming h1 too. Once h1 ends,
+    nobody's leftovers hold nothing."""
+    host = gpu_cluster.hosts[0]
+    gpu_standin.describe(gpu_cluster.fake_gpus, host.address, 2)   # type: ignore[attr-defined]
+    first = job(gpu_cluster, tmp_path, "h1", 2, 120)
+    second = job(gpu_cluster, tmp_path, "h2", 2, 0)
+    jobs.add(first, [host], "h1")
+    jobs.add(second, [host], "h2")
+    claims = gpu_cluster.shared / "claims"   # type: ignore[attr-defined]
+    claims.mkdir(exist_ok=True)
+    claims.chmod(0o1777)
+    os.chown(claims, 65534, 65534)
+    refused = orch(tmp_path, "up", str(first), "--detach", timeout=120)
+    text = refused.stdout + refused.stderr
+    assert refused.returncode == 3, text
+    assert f"none can be claimed safely: the claims folder {claims} belongs to user nobody" \
+        in " ".join(text.split()), text
+    assert f"sudo install -d -m 1777 -o root -g root {claims}" in text and "Traceback" not in text
+    os.chown(claims, 0, 0)
+
+    shared = gpu_cluster.shared   # type: ignore[attr-defined]
+    gpu_standin.install(shared / "bin", "/usr/bin/python3")   # one `nobody` may run
+    gpu_standin.describe(shared, host.address, 2)
+    env = {"PATH": f"{shared / 'bin'}:/usr/bin:/bin", "ORCH_FAKE_GPUS_DIR": str(shared),
+           "ORCH_GPU_CLAIMS_DIR": str(claims), "PYTHONPATH": str(REPO),
+           "SSH_CONNECTION": f"127.0.0.1 1 {host.address} 22"}   # the stand-in's host
+    uuids = [f"GPU-fake-{host.address}-{i}" for i in range(2)]
+    as_nobody(env, PRE_CREATE, str(claims), *uuids)
+    up = orch(tmp_path, "up", str(first), "--detach", timeout=120)
+    assert up.returncode == 0, up.stdout + up.stderr
+
+    seen_by_nobody = json.loads(as_nobody(env, ATTACK, str(claims), *uuids))
+    assert seen_by_nobody["broke"] == [] and seen_by_nobody["ids"] is None
+    assert seen_by_nobody["holders"] == [{"job": "h1", "user": "root"}] * 2
+    refused = orch(tmp_path, "up", str(second), "--detach", timeout=120)
+    text = refused.stdout + refused.stderr
+    assert refused.returncode == 3, text
+    assert "GPU 0 held by job 'h1' (user root); GPU 1 held by job 'h1' (user root)" in text
+
+    assert orch(tmp_path, "stop", str(first), timeout=60).returncode == 0
+    assert_nothing_left([host], "h1", wait=10)
+    as_nobody(env, PRE_CREATE, str(claims), *uuids)
+    again = orch(tmp_path, "up", str(second), timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert_nothing_left([host], "h2", wait=10)

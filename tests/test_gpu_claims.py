@@ -118,11 +118,11 @@ def test_the_claims_folder_is_made_by_root_only_and_refused_unless_roots_and_sti
         gpus.claim("/x/a", 1, dict(WHO))
     os.chown(folder, 0, 0)
     folder.chmod(0o777)
-    with pytest.raises(gpus.ClaimsFolderError, match="other users may write and is not sticky"):
+    with pytest.raises(gpus.ClaimsFolderError, match="writable by other users and not sticky"):
         gpus.claims_dir()
     folder.chmod(0o1777)
     host.chmod(0o777)   # a parent another user could swap the folder in
-    with pytest.raises(gpus.ClaimsFolderError, match=f"is inside {host}, which other users"):
+    with pytest.raises(gpus.ClaimsFolderError, match=f"is inside {host}, which is writable by other users"):
         gpus.claims_dir()
     host.chmod(0o755)
     monkeypatch.setattr(gpus, "hardlinks_protected", lambda: False)
@@ -149,11 +149,11 @@ def test_a_link_as_the_claims_folder_is_refused(host: Path) -> None:
 
 def test_a_refused_claims_folder_is_one_message_with_the_fix(tmp_path: Path) -> None:
     cluster = load(inventory(tmp_path, "- address: a\n  gpus: 2\n"))
-    why = str(gpus.ClaimsFolderError("the folder /c belongs to user bob, who could delete "
+    why = str(gpus.ClaimsFolderError("the claims folder /c belongs to user bob, who could delete "
                                      "anyone's claims", FIX + "/c"))
     err = gpuclaims.problem(cluster, cluster.hosts[0], {"gpu_error": why})
     assert err is not None and err.exit_code == 3
-    assert err.message == ("a: 2 GPUs asked for, none can be claimed safely: the folder /c "
+    assert err.message == ("a: 2 GPUs asked for, none can be claimed safely: the claims folder /c "
                            "belongs to user bob, who could delete anyone's claims")
     assert err.hint == FIX + "/c"
 

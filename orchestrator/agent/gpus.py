@@ -151,23 +151,23 @@ def claims_dir() -> str:
         st = os.lstat(path)
     except FileNotFoundError:
         if os.getuid() != 0:
-            raise ClaimsFolderError("the folder %s does not exist" % path, make) from None
+            raise ClaimsFolderError("the claims folder %s does not exist" % path, make) from None
         st = make_folder(path, make)
     except OSError as e:
-        raise ClaimsFolderError("the folder %s cannot be read (%s)" % (path, e.strerror),
+        raise ClaimsFolderError("the claims folder %s cannot be read (%s)" % (path, e.strerror),
                                 make) from None
     import stat
     if not stat.S_ISDIR(st.st_mode):
-        raise ClaimsFolderError("%s is not a folder (a link?)" % path,
+        raise ClaimsFolderError("the claims folder %s is not a folder (a link?)" % path,
                                 "an admin removes it (sudo rm %s), then %s" % (path, make))
-    why = unsafe(path, st)
+    why = unsafe(st)
     if why:
-        raise ClaimsFolderError(why, make)
+        raise ClaimsFolderError("the claims folder %s %s" % (path, why), make)
     for parent in parents(path):
-        why = unsafe(parent, os.stat(parent))
+        why = unsafe(os.stat(parent))
         if why:
             raise ClaimsFolderError(
-                "the folder %s is inside %s" % (path, why),
+                "the claims folder %s is inside %s, which %s" % (path, parent, why),
                 "use a folder whose parents only root can change (the default: %s)" % CLAIMS_DIR)
     if not hardlinks_protected():
         raise ClaimsFolderError(
@@ -184,19 +184,18 @@ def make_folder(path: str, make: str) -> os.stat_result:
     except FileExistsError:
         pass
     except OSError as e:
-        raise ClaimsFolderError("the folder %s cannot be made (%s)" % (path, e.strerror),
+        raise ClaimsFolderError("the claims folder %s cannot be made (%s)" % (path, e.strerror),
                                 make) from None
     return os.lstat(path)
 
 
-def unsafe(path: str, st: os.stat_result) -> str | None:
-    """Why another ordinary user could delete or swap what is in `path`; None if none can."""
+def unsafe(st: os.stat_result) -> str | None:
+    """Why an ordinary user could delete or swap what is in this folder; None if none can."""
     import stat
     if st.st_uid != 0:
-        return "%s, which belongs to user %s, who could delete anyone's claims" % (
-            path, user_of(st.st_uid))
+        return "belongs to user %s, who could delete anyone's claims" % user_of(st.st_uid)
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        return "%s, which other users may write and is not sticky" % path
+        return "is writable by other users and not sticky: any of them could delete claims"
     return None
 
 
@@ -258,7 +257,7 @@ def listing(folder: str) -> list[tuple[str, os.stat_result]]:
             for entry in it:
                 if len(out) >= MAX_NAMES:
                     raise ClaimsFolderError(
-                        "the folder %s holds over %d names" % (folder, MAX_NAMES),
+                        "the claims folder %s holds over %d names" % (folder, MAX_NAMES),
                         "an admin removes the files of whoever filled it (ls -l shows them)")
                 try:
                     out.append((entry.name, entry.stat(follow_symlinks=False)))
