@@ -13,6 +13,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -37,9 +38,27 @@ def shell() -> str:
 
 
 def environment(extra: Dict[str, Any]) -> Dict[str, Any]:
+    """The agent's own environment, ORCH_PYTHON, then what the controller sent."""
     env = dict(os.environ)
+    env["ORCH_PYTHON"] = interpreter()
     env.update({str(k): str(v) for k, v in extra.items()})
     return env
+
+
+def interpreter() -> str:
+    """The inventory's `python:` as a path this host runs: the agent was started with it
+    (`sys.executable` keeps a venv's path as invoked), unless it is missing yet and the
+    agent runs on python3 instead (bundle.FALLBACK): then the path asked for, which a
+    `setup:` may be about to make (`python3 -m venv`)."""
+    missing = os.environ.get("ORCH_PYTHON_MISSING")
+    if missing:
+        return os.path.expanduser(missing)
+    return sys.executable or "python3"
+
+
+# `orch exec -- '$ORCH_PYTHON' -c ...`: no shell expands it, so the first word is
+# replaced here (the only word that is; `sh -c '"$ORCH_PYTHON" ...'` for anything else)
+PYTHON_WORDS = ("$ORCH_PYTHON", "${ORCH_PYTHON}")
 
 
 # ---------------------------------------------------------------- one command
@@ -178,10 +197,14 @@ def run_exec(req: Any) -> Dict[str, Any]:
         raise AgentError("no command given", protocol.USAGE)
     fd, cwd = exec_dir(job_paths(a["job_dir"]))
     t0 = time.time()
+    env = environment(a["env"])
+    argv = list(a["argv"])
+    if argv[0] in PYTHON_WORDS:
+        argv[0] = env["ORCH_PYTHON"]
     try:
-        proc = start(req, a["argv"], fd, environment(a["env"]))
+        proc = start(req, argv, fd, env)
     except OSError as e:  # as a shell says it: 127 not found, 126 not executable
-        text = "orch: cannot run %r: %s\n" % (a["argv"][0], e.strerror or e)
+        text = "orch: cannot run %r: %s\n" % (argv[0], e.strerror or e)
         req.out.send(protocol.command_output(req.id, text.encode("utf-8", "replace")))
         code = 127 if isinstance(e, FileNotFoundError) else 126
         return {"code": code, "cwd": cwd, "seconds": round(time.time() - t0, 3)}

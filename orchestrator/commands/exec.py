@@ -8,15 +8,21 @@ not be reached (or lost); 130 interrupted (the command was ended on every host).
 from __future__ import annotations
 
 import argparse
+import posixpath
+import re
+import shlex
 from typing import Any
 
 from rich.markup import escape
 
 from orchestrator.api import executing
 from orchestrator.api.outcomes import ExecResult
-from orchestrator.commands.common import console, emit_json, inventory
+from orchestrator.commands.common import console, emit_json, hint_cmd, inventory
+from orchestrator.config.inventory import Cluster
 from orchestrator.errors import GroupError, UsageError
 from orchestrator.ui.console import STDOUT_CLOSED
+
+PYTHON_NAME = re.compile(r"python[0-9.]*")   # python, python3, python3.11
 
 
 def add_parser(sub: Any) -> None:
@@ -54,7 +60,27 @@ def run(args: argparse.Namespace) -> int:
         emit_json(result)
     elif not STDOUT_CLOSED.is_set():   # `orch exec -- cat big | head`: ended quietly (141)
         summary(result)
+        hint = python_hint(cluster, result)
+        if hint:
+            console.print(f"[yellow]hint:[/] {escape(hint)}")
     return result.exit_code
+
+
+def python_hint(cluster: Cluster, result: ExecResult) -> str:
+    """`orch exec -- python3 -c 'import torch'` failed where `python:` names another
+    interpreter (a venv's): the command ran the first python on the host's PATH, not the
+    inventory's one, which `$ORCH_PYTHON` names."""
+    argv = result.command
+    if not PYTHON_NAME.fullmatch(posixpath.basename(argv[0])):
+        return ""
+    others = sorted({cluster.hosts[h.index].python for h in result.hosts
+                     if h.exit_code not in (None, 0) and cluster.hosts[h.index].python != argv[0]})
+    if not others:
+        return ""
+    again = hint_cmd(cluster, "exec -- '$ORCH_PYTHON' " + shlex.join(argv[1:])).rstrip()
+    return (f"`{argv[0]}` is the first python on the host's PATH, not the inventory's "
+            f"`python: {', '.join(others)}`; `{again}` runs that one "
+            "(ORCH_PYTHON is in every exec's environment)")
 
 
 def warn(message: str) -> None:
