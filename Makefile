@@ -3,7 +3,7 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
-APT_PKGS := openssh-server openssh-client rsync pdsh iproute2 procps
+APT_PKGS := openssh-server openssh-client rsync pdsh iproute2 procps iptables
 
 # Python may cache bytecode here even where the shell says not to: pytest keeps its
 # rewritten test modules as .pyc, and every `orch` a test starts loads compiled modules

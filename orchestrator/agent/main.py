@@ -52,6 +52,8 @@ HANDLERS = {
     "gpu_claim": ("gpus", "run_claim"),
     "gpu_release": ("gpus", "run_release"),
     "stacks": ("stacks", "run"),
+    "net_probe": ("network", "run_probe"),
+    "net_close": ("network", "run_close"),
 }
 # command -> daemon thread (not waited for); setup and exec run beside a `cancel`; a
 # pull (the checkpoint keeper's, every few seconds while the job runs) never holds up a

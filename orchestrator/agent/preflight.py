@@ -179,6 +179,10 @@ def run(req: Request) -> dict[str, Any]:
     if a["want_port"]:
         port = a["master_port"] or free_port()
         report["port"], report["port_free"] = port, port_free(port)
+    if "net" in a:   # after the port check: host 0 then listens on the master port
+        from orchestrator.agent import network
+        report["net"] = network.learn(a["net"], report.get("port", 0)
+                                      if report.get("port_free") else 0)
     return report
 
 

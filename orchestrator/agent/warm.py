@@ -100,10 +100,17 @@ def take(job: str) -> Warm | None:
     return WAITING.pop(job, None)
 
 
+# set at the launch from the network probe (session/network.py), after the warm start;
+# torchrun's import does not read them: the launcher's go hands them to the ranks
+LATE_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
 def matches(spec: dict[str, Any], python: str, env: dict[str, str]) -> bool:
-    """The launch's spec is the warm torchrun's: its python running torchrun, its env."""
+    """The launch's spec is the warm torchrun's: its python running torchrun, its env
+    (but for what the network probe added since)."""
+    late = {k for k in LATE_ENV if k in spec["env"] and k not in env}
     return bool(spec["argv"][:3] == [python, "-m", "torch.distributed.run"]
-                and spec["env"] == env)
+                and {k: v for k, v in spec["env"].items() if k not in late} == env)
 
 
 def read_all(fd: int, cap: int) -> bytes:

@@ -38,7 +38,7 @@ from orchestrator.files.sync import SyncReport
 from orchestrator.remote.fanout import fan_out
 from orchestrator.session import gpuclaims
 from orchestrator.session import state as job_state
-from orchestrator.session.launch import dry_run_plan, master_addr
+from orchestrator.session.launch import dry_run_plan, prove_network, run_master
 from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import HostFiles, Session, group_files, whole
 from orchestrator.session.setupstep import needs_check
@@ -210,6 +210,7 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
                 listing.get()
             files = prepared_files(claimed, shown)
         cluster = claimed
+        pre = prove_network(cluster, session.links, pre, session.run_id)
         shown.preflight_done(cluster, pre)
         if any(h.gpu_ids is not None for h in cluster.hosts):
             shown.gpus_claimed(cluster, session.waiting.waited if session.waiting else 0.0)
@@ -353,12 +354,13 @@ def refuse_running_elsewhere(cluster: Cluster) -> None:
 def launch(session: Session, pre: PreflightReport) -> Started:
     cluster = session.cluster
     run_id, sups = session.launch(pre)
-    st = job_state.new_state(cluster, run_id, master_addr(cluster, pre.hosts),
+    st = job_state.new_state(cluster, run_id, run_master(cluster, pre),
                              pre.master_port, pre.hosts, sups, session.attempts)
     job_state.save(cluster, st)
     result = UpResult(job=cluster.name, run_id=st.run_id, world_size=cluster.world_size,
                       master_addr=st.master_addr, master_port=st.master_port,
-                      hosts=[UpHost(h.label, h.job_dir, list(h.ranks)) for h in st.hosts])
+                      hosts=[UpHost(h.label, h.job_dir, list(h.ranks)) for h in st.hosts],
+                      network=pre.network.document() if pre.network is not None else None)
     return Started(session, st, result)
 
 

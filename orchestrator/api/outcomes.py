@@ -54,6 +54,8 @@ class UpResult:
     master_addr: str
     master_port: int
     hosts: list[UpHost]
+    # the network plan: MASTER_ADDR and each host's interface, what was found and set
+    network: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             warn(f"{cluster.hosts[i].label}: {exc}")
         out.print(table(cluster.name, status.ranks), soft_wrap=False, crop=True)
         restart_rows(status)
+        network_view(cluster)
         gpu_view(status)
         summarize(status.failed, len(status.ranks), "rank")
     return verdict(bool(status.failed), bool(status.unreachable))
@@ -90,6 +91,24 @@ def failed_summary(failed: Sequence[RankStatus | TaskStatus], total: int, unit: 
     more = len(failed) - SUMMARY_NAMED
     return (f"{len(failed)} of {plural(total, unit)} failed: " + ", ".join(named)
             + (f", and {more} more" if more > 0 else ""))
+
+
+def network_view(cluster: Cluster) -> None:
+    """MASTER_ADDR and each host's interface, as the run's `up` proved them."""
+    from orchestrator.config.hostranges import fold
+    from orchestrator.session import network, state
+    try:
+        st = state.load(cluster)
+    except state.StateDamaged:
+        return
+    doc = network.load(cluster, st.run_id) if st is not None else None
+    if not doc:
+        return
+    by: dict[str, list[str]] = {}
+    for h in doc["hosts"]:
+        by.setdefault(h["interface"] or "left to torch", []).append(h["host"])
+    ifaces = "; ".join(f"{name} on {fold(labels)}" for name, labels in by.items())
+    console.print(f"network: MASTER_ADDR={doc['master_addr']}; interface {ifaces}", markup=False)
 
 
 def restart_rows(status: Status) -> None:

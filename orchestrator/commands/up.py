@@ -232,6 +232,9 @@ class UpView(launching.UpProgress):
         chosen = f" ({cluster.selection})" if cluster.selection else ""
         console.print(f"preflight: {plural(len(cluster.hosts), 'host')} ok, {size}{chosen}",
                       markup=False)
+        if pre.network is not None:   # the network plan (session/network.py), as proven
+            for line in pre.network.lines():
+                console.print(line, markup=False)
 
     @contextmanager
     def sync(self, hosts: int, total: int) -> Iterator[launching.SyncShown]:

@@ -46,6 +46,12 @@ from yaml.nodes import MappingNode, Node, ScalarNode
 
 from orchestrator.config import hostranges
 from orchestrator.config.jobspec import JOB_KEYS, JobSpec, parse_job
+from orchestrator.config.networkspec import (
+    NO_NETWORK,
+    NetworkSpec,
+    parse_host_network,
+    parse_network,
+)
 from orchestrator.config.patterns import PATTERN_HINT, pattern_problem
 from orchestrator.config.proxyjump import parse_jump
 from orchestrator.config.safefile import FileRefused, read_regular
@@ -55,8 +61,10 @@ from orchestrator.errors import InventoryError, UsageError
 
 SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "host_key_policy", "connect_timeout",
             "proxy_jump")
-HOST_KEYS = ("address", "connection", "gpus", "procs", "remote_dir", "python", "spare") + SSH_KEYS
-TOP_KEYS = ("name", "ssh", "hosts", "remote_dir", "python", "code", "data", "job", "setup")
+HOST_KEYS = ("address", "connection", "gpus", "procs", "remote_dir", "python", "spare",
+             "network") + SSH_KEYS
+TOP_KEYS = ("name", "ssh", "hosts", "remote_dir", "python", "code", "data", "job", "setup",
+            "network")
 CODE_KEYS = ("paths", "exclude")
 DATA_KEYS = ("source", "shards")
 HOST_KEY_POLICIES = ("strict", "accept-new")
@@ -132,6 +140,7 @@ class Host:
     all_gpus: bool = False       # `gpus: all`: every GPU free at preflight (gpus is then 1)
     spare: bool = False          # `spare: true`: runs nothing until it replaces a lost host
     procs_given: bool = True     # `procs:` written: a claim of `gpus: all` leaves it as is
+    interface: tuple[str, ...] | None = None   # its own `network.interface` (None: the job's)
 
     @property
     def gpu_want(self) -> int | str | list[int] | None:
@@ -211,6 +220,7 @@ class Cluster:
     selection: str = ""
     spares: tuple[Host, ...] = ()    # `spare: true` hosts: outside the run until one is lost
     restart: int = 0                 # the attempt: 0, then k on the k-th restart (ORCH_RESTART_COUNT)
+    network: NetworkSpec = NO_NETWORK    # `network:` (networkspec.py)
 
     @property
     def base_dir(self) -> Path:
@@ -283,9 +293,10 @@ def parse(text: str, path: str | Path) -> Cluster:
     _check_min_hosts(top, hosts, job)
     data = _data(top, base_dir)
     setup = parse_setup(top, code.paths, base_dir)
+    network = parse_network(top)
     ranks = tuple(RankSlot(r, h.index, r - h.first_rank) for h in hosts for r in h.ranks)
     return Cluster(Path(os.path.abspath(path)), name, hosts, code, data, job, len(ranks), ranks,
-                   setup, spares=spares)
+                   setup, spares=spares, network=network)
 
 
 def _split_spares(src: Source, every: tuple[Host, ...]) -> tuple[tuple[Host, ...], tuple[Host, ...]]:
@@ -403,7 +414,7 @@ def _entry(src: Source, node: Node, entry: int, room: int,
                 spare=_spare(src, sec),
                 gpus=gpus, procs=procs, first_rank=0, remote_dir=_remote_dir(sec, remote_dir),
                 python=sec.text("python", python), ssh=_ssh_options(sec, ssh, base_dir), line=sec.line,
-                all_gpus=all_gpus, procs_given=procs_given)
+                all_gpus=all_gpus, procs_given=procs_given, interface=parse_host_network(sec))
     return host, addresses
 
 

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import os
 import uuid
+from dataclasses import replace
 from typing import Any
 
+from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.files.shards import resplit_size
 from orchestrator.remote.bundle import host_python
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
+from orchestrator.session import network
 from orchestrator.session.preflight import HostInfo, PreflightReport, job_dir
 from orchestrator.ui.termsafe import escaped
 from orchestrator.ui.wording import plural
@@ -23,23 +26,27 @@ NCCL_DUMP_PREFIX = "nccl-trace-rank-"
 
 
 def master_addr(cluster: Cluster, infos: dict[int, HostInfo] | None = None) -> str:
-    """Host 0's address as the other hosts reach it.
+    """Host 0's address as the inventory gives it (session/network.inventory_master)."""
+    return network.inventory_master(cluster, {i: inf.ssh_connection
+                                              for i, inf in (infos or {}).items()})
 
-    An ssh master: its resolved HostName (an ~/.ssh/config alias is not a DNS name).
-    A local master with only local hosts: loopback. A local master with ssh hosts: this
-    machine's address as the first ssh host sees it (SSH_CONNECTION's client field).
-    """
-    master = cluster.hosts[0]
-    if not master.is_local:
-        from orchestrator.ssh.connect import (  # paramiko: see Session._ssh
-            resolve_target,
-            ssh_config,
-        )
-        return resolve_target(master, ssh_config()).hostname
-    for h in cluster.hosts:
-        if not h.is_local and infos and infos.get(h.index) and infos[h.index].ssh_connection:
-            return infos[h.index].ssh_connection.split()[0]
-    return "127.0.0.1"
+
+def run_master(cluster: Cluster, pre: PreflightReport) -> str:
+    """MASTER_ADDR of this run: the one the network probe proved, if it ran."""
+    plan: network.NetPlan | None = pre.network
+    return plan.master_addr if plan is not None else master_addr(cluster, pre.hosts)
+
+
+def prove_network(cluster: Cluster, links: dict[int, Link], pre: PreflightReport,
+                  run_id: str) -> PreflightReport:
+    """The network probe (session/network.py) once every host passed preflight: the
+    report then carries the plan (MASTER_ADDR, each host's interface)."""
+    if cluster.job.array is not None:
+        return pre
+    plan = network.prove(cluster, links, {i: inf.net for i, inf in pre.hosts.items()},
+                         {i: inf.ssh_connection for i, inf in pre.hosts.items()},
+                         pre.master_port, run_id)
+    return replace(pre, network=plan)
 
 
 def torchrun_argv(cluster: Cluster, host: Host, python: str, job_dir: str,
@@ -82,11 +89,12 @@ def rank_env(cluster: Cluster, host: Host, job_dir: str, run_id: str) -> dict[st
 
 
 def launch_spec(cluster: Cluster, host: Host, info: HostInfo, addr: str, port: int,
-                run_id: str) -> dict[str, Any]:
+                run_id: str, net: dict[str, str] | None = None) -> dict[str, Any]:
+    """`net`: the interface variables the network plan sets on this host."""
     return {
         "run_id": run_id, "ranks": list(host.ranks),
         "argv": torchrun_argv(cluster, host, info.executable, info.job_dir, addr, port),
-        "env": rank_env(cluster, host, info.job_dir, run_id),
+        "env": dict(rank_env(cluster, host, info.job_dir, run_id), **(net or {})),
     }
 
 
@@ -119,9 +127,13 @@ def new_run_id() -> str:
 def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport, run_id: str
                ) -> tuple[str, dict[int, dict[str, Any]]]:
     """Start torchrun on every host in parallel; raise naming every host that failed."""
-    addr = master_addr(cluster, pre.hosts)
-    specs = {h.index: launch_spec(cluster, h, pre.hosts[h.index], addr, pre.master_port, run_id)
+    addr = run_master(cluster, pre)
+    plan: network.NetPlan | None = pre.network
+    specs = {h.index: launch_spec(cluster, h, pre.hosts[h.index], addr, pre.master_port, run_id,
+                                  plan.env(h.index) if plan else None)
              for h in cluster.hosts}
+    if plan is not None:
+        network.save(cluster, run_id, plan)
     result = fan_out(cluster.hosts, lambda h: launch_host(
         links[h.index], pre.hosts[h.index].job_dir, specs[h.index]))
     result.raise_failures(cluster.hosts, "to start")
@@ -174,6 +186,7 @@ def dry_run_plan(cluster: Cluster) -> str:
         # as the host's shell gets it; a line break or an escape in an arg shown escaped
         lines.append("  " + escaped(remote_command(argv)))
     lines.append(sharing_plan(cluster))
+    lines.extend(network_plan(cluster, addr))
     if cluster.job.hang_timeout:
         lines.append(f"hang watch: a rank without output or heartbeat for "
                      f"{cluster.job.hang_timeout:g} s: every rank's stack taken, the culprit "
@@ -183,6 +196,32 @@ def dry_run_plan(cluster: Cluster) -> str:
                  "ORCH_HEARTBEAT, "
                  f"job env ({env_keys}; values sent in a 0600 file, not shown)")
     return "\n".join(lines)
+
+
+def network_plan(cluster: Cluster, addr: str) -> list[str]:
+    """What preflight will prove about the network, without touching a host."""
+    net = cluster.network
+    if not network.wanted(cluster):
+        why = "one host" if len(cluster.hosts) == 1 else "one machine"
+        return [f"network: MASTER_ADDR={addr} ({why}: nothing probed, interfaces left to torch)"]
+    where = "network.master_addr" if net.master_addr else \
+        "the inventory's address, else an address of host 0 that every host reaches"
+    iface = {h.label: ",".join(h.interface) if h.interface else
+             ",".join(net.interface) if net.interface else "auto" for h in cluster.hosts}
+    lines = [f"network: MASTER_ADDR={addr} ({where}; proven at preflight)"
+             if net.check else f"network: MASTER_ADDR={addr} (network.check: false: not probed)"]
+    by: dict[str, list[str]] = {}
+    for label, name in iface.items():
+        by.setdefault(name, []).append(label)
+    for name, labels in by.items():
+        shown = "the one that reaches the master" if name == "auto" else name
+        lines.append(f"  interface on {fold(labels)}: {shown} -> GLOO_SOCKET_IFNAME, "
+                     "NCCL_SOCKET_IFNAME (unless job.env or the host sets them)")
+    if net.check:
+        lines.append("  probe at preflight: every host to host 0 on the master port, each "
+                     "to its ring neighbour on a port the OS picks "
+                     f"({network.PROBE_TIMEOUT:g} s bound; a blocked path: exit 3)")
+    return lines
 
 
 def sharing_plan(cluster: Cluster) -> str:

@@ -307,7 +307,13 @@ REQUESTS: dict[str, dict[str, Any]] = {
                   "?gpus": gpu_want,
                   # expect: {folder: manifest_token of what the controller will push}; a
                   # folder that holds exactly that sends a part with `same` and no entries
-                  "?expect": token_map},
+                  "?expect": token_map,
+                  # net: learn this host's network, listen for the probe (agent/network.py)
+                  "?net": {"toward": str, "token": str, "listen": bool, "master": bool}},
+    # the network probe: connect to each target, read its token (agent/network.py)
+    "net_probe": {"targets": [{"addr": str, "port": int, "token": str, "group": str}],
+                  "bound": NUM},
+    "net_close": {},
     # orch up --wait: claim again, trying for up to wait_s; release: let go of them all
     "gpu_claim": {"job_dir": str, "want": gpu_want, "wait_s": NUM},
     "gpu_release": {"job_dir": str},
@@ -400,12 +406,18 @@ def name_list(value: Any) -> str | None:
     if not all(isinstance(v, str) and len(v) <= 255 for v in value):
         return "must hold names of at most 255 characters"
     return None
+# a host's network as preflight learnt it (agent/network.learn)
+NET_FACTS = {"hostname": str, "resolves": [str], "route_src": str, "boot_id": str,
+             "interfaces": [{"name": str, "addrs": [str], "up": bool}], "env": dict,
+             "?port": int, "?master_listen": int}
 REPLIES: dict[str, dict[str, Any]] = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
                   "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool,
                   "?python_missing": str, "?share_leader": int, "?gpu_ids": [int],
-                  "?gpu_uuids": [str], "?gpu_busy": [GPU], "?gpu_error": str},
+                  "?gpu_uuids": [str], "?gpu_busy": [GPU], "?gpu_error": str, "?net": NET_FACTS},
+    "net_probe": {"results": [{"ok": bool, "why": str, "src": str, "ms": NUM}]},
+    "net_close": {"closed": int},
     "manifest": {"root": str},                            # the files come as parts
     "receive": {"files": int, "bytes": int, "deleted": int},
     "launch": {"supervisor": SUPERVISOR},

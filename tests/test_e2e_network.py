@@ -1,0 +1,138 @@
+"""Real networks, in namespaces (tests/netns_bridge.py): three hosts with their own
+hostname, Debian's `127.0.1.1 <hostname>` line, a docker0 bridge at 172.17.0.1, and two
+interfaces, of which only eth0 reaches the other hosts; the inventory names them by
+eth1, an address the hosts do not use between themselves.
+
+pdsh + torchrun on this network: every rank of a gloo job fails with `Gloo
+connectFullMesh failed ... Connection refused, remote=[127.0.1.1]:<port>` (gloo binds
+what the hostname resolves to), and MASTER_ADDR=<eth1 of host 0> is refused by the
+others (no route). `orch up` proves MASTER_ADDR (eth0 of host 0), sets
+GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME=eth0 and the job runs. With a firewall that
+drops all but ssh and the master port, pdsh + torchrun hangs in init_process_group;
+`orch up` ends with exit 3 before anything starts, naming the two hosts and the port.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from helpers import orch, write_job
+from netns_bridge import BridgeHosts
+from sshd_cluster import pid_alive
+
+pytestmark = [pytest.mark.ssh, pytest.mark.slow]
+GLOO_JOB = """\
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print("sum", int(t.item()), flush=True)
+dist.destroy_process_group()
+"""
+MASTER_PORT = 29450
+
+
+def _tools() -> str | None:
+    for tool in ("ip", "unshare", "iptables"):
+        if subprocess.run(["which", tool], capture_output=True).returncode != 0:
+            return tool
+    return None
+
+
+@pytest.fixture(scope="module")
+def lan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BridgeHosts]:
+    missing = _tools()
+    if os.geteuid() != 0 or missing:
+        pytest.skip(f"needs root and {missing or 'iproute2'} (make system-deps)")
+    hosts = BridgeHosts(tmp_path_factory.mktemp("bridge"), 3).start()
+    pids = [h.proc.pid for h in hosts.hosts if h.proc is not None]
+    yield hosts
+    hosts.stop()   # raises if a pid, a namespace or an /etc/netns folder is left
+    assert not [p for p in pids if pid_alive(p)]
+
+
+def inventory(lan: BridgeHosts, base: Path, name: str, **network: Any) -> Path:
+    write_job(base, GLOO_JOB)
+    doc: dict[str, Any] = {
+        "name": name,
+        "ssh": {"user": "root", "identity_file": str(lan.client_key),
+                "known_hosts": str(lan.known_hosts), "connect_timeout": 5},
+        "hosts": [{"address": h.address, "remote_dir": str(h.remote_dir)} for h in lan.hosts],
+        "python": sys.executable, "code": {"paths": ["job.py"]},
+        "job": {"entrypoint": "job.py", "master_port": MASTER_PORT}}
+    if network:
+        doc["network"] = network
+    path = base / "cluster.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def up(lan: BridgeHosts, base: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return orch(base, "up", *args, timeout=timeout, run=lan.run_in_client)
+
+
+def no_job_left(lan: BridgeHosts, name: str) -> None:
+    for h in lan.hosts:
+        out = lan.run_in_host(h.index, ["sh", "-c", f"grep -l ORCH_JOB_DIR=.*{name} "
+                                                    "/proc/[0-9]*/environ 2>/dev/null || true"],
+                              capture_output=True, text=True).stdout
+        assert not out.strip(), f"{h.hostname}: processes of {name} left: {out}"
+
+
+def test_hostname_trap_docker0_and_unused_inventory_address(lan: BridgeHosts, tmp_path: Path) -> None:
+    """The gloo all-reduce that pdsh + torchrun fails (every rank advertises 127.0.1.1)
+    runs under `orch up`: MASTER_ADDR is host 0's eth0 address (the inventory's eth1 is
+    not reached by the other hosts), the ranks get eth0, and the plan says what it found."""
+    inv = inventory(lan, tmp_path, "net-trap")
+    r = up(lan, tmp_path, str(inv))
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "Traceback" not in r.stderr
+    text = " ".join((r.stderr + r.stdout).split())
+    assert f"MASTER_ADDR={lan.hosts[0].lan}" in text, text
+    assert "interface eth0 on" in text and "GLOO_SOCKET_IFNAME" in text, text
+    assert "resolves to 127.0.1.1 (loopback)" in text, text
+    assert "docker0 172.17.0.1" in text, text
+    assert text.count("sum 6") == 3, text
+    st = orch(tmp_path, "status", "-c", str(inv), run=lan.run_in_client)
+    assert st.returncode == 0, st.stderr
+    shown = " ".join((st.stderr + st.stdout).split())
+    assert f"network: MASTER_ADDR={lan.hosts[0].lan}; interface eth0 on" in shown, shown
+    doc = json.loads((tmp_path / ".orch" / "net-trap" / "network.json").read_text())
+    assert doc["master_addr"] == lan.hosts[0].lan
+    assert [h["interface"] for h in doc["hosts"]] == ["eth0"] * 3
+    no_job_left(lan, "net-trap")
+
+
+def test_firewall_ends_before_launch_naming_hosts_and_port(lan: BridgeHosts, tmp_path: Path) -> None:
+    """Every host drops all TCP but ssh and 29400-29499: the master port passes, the
+    ports the OS picks do not. `orch up` ends with exit 3 within seconds of preflight,
+    one message naming the two hosts, the port and the fix; nothing started anywhere."""
+    inv = inventory(lan, tmp_path, "net-fw")
+    for h in lan.hosts:
+        lan.firewall(h.index, "22,29400:29499")
+    try:
+        t0 = time.monotonic()
+        r = up(lan, tmp_path, str(inv), timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        lan.open_all()
+    assert r.returncode == 3, r.stderr + r.stdout
+    assert "Traceback" not in r.stderr
+    err = " ".join(r.stderr.split())
+    assert f"{lan.hosts[0].address} -> {lan.hosts[1].address} {lan.hosts[1].lan}:" in err, err
+    assert "no answer in 3 s (a firewall drops it)" in err, err
+    assert "allow TCP between the hosts of the job" in err, err
+    assert "started job" not in err
+    assert took < 30, took
+    no_job_left(lan, "net-fw")
+    (tmp_path / "took.txt").write_text(f"{took:.2f}\n")

@@ -1,0 +1,205 @@
+"""The network plan without hosts: `network:` in cluster.yaml, the choice of MASTER_ADDR
+and of each host's interface from what preflight learnt, the plan as shown, and the
+agent's side on loopback (its facts, the listeners' tokens, a probe that answers as
+soon as the best address is known)."""
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.agent import network as agent_net
+from orchestrator.agent.warm import matches
+from orchestrator.config.inventory import parse
+from orchestrator.errors import HostError, InventoryError
+from orchestrator.session import network
+from orchestrator.session.launch import dry_run_plan
+
+BASE = "name: n\nhosts:\n  - 10.0.0.8\n  - 10.0.0.9\njob: {entrypoint: job.py}\n"
+
+
+def cluster(tmp_path: Path, extra: str = "", hosts: str = "") -> Any:
+    text = BASE.replace("  - 10.0.0.8\n  - 10.0.0.9\n", hosts) if hosts else BASE
+    return parse(text + extra, tmp_path / "cluster.yaml")
+
+
+def facts(*ifaces: tuple[str, list[str]], resolves: str = "127.0.1.1", src: str = "",
+          env: dict[str, str] | None = None, port: int = 40000) -> dict[str, Any]:
+    return {"hostname": "h", "resolves": [resolves], "route_src": src, "boot_id": "b",
+            "env": env or {}, "port": port, "master_listen": 29450,
+            "interfaces": [{"name": n, "addrs": a, "up": True} for n, a in ifaces]}
+
+
+LO = ("lo", ["127.0.0.1"])
+DOCKER = ("docker0", ["172.17.0.1"])
+
+
+# ---------------------------------------------------------------- cluster.yaml
+
+def test_network_settings_are_read_top_level_and_per_host(tmp_path: Path) -> None:
+    c = cluster(tmp_path, "network: {master_addr: 10.0.0.8, interface: [eth0, eth1], check: false}\n",
+                hosts="  - 10.0.0.8\n  - {address: 10.0.0.9, network: {interface: ib0}}\n")
+    assert c.network.master_addr == "10.0.0.8"
+    assert c.network.interface == ("eth0", "eth1")
+    assert c.network.check is False
+    assert c.hosts[0].interface is None and c.hosts[1].interface == ("ib0",)
+    auto = cluster(tmp_path, "network: {interface: auto}\n")
+    assert auto.network.interface is None and auto.network.check is True
+
+
+@pytest.mark.parametrize("text, line, says", [
+    ("network:\n", 6, "`network` has no value"),
+    ("network: {check: yes please}\n", 6, "`network.check` must be true or false"),
+    ("network: {interface: 'eth 0'}\n", 6, "must be auto or interface names"),
+    ("network: {interface: [auto, eth0]}\n", 6, "mixes auto with names"),
+    ("network: {master: 10.0.0.8}\n", 6, "unknown key `network.master`"),
+    ("network: {master_addr: 'a b'}\n", 6, "is not an address or a host name"),
+])
+def test_bad_network_settings_name_their_line(tmp_path: Path, text: str, line: int,
+                                              says: str) -> None:
+    with pytest.raises(InventoryError) as err:
+        cluster(tmp_path, text)
+    assert f"cluster.yaml:{line}:" in str(err.value) and says in str(err.value), str(err.value)
+
+
+def test_a_host_takes_only_interface(tmp_path: Path) -> None:
+    with pytest.raises(InventoryError) as err:
+        cluster(tmp_path, hosts="  - 10.0.0.8\n  - {address: 10.0.0.9, network: {check: false}}\n")
+    assert "unknown key `hosts[1].network.check`" in str(err.value)
+    assert "top-level `network:`" in err.value.hint
+
+
+# ---------------------------------------------------------------- the plan
+
+def test_master_candidates_prefer_the_inventory_then_host_0s_usable_addresses(tmp_path: Path) -> None:
+    c = cluster(tmp_path)
+    f0 = facts(LO, DOCKER, ("eth1", ["192.168.9.5"]), ("eth0", ["10.1.0.5"]), src="10.1.0.5")
+    assert network.candidates(c, f0, "10.0.0.8") == ["10.0.0.8", "10.1.0.5", "192.168.9.5"]
+    over = cluster(tmp_path, "network: {master_addr: 10.9.9.9}\n")
+    assert network.candidates(over, f0, "10.0.0.8") == ["10.9.9.9"]
+
+
+def test_the_interface_is_the_one_that_carried_the_probe(tmp_path: Path) -> None:
+    c = cluster(tmp_path)
+    f = facts(LO, DOCKER, ("eth0", ["10.1.0.6"]), ("eth1", ["10.0.0.9"]))
+    h = network.host_plan(c, c.hosts[1], f, "10.1.0.6", "10.1.0.5", all_lo=False)
+    assert h.interface == "eth0"
+    assert h.env == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert any("resolves to 127.0.1.1 (loopback)" in x for x in h.found)
+    assert any(x.startswith("docker0 172.17.0.1") for x in h.found)
+
+
+def test_what_the_user_set_is_never_overridden(tmp_path: Path) -> None:
+    c = parse(BASE.replace("job: {entrypoint: job.py}",
+                           "job: {entrypoint: job.py, env: {NCCL_SOCKET_IFNAME: ib0}}"),
+              tmp_path / "cluster.yaml")
+    f = facts(LO, ("eth0", ["10.1.0.6"]), env={"GLOO_SOCKET_IFNAME": "eth9"})
+    h = network.host_plan(c, c.hosts[1], f, "10.1.0.6", "10.1.0.5", all_lo=False)
+    assert h.env == {}
+    assert "GLOO_SOCKET_IFNAME set in the host's environment" in h.how
+    assert "NCCL_SOCKET_IFNAME set in job.env" in h.how
+
+
+def test_a_named_interface_must_exist_on_the_host(tmp_path: Path) -> None:
+    c = cluster(tmp_path, "network: {interface: eth7}\n")
+    f = facts(LO, ("eth0", ["10.1.0.6"]))
+    with pytest.raises(HostError) as err:
+        network.host_plan(c, c.hosts[1], f, "10.1.0.6", "10.1.0.5", all_lo=False)
+    assert "10.0.0.9: network.interface eth7 does not exist there" in err.value.message
+    assert "its interfaces: eth0, lo" in err.value.message
+
+
+def test_lo_or_a_container_bridge_is_never_picked_between_machines(tmp_path: Path) -> None:
+    c = cluster(tmp_path)
+    # host 0's own machine: the probe to its own address leaves from lo
+    f = facts(LO, ("eth0", ["10.1.0.5"]))
+    assert network.host_plan(c, c.hosts[0], f, "127.0.0.1", "10.1.0.5", False).interface == "eth0"
+    f = facts(LO, DOCKER)
+    h = network.host_plan(c, c.hosts[1], f, "172.17.0.1", "10.1.0.5", False)
+    assert h.interface is None and h.env == {}
+    # one machine: every host reached the master over lo: loopback is right, nothing set
+    one = network.host_plan(c, c.hosts[1], facts(LO), "127.0.0.1", "127.0.0.1", True)
+    assert one.interface is None and "one machine" in one.how
+
+
+def test_the_plan_folds_identical_hosts(tmp_path: Path) -> None:
+    c = parse(BASE.replace("  - 10.0.0.8\n  - 10.0.0.9\n", "  - gpu[01-04]\n"),
+              tmp_path / "cluster.yaml")
+    f = facts(LO, DOCKER, ("eth0", ["10.1.0.6"]))
+    hosts = {h.index: network.host_plan(c, h, f, "10.1.0.6", "10.1.0.6", False) for h in c.hosts}
+    text = "\n".join(network.NetPlan("10.1.0.5", "the inventory's address", hosts, "p").lines())
+    assert "interface eth0 on gpu[01-04] (auto" in text, text
+    assert "found on gpu[01-04]: hostname resolves to 127.0.1.1" in text, text
+
+
+def test_choose_master_names_every_host_that_failed_and_why(tmp_path: Path) -> None:
+    c = cluster(tmp_path)
+    def r(addr: str, ok: bool, why: str = "") -> dict[str, Any]:
+        return {"addr": addr, "port": 29450, "group": "m", "ok": ok, "why": why, "src": ""}
+    results = {0: [r("10.0.0.8", True)], 1: [r("10.0.0.8", False, "timeout")]}
+    with pytest.raises(HostError) as err:
+        network.choose_master(c, ["10.0.0.8"], results)
+    msg = err.value.message
+    assert "10.0.0.9: cannot reach host 0 (10.0.0.8) on the master port: 10.0.0.8:29450 no " \
+           "answer in 3 s (a firewall drops it)" in msg, msg
+    assert "allow TCP port 29450" in err.value.hint
+    results[1].insert(0, r("10.1.0.5", True))
+    results[0].insert(0, r("10.1.0.5", True))
+    assert network.choose_master(c, ["10.0.0.8", "10.1.0.5"], results) == "10.1.0.5"
+
+
+def test_a_dry_run_shows_the_network_plan(tmp_path: Path) -> None:
+    plan = dry_run_plan(cluster(tmp_path, "network: {interface: eth0}\n"))
+    assert "network: MASTER_ADDR=10.0.0.8 (the inventory's address, else an address of host 0" \
+           in plan, plan
+    assert "interface on 10.0.0.[8-9]: eth0 -> GLOO_SOCKET_IFNAME" in plan, plan
+    one = dry_run_plan(parse(BASE.replace("10.0.0.8", "127.0.0.2").replace("10.0.0.9", "127.0.0.3"),
+                             tmp_path / "cluster.yaml"))
+    assert "network: MASTER_ADDR=127.0.0.2 (one machine: nothing probed" in one, one
+
+
+def test_a_warm_torchrun_takes_the_interface_set_at_launch() -> None:
+    env = {"ORCH_JOB": "j"}
+    spec = {"argv": ["py", "-m", "torch.distributed.run"],
+            "env": dict(env, GLOO_SOCKET_IFNAME="eth0", NCCL_SOCKET_IFNAME="eth0")}
+    assert matches(spec, "py", env)
+    assert not matches(dict(spec, env=dict(spec["env"], OTHER="1")), "py", env)
+
+
+# ---------------------------------------------------------------- the agent's side
+
+def test_the_agent_learns_its_network_and_answers_the_probe_with_its_token() -> None:
+    f = agent_net.learn({"toward": "127.0.0.1", "token": "tok-0", "listen": True,
+                         "master": False}, 0)
+    try:
+        assert {"name": "lo", "addrs": ["127.0.0.1"], "up": True} in f["interfaces"]
+        assert f["route_src"] == "127.0.0.1" and f["port"] > 0 and "master_listen" not in f
+        good = {"addr": "127.0.0.1", "port": f["port"], "token": "tok-0"}
+        assert agent_net.connect(good, 1)["ok"]
+        assert agent_net.connect(dict(good, token="tok-1"), 1)["why"] == "other"
+    finally:
+        assert agent_net.run_close(None) == {"closed": 1}   # type: ignore[arg-type]
+    assert agent_net.connect(good, 1)["why"] == "refused"
+
+
+def test_a_probe_answers_once_the_best_address_is_known() -> None:
+    f = agent_net.learn({"toward": "", "token": "t", "listen": True, "master": False}, 0)
+
+    class Req:
+        args = {"bound": 3.0, "targets": [
+            {"addr": "127.0.0.1", "port": f["port"], "token": "t", "group": "m"},
+            {"addr": "127.0.0.1", "port": 1, "token": "t", "group": "r"}]}
+    try:
+        t0 = time.monotonic()
+        got = agent_net.run_probe(Req)   # type: ignore[arg-type]
+        assert time.monotonic() - t0 < 1
+    finally:
+        agent_net.run_close(None)   # type: ignore[arg-type]
+    assert [r["ok"] for r in got["results"]] == [True, False]
+    assert got["results"][1]["why"] == "refused"
+    left = subprocess.run(["ss", "-Htln", f"( sport = :{f['port']} )"], capture_output=True,
+                          text=True).stdout
+    assert not left.strip(), left
