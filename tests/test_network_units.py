@@ -163,8 +163,9 @@ def test_a_dry_run_shows_the_network_plan(tmp_path: Path) -> None:
 
 def test_a_warm_torchrun_takes_the_interface_set_at_launch() -> None:
     env = {"ORCH_JOB": "j"}
-    spec = {"argv": ["py", "-m", "torch.distributed.run"],
-            "env": dict(env, GLOO_SOCKET_IFNAME="eth0", NCCL_SOCKET_IFNAME="eth0")}
+    spec: dict[str, Any] = {"argv": ["py", "-m", "torch.distributed.run"],
+                            "env": dict(env, GLOO_SOCKET_IFNAME="eth0",
+                                        NCCL_SOCKET_IFNAME="eth0")}
     assert matches(spec, "py", env)
     assert not matches(dict(spec, env=dict(spec["env"], OTHER="1")), "py", env)
 
@@ -189,12 +190,13 @@ def test_a_probe_answers_once_the_best_address_is_known() -> None:
     f = agent_net.learn({"toward": "", "token": "t", "listen": True, "master": False}, 0)
 
     class Req:
-        args = {"bound": 3.0, "targets": [
-            {"addr": "127.0.0.1", "port": f["port"], "token": "t", "group": "m"},
-            {"addr": "127.0.0.1", "port": 1, "token": "t", "group": "r"}]}
+        def __init__(self) -> None:
+            self.args = {"bound": 3.0, "targets": [
+                {"addr": "127.0.0.1", "port": f["port"], "token": "t", "group": "m"},
+                {"addr": "127.0.0.1", "port": 1, "token": "t", "group": "r"}]}
     try:
         t0 = time.monotonic()
-        got = agent_net.run_probe(Req)   # type: ignore[arg-type]
+        got = agent_net.run_probe(Req())   # type: ignore[arg-type]
         assert time.monotonic() - t0 < 1
     finally:
         agent_net.run_close(None)   # type: ignore[arg-type]
