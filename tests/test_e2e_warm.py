@@ -70,17 +70,25 @@ def before_launch(jd: Path, start: str) -> None:
     assert not (jd / "run" / "launch.json").exists()
 
 
-def uptime() -> float:
-    """Seconds since boot: the clock of /proc/<pid>/stat's start times."""
-    return float(Path("/proc/uptime").read_text().split()[0])
+def uptime() -> int:
+    """Hundredths of a second since boot: the clock of /proc/<pid>/stat's start times,
+    which both truncate to its resolution (10 ms): two events in one tick read the same."""
+    seconds, hundredths = Path("/proc/uptime").read_text().split()[0].split(".")
+    return int(seconds) * 100 + int(hundredths)
 
 
-def supervisor_started(jd: Path, address: str) -> float:
+def next_tick(t: int) -> None:
+    """Wait until uptime() has left the tick t: whatever starts after this reads later
+    than t, and whatever started before the reading of t reads t or earlier."""
+    wait_until(lambda: uptime() > t, 5, f"uptime past {t}", step=0.005)
+
+
+def supervisor_started(jd: Path, address: str) -> int:
     """When the job's supervisor (warm: started at preflight and kept) started, on
     uptime()'s clock."""
     sup = json.loads((jd / "run" / part_name(address) / "supervisor.json").read_text())
     assert isinstance(sup["start_ticks"], int), sup
-    return sup["start_ticks"] / os.sysconf("SC_CLK_TCK")
+    return int(sup["start_ticks"] * 100 // os.sysconf("SC_CLK_TCK"))
 
 
 @pytest.mark.parametrize("start", ["warm", "cold"])
@@ -99,14 +107,19 @@ def test_up_detach_runs_in_the_warm_torchrun(sshd_cluster: SshdCluster, tmp_path
     try:
         up = jobs.start(tmp_path, "up", str(inv), "--detach")
         before_launch(dirs[1], start)
-        resumed = uptime()   # nothing can be launched before host 0 answers
+        # nothing can be launched before host 0 answers; the clock has 10 ms ticks, so
+        # host 0 resumes only once it has left the tick read here: a process started
+        # before this reading is stamped `paused` or earlier, one started after the
+        # resume later than `paused`, never the same tick
+        paused = uptime()
+        next_tick(paused)
     finally:
         hosts[0].resume()
     assert up.finish(120) == 0, up.text()
     # host 1's supervisor: warm, the one its preflight started while host 0 hung; cold,
     # none was started then: the job's was started by the launch, after host 0 came back
     born = supervisor_started(dirs[1], hosts[1].address)
-    assert (born < resumed) == (start == "warm"), (start, born, resumed)
+    assert (born <= paused) == (start == "warm"), (start, born, paused)
     for rank, (jd, h) in enumerate(zip(dirs, hosts)):
         info = rank_info(jd, rank)
         assert info == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",

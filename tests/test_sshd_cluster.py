@@ -11,6 +11,7 @@ import paramiko
 import pytest
 import yaml
 
+from helpers import wait_until
 from sshd_cluster import (
     FakeHost,
     SshdCluster,
@@ -86,7 +87,10 @@ def test_pause_makes_host_hang_and_resume_restores(sshd_cluster: SshdCluster) ->
     host.pause()
     try:
         assert sleep_pid in host.descendants()
-        assert _state(sleep_pid) == "T" and _state(host.pid) == "T"
+        # a SIGSTOP takes effect when its process next runs (a sleeper is woken to stop):
+        # the state is polled until both show it
+        wait_until(lambda: _state(sleep_pid) == "T" and _state(host.pid) == "T", 10,
+                   "state T (stopped) of both sshd and the sleep under it")
         t0 = time.monotonic()
         with pytest.raises((paramiko.SSHException, OSError)):
             _paramiko(sshd_cluster, host, timeout=1).close()
@@ -95,7 +99,7 @@ def test_pause_makes_host_hang_and_resume_restores(sshd_cluster: SshdCluster) ->
         host.resume()
         client.close()
         os.kill(sleep_pid, signal.SIGTERM)
-    assert _state(sleep_pid) != "T"
+    wait_until(lambda: _state(sleep_pid) != "T", 10, "the sleep to run again after resume()")
     _paramiko(sshd_cluster, host).close()
     assert _ssh(sshd_cluster, host, "true").returncode == 0
 
