@@ -460,3 +460,26 @@ try:
 except gpus.GpuError as e:
     print(e)
 """
+
+
+@NEEDS_TWO_USERS
+def test_a_claims_folder_only_root_may_write_is_one_message_with_the_fix(
+        shared: tuple[Path, dict[str, str]]) -> None:
+    folder, env = shared
+    (folder / "claims").mkdir()
+    (folder / "claims").chmod(0o755)   # root's and safe, but no one else can claim in it
+    seen = subprocess.run(["/usr/sbin/runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c",
+                           CLAIM_OR_WHY], env=env, text=True, capture_output=True, timeout=30)
+    assert seen.stdout.strip() == (
+        f"GPU claims: this user cannot make a claim in the claims folder {folder / 'claims'} "
+        f"(Permission denied); fix: an admin lets every GPU user write it: "
+        f"sudo chmod 1777 {folder / 'claims'}"), seen
+
+
+CLAIM_OR_WHY = """
+from orchestrator.agent import gpus
+try:
+    print(gpus.claim("/home/other/job", 1, {"job": "theirs"}))
+except gpus.GpuError as e:
+    print(e)
+"""

@@ -513,6 +513,10 @@ def take(folder: str, job_dir: str, pick: list[dict[str, Any]],
             mine.append((g["index"],) + new_claim(folder, g["uuid"], who))
     except OSError as e:
         undo(mine)
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise ClaimsFolderError(
+                "this user cannot make a claim in the claims folder %s (%s)" % (folder, e.strerror),
+                "an admin lets every GPU user write it: sudo chmod 1777 %s" % folder) from None
         raise GpuError("cannot make a claim in the GPU claims folder %s: %s"
                        % (folder, e.strerror or e)) from None
     own = {os.fstat(fd).st_ino for _, fd, _ in mine}
