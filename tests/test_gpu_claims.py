@@ -158,6 +158,20 @@ def test_a_refused_claims_folder_is_one_message_with_the_fix(tmp_path: Path) -> 
     assert err.hint == FIX + "/c"
 
 
+def test_locks_that_do_not_show_in_proc_locks_refuse_rather_than_look_free(
+        host: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claims are seen through /proc/locks only: a file system whose locks it does not
+    list as stat names the files (NFS, another PID namespace) would make every claim
+    look free, so our own lock, not found there, refuses."""
+    monkeypatch.setattr(gpus, "read_locks", lambda: [])
+    with pytest.raises(gpus.ClaimsFolderError, match="do not show in /proc/locks"):
+        gpus.claim("/x/a", 1, dict(WHO))
+    monkeypatch.setattr(gpus, "probed_holders", lambda folder: {})   # as at the survey
+    with pytest.raises(gpus.ClaimsFolderError, match="do not show in /proc/locks"):
+        gpus.claim("/x/a", 1, dict(WHO))                             # the look after the lock
+    assert "/x/a" not in gpus.HELD and os.listdir(gpus.claims_dir()) == []
+
+
 def test_a_claim_is_a_private_file_locked_before_it_has_its_name(host: Path) -> None:
     got = gpus.claim("/x/a", [1], dict(WHO))
     names = sorted(os.listdir(gpus.claims_dir()))

@@ -295,7 +295,13 @@ def locked_inodes(folder_dev: int, own: set[int]) -> set[int]:
     locks = read_locks()
     devs = {(os.major(folder_dev), os.minor(folder_dev))}
     devs |= {(ma, mi) for pid, ma, mi, ino in locks if ino in own and pid == os.getpid()}
-    return {ino for _, ma, mi, ino in locks if (ma, mi) in devs}
+    held = {ino for _, ma, mi, ino in locks if (ma, mi) in devs}
+    if own - held:   # this file system's locks cannot be read: every claim would look free
+        raise ClaimsFolderError(
+            "locks on files in the claims folder do not show in /proc/locks as this "
+            "process took them (a network file system, or another PID namespace's /proc?)",
+            "an admin makes the folder on a local file system of the host")
+    return held
 
 
 def holders(folder: str, own: set[int]) -> dict[str, dict[str, Any]]:
@@ -519,8 +525,12 @@ def take(folder: str, job_dir: str, pick: list[dict[str, Any]],
                 "an admin lets every GPU user write it: sudo chmod 1777 %s" % folder) from None
         raise GpuError("cannot make a claim in the GPU claims folder %s: %s"
                        % (folder, e.strerror or e)) from None
-    own = {os.fstat(fd).st_ino for _, fd, _ in mine}
-    if set(holders(folder, own)) & {uuid_key(g["uuid"]) for g in pick}:
+    try:
+        rivals = set(holders(folder, {os.fstat(fd).st_ino for _, fd, _ in mine}))
+    except GpuError:
+        undo(mine)
+        raise
+    if rivals & {uuid_key(g["uuid"]) for g in pick}:
         undo(mine)
         return None
     HELD[job_dir] = [(i, fd) for i, fd, _ in mine]
