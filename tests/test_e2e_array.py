@@ -142,12 +142,12 @@ def test_array_stop_and_fail_fast(sshd_cluster: SshdCluster, tmp_path: Path,
     assert ff.returncode == 1, ff.stdout + ff.stderr
     assert "--fail-fast: stopping" in ff.stderr
     # tasks 0-3 are "bad" (task 0 fails after 1 s, 1-3 exit 0 after 1 s), tasks 4-7 "slow"
-    # (300 s): every slow task, running or still queued, was ended by the stop
+    # (300 s): every slow task, running or still queued, was ended by the stop. (None can
+    # have run to its end: the up returned within its 120 s, so no trace line could show it.)
     after = [t.state for t in api.array_status(fail).tasks]
     assert after[0] == "failed (exit code 3)", after
     assert set(after[1:4]) <= {"exited 0", "stopped"}, after
     assert after[4:] == ["stopped"] * 4, after
-    assert not [t for t in traces(tmp_path / "ff") if t["task"] >= 4], "a slow task ran to its end"
     assert_nothing_left(hosts, name)
 
 

@@ -131,10 +131,11 @@ def test_heartbeats_keep_a_quiet_rank_alive(tmp_path: Path, capsys: Any) -> None
 
 def test_progress_of_a_rank_the_host_does_not_run_is_refused(tmp_path: Path, capsys: Any) -> None:
     """The refusal loses the host at once, even when the event is read before the follow
-    request's send has returned: the job fails for it, not later as a hang."""
+    request's send has returned: the job fails for it, not later as a hang, and not at
+    the job's own end (30 s on: rank 0 prints on, so no silence would end it earlier)."""
     started = time.monotonic()
-    code, _ = run_job(tmp_path, handlers(threading.Event(), quiet_for=3.0, bogus_rank=True))
+    code, _ = run_job(tmp_path, handlers(threading.Event(), quiet_for=30.0, bogus_rank=True))
     err = " ".join(capsys.readouterr().err.split())
     assert code == EXIT_JOB_FAILED
     assert "progress of a rank which is not followed here" in err, err
-    assert "hang:" not in err and time.monotonic() - started < 2.5, err
+    assert "hang:" not in err and time.monotonic() - started < 20, err
