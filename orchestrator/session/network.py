@@ -319,7 +319,7 @@ def host_plan(cluster: Cluster, host: Host, facts: dict[str, Any], src: str,
                             hint="name an interface the host has, or write `interface: auto`")
         iface, how = ",".join(names), "network.interface"
     elif all_lo:
-        iface, how = None, "one machine: every host reached the master over loopback"
+        iface, how = None, "one machine: all hosts reached the master over loopback"
     else:
         iface = iface_of(facts, src)
         if iface == "lo":   # this host is host 0's machine: host 0's interface there
@@ -375,7 +375,7 @@ def prove(cluster: Cluster, links: dict[int, Link], facts: dict[int, dict[str, A
                    "", t0)
     check_ring(cluster, results, {i: h.address for i, h in plan.hosts.items()})
     count = sum(1 for rs in results.values() for r in rs if r["why"] != "unfinished")
-    probe = (f"every host reached host 0 on port {results[0][0]['port']} and its ring "
+    probe = (f"all hosts reached host 0 on port {results[0][0]['port']} and its ring "
              f"neighbour on a port the OS picked ({count} connections, "
              f"{time.monotonic() - t0:.2f} s)")
     return NetPlan(plan.master_addr, plan.how, plan.hosts, probe, time.monotonic() - t0)
@@ -384,13 +384,13 @@ def prove(cluster: Cluster, links: dict[int, Link], facts: dict[int, dict[str, A
 def master_how(cluster: Cluster, addr: str, inventory: str,
                results: dict[int, list[dict[str, Any]]]) -> str:
     if cluster.network.master_addr:
-        return "network.master_addr, reached by every host"
+        return "network.master_addr, reached by all hosts"
     if addr == inventory:
-        return "the inventory's address, reached by every host"
+        return "the inventory's address, reached by all hosts"
     bad = [r for rs in results.values() for r in rs
            if r["group"] == "m" and r["addr"] == inventory and not r["ok"]]
     cause = f": {why(bad[0])}" if bad else ""
-    return (f"an address of host 0 that every host reached; the inventory's {inventory} "
+    return (f"an address of host 0 that all hosts reached; the inventory's {inventory} "
             f"is not one the hosts use between themselves{cause}")
 
 
