@@ -135,7 +135,8 @@ class BridgeHosts:
     def firewall(self, i: int, ports: str) -> None:
         """Host i accepts TCP only to `ports` (iptables multiport: "22,29400:29499")."""
         ns = self.hosts[i].ns
-        for rule in (["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+        for rule in (["-i", "lo", "-j", "ACCEPT"],
+                     ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
                      ["-p", "tcp", "-m", "multiport", "--dports", ports, "-j", "ACCEPT"],
                      ["-p", "tcp", "-j", "DROP"]):
             subprocess.run(["ip", "netns", "exec", ns, "iptables", "-A", "INPUT", *rule],

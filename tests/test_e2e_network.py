@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from helpers import orch, write_job
+from helpers import ORCH, orch, write_job
 from netns_bridge import BridgeHosts
 from sshd_cluster import pid_alive
 
@@ -136,3 +137,34 @@ def test_firewall_ends_before_launch_naming_hosts_and_port(lan: BridgeHosts, tmp
     assert took < 30, took
     no_job_left(lan, "net-fw")
     (tmp_path / "took.txt").write_text(f"{took:.2f}\n")
+
+
+def test_a_stalled_rendezvous_is_named(lan: BridgeHosts, tmp_path: Path) -> None:
+    """`network.check: false`: MASTER_ADDR is the inventory's eth1 address, which the other
+    hosts cannot route to, so no node completes torchrun's rendezvous. `orch up` says so
+    (where they were to meet, the likely cause) instead of waiting without a word;
+    Ctrl-C then stops the job on every host."""
+    inv = inventory(lan, tmp_path, "net-rdzv", check=False)
+    env = dict(os.environ, ORCH_RDZV_NOTICE="4")
+    proc = subprocess.Popen(["ip", "netns", "exec", lan.client_ns, *ORCH, "up", str(inv)],
+                            cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = ""
+    try:
+        deadline = time.monotonic() + 120
+        assert proc.stderr is not None
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            err += line
+            if "rendezvous:" in line or not line:
+                break
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _out, rest = proc.communicate(timeout=60)
+    err += rest
+    text = " ".join(err.split())
+    assert f"rendezvous: no host has joined torchrun's rendezvous at {lan.hosts[0].address}:" \
+           f"{MASTER_PORT} 4 s after the launch" in text, text
+    assert "likely cause" in text and "Traceback" not in text, text
+    assert proc.returncode == 130, text
+    no_job_left(lan, "net-rdzv")

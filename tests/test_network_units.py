@@ -205,3 +205,17 @@ def test_a_probe_answers_once_the_best_address_is_known() -> None:
     left = subprocess.run(["ss", "-Htln", f"( sport = :{f['port']} )"], capture_output=True,
                           text=True).stdout
     assert not left.strip(), left
+
+
+def test_a_stalled_rendezvous_names_the_hosts_that_have_not_joined(tmp_path: Path) -> None:
+    c = parse(BASE.replace("  - 10.0.0.8\n  - 10.0.0.9\n", "  - gpu[01-04]\n"),
+              tmp_path / "cluster.yaml")
+    assert network.stalled(c, {0, 1, 2, 3}, "10.1.0.5", 29500, 60) is None
+    some = network.stalled(c, {0, 1}, "10.1.0.5", 29500, 60)
+    assert some is not None and some.startswith(
+        "rendezvous: gpu[03-04] have not joined torchrun's rendezvous at 10.1.0.5:29500 "
+        "60 s after the launch; likely cause:"), some
+    assert "gpu[03-04]" in some and "10.1.0.5:29500 60 s after the launch" in some, some
+    assert "cannot reach it (a firewall on the master port" in some
+    none = network.stalled(c, set(), "10.1.0.5", 29500, 60)
+    assert none is not None and none.startswith("rendezvous: no host has joined"), none

@@ -5,6 +5,7 @@ This module draws the steps (bars, one line each) and what follows the start."""
 from __future__ import annotations
 
 import argparse
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -96,10 +97,36 @@ def run(args: argparse.Namespace) -> int:
         # what follows the start, imported once the job runs (the hosts' torch imports
         # leave this process seconds to spare): not before the first login
         from orchestrator.watch.monitor import attach
-        code = attach(started.session, st)
+        seen: list[Any] = []
+        notice = rendezvous_notice(cluster, st, seen)
+        try:
+            code = attach(started.session, st, seen)
+        finally:
+            notice.cancel()
         if args.no_pull or code == EXIT_INTERRUPTED:
             return code
         return pull_after(started, code)
+
+
+def rendezvous_notice(cluster: Cluster, st: Any, seen: list[Any]) -> threading.Timer:
+    """Once, a while after the launch (network.notice_after): the hosts none of whose
+    ranks started (they have not joined torchrun's rendezvous), where they were to meet,
+    the likely cause."""
+    from orchestrator.session import network
+
+    def check() -> None:
+        mon = seen[0] if seen else None
+        if mon is None or mon.failed():
+            return
+        text = network.stalled(cluster, mon.started.copy(), st.master_addr, st.master_port,
+                               after)
+        if text:
+            console.print(text, markup=False)
+    after = network.notice_after()
+    timer = threading.Timer(after, check)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def started_line(cluster: Cluster, st: Any) -> None:

@@ -410,3 +410,34 @@ def load(cluster: Cluster, run_id: str) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) and doc.get("run_id") == run_id else None
+
+
+# ------------------------------------------------------------------ after the launch
+
+RDZV_NOTICE = 60.0   # seconds after the launch: a host with no rank started is named
+
+
+def notice_after() -> float:
+    """RDZV_NOTICE, or ORCH_RDZV_NOTICE's seconds (a test's, or a slow cluster's)."""
+    try:
+        return max(1.0, float(os.environ.get("ORCH_RDZV_NOTICE", RDZV_NOTICE)))
+    except ValueError:
+        return RDZV_NOTICE
+
+
+def stalled(cluster: Cluster, started: set[int], addr: str, port: int,
+            waited: float) -> str | None:
+    """The hosts none of whose ranks has started: torchrun starts them only once every
+    node joined its rendezvous at addr:port. None when each host has a rank started."""
+    late = [h.label for h in cluster.hosts if not any(r in started for r in h.ranks)]
+    if not late:
+        return None
+    who = "no host has" if len(late) == len(cluster.hosts) else \
+        f"{fold(late)} {'has' if len(late) == 1 else 'have'} not"
+    return (f"rendezvous: {who} joined torchrun's rendezvous at {addr}:{port} "
+            f"{waited:g} s after the launch; likely cause: "
+            + ("host 0's torchrun is not up, or no host reaches it (a firewall on the "
+               "master port)" if len(late) == len(cluster.hosts) else
+               "they cannot reach it (a firewall on the master port, or no route), or "
+               "their torchrun failed (its log: run/<host part>/torchrun.log there)")
+            + "; the job goes on until torchrun's own timeout, Ctrl-C or `orch stop` ends it")
