@@ -8,9 +8,7 @@ import fcntl
 import gc
 import hashlib
 import os
-import signal
 import stat
-import threading
 import time
 
 from orchestrator.agent.common import AgentError, folder_of
@@ -28,6 +26,8 @@ from orchestrator.agent.paths import (
     split_parent,
     write_all,
 )
+from orchestrator.agent.streams import StreamReader, broke
+from orchestrator.agent.streams import drain as drain  # (tests name it here)
 from orchestrator.wire import protocol, timeouts
 
 MYPY = False
@@ -36,6 +36,7 @@ if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent st
 
     from orchestrator.agent.main import Request
 
+IdleReader = StreamReader   # its old name (tests name it here)
 UMASK = os.umask(0)
 os.umask(UMASK)
 STAGING = ".orch-staging-"
@@ -60,46 +61,8 @@ def free_space(folder: str) -> str:
     return ", %d bytes free of %d" % (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
 
 
-class IdleReader:
-    """The request's frame reader with a deadline per frame (SIGALRM, in the agent's
-    main thread only): a stream that stops half way ends the receiver in bounded time,
-    keeping what landed, instead of blocking it (and its folder's lock) until sshd notices."""
-
-    def __init__(self, reader: protocol.FrameReader, idle: float) -> None:
-        self.reader, self.idle = reader, idle
-        self.armed = threading.current_thread() is threading.main_thread()
-        self.old: Any = None
-
-    def __enter__(self) -> "IdleReader":
-        if self.armed:
-            self.old = signal.signal(signal.SIGALRM, self._expired)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.armed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self.old)
-
-    def disarm(self) -> None:
-        if self.armed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-
-    def _expired(self, signum: int, frame: Any) -> None:
-        raise StreamIdle("the receive stream stopped: nothing came for %g s" % self.idle)
-
-    def read_frame(self) -> Any:
-        if self.armed:
-            signal.setitimer(signal.ITIMER_REAL, self.idle)
-        return self.reader.read_frame()
-
-    def read_json(self, what: str) -> Any:
-        if self.armed:
-            signal.setitimer(signal.ITIMER_REAL, self.idle)
-        return self.reader.read_json(what)
-
-
 if MYPY:
-    Reader = Union[protocol.FrameReader, IdleReader]
+    Reader = Union[protocol.FrameReader, StreamReader]
 
 
 def receive_lock(jd: JobDir, folder: str, wait: float = timeouts.RECEIVE_LOCK) -> int:
@@ -253,7 +216,7 @@ def receive_bytes(reader: Reader, fd: int, h: Any, left: int, name: str) -> None
             raise EOFError("stream ended inside %s" % name)
         kind, data = got
         if kind != protocol.DATA or len(data) > left:
-            raise protocol.ProtocolError("%s: expected %d more bytes of data" % (name, left))
+            raise broke(reader, "%s: expected %d more bytes of data" % (name, left))
         if h is not None:
             h.update(data)
         view = memoryview(data)
@@ -372,8 +335,7 @@ def batch_data(reader: Reader, entries: list[Any]) -> memoryview:
     if got is None:
         raise EOFError("stream ended inside a batch of files")
     if got[0] != protocol.DATA or len(got[1]) != total:
-        raise protocol.ProtocolError("receive: a batch's data is not the %d bytes of its "
-                                     "files" % total)
+        raise broke(reader, "receive: a batch's data is not the %d bytes of its files" % total)
     return memoryview(got[1])
 
 
@@ -444,15 +406,6 @@ def write_small(dirs: Dirs, pfd: int, name: str, data: memoryview, mode: int, st
     return lstat_at(pfd, name) or st   # the rename moved ctime on (ledger.stat_key has it)
 
 
-def drain(reader: Reader) -> None:
-    """After a refused file: skip the rest of the stream, so that the next request is
-    read as one (the controller sends to the end before it reads the reply)."""
-    while True:
-        got = reader.read_frame()
-        if got is None or (got[0] == protocol.JSON and protocol.decode(got, "receive")["t"] == "end"):
-            return
-
-
 def apply_deletes(jd: JobDir, base: str, ledger: Ledger, delete: list[Any]) -> int:
     """Delete only what orch pushed (in the ledger): a file or link the job made, or an
     excluded path, stays whatever the controller asks."""
@@ -469,7 +422,8 @@ def apply_deletes(jd: JobDir, base: str, ledger: Ledger, delete: list[Any]) -> i
 
 def run_receive(req: Request) -> dict[str, Any]:
     """Apply a stream: a `file` message and its data frames per file (a `link` message
-    for a link), then `end` with the files to delete."""
+    for a link), then `end` with the files to delete. A failure, here or half way, is
+    answered at once and the rest of the stream skipped (agent/streams.py)."""
     jd, base = folder_of(req.args["root"])
     os.close(jd.open_dir(base, create=True))   # a remote_dir under a linked folder is fine
     lock = receive_lock(jd, base)
@@ -480,8 +434,7 @@ def run_receive(req: Request) -> dict[str, Any]:
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with IdleReader(req.reader, timeouts.RECEIVE_IDLE) as reader:
-            return receive_into(reader, jd, base)
+        return receive_into(req.stream, jd, base)
     finally:
         if collecting:
             gc.enable()
@@ -493,17 +446,35 @@ def receive_into(reader: Reader, jd: JobDir, base: str) -> dict[str, Any]:
     ledger.begin()
     staging = Staging(dirs, base)
     try:
-        try:
-            head, count, nbytes = receive_stream(reader, dirs, base, ledger, staging)
-        except (ValueError, OSError):   # a refused file, a full disk: the stream goes on to its end
-            drain(reader)
-            raise
-        finally:
-            if isinstance(reader, IdleReader):
-                reader.disarm()   # the stream is over: what is left is this host's own work
-            staging.promote(ledger)   # also after a broken stream: a resumed push sends the rest
+        head, count, nbytes = receive_stream(reader, dirs, base, ledger, staging)
+    except BaseException:   # a refused file, a full disk: the agent skips the rest (agent/streams.py)
+        after_failure(reader, lambda: staging.promote(ledger), dirs, ledger)
+        raise
+    if isinstance(reader, StreamReader):
+        reader.disarm()   # the stream is over: what is left is this host's own work
+    try:
+        staging.promote(ledger)
         deleted = apply_deletes(jd, base, ledger, head["delete"])
     finally:
         dirs.close()
         ledger.save()   # what did land is known next time
     return {"files": count, "bytes": nbytes, "deleted": deleted}
+
+
+def after_failure(reader: Reader, promote: Any, dirs: Dirs, ledger: Ledger) -> None:
+    """After a stream that failed: what landed promoted and recorded (a resumed push
+    sends only the rest). A failure here too (the same full disk) must not hide the
+    first one, the cause the user is told: what it left is consistent (a file in place
+    and not recorded is sent again) and the next manifest sweeps what is half done."""
+    if isinstance(reader, StreamReader):
+        reader.disarm()
+    try:
+        promote()
+    except OSError:
+        pass
+    finally:
+        dirs.close()
+    try:
+        ledger.save()
+    except OSError:
+        pass

@@ -15,11 +15,10 @@ from __future__ import annotations
 import os
 
 from orchestrator.agent import files
-from orchestrator.agent.common import AgentError
 from orchestrator.agent.ledger import Ledger
 from orchestrator.agent.paths import Dirs, JobDir
 from orchestrator.agent.restore import job_path, stream_head
-from orchestrator.wire import globs, timeouts
+from orchestrator.wire import globs
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
@@ -32,13 +31,14 @@ KEEP = globs.KEEP
 
 def run_receive(req: Request) -> dict[str, Any]:
     """Receive the stream into checkpoints/, holding its receive lock (one relay at a
-    time, whatever the controller)."""
+    time, whatever the controller). Refused before or during the stream (a link at
+    checkpoints/, a full disk): the error is answered and the rest skipped
+    (agent/streams.py)."""
     jd = JobDir(req.args["job_dir"])
     os.close(jd.open_dir(KEEP, create=True))
     lock = files.receive_lock(jd, KEEP)
     try:
-        with files.IdleReader(req.reader, timeouts.RECEIVE_IDLE) as reader:
-            return receive(reader, jd)
+        return receive(req.stream, jd)
     finally:
         os.close(lock)
 
@@ -52,13 +52,15 @@ def receive(reader: Any, jd: JobDir) -> dict[str, Any]:
             head = stream_head(reader, "keep", "keep_receive")
             if head["t"] == "end":
                 break
-            try:
-                st, digest = files.receive_file(reader, dirs, KEEP, checked(head))
-            except (ValueError, OSError, AgentError):   # refused (UnsafePath is an OSError)
-                files.drain(reader)                       # to the stream's end, then say so
-                raise
+            # a refused file (a link, a full disk) ends the request: its error is
+            # answered, the rest of the stream skipped (agent/streams.py)
+            st, digest = files.receive_file(reader, dirs, KEEP, checked(head))
             ledger.record(head["p"], st, digest)
             count, nbytes = count + 1, nbytes + head["s"]
+    except BaseException:
+        files.after_failure(reader, lambda: None, dirs, ledger)
+        raise
+    try:
         for rel in head["delete"]:
             checked({"p": rel})
         deleted = files.apply_deletes(jd, KEEP, ledger, head["delete"])

@@ -16,10 +16,10 @@ import sys
 import threading
 import time
 
-from orchestrator.agent import paths
+from orchestrator.agent import paths, streams
 from orchestrator.agent.common import AgentError, StreamIdle
 from orchestrator.agent.paths import UnsafePath
-from orchestrator.wire import protocol
+from orchestrator.wire import protocol, timeouts
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
@@ -90,12 +90,23 @@ class Request:
                  debug: bool) -> None:
         self.t, self.id, self.args = msg["t"], msg.get("id"), msg
         self.out, self.reader, self.debug = out, reader, debug
+        self.stream: Any = None   # the stream that follows it (agent/streams.py), if any
 
     def part(self, kind: str, body: dict[str, Any]) -> None:
         self.out.send(protocol.part(self.id, kind, body))
 
 
 def serve(req: Request) -> None:
+    """Answer one request. One a stream follows is answered, then its stream read to
+    its end whatever happened (agent/streams.py): the next frame is the next request."""
+    if req.t not in streams.STREAMED:
+        return answer(req)
+    with streams.StreamReader(req.reader, timeouts.RECEIVE_IDLE) as req.stream:
+        answer(req)
+        streams.drain(req.stream)
+
+
+def answer(req: Request) -> None:
     try:
         protocol.check(req.args, {"id": int}, "request " + req.t)
         protocol.check(req.args, protocol.REQUESTS[req.t], "request " + req.t)

@@ -17,7 +17,7 @@ import os
 from orchestrator.agent import files, pull
 from orchestrator.agent.common import AgentError
 from orchestrator.agent.paths import Dirs, JobDir, UnsafePath
-from orchestrator.wire import globs, protocol, timeouts
+from orchestrator.wire import globs, protocol
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
@@ -55,8 +55,7 @@ def run_restore(req: Request) -> dict[str, Any]:
         for folder in globs.FOLDERS:
             os.close(jd.open_dir(folder, create=True))
             locks.append(files.receive_lock(jd, folder))
-        with files.IdleReader(req.reader, timeouts.RECEIVE_IDLE) as reader:
-            return receive(reader, jd)
+        return receive(req.stream, jd)   # refused: the rest is skipped (agent/streams.py)
     finally:
         for fd in locks:
             os.close(fd)
@@ -72,11 +71,7 @@ def receive(reader: Any, jd: JobDir) -> dict[str, Any]:
                 if head["delete"]:
                     raise protocol.ProtocolError("restore: a restore deletes nothing")
                 return {"files": count, "bytes": nbytes}
-            try:
-                one(reader, dirs, head)
-            except (ValueError, OSError, AgentError):   # refused (UnsafePath is an OSError):
-                files.drain(reader)                       # to the stream's end, then say so
-                raise
+            one(reader, dirs, head)
             count, nbytes = count + 1, nbytes + head["s"]
     finally:
         dirs.close()

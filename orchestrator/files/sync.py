@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from hashlib import sha256
 from typing import Any, Callable
 
-from orchestrator.errors import DataError, HostError
+from orchestrator.errors import DataError, HostError, OrchError
 from orchestrator.files.feed import Feed
 from orchestrator.files.localfiles import (  # noqa: F401 (code_files: re-exported)
     DigestCache,
@@ -76,7 +76,8 @@ def file_head(f: LocalFile, fresh: bool = False) -> bytes:
 
 def stream_files(send: Callable[[bytes | memoryview], None], files: Iterable[LocalFile],
                  progress: Progress | None, batch: bool = True,
-                 cache: DigestCache | None = None) -> None:
+                 cache: DigestCache | None = None,
+                 stop: Callable[[], bool] | None = None) -> None:
     """A `file` message and data frames (at most 1 MiB each) per file. `batch`: small
     files go as `files` messages instead, each one JSON list of up to BATCH_FILES files
     and one data frame of their bytes end to end (the host's per-file cost was most of
@@ -84,8 +85,9 @@ def stream_files(send: Callable[[bytes | memoryview], None], files: Iterable[Loc
     the hash, else read now. A deferred file (digest "") is hashed as it is read, its
     digest remembered in `cache` (one over BATCH is read twice: its head, which
     carries the digest, goes before its bytes). Everything goes out in writes of about
-    1 MiB."""
-    out = Batcher(send, progress)
+    1 MiB. `stop`: asked between two frames; true (the host answered already: it
+    refused the stream) ends it there with HostRefused."""
+    out = Batcher(send, progress, stop)
     try:
         stream_each(out, files, batch, cache)
     except DataError:   # a file that cannot be read: what was read before it still goes
@@ -168,12 +170,18 @@ BATCH_FILES = protocol.MAX_BATCH_FILES   # files in one `files` message
 BATCH_HEAD = protocol.MAX_JSON // 2      # bytes of its JSON, at most
 
 
+class HostRefused(Exception):
+    """The host answered the stream's request before its end (an error: it refused the
+    stream and skips the rest): the controller stops sending and ends it with `abort`."""
+
+
 class Batcher:
     """The stream's bytes gathered into writes of about BATCH, small files into batches."""
 
     def __init__(self, send: Callable[[bytes | memoryview], None],
-                 progress: Progress | None) -> None:
+                 progress: Progress | None, stop: Callable[[], bool] | None = None) -> None:
         self.send, self.progress = send, progress
+        self.stop = stop or (lambda: False)   # asked only between two frames
         self.out, self.pending = bytearray(), 0     # bytes to write, files in them
         self.entries: list[list[Any]] = []          # the small files' batch
         self.chunks: list[bytes] = []
@@ -216,15 +224,31 @@ class Batcher:
         self.write()
         buf = bytearray(BATCH)
         view = memoryview(buf)
-        with open(f.path, "rb") as src:
-            for n in iter(lambda: src.readinto(buf), 0):
-                self.send(protocol.HEADER.pack(protocol.DATA, n))
-                self.send(view[:n])
+        left = f.size
+        try:
+            with open(f.path, "rb") as src:
+                while left:
+                    n = src.readinto(view[:min(left, BATCH)])
+                    if not n:
+                        break
+                    if self.stop():
+                        raise HostRefused()
+                    self.send(protocol.HEADER.pack(protocol.DATA, n))
+                    self.send(view[:n])
+                    left -= n
+        except OSError as e:   # this machine's file: the stream is aborted, the host kept
+            raise DataError(f"{f.path}: cannot be read ({e.strerror or e})",
+                            hint="fix or remove the file, then push again") from None
+        if left:   # exactly the announced bytes (the host checks their digest), or none
+            raise DataError(f"{f.path}: shrank while it was sent ({f.size} bytes listed)",
+                            hint="push again once nothing writes to it")
         if self.progress:
             self.progress(f.size, 1)
 
     def write(self) -> None:
         if self.out:
+            if self.stop():
+                raise HostRefused()
             self.send(bytes(self.out))
         if self.progress and (self.out or self.pending):
             self.progress(len(self.out), self.pending)
@@ -376,29 +400,67 @@ def stream_and_wait(link: Link, stall: Stall, dest: str, send: Iterable[LocalFil
                     **fields: Any) -> dict[str, Any]:
     """The stream after its request (`receive` into dest, or another that takes the same
     stream with `fields`: a checkpoint `restore`, which takes no `files` batches), then
-    the reply. A local file that cannot be read half way (a deferred file's hash is taken
-    here) ends the stream there without deleting anything: the host keeps and records
-    what landed, and the DataError names the file."""
-    unreadable: DataError | None = None
+    the reply. Once the request is sent the stream always ends, so the host reads the
+    next request as one: with `end`, or with `abort` when this side gives up half way (a
+    local file that cannot be read: the host keeps and records what landed, the
+    DataError names the file) or the host answered before the end (it refused the
+    stream: its error is raised)."""
+    local: BaseException | None = None
     try:
         with link.wlock:   # the stream follows its request with nothing in between
             _, pending = link.submit(command, **(fields or {"root": dest}))
             try:
-                stream_files(stall.send, send, progress, batch=command == "receive",
-                             cache=cache)
-            except DataError as e:
-                unreadable, delete = e, []
-            link.send(protocol.stream_item("end", delete=delete))
-    except (OSError, EOFError) as e:
+                stream_files(sent(stall), send, progress, batch=command == "receive",
+                             cache=cache, stop=pending.done.is_set)
+                link.send(protocol.stream_item("end", delete=delete))
+            except LinkBroke:
+                raise
+            except BaseException as e:   # this side's failure, or the host's early answer
+                local = e
+                link.send(protocol.stream_item("abort", why=abort_reason(e)))
+    except LinkBroke as e:
+        if isinstance(e.cause, OrchError):   # the host was found lost: its own words
+            raise e.cause from None
+        raise HostError(f"{link.name}: push to {dest} broke off: {e.cause}",
+                        hint=f"run `{hint_cmd(None, 'up')}` again: only what is missing "
+                             "will be sent") from None
+    except (OSError, EOFError) as e:   # the abort itself could not be sent
         raise HostError(f"{link.name}: push to {dest} broke off: {e}",
                         hint=f"run `{hint_cmd(None, 'up')}` again: only what is missing "
                              "will be sent") from None
+    if local is not None and not isinstance(local, Exception):
+        raise local   # Ctrl-C: the stream is ended, its answer not waited for
     stall.sent = stall.clock.now()
     deadline = time.monotonic() + timeouts.SYNC
     # the stall watchdog ends a silent host sooner (its reader then fails the wait)
     while not pending.done.wait(0.5) and time.monotonic() < deadline:
         pass
-    reply = link.wait(pending, max(0.0, deadline - time.monotonic()))
-    if unreadable is not None:
-        raise unreadable
-    return reply
+    if local is not None and not isinstance(local, HostRefused):
+        raise local   # (the host's answer to the abort says only that it was aborted)
+    return link.wait(pending, max(0.0, deadline - time.monotonic()))
+
+
+class LinkBroke(Exception):
+    """A send of the stream failed: the connection, not this side's files."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def sent(stall: Stall) -> Callable[[bytes | memoryview], None]:
+    """stall.send, its failures told apart from this side's (LinkBroke)."""
+    def send(data: bytes | memoryview) -> None:
+        try:
+            stall.send(data)
+        except Exception as e:
+            raise LinkBroke(e) from e
+    return send
+
+
+def abort_reason(e: BaseException) -> str:
+    if isinstance(e, HostRefused):
+        return "the host refused the stream"
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    return (getattr(e, "message", None) or str(e) or type(e).__name__)[:500]

@@ -110,6 +110,12 @@ class FrameReader:
         self._read, self.caps, self.chunk = read, caps or CAPS, chunk
         self._readinto = readinto
         self.buf, self.pos = bytearray(), 0
+        self.back: tuple[bytes, bytes | bytearray] | None = None   # unread(): read next
+
+    def unread(self, got: tuple[bytes, bytes | bytearray]) -> None:
+        """Give a frame back: the next read_frame returns it (the agent's stream reader
+        found a request where a stream item belongs: the request is served next)."""
+        self.back = got
 
     def _fill(self, n: int) -> bool:
         """At least n unread bytes buffered; False if the stream ended first."""
@@ -143,6 +149,9 @@ class FrameReader:
 
     def read_frame(self) -> tuple[bytes, bytes | bytearray] | None:
         """(kind, payload), or None at a clean end of stream (between frames)."""
+        if self.back is not None:
+            got, self.back = self.back, None
+            return got
         if not self._fill(HEADER.size):
             if len(self.buf) > self.pos:
                 raise ProtocolError("stream ended inside a frame header")
@@ -429,7 +438,7 @@ REPLIES: dict[str, dict[str, Any]] = {
     "stop": {"found": int, "killed": int, "left": [int], "seconds": NUM},
     "pull_manifest": {"root": str, "files": int, "bytes": int,
                       "skipped": [{"p": str, "why": str}], "skipped_count": int,
-                      "?fresh": int},
+                      "?fresh": int, "?fresh_paths": name_list},
     "pull_send": {"files": int, "bytes": int},
     "restore_check": {"want": [str]},
     "restore": {"files": int, "bytes": int},
@@ -480,6 +489,10 @@ STREAM: dict[str, dict[str, Any]] = {"file": {"p": str, "s": int, "h": str, "m":
           # then one data frame of their bytes end to end when any has a byte (receive only)
           "files": {"f": list, "?fresh": bool},
           "end": {"delete": [str]}}
+# The controller gives up on a stream it started (a local file it cannot read, half
+# way through its bytes too): `abort` ends it instead of `end`; the host keeps what
+# landed and answers with an error (agent/streams.py).
+STREAM_ABORT = {"why": str}
 MAX_BATCH_FILES = 4096
 
 

@@ -1,0 +1,221 @@
+"""A refused stream never costs a host (agent/streams.py): every request that carries a
+stream (`receive`, `keep_receive`, `restore`) refused at its first item, refused in the
+middle (a link planted on the way), or out of disk in the middle, between the
+controller's real code and a real agent (a `connection: local` host). In each, one
+error names the cause, the next request on the same link works, and a `stop` there
+ends the job's processes. The controller's side: a stream it gives up on half way
+(a file that shrank or cannot be read) ends with `abort`, and a pull whose local
+receiver fails leaves the link in step."""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import wait_until_gone
+from orchestrator.config.inventory import parse
+from orchestrator.errors import DataError, OrchError
+from orchestrator.files.localfiles import LocalFile
+from orchestrator.files.sync import Stall, stream_and_wait
+from orchestrator.remote.link import Link
+from orchestrator.remote.transport import LocalTransport
+from orchestrator.wire import protocol
+
+MB = 1 << 20
+REQUESTS = ("receive", "keep_receive", "restore")
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Host:
+    link: Link
+    job: Path          # the job folder on the "host"
+    here: Path         # where this side's files are
+    rank: subprocess.Popen   # a process of the job (its marker in its environment)
+
+
+def start(tmp_path: Path, remote: Path) -> Host:
+    text = (f"name: wire\nhosts:\n  - address: localhost\n    connection: local\n"
+            f"    remote_dir: {remote}\npython: {sys.executable}\njob:\n  entrypoint: job.py\n")
+    host = parse(text, tmp_path / "cluster.yaml").hosts[0]
+    job = remote / "job"
+    job.mkdir(parents=True, exist_ok=True)
+    rank = subprocess.Popen(["sleep", "300"], env={"ORCH_JOB_DIR": str(job), "PATH": "/usr/bin:/bin"},
+                            start_new_session=True)
+    link = Link(LocalTransport(host, cwd=str(tmp_path)))
+    link.start(timeout=30)
+    here = tmp_path / "here"
+    here.mkdir(exist_ok=True)
+    return Host(link, job, here, rank)
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    h = start(tmp_path, tmp_path / "remote")
+    yield from ended(h)
+
+
+def ended(h: Host) -> Iterator[Host]:
+    try:
+        yield h
+    finally:
+        if h.rank.poll() is None:
+            os.killpg(h.rank.pid, 9)
+        h.rank.wait(10)
+        proc = h.link.chan.proc  # type: ignore[union-attr]
+        h.link.close()
+        proc.wait(10)   # the agent ended with its stdin
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "orch-test-stream", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def files_of(h: Host, sizes: dict[str, int]) -> list[LocalFile]:
+    """Local files to send, named as the request's stream names them."""
+    out = []
+    for rel, size in sizes.items():
+        path = h.here / rel.replace("/", "_")
+        data = os.urandom(size)
+        path.write_bytes(data)
+        out.append(LocalFile(rel, str(path), size, 0o644, sha(data)))
+    return out
+
+
+def send(h: Host, command: str, files: list[LocalFile]) -> dict:
+    """The stream of `command` with the controller's own code (sync.stream_and_wait)."""
+    job = str(h.job)
+    fields: dict[str, Any] = {"job_dir": job} if command != "receive" else {}
+    dest = f"{job}/code" if command == "receive" else job
+    with Stall(h.link) as stall:
+        return stream_and_wait(h.link, stall, dest, files, [], None, command, **fields)
+
+
+def names(command: str, *rels: str) -> list[str]:
+    """Paths as each request's stream names them (receive: relative to code/)."""
+    prefix = {"receive": "", "keep_receive": "output/ck/", "restore": "output/ck/"}[command]
+    return [prefix + rel for rel in rels]
+
+
+def folder(h: Host, command: str) -> Path:
+    """Where the stream's files land on the host."""
+    return {"receive": h.job / "code", "keep_receive": h.job / "checkpoints" / "output" / "ck",
+            "restore": h.job / "output" / "ck"}[command]
+
+
+def still_usable(h: Host) -> None:
+    """The next request on the same link is answered, and a stop ends the job's process."""
+    assert h.link.dead is None
+    assert "time" in h.link.request("clock", 30)
+    got = h.link.request("stop", 60, job_dir=str(h.job), grace=2)
+    assert got["found"] >= 1 and got["left"] == [], got
+    assert wait_until_gone([h.rank.pid], 10) == [] or h.rank.poll() is not None
+
+
+def plant(h: Host, command: str, rel_folder: str, tmp_path: Path) -> Path:
+    """A link planted where a folder of the stream belongs (under its landing folder)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    where = folder(h, command) / rel_folder if rel_folder else folder(h, command)
+    where.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(elsewhere, where)
+    return elsewhere
+
+
+@pytest.mark.parametrize("command", REQUESTS)
+def test_refused_at_the_first_item(command: str, host: Host, tmp_path: Path) -> None:
+    """The folder the stream goes into is a link (keep_receive: the reported case, its
+    checkpoints/): refused before the first item is read."""
+    top = {"receive": "code", "keep_receive": "checkpoints", "restore": "output"}[command]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, host.job / top)
+    sent = files_of(host, dict.fromkeys(names(command, "a/1.bin", "b/2.bin"), 3 * MB))
+    with pytest.raises(OrchError) as err:
+        send(host, command, sent)
+    text = str(err.value)
+    assert text.startswith(f"localhost: {command} failed:") and "link" in text, text
+    assert "unknown request" not in text
+    assert list(elsewhere.iterdir()) == []
+    still_usable(host)
+
+
+@pytest.mark.parametrize("command", REQUESTS)
+def test_refused_in_the_middle(command: str, host: Host, tmp_path: Path) -> None:
+    folder(host, command).mkdir(parents=True, exist_ok=True)
+    elsewhere = plant(host, command, "b", tmp_path)
+    sent = files_of(host, dict.fromkeys(names(command, "a/1.bin", "b/2.bin", "c/3.bin"), MB))
+    with pytest.raises(OrchError) as err:
+        send(host, command, sent)
+    text = str(err.value)
+    assert "link" in text and "unknown request" not in text, text
+    assert list(elsewhere.iterdir()) == []
+    assert (folder(host, command) / "a" / "1.bin").stat().st_size == MB   # what landed stays
+    assert not (folder(host, command) / "c").exists()
+    still_usable(host)
+
+
+@pytest.mark.parametrize("command", REQUESTS)
+def test_out_of_disk_in_the_middle(command: str, tmp_path: Path, small_disk: Path) -> None:
+    for h in ended(start(tmp_path, small_disk)):
+        # 2 MiB of disk: the first file lands, the second does not fit
+        sent = files_of(h, dict.fromkeys(names(command, "a/1.bin", "b/2.bin", "c/3.bin"),
+                                          5 * MB // 4))
+        with pytest.raises(OrchError) as err:
+            send(h, command, sent)
+        text = str(err.value)
+        assert "no space left on device" in text and "2.bin" in text, text
+        assert err.value.hint and "free space" in err.value.hint
+        assert not list(small_disk.rglob("*.orch-part-*"))
+        still_usable(h)
+
+
+@pytest.mark.parametrize("command", REQUESTS)
+def test_a_stream_this_side_gives_up_on_half_way_ends_with_abort(
+        command: str, host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big file that shrinks while it is sent: the stream is aborted after the bytes
+    that were there, the host keeps what landed and drops the half file."""
+    sent = files_of(host, dict.fromkeys(names(command, "a/1.bin", "b/2.bin"), 3 * MB))
+    with open(sent[1].path, "r+b") as f:   # listed at 3 MB, now 1.5
+        f.truncate(3 * MB // 2)
+    with pytest.raises(DataError, match="shrank while it was sent"):
+        send(host, command, sent)
+    assert (folder(host, command) / "a" / "1.bin").stat().st_size == 3 * MB
+    assert not list(host.job.rglob("*.orch-part-*"))
+    still_usable(host)
+
+
+def test_a_request_where_an_item_belongs_ends_the_stream_and_is_served(host: Host) -> None:
+    """A controller that gave up on a stream without ending it: the host answers the
+    stream's request with an error and serves the request that came instead."""
+    link = host.link
+    _, first = link.submit("keep_receive", job_dir=str(host.job))
+    data = os.urandom(1000)
+    link.send(protocol.stream_item("file", p="output/x.pt", s=5000, h=sha(data), m=0o644)
+              + protocol.frame(protocol.DATA, data))
+    _, clock = link.submit("clock")
+    with pytest.raises(OrchError, match="keep_receive failed"):
+        link.wait(first, 30)
+    assert "time" in link.wait(clock, 30)
+    assert not list(host.job.rglob("*.orch-part-*"))
+    still_usable(host)
