@@ -315,7 +315,9 @@ def test_another_user_cannot_free_a_running_jobs_gpus(
            "ORCH_GPU_CLAIMS_DIR": str(claims), "PYTHONPATH": str(REPO),
            "SSH_CONNECTION": f"127.0.0.1 1 {host.address} 22"}   # the stand-in's host
     uuids = [f"GPU-fake-{host.address}-{i}" for i in range(2)]
-    as_nobody(env, PRE_CREATE, str(claims), *uuids)
+    keys = [u.replace(".", "_") for u in uuids]   # as a claim's name spells a UUID
+    as_nobody(env, PRE_CREATE, str(claims), *keys)
+    assert len([p for k in keys for p in claims.glob(f"gpu-{k}.*.claim")]) == 6
     up = orch(tmp_path, "up", str(first), "--detach", timeout=120)
     assert up.returncode == 0, up.stdout + up.stderr
 
@@ -329,7 +331,7 @@ def test_another_user_cannot_free_a_running_jobs_gpus(
 
     assert orch(tmp_path, "stop", str(first), timeout=60).returncode == 0
     assert_nothing_left([host], "h1", wait=10)
-    as_nobody(env, PRE_CREATE, str(claims), *uuids)
+    as_nobody(env, PRE_CREATE, str(claims), *keys)
     again = orch(tmp_path, "up", str(second), timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
     assert_nothing_left([host], "h2", wait=10)
