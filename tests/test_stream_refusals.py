@@ -21,8 +21,9 @@ import pytest
 
 from helpers import wait_until_gone
 from orchestrator.config.inventory import parse
-from orchestrator.errors import DataError, OrchError
-from orchestrator.files.localfiles import LocalFile
+from orchestrator.errors import DataError, OrchError, UsageError
+from orchestrator.files import pull
+from orchestrator.files.localfiles import DigestCache, LocalFile
 from orchestrator.files.sync import Stall, stream_and_wait
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import LocalTransport
@@ -218,4 +219,65 @@ def test_a_request_where_an_item_belongs_ends_the_stream_and_is_served(host: Hos
         link.wait(first, 30)
     assert "time" in link.wait(clock, 30)
     assert not list(host.job.rglob("*.orch-part-*"))
+    still_usable(host)
+
+
+# ---------------------------------------------------------------- a pull, this side failing
+
+def host_output(h: Host, sizes: dict[str, int]) -> None:
+    for rel, size in sizes.items():
+        path = h.job / "output" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(size))
+
+
+def test_a_pull_out_of_local_disk_half_way_leaves_the_link_in_step(
+        tmp_path: Path, host: Host, small_disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills up while the files come (another writer; the space was there when
+    the pull checked): the files that fit land, the others are named with the cause."""
+    host_output(host, dict.fromkeys(("a/1.bin", "b/2.bin", "c/3.bin"), 5 * MB // 4))
+    monkeypatch.setattr(pull, "check_space", lambda dest, fetch: None)
+    cache = DigestCache(tmp_path / "digests.bin")
+    report = pull.pull(host.link, str(host.job), [], small_disk / "out", cache)
+    assert report.files >= 1 and report.failed, report
+    assert "No space left on device" in report.failed[0]["why"], report.failed
+    with pytest.raises(UsageError, match="could not write"):
+        pull.raise_failed(report)
+    assert not list(small_disk.rglob("*.orch-part-*"))
+    still_usable(host)
+
+
+def test_a_link_planted_in_the_destination_half_way_through_a_pull(
+        tmp_path: Path, host: Host) -> None:
+    """A link appears in place of a folder of the destination while the files come: the
+    file under it is refused (never written through), the rest land, the link stays in
+    step."""
+    host_output(host, {"a/1.bin": MB, "b/2.bin": MB, "c/3.bin": MB})
+    root, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def planted(nbytes: int) -> None:
+        if not (root / "b").is_symlink():
+            os.symlink(elsewhere, root / "b")
+    cache = DigestCache(tmp_path / "digests.bin")
+    report = pull.pull(host.link, str(host.job), [], root, cache, progress=planted)
+    assert report.files == 2 and [f["p"] for f in report.failed] == ["b/2.bin"], report
+    assert "symbolic link" in report.failed[0]["why"]
+    assert list(elsewhere.iterdir()) == []
+    still_usable(host)
+
+
+def test_a_receiver_that_fails_unexpectedly_costs_the_pull_not_the_host(
+        tmp_path: Path, host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever this side's receiver raises (here a bug: a RuntimeError) ends that pull
+    with its cause once the host's reply came; the host is not declared lost."""
+    host_output(host, {"a/1.bin": MB, "b/2.bin": MB})
+
+    def broken(self: pull.Receiver, payload: bytes) -> None:
+        raise RuntimeError("the receiver broke")
+    monkeypatch.setattr(pull.Receiver, "data", broken)
+    cache = DigestCache(tmp_path / "digests.bin")
+    with pytest.raises(OrchError, match="the receiver broke") as err:
+        pull.pull(host.link, str(host.job), [], tmp_path / "out", cache)
+    assert "connection lost" not in str(err.value)
     still_usable(host)

@@ -49,6 +49,24 @@ class Stream:
 NO_STREAM = Stream()
 
 
+class Dropped(Stream):
+    """What is left of a stream whose receiver here failed (this side's disk, folder or
+    code, never the host's doing): the host goes on to its reply, so its parts and data
+    are taken and dropped, and the link stays in step."""
+
+    def __init__(self, takes_data: bool) -> None:
+        self.takes_data = takes_data
+
+    def output(self, data: bytes) -> None:
+        pass
+
+    def part(self, kind: str, body: dict[str, Any]) -> None:
+        pass
+
+    def data(self, payload: bytes | bytearray) -> None:
+        pass
+
+
 @dataclass
 class Pending:
     """One request waiting for its reply; parts are collected as they come."""
@@ -193,10 +211,10 @@ class Link:
 
     def _dispatch(self, kind: bytes, payload: bytes | bytearray) -> None:
         if kind == protocol.DATA:
-            return self._stream(None).data(payload)
+            return self._to_stream(None, lambda s: s.data(payload))
         if kind == protocol.STREAM_OUT:
             id, _, data = protocol.split_output(payload)
-            return self._stream(id).output(bytes(data))
+            return self._to_stream(id, lambda s: s.output(bytes(data)))
         if kind == protocol.OUTPUT:
             rank, partial, data = protocol.split_output(payload)
             if self.sink is None or rank not in self.follow_ranks:
@@ -212,13 +230,36 @@ class Link:
         else:
             raise protocol.ProtocolError(f"unexpected message {t!r}")
 
-    def _stream(self, id: int | None) -> Stream:
-        """The stream of request `id`; for file data (no id), the one that takes data.
+    def _stream(self, id: int | None) -> tuple[int | None, Stream]:
+        """(id, stream) of request `id`; for file data (no id), the one that takes data.
         None open: NO_STREAM, which refuses everything."""
         with self.plock:
             if id is None:
-                return next((s for s in self.streams.values() if s.takes_data), NO_STREAM)
-            return self.streams.get(id, NO_STREAM)
+                return next(((i, s) for i, s in self.streams.items() if s.takes_data),
+                            (None, NO_STREAM))
+            return id, self.streams.get(id, NO_STREAM)
+
+    def _to_stream(self, id: int | None, call: Any) -> None:
+        """`call(stream)` on request `id`'s stream. A breach by the host (ProtocolError)
+        ends the link; any other failure is this side's receiver's (a local disk, a bug
+        here): that request fails with it once the host has replied, the rest of its
+        stream is dropped, and the host stays usable."""
+        id, stream = self._stream(id)
+        try:
+            call(stream)
+        except protocol.ProtocolError:
+            raise
+        except Exception as e:
+            if id is None:
+                raise
+            with self.plock:
+                p = self.pending.get(id)
+                self.streams[id] = Dropped(stream.takes_data)
+            if p is not None and p.error is None:
+                p.error = e if isinstance(e, OrchError) else OrchError(
+                    f"{self.name}: {p.command}: this machine failed to take what the host "
+                    f"sent: {type(e).__name__}: {e}", hint="the host is fine; run it again, "
+                    "and if it fails the same way, report it with ORCH_DEBUG=1")
 
     def _answer(self, t: str, msg: dict[str, Any]) -> None:
         with self.plock:
@@ -231,8 +272,8 @@ class Link:
         if t == "part":
             protocol.check(msg, {"kind": str, "body": dict}, what)
             if msg["kind"] in protocol.PULL_STREAM:
-                self._stream(msg["id"]).part(msg["kind"], protocol.check(
-                    msg["body"], protocol.PULL_STREAM[msg["kind"]], what))
+                body = protocol.check(msg["body"], protocol.PULL_STREAM[msg["kind"]], what)
+                self._to_stream(msg["id"], lambda s: s.part(msg["kind"], body))
                 return
             if msg["kind"] not in protocol.PARTS or len(p.parts) >= protocol.MAX_PARTS:
                 raise protocol.ProtocolError(f"{what}: unexpected part {msg['kind']!r}")
