@@ -139,12 +139,10 @@ class ClaimsFolderError(GpuError):
 
 
 def claims_dir() -> str:
-    """The claims folder, checked before any claim is read or made: a folder (not a link)
-    of root's that is sticky or writable by root alone, below folders only root can change.
-    Then a claim file can be deleted or renamed by its owner and root only (the sticky
-    bit), never by the folder's owner as an ordinary user. Missing, root's agent makes
-    it; anyone else's refuses with the admin's one line (an ordinary user who made it
-    would own it, and could delete every other user's claims)."""
+    """The claims folder, checked before any claim is read or made: root's, sticky (or
+    writable by root alone), not a link, below folders only root can change: then only
+    a claim's owner and root can delete or rename it. Missing, root's agent makes it;
+    anyone else's refuses with the admin's line (a user who made it could delete all)."""
     path = os.path.abspath(os.environ.get("ORCH_GPU_CLAIMS_DIR") or CLAIMS_DIR)
     make = "an admin makes it once: sudo install -d -m 1777 -o root -g root %s" % path
     try:
@@ -201,13 +199,10 @@ def unsafe(st: os.stat_result) -> str | None:
 
 def parents(path: str) -> list[str]:
     """The folders above `path`, links resolved (each is checked as the kernel finds it)."""
-    out = []   # type: list[str]
-    here = os.path.realpath(os.path.dirname(path))
-    while True:
-        out.append(here)
-        if here == os.path.dirname(here):
-            return out
-        here = os.path.dirname(here)
+    out = [os.path.realpath(os.path.dirname(path))]
+    while out[-1] != os.path.dirname(out[-1]):
+        out.append(os.path.dirname(out[-1]))
+    return out
 
 
 def hardlinks_protected() -> bool:
@@ -399,10 +394,14 @@ def new_claim(folder: str, uuid: str, who: dict[str, Any]) -> tuple[int, str]:
 
 def remove_claim(claim: str) -> None:
     for path in (claim, claim[:-len(".claim")] + ".info"):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        unlink_quietly(path)
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:   # gone already
+        pass
 
 
 def remove_if_free(claim: str) -> None:
@@ -432,10 +431,7 @@ def sweep(folder: str, names: list[tuple[str, os.stat_result]]) -> None:
             remove_if_free(os.path.join(folder, name))
         elif now - st.st_mtime > STALE_S and (name.startswith((".new-", ".probe-")) or (
                 name.endswith(".info") and name[:-5] + ".claim" not in claims)):
-            try:
-                os.unlink(os.path.join(folder, name))
-            except OSError:
-                pass
+            unlink_quietly(os.path.join(folder, name))
 
 
 # ---------------------------------------------------------------- what is free, and taking it
