@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -12,10 +14,14 @@ from orchestrator.api import jobs
 from orchestrator.api.outcomes import PullResult
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import OrchError, UsageError
-from orchestrator.files.pull import PullReport, check_paths, raise_failed
+from orchestrator.files.pull import PullReport, check_paths, manifest, raise_failed
 from orchestrator.files.pulldest import set_aside
+from orchestrator.remote.fanout import fan_out
+from orchestrator.remote.link import Link, Stream
 from orchestrator.session import state as job_state
 from orchestrator.session.session import Session
+from orchestrator.ui.wording import hint_cmd
+from orchestrator.wire import timeouts
 
 
 class Transfer:
@@ -39,11 +45,14 @@ def quiet(host: str) -> AbstractContextManager[Transfer]:
 
 def pull(inventory: jobs.Inventory, paths: Sequence[str] = (), *, rank: int | None = None,
          host: str | None = None, dest: str | Path | None = None,
-         progress: Progress = quiet) -> PullResult:
+         progress: Progress = quiet, warn: jobs.Warn | None = None) -> PullResult:
     """`paths` under the job's output/ (all of it by default) from the host of global
     `rank` (default 0), or from `host` (an address or label), into `dest` (default:
     outputs/<name>/ beside the inventory). Only what differs is sent; nothing local is
-    deleted. A file that cannot be written here raises UsageError with `result` set."""
+    deleted. A file that cannot be written here raises UsageError with `result` set; a
+    PATH the host does not have, UsageError naming the hosts that have it. Files an
+    earlier run wrote (older than this run's start there) are pulled and named to
+    `warn` (default: the `orchestrator` logger)."""
     cluster = jobs.run_cluster(inventory)
     rel = check_paths(list(paths))
     source = pick_host(cluster, rank, host)
@@ -52,16 +61,22 @@ def pull(inventory: jobs.Inventory, paths: Sequence[str] = (), *, rank: int | No
     session = jobs.open_session(cluster, st, hosts=(source,))
     try:
         session.require_all("to connect")
-        return pull_on(session, source, rel, out, progress, aside)
+        try:
+            return pull_on(session, source, rel, out, progress, aside, st, warn)
+        except UsageError as e:
+            if not (rel and NOT_THERE in e.message):
+                raise
     finally:
         session.close()
+    raise not_there(cluster, st, source, rel, rank)
 
 
 def job_output(session: Session, progress: Progress = quiet) -> PullResult:
     """`up`'s pull when the job ended: rank 0's output/ on the up's open links."""
     cluster = session.cluster
-    dest, aside = run_dest(cluster, job_state.load(cluster))
-    return pull_on(session, cluster.host_of(0), [], dest, progress, aside)
+    st = job_state.load(cluster)
+    dest, aside = run_dest(cluster, st)
+    return pull_on(session, cluster.host_of(0), [], dest, progress, aside, st)
 
 
 def run_dest(cluster: Cluster, st: job_state.JobState | None) -> tuple[Path, Path | None]:
@@ -88,10 +103,17 @@ def run_dest(cluster: Cluster, st: job_state.JobState | None) -> tuple[Path, Pat
 
 
 def pull_on(session: Session, host: Host, paths: list[str], dest: Path,
-            progress: Progress = quiet, aside: Path | None = None) -> PullResult:
+            progress: Progress = quiet, aside: Path | None = None,
+            st: job_state.JobState | None = None, warn: jobs.Warn | None = None) -> PullResult:
     with progress(host.label) as shown:
         report = session.pull(host, paths, dest, shown.received, shown.planned)
     result = as_result(report, aside)
+    since = run_start(st, host)
+    if report.listed and since is not None:
+        older = earlier(session.links[host.index], session.records[host.index].job_dir,
+                        since, paths)
+        if older is not None and older.count:
+            (warn or jobs.log.warning)(describe(host.label, since, older))
     try:
         raise_failed(report)
     except OrchError as e:
@@ -123,3 +145,155 @@ def pick_host(cluster: Cluster, rank: int | None, name: str | None) -> Host:
                          hint="give one of those labels, or use --rank R")
     raise UsageError(f"--host {name}: no such host in {cluster.path.name}",
                      hint=f"give one of: {labels}")
+
+
+# ---------------------------------------------------------------- a PATH not on that host
+
+NOT_THERE = "no such file or folder"   # the agent's words for a PATH output/ lacks
+CHECKED = 16                           # other hosts asked who has it (the first ones)
+
+
+def not_there(cluster: Cluster, st: job_state.JobState | None, source: Host,
+              paths: list[str], rank: int | None) -> UsageError:
+    """What a user can act on: which PATHs the host lacks, and which host has them."""
+    hosts = (source, *[h for h in cluster.hosts if h.index != source.index][:CHECKED])
+    have = holders(cluster, st, hosts, paths)
+    lacking = [p for p in paths if p not in have.get(source.index, [])] or paths
+    what = f"{', '.join(lacking)} {'is' if len(lacking) == 1 else 'are'}"
+    text = f"{what} not in output/ on {source.label} ({whose(source, rank)})"
+    for h in hosts[1:]:
+        got = [p for p in lacking if p in have.get(h.index, [])]
+        if got:
+            which = "it" if got == lacking else ", ".join(got)
+            again = hint_cmd(cluster, f"pull --rank {h.ranks.start} {shlex.join(got)}")
+            return UsageError(f"{text}; {h.label} ({whose(h, None)}) has {which}",
+                              hint=f"pull it from there: `{again}`")
+    asked = len(hosts) - 1
+    others = "" if not asked else ", nor on the other host" if asked == 1 else \
+        f", nor on any of the {asked} other hosts asked"
+    listing = hint_cmd(cluster, "exec -- find output -type f")
+    return UsageError(f"{text}{others}",
+                      hint=f"name a path relative to the job's output/; `{listing}` lists "
+                           "what each host's output/ holds (a file the job has not "
+                           "written yet is not there)")
+
+
+def holders(cluster: Cluster, st: job_state.JobState | None, hosts: tuple[Host, ...],
+            paths: list[str]) -> dict[int, list[str]]:
+    """host index -> the PATHs its output/ holds (the hosts that answer)."""
+    session = Session(cluster, st)
+    try:
+        session.open(hosts)
+
+        def held(h: Host) -> list[str]:
+            link, job_dir = session.links[h.index], session.records[h.index].job_dir
+            found = []
+            for p in paths:
+                try:
+                    manifest(link, job_dir, [p])
+                    found.append(p)
+                except OrchError:
+                    pass
+            return found
+        return fan_out(tuple(h for h in hosts if h.index in session.links), held).ok
+    finally:
+        session.close()
+
+
+def whose(host: Host, rank: int | None) -> str:
+    """`rank 2's host`, `rank 0's host` (the master), `ranks 2-3`, `no ranks`."""
+    ranks = host.ranks
+    if rank is not None and rank in ranks:
+        return f"rank {rank}'s host"
+    if len(ranks) == 1 or 0 in ranks:
+        return f"rank {ranks.start}'s host"
+    return f"ranks {ranks.start}-{ranks.stop - 1}" if len(ranks) else "no ranks"
+
+
+def run_start(st: job_state.JobState | None, host: Host) -> float | None:
+    """When this run's supervisor started on `host`, on that host's own clock (the
+    files' times are on it too): before any rank of the run could write."""
+    rec = next((h for h in st.hosts if h.index == host.index), None) if st else None
+    started = rec.supervisor.get("started") if rec is not None else None
+    return float(started) if isinstance(started, (int, float)) else None
+
+
+# ---------------------------------------------------------------- files of an earlier run
+
+# output/ is the job's one folder on the host (SPEC), kept across runs (a checkpoint to
+# resume from): a run that wrote nothing leaves the last run's files there. The
+# manifest has no file times, so one `exec` on the open link asks for them: the
+# regular files under output/ (no link followed) last written before `since`.
+AGE_SCRIPT = """\
+import json, os, stat, sys
+since, cap, count = float(sys.argv[1]), int(sys.argv[2]), 0
+for top, dirs, files in os.walk("output"):
+    dirs.sort()
+    for name in sorted(files):
+        path = os.path.join(top, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_mtime < since:
+            count += 1
+            if count <= cap:
+                print(json.dumps([os.path.relpath(path, "output"), st.st_mtime]))
+print(json.dumps(count))
+"""
+SHOWN = 5          # names in the warning
+LISTED = 1000      # names the host sends at most
+
+
+@dataclass(frozen=True)
+class Older:
+    count: int                              # files written before the run (all of them)
+    files: list[tuple[str, float]]          # the first ones: (path under output/, mtime)
+
+
+class Collect(Stream):
+    """The exec's output, kept (at most MAX_AGE_OUTPUT bytes)."""
+
+    def __init__(self) -> None:
+        self.kept = bytearray()
+
+    def output(self, data: bytes) -> None:
+        if len(self.kept) < MAX_AGE_OUTPUT:
+            self.kept += data
+
+
+MAX_AGE_OUTPUT = 1 << 20
+
+
+def earlier(link: Link, job_dir: str, since: float, paths: list[str]) -> Older | None:
+    """The files under output/ (under `paths` when given) last written before `since`;
+    None when the host could not say (the pull itself is done: this is only a note)."""
+    out = Collect()
+    argv = ["$ORCH_PYTHON", "-S", "-c", AGE_SCRIPT, repr(since), str(LISTED)]
+    try:
+        _, p = link.submit("exec", stream=out, job_dir=job_dir, argv=argv, env={})
+        if link.wait(p, timeouts.PULL_AGE)["code"] != 0:
+            return None
+        *rows, total = [json.loads(line) for line in out.kept.decode().splitlines()]
+        inside = [(str(r), float(t)) for r, t in rows
+                  if not paths or any(r == q or r.startswith(q + "/") for q in paths)]
+        return Older(int(total) if not paths else len(inside), inside)
+    except (OrchError, ValueError, TypeError):   # no python, odd output: no note
+        return None
+
+
+def describe(host: str, since: float, older: Older) -> str:
+    """`result.txt was written at 12:01:05, before this run started on h (12:03:40): an
+    earlier run's file, ...`; the first few by name, then how many more."""
+    def when(t: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    start = f"before this run started on {host} ({when(since)})"
+    kept = "pulled as it is (output/ on the host is kept from run to run)"
+    if older.count == 1 and older.files:
+        rel, t = older.files[0]
+        return f"{rel} was written at {when(t)}, {start}: an earlier run's file, {kept}"
+    names = [f"{r} ({when(t)})" for r, t in older.files[:SHOWN]]
+    if older.count > len(names):
+        names.append(f"{older.count - len(names)} more")
+    return (f"{older.count} files were written {start}: {', '.join(names)}; earlier runs' "
+            f"files, {kept.replace('it is', 'they are')}")

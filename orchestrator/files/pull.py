@@ -315,6 +315,8 @@ def pull(link: Link, job_dir: str, paths: list[str], root: Path, cache: DigestCa
     for note in reply["skipped"]:
         report.skip(note["p"][:300], note["why"][:300])
     report.skipped_count = max(report.skipped_count, reply["skipped_count"])
+    if not remote and not os.path.lexists(root):   # nothing to write: no empty folder made
+        return report
     with Dest(root) as dest:
         dest.sweep()
         todo = plan(remote, dest, cache)

@@ -29,6 +29,7 @@ CLOSE = 1.0             # waiting for an agent to end after its stdin was closed
 OPEN_SESSION = 30.0          # opening one SSH session (exec channel)
 PULL_MANIFEST = 600.0       # a pull's manifest (the host may hash big new checkpoints)
 PULL_IDLE = 60.0            # a pull's stream: no frame for this long and the host is lost
+PULL_AGE = 15.0             # after a pull: the host lists the files older than the run (a note)
 CLOCK_REPLY = 2.0           # a `clock` sample's reply; a later one is not a useful sample
 CLOCK_FIRST = 2.0           # the first clock samples of a followed job, after its start
 CLOCK_PERIOD = 5.0          # a new clock sample per host this often while a job is watched
