@@ -15,18 +15,19 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
 from helpers import wait_until_gone
-from orchestrator.config.inventory import parse
+from orchestrator.config.inventory import load, parse
 from orchestrator.errors import DataError, OrchError, UsageError
 from orchestrator.files import pull
 from orchestrator.files.localfiles import DigestCache, LocalFile
 from orchestrator.files.sync import Stall, stream_and_wait
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import LocalTransport
+from orchestrator.session.session import Session
 from orchestrator.wire import protocol
 
 MB = 1 << 20
@@ -43,27 +44,47 @@ class Host:
     job: Path          # the job folder on the "host"
     here: Path         # where this side's files are
     rank: subprocess.Popen   # a process of the job (its marker in its environment)
+    close: Callable[[], None]
 
 
-def start(tmp_path: Path, remote: Path) -> Host:
-    text = (f"name: wire\nhosts:\n  - address: localhost\n    connection: local\n"
-            f"    remote_dir: {remote}\npython: {sys.executable}\njob:\n  entrypoint: job.py\n")
-    host = parse(text, tmp_path / "cluster.yaml").hosts[0]
+# every test runs against a `connection: local` host's agent and over real sshd
+KINDS = ["local", pytest.param("sshd", marks=pytest.mark.ssh)]
+
+
+def start(kind: str, tmp_path: Path, remote: Path, request: pytest.FixtureRequest) -> Host:
+    """The host's agent on a link, its job folder `remote`/job with a process of the job
+    running (a `sleep` carrying the job's marker)."""
     job = remote / "job"
     job.mkdir(parents=True, exist_ok=True)
-    rank = subprocess.Popen(["sleep", "300"], env={"ORCH_JOB_DIR": str(job), "PATH": "/usr/bin:/bin"},
-                            start_new_session=True)
-    link = Link(LocalTransport(host, cwd=str(tmp_path)))
-    link.start(timeout=30)
     here = tmp_path / "here"
     here.mkdir(exist_ok=True)
-    return Host(link, job, here, rank)
+    rank = subprocess.Popen(["sleep", "300"], env={"ORCH_JOB_DIR": str(job), "PATH": "/usr/bin:/bin"},
+                            start_new_session=True)
+    if kind == "local":
+        text = (f"name: wire\nhosts:\n  - address: localhost\n    connection: local\n"
+                f"    remote_dir: {remote}\npython: {sys.executable}\njob:\n  entrypoint: job.py\n")
+        link = Link(LocalTransport(parse(text, tmp_path / "cluster.yaml").hosts[0],
+                                   cwd=str(tmp_path)))
+        link.start(timeout=30)
+        proc = link.chan.proc  # type: ignore[union-attr]
+
+        def close() -> None:
+            link.close()
+            proc.wait(10)   # the agent ended with its stdin
+        return Host(link, job, here, rank, close)
+    sshd = request.getfixturevalue("sshd_cluster")
+    entry = {"address": sshd.hosts[3].address, "procs": 1, "remote_dir": str(remote)}
+    (tmp_path / "job.py").write_text("pass\n")
+    inv = sshd.write_inventory(tmp_path / "cluster.yaml", hosts=[], extra_hosts=[entry],
+                               name="job")
+    session = Session(load(inv)).open()
+    assert 0 in session.links, session.records[0].error
+    return Host(session.links[0], job, here, rank, session.close)
 
 
-@pytest.fixture
-def host(tmp_path: Path) -> Iterator[Host]:
-    h = start(tmp_path, tmp_path / "remote")
-    yield from ended(h)
+@pytest.fixture(params=KINDS)
+def host(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Host]:
+    yield from ended(start(request.param, tmp_path, tmp_path / "remote", request))
 
 
 def ended(h: Host) -> Iterator[Host]:
@@ -73,9 +94,7 @@ def ended(h: Host) -> Iterator[Host]:
         if h.rank.poll() is None:
             os.killpg(h.rank.pid, 9)
         h.rank.wait(10)
-        proc = h.link.chan.proc  # type: ignore[union-attr]
-        h.link.close()
-        proc.wait(10)   # the agent ended with its stdin
+        h.close()
 
 
 @pytest.fixture
@@ -155,7 +174,7 @@ def test_refused_at_the_first_item(command: str, host: Host, tmp_path: Path) -> 
     with pytest.raises(OrchError) as err:
         send(host, command, sent)
     text = str(err.value)
-    assert text.startswith(f"localhost: {command} failed:") and "link" in text, text
+    assert text.startswith(f"{host.link.name}: {command} failed:") and "link" in text, text
     assert "unknown request" not in text
     assert list(elsewhere.iterdir()) == []
     still_usable(host)
@@ -176,9 +195,11 @@ def test_refused_in_the_middle(command: str, host: Host, tmp_path: Path) -> None
     still_usable(host)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("command", REQUESTS)
-def test_out_of_disk_in_the_middle(command: str, tmp_path: Path, small_disk: Path) -> None:
-    for h in ended(start(tmp_path, small_disk)):
+def test_out_of_disk_in_the_middle(command: str, kind: str, tmp_path: Path, small_disk: Path,
+                                   request: pytest.FixtureRequest) -> None:
+    for h in ended(start(kind, tmp_path, small_disk, request)):
         # 2 MiB of disk: the first file lands, the second does not fit
         sent = files_of(h, dict.fromkeys(names(command, "a/1.bin", "b/2.bin", "c/3.bin"),
                                           5 * MB // 4))
