@@ -34,3 +34,25 @@ def test_a_redirected_stderr_does_not_start_with_an_empty_line() -> None:
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert got.stderr == "first line\n", got.stderr
+
+
+def test_pull_names_an_earlier_runs_files() -> None:
+    from orchestrator.api.pulling import Older, describe
+    one = describe("10.0.0.8", 1000.0, Older(1, [("result.txt", 900.0)]))
+    assert one.startswith("result.txt was written at ") and "an earlier run's file" in one
+    assert "before this run started on 10.0.0.8 (" in one
+    many = describe("h", 1000.0, Older(7, [(f"f{i}", 900.0) for i in range(7)]))
+    assert many.startswith("7 files were written before this run started on h")
+    assert "f4 (" in many and "f5 (" not in many and "2 more" in many
+
+
+def test_pull_says_whose_host_it_is() -> None:
+    from orchestrator.api.pulling import run_start, whose
+    from orchestrator.config.inventory import parse
+    text = ("name: t\nhosts:\n  - {address: a, procs: 2}\n  - {address: b, procs: 2}\n"
+            "job:\n  entrypoint: train.py\n")
+    cluster = parse(text, "cluster.yaml")
+    a, b = cluster.hosts
+    assert whose(b, 2) == "rank 2's host" and whose(a, None) == "rank 0's host"
+    assert whose(b, None) == "ranks 2-3"
+    assert run_start(None, a) is None
