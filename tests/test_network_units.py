@@ -219,3 +219,27 @@ def test_a_stalled_rendezvous_names_the_hosts_that_have_not_joined(tmp_path: Pat
     assert "cannot reach it (a firewall on the master port" in some
     none = network.stalled(c, set(), "10.1.0.5", 29500, 60)
     assert none is not None and none.startswith("rendezvous: no host has joined"), none
+
+
+def test_a_candidate_left_unfinished_is_probed_again_where_it_was_left(tmp_path: Path) -> None:
+    """Host 0 reaches its inventory address (its own) and stops there; the others reach
+    only its eth0: eth0 is probed again on host 0 alone, and chosen."""
+    c = cluster(tmp_path)
+
+    def r(addr: str, ok: bool, why: str = "") -> dict[str, Any]:
+        return {"addr": addr, "port": 29450, "group": "m", "ok": ok, "why": why, "src": addr,
+                "token": "t"}
+    results = {0: [r("10.0.0.8", True), r("10.1.0.5", False, "unfinished")],
+               1: [r("10.0.0.8", False, "unreachable"), r("10.1.0.5", True)]}
+    plan = {i: [{k: x[k] for k in ("addr", "port", "token", "group")} for x in rs]
+            for i, rs in results.items()}
+    asked: list[Any] = []
+
+    class Link:
+        def request(self, command: str, timeout: float, **fields: Any) -> dict[str, Any]:
+            asked.append(fields["targets"])
+            return {"results": [{"ok": True, "why": "", "src": "10.1.0.5", "ms": 0.1}]}
+    network.settle(c, {0: Link(), 1: Link()}, ["10.0.0.8", "10.1.0.5"], plan,  # type: ignore[dict-item]
+                   results)
+    assert [[t["addr"] for t in a] for a in asked] == [["10.1.0.5"]]
+    assert network.choose_master(c, ["10.0.0.8", "10.1.0.5"], results) == "10.1.0.5"

@@ -19,7 +19,7 @@ import ipaddress
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from orchestrator.config.hostranges import fold
@@ -244,6 +244,33 @@ def why(r: dict[str, Any]) -> str:
     return w.replace("unreachable", "no route to that address")
 
 
+def reached(results: dict[int, list[dict[str, Any]]], c: str, also: str = "") -> list[int]:
+    """The hosts whose probe of candidate c on the master port ended ok (or as `also`)."""
+    return [i for i, rs in results.items()
+            if any(r["group"] == "m" and r["addr"] == c and (r["ok"] or r["why"] == also)
+                   for r in rs)]
+
+
+def settle(cluster: Cluster, links: dict[int, Link], cands: list[str],
+           plan: dict[int, list[dict[str, Any]]], results: dict[int, list[dict[str, Any]]]
+           ) -> None:
+    """A host stops at its best candidate, so a later one may be left unfinished there
+    while another host reached only that one (host 0 reaches its inventory address, the
+    others do not). The first candidate every host reached or left unfinished is then
+    probed again where it was left, alone; the results are updated in place."""
+    n = len(cluster.hosts)
+    if any(len(reached(results, c)) == n for c in cands):
+        return
+    c = next((c for c in cands if len(reached(results, c, "unfinished")) == n), None)
+    if c is None:
+        return
+    todo = set(reached(results, c, "unfinished")) - set(reached(results, c))
+    again = {i: [t for t in plan[i] if t["group"] == "m" and t["addr"] == c] for i in todo}
+    sub = replace(cluster, hosts=tuple(h for h in cluster.hosts if h.index in todo))
+    for i, rs in run_probe(sub, links, again).items():
+        results[i] = [r for r in results[i] if not (r["group"] == "m" and r["addr"] == c)] + rs
+
+
 def choose_master(cluster: Cluster, cands: list[str],
                   results: dict[int, list[dict[str, Any]]]) -> str:
     """The first candidate every host reached; else exit 3 naming who failed where."""
@@ -365,7 +392,9 @@ def prove(cluster: Cluster, links: dict[int, Link], facts: dict[int, dict[str, A
         return plan_of(cluster, known, src, addr, "not probed", "off (network.check: false)", t0)
     cands = candidates(cluster, known[0], inventory)
     try:
-        results = run_probe(cluster, links, targets(cluster, known, cands, nonce, master_port))
+        todo = targets(cluster, known, cands, nonce, master_port)
+        results = run_probe(cluster, links, todo)
+        settle(cluster, links, cands, todo, results)
     finally:
         close_listeners(links)
     addr = choose_master(cluster, cands, results)

@@ -1,0 +1,117 @@
+"""What the network checks add to `orch up`, on hosts in network namespaces
+(tests/netns_bridge.py: own hostname, 127.0.1.1 line, docker0, two interfaces).
+
+Per host count: the probe round as `up` reports it (`probe: ... (K connections, X s)`),
+the agent's `learn` (interfaces, hostname, route, listeners) in CPU per host, and the
+time from `orch up` to the firewall's error against the same run without a firewall
+(both end at `setup: false`, so nothing is launched and no torch is imported).
+Needs root, iproute2, unshare, iptables.  python bench/network.py [N ...]
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent))
+
+from netns_bridge import BridgeHosts  # noqa: E402
+
+ORCH = [sys.executable, "-m", "orchestrator"]
+
+
+def inventory(lan: BridgeHosts, base: Path) -> Path:
+    (base / "job.py").write_text("print('never runs')\n")
+    doc = {"name": "bench-net",
+           "ssh": {"user": "root", "identity_file": str(lan.client_key),
+                   "known_hosts": str(lan.known_hosts), "connect_timeout": 30},
+           "hosts": [{"address": h.address, "remote_dir": str(h.remote_dir)} for h in lan.hosts],
+           "python": sys.executable, "code": {"paths": ["job.py"]},
+           "job": {"entrypoint": "job.py", "master_port": 29450}, "setup": ["false"]}
+    path = base / "cluster.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def timed_up(lan: BridgeHosts, base: Path, inv: Path) -> tuple[float, float | None, str]:
+    """Seconds to the end, to the network plan's first line (None: never), stderr."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(["ip", "netns", "exec", lan.client_ns, *ORCH, "up", str(inv)],
+                            cwd=base, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    seen: list[float] = []
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("network:") and not seen:
+                seen.append(time.monotonic() - t0)
+    th = threading.Thread(target=read)
+    th.start()
+    proc.wait(600)
+    th.join()
+    return time.monotonic() - t0, seen[0] if seen else None, "".join(lines)
+
+
+def learn_cpu(lan: BridgeHosts) -> float:
+    """CPU seconds of one agent's `learn` (with its listeners), in host 0's namespace."""
+    code = ("import time,sys; sys.path.insert(0,%r); from orchestrator.agent import network as n\n"
+            "t=time.process_time()\n"
+            "for _ in range(50):\n"
+            "    n.learn({'toward':'10.252.0.10','token':'t','listen':True,'master':True}, 0)\n"
+            "    n.run_close(None)\n"
+            "print((time.process_time()-t)/50)" % str(HERE.parent))
+    out = subprocess.run(["ip", "netns", "exec", lan.hosts[0].ns, sys.executable, "-S", "-c",
+                          code], capture_output=True, text=True, check=True).stdout
+    return float(out.strip())
+
+
+def one(n: int) -> None:
+    root = Path(tempfile.mkdtemp(prefix="orch-bench-net-"))
+    t = time.monotonic()
+    lan = BridgeHosts(root / "lan", n).start()
+    made = time.monotonic() - t
+    try:
+        base = root / "job"
+        base.mkdir()
+        inv = inventory(lan, base)
+        total, plan_at, err = timed_up(lan, base, inv)
+        probe = re.search(r"probe: .*\((\d+) connections, ([\d.]+) s\)", err)
+        cpu = learn_cpu(lan)
+        for h in lan.hosts:
+            lan.firewall(h.index, "22,29400:29499")
+        fw_total, _, fw_err = timed_up(lan, base, inv)
+        lan.open_all()
+        ok = "failed the network check before launch" in fw_err
+        print(f"{n:>4} hosts (namespaces made in {made:.1f} s): probe round "
+              f"{probe.group(2) if probe else '?'} s ({probe.group(1) if probe else '?'} "
+              f"connections); learn {cpu * 1000:.1f} ms CPU per host; up to the plan "
+              f"{plan_at if plan_at is None else round(plan_at, 2)} s, to setup's end "
+              f"{total:.2f} s; with the firewall: exit at {fw_total:.2f} s "
+              f"({'the ring named' if ok else 'NOT the expected error'}), "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
+        if not probe:
+            print(err[-2000:])
+    finally:
+        lan.stop()
+
+
+def main() -> int:
+    for n in [int(a) for a in sys.argv[1:]] or [3, 64]:
+        one(n)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
