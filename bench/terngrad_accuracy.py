@@ -51,7 +51,8 @@ SETTINGS = {
 # correction keeps the stochastic codes (it only changes Adam's second moment).
 VARIANTS = {
     "fp32": ["--grad-compression", "none"],
-    "terngrad": ["--grad-compression", "terngrad", "--clip-factor", "2.5", "--quantize-logits"],
+    "terngrad": ["--grad-compression", "terngrad", "--clip-factor", "2.5", "--quantize-logits",
+                 "--no-terngrad-adam-correction"],   # the paper's, for the comparison
     "terngrad --error-feedback": ["--grad-compression", "terngrad", "--quantize-logits",
                                   "--error-feedback"],
     "terngrad --terngrad-adam-correction": ["--grad-compression", "terngrad", "--clip-factor",

@@ -150,14 +150,140 @@ def test_agent_manifest_with_globs_and_settle(tmp_path: Path) -> None:
     files = {k: v for p in req.parts for k, v in p["files"].items()}
     assert files == {"checkpoints/epoch-1.pt": [3, sha(b"one")]}
     assert reply["skipped_count"] == 1 and "link" in reply["skipped"][0]["why"]
-    (job / "output" / "checkpoints" / "epoch-3.pt").write_bytes(b"new")   # just written
-    req = Req(folder="output", globs=["checkpoints/*.pt"], settle=5.0)
+    with open(job / "output" / "checkpoints" / "epoch-3.pt", "wb") as f:   # being written
+        f.write(b"ne")
+        f.flush()
+        req = Req(folder="output", globs=["checkpoints/*.pt"], settle=5.0)
+        reply = agent_pull.run_manifest(req)
+        assert reply["fresh"] == 1 and reply["files"] == 1
+        assert reply["fresh_paths"] == ["checkpoints/epoch-3.pt"]
+        f.write(b"w")
+    req = Req(folder="output", globs=["checkpoints/*.pt"], settle=5.0)   # closed: whole
     reply = agent_pull.run_manifest(req)
-    assert reply["fresh"] == 1 and reply["files"] == 1
+    assert reply["fresh"] == 0 and reply["files"] == 2
     req = Req(folder="code", globs=["snapshot.pt", "missing/*.pt"], settle=0.0)
     agent_pull.run_manifest(req)
     files = {k: v for p in req.parts for k, v in p["files"].items()}
     assert files == {"snapshot.pt": [4, sha(b"snap")]}
+
+
+class ManifestReq:
+    """An agent request as run_manifest reads it: args, and the parts it sends."""
+
+    def __init__(self, job: Path, **args: object) -> None:
+        self.args = {"job_dir": str(job), "paths": [], **args}
+        self.parts: list = []
+
+    def part(self, kind: str, body: dict) -> None:
+        self.parts.append(body)
+
+
+def listed(job: Path, settle: float = 5.0) -> tuple[dict, dict]:
+    """(reply, {rel: [size, sha256]}) of the keeper's listing of output/ckpt.pt."""
+    from orchestrator.agent import pull as agent_pull
+
+    req = ManifestReq(job, folder="output", globs=["ckpt.pt"], settle=settle)
+    reply = agent_pull.run_manifest(req)
+    return reply, {k: v for p in req.parts for k, v in p["files"].items()}
+
+
+def job_folder(tmp_path: Path) -> Path:
+    job = tmp_path / "job"
+    for sub in ("output", "code", "run"):
+        (job / sub).mkdir(parents=True)
+    return job
+
+
+def test_a_checkpoint_replaced_by_rename_is_kept_however_often(tmp_path: Path) -> None:
+    """A job that saves ckpt.pt by write-then-rename more often than the settle time:
+    every listing offers the file there now (a new inode that nobody writes), never
+    leaving it out as fresh. Before, its mtime was always under a second old and nothing
+    was ever kept."""
+    job = job_folder(tmp_path)
+    ckpt = job / "output" / "ckpt.pt"
+    for step in range(6):
+        tmp = job / "output" / ".ckpt.pt.tmp"
+        tmp.write_bytes(b"step %d " % step * 1000)
+        os.replace(tmp, ckpt)
+        reply, files = listed(job)
+        assert files == {"ckpt.pt": [len(ckpt.read_bytes()), sha(ckpt.read_bytes())]}, step
+        assert reply["fresh"] == 0 and reply["fresh_paths"] == []
+
+
+def test_a_checkpoint_held_open_for_writing_is_never_offered(tmp_path: Path) -> None:
+    """A file a process holds open for writing (torch.save in place, still saving) is
+    left out and named in `fresh_paths`, whether it is the inode already there or one
+    renamed in; once closed it is offered, with the digest of its whole bytes."""
+    job = job_folder(tmp_path)
+    ckpt = job / "output" / "ckpt.pt"
+    ckpt.write_bytes(b"one" * 100)
+    old = time.time() - 100
+    os.utime(ckpt, (old, old))
+    _, files = listed(job)
+    assert files == {"ckpt.pt": [300, sha(b"one" * 100)]}       # settled long ago
+    with open(ckpt, "r+b") as f:                                 # the same inode, open
+        f.write(b"two")
+        f.flush()
+        reply, files = listed(job)
+        assert files == {} and reply["fresh_paths"] == ["ckpt.pt"] and reply["fresh"] == 1
+        _, files = listed(job, settle=0.0)                       # no settle asked: offered
+        assert list(files) == ["ckpt.pt"]
+    reply, files = listed(job)
+    assert files == {"ckpt.pt": [300, sha(b"two" + b"one" * 99)]}
+    other = job / "output" / "other.pt"
+    with open(other, "wb") as f:
+        f.write(b"half")
+        f.flush()
+        os.replace(other, ckpt)                                  # a new inode, still open
+        reply, files = listed(job)
+        assert files == {} and reply["fresh_paths"] == ["ckpt.pt"]
+    reply, files = listed(job)
+    assert files == {"ckpt.pt": [4, sha(b"half")]}
+
+
+def test_after_a_stop_a_file_once_written_in_place_is_never_taken(tmp_path: Path) -> None:
+    """Once a stop came (or a rank ended), a writer may have died half way through a
+    save: a file seen held open for writing is left out even when closed and settled;
+    one renamed in whole still waits for the settle time."""
+    job = job_folder(tmp_path)
+    ckpt = job / "output" / "ckpt.pt"
+    with open(ckpt, "wb") as f:
+        f.write(b"half")
+        f.flush()
+        assert listed(job)[0]["fresh_paths"] == ["ckpt.pt"]      # seen written in place
+    (job / "run" / "stop.json").write_text('{"time": 1}')
+    assert listed(job)[0]["fresh_paths"] == ["ckpt.pt"]          # closed by a killed writer?
+    old = time.time() - 100
+    os.utime(ckpt, (old, old))
+    assert listed(job)[0]["fresh_paths"] == ["ckpt.pt"]          # settled, but seen written
+    renamed = job / "output" / "ckpt.tmp"
+    renamed.write_bytes(b"whole")
+    os.replace(renamed, ckpt)
+    assert listed(job)[0]["fresh_paths"] == ["ckpt.pt"]          # fresh: waits after a stop
+    os.utime(ckpt, (old, old))
+    assert listed(job)[1] == {"ckpt.pt": [5, sha(b"whole")]}
+
+
+def test_why_nothing_was_kept_is_said(tmp_path: Path) -> None:
+    """The restart line's reason when the keeper holds nothing: the file never stayed
+    unchanged, the globs matched nothing, or the host was never reached."""
+    from types import SimpleNamespace
+
+    from orchestrator.session.checkpoints import Keeper
+
+    cluster = load(inventory(tmp_path, "  checkpoint: [output/ckpt.pt]\n"))
+    keeper = Keeper(SimpleNamespace(links={}, records={}), cluster)  # type: ignore[arg-type]
+    keeper.rounds = 3
+    assert keeper.nothing_kept() == "job.checkpoint (output/ckpt.pt) matched no file on localhost"
+    keeper.saw("output", {"fresh_paths": ["ckpt.pt"]}, {})
+    assert keeper.nothing_kept() == (
+        "output/ckpt.pt never stayed unchanged for 1 s on localhost (written in place at "
+        "every look; write it beside and rename it)")
+    keeper.held = {"output/ckpt.pt": "0" * 64}
+    assert keeper.nothing_kept() is None
+    keeper = Keeper(SimpleNamespace(links={}, records={}), cluster)  # type: ignore[arg-type]
+    keeper.round()
+    assert keeper.nothing_kept() == "the keeper never reached rank 0's host: localhost: not connected"
 
 
 def test_exact_receiver_drops_bytes_other_than_listed(tmp_path: Path) -> None:

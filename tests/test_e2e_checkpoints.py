@@ -96,7 +96,10 @@ def test_keeper_fetches_new_checkpoints_and_restore_moves_them(
         for n in (1, 2):
             (out0 / f"go-{n}").touch()
             wanted = kept / f"epoch-{n}.pt"
-            wait_until(wanted.exists, 0.5 + 1 + 4, f"{wanted.name} to be kept")
+            wait_until((out0 / "checkpoints" / f"epoch-{n}.pt").exists, 60,
+                       f"rank 0 to save epoch-{n}.pt (a loaded host starts it late)")
+            wait_until(wanted.exists, 0.5 + 1 + 4,
+                       f"{wanted.name} to be kept ({keeper.last_error}, {keeper.fresh})")
             assert (kept / f"epoch-{n}.pt").read_bytes() == (out0 / "checkpoints" / f"epoch-{n}.pt").read_bytes()
         assert set(keeper.latest()) == {"output/checkpoints/epoch-1.pt", "output/checkpoints/epoch-2.pt"}
         assert not list(kept.glob(".*")), "a hidden (half-written) file was kept"
@@ -182,7 +185,10 @@ def test_tutorial_snapshot_in_code_survives_and_code_sync_keeps_it(
     session = api_jobs.open_session(cluster, job_state.load(cluster))
     keeper = Keeper(session, cluster, interval=0.3).start()
     try:
-        wait_until(lambda: kept.exists() and kept.read_text().startswith("epoch 2 "), 15,
+        saved = code0 / "snapshot.pt"
+        wait_until(lambda: saved.exists() and saved.read_text().startswith("epoch 2 "), 60,
+                   "rank 0 to save epoch 2 (a loaded host starts it late)")
+        wait_until(lambda: kept.exists() and kept.read_text().startswith("epoch 2 "), 5,
                    "snapshot.pt of epoch 2 to be kept")
         assert kept.read_bytes() == (code0 / "snapshot.pt").read_bytes()
         assert keeper.latest() == {"code/snapshot.pt": sha(kept.read_bytes())}

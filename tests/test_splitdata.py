@@ -251,6 +251,29 @@ def test_symlink_inside_source_is_fine(tmp_path: Path) -> None:
     assert sum(s["classes"]["dog"] for s in manifest(out)["splits"]["2"]["shards"]) == 3
 
 
+def test_a_mutual_symlink_loop_is_named_with_both_links(tmp_path: Path) -> None:
+    """a/l1 -> ../b and b/l2 -> ../a: the loop and both links are named (it was "cannot
+    read ...: check the permissions of the source" once the path grew too long); a link
+    to its own parent is named alone."""
+    src = tmp_path / "src"
+    make_imagefolder(src, {"cat": 2, "a": 2, "b": 2})
+    os.symlink("../b", src / "a" / "l1")
+    os.symlink("../a", src / "b" / "l2")
+    with pytest.raises(DataError) as err:
+        splitdata.split(src, tmp_path / "out", 2)
+    msg = err.value.message
+    assert "a symlink loop of 2 links" in msg, msg
+    assert f"{src}/a/l1 -> ../b" in msg and "l2 -> ../a" in msg, msg
+    assert "permissions" not in err.value.hint
+    os.unlink(src / "b" / "l2")
+    os.unlink(src / "a" / "l1")
+    os.symlink("..", src / "a" / "up")
+    with pytest.raises(DataError) as err:
+        splitdata.split(src, tmp_path / "out", 2)
+    assert "a symlink to one of its own parent folders" in err.value.message
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------- bad input
 
 

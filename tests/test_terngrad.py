@@ -515,3 +515,17 @@ def test_adam_correction_option_needs_terngrad_adam_and_draws(
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "--terngrad-adam-correction" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra, on", [
+    ([], True),                                          # TernGrad + Adam: corrected
+    (["--no-terngrad-adam-correction"], False),          # the paper's, asked for
+    (["--error-feedback"], False),                       # rounds to the nearest: no draws
+    (["--optimizer", "sgd"], False),                     # no second moment to correct
+])
+def test_adam_correction_is_the_default_where_it_applies(extra: list[str], on: bool) -> None:
+    from worker import train
+
+    base = ["--grad-compression", "terngrad", "--optimizer", "adam"]
+    assert train.parse_args(base + extra).terngrad_adam_correction is on
+    assert train.parse_args(["--optimizer", "adam"]).terngrad_adam_correction is False

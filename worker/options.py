@@ -104,9 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--quantize-logits", action="store_true", help="TernGrad: quantise the last layer too")
     a("--error-feedback", action="store_true",
       help="TernGrad: add what each rank's last message left out to its next gradient")
-    a("--terngrad-adam-correction", action="store_true",
+    a("--terngrad-adam-correction", action="store_true", default=None,
       help="TernGrad with Adam: feed Adam's second moment a square with the variance of "
-           "the ternary draws taken out")
+           "the ternary draws taken out (the default with --grad-compression terngrad "
+           "and --optimizer adam, unless --error-feedback or --amp)")
+    a("--no-terngrad-adam-correction", dest="terngrad_adam_correction", action="store_false",
+      help="TernGrad with Adam as the paper has it, without the correction (for comparison)")
     return p
 
 
@@ -123,6 +126,12 @@ def check_error_feedback(parser: argparse.ArgumentParser, args: argparse.Namespa
     """--error-feedback changes TernGrad's codes; it means nothing for the other kinds."""
     if getattr(args, "error_feedback", False) and args.grad_compression != "terngrad":
         parser.error("--error-feedback works with --grad-compression terngrad only")
+    if getattr(args, "terngrad_adam_correction", False) is None:
+        # unset: on where it applies, since it brings TernGrad with Adam within a point of
+        # fp32 at no cost in bytes (docs/explanation/performance.md); off elsewhere
+        args.terngrad_adam_correction = (
+            args.grad_compression == "terngrad" and getattr(args, "optimizer", "") == "adam"
+            and not getattr(args, "error_feedback", False) and not getattr(args, "amp", False))
     if not getattr(args, "terngrad_adam_correction", False):
         return
     if args.grad_compression != "terngrad" or args.optimizer != "adam":

@@ -89,6 +89,57 @@ def marked_pids(job_dir: str) -> list[Any]:
     return out
 
 
+def open_for_writing(wanted: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Which of the files `wanted` ((st_dev, st_ino) pairs) a process of this user holds
+    open for writing now: a checkpoint still being written in place, by the job or by a
+    copy the user started (`orch exec -- cp`). Another user's process cannot write into
+    this user's job folder unless given the right, and its /proc/<pid>/fd is not ours to
+    read; a process or descriptor that vanishes meanwhile is skipped."""
+    held: set[tuple[int, int]] = set()
+    uid = os.getuid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat("/proc/" + name).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        held |= writing_in(int(name), wanted - held)
+        if held == wanted:
+            break
+    return held
+
+
+def writing_in(pid: int, wanted: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """The files of `wanted` that pid has open with O_WRONLY or O_RDWR."""
+    out: set[tuple[int, int]] = set()
+    try:
+        fds = os.listdir("/proc/%d/fd" % pid)
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            st = os.stat("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in wanted and fd_writes(pid, fd):
+            out.add((st.st_dev, st.st_ino))
+    return out
+
+
+def fd_writes(pid: int, fd: str) -> bool:
+    """fdinfo's `flags:` (octal) carry an access mode of write or read-write."""
+    try:
+        with open("/proc/%d/fdinfo/%s" % (pid, fd)) as f:
+            for line in f:
+                if line.startswith("flags:"):
+                    return (int(line.split()[1], 8) & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def this_part(env: bytes) -> bool:
     """A process of this host's part of the job: hosts that share the job folder on one
     machine (a bind mount, the same path) share ORCH_JOB_DIR too. A process without a

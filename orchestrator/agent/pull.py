@@ -23,6 +23,7 @@ from typing import Any, Callable
 from orchestrator.agent.common import AgentError
 from orchestrator.agent.ledger import LEDGER_CAP, sha256_fd, stat_key
 from orchestrator.agent.paths import DIR_FLAGS, JobDir, UnsafePath
+from orchestrator.agent.procs import STOP_FILE, open_for_writing
 from orchestrator.wire import globs, protocol
 
 OUTPUT = "output"
@@ -180,14 +181,116 @@ def list_all(req: Any, jd: JobDir, folder: str, notes: Notes) -> dict[str, Any]:
     return found
 
 
-def is_fresh(jd: JobDir, rel: str, since: float) -> bool:
-    """Written after `since` (a file still being written, by a job that does not write
-    beside and rename): left for the next round."""
+# What this agent learned of the keeper's files, by path (it lives as long as the command:
+# a whole attached run): the stat key of each file judged whole (judged once per save,
+# not once per round), and the files seen held open for writing (written in place).
+# Bounded: cleared when full, and the next rounds judge again.
+WHOLE: dict[str, str] = {}
+WRITTEN: set[str] = set()
+MEMORY_CAP = 4096
+
+
+class Settle:
+    """Which files the checkpoint keeper may take now, so that a kept file is always a
+    whole one.
+
+    While the run on this host is intact (no stop received, no rank ended), a file is
+    whole when it was not written in the last `settle` seconds, or when no process of
+    this user holds it open for writing (agent/procs.open_for_writing) and its stat key
+    did not change from before its digest to after that look: a checkpoint replaced by
+    write-then-rename (written elsewhere, whole when it lands) or saved in place and
+    closed. Without that second rule a job that saves more often than `settle` never has
+    a file that old, and nothing is ever kept.
+
+    Once a rank ended or a stop came, a writer may have died half way through a save: a
+    file is then whole only when not written for `settle` seconds and never seen held
+    open for writing (those in place are left as they were last taken). A file left out
+    is named in the reply (`fresh_paths`): the restart line says why there is nothing to
+    put back."""
+
+    def __init__(self, jd: JobDir, folder: str, settle: float) -> None:
+        self.jd, self.folder = jd, folder
+        self.since, self.where = time.time() - settle, jd.show(folder) + "/"
+        self.intact = run_intact(jd)
+        self.waiting: list[str] = []
+        self.fresh: list[str] = []
+        self.count = 0
+
+    def look(self, rel: str) -> None:
+        """A file that may not be whole waits for `judge`."""
+        st = self.stat(rel)
+        if st is None or WHOLE.get(self.where + rel) == stat_key(st):
+            return    # gone (the digest step skips it), or judged whole as it is now
+        if st.st_mtime > self.since or not self.intact:
+            self.waiting.append(rel)
+
+    def judge(self, hashed: dict[str, str]) -> list[str]:
+        """The waiting files that are not whole (`hashed`: their stat keys when
+        digested); the others are remembered as whole."""
+        keys = {rel: hashed[rel] for rel in self.waiting if rel in hashed}
+        if not keys:
+            return []
+        written = open_for_writing({inode_of(key) for key in keys.values()})
+        out = []
+        for rel, key in sorted(keys.items()):
+            st = self.stat(rel)
+            held = inode_of(key) in written
+            if held:
+                remember(WRITTEN, self.written_key(rel, key))
+            if st is None or stat_key(st) != key or held or not self.whole(rel, key, st):
+                self.left_out(rel)
+                out.append(rel)
+            else:
+                if len(WHOLE) >= MEMORY_CAP:
+                    WHOLE.clear()
+                WHOLE[self.where + rel] = key
+        return out
+
+    def whole(self, rel: str, key: str, st: os.stat_result) -> bool:
+        """Not held open now: whole while the run is intact; after it, only settled and
+        never seen written in place (this inode at this path)."""
+        if self.intact:
+            return True
+        return st.st_mtime <= self.since and self.written_key(rel, key) not in WRITTEN
+
+    def written_key(self, rel: str, key: str) -> str:
+        return "%s%s\0%d:%d" % ((self.where, rel) + inode_of(key))
+
+    def stat(self, rel: str) -> os.stat_result | None:
+        try:
+            return self.jd.lstat(self.folder + "/" + rel)
+        except (OSError, UnsafePath):
+            return None
+
+    def left_out(self, rel: str) -> None:
+        self.count += 1
+        if len(self.fresh) < protocol.MAX_NOTES:
+            shown = rel.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+            self.fresh.append(shown[:255])
+
+
+def remember(memory: set[str], key: str) -> None:
+    if len(memory) >= MEMORY_CAP:
+        memory.clear()
+    memory.add(key)
+
+
+def run_intact(jd: JobDir) -> bool:
+    """No stop received and no rank ended on this host during this run (launch clears
+    both records): every writer that was saving is still alive."""
     try:
-        st = jd.lstat(rel)
+        if jd.lstat(STOP_FILE) is not None:
+            return False
+        with jd.dirfd("run") as fd:
+            return not any(n.startswith("rank-") and n.endswith(".exit") for n in os.listdir(fd))
     except (OSError, UnsafePath):
         return False
-    return st is not None and st.st_mtime > since
+
+
+def inode_of(key: str) -> tuple[int, int]:
+    """(device, inode) of a ledger stat key (size:mtime:inode:device:ctime)."""
+    parts = key.split(":")
+    return int(parts[3]), int(parts[2])
 
 
 def run_manifest(req: Any) -> dict[str, Any]:
@@ -201,12 +304,12 @@ def run_manifest(req: Any) -> dict[str, Any]:
     old = load_digests(jd, folder)
     partial = bool(req.args["paths"]) or rests is not None
     kept = dict(old) if partial else {}   # a whole walk drops what is gone
-    since = time.time() - req.args.get("settle", 0)
-    files, total, fresh = {}, 0, 0
+    settle = Settle(jd, folder, req.args.get("settle", 0))
+    files: dict[str, list[Any]] = {}
+    total = 0
     for rel in sorted(found):
-        if req.args.get("settle") and is_fresh(jd, folder + "/" + rel, since):
-            fresh += 1
-            continue
+        if req.args.get("settle"):
+            settle.look(rel)
         got = digest_of(jd, rel, old, folder)
         if got is None:
             continue
@@ -216,11 +319,14 @@ def run_manifest(req: Any) -> dict[str, Any]:
             continue
         files[rel] = list(got)
         total += got[0]
+    for rel in settle.judge({rel: old[rel][0] for rel in files}):
+        total -= files.pop(rel)[0]
     if found:
         save_digests(jd, kept, folder)
     send_parts(req, files, folder)
     return {"root": jd.show(folder), "files": len(files), "bytes": total,
-            "skipped": notes.items, "skipped_count": notes.count, "fresh": fresh}
+            "skipped": notes.items, "skipped_count": notes.count, "fresh": settle.count,
+            "fresh_paths": settle.fresh}
 
 
 def send_parts(req: Any, files: dict[str, Any], folder: str = OUTPUT) -> None:

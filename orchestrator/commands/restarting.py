@@ -53,8 +53,10 @@ def run(cluster: Cluster, args: argparse.Namespace, restarts: int,
             console.print(plain(f"cannot restart: {plan.ended}"))
             return outcome.code
         delay = healing.backoff(nxt.restart)
+        none = f"; no checkpoint to put back: {outcome.no_checkpoint}" if outcome.no_checkpoint else ""
         console.print(plain(f"restart {nxt.restart} of {restarts} in {delay:.0f} s after: "
-                            f"{outcome.why}; hosts: {', '.join(h.label for h in nxt.hosts)}"))
+                            f"{outcome.why}; hosts: {', '.join(h.label for h in nxt.hosts)}"
+                            f"{none}"))
         time.sleep(delay)
 
 
@@ -108,6 +110,7 @@ class Failed:
     def __init__(self, why: str, lost: set[str], culprits: set[str],
                  code: int = EXIT_JOB_FAILED) -> None:
         self.why, self.lost, self.culprits, self.code = why, lost, culprits, code
+        self.no_checkpoint: str | None = None   # why a restart resumes from nothing
 
 
 def attempt(plan: healing.Plan, args: argparse.Namespace, view: launching.UpProgress,
@@ -150,7 +153,9 @@ def attempt(plan: healing.Plan, args: argparse.Namespace, view: launching.UpProg
             elif code == EXIT_JOB_FAILED:
                 console.print(f"no restart left ({plan.restarts} made)", markup=False)
             return code if args.no_pull or code == EXIT_INTERRUPTED else pull_after(got, code)
-        return blame(cluster, mon)
+        failed = blame(cluster, mon)
+        failed.no_checkpoint = keeper.nothing_kept() if keeper is not None else None
+        return failed
 
 
 def new_keeper(session: Session, cluster: Cluster, pre: PreflightReport,

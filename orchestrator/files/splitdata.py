@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from orchestrator.errors import DataError
 
@@ -175,6 +175,23 @@ def check_counts(groups: dict[str, FileList], workers: int, kind: str) -> None:
 # ---------------------------------------------------------------- scanning
 
 
+Chain = tuple[tuple[str, Optional[str]], ...]   # (real folder, the link that led into it)
+
+
+def loop_check(link: str, target: str, chain: Chain) -> None:
+    """A link to a folder the walk is already inside (or above it) is a loop: named with
+    every link that closes it (a/l1 -> ../b and b/l2 -> ../a both), never a walk that
+    runs until the path is too long."""
+    for i, (real, _) in enumerate(chain):
+        if real == target or real.startswith(target + os.sep):
+            links = [via for _, via in chain[i + 1:] if via is not None] + [link]
+            shown = ", ".join(f"{via} -> {os.readlink(via)}" for via in links)
+            what = ("a symlink to one of its own parent folders" if len(links) == 1
+                    else f"a symlink loop of {len(links)} links")
+            raise DataError(f"{link} leads back into {target}: {what} ({shown})",
+                            hint="remove one of the links, or point it outside the loop")
+
+
 class _Scanner:
     """Walks the source with os.scandir: one stat per file (for its size), realpath only
     for links."""
@@ -212,8 +229,12 @@ class _Scanner:
             raise DataError(f"{path} is a broken symlink", hint="remove it or fix its target")
         return target
 
-    def walk(self, path: str, rel: str, out: FileList, real: str | None = None) -> FileList:
-        """Every file under path, recursively, as (rel + its path below path, bytes)."""
+    def walk(self, path: str, rel: str, out: FileList, real: str | None = None,
+             chain: Chain = ()) -> FileList:
+        """Every file under path, recursively, as (rel + its path below path, bytes).
+        `chain`: the real folders above it, each with the link that led into it (if any)."""
+        real = real or os.path.realpath(path)
+        chain = chain + ((real, path if os.path.islink(path) else None),)
         try:
             with os.scandir(path) as it:
                 for e in it:
@@ -221,7 +242,7 @@ class _Scanner:
                         continue
                     target = self.check_link(e.path) if e.is_symlink() else None
                     if e.is_dir():
-                        self._descend(e, rel, out, real or os.path.realpath(path), target)
+                        self._descend(e, rel, out, chain, target)
                     elif e.is_file():
                         out.append((rel + e.name, e.stat().st_size))
         except OSError as exc:
@@ -229,12 +250,11 @@ class _Scanner:
                             hint="check the permissions of the source") from None
         return out
 
-    def _descend(self, e: os.DirEntry[str], rel: str, out: FileList, real: str,
+    def _descend(self, e: os.DirEntry[str], rel: str, out: FileList, chain: Chain,
                  target: str | None) -> None:
-        if target is not None and (real == target or real.startswith(target + os.sep)):
-            raise DataError(f"{e.path} is a symlink to one of its own parent folders (a loop)",
-                            hint="remove the link")
-        self.walk(e.path, rel + e.name + "/", out, target or real + os.sep + e.name)
+        if target is not None:
+            loop_check(e.path, target, chain)
+        self.walk(e.path, rel + e.name + "/", out, target or chain[-1][0] + os.sep + e.name, chain)
 
     def records(self, entries: list[os.DirEntry[str]]) -> tuple[dict[str, FileList], list[str]]:
         groups: dict[str, list[tuple[int, str, int]]] = {}

@@ -115,6 +115,8 @@ class Keeper:
         self.fetched = 0                         # files fetched since start
         self.errors = 0                          # rounds that failed
         self.last_error: str | None = None
+        self.fresh: set[str] = set()             # files left out as still being written
+        self.listed = 0                          # files the host listed, all rounds
         self.done = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -140,6 +142,35 @@ class Keeper:
             self.round()
             self.done.wait(self.interval)
 
+    def saw(self, folder: str, reply: dict[str, Any], remote: dict[str, Any]) -> None:
+        """A listing's news for `nothing_kept`: what it offered, what it left out."""
+        with self.lock:
+            self.listed += len(remote)
+            self.fresh.update(f"{folder}/{rel}" for rel in reply.get("fresh_paths", []))
+
+    def nothing_kept(self) -> str | None:
+        """None when a checkpoint is held (this attempt's, or one kept before it); else
+        why there is none, in words for the restart line."""
+        with self.lock:
+            if self.held or self.kept_before():
+                return None
+            host = self.cluster.host_of(0).label
+            if self.fresh:
+                names = ", ".join(sorted(self.fresh)[:3])
+                return (f"{names} never stayed unchanged for {self.settle:g} s on {host} "
+                        f"(written in place at every look; write it beside and rename it)")
+            if self.rounds == 0 and self.last_error:
+                return f"the keeper never reached rank 0's host: {self.last_error}"
+            if self.listed == 0:
+                return (f"job.checkpoint ({', '.join(self.cluster.job.checkpoint)}) "
+                        f"matched no file on {host}")
+            return "no complete copy was taken before the failure"
+
+    def kept_before(self) -> bool:
+        """Any kept file on this side from an earlier attempt (the controller's copy)."""
+        root = self.root
+        return root.is_dir() and any(f.is_file() for f in root.rglob("*"))
+
     def latest(self) -> dict[str, str]:
         """What it holds: {path relative to the job folder: sha256}, complete files only."""
         with self.lock:
@@ -154,9 +185,10 @@ class Keeper:
             link, job_dir = self.link_to(host)
             self.one_round(link, job_dir)
         except Exception as e:  # recorded, never raised: the caller is watching a job
+            text = str(e)
             with self.lock:
                 self.errors += 1
-                self.last_error = f"{host.label}: {e}"
+                self.last_error = text if text.startswith(host.label + ":") else f"{host.label}: {text}"
             log.debug("checkpoint keeper: %s", self.last_error)
             return False
         with self.lock:
@@ -177,7 +209,9 @@ class Keeper:
             self._folder(link, job_dir, folder, rests)
 
     def _folder(self, link: Link, job_dir: str, folder: str, rests: list[str]) -> None:
-        _, remote = manifest(link, job_dir, [], folder=folder, globs=rests, settle=self.settle)
+        reply, remote = manifest(link, job_dir, [], folder=folder, globs=rests,
+                                 settle=self.settle)
+        self.saw(folder, reply, remote)
         with Dest(self.root / folder) as dest:
             dest.sweep()
             todo = plan(remote, dest, self.cache)

@@ -101,8 +101,9 @@ class HostKeeper(Keeper):
         _, there = manifest(klink, kdir, [], folder=globs.KEEP)
         listed: dict[str, Any] = {}
         for folder, rests in folder_globs(self.cluster.job.checkpoint).items():
-            _, remote = manifest(link, job_dir, [], folder=folder, globs=rests,
-                                 settle=self.settle)
+            reply, remote = manifest(link, job_dir, [], folder=folder, globs=rests,
+                                     settle=self.settle)
+            self.saw(folder, reply, remote)
             listed.update({f"{folder}/{rel}": entry for rel, entry in remote.items()})
         fetch = {rel: entry for rel, entry in listed.items() if there.get(rel) != entry}
         try:
