@@ -201,7 +201,10 @@ def targets(cluster: Cluster, facts: dict[int, dict[str, Any]], cands: list[str]
     port0 = facts[0].get("master_listen") or master_port
     out: dict[int, list[dict[str, Any]]] = {}
     for h in cluster.hosts:
-        mine = [{"addr": c, "port": port0, "token": token(nonce, 0), "group": "m"} for c in cands]
+        # host 0 reaches its own addresses at once: it proves every candidate (a group
+        # each), and no second round is needed for one it would have left unfinished
+        mine = [{"addr": c, "port": port0, "token": token(nonce, 0),
+                 "group": f"m{k}" if h.index == 0 else "m"} for k, c in enumerate(cands)]
         j = (h.index + 1) % n
         if j != h.index and facts[j].get("port"):
             mine += [{"addr": a, "port": facts[j]["port"], "token": token(nonce, j), "group": "r"}
@@ -216,7 +219,7 @@ def run_probe(cluster: Cluster, links: dict[int, Link],
         link = links[h.index]
         reply = link.request("net_probe", timeouts.scaled(PROBE_TIMEOUT + 10, 0),
                              targets=plan[h.index], bound=PROBE_TIMEOUT)
-        return [dict(t, **r) for t, r in zip(plan[h.index], reply["results"])]
+        return [dict(t, **r, group=t["group"][:1]) for t, r in zip(plan[h.index], reply["results"])]
     result = fan_out(cluster.hosts, one)
     result.raise_failures(cluster.hosts, "the network probe")
     return result.ok
