@@ -302,3 +302,22 @@ def test_a_receiver_that_fails_unexpectedly_costs_the_pull_not_the_host(
         pull.pull(host.link, str(host.job), [], tmp_path / "out", cache)
     assert "connection lost" not in str(err.value)
     still_usable(host)
+
+
+def test_a_refused_stream_is_cut_short_by_this_side(host: Host, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host answers a refusal at once: this side stops sending at the next frame and
+    ends the stream with `abort`, instead of sending (and the host skipping) the rest."""
+    os.symlink(tmp_path, host.job / "checkpoints")
+    big = host.here / "big.pt"
+    with open(big, "wb") as f:
+        f.truncate(256 * MB)   # sparse: read fast, nothing on disk
+    sent: list[int] = []
+    real = Stall.send
+    monkeypatch.setattr(Stall, "send", lambda self, data: (sent.append(len(data)),
+                                                           real(self, data))[1])
+    with pytest.raises(OrchError, match="symbolic link"):
+        send(host, "keep_receive", [LocalFile("output/ck/big.pt", str(big), 256 * MB, 0o644,
+                                              "0" * 64)])
+    assert sum(sent) < 128 * MB, sum(sent)
+    still_usable(host)
