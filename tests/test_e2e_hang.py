@@ -17,15 +17,30 @@ from helpers import Jobs, Running, assert_nothing_left, part_dir, write_job
 from sshd_cluster import SshdCluster
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
-TIMEOUT = 8.0     # hang_timeout: above a rank's torch import on a busy 2-core machine
+# hang_timeout: above what precedes a rank's first line (torchrun's start, the rank's
+# python) on a busy machine; from its first line, the job's start prints (below)
+TIMEOUT = 20.0
+START = 240       # seconds: an up's start (preflight, push, three torch imports) at load 12
 
 JOB = """\
-import os, sys, time
+import os, sys, threading, time
 rank, mode = int(os.environ["RANK"]), os.environ["MODE"]
 print("rank %d importing torch" % rank, flush=True)
+started = threading.Event()
+
+
+def starting():
+    # torch's import and the rendezvous print nothing, for longer than hang_timeout on
+    # a busy machine (a start is no hang here): a line each second until the group is up
+    while not started.wait(1.0):
+        print("rank %d starting" % rank, flush=True)
+
+
+threading.Thread(target=starting, daemon=True).start()
 import torch
 import torch.distributed as dist
 dist.init_process_group("gloo")
+started.set()
 print("rank %d ready" % rank, flush=True)
 
 
@@ -48,10 +63,12 @@ def quiet_work(seconds, touch_for):
 if mode == "quiet":
     if rank == 1:
         quiet_work(float(os.environ["QUIET_S"]), float(os.environ["TOUCH_S"]))
-    else:   # the others print on, so no rank's silence is the whole job's
-        for i in range(int(float(os.environ["QUIET_S"]) * 2)):
+    else:   # the others print on as long (by the clock), so no rank's silence is the job's
+        end, i = time.monotonic() + float(os.environ["QUIET_S"]), 0
+        while time.monotonic() < end:
             print("rank %d working %d" % (rank, i), flush=True)
             time.sleep(0.5)
+            i += 1
     dist.barrier()
     print("rank %d done" % rank, flush=True)
     sys.exit(0)
@@ -98,7 +115,7 @@ def test_a_stopped_rank_is_named(sshd_cluster: SshdCluster, tmp_path: Path,
     name = "hang-stop"
     hosts, up = start(sshd_cluster, tmp_path, jobs, name, {"MODE": "steps"},
                       "--hang-timeout", str(TIMEOUT))
-    up.wait_for(r"\] rank 2 step 3$", timeout=120)
+    up.wait_for(r"\] rank 2 step 3$", timeout=START)
     os.kill(rank_pid(hosts[1], name, 2), signal.SIGSTOP)
     stopped = time.monotonic()
     named = wait_err(up, r"root cause rank 2 on host", TIMEOUT + 30)
@@ -119,7 +136,7 @@ def test_a_rank_asleep_in_its_step_is_named_while_the_others_wait_in_all_reduce(
     name = "hang-sleep"
     hosts, up = start(sshd_cluster, tmp_path, jobs, name, {"MODE": "sleep"},
                       "--hang-timeout", str(TIMEOUT))
-    up.wait_for(r"\] rank 2 step 4$", timeout=120)
+    up.wait_for(r"\] rank 2 step 4$", timeout=START)
     asleep = time.monotonic()   # rank 2 sleeps in step 5 from about now
     named = wait_err(up, r"root cause rank 2 on host", TIMEOUT + 30)
     code = up.finish(timeout=60)
@@ -156,7 +173,7 @@ def test_a_quiet_rank_whose_heartbeat_moves_is_no_hang(
     inv.write_text(text)
     jobs.add(inv, hosts, name)
     up = jobs.start(tmp_path, "up", str(inv), "--no-pull")
-    code = up.finish(timeout=120)
+    code = up.finish(timeout=START)
     report = "\n".join(up.err)
     if touch:
         assert code == 0, up.text()
