@@ -14,7 +14,12 @@ from typing import Any, Callable, NoReturn
 from orchestrator import __version__
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_USAGE, OrchError
 from orchestrator.ssh import lazyimport
-from orchestrator.ui.console import STDOUT_CLOSED, guard_std_streams, warnings_to_console
+from orchestrator.ui.console import (
+    STDOUT_CLOSED,
+    guard_std_streams,
+    stop_interrupting,
+    warnings_to_console,
+)
 
 lazyimport.hold_back()   # before anything imports paramiko
 
@@ -158,7 +163,12 @@ def main() -> NoReturn:
     # a closed stdout is the user's pipe, never a host: guarded here, once, for every
     # command and every thread that prints (ui/console.py)
     guard_std_streams()
-    code = cli()
+    try:
+        code = cli()
+        stop_interrupting()
+    except KeyboardInterrupt:   # stdout closed as the command returned: nothing to say
+        stop_interrupting()
+        code = EXIT_PIPE if STDOUT_CLOSED.is_set() else EXIT_INTERRUPTED
     end_now(EXIT_PIPE if STDOUT_CLOSED.is_set() else code)
 
 

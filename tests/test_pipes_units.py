@@ -22,8 +22,10 @@ def closed_pipe() -> Iterator[BinaryIO]:
     r, w = os.pipe()
     os.close(r)
     console.STDOUT_CLOSED.clear()
+    console._INTERRUPTING.set()
     with open(w, "wb", buffering=0) as f:
         yield f
+    console.stop_interrupting()
     console.STDOUT_CLOSED.clear()
 
 
@@ -71,3 +73,13 @@ def test_cli_ends_quietly_with_141(monkeypatch: pytest.MonkeyPatch,
     finally:
         console.STDOUT_CLOSED.clear()
     assert capsys.readouterr().err == ""
+
+
+def test_no_interrupt_once_the_command_is_over(closed_pipe: BinaryIO) -> None:
+    console.stop_interrupting()
+    out = console._Guarded(closed_pipe, is_stdout=True)
+    th = threading.Thread(target=out.write, args=(b"late\n",))
+    th.start()
+    th.join()
+    time.sleep(0.2)   # a pending interrupt would land here
+    assert console.STDOUT_CLOSED.is_set()

@@ -109,6 +109,9 @@ class _Guarded(io.BufferedIOBase):
             interrupt_main()
 
 
+_INTERRUPTING = threading.Event()   # set while the command runs (guard_std_streams)
+
+
 def interrupt_main() -> None:
     """KeyboardInterrupt in the main thread: raised here when this is it; otherwise
     delivered at its next bytecode (its waits are short: 0.1-0.2 s). Not through
@@ -116,14 +119,22 @@ def interrupt_main() -> None:
     main = threading.main_thread()
     if threading.current_thread() is main:
         raise KeyboardInterrupt
-    if main.ident is not None:
+    if main.ident is not None and _INTERRUPTING.is_set():
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main.ident),
                                                    ctypes.py_object(KeyboardInterrupt))
+
+
+def stop_interrupting() -> None:
+    """The command is over (called in the main thread): no interrupt from now on, and
+    one still pending is dropped, so that the process's end runs whole."""
+    _INTERRUPTING.clear()
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
 
 
 def guard_std_streams() -> None:
     """sys.stdout and sys.stderr through _Guarded (the `orch` command only: a test's
     captured streams are left alone)."""
+    _INTERRUPTING.set()
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         try:
