@@ -324,3 +324,31 @@ def test_a_refused_stream_is_cut_short_by_this_side(host: Host, tmp_path: Path,
                                               "0" * 64)])
     assert sum(sent) < 128 * MB, sum(sent)
     still_usable(host)
+
+
+# ---------------------------------------------------------------- the same class elsewhere
+
+def test_a_host_lost_to_its_follow_alone_is_still_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host that answered its follow with an error (a log it cannot read) is lost to
+    the follow, not to its link: the fail-fast stop (Session.stop with the lost hosts
+    skipped) still reaches it, so its ranks never run on, on a reachable host. A host
+    whose link is gone is skipped."""
+    import fake_agent
+
+    fake = fake_agent.FakeCluster(lambda label, rank, env: None).install(monkeypatch)
+    (tmp_path / "job.py").write_text("print('hi')\n")
+    inv = tmp_path / "cluster.yaml"
+    inv.write_text("name: fk\nhosts:\n"
+                   + "".join(f"  - {{address: 127.0.0.{i}, connection: local, remote_dir: /r{i}}}\n"
+                             for i in (1, 2, 3))
+                   + "code: {paths: [job.py]}\njob: {entrypoint: job.py}\n")
+    session = Session(load(inv)).open()
+    try:
+        session.links[2].lost("no answer for 15 s")   # lost for real: its link is gone
+        # host 1 is lost to its follow only: its link is up
+        result = session.stop(1.0, skip={1, 2})
+        assert sorted(result.ok) == [0, 1], result
+        assert fake.asked("stop") == {"127.0.0.1": 1, "127.0.0.2": 1}, fake.log
+    finally:
+        session.close()

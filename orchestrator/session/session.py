@@ -335,7 +335,11 @@ class Session:
         return {i: r.job_dir for i, r in self.records.items()}
 
     def stop(self, grace: float, skip: set[int] = frozenset()) -> GroupResult[StopReport]:  # type: ignore[assignment]
-        links = {i: link for i, link in self.links.items() if i not in skip}
+        """Stop the job on every host but those in `skip` (lost to the caller) whose link
+        is gone. One lost to its follow alone (the follow refused on the host, its link
+        still up) is stopped all the same: its ranks never run on behind a reachable host."""
+        links = {i: link for i, link in self.links.items()
+                 if i not in skip or link.dead is None}
         return stop_all(self.cluster, links, self.dirs(), grace)
 
     def status(self) -> GroupResult[dict[str, Any]]:
