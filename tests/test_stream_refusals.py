@@ -180,17 +180,20 @@ def test_refused_at_the_first_item(command: str, host: Host, tmp_path: Path) -> 
     still_usable(host)
 
 
+@pytest.mark.parametrize("size", [MB, 10_000], ids=["files", "batched"])
 @pytest.mark.parametrize("command", REQUESTS)
-def test_refused_in_the_middle(command: str, host: Host, tmp_path: Path) -> None:
+def test_refused_in_the_middle(command: str, size: int, host: Host, tmp_path: Path) -> None:
+    """A link planted under the landing folder, met at the second file (receive sends
+    small files in `files` batches: refused inside a batch)."""
     folder(host, command).mkdir(parents=True, exist_ok=True)
     elsewhere = plant(host, command, "b", tmp_path)
-    sent = files_of(host, dict.fromkeys(names(command, "a/1.bin", "b/2.bin", "c/3.bin"), MB))
+    sent = files_of(host, dict.fromkeys(names(command, "a/1.bin", "b/2.bin", "c/3.bin"), size))
     with pytest.raises(OrchError) as err:
         send(host, command, sent)
     text = str(err.value)
     assert "link" in text and "unknown request" not in text, text
     assert list(elsewhere.iterdir()) == []
-    assert (folder(host, command) / "a" / "1.bin").stat().st_size == MB   # what landed stays
+    assert (folder(host, command) / "a" / "1.bin").stat().st_size == size   # what landed stays
     assert not (folder(host, command) / "c").exists()
     still_usable(host)
 
