@@ -248,6 +248,8 @@ def connect(target: dict[str, Any], timeout: float) -> dict[str, Any]:
         res["why"] = "timeout"
     except ConnectionRefusedError:
         res["why"] = "refused"
+    except _socket.gaierror:
+        res["why"] = "unresolved"   # a name only the controller (or its bastion) knows
     except OSError as e:
         res["why"] = "unreachable" if e.errno in (101, 113) else "error: %s" % (e.strerror or e)
     finally:

@@ -220,7 +220,9 @@ def run_probe(cluster: Cluster, links: dict[int, Link],
         reply = link.request("net_probe", timeouts.scaled(PROBE_TIMEOUT + 10, 0),
                              targets=plan[h.index], bound=PROBE_TIMEOUT)
         return [dict(t, **r, group=t["group"][:1]) for t, r in zip(plan[h.index], reply["results"])]
-    result = fan_out(cluster.hosts, one)
+    # one thread per host however many: each only waits (at most PROBE_TIMEOUT), and a
+    # second wave would add a whole bound where a firewall drops (fan_out's limit is 256)
+    result = fan_out(cluster.hosts, one, limit=max(256, len(cluster.hosts)))
     result.raise_failures(cluster.hosts, "the network probe")
     return result.ok
 
@@ -242,6 +244,8 @@ def why(r: dict[str, Any]) -> str:
         return "connection refused (nothing listens there, or a firewall rejects it)"
     if w == "other":
         return "another machine answers at that address"
+    if w == "unresolved":
+        return "the name does not resolve there"
     if w == "unfinished":
         return "not needed (an address before it answered)"
     return w.replace("unreachable", "no route to that address")
