@@ -189,6 +189,25 @@ def reset_proxy(upstream: tuple[str, int], after_bytes: int
     return behaviour
 
 
+def drop_first(count: int, upstream: tuple[str, int]
+               ) -> Callable[[socket.socket, threading.Event], None]:
+    """sshd's MaxStartups as a client sees it: the first `count` connections are reset
+    before any banner; the later ones are relayed to a real sshd."""
+    seen = [0]
+    lock = threading.Lock()
+    relay = reset_proxy(upstream, after_bytes=1 << 40)
+
+    def behaviour(conn: socket.socket, stop: threading.Event) -> None:
+        with lock:
+            seen[0] += 1
+            drop = seen[0] <= count
+        if drop:
+            reset(conn)
+        else:
+            relay(conn, stop)
+    return behaviour
+
+
 def free_refused_port(address: str) -> int:
     """A port on address where nothing listens (bound once by us, then released)."""
     with socket.socket() as s:

@@ -150,3 +150,26 @@ def test_invoke_is_imported_only_for_a_config_that_may_run_commands(tmp_path: Pa
     out = subprocess.run([sys.executable, "-c", probe, str(plain), str(matching)],
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.splitlines() == ["plainuser False", "matched True"], out.stdout + out.stderr
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_one_or_refused_before_connecting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thousand hosts under a login session's soft limit of 1,024: the soft limit is
+    raised to the hard one; a hard limit below what the hosts need is one message (exit 2)
+    before any connection, with the fix."""
+    import resource
+
+    from orchestrator.ssh import connect
+
+    limits = {"now": (1024, 4096)}
+    monkeypatch.setattr(resource, "getrlimit", lambda what: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda what, pair: limits.update(now=pair))
+    connect.check_fd_limit(1000)
+    assert limits["now"] == (4096, 4096)
+    limits["now"] = (512, 512)
+    with pytest.raises(UsageError) as err:
+        connect.check_fd_limit(1000)
+    assert err.value.exit_code == 2
+    assert "1000 hosts need about 1064 open files, and this session allows 512" in err.value.message
+    assert "ulimit -n 2128" in err.value.hint
+    connect.check_fd_limit(400)   # fits under 512: nothing to say

@@ -197,6 +197,24 @@ def test_reset_during_a_command(sshd_cluster: SshdCluster, servers, tmp_path: Pa
     assert_host_failed(result, elapsed, proxy.address, "the connection was lost during the command")
 
 
+@pytest.mark.ssh
+def test_connections_dropped_before_the_banner_are_tried_again(
+        sshd_cluster: SshdCluster, servers, tmp_path: Path) -> None:
+    """sshd's MaxStartups resets a connection past its limit before the banner: orch
+    connects again after a short random back-off (in waves), within the connect timeout,
+    and the command works; a host that drops every try still fails with one line."""
+    host = sshd_cluster.hosts[2]
+    proxy = servers(fs.drop_first(2, (host.address, host.port)))
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[{proxy.address}]:{proxy.port} {host.host_key_pub}\n")
+    inv = write_inventory(tmp_path / "cluster.yaml", proxy.address, proxy.port,
+                          sshd_cluster.client_key, known, connect_timeout=10)
+    result, elapsed = run(tmp_path, "stop", "-c", str(inv))
+    assert result.returncode == 0, result.stderr
+    assert proxy.accepted == 3, proxy.accepted
+    assert elapsed < BOUND_S, elapsed
+
+
 def test_orch_debug_shows_paramiko(servers, client_key: Path, tmp_path: Path) -> None:
     """ORCH_DEBUG=1 is the way to see paramiko's own log (it is silent otherwise)."""
     server = servers(fs.banner_then_stall)

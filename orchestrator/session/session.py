@@ -160,6 +160,7 @@ class Session:
         from orchestrator.ssh import connect
         config = connect.ssh_config()   # exit 2 for an unreadable ~/.ssh/config, files next
         connect.check_local_files(hosts)
+        connect.check_fd_limit(len(hosts))
         bastions = connect.Bastions()   # one connection per bastion, shared by its hosts
         base_dir = self.cluster.base_dir
         return (lambda h: connect.connect(h, config, base_dir, bastions)), bastions.seal

@@ -9,12 +9,15 @@ bastion (`Bastions`), each hop's host key checked under the host's policy.
 """
 from __future__ import annotations
 
+import contextlib
 import getpass
 import logging
 import os
+import random
 import re
 import socket
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -38,6 +41,7 @@ from orchestrator.ssh.faults import (
     ConnectFailed,
     ForwardFailed,
     describe,
+    dropped_before_banner,
     explain_lost,
 )
 from orchestrator.ssh.sshtransport import (
@@ -187,6 +191,30 @@ def _resolve_jumps(host: Host, chain: Any, config: paramiko.SSHConfig,
 
 
 # ---------------------------------------------------------------- local checks
+
+# Descriptors: one socket per host (a bastion's hosts share its one), plus what Python,
+# the local files and the terminal hold. A default login session's soft limit is 1,024.
+FDS_BASE = 64
+
+
+def check_fd_limit(hosts: int) -> None:
+    """Raise this process's soft limit on open files to its hard limit (any process may),
+    so that a thousand hosts fit; when even the hard limit is below what `hosts`
+    connections need, say so before connecting (exit 2) rather than fail half way."""
+    import resource
+    need = hosts + FDS_BASE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 2 * need:
+        target = hard if hard == resource.RLIM_INFINITY else max(soft, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raise UsageError(f"{hosts} hosts need about {need} open files, and this session "
+                         f"allows {soft} (ulimit -n; its hard limit is {hard})",
+                         hint=f"raise the limit: `ulimit -n {need * 2}` (as root, or in "
+                              "/etc/security/limits.conf for your user), then run orch again")
+
 
 def check_local_files(hosts: tuple[Host, ...]) -> None:
     """What would fail on this machine, before any host is contacted (exit 2)."""
@@ -366,9 +394,33 @@ def connect_ssh(host: Host, target: Target, bastions: Bastions) -> SSHTransport:
             raise
         client.on_close = release
     else:
-        client = open_client(target, open_socket(target))
+        client = in_waves(target)
     _opened[_key(host)] = weakref.ref(client.live_transport())
     return SSHTransport(host, client)
+
+
+# sshd's MaxStartups (10:30:100 by default) drops connections past 10 that have not
+# logged in yet: many hosts behind one sshd (containers, a login node's ports), or
+# a shared bastion's sshd, see some connections closed before the banner. Those are
+# tried again, spread out, within the connect timeout; anything else fails at once.
+WAVE_RETRIES = 3
+WAVE_BACKOFF = 0.25   # seconds, doubled at each try, times a random factor in [0.5, 1.5)
+
+
+def in_waves(target: Target) -> _Client:
+    """open_client, again (after a random back-off) while the connection is closed or
+    reset before the SSH banner and time is left in the connect timeout."""
+    deadline = time.monotonic() + target.timeout
+    for attempt in range(WAVE_RETRIES + 1):
+        try:
+            return open_client(target, open_socket(target))
+        except ConnectFailed as exc:
+            delay = WAVE_BACKOFF * 2 ** attempt * random.uniform(0.5, 1.5)
+            if not dropped_before_banner(exc) or attempt == WAVE_RETRIES or \
+                    time.monotonic() + delay >= deadline:
+                raise
+            time.sleep(delay)
+    raise AssertionError("unreachable")   # the loop returns or raises
 
 
 # host index -> its paramiko transport: a command that fails on a host whose connection

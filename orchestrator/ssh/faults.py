@@ -55,6 +55,14 @@ def _is(exc: BaseException, *types: type) -> bool:
     return any(isinstance(e, types) for e in _chain(exc))
 
 
+def dropped_before_banner(exc: ConnectFailed) -> bool:
+    """Closed or reset before the SSH banner, which sshd's MaxStartups does to one
+    connection too many (the same failure as `_banner_failure`'s first case)."""
+    cause = exc.cause   # a reset may come before paramiko's transport exists ("tcp")
+    return exc.step in ("tcp", "banner") and (
+        _is(cause, ConnectionResetError, EOFError) or "reset" in str(cause).lower())
+
+
 def _tcp_failure(target: Target, exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, ForwardFailed):
         return (str(exc), "check the address as the bastion sees it (its DNS, its routes), that "
