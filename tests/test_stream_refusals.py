@@ -355,3 +355,21 @@ def test_a_host_lost_to_its_follow_alone_is_still_stopped(
         assert fake.asked("stop") == {"127.0.0.1": 1, "127.0.0.2": 1}, fake.log
     finally:
         session.close()
+
+
+def test_a_receive_lock_is_the_owners_alone(tmp_path: Path) -> None:
+    """Any user who can open a file can flock it: a receive lock others could open would
+    let one keep every push out of the folder. It is made 0600, and an older one is
+    made so."""
+    import stat
+
+    from orchestrator.agent import files
+    from orchestrator.agent.paths import JobDir
+
+    jd = JobDir(str(tmp_path / "job"))
+    os.close(files.receive_lock(jd, "code"))
+    lock = tmp_path / "job" / "run" / "code-receive.lock"
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o600
+    lock.chmod(0o644)
+    os.close(files.receive_lock(jd, "code"))
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o600

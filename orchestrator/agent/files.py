@@ -69,7 +69,15 @@ def receive_lock(jd: JobDir, folder: str, wait: float = timeouts.RECEIVE_LOCK) -
     """One receiver per folder: a push (or a manifest) waits for an earlier receiver whose
     connection broke to give up (it does within RECEIVE_IDLE). The lock ends with its
     process. Returns the descriptor to close."""
-    fd = jd.open_for_write("run/%s-receive.lock" % folder, 0o644, append=True)
+    # the owner's alone: any user who can open a file can flock it, and one who held
+    # this lock would keep every push out of the folder
+    fd = jd.open_for_write("run/%s-receive.lock" % folder, 0o600, append=True)
+    try:
+        if os.fstat(fd).st_mode & 0o077:   # made by an orch before this rule
+            os.fchmod(fd, 0o600)
+    except OSError:
+        os.close(fd)
+        raise
     deadline = time.monotonic() + wait
     while True:
         try:
