@@ -66,12 +66,15 @@ def timed_up(lan: BridgeHosts, base: Path, inv: Path) -> tuple[float, float | No
 
 def learn_cpu(lan: BridgeHosts) -> float:
     """CPU seconds of one agent's `learn` (with its listeners), in host 0's namespace."""
-    code = ("import time,sys; sys.path.insert(0,%r); from orchestrator.agent import network as n\n"
-            "t=time.process_time()\n"
-            "for _ in range(50):\n"
-            "    n.learn({'toward':'10.252.0.10','token':'t','listen':True,'master':True}, 0)\n"
-            "    n.run_close(None)\n"
-            "print((time.process_time()-t)/50)" % str(HERE.parent))
+    code = "\n".join([
+        "import time, sys",
+        f"sys.path.insert(0, {str(HERE.parent)!r})",
+        "from orchestrator.agent import network as n",
+        "t = time.process_time()",
+        "for _ in range(50):",
+        "    n.learn({'toward': '10.252.0.10', 'token': 't', 'listen': True, 'master': True}, 0)",
+        "    n.run_close(None)",
+        "print((time.process_time() - t) / 50)"])
     out = subprocess.run(["ip", "netns", "exec", lan.hosts[0].ns, sys.executable, "-S", "-c",
                           code], capture_output=True, text=True, check=True).stdout
     return float(out.strip())
@@ -103,6 +106,8 @@ def one(n: int) -> None:
               f"load {os.getloadavg()[0]:.1f}", flush=True)
         if not probe:
             print(err[-2000:])
+        if not ok:
+            print(fw_err[-2000:])
     finally:
         lan.stop()
 

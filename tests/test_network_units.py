@@ -243,3 +243,18 @@ def test_a_candidate_left_unfinished_is_probed_again_where_it_was_left(tmp_path:
                    results)
     assert [[t["addr"] for t in a] for a in asked] == [["10.1.0.5"]]
     assert network.choose_master(c, ["10.0.0.8", "10.1.0.5"], results) == "10.1.0.5"
+
+
+def test_many_blocked_pairs_with_one_cause_are_one_message(tmp_path: Path) -> None:
+    c = parse(BASE.replace("  - 10.0.0.8\n  - 10.0.0.9\n", "  - gpu[01-12]\n"),
+              tmp_path / "cluster.yaml")
+    results = {i: [{"addr": f"10.1.0.{(i + 1) % 12}", "port": 40000, "group": "r",
+                    "ok": False, "why": "timeout", "src": ""}] for i in range(12)}
+    with pytest.raises(HostError) as err:
+        network.check_ring(c, results, {i: f"10.1.0.{i}" for i in range(12)})
+    msg = err.value.message
+    assert msg.startswith("the network check before launch: 12 of 12 hosts cannot reach their "
+                          "ring neighbour on a port the OS picked"), msg
+    assert "no answer in 3 s (a firewall drops it): gpu01 -> gpu02 10.1.0.1:40000; " in msg, msg
+    assert msg.endswith("(and 8 more)"), msg
+    assert "allow TCP between the hosts of the job" in err.value.hint

@@ -34,6 +34,7 @@ ENV_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 # interfaces that never carry traffic between machines (bridges of containers and VMs)
 VIRTUAL = ("lo", "docker", "veth", "br-", "virbr", "cni", "flannel", "cali", "vxlan", "tun")
 MAX_CANDIDATES = 6           # addresses of one host tried at once
+RING_SHOWN = 4               # blocked pairs named when one cause blocks more of them
 
 
 def is_loopback(addr: str) -> bool:
@@ -217,7 +218,8 @@ def run_probe(cluster: Cluster, links: dict[int, Link],
               plan: dict[int, list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
     def one(h: Host) -> list[dict[str, Any]]:
         link = links[h.index]
-        reply = link.request("net_probe", timeouts.scaled(PROBE_TIMEOUT + 10, 0),
+        # as preflight's: every host's reply is read on this machine's CPU
+        reply = link.request("net_probe", timeouts.scaled(PROBE_TIMEOUT + 10, len(cluster.hosts)),
                              targets=plan[h.index], bound=PROBE_TIMEOUT)
         return [dict(t, **r, group=t["group"][:1]) for t, r in zip(plan[h.index], reply["results"])]
     # one thread per host however many: each only waits (at most PROBE_TIMEOUT), and a
@@ -305,24 +307,32 @@ def check_ring(cluster: Cluster, results: dict[int, list[dict[str, Any]]],
     """Each host reached its neighbour on a port the OS picked, at the address that
     neighbour's ranks will use; else exit 3 naming both hosts, the port and the cause."""
     n = len(cluster.hosts)
-    failed: dict[int, BaseException] = {}
+    bad: dict[int, dict[str, Any]] = {}
     for i, rs in sorted(results.items()):
         ring = [r for r in rs if r["group"] == "r"]
         if not ring:
             continue
-        j = (i + 1) % n
-        at = [r for r in ring if r["addr"] == address.get(j)] or ring[:1]
-        r = at[0]
-        if r["ok"] or (r["why"] == "unfinished" and any(x["ok"] for x in ring)):
-            continue
-        failed[i] = HostError(
-            f"{cluster.hosts[i].label} -> {cluster.hosts[j].label} {r['addr']}:{r['port']} "
-            f"(a port the OS picked, as gloo and NCCL connect their pairs): {why(r)}")
-    GroupResult(failed=failed).raise_failures(
-        cluster.hosts, "the network check before launch",
-        hint="allow TCP between the hosts of the job on every port (gloo and NCCL connect "
-             "each pair of ranks on ports the OS picks), or turn this check off with "
-             "`network.check: false`")
+        r = ([r for r in ring if r["addr"] == address.get((i + 1) % n)] or ring[:1])[0]
+        if not (r["ok"] or (r["why"] == "unfinished" and any(x["ok"] for x in ring))):
+            bad[i] = r
+    if not bad:
+        return
+    fix = ("allow TCP between the hosts of the job on every port (gloo and NCCL connect "
+           "each pair of ranks on ports the OS picks), or turn this check off with "
+           "`network.check: false`")
+    pair = {i: f"{cluster.hosts[i].label} -> {cluster.hosts[(i + 1) % n].label} "
+               f"{r['addr']}:{r['port']}" for i, r in bad.items()}
+    causes = {why(r) for r in bad.values()}
+    if len(bad) > RING_SHOWN and len(causes) == 1:   # one cause everywhere: one message
+        shown = "; ".join(pair[i] for i in sorted(bad)[:RING_SHOWN])
+        raise HostError(f"the network check before launch: {len(bad)} of {n} hosts cannot "
+                        f"reach their ring neighbour on a port the OS picked (as gloo and "
+                        f"NCCL connect their pairs): {causes.pop()}: {shown} "
+                        f"(and {len(bad) - RING_SHOWN} more)", hint=fix)
+    GroupResult(failed={i: HostError(f"{pair[i]} (a port the OS picked, as gloo and NCCL "
+                                     f"connect their pairs): {why(r)}")
+                        for i, r in bad.items()}).raise_failures(
+        cluster.hosts, "the network check before launch", hint=fix)
 
 
 # ------------------------------------------------------------------ the plan
