@@ -38,6 +38,7 @@ COMMANDS = {
     "pull": ("pull", "bring files back from a host's job output/ folder"),
     "exec": ("exec", "run a command on every host (or --hosts) in the job folder"),
     "split-data": ("split_data", "split a dataset into one shard (folder of links) per worker"),
+    "forward": ("forward", "forward a local port to a port on a job's host over orch's SSH"),
 }
 
 

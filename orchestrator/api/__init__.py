@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # the names as the type checker sees them; at run time: __getattr__
     from orchestrator.api.executing import exec
+    from orchestrator.api.forwarding import Forwarding, forward
     from orchestrator.api.jobs import Inventory
     from orchestrator.api.launching import UpProgress, array_up, plan, up
     from orchestrator.api.outcomes import (
@@ -88,6 +89,7 @@ if TYPE_CHECKING:   # the names as the type checker sees them; at run time: __ge
 # results) before its first login.
 _MODULES = (
     ("orchestrator.api.executing", "exec"),
+    ("orchestrator.api.forwarding", "Forwarding forward"),
     ("orchestrator.api.jobs", "Inventory"),
     ("orchestrator.api.launching", "UpProgress array_up plan up"),
     ("orchestrator.api.outcomes", "JSON_VERSION AllLogs ArrayHost ArrayLogs ArrayStatus "
@@ -126,6 +128,7 @@ __all__ = [
     "ArrayStatus",
     "ArrayUpResult",
     "ExecResult",
+    "Forwarding",
     "GpuStatus",
     "GroupError",
     "HostError",
@@ -159,6 +162,7 @@ __all__ = [
     "array_up",
     "document",
     "exec",
+    "forward",
     "logs",
     "plan",
     "pull",

@@ -13,6 +13,7 @@ from typing import Any
 
 from orchestrator.errors import JobError
 from orchestrator.session.stopper import StopReport
+from orchestrator.watch.events import Event, RootCause
 
 JSON_VERSION = 1   # raised when a field changes meaning or goes away; new fields keep it
 
@@ -263,6 +264,23 @@ class StopResult:
 
 
 @dataclass(frozen=True)
+class PortForward:
+    """One forward: 127.0.0.1:local_port here to localhost:remote_port on the host."""
+
+    remote_port: int
+    local_port: int
+    url: str
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """`orch forward`: the host and its forwards, as they listen."""
+
+    host: str
+    forwards: list[PortForward]
+
+
+@dataclass(frozen=True)
 class PullResult:
     """`orch pull`: files from one host's output/ into `destination`."""
 
@@ -343,6 +361,70 @@ class Results:
     csv: Path = field(metadata=NOT_IN_JSON)   # .orch/<name>/results.csv, written now
     unreached: HostErrors = field(default_factory=dict, repr=False, compare=False,
                                   metadata=NOT_IN_JSON)
+
+
+# ---------------------------------------------------------------- run
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How a rank ended in the run's last attempt: `code`, or the `signal` that ended it;
+    `runtime`: seconds from the job's start to its exit, on the controller's clock."""
+
+    rank: int
+    host: str
+    code: int | None
+    signal: int | None
+    runtime: float
+    after_stop: bool = False   # ended by a stop (orch's fail-fast, or an `orch stop`)
+
+    @property
+    def failed(self) -> bool:
+        return self.code != 0
+
+
+@dataclass(frozen=True)
+class AttemptResult:
+    """One attempt of a run: its hosts, its root cause (None: it succeeded) and `why` in
+    a line, and how long it took to start (preflight, sync, setup, launch) and to run."""
+
+    attempt: int
+    hosts: tuple[str, ...]
+    cause: RootCause | None = field(metadata=NOT_IN_JSON)
+    why: str
+    start_seconds: float
+    run_seconds: float
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """`api.run`: the run to its end. `code`: the CLI's exit code (0: every rank exited 0
+    and the pull worked); `ranks`: the last attempt's ranks; `pulled`: rank 0's output/
+    (None: not pulled), `pull_error` when its pull failed."""
+
+    job: str
+    code: int
+    ranks: tuple[RankEnd, ...]
+    attempts: tuple[AttemptResult, ...]
+    pulled: PullResult | None
+    pull_error: str = ""
+    pull_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Pulled(Event):
+    """The pull of rank 0's output/ at the run's end: what came (`result`, which may be
+    partial), or `error`."""
+
+    result: PullResult | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Finished(Event):
+    """The run ended (the last event of `api.run`): its RunResult."""
+
+    result: RunResult
 
 
 # ---------------------------------------------------------------- --json

@@ -10,11 +10,12 @@ from __future__ import annotations
 import io
 import os
 import shlex
+import socket
 import subprocess
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, Protocol, cast
 
 from orchestrator.config.inventory import Host
 
@@ -62,6 +63,19 @@ class Channel(ABC):
         """The command's exit code once it has ended, else None."""
 
 
+class Stream(Protocol):
+    """A byte stream both ways: a socket, or an SSH channel (direct-tcpip)."""
+
+    def recv(self, n: int) -> bytes: ...
+    def sendall(self, data: bytes) -> Any: ...
+    def shutdown(self, how: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class TunnelRefused(Exception):
+    """Nothing listens on the forwarded port on the host (the connection was refused)."""
+
+
 class Transport(ABC):
     def __init__(self, host: Host) -> None:
         self.host = host
@@ -71,6 +85,16 @@ class Transport(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def tunnel(self, port: int, timeout: float) -> Stream:
+        """A TCP connection to `port` on the host's loopback (`orch forward`); raises
+        TunnelRefused when nothing listens there, HostError when the link is gone."""
+        try:
+            sock = socket.create_connection(("localhost", port), timeout=timeout)
+        except ConnectionRefusedError:
+            raise TunnelRefused("connection refused") from None
+        sock.settimeout(None)
+        return sock
 
     def run(self, argv: list[str], stdin: bytes = b"", timeout: float | None = None) -> Result:
         chan = self.open(argv, timeout)

@@ -21,7 +21,9 @@ from orchestrator.remote.transport import (
     STDERR_KEEP,
     Channel,
     Result,
+    Stream,
     Transport,
+    TunnelRefused,
     remote_command,
 )
 from orchestrator.wire import timeouts
@@ -86,6 +88,20 @@ class SSHTransport(Transport):
         chan = transport.open_session(timeout=timeout or timeouts.OPEN_SESSION)
         chan.exec_command(remote_command(argv))
         return SSHChannel(chan, timeout)
+
+    def tunnel(self, port: int, timeout: float) -> Stream:
+        """A direct-tcpip channel to localhost:port as the host sees it (what `ssh -L`
+        opens), on this connection: bastions included, no new login."""
+        transport = self.client.get_transport()
+        if transport is None or not transport.is_active():
+            raise HostError(f"{self.host.label}: the SSH connection was lost")
+        try:
+            chan = transport.open_channel("direct-tcpip", ("localhost", port),
+                                          ("127.0.0.1", 0), timeout=timeout)
+        except paramiko.ChannelException as e:   # sshd's answer: 2 = connect failed
+            raise TunnelRefused(e.text or "connect failed") from None
+        chan.settimeout(None)
+        return chan
 
     def close(self) -> None:
         self.client.close()
