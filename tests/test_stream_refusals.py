@@ -373,3 +373,51 @@ def test_a_receive_lock_is_the_owners_alone(tmp_path: Path) -> None:
     lock.chmod(0o644)
     os.close(files.receive_lock(jd, "code"))
     assert stat.S_IMODE(lock.stat().st_mode) == 0o600
+
+
+def test_a_keeper_host_that_refuses_the_copy_is_said_once_and_not_asked_every_round(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`checkpoint_to: host` with a link in place of the keeper host's checkpoints/: the
+    round fails with the host's own words, one warning says it with the fix, the next
+    rounds fetch nothing from rank 0's host until the retry time, and the keeper host's
+    link stays usable (its job can be stopped)."""
+    from orchestrator.session import hostkeep
+    from test_hostkeep_units import CK, inventory, job_of, write
+
+    cluster = load(inventory(tmp_path))
+    session = Session(cluster).open()
+    try:
+        write(job_of(tmp_path, 0) / CK / "epoch-1.pt", b"one")
+        (job_of(tmp_path, 1)).mkdir(parents=True, exist_ok=True)
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        os.symlink(elsewhere, job_of(tmp_path, 1) / "checkpoints")
+        keeper = hostkeep.HostKeeper(session, cluster, cluster.hosts[1])
+        sent: list[str] = []
+        submit = session.links[0].submit
+
+        def counted(t: str, *a: Any, **k: Any) -> Any:
+            sent.append(t)
+            return submit(t, *a, **k)
+        session.links[0].submit = counted  # type: ignore[method-assign,assignment]
+        with caplog.at_level("WARNING", logger="orchestrator"):
+            assert not keeper.round()
+            assert not keeper.round()
+        assert "symbolic link" in (keeper.last_error or ""), keeper.last_error
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and said[0].startswith(
+            f"checkpoints are not being kept on {cluster.hosts[1].label}: "), said
+        assert "fix: remove it" in said[0], said
+        assert sent.count("pull_send") == 1, sent   # the second round fetched nothing
+        assert list(elsewhere.iterdir()) == []
+        klink = session.links[1]
+        assert klink.dead is None and "time" in klink.request("clock", 30)
+        os.unlink(job_of(tmp_path, 1) / "checkpoints")
+        keeper.retry_at = 0.0   # the retry time has come
+        with caplog.at_level("WARNING", logger="orchestrator"):
+            assert keeper.round(), keeper.last_error
+        assert (job_of(tmp_path, 1) / "checkpoints" / CK / "epoch-1.pt").read_bytes() == b"one"
+        assert caplog.records[-1].getMessage().endswith("kept on " + cluster.hosts[1].label
+                                                        + " again")
+    finally:
+        session.close()

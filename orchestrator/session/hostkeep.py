@@ -26,9 +26,11 @@ controller copy of an earlier run (`.orch/<name>/checkpoints/`).
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import stat
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -58,6 +60,10 @@ from orchestrator.session.session import Session
 from orchestrator.wire import globs
 
 RELAY = "checkpoint-relay"     # .orch/<name>/checkpoint-relay/: in transit only
+# seconds before a keeper host that refused the copy (a link planted in its way, a full
+# disk, a permission) is sent it again: each try fetches every file from rank 0's host
+REFUSED_RETRY = 30.0
+log = logging.getLogger("orchestrator")
 
 
 # ---------------------------------------------------------------- the keeper host
@@ -95,9 +101,13 @@ class HostKeeper(Keeper):
         self.stage = cluster.state_dir / RELAY
         self.pushed = 0                            # files sent to the keeper host
         self.deleted = 0                           # files it pruned
+        self.refused: str | None = None            # why the keeper host refused the copy
+        self.retry_at = 0.0                        # (monotonic) when it is sent again
 
     def one_round(self, link: Link, job_dir: str) -> None:
         klink, kdir = self.link_to(self.keeper)
+        if self.refused is not None and time.monotonic() < self.retry_at:
+            raise HostError(self.refused)   # a failed round, without fetching everything again
         _, there = manifest(klink, kdir, [], folder=globs.KEEP)
         listed: dict[str, Any] = {}
         for folder, rests in folder_globs(self.cluster.job.checkpoint).items():
@@ -112,7 +122,7 @@ class HostKeeper(Keeper):
             have.update({rel: f.digest for rel, f in got.items()})
             gone = stale(have, listed)
             if got or gone:
-                send(klink, kdir, list(got.values()), gone, "keep_receive")
+                self.send_copy(klink, kdir, list(got.values()), gone)
         finally:
             clear(self.stage)
         self.fetched += len(got)
@@ -121,6 +131,26 @@ class HostKeeper(Keeper):
             self.deleted += len(gone)
             self.held = {rel: d for rel, d in sorted(have.items())
                          if rel not in gone and matches(self.cluster, rel)}
+
+
+    def send_copy(self, klink: Link, kdir: str, files: list[LocalFile], gone: list[str]) -> None:
+        """The round's files to the keeper host. Refused there (its link still up: the
+        host answered), the cause is said once as a warning and the copy is sent again
+        only after REFUSED_RETRY seconds; a keeper host lost is the round's failure."""
+        try:
+            send(klink, kdir, files, gone, "keep_receive")
+        except OrchError as e:
+            if klink.dead is None:
+                first, self.refused = self.refused is None, e.message
+                self.retry_at = time.monotonic() + REFUSED_RETRY
+                if first:
+                    fix = f" (fix: {e.hint})" if e.hint else ""
+                    log.warning("checkpoints are not being kept on %s: %s%s; tried again "
+                                "every %g s", self.keeper.label, e.message, fix, REFUSED_RETRY)
+            raise
+        if self.refused is not None:
+            log.warning("checkpoints are kept on %s again", self.keeper.label)
+        self.refused = None
 
 
 def matches(cluster: Cluster, rel: str) -> bool:
