@@ -2,7 +2,8 @@
 planted in the keeper host's job folder in place of its `checkpoints/`. Every relay
 round is refused there (keep_receive), and the host stays what it is: connected and
 usable. `orch up` follows the job on (the host is never taken for silent, nothing is
-read as `unknown request 'file'`), and `orch stop` stops everything on both hosts."""
+read as `unknown request 'file'`), the refusal is said once with its cause and fix, and
+`orch stop` stops everything on both hosts."""
 from __future__ import annotations
 
 import os
@@ -54,6 +55,11 @@ def test_a_link_planted_on_the_keeper_host_costs_no_host_and_stop_stops_everythi
         assert run.proc.poll() is None, text
         assert f"checkpoints kept on {hosts[1].address}" in text, text
         assert "went silent" not in text and "unknown request" not in text, text
+        # the real cause, said once, with its fix
+        warned = [line for line in run.err if "checkpoints are not being kept" in line]
+        assert len(warned) == 1 and "keep_receive failed" in warned[0], text
+        assert f"{keeper_job}/checkpoints is a symbolic link" in warned[0], text
+        assert "fix: remove it" in warned[0], text
         stop = orch(tmp_path, "stop", str(inv), "--grace", "2")
         assert stop.returncode == 0, stop.stdout + stop.stderr
         assert "NOT stopped" not in stop.stdout + stop.stderr
