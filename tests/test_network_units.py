@@ -258,3 +258,23 @@ def test_many_blocked_pairs_with_one_cause_are_one_message(tmp_path: Path) -> No
     assert "no answer in 3 s (a firewall drops it): gpu01 -> gpu02 10.1.0.1:40000; " in msg, msg
     assert msg.endswith("(and 8 more)"), msg
     assert "allow TCP between the hosts of the job" in err.value.hint
+
+
+def test_a_master_port_in_time_wait_is_free_and_a_listened_one_is_not() -> None:
+    """A job that just ended leaves TIME_WAIT on its master port (the store closed
+    first); torchrun's store binds with SO_REUSEADDR, and so does preflight's check."""
+    import socket
+
+    from orchestrator.agent.preflight import port_free
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as torchrun's store
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    assert not port_free(port)          # listened on
+    server.close()
+    conn.close()                        # the server's side closes first: its TIME_WAIT
+    client.close()
+    assert port_free(port)

@@ -140,6 +140,8 @@ class Listener:
         for port in ports:
             s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
             try:
+                # as torchrun's store: a job's TIME_WAIT on the master port is no obstacle
+                s.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
                 s.bind(("", port))
                 s.listen(1024)
             except OSError:

@@ -54,8 +54,11 @@ def torch_version() -> str | None:
 
 
 def port_free(port: int) -> bool:
+    """Whether torchrun's store can listen there. SO_REUSEADDR as the store sets it: the
+    TIME_WAIT a job that just ended leaves on the port does not hold the next one back."""
     s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
     try:
+        s.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
         s.bind(("", port))
         return True
     except OSError:
