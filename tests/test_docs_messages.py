@@ -225,3 +225,13 @@ def test_the_key_reference_names_no_key_the_inventory_refuses() -> None:
     unknown = sorted(k for k in documented_keys() if k.split(".")[0] in sections | {"hosts[]"}
                      and k not in accepted and "." in k)
     assert not unknown, f"{KEYS_PAGE.name} names keys the inventory refuses: {unknown}"
+
+
+def test_the_readme_shows_the_reference_cluster_yaml() -> None:
+    """README.md's cluster.yaml is the key reference's complete example, line for line."""
+    def first_yaml(path: Path) -> str:
+        found = re.search(r"```yaml\n(.*?)```", path.read_text(encoding="utf-8"), flags=re.S)
+        assert found, path
+        return found.group(1)
+    assert first_yaml(REPO / "README.md") == first_yaml(KEYS_PAGE), \
+        "README.md's cluster.yaml has drifted from docs/reference/cluster-yaml.md's: copy it over"
