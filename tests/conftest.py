@@ -31,6 +31,9 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line(
         "markers", "ssh: end-to-end test against the fake sshd cluster (slow)")
+    config.addinivalue_line(
+        "markers", "timing: waits on real time or real processes without sshd "
+        "(`make test-stress` runs these and the ssh tests beside a CPU burner)")
 
 
 # The markers follow from the fixtures a test uses (directly or through another fixture):
@@ -40,16 +43,28 @@ def pytest_configure(config: pytest.Config) -> None:
 # CPU here).
 SSHD_FIXTURES = {"sshd_cluster", "untrusted_host", "netns", "big_cluster"}
 JOB_FIXTURES = {"jobs", "pushed", "torchrun"}
+# `timing`: the modules without sshd whose tests wait on real time (fake agents' real
+# waits, watchdogs, hangs) or on local processes (agents over pipes, warm supervisors):
+# with `ssh`, what a busy machine can break (`make test-stress`)
+TIMING_MODULES = {
+    "test_warm", "test_host_paths", "test_hang_attach", "test_hang_units", "test_rootcause",
+    "test_interrupt_units", "test_hostfaults_units", "test_phasefaults_units",
+    "test_setupexec", "test_session", "test_controller_fake", "test_pipes_units",
+    "test_network_units",
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`make test-fast` leaves out `ssh` and `slow` tests."""
+    """`make test-fast` leaves out `ssh` and `slow` tests; `make test-stress` runs `ssh`
+    and `timing`."""
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         if used & SSHD_FIXTURES:
             item.add_marker(pytest.mark.ssh)
         if used & JOB_FIXTURES:
             item.add_marker(pytest.mark.slow)
+        if item.path.stem in TIMING_MODULES:
+            item.add_marker(pytest.mark.timing)
 
 
 @pytest.fixture(autouse=True, scope="session")
