@@ -255,6 +255,24 @@ def host_output(h: Host, sizes: dict[str, int]) -> None:
         path.write_bytes(os.urandom(size))
 
 
+def test_a_pull_refused_by_the_host_at_its_first_item(
+        tmp_path: Path, host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's output/ becomes a link between its listing and the send: every file is
+    refused there (named, never read through the link), and the link stays in step."""
+    host_output(host, {"a/1.bin": MB, "b/2.bin": MB})
+    elsewhere = tmp_path / "elsewhere"
+
+    def swap(dest: Any, fetch: Any) -> None:   # after the plan, before the files are asked
+        os.rename(host.job / "output", elsewhere)
+        os.symlink(elsewhere, host.job / "output")
+    monkeypatch.setattr(pull, "check_space", swap)
+    cache = DigestCache(tmp_path / "digests.bin")
+    report = pull.pull(host.link, str(host.job), [], tmp_path / "out", cache)
+    assert report.files == 0 and report.skipped_count == 2, report
+    assert all("symbolic link" in s["why"] for s in report.skipped), report.skipped
+    still_usable(host)
+
+
 def test_a_pull_out_of_local_disk_half_way_leaves_the_link_in_step(
         tmp_path: Path, host: Host, small_disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The disk fills up while the files come (another writer; the space was there when
