@@ -219,7 +219,8 @@ def run_probe(cluster: Cluster, links: dict[int, Link],
     def one(h: Host) -> list[dict[str, Any]]:
         link = links[h.index]
         # as preflight's: every host's reply is read on this machine's CPU
-        reply = link.request("net_probe", timeouts.scaled(PROBE_TIMEOUT + 10, len(cluster.hosts)),
+        reply = link.request("net_probe", timeouts.scaled(PROBE_TIMEOUT * 4 + 10,
+                                                          len(cluster.hosts)),
                              targets=plan[h.index], bound=PROBE_TIMEOUT)
         return [dict(t, **r, group=t["group"][:1]) for t, r in zip(plan[h.index], reply["results"])]
     # one thread per host however many: each only waits (at most PROBE_TIMEOUT), and a
@@ -246,6 +247,9 @@ def why(r: dict[str, Any]) -> str:
         return "connection refused (nothing listens there, or a firewall rejects it)"
     if w == "other":
         return "another machine answers at that address"
+    if w == "slow":
+        return (f"connected, but no token in {PROBE_TIMEOUT * 3:g} s (the host is too "
+                "loaded to answer, or something else listens there)")
     if w == "unresolved":
         return "the name does not resolve there"
     if w == "unfinished":
