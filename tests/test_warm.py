@@ -271,6 +271,31 @@ def test_launcher_gone_before_go_starts_cold(tmp_path: Path, started: list[int],
     assert not stray_pids([job.path], wait=2)
 
 
+# the import announces itself, then fails once the test releases it (after the go)
+FAILS_AFTER_GO = ("import os, time\nopen(os.environ['STANDIN_IMPORTING'], 'w').close()\n"
+                  "while not os.path.exists(os.environ['STANDIN_RELEASE']):\n"
+                  "    time.sleep(0.02)\n"
+                  "raise ImportError('torch broke half way through its import')\n")
+
+
+def test_import_failing_after_the_go_fails_the_job(tmp_path: Path, started: list[int]) -> None:
+    """The go reached the launcher mid-import, so it is the job's torchrun; its import
+    then fails: the host's exit is 1 with the cause in the log, never 0 (a job that ran
+    nothing read as a success)."""
+    job = Job(tmp_path, torch_init=FAILS_AFTER_GO)
+    waiting = start(job, started)
+    supervisor = parent_of(waiting.launcher)
+    wait_until(job.importing.exists, 30, "the warm launcher to start importing torch")
+    record = waiting.go(job.spec())["supervisor"]
+    assert record["torchrun_pid"] == waiting.launcher     # handed over: it is torchrun
+    job.release()
+    assert job.host_exit(timeout=30)["code"] == 1, job.log()
+    assert "could not import torch.distributed.run" in job.log()
+    assert "torch broke half way" in job.log()
+    all_gone([supervisor, waiting.launcher], timeout=30)
+    assert not stray_pids([job.path], wait=2)
+
+
 HOLDER = """\
 import sys
 import threading

@@ -76,6 +76,28 @@ def wait_for_go(sock):
     return got
 
 
+def import_failed(sock, got, exc):
+    # type: (Any, dict[str, Any], BaseException) -> None
+    """torch's import failed. Before the go, this process ends and the supervisor, whose
+    go then finds the socket shut, starts torchrun cold. A go already handed over made
+    this process the job's torchrun: it must not end 0 (a job that ran nothing would read
+    as a success), so the cause goes to the log and it ends 1."""
+    import socket
+    try:
+        sock.shutdown(socket.SHUT_RDWR)   # a go not yet sent fails at the supervisor now
+    except OSError:
+        pass
+    if got["ready"].wait(2.0):   # the go came before the shut: it reads it, or the end
+        log = got["go"][1][0]
+        text = "orch: the warm torchrun could not import torch.distributed.run: %r\n" % (exc,)
+        try:
+            os.write(log, text.encode("utf-8", "backslashreplace"))
+        except OSError:
+            pass
+        os._exit(1)
+    os._exit(0)
+
+
 def keep_early_output(log):
     # type: (int) -> None
     """What the import wrote (warnings) goes to the log first, as a cold start's would."""
@@ -100,8 +122,8 @@ def main():
     got = wait_for_go(sock)
     try:
         import torch.distributed.run  # noqa: F401  (the warm part)
-    except BaseException:   # a half-done import is no base to run from: the supervisor
-        os._exit(0)         # sees this process gone at the go and starts torchrun cold
+    except BaseException as e:   # a half-done import is no base to run from
+        import_failed(sock, got, e)
     got["ready"].wait()
     go, fds = got["go"]
     os.environ.update(go["env"])   # with the job's marker: the ranks inherit it
