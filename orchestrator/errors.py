@@ -72,14 +72,20 @@ class GroupError(HostError):
 
 class JobError(OrchError):
     """The job failed (a rank exited non-zero). `failures`: each failed rank (or task)
-    and what is known of it (`api.Status.raise_for_failures` gives its RankStatus)."""
+    and what is known of it (`api.Status.raise_for_failures` gives its RankStatus,
+    `api.run` its RankEnd). From `api.run`: `cause`, the root cause as a value (a
+    RootCause event: the rank, host, exit code or signal, last lines, error file, or
+    the hang's stacks and culprits), and `result`, the RunResult so far."""
 
     exit_code = EXIT_JOB_FAILED
 
     def __init__(self, message: str, *, hint: str = "",
-                 failures: dict[int, Any] | None = None) -> None:
+                 failures: dict[int, Any] | None = None, cause: Any = None,
+                 result: Any = None) -> None:
         super().__init__(message, hint=hint)
         self.failures = dict(failures or {})
+        self.cause = cause
+        self.result = result
 
 
 def for_category(category: str) -> type[OrchError]:

@@ -58,6 +58,28 @@ def test_the_readme_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.
     assert not pids_with_env(f"ORCH_JOB_DIR={tmp_path}/nodes/a/apidemo")
 
 
+def readme_run_example() -> str:
+    """The README's second Python block: api.run, JobError, api.follow."""
+    section = (ROOT / "README.md").read_text().split("\n## Python API\n", 1)[1]
+    return section.split("```python\n", 2)[2].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_the_readme_run_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank that fails: api.run raises JobError with its root cause; api.follow then
+    yields the ended job's lines."""
+    monkeypatch.chdir(tmp_path)
+    inventory(tmp_path)
+    (tmp_path / "job.py").write_text('print("hello from rank 0", flush=True)\nraise SystemExit(3)\n')
+    exec(compile(readme_run_example(), "README.md", "exec"), {})
+    printed = capsys.readouterr()
+    out = printed.out.splitlines()
+    assert out[0] == "failed: rank 0 on localhost failed (exit code 3) ('hello from rank 0',)", out
+    assert out[1] == "rank 0: hello from rank 0", out
+    assert printed.err == "", printed.err
+
+
 @pytest.mark.slow
 def test_up_status_logs_stop_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from fake_agent import FakeChannel, FakeTransport
+from orchestrator.commands.uprender import attach
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.session.session import Session
 from orchestrator.session.state import HostState, JobState
-from orchestrator.watch.monitor import attach
 from orchestrator.wire import protocol
 
 INVENTORY = """name: fake

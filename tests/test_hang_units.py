@@ -21,6 +21,7 @@ from orchestrator.agent.paths import JobDir
 from orchestrator.agent.procs import proc_start_time, stat_fields
 from orchestrator.agent.rankexec import BOOT
 from orchestrator.commands.up import with_hang_timeout
+from orchestrator.commands.uprender import hang_text
 from orchestrator.config.inventory import Cluster, load
 from orchestrator.errors import InventoryError, UsageError
 from orchestrator.session.launch import dry_run_plan, rank_env
@@ -36,7 +37,7 @@ from orchestrator.watch.hang import (
     reason,
     threads,
 )
-from orchestrator.watch.monitor import render_hang
+from orchestrator.watch.monitor import hang_event
 from orchestrator.wire import protocol
 
 
@@ -224,14 +225,14 @@ def test_the_report_names_the_culprit_with_its_stack(tmp_path: Path) -> None:
               2: stack(2, text=DUMP_ASLEEP, host=1)}
     report = HangReport(hang(), stacks, culprits(hang(), stacks),
                         ("127.0.0.1: /j/run/host-127.0.0.1/nccl-trace-rank-2",))
-    text = render_hang(cluster, report)
+    text = hang_text(cluster, hang_event(cluster, report))
     assert "no rank made progress (output or heartbeat) for 12 s (hang_timeout 10 s)" in text
     assert "root cause rank 2 on host 127.0.0.1 (local rank 0): in train_step" in text
     assert 'File "/job/code/job.py", line 11 in train_step' in text
     assert "_orch_rank" not in text and '"<string>"' not in text   # orch's own frames
     assert "NCCL flight recorder dump: 127.0.0.1: /j/run/host-127.0.0.1/nccl-trace-rank-2" in text
     assert "--rank 2`" in text
-    none = render_hang(cluster, HangReport(hang(), {}, culprits(hang(), {})))
+    none = hang_text(cluster, hang_event(cluster, HangReport(hang(), {}, culprits(hang(), {}))))
     assert "no rank stands out" in none
 
 

@@ -13,12 +13,12 @@ import pytest
 
 import fake_agent
 from fake_agent import FakeChannel, FakeTransport, later
+from orchestrator.commands.uprender import attach
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_JOB_FAILED
 from orchestrator.session.session import Session
 from orchestrator.session.state import HostState, JobState
 from orchestrator.watch.clock import HostClock
-from orchestrator.watch.monitor import attach
 from orchestrator.watch.rootcause import Exit, verdict
 from orchestrator.wire import protocol, timeouts
 

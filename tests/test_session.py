@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 from fake_agent import FakeChannel, FakeTransport, later
+from orchestrator.commands.uprender import attach
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_JOB_FAILED
 from orchestrator.session.session import Session
 from orchestrator.session.state import HostState, JobState
-from orchestrator.watch.monitor import attach
 from orchestrator.wire import protocol
 
 INVENTORY = """name: fake

@@ -93,7 +93,8 @@ def first_failure(mon: Monitor):
 def bare_monitor(offsets: dict[int, float]) -> Monitor:
     from types import SimpleNamespace
     hosts = [SimpleNamespace(index=i, clock_offset=o) for i, o in offsets.items()]
-    return Monitor(cluster=None, state=SimpleNamespace(hosts=hosts), printer=None)  # type: ignore[arg-type]  # a test double
+    cluster = SimpleNamespace(hosts=[SimpleNamespace(label=f'h{i}') for i in offsets])
+    return Monitor(cluster=cluster, state=SimpleNamespace(hosts=hosts, started=0.0))  # type: ignore[arg-type]  # a test double
 
 
 def test_root_cause_is_earliest_failure_after_clock_correction() -> None:

@@ -15,8 +15,10 @@ first line.)
 Every call takes the inventory's path (or a loaded `Cluster`) and keyword options that
 mirror the CLI's flags. `up` and `status` are a distributed job's; a job array has
 `array_up`, `array_status` and `results` (`logs(task=I)`, `stop`, `pull`, `exec` serve
-both). `up` is always detached: following a job's output is the CLI's (`orch up`,
-`orch logs -f`). The results are frozen dataclasses (api/outcomes.py).
+both). `up` is detached; `run` is an attached `orch up` (the job to its end, fail-fast,
+the hang watch, restarts, the pull: a RunResult or JobError), and `run(on_event=...)`
+and `follow` give its events (watch/events.py, docs/reference/events.md). The results
+are frozen dataclasses (api/outcomes.py).
 
 How failures come back:
 
@@ -31,7 +33,8 @@ How failures come back:
   not answer are named (`unreachable`, `unreached`) and their ranks or tasks read
   `unreachable`;
 - a failed job is data: a rank's `state` reads `failed (exit code N)` and
-  `Status.raise_for_failures()` turns it into a `JobError` carrying every failed rank.
+  `Status.raise_for_failures()` turns it into a `JobError` carrying every failed rank;
+  `run` raises a `JobError` with the root cause (`cause`) and its RunResult (`result`).
 
 Nothing is printed, on stdout or stderr, except `exec(echo=True)`'s output; warnings (a
 damaged state file, a host key recorded under accept-new) go to the `orchestrator`
@@ -43,6 +46,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # the names as the type checker sees them; at run time: __getattr__
     from orchestrator.api.executing import exec
+    from orchestrator.api.following import follow
     from orchestrator.api.forwarding import Forwarding, forward
     from orchestrator.api.jobs import Inventory
     from orchestrator.api.launching import UpProgress, array_up, plan, up
@@ -53,7 +57,9 @@ if TYPE_CHECKING:   # the names as the type checker sees them; at run time: __ge
         ArrayLogs,
         ArrayStatus,
         ArrayUpResult,
+        AttemptResult,
         ExecResult,
+        Finished,
         GpuStatus,
         HostExec,
         LogEntry,
@@ -61,12 +67,15 @@ if TYPE_CHECKING:   # the names as the type checker sees them; at run time: __ge
         LogList,
         MetricStats,
         Plan,
+        Pulled,
         PullResult,
+        RankEnd,
         RankLines,
         RankStatus,
         Restart,
         ResultGroup,
         Results,
+        RunResult,
         Status,
         StopResult,
         TaskLines,
@@ -79,9 +88,34 @@ if TYPE_CHECKING:   # the names as the type checker sees them; at run time: __ge
     from orchestrator.api.pulling import Transfer, pull
     from orchestrator.api.querying import array_status, results, status, watch
     from orchestrator.api.reading import logs
+    from orchestrator.api.running import run
     from orchestrator.api.stopping import stop
     from orchestrator.errors import GroupError, HostError, JobError, OrchError, UsageError
     from orchestrator.session.stopper import StopReport
+    from orchestrator.watch.events import (
+        CheckpointKept,
+        CheckpointRestored,
+        Culprit,
+        Event,
+        Hang,
+        HangSuspected,
+        HostLost,
+        KeeperChosen,
+        NoRestart,
+        RankExited,
+        RankFailure,
+        RankLine,
+        RankStarted,
+        Restarting,
+        RootCause,
+        Spares,
+        Started,
+        StartFailed,
+        Stopped,
+        Stopping,
+        Succeeded,
+        Synced,
+    )
 
 # Each name is imported the first time it is used (PEP 562): `orch up` imports
 # orchestrator.api.launching, which makes Python import this package first, and should
@@ -89,6 +123,7 @@ if TYPE_CHECKING:   # the names as the type checker sees them; at run time: __ge
 # results) before its first login.
 _MODULES = (
     ("orchestrator.api.executing", "exec"),
+    ("orchestrator.api.following", "follow"),
     ("orchestrator.api.forwarding", "Forwarding forward"),
     ("orchestrator.api.jobs", "Inventory"),
     ("orchestrator.api.launching", "UpProgress array_up plan up"),
@@ -99,9 +134,14 @@ _MODULES = (
     ("orchestrator.api.pulling", "Transfer pull"),
     ("orchestrator.api.querying", "array_status results status watch"),
     ("orchestrator.api.reading", "logs"),
+    ("orchestrator.api.running", "run"),
+    ("orchestrator.api.outcomes", "AttemptResult Finished Pulled RankEnd RunResult"),
     ("orchestrator.api.stopping", "stop"),
     ("orchestrator.errors", "GroupError HostError JobError OrchError UsageError"),
     ("orchestrator.session.stopper", "StopReport"),
+    ("orchestrator.watch.events", "Culprit CheckpointKept CheckpointRestored Event Hang "
+     "HangSuspected HostLost KeeperChosen NoRestart RankExited RankFailure RankLine RankStarted "
+     "Restarting RootCause Spares StartFailed Started Stopped Stopping Succeeded Synced"),
 )
 WHERE = {name: module for module, names in _MODULES for name in names.split()}
 
@@ -127,29 +167,56 @@ __all__ = [
     "ArrayLogs",
     "ArrayStatus",
     "ArrayUpResult",
+    "AttemptResult",
+    "CheckpointKept",
+    "CheckpointRestored",
+    "Culprit",
+    "Event",
     "ExecResult",
+    "Finished",
     "Forwarding",
     "GpuStatus",
     "GroupError",
+    "Hang",
+    "HangSuspected",
     "HostError",
     "HostExec",
+    "HostLost",
     "Inventory",
     "JobError",
+    "KeeperChosen",
     "LogEntry",
     "LogLines",
     "LogList",
     "MetricStats",
+    "NoRestart",
     "OrchError",
     "Plan",
     "PullResult",
+    "Pulled",
+    "RankEnd",
+    "RankExited",
+    "RankFailure",
+    "RankLine",
     "RankLines",
+    "RankStarted",
     "RankStatus",
     "Restart",
+    "Restarting",
     "ResultGroup",
     "Results",
+    "RootCause",
+    "RunResult",
+    "Spares",
+    "StartFailed",
+    "Started",
     "Status",
     "StopReport",
     "StopResult",
+    "Stopped",
+    "Stopping",
+    "Succeeded",
+    "Synced",
     "TaskLines",
     "TaskResult",
     "TaskStatus",
@@ -162,11 +229,13 @@ __all__ = [
     "array_up",
     "document",
     "exec",
+    "follow",
     "forward",
     "logs",
     "plan",
     "pull",
     "results",
+    "run",
     "status",
     "stop",
     "up",

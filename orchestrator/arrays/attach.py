@@ -15,6 +15,7 @@ from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.session.session import Session
 from orchestrator.ui.console import console
 from orchestrator.ui.wording import hint_cmd
+from orchestrator.watch import events as ev
 from orchestrator.watch.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.watch.monitor import interrupt_stop, signal_name
 from orchestrator.wire import timeouts
@@ -51,6 +52,24 @@ class ArrayMonitor(LineSink):
         return sorted(t for t, c in self.exits.items() if c != 0)
 
 
+def said(job: str) -> ev.Emit:
+    """The Ctrl-C stop's lines, as `orch up` prints them (commands/uprender.py)."""
+    from orchestrator.ui.termsafe import markup_safe as safe
+
+    def emit(e: ev.Event) -> None:
+        if isinstance(e, ev.Stopping) and e.why == "interrupt":
+            console.print(f"\n[yellow]interrupted: stopping job '{job}' on every host "
+                          f"(Ctrl-C again to kill at once)[/]")
+        elif isinstance(e, ev.Stopping) and e.why == "kill":
+            console.print("[yellow]killing every process of the job now[/]")
+        elif isinstance(e, ev.Stopped):
+            for label, report in e.reports:
+                console.print(f"  {safe(label)}: {report.describe()}")
+            for label, why in e.not_stopped:
+                console.print(f"  [red]{safe(label)}:[/] {safe(why)}")
+    return emit
+
+
 def attach_array(session: Session, rec: ArrayRecord, fail_fast: bool) -> int:
     """Follow every host's tasks to the end; the exit code (1 if any task failed)."""
     cluster = session.cluster
@@ -64,7 +83,7 @@ def attach_array(session: Session, rec: ArrayRecord, fail_fast: bool) -> int:
             mon.wake.wait(0.2)
             mon.wake.clear()
     except KeyboardInterrupt:
-        interrupt_stop(session, mon)  # type: ignore[arg-type]  # needs only .lost
+        interrupt_stop(session, set(mon.lost), said(cluster.name))
         return EXIT_INTERRUPTED
     if not finished():
         fail_fast_stop(session, mon, finished)

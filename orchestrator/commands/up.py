@@ -1,11 +1,12 @@
-"""`orch up`: preflight, push code and shards, start torchrun everywhere (api.launching),
-then follow the job on the same session (watch/monitor.py) and pull rank 0's output/.
+"""`orch up`: preflight, push code and shards, start torchrun everywhere, follow the job
+to its end with fail-fast, the hang watch and restarts, and pull rank 0's output/
+(api/running.py); `--detach` returns once it started (api.launching).
 
-This module draws the steps (bars, one line each) and what follows the start."""
+This module draws the steps (bars, one line each); commands/uprender.py renders what
+follows the start from the run's events."""
 from __future__ import annotations
 
 import argparse
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -21,7 +22,7 @@ from orchestrator.arrays import plan as array_plan
 from orchestrator.commands.common import console, emit_json, hint_cmd, inventory_path, plural
 from orchestrator.config.hostselect import narrow
 from orchestrator.config.inventory import Cluster, Host
-from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK, OrchError, UsageError
+from orchestrator.errors import EXIT_OK, UsageError
 from orchestrator.files.splitdata import SplitResult
 from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.shelloutput import Printer
@@ -72,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("`up --json` needs --detach: an attached job streams its ranks' output",
                          hint=f"`{hint_cmd(cluster, 'up --detach --json')}`, then "
                               f"`{hint_cmd(cluster, 'status --json')}`")
-    if restarts and not args.detach:
-        from orchestrator.commands import restarting
-        return restarting.run(cluster, args, restarts, UpView, started_line, pull_after)
+    if not args.detach and cluster.job.array is None:   # the run to its end, rendered
+        from orchestrator.commands import uprender
+        return uprender.attached(cluster, args, restarts, UpView)
     if restarts and args.detach:
         console.print(f"note: restarts ({restarts}) need an attached `orch up`: this detached run "
                       "will not restart after a failure", markup=False)
@@ -93,40 +94,7 @@ def run(args: argparse.Namespace) -> int:
                           f"get its output/ with `{hint_cmd(cluster, 'pull')}`", markup=False)
             if args.json:
                 emit_json(started.result)
-            return EXIT_OK
-        # what follows the start, imported once the job runs (the hosts' torch imports
-        # leave this process seconds to spare): not before the first login
-        from orchestrator.watch.monitor import attach
-        seen: list[Any] = []
-        notice = rendezvous_notice(cluster, st, seen)
-        try:
-            code = attach(started.session, st, seen)
-        finally:
-            notice.cancel()
-        if args.no_pull or code == EXIT_INTERRUPTED:
-            return code
-        return pull_after(started, code)
-
-
-def rendezvous_notice(cluster: Cluster, st: Any, seen: list[Any]) -> threading.Timer:
-    """Once, a while after the launch (network.notice_after): the hosts none of whose
-    ranks started (they have not joined torchrun's rendezvous), where they were to meet,
-    the likely cause."""
-    from orchestrator.session import network
-
-    def check() -> None:
-        mon = seen[0] if seen else None
-        if mon is None or mon.failed():
-            return
-        text = network.stalled(cluster, mon.started.copy(), st.master_addr, st.master_port,
-                               after)
-        if text:
-            console.print(text, markup=False)
-    after = network.notice_after()
-    timer = threading.Timer(after, check)
-    timer.daemon = True
-    timer.start()
-    return timer
+        return EXIT_OK
 
 
 def started_line(cluster: Cluster, st: Any) -> None:
@@ -160,23 +128,6 @@ def with_hang_timeout(cluster: Cluster, seconds: float | None) -> Cluster:
                          "inventory's job is an array of independent tasks",
                          hint="leave --hang-timeout out for a job array")
     return replace(cluster, job=replace(cluster.job, hang_timeout=seconds))
-
-
-def pull_after(started: launching.Started, code: int) -> int:
-    """The pull of rank 0's output/ when the job ended (succeeded or failed), on the up's
-    open links. A failed pull keeps a failed job's code, else it is the code."""
-    from orchestrator.api import pulling
-    from orchestrator.commands import render
-    try:
-        render.pulled(pulling.job_output(started.session, render.pull_bar))
-    except OrchError as e:   # the job's outcome is already printed; say why the pull failed
-        if e.result is not None:
-            render.pulled(e.result)
-        console.print(plain(f"pull failed: {e}"))
-        console.print(f"  get the files later with `{hint_cmd(started.session.cluster, 'pull')}`",
-                      markup=False)
-        return code or e.exit_code
-    return code
 
 
 def array_started(started: launching.Started, args: argparse.Namespace) -> int:

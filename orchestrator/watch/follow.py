@@ -166,7 +166,10 @@ class PrefixPrinter(LineSink):
         self.tails: dict[int, deque[Any]] = {}
 
     def prefix(self, host: int, rank: int) -> bytes:
-        tag = f"[{self.tag}{rank} {self.labels[host]}]"
+        return self.prefix_of(self.labels[host], rank)
+
+    def prefix_of(self, label: str, rank: int) -> bytes:
+        tag = f"[{self.tag}{rank} {label}]"
         if self.tty:
             tag = visible(tag, keep_sgr=False)
         if self.color:
@@ -174,7 +177,10 @@ class PrefixPrinter(LineSink):
         return tag.encode() + b" "
 
     def lines(self, host: int, rank: int, texts: list[bytes]) -> None:
-        pre = self.prefix(host, rank)
+        self.print_as(self.labels[host], rank, texts)
+
+    def print_as(self, label: str, rank: int, texts: list[bytes]) -> None:
+        pre = self.prefix_of(label, rank)
         shown = [for_terminal(t) for t in texts] if self.tty else texts
         block = b"".join(pre + t + b"\n" for t in shown)
         with self.lock, self.above():

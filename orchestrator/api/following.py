@@ -1,0 +1,46 @@
+"""`api.follow`: a running job's events, as an iterator, from any process.
+
+It attaches to the job the inventory last started (its saved state), reads every
+rank's log from its start and what comes after, and yields the same events `api.run`
+delivers (watch/events.py): RankLine, RankExited, HostLost, then Succeeded or the
+RootCause once the job has ended. It only watches: it stops nothing, and a hang is the
+attached run's to find (`api.run`, `orch up`)."""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+from orchestrator.api import jobs
+from orchestrator.watch import events as ev
+
+_END = object()
+
+
+def follow(inventory: jobs.Inventory) -> Iterator[ev.Event]:
+    """Every event of the running (or ended) job until it ends; a host not reached is a
+    HostLost at once. Leaving the loop early closes the connections; the job goes on."""
+    from orchestrator.watch.monitor import watch
+    cluster = jobs.run_cluster(inventory)
+    if cluster.job.array is not None:
+        raise jobs.kind_error(cluster, "a job array", "logs")
+    st = jobs.require_state(cluster)
+    session = jobs.open_job(cluster, st)
+    got: queue.Queue[object] = queue.Queue()
+
+    def run() -> None:
+        try:
+            watch(session, st, got.put, decide=False)
+        except BaseException as e:   # handed to the reader, raised there
+            got.put(e)
+        finally:
+            got.put(_END)
+    threading.Thread(target=run, daemon=True, name="follow").start()
+    try:
+        while (item := got.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, ev.Event)
+            yield item
+    finally:
+        session.close()

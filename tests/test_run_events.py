@@ -1,0 +1,180 @@
+"""`api.run` and `api.follow` over the fake cluster (tests/fake_agent.FakeCluster): the
+events of a run in order, JobError's root cause as a value for a rank failure, a lost
+host and a hang, a restart seen as events, Ctrl-C, and a follow attached mid-run."""
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fake_agent import FakeChannel, FakeCluster
+from orchestrator import api
+from orchestrator.api import healing
+from orchestrator.wire import protocol
+from test_controller_fake import HOSTS, SPARE, inventory, lose_while_running, lost_for_good
+from test_up_golden import HANG, hung_follow, stacks
+
+
+def run(path: str, **kw: object) -> tuple[list[api.Event], BaseException | None]:
+    got: list[api.Event] = []
+    try:
+        api.run(path, on_event=got.append, **kw)  # type: ignore[arg-type]
+    except (api.JobError, KeyboardInterrupt) as e:
+        return got, e
+    return got, None
+
+
+def kinds(events: list[api.Event]) -> list[str]:
+    return [type(e).__name__ for e in events]
+
+
+def test_the_events_of_a_run_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    FakeCluster().install(monkeypatch)
+    events, err = run(inventory(tmp_path))
+    assert err is None and capsys.readouterr() == ("", ""), "api.run prints nothing"
+    names = kinds(events)
+    assert names[:4] == ["Synced"] * 3 + ["Started"], names
+    assert names[-3:] == ["Succeeded", "Pulled", "Finished"], names
+    middle = [e for e in events[4:-3]]
+    assert sorted(kinds(middle)) == ["RankExited"] * 6 + ["RankLine"] * 6, names
+    for rank in range(6):   # each rank's line before its exit, on its host
+        mine = [e for e in middle if getattr(e, "rank", None) == rank]
+        assert kinds(mine) == ["RankLine", "RankExited"], mine
+        line = mine[0]
+        assert isinstance(line, api.RankLine)
+        assert line.host == HOSTS[rank // 2] and line.text == f"rank {rank} up"
+    times = [e.time for e in events]
+    assert times == sorted(times) or max(a - b for a, b in zip(times, times[1:])) < 1.0
+    end = events[-1]
+    assert isinstance(end, api.Finished)
+    result = end.result
+    assert result.code == 0
+    assert [(r.rank, r.code) for r in result.ranks] == [(r, 0) for r in range(6)]
+    assert len(result.attempts) == 1 and result.attempts[0].cause is None
+    assert result.pulled is not None and result.pull_error == ""
+
+
+def test_a_rank_failure_is_a_job_error_with_its_root_cause(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeCluster(lambda label, rank, env: 3 if rank == 3 else None).install(monkeypatch)
+    events, err = run(inventory(tmp_path), pull=False)
+    assert isinstance(err, api.JobError) and err.exit_code == 1
+    cause = err.cause
+    assert isinstance(cause, api.RootCause) and cause.kind == "rank"
+    first = cause.rank
+    assert first is not None
+    assert (first.rank, first.host, first.local_rank, first.code) == (3, HOSTS[1], 1, 3)
+    assert first.last_lines == ("rank 3 up",)
+    assert list(err.failures) == [3] and err.failures[3].code == 3
+    assert isinstance(err.result, api.RunResult) and err.result.code == 1
+    assert "rank 3 on 127.0.0.2 failed (exit code 3)" in str(err)
+    stopping = kinds(events).index("Stopping")   # then the stopped ranks' exits
+    after = [k for k in kinds(events)[stopping:] if k != "RankExited"]
+    assert after == ["Stopping", "RootCause", "Stopped", "Finished"], after
+
+
+def test_a_lost_host_is_a_job_error_naming_it(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeCluster(lambda label, rank, env: None).install(monkeypatch)
+    fake.on("follow", lose_while_running, HOSTS[1])
+    events, err = run(inventory(tmp_path), pull=False)
+    assert isinstance(err, api.JobError)
+    assert err.cause.kind == "silent" and err.cause.silent == (HOSTS[1],)
+    lost = [e for e in events if isinstance(e, api.HostLost)]
+    assert [e.host for e in lost] == [HOSTS[1]]
+    stopped = next(e for e in events if isinstance(e, api.Stopped))
+    assert [label for label, _ in stopped.not_stopped] == [HOSTS[1]]
+
+
+def test_a_hang_is_a_job_error_with_the_stacks_and_the_culprit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeCluster(lambda label, rank, env: None).install(monkeypatch)
+    fake.on("follow", hung_follow(threading.Event())).on("stacks", stacks)
+    events, err = run(inventory(tmp_path, HANG), pull=False)
+    assert isinstance(err, api.JobError) and err.cause.kind == "hang"
+    hang = err.cause.hang
+    assert [(c.rank, c.host, c.local_rank) for c in hang.culprits] == [(3, HOSTS[1], 1)]
+    assert sorted(hang.report.stacks) == list(range(6))
+    assert "train_step" in hang.report.stacks[3].text
+    names = kinds(events)
+    assert names.index("HangSuspected") < names.index("Hang") < names.index("Stopped")
+
+
+def test_a_restart_on_a_spare_is_seen_as_events(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(healing, "backoff", lambda attempt: 0.0)
+    fake = FakeCluster(lambda label, rank, env: (
+        None if env["ORCH_RESTART_COUNT"] == "0" else 0)).install(monkeypatch)
+    lost_for_good(fake, HOSTS[1])
+    events, err = run(inventory(tmp_path, SPARE), restarts=1, pull=False)
+    assert err is None
+    restart = next(e for e in events if isinstance(e, api.Restarting))
+    assert (restart.attempt, restart.restarts) == (1, 1)
+    assert restart.cause == f"host {HOSTS[1]} went silent"
+    assert restart.hosts == (HOSTS[0], "127.0.0.9", HOSTS[2])
+    started = [e for e in events if isinstance(e, api.Started)]
+    assert [(s.attempt, [h.label for h in s.hosts]) for s in started] == [
+        (0, list(HOSTS)), (1, [HOSTS[0], "127.0.0.9", HOSTS[2]])]
+    spares = next(e for e in events if isinstance(e, api.Spares))
+    assert spares.ready == ("127.0.0.9",)
+    end = events[-1]
+    assert isinstance(end, api.Finished)
+    result = end.result
+    assert [a.why for a in result.attempts] == [f"host {HOSTS[1]} went silent", ""]
+
+
+def test_ctrl_c_stops_the_job_everywhere_then_is_raised(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeCluster(lambda label, rank, env: None).install(monkeypatch)
+    once = threading.Event()
+
+    def press(e: api.Event) -> None:
+        if isinstance(e, api.RankLine) and not once.is_set():
+            once.set()
+            _thread.interrupt_main()
+    events: list[api.Event] = []
+
+    def seen(e: api.Event) -> None:
+        events.append(e)
+        press(e)
+    with pytest.raises(KeyboardInterrupt):
+        api.run(inventory(tmp_path), on_event=seen)
+    assert fake.asked("stop") == dict.fromkeys(HOSTS, 1), fake.log
+    stopped = [e for e in events if isinstance(e, api.Stopped)]
+    assert [s.why for s in stopped] == ["interrupt"] and len(stopped[0].reports) == 3
+
+
+def exits_later(chan: FakeChannel, msg: dict) -> None:
+    """Each rank prints two lines a while apart, rank 3 then fails, the others end well."""
+    def run() -> None:
+        for r in msg["ranks"]:
+            chan.push(protocol.output(r, b"rank %d up\n" % r))
+        time.sleep(0.5)
+        for r in msg["ranks"]:
+            chan.push(protocol.output(r, b"rank %d later\n" % r))
+            chan.push(protocol.event("exit", rank=r, code=3 if r == 3 else 0, time=time.time()))
+        chan.push(protocol.event("done", code=1 if 3 in msg["ranks"] else 0, time=time.time()))
+    threading.Thread(target=run, daemon=True).start()
+
+
+def test_follow_attaches_to_a_running_job(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A detached job followed from its state: every rank's lines, its exits, and once
+    it ended the root cause; nothing is stopped (follow only watches)."""
+    fake = FakeCluster().install(monkeypatch)
+    fake.on("follow", exits_later)
+    path = inventory(tmp_path)
+    api.up(path)
+    events = list(api.follow(path))
+    lines = [(e.rank, e.text) for e in events if isinstance(e, api.RankLine)]
+    assert sorted(lines) == sorted([(r, f"rank {r} up") for r in range(6)]
+                                   + [(r, f"rank {r} later") for r in range(6)])
+    assert sorted(e.rank for e in events if isinstance(e, api.RankExited)) == list(range(6))
+    cause = events[-1]
+    assert isinstance(cause, api.RootCause) and cause.kind == "rank"
+    assert cause.rank is not None and cause.rank.rank == 3
+    assert not fake.requests("stop")
