@@ -92,3 +92,18 @@ def test_one_job_settings_are_refused_with_an_array(tmp_path: Path, line: str) -
     key = line.split(":")[0]
     assert f"`job.{key}`" in str(caught.value) and "job array" in str(caught.value)
     assert caught.value.line == 9
+
+
+def test_a_setup_item_read_as_a_mapping_says_to_quote_it(tmp_path: Path) -> None:
+    path = inventory(tmp_path, "top", "setup:\n  - echo step: 1\n")
+    with pytest.raises(InventoryError) as caught:
+        load(path)
+    assert "not a mapping" in str(caught.value) and 'in quotes' in caught.value.hint
+    assert "key: value" not in caught.value.hint   # not the shape it refuses
+
+
+def test_gpus_text_other_than_all_names_all(tmp_path: Path) -> None:
+    with pytest.raises(InventoryError) as caught:
+        load(inventory(tmp_path, "host", "    gpus: every\n"))
+    assert "`hosts[0].gpus` must be a number of GPUs or `all`" in str(caught.value)
+    assert caught.value.line == 5 and "gpus: all" in caught.value.hint
