@@ -29,20 +29,15 @@ from orchestrator.remote.fanout import GroupResult
 from orchestrator.session.session import Session
 from orchestrator.session.state import JobState
 from orchestrator.ui.wording import hint_cmd
-from orchestrator.watch.monitor import signal_name
+from orchestrator.watch.events import runtime_of, state_text
 
 
 def rank_status(rank: int, host: str, local: int, info: dict[str, Any],
                 offset: float) -> RankStatus:
     """One rank from its host's `status` reply; its runtime on the host's clock (`offset`
     from ours) while it runs."""
-    state = info["state"]
-    if state == "exited":
-        state = "exited 0" if info["code"] == 0 else f"failed ({signal_name(info['code'])})"
-    runtime = None
-    if info.get("started"):
-        end = info.get("ended") or (time.time() + offset)
-        runtime = round(end - info["started"], 1)
+    state = state_text(info["state"], info.get("code"))
+    runtime = runtime_of(info.get("started"), info.get("ended"), offset)
     return RankStatus(rank=rank, host=host, local_rank=local, pid=info.get("pid"), state=state,
                       exit_code=info.get("code"), runtime_s=runtime,
                       last_line=info.get("last_line", ""), log_bytes=info.get("log_bytes"))

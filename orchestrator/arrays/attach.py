@@ -16,8 +16,9 @@ from orchestrator.session.session import Session
 from orchestrator.ui.console import console
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.watch import events as ev
+from orchestrator.watch.events import signal_name
 from orchestrator.watch.follow import HostStream, LineSink, PrefixPrinter, follow
-from orchestrator.watch.monitor import interrupt_stop, signal_name
+from orchestrator.watch.monitor import interrupt_stop
 from orchestrator.wire import timeouts
 
 

@@ -16,6 +16,7 @@ from orchestrator.arrays.plan import ArrayRecord
 from orchestrator.config.arrayspec import task_params
 from orchestrator.config.inventory import Cluster
 from orchestrator.remote.fanout import GroupResult
+from orchestrator.watch import events
 
 FOLD = "fold"
 
@@ -23,10 +24,7 @@ FOLD = "fold"
 def state_text(info: dict[str, Any]) -> str:
     """exited 0, failed (exit code 3 / killed by SIGTERM), running, queued, stopped,
     unreachable (the host did not answer)."""
-    from orchestrator.watch.monitor import signal_name  # watch imports the session: late, no cycle
-    if info["state"] != "exited":
-        return str(info["state"])
-    return "exited 0" if info.get("code") == 0 else f"failed ({signal_name(info['code'])})"
+    return events.state_text(str(info["state"]), info.get("code"))
 
 
 def status_rows(cluster: Cluster, rec: ArrayRecord, status: GroupResult[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -39,10 +37,7 @@ def status_rows(cluster: Cluster, rec: ArrayRecord, status: GroupResult[dict[str
     rows = []
     for i, host in enumerate(rec.host):
         info, offset = infos.get(i, ({"state": "unreachable", "last_line": ""}, 0.0))
-        runtime = None
-        if info.get("started"):
-            end = info.get("ended") or (time.time() + offset)
-            runtime = round(end - info["started"], 1)
+        runtime = events.runtime_of(info.get("started"), info.get("ended"), offset)
         rows.append({"task": i, "args": " ".join(rec.args[i]), "host": cluster.hosts[host].label,
                      "slot": info.get("slot"), "state": state_text(info), "code": info.get("code"),
                      "runtime_s": runtime, "last_line": info.get("last_line", "")})

@@ -9,6 +9,7 @@ global number. docs/reference/events.md lists every type with its fields."""
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,23 @@ def signal_name(code: int) -> str:
         return f"killed by {signal.Signals(-code).name}"
     except ValueError:
         return f"killed by signal {-code}"
+
+
+def state_text(state: str, code: int | None) -> str:
+    """A rank's or task's state as status shows it: `exited 0`, `failed (exit code 3)`,
+    `failed (killed by SIGTERM)`, else the host's word (running, queued, stopped, ...)."""
+    if state != "exited":
+        return state
+    return "exited 0" if code == 0 else f"failed ({signal_name(code if code is not None else -1)})"
+
+
+def runtime_of(started: float | None, ended: float | None, offset: float) -> float | None:
+    """Seconds a rank (or task) ran, on its host's clock: until it ended, else until now
+    (`offset`: the host's clock minus ours)."""
+    if not started:
+        return None
+    end = ended or (time.time() + offset)
+    return round(end - started, 1)
 
 
 @dataclass(frozen=True)
