@@ -230,6 +230,17 @@ def test_a_stream_this_side_gives_up_on_half_way_ends_with_abort(
     still_usable(host)
 
 
+@pytest.mark.parametrize("command", REQUESTS)
+def test_a_local_file_gone_since_its_listing_is_named_and_the_stream_aborted(
+        command: str, host: Host) -> None:
+    sent = files_of(host, dict.fromkeys(names(command, "a/1.bin", "b/2.bin"), 10_000))
+    os.unlink(sent[1].path)
+    with pytest.raises(DataError, match=f"{sent[1].path}: cannot be read"):
+        send(host, command, sent)
+    assert not list(host.job.rglob("*.orch-part-*"))
+    still_usable(host)
+
+
 def test_a_request_where_an_item_belongs_ends_the_stream_and_is_served(host: Host) -> None:
     """A controller that gave up on a stream without ending it: the host answers the
     stream's request with an error and serves the request that came instead."""

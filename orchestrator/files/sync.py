@@ -416,7 +416,7 @@ def stream_and_wait(link: Link, stall: Stall, dest: str, send: Iterable[LocalFil
             except LinkBroke:
                 raise
             except BaseException as e:   # this side's failure, or the host's early answer
-                local = e
+                local = unreadable(e)
                 link.send(protocol.stream_item("abort", why=abort_reason(e)))
     except LinkBroke as e:
         if isinstance(e.cause, OrchError):   # the host was found lost: its own words
@@ -456,6 +456,15 @@ def sent(stall: Stall) -> Callable[[bytes | memoryview], None]:
         except Exception as e:
             raise LinkBroke(e) from e
     return send
+
+
+def unreadable(e: BaseException) -> BaseException:
+    """A local file's OSError (gone or unreadable since it was listed) as the DataError
+    that names it; anything else as it is."""
+    if isinstance(e, OSError):
+        return DataError(f"{e.filename or 'a file to push'}: cannot be read "
+                         f"({e.strerror or e})", hint="fix or remove the file, then push again")
+    return e
 
 
 def abort_reason(e: BaseException) -> str:
