@@ -190,8 +190,8 @@ def job_dir(host: JobHost, name: str) -> Path:
 def part_dir(host: JobHost, name: str) -> Path:
     """The host's part of the job folder, run/host-<label>/: its records (the fake hosts'
     labels are their addresses)."""
-    from orchestrator.config.inventory import part_name
-    return job_dir(host, name) / "run" / part_name(host.address)
+    from orchestrator.config.inventory import host_part
+    return job_dir(host, name) / "run" / host_part(host.address)
 
 
 def marker(host: JobHost, name: str) -> str:

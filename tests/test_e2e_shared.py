@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import Jobs, assert_nothing_left, last_sync, orch, wait_until, write_job
-from orchestrator.config.inventory import part_name
+from orchestrator.config.inventory import host_part
 from sshd_cluster import SshdCluster, pids_with_env
 
 pytestmark = pytest.mark.ssh
@@ -53,7 +53,7 @@ def write(cluster: SshdCluster, path: Path, entries: list[dict], name: str,
 def part_pids(folder: Path, name: str, address: str) -> set[int]:
     """Live processes of the job's part of host `address` in folder/name."""
     return (set(pids_with_env(f"ORCH_JOB_DIR={folder / name}"))
-            & set(pids_with_env(f"ORCH_JOB_PART={part_name(address)}")))
+            & set(pids_with_env(f"ORCH_JOB_PART={host_part(address)}")))
 
 
 def status(cwd: Path, inv: Path) -> dict:
@@ -83,11 +83,11 @@ def test_two_hosts_one_remote_dir(sshd_cluster: SshdCluster, tmp_path: Path, job
     assert sync[b.address] == {"pushed_by": a.address}, sync
     assert (shared / name / "setup-count").read_text() == "ran\n", "setup ran once per filesystem"
     job = shared / name
-    assert (job / "run" / part_name(a.address)).is_dir()
-    assert (job / "run" / part_name(b.address)).is_dir()
+    assert (job / "run" / host_part(a.address)).is_dir()
+    assert (job / "run" / host_part(b.address)).is_dir()
     assert no_markers(shared), "the preflight markers are removed"
     for r, host in ((0, a), (1, a), (2, b), (3, b)):
-        assert f"rank {r} part {part_name(host.address)}" in (job / "logs" / f"rank-{r}.log").read_text()
+        assert f"rank {r} part {host_part(host.address)}" in (job / "logs" / f"rank-{r}.log").read_text()
     doc = status(tmp_path, inv)
     assert [(r["rank"], r["state"]) for r in doc["ranks"]] == \
         [(0, "exited 0"), (1, "exited 0"), (2, "exited 0"), (3, "exited 0")], doc
@@ -98,7 +98,7 @@ def test_two_hosts_one_remote_dir(sshd_cluster: SshdCluster, tmp_path: Path, job
     assert pull.returncode == 0, pull.stderr
     assert (tmp_path / "pb" / "rank-3.txt").read_text() == "done 3\n"
     ex = orch(tmp_path, "exec", "-c", str(inv), "--", "ls", "run")
-    assert ex.returncode == 0 and part_name(b.address) in ex.stdout, ex.stdout + ex.stderr
+    assert ex.returncode == 0 and host_part(b.address) in ex.stdout, ex.stdout + ex.stderr
     again = orch(tmp_path, "up", str(inv), timeout=180)   # name reuse: not "already running"
     assert again.returncode == 0, again.stdout + again.stderr
     assert (shared / name / "setup-count").read_text() == "ran\n", "unchanged setup is skipped"
@@ -116,7 +116,7 @@ def test_setup_once_per_host(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jo
     assert up.returncode == 0, up.stdout + up.stderr
     assert (shared / name / "setup-count").read_text() == "ran\nran\n"
     for h in (a, b):
-        assert (shared / name / "logs" / f"setup-{part_name(h.address)}.log").exists()
+        assert (shared / name / "logs" / f"setup-{host_part(h.address)}.log").exists()
     wait_until(lambda: all(r["state"] == "exited 0" for r in status(tmp_path, inv)["ranks"]),
                60, "both ranks to exit 0")
     assert_nothing_left([Shared(a.address, shared)], name, wait=20)
@@ -172,7 +172,7 @@ def test_shared_and_private_hosts_mixed(sshd_cluster: SshdCluster, tmp_path: Pat
     assert sync[c.address]["code"]["sent"] == ["job.py"], sync
     assert "shared_with" not in sync[c.address]
     assert [r["state"] for r in status(tmp_path, inv)["ranks"]] == ["exited 0"] * 6
-    assert (c.remote_dir / name / "run" / part_name(c.address)).is_dir()
+    assert (c.remote_dir / name / "run" / host_part(c.address)).is_dir()
 
 
 def test_two_jobs_in_one_shared_folder(sshd_cluster: SshdCluster, tmp_path: Path,

@@ -21,7 +21,7 @@ from helpers import (
     warm_pids,
     write_job,
 )
-from orchestrator.config.inventory import part_name
+from orchestrator.config.inventory import host_part
 from sshd_cluster import SshdCluster
 from test_warm import end, hold_lock
 
@@ -48,7 +48,7 @@ def rank_info(jd: Path, rank: int) -> dict:
 
 
 def torchrun_argv(jd: Path, address: str) -> list[str]:
-    sup = json.loads((jd / "run" / part_name(address) / "supervisor.json").read_text())
+    sup = json.loads((jd / "run" / host_part(address) / "supervisor.json").read_text())
     return Path(f"/proc/{sup['torchrun_pid']}/cmdline").read_bytes().decode().split("\0")[:-1]
 
 
@@ -86,7 +86,7 @@ def next_tick(t: int) -> None:
 def supervisor_started(jd: Path, address: str) -> int:
     """When the job's supervisor (warm: started at preflight and kept) started, on
     uptime()'s clock."""
-    sup = json.loads((jd / "run" / part_name(address) / "supervisor.json").read_text())
+    sup = json.loads((jd / "run" / host_part(address) / "supervisor.json").read_text())
     assert isinstance(sup["start_ticks"], int), sup
     return int(sup["start_ticks"] * 100 // os.sysconf("SC_CLK_TCK"))
 
@@ -139,7 +139,7 @@ def refused_while_locked(tmp_path: Path, inv: Path, hosts: list, name: str) -> N
     """Another agent holds host 0's job folder (its `up` is between preflight and launch):
     this `up` is refused there; host 1, whose preflight passed and started torchrun warm,
     ends it with its agent."""
-    holder = hold_lock(job_dir(hosts[0], name), part_name(hosts[0].address))
+    holder = hold_lock(job_dir(hosts[0], name), host_part(hosts[0].address))
     try:
         again = orch(tmp_path, "up", str(inv))
     finally:

@@ -11,7 +11,7 @@ import pytest
 from fake_agent import FakeChannel, FakeTransport
 from orchestrator.agent import paths, procs
 from orchestrator.agent.paths import JobDir
-from orchestrator.config.inventory import parse, part_name
+from orchestrator.config.inventory import parse, host_part
 from orchestrator.files.localfiles import LocalFile
 from orchestrator.session.preflight import shared_groups
 from orchestrator.session.session import HostFiles, Session, group_files, whole
@@ -115,9 +115,9 @@ def test_setup_runs_once_per_folder_or_on_each_host(tmp_path: Path, once_per: st
     if once_per == "filesystem":
         assert where == {0: {"shared": True}, 2: {}}
     else:
-        assert where == {0: {"log": f"setup-{part_name('10.0.0.1')}.log"},
-                         1: {"log": f"setup-{part_name('10.0.0.2')}.log"},
-                         3: {"log": f"setup-{part_name('10.0.0.4')}.log"}, 2: {}}
+        assert where == {0: {"log": f"setup-{host_part('10.0.0.1')}.log"},
+                         1: {"log": f"setup-{host_part('10.0.0.2')}.log"},
+                         3: {"log": f"setup-{host_part('10.0.0.4')}.log"}, 2: {}}
 
 
 def test_setup_shapes_stay_valid(tmp_path: Path) -> None:
@@ -132,8 +132,8 @@ def test_setup_shapes_stay_valid(tmp_path: Path) -> None:
 
 
 def test_part_names_are_plain_and_distinct() -> None:
-    assert part_name("10.0.0.1") == "host-10.0.0.1"
-    odd = [part_name(label) for label in ("a:22", "a_22", "gpu#3", "a/b")]
+    assert host_part("10.0.0.1") == "host-10.0.0.1"
+    odd = [host_part(label) for label in ("a:22", "a_22", "gpu#3", "a/b")]
     assert len(set(odd)) == 4 and all("/" not in p and ":" not in p for p in odd)
 
 

@@ -5,7 +5,7 @@ already been stopped everywhere (watch/monitor.fail_fast). This module decides w
 next attempt runs on, waits a short back-off and starts the whole job again under the
 same name, with ORCH_RESTART_COUNT=k; the program resumes from its last checkpoint.
 
-Which hosts the next attempt gets (`Plan.after`):
+Which hosts the next attempt gets (`Healer.after`):
 - a host that was lost, or that held the root cause, takes a strike; a host with two
   strikes is left out for the rest of the run;
 - a lost host, or one left out, is replaced by a spare (`hosts[].spare: true`), which
@@ -35,7 +35,7 @@ def backoff(attempt: int) -> float:
 
 
 @dataclass
-class Plan:
+class Healer:
     """The run across its attempts: what runs now, the spares left, the strikes."""
 
     cluster: Cluster                      # what the current attempt runs on
@@ -46,7 +46,7 @@ class Plan:
     ended: str = ""                       # why the run cannot go on (after() gave None)
 
     @classmethod
-    def first(cls, cluster: Cluster, restarts: int) -> Plan:
+    def first(cls, cluster: Cluster, restarts: int) -> Healer:
         return cls(cluster, restarts, spares=list(cluster.spares))
 
     @property

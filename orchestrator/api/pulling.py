@@ -36,7 +36,7 @@ class Transfer:
 
 
 # a pull from the host labelled so: the display around it (entered before, left after)
-Progress = Callable[[str], AbstractContextManager[Transfer]]
+PullShown = Callable[[str], AbstractContextManager[Transfer]]   # a pull's display, per host
 
 
 def quiet(host: str) -> AbstractContextManager[Transfer]:
@@ -45,7 +45,7 @@ def quiet(host: str) -> AbstractContextManager[Transfer]:
 
 def pull(inventory: jobs.Inventory, paths: Sequence[str] = (), *, rank: int | None = None,
          host: str | None = None, dest: str | Path | None = None,
-         progress: Progress = quiet, warn: jobs.Warn | None = None) -> PullResult:
+         progress: PullShown = quiet, warn: jobs.Warn | None = None) -> PullResult:
     """`paths` under the job's output/ (all of it by default) from the host of global
     `rank` (default 0), or from `host` (an address or label), into `dest` (default:
     outputs/<name>/ beside the inventory). Only what differs is sent; nothing local is
@@ -71,7 +71,7 @@ def pull(inventory: jobs.Inventory, paths: Sequence[str] = (), *, rank: int | No
     raise not_there(cluster, st, source, rel, rank)
 
 
-def job_output(session: Session, progress: Progress = quiet) -> PullResult:
+def job_output(session: Session, progress: PullShown = quiet) -> PullResult:
     """`up`'s pull when the job ended: rank 0's output/ on the up's open links."""
     cluster = session.cluster
     st = job_state.load(cluster)
@@ -103,7 +103,7 @@ def run_dest(cluster: Cluster, st: job_state.JobState | None) -> tuple[Path, Pat
 
 
 def pull_on(session: Session, host: Host, paths: list[str], dest: Path,
-            progress: Progress = quiet, aside: Path | None = None,
+            progress: PullShown = quiet, aside: Path | None = None,
             st: job_state.JobState | None = None, warn: jobs.Warn | None = None) -> PullResult:
     with progress(host.label) as shown:
         report = session.pull(host, paths, dest, shown.received, shown.planned)

@@ -31,7 +31,7 @@ from orchestrator.watch import events as ev
 
 if TYPE_CHECKING:   # imported when the job runs (api.pulling, the monitor): not before
     from orchestrator.api.outcomes import PullResult  # the first login (tests/test_cli.py)
-    from orchestrator.api.pulling import Progress
+    from orchestrator.api.pulling import PullShown
     from orchestrator.watch.monitor import Monitor, Outcome
 
 
@@ -44,7 +44,7 @@ class Options:
     setup: bool = False
     wait: bool = False
     pull: bool = True
-    transfer: Progress | None = None
+    transfer: PullShown | None = None
 
 
 class Serial:
@@ -115,7 +115,7 @@ def job_error(result: RunResult) -> OrchError:
 def run_job(cluster: Cluster, opts: Options, emit: ev.Emit,
             view: Callable[[], launching.UpProgress]) -> RunResult:
     """The run across its attempts; `view()`: what shows each attempt's steps."""
-    plan = healing.Plan.first(cluster, opts.restarts)
+    plan = healing.Healer.first(cluster, opts.restarts)
     ready = Spares(plan, emit)
     run = Run(plan, opts, emit, view, hostkeep.Kept(), ready.start)
     while True:
@@ -153,7 +153,7 @@ class Failed:
         self.no_checkpoint: str | None = None   # why a restart resumes from nothing
 
 
-def start_failed(plan: healing.Plan, err: GroupError) -> Failed:
+def start_failed(plan: healing.Healer, err: GroupError) -> Failed:
     """A restart that could not start. Hosts its preflight could not reach are lost; a
     host that answered but failed a later step (its previous attempt's processes still
     ending on a loaded host, a full disk) takes a strike: it is tried once more, and left
@@ -169,7 +169,7 @@ class Spares:
     """The spares made ready (preflight, code) beside the first attempt, in a thread: the
     job does not wait for them. One that cannot serve is said and taken out of the plan."""
 
-    def __init__(self, plan: healing.Plan, emit: ev.Emit) -> None:
+    def __init__(self, plan: healing.Healer, emit: ev.Emit) -> None:
         self.plan, self.emit = plan, emit
         self.thread: threading.Thread | None = None
 
@@ -198,7 +198,7 @@ class Spares:
 class Run:
     """The attempts of one run, and what each did."""
 
-    def __init__(self, plan: healing.Plan, opts: Options, emit: ev.Emit,
+    def __init__(self, plan: healing.Healer, opts: Options, emit: ev.Emit,
                  view: Callable[[], launching.UpProgress], last: hostkeep.Kept,
                  running: Callable[[], None]) -> None:
         self.plan, self.opts, self.emit, self.view = plan, opts, emit, view

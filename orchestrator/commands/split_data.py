@@ -170,7 +170,7 @@ def _row(shard: splitdata.Shard, kind: str) -> list[str]:
             f"{min(counts)}..{max(counts)}" if counts else "-"]
 
 
-def shard_table(p: splitdata.Plan) -> Table:
+def shard_table(p: splitdata.SplitPlan) -> Table:
     unit, units = ("class", "classes") if p.kind == "imagefolder" else ("group", "groups")
     table = Table(title=f"{plural(p.workers, 'shard')} of {escape(str(p.source))} ({p.kind})",
                   title_justify="left")

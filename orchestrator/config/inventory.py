@@ -167,10 +167,10 @@ class Host:
     @property
     def part(self) -> str:
         """Its part of the job folder, run/<part>/ (hosts may share one job folder)."""
-        return part_name(self.label)
+        return host_part(self.label)
 
 
-def part_name(label: str) -> str:
+def host_part(label: str) -> str:
     """`host-<label>` as a plain file name; a label changed to fit one gets a short hash
     of itself, so that two labels never give one part."""
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in label)[:80]

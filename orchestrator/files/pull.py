@@ -98,15 +98,15 @@ def check_manifest(host: str, remote: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- the plan
 
 @dataclass
-class Plan:
+class PullPlan:
     fetch: dict[str, Any]                     # rel -> [size, sha256]
     unchanged: int
     refused: dict[str, Any]                   # rel -> why (cannot be written here)
 
 
-def plan(remote: dict[str, Any], dest: Dest, cache: DigestCache) -> Plan:
+def plan(remote: dict[str, Any], dest: Dest, cache: DigestCache) -> PullPlan:
     """What to ask for: every file whose local copy is missing or differs by content."""
-    out = Plan({}, 0, {})
+    out = PullPlan({}, 0, {})
     for rel, (size, digest) in sorted(remote.items()):
         try:
             st = dest.lstat(rel)

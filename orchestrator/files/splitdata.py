@@ -68,7 +68,7 @@ class Shard:
 
 
 @dataclass
-class Plan:
+class SplitPlan:
     """What a split will write; computed without touching the output folder."""
 
     kind: str
@@ -85,7 +85,7 @@ class Plan:
 
 @dataclass
 class SplitResult:
-    plan: Plan
+    plan: SplitPlan
     out: Path
     manifest: Path
     replaced: bool
@@ -389,7 +389,7 @@ def _records_imbalance(key: str, total: int, sizes: list[int]) -> str:
             f"{_span(extra, len(sizes) - 1)} get {sizes[-1]} (split_dataset.sh would refuse this)")
 
 
-def plan(source: Path, out: Path, workers: int, seed: int = 0) -> Plan:
+def plan(source: Path, out: Path, workers: int, seed: int = 0) -> SplitPlan:
     """Validate everything and compute the split; writes nothing."""
     if workers < 1:
         raise DataError(f"--workers must be at least 1 (got {workers})",
@@ -398,7 +398,7 @@ def plan(source: Path, out: Path, workers: int, seed: int = 0) -> Plan:
     kind, groups, notes = scan(src)
     check_counts(groups, workers, kind)
     shards, more = assign(kind, groups, workers, seed)
-    return Plan(kind, src, workers, seed, shards, notes + more)
+    return SplitPlan(kind, src, workers, seed, shards, notes + more)
 
 
 # ---------------------------------------------------------------- writing
@@ -415,7 +415,7 @@ def _link_shard(shard: Shard, src_prefix: str, dst: str) -> None:
         os.symlink(src_prefix + rel, dst + "/" + rel)
 
 
-def link_all(p: Plan, tmp: Path, threads: int) -> None:
+def link_all(p: SplitPlan, tmp: Path, threads: int) -> None:
     src_prefix = str(p.source) + "/"
     jobs = [(s, src_prefix, str(tmp / s.name)) for s in p.shards]
     if threads <= 1:
@@ -498,7 +498,7 @@ def _dumps(data: dict[str, Any], files: int) -> str:
     return text
 
 
-def stage_manifest(out: Path, p: Plan) -> Path:
+def stage_manifest(out: Path, p: SplitPlan) -> Path:
     """Write the updated manifest (other worker counts kept) to a temp file; os.replace()
     it later."""
     data = read_manifest(out / MANIFEST)
@@ -519,7 +519,7 @@ def _timed(seconds: dict[str, float], phase: str) -> Iterator[None]:
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t
 
 
-def _build(p: Plan, tmp: Path, pack: Packer | None, threads: int,
+def _build(p: SplitPlan, tmp: Path, pack: Packer | None, threads: int,
            seconds: dict[str, float]) -> None:
     with _timed(seconds, "link"):
         link_all(p, tmp, threads)
@@ -531,7 +531,7 @@ def _build(p: Plan, tmp: Path, pack: Packer | None, threads: int,
             _rescan_packed(shard, tmp / shard.name)
 
 
-def write(p: Plan, out: Path, *, pack: Packer | None = None, threads: int = 1) -> SplitResult:
+def write(p: SplitPlan, out: Path, *, pack: Packer | None = None, threads: int = 1) -> SplitResult:
     """Build the shards in a temp folder beside the old ones, swap them in, replace the manifest.
 
     threads > 1 links shards in parallel (symlink() releases the GIL, each shard has its own

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from orchestrator.config import hostselect
-from orchestrator.config.inventory import Cluster, part_name
+from orchestrator.config.inventory import Cluster, host_part
 from orchestrator.errors import UsageError
 from orchestrator.ui.wording import hint_cmd
 
@@ -163,7 +163,7 @@ def job_parts(cluster: Cluster, state: JobState | None) -> dict[int, str]:
     """Each host's part of its job folder (run/<part>/): named after the label the host
     had at `up` (the state's), so that an edited inventory still finds its records."""
     if state and len(state.hosts) == len(cluster.hosts):
-        return {h.index: part_name(h.label) for h in state.hosts}
+        return {h.index: host_part(h.label) for h in state.hosts}
     return {h.index: h.part for h in cluster.hosts}
 
 
