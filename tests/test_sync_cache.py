@@ -69,9 +69,7 @@ def up_sync(inv: Path, spy: Spy) -> dict[str, Any]:
     spy.same.clear()
     cluster = load(inv)
     listing = launching.Listing(cluster, launching.UpProgress())   # as launching.start
-    session = Session(cluster)
-    session.warm = False
-    session.expected = listing.first
+    session = Session(cluster, warm=False, expected=listing.first)
     try:
         pre = session.open_and_preflight()
         try:

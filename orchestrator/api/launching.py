@@ -189,11 +189,9 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
     # request reaches a host before the list is complete. With `gpus: all` the world
     # size is known once the GPUs are claimed, and the shards are checked then
     listing = None if counted_at_preflight(cluster) else Listing(cluster, shown)
-    session = Session(cluster)
-    session.attempts = list(attempts or [])
-    session.expected = listing.first if listing else None
-    if wait:
-        session.waiting = gpuclaims.Waiting(shown.gpu_wait)
+    session = Session(cluster, attempts=attempts,
+                      expected=listing.first if listing else None,
+                      waiting=gpuclaims.Waiting(shown.gpu_wait) if wait else None)
     try:
         with shown.preflight(len(cluster.hosts)) as checked:
             try:
@@ -305,8 +303,7 @@ def prepare_spares(cluster: Cluster) -> dict[str, str]:
         alone = replace(spare, index=0, first_rank=0, spare=False)
         run = replace(cluster, hosts=(alone,), world_size=alone.procs, spares=(),
                       ranks=tuple(RankSlot(r, 0, r) for r in alone.ranks))
-        session = Session(run)
-        session.warm = False
+        session = Session(run, warm=False)
         try:
             pre = session.open_and_preflight()
             session.sync({0: HostFiles(code, None)}, pre)

@@ -91,23 +91,26 @@ def end_link(link: Link) -> None:
 
 class Session:
     def __init__(self, cluster: Cluster, state: job_state.JobState | None = None,
-                 connector: Callable[[Host], Transport] | None = None) -> None:
+                 connector: Callable[[Host], Transport] | None = None, *,
+                 waiting: gpuclaims.Waiting | None = None,
+                 attempts: list[dict[str, Any]] | None = None, warm: bool = True,
+                 expected: Callable[[], dict[int, HostFiles]] | None = None) -> None:
         """`connector` opens one host's transport (default: SSH or local, per the
-        inventory); unit tests pass an in-process fake."""
+        inventory); unit tests pass an in-process fake. The keywords: see below."""
         self.cluster, self.connector = cluster, connector
         self.run_id = new_run_id()   # known before preflight: a warm start's environment
         dirs, parts = job_state.job_dirs(cluster, state), job_state.job_parts(cluster, state)
         self.records = {h.index: HostRecord(h, dirs[h.index], parts[h.index])
                         for h in cluster.hosts}
         self.releasing: list[threading.Thread] = []
-        self.waiting: gpuclaims.Waiting | None = None   # `up --wait`: GPUs are queued for
-        self.attempts: list[dict[str, Any]] = []   # the run's restarts so far (its state keeps them)
+        self.waiting = waiting   # `up --wait`: GPUs are queued for
+        self.attempts = list(attempts or [])   # the run's restarts so far (its state keeps them)
         self.pinned: set[int] = set()   # hosts release() leaves open (a checkpoint keeper host)
-        self.warm = True   # torchrun started warm at preflight (not on a spare: it runs nothing)
+        self.warm = warm   # torchrun started warm at preflight (not on a spare: it runs nothing)
         # what each host's folders will hold, when known before preflight (a call that
         # waits for the local list): a folder that holds exactly that is not listed back
         # (preflight.manifests_of); a preflight request waits for it
-        self.expected: Callable[[], dict[int, HostFiles]] | None = None
+        self.expected = expected
 
     # ------------------------------------------------------------ connections
 
