@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from helpers import orch_in_process
 
 INVENTORY = """\
@@ -61,3 +63,26 @@ def test_dry_run_with_gpus_all_says_the_world_size_is_counted_at_preflight(tmp_p
     assert "world size counted at preflight" in first and "world size 2" not in r.stdout
     assert "worker_<r>_of_<W>" in r.stdout and "--nproc-per-node '<free GPUs>'" in r.stdout
     assert "split-data" not in r.stdout + r.stderr   # no hint for a world size not known yet
+
+
+def test_status_watch_of_an_array_refreshes_until_ctrl_c(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.api import querying
+    from orchestrator.api.outcomes import ArrayStatus, TaskStatus
+    rounds: list[int] = []
+
+    def array_status(cluster: object) -> ArrayStatus:
+        rounds.append(1)
+        return ArrayStatus("t", [TaskStatus(0, "--fold 0", "10.0.0.8", 0, "running", None, 1.0,
+                                            f"epoch {len(rounds)}")], {})
+
+    def sleep(seconds: float) -> None:
+        if len(rounds) == 3:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(querying, "array_status", array_status)
+    monkeypatch.setattr("orchestrator.commands.status.time.sleep", sleep)
+    job = "  array:\n    matrix: {fold: [0, 1]}\n"
+    r = orch_in_process(folder(tmp_path, job=job), "status", "--watch", "--json")
+    assert r.returncode == 0 and len(rounds) == 3, r.stderr
+    docs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [d["tasks"][0]["last_line"] for d in docs] == ["epoch 1", "epoch 2", "epoch 3"]
