@@ -220,7 +220,7 @@ def network_plan(cluster: Cluster, addr: str) -> list[str]:
     if net.check:
         lines.append("  probe at preflight: every host to host 0 on the master port, each "
                      "to its ring neighbour on a port the OS picks "
-                     f"({network.PROBE_TIMEOUT:g} s bound; a blocked path: exit 3)")
+                     f"({network.bound(len(cluster.hosts)):g} s bound; a blocked path: exit 3)")
     return lines
 
 

@@ -6,7 +6,7 @@ and what that resolves to, the route toward the master) and opens its listeners;
 one `net_probe` round: every host connects to host 0 on the master port at each
 candidate address (a star: proves MASTER_ADDR) and to its ring neighbour on a port the
 OS picked (proves the ports gloo and NCCL connect their pairs on). 2n connections
-in all, each bounded by PROBE_TIMEOUT, all at once: the cost stays flat in the number
+in all, each bounded by `bound` (3 s below 100 hosts), all at once: the cost stays flat in the number
 of hosts. What a ring cannot see: a rule between two hosts that are not neighbours, a
 port range open only in part, RDMA and UDP (docs/howto/network.md).
 
@@ -30,6 +30,13 @@ from orchestrator.remote.link import Link
 from orchestrator.wire import timeouts
 
 PROBE_TIMEOUT = 3.0          # one connection of the probe: past this, a firewall drops it
+
+
+def bound(hosts: int) -> float:
+    """PROBE_TIMEOUT, and a second more per 100 hosts: host 0 takes every host's
+    connection at once (200 namespace hosts on one loaded kernel: 40 SYNs answered
+    after 3 s, a false exit 3 with the bare bound)."""
+    return PROBE_TIMEOUT + hosts // 100
 ENV_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 # interfaces that never carry traffic between machines (bridges of containers and VMs)
 VIRTUAL = ("lo", "docker", "veth", "br-", "virbr", "cni", "flannel", "cali", "vxlan", "tun")
@@ -219,10 +226,11 @@ def run_probe(cluster: Cluster, links: dict[int, Link],
     def one(h: Host) -> list[dict[str, Any]]:
         link = links[h.index]
         # as preflight's: every host's reply is read on this machine's CPU
-        reply = link.request("net_probe", timeouts.scaled(PROBE_TIMEOUT * 4 + 10,
-                                                          len(cluster.hosts)),
-                             targets=plan[h.index], bound=PROBE_TIMEOUT)
-        return [dict(t, **r, group=t["group"][:1]) for t, r in zip(plan[h.index], reply["results"])]
+        wait = bound(len(cluster.hosts))
+        reply = link.request("net_probe", timeouts.scaled(wait * 4 + 10, len(cluster.hosts)),
+                             targets=plan[h.index], bound=wait)
+        return [dict(t, **r, group=t["group"][:1], bound=wait)
+                for t, r in zip(plan[h.index], reply["results"])]
     # one thread per host however many: each only waits (at most PROBE_TIMEOUT), and a
     # second wave would add a whole bound where a firewall drops (fan_out's limit is 256)
     result = fan_out(cluster.hosts, one, limit=max(256, len(cluster.hosts)))
@@ -242,13 +250,13 @@ def close_listeners(links: dict[int, Link]) -> None:
 def why(r: dict[str, Any]) -> str:
     w: str = r["why"]
     if w == "timeout":
-        return f"no answer in {PROBE_TIMEOUT:g} s (a firewall drops it)"
+        return f"no answer in {r.get('bound', PROBE_TIMEOUT):g} s (a firewall drops it)"
     if w == "refused":
         return "connection refused (nothing listens there, or a firewall rejects it)"
     if w == "other":
         return "another machine answers at that address"
     if w == "slow":
-        return (f"connected, but no token in {PROBE_TIMEOUT * 3:g} s (the host is too "
+        return (f"connected, but no token in {r.get('bound', PROBE_TIMEOUT) * 3:g} s (the host is too "
                 "loaded to answer, or something else listens there)")
     if w == "unresolved":
         return "the name does not resolve there"
