@@ -6,7 +6,9 @@ and a file that is only ever written in place (so never whole) is named on the r
 line as the reason there is nothing to put back."""
 from __future__ import annotations
 
+import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +31,7 @@ if os.path.exists(ckpt):
     words = open(ckpt).read().split()
     step = int(words[1]) if len(words) > 1 else 0   # a half-written one (never kept)
 print("rank %d attempt %d resumed at step %d" % (rank, attempt, step), flush=True)
+print("python of rank %d: %s" % (rank, os.environ.get("ORCH_PYTHON")), flush=True)
 if attempt > 0:
     sys.exit(0)
 if sys.argv[1] == "rename" and rank == 0:
@@ -110,4 +113,7 @@ def test_a_checkpoint_never_whole_is_named_on_the_restart_line(
                      r"put back: output/ckpt\.pt never stayed unchanged for 1 s on "
                      + re.escape(hosts[0].address), text), text
     assert "rank 0 attempt 1 resumed at step 0" in text, text
+    # every rank gets ORCH_PYTHON: the inventory's python (the suite's venv) as run there
+    pythons = set(re.findall(r"python of rank \d: (\S+)", text))
+    assert pythons and all(os.path.samefile(p, sys.executable) for p in pythons), pythons
     assert_nothing_left(hosts, "inplace")

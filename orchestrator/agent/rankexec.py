@@ -169,6 +169,9 @@ def main():
     run_fd, logs_fd = open_dirs(job_dir)
     stack_fd = rank_files(run_fd, rank)
     os.environ["ORCH_HEARTBEAT"] = heartbeat_path(job_dir, rank)
+    # the inventory's `python:` as this host runs it (what runs the rank): a rank that
+    # starts a helper script uses the job's interpreter, not the first python on PATH
+    os.environ.setdefault("ORCH_PYTHON", os.environ.get("PYTHON_EXEC") or sys.executable)
     pid = spawn(child_argv(kind, target, args, stack_fd), logs_fd, "rank-%d.log" % rank,
                 stack_fd)
     os.close(logs_fd)

@@ -193,7 +193,7 @@ def dry_run_plan(cluster: Cluster) -> str:
                      "named, the job failed")
     env_keys = ", ".join(k for k, _ in cluster.job.env) or "none"
     lines.append(f"environment of every rank: ORCH_JOB, ORCH_JOB_DIR, ORCH_DATA_DIR, ORCH_OUTPUT_DIR, "
-                 "ORCH_HEARTBEAT, "
+                 "ORCH_HEARTBEAT, ORCH_PYTHON, "
                  f"job env ({env_keys}; values sent in a 0600 file, not shown)")
     return "\n".join(lines)
 
