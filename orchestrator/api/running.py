@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,6 +57,10 @@ class Serial:
     def __call__(self, event: ev.Event) -> None:
         with self.lock:
             self.on_event(event)
+
+    def many(self, events: Sequence[ev.Event]) -> None:
+        with self.lock:
+            ev.emit_all(self.on_event, events)
 
 
 def run(inventory: jobs.Inventory, *, restarts: int | None = None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
@@ -86,6 +86,18 @@ class UpRenderer:
         handler = getattr(self, "on_" + type(event).__name__, None)
         if handler is not None:
             handler(event)
+
+    def many(self, events: Sequence[ev.Event]) -> None:
+        """A frame's lines (one rank's) in one write."""
+        first = events[0] if events else None
+        if isinstance(first, ev.RankLine):
+            lines = [e for e in events if isinstance(e, ev.RankLine) and e.rank == first.rank]
+            if len(lines) == len(events):
+                self.printer.print_as(first.host, first.rank, [e.data for e in lines])
+                self.seen(first.rank, printed=True)
+                return
+        for event in events:
+            self(event)
 
     def close(self) -> None:
         self.live.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from orchestrator.session.stopper import StopReport
@@ -26,6 +26,17 @@ class Event:
 
 
 Emit = Callable[[Event], None]
+
+
+def emit_all(emit: Emit, events: Sequence[Event]) -> None:
+    """Several events at once (a frame's lines): to a reader's `many` where it has one
+    (orch up writes a frame's lines in one write), else one by one."""
+    many = getattr(emit, "many", None)
+    if many is not None:
+        many(events)
+        return
+    for event in events:
+        emit(event)
 
 
 def signal_name(code: int) -> str:

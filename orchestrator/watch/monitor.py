@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
@@ -58,8 +58,7 @@ class Monitor(LineSink):
         now, label = time.time(), self.label(host)
         self.tails.setdefault(rank, deque(maxlen=TAIL_KEEP)).extend(texts[-TAIL_KEEP:])
         self.started.add(rank)
-        for text in texts:
-            self.emit(ev.RankLine(now, rank, label, "out", text))
+        ev.emit_all(self.emit, [ev.RankLine(now, rank, label, "out", text) for text in texts])
         if self.hang is not None:
             self.hang.progress(rank)
 
@@ -131,14 +130,15 @@ class Recorder:
 
     def __init__(self, emit: ev.Emit) -> None:
         self.emit = emit
-        self.exits: dict[int, ev.RankExited] = {}
-        self.lock = threading.Lock()
+        self.exits: dict[int, ev.RankExited] = {}   # one writer per rank: its host's reader
 
     def __call__(self, event: ev.Event) -> None:
-        with self.lock:
-            if isinstance(event, ev.RankExited):
-                self.exits[event.rank] = event
-            self.emit(event)
+        if isinstance(event, ev.RankExited):
+            self.exits[event.rank] = event
+        self.emit(event)
+
+    def many(self, events: Sequence[ev.Event]) -> None:
+        ev.emit_all(self.emit, events)   # lines only: nothing to record
 
 
 def watch(session: Session, state: JobState, emit: ev.Emit,
