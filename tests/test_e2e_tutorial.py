@@ -111,6 +111,8 @@ class Tutorial:
 
 def table_row(line: str) -> str:
     """A table's line without what its widths depend on: pids, padding, rule lengths."""
+    if re.match(r" {8,}\S", line):   # a table's title, centred over it
+        return line.strip()
     if not re.search("[│┃┏┗┡└┌]", line):
         return line.rstrip()
     line = re.sub(r"(?<=[│┃] )\d{3,}(?= )", "PID", line)
