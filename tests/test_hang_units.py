@@ -25,6 +25,7 @@ from orchestrator.commands.uprender import hang_text
 from orchestrator.config.inventory import Cluster, load
 from orchestrator.errors import InventoryError, UsageError
 from orchestrator.session.launch import dry_run_plan, rank_env
+from orchestrator.session.replies import HostStacks
 from orchestrator.watch.hang import (
     Hang,
     HangReport,
@@ -167,8 +168,8 @@ def test_threads_are_parsed_and_the_main_thread_found() -> None:
 
 
 def stack(rank: int, state: str = "answered", text: str = "", host: int = 0) -> RankStack:
-    reply = {host: {"ranks": [{"rank": rank, "state": state, "pid": 10 + rank, "stack": text}]}}
-    return rank_stacks(reply)[rank]
+    reply = {"ranks": [{"rank": rank, "state": state, "pid": 10 + rank, "stack": text}]}
+    return rank_stacks({host: HostStacks.of(reply)})[rank]
 
 
 def hang(idle: tuple[int, ...] = (0, 1, 2), everyone: bool = True) -> Hang:

@@ -11,7 +11,7 @@ import pytest
 from fake_agent import FakeChannel, FakeTransport
 from orchestrator.agent import paths, procs
 from orchestrator.agent.paths import JobDir
-from orchestrator.config.inventory import parse, host_part
+from orchestrator.config.inventory import host_part, parse
 from orchestrator.files.localfiles import LocalFile
 from orchestrator.session.preflight import shared_groups
 from orchestrator.session.session import HostFiles, Session, group_files, whole

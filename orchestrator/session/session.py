@@ -27,6 +27,7 @@ from orchestrator.session import gpuclaims, setupstep, shellcmd
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import launch_all, new_run_id, warm_env, warm_start
 from orchestrator.session.preflight import Checked, PreflightReport, check_host, preflight
+from orchestrator.session.replies import HostStacks
 from orchestrator.session.shelloutput import HostOutput, Printer
 from orchestrator.session.stopper import StopReport, stop_all
 from orchestrator.wire import timeouts
@@ -354,14 +355,14 @@ class Session:
             "status", timeouts.STATUS, job_dir=self.records[h.index].job_dir,
             ranks=list(h.ranks), **({"gpus": True} if h.gpus else {})))
 
-    def stacks(self, reason: str) -> GroupResult[dict[str, Any]]:
+    def stacks(self, reason: str) -> GroupResult[HostStacks]:
         """A hang: every rank's Python stack, or why it has none (agent/stacks.py); the
         hosts also append them to each rank's log."""
         links = self.links
         hosts = tuple(h for h in self.cluster.hosts if h.index in links)
-        return fan_out(hosts, lambda h: links[h.index].request(
+        return fan_out(hosts, lambda h: HostStacks.of(links[h.index].request(
             "stacks", timeouts.STACKS, job_dir=self.records[h.index].job_dir,
-            ranks=list(h.ranks), reason=reason))
+            ranks=list(h.ranks), reason=reason)))
 
     def failure_files(self, rank: int) -> tuple[str, tuple[str, ...]]:
         """torchrun's error file of a failed rank ("" when there is none or no answer), and

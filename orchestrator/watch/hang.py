@@ -27,7 +27,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+
+from orchestrator.session.replies import HostStacks
 
 # a main thread waiting in one of these is waiting for the others (a collective, DDP's
 # reducer in backward, a barrier)
@@ -145,13 +146,13 @@ class RankStack:
         return any(part in f.file for f in self.frames for part in WAITING_IN)
 
 
-def rank_stacks(replies: dict[int, dict[str, Any]]) -> dict[int, RankStack]:
+def rank_stacks(replies: dict[int, HostStacks]) -> dict[int, RankStack]:
     """The hosts' replies as RankStacks by rank."""
     out = {}
     for host, reply in replies.items():
-        for e in reply["ranks"]:
-            frames = tuple(main_thread(e["stack"])) if e["state"] == "answered" else ()
-            out[e["rank"]] = RankStack(e["rank"], host, e["state"], e["pid"], e["stack"], frames)
+        for e in reply.ranks:
+            frames = tuple(main_thread(e.stack)) if e.state == "answered" else ()
+            out[e.rank] = RankStack(e.rank, host, e.state, e.pid, e.stack, frames)
     return out
 
 

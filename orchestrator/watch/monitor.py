@@ -297,7 +297,7 @@ def investigate(session: Session, hang: ev.HangSuspected) -> ev.Hang:
     result = session.stacks(hang.reason)
     stacks = rank_stacks(result.ok)
     dumps = tuple(f"{cluster.hosts[i].label}: {session.run_dir(i)}/{name}"
-                  for i, reply in sorted(result.ok.items()) for name in reply["nccl_dumps"])
+                  for i, reply in sorted(result.ok.items()) for name in reply.nccl_dumps)
     unreachable = tuple(f"{cluster.hosts[i].label}: {exc}"
                         for i, exc in sorted(result.failed.items()))
     found = culprits(hang.found, stacks)
