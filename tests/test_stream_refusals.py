@@ -450,3 +450,30 @@ def test_a_keeper_host_that_refuses_the_copy_is_said_once_and_not_asked_every_ro
                                                         + " again")
     finally:
         session.close()
+
+
+def test_orch_up_stops_a_host_whose_follow_was_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same through `orch up`: the refusal is named, the host is stopped with the
+    others and never said NOT stopped."""
+    import fake_agent
+    from orchestrator import cli
+    from orchestrator.errors import EXIT_JOB_FAILED
+
+    fake = fake_agent.FakeCluster(lambda label, rank, env: None).install(monkeypatch)
+    hosts = ("127.0.0.1", "127.0.0.2")
+
+    def refused(chan: fake_agent.FakeChannel, msg: dict) -> None:
+        chan.push(protocol.error(msg["id"], protocol.HOST, "logs/rank-2.log is a symbolic link"))
+    fake.on("follow", refused, hosts[1])
+    (tmp_path / "job.py").write_text("print('hi')\n")
+    inv = tmp_path / "cluster.yaml"
+    inv.write_text("name: fk\nhosts:\n"
+                   + "".join(f"  - {{address: {a}, connection: local, remote_dir: /r{i}, procs: 2}}\n"
+                             for i, a in enumerate(hosts))
+                   + "code: {paths: [job.py]}\njob: {entrypoint: job.py}\n")
+    assert cli.cli(["up", "-c", str(inv), "--no-pull"]) == EXIT_JOB_FAILED
+    err = " ".join(capsys.readouterr().err.split())
+    assert "logs/rank-2.log is a symbolic link" in err, err
+    assert "NOT stopped" not in err, err
+    assert fake.asked("stop") == dict.fromkeys(hosts, 1), fake.log
