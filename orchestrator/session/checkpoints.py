@@ -160,7 +160,7 @@ class Keeper:
                 return (f"{names} never stayed unchanged for {self.settle:g} s on {host} "
                         f"(written in place at every look; write it beside and rename it)")
             if self.rounds == 0 and self.last_error:
-                return f"the keeper never reached rank 0's host: {self.last_error}"
+                return f"no round of the keeper ended well: {self.last_error}"
             if self.listed == 0:
                 return (f"job.checkpoint ({', '.join(self.cluster.job.checkpoint)}) "
                         f"matched no file on {host}")
