@@ -33,7 +33,7 @@ def inventory(tmp_path: Path, extra: str) -> Path:
 
 def test_default_is_worker_train_checkpoints(tmp_path: Path) -> None:
     assert load(inventory(tmp_path, "")).job.checkpoint == DEFAULT_CHECKPOINT
-    with pytest.raises(InventoryError, match="`job.checkpoint` has no value"):   # not the default
+    with pytest.raises(InventoryError, match=r"`job\.checkpoint` has no value"):   # not the default
         load(inventory(tmp_path, "  checkpoint:\n"))
     assert DEFAULT_CHECKPOINT == ("output/checkpoints/*.pt",)
 

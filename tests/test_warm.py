@@ -485,7 +485,8 @@ class PollClock:
     polls are counted, not timed: a busy machine changes nothing."""
 
     def __init__(self, at_sleep: Any = None) -> None:
-        self.now, self.sleeps, self.reads = 0.0, [], 0
+        self.now, self.reads = 0.0, 0
+        self.sleeps: list[float] = []
         self.at_sleep = at_sleep or (lambda now: None)
         self.module = types.ModuleType("time")
         self.module.monotonic = self.monotonic   # type: ignore[attr-defined]
