@@ -178,3 +178,11 @@ def test_follow_attaches_to_a_running_job(tmp_path: Path,
     assert isinstance(cause, api.RootCause) and cause.kind == "rank"
     assert cause.rank is not None and cause.rank.rank == 3
     assert not fake.requests("stop")
+
+
+def test_bad_options_are_refused_before_any_host_is_asked(tmp_path: Path) -> None:
+    path = inventory(tmp_path)
+    with pytest.raises(api.UsageError, match="hang_timeout must be a number of seconds"):
+        api.run(path, hang_timeout=0)
+    with pytest.raises(api.UsageError, match="restarts=-1: must be 0 or more"):
+        api.run(path, restarts=-1)

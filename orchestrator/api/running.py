@@ -22,7 +22,14 @@ from orchestrator.api import healing, jobs, launching
 from orchestrator.api.outcomes import AttemptResult, Finished, Pulled, RankEnd, RunResult
 from orchestrator.config.hostselect import narrow
 from orchestrator.config.inventory import Cluster
-from orchestrator.errors import EXIT_JOB_FAILED, EXIT_OK, GroupError, JobError, OrchError
+from orchestrator.errors import (
+    EXIT_JOB_FAILED,
+    EXIT_OK,
+    GroupError,
+    JobError,
+    OrchError,
+    UsageError,
+)
 from orchestrator.remote.fanout import fan_out
 from orchestrator.session import checkpoints, hostkeep
 from orchestrator.session.preflight import PreflightReport
@@ -79,8 +86,14 @@ def run(inventory: jobs.Inventory, *, restarts: int | None = None,
     if cluster.job.array is not None:
         raise jobs.kind_error(cluster, "a job array", "array_up")
     if hang_timeout is not None:
+        if not 0 < hang_timeout < float("inf"):
+            raise UsageError(f"hang_timeout must be a number of seconds above 0, got "
+                             f"{hang_timeout:g}", hint="e.g. hang_timeout=300")
         cluster = replace(cluster, job=replace(cluster.job, hang_timeout=hang_timeout))
     chosen = cluster.job.restarts if restarts is None else restarts
+    if chosen < 0:
+        raise UsageError(f"restarts={chosen}: must be 0 or more",
+                         hint="give the most restarts after a failure, e.g. restarts=3")
     opts = Options(chosen, setup=setup, wait=wait, pull=pull)
     emit = Serial(on_event or (lambda e: None))
     result = run_job(cluster, opts, emit, lambda: EventProgress(emit))
