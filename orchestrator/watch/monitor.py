@@ -83,7 +83,7 @@ class Monitor(LineSink):
         self.exits[rank] = Exit(host, rank, code, when, after_stop)
         if code != 0:
             self.wake.set()
-        at = self.host_clocks()[host].ours(when) if self.state.hosts else when
+        at = self.host_clock(host).ours(when) if self.state.hosts else when
         self.emit(ev.RankExited(at, rank, self.label(host), code if code >= 0 else None,
                                 -code if code < 0 else None, at - self.state.started,
                                 after_stop))
@@ -104,13 +104,13 @@ class Monitor(LineSink):
 
     def host_clocks(self) -> dict[int, HostClock]:
         """Each host's measured clock; the preflight offset where none was measured."""
-        out = {}
-        for h in self.state.hosts:
-            c = self.clocks.get(h.index) if self.clocks else HostClock()
-            if not c.samples:
-                c.fallback = h.clock_offset
-            out[h.index] = c
-        return out
+        return {h.index: self.host_clock(h.index) for h in self.state.hosts}
+
+    def host_clock(self, index: int) -> HostClock:
+        c = self.clocks.get(index) if self.clocks else HostClock()
+        if not c.samples:
+            c.fallback = self.state.hosts[index].clock_offset
+        return c
 
 
 @dataclass(frozen=True)
