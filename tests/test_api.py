@@ -232,7 +232,8 @@ def test_documents_carry_the_version_and_the_cli_field_names() -> None:
     up = api.UpResult("j", "run1", 2, "10.0.0.1", 29500, [api.UpHost("h", "/r/j", [0, 1])])
     assert document(up) == {"version": 1, "job": "j", "run_id": "run1", "world_size": 2,
                             "master_addr": "10.0.0.1", "master_port": 29500,
-                            "hosts": [{"host": "h", "job_dir": "/r/j", "ranks": [0, 1]}]}
+                            "hosts": [{"host": "h", "job_dir": "/r/j", "ranks": [0, 1]}],
+                            "network": None}   # no plan: one machine, or not proven
     stop = api.StopResult("j", {"h": api.StopReport(2, 0, (), 0.1)}, {})
     assert document(stop)["hosts"] == {"h": {"found": 2, "killed": 0, "left": [], "seconds": 0.1}}
     ok = api.HostExec("h", 0, 0, "out\n", False)
