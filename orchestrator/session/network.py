@@ -72,8 +72,24 @@ def inventory_master(cluster: Cluster, ssh_connection: dict[int, str] | None = N
 
 
 def one_machine(cluster: Cluster) -> bool:
-    """Every host at a loopback address (or local): one kernel, nothing to prove."""
-    return all(h.is_local or is_loopback(h.address) for h in cluster.hosts)
+    """Every host at a loopback address (or local): one kernel, nothing to prove. An
+    ~/.ssh/config alias counts by the HostName it stands for (`node0` for 127.0.0.2)."""
+    if all(h.is_local or is_loopback(h.address) for h in cluster.hosts):
+        return True
+    if all(h.is_local or is_ip(h.address) for h in cluster.hosts):
+        return False   # a literal address that is not loopback: another machine
+    from orchestrator.ssh.connect import resolve_target, ssh_config  # see inventory_master
+    config = ssh_config()
+    return all(h.is_local or is_loopback(resolve_target(h, config).hostname)
+               for h in cluster.hosts)
+
+
+def is_ip(addr: str) -> bool:
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        return False
+    return True
 
 
 def wanted(cluster: Cluster) -> bool:
