@@ -70,6 +70,14 @@ class StreamReader:
     def read_frame(self) -> Any:
         """The next frame; a JSON one where data belongs is looked at: an end, an abort
         or a request ends the stream (the caller refuses the frame)."""
+        got = self._next()
+        if got is not None and got[0] == protocol.JSON:
+            self._saw(protocol.decode(got, "the stream"), got)
+        return got
+
+    def _next(self) -> Any:
+        """The next frame as the reader gives it (None at the channel's end, which ends
+        the stream), under the idle timer."""
         if self.ended:
             raise protocol.ProtocolError("read past the end of the stream")
         if self.armed:
@@ -78,21 +86,13 @@ class StreamReader:
         if got is None:
             self.ended = True
             self.disarm()
-        elif got[0] == protocol.JSON:
-            self._saw(protocol.decode(got, "the stream"), got)
         return got
 
     def read_json(self, what: str) -> Any:
         """The next item (a JSON frame). An abort raises Aborted; a request raises
         ProtocolError (it is served next)."""
-        if self.ended:
-            raise protocol.ProtocolError("read past the end of the stream")
-        if self.armed:
-            signal.setitimer(signal.ITIMER_REAL, self.idle)
-        got = self.reader.read_frame()
+        got = self._next()
         if got is None:
-            self.ended = True
-            self.disarm()
             raise EOFError("stream ended before %s" % what)
         msg = protocol.decode(got, what)
         self._saw(msg, got)
