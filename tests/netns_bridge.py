@@ -18,10 +18,8 @@ firewall). `stop()` ends every sshd (proving the pids are gone), deletes the nam
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -35,7 +33,7 @@ from sshd_cluster import (
     _die_with_parent,
     _keygen,
     _sshd_config,
-    descendants_of,
+    end_sshds,
     pid_alive,
 )
 
@@ -151,19 +149,7 @@ class BridgeHosts:
         """Every sshd and its sessions ended, then the namespaces and /etc/netns folders
         deleted; raises if a process, a namespace or a folder is left."""
         procs = [h.proc for h in self.hosts if h.proc is not None]
-        pids = [p.pid for p in procs] + [d for p in procs for d in descendants_of(p.pid)]
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-        deadline = time.monotonic() + 5
-        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        pids = end_sshds(procs)
         names = [self.client_ns, self.switch_ns] + [h.ns for h in self.hosts]
         for ns in names:
             ip("netns", "del", ns, check=False)

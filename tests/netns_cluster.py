@@ -13,10 +13,8 @@ namespaces, which removes their interfaces.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
-import signal
 import socket
 import subprocess
 import threading
@@ -31,7 +29,7 @@ from sshd_cluster import (
     _die_with_parent,
     _keygen,
     _sshd_config,
-    descendants_of,
+    end_sshds,
     pid_alive,
 )
 
@@ -184,20 +182,7 @@ class NetnsCluster:
     def stop(self) -> None:
         """Every sshd (and its sessions) ended, then both namespaces deleted; raises if a
         process, a namespace or an interface is left."""
-        sshds = self.all_sshds()
-        pids = [s.proc.pid for s in sshds] + [p for s in sshds for p in descendants_of(s.proc.pid)]
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        for s in sshds:
-            try:
-                s.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
-                s.proc.wait(5)
-        deadline = time.monotonic() + 5
-        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        pids = end_sshds([s.proc for s in self.all_sshds()])
         for ns in (self.client_ns, self.hidden_ns):
             ip("netns", "del", ns, check=False)
         self.bastion, self.hosts, self.extra = None, [], []

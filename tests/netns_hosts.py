@@ -13,7 +13,6 @@ pids are gone) and deletes the namespaces, which removes their veths.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -31,6 +30,7 @@ from sshd_cluster import (
     _signal,
     _sshd_config,
     descendants_of,
+    end_sshds,
     pid_alive,
 )
 
@@ -166,19 +166,7 @@ class NsHosts:
         process, a namespace or an interface is left."""
         self.heal()
         procs = [h.proc for h in self.hosts if h.proc is not None]
-        pids = [p.pid for p in procs] + [d for p in procs for d in descendants_of(p.pid)]
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-        deadline = time.monotonic() + 5
-        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        pids = end_sshds(procs)
         for ns in [self.client_ns] + [h.ns for h in self.hosts]:
             ip("netns", "del", ns, check=False)
         left = [p for p in pids if pid_alive(p)]

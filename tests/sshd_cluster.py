@@ -120,6 +120,25 @@ def accepts(address: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+def end_sshds(procs: Sequence[subprocess.Popen]) -> list[int]:
+    """SIGTERM every sshd and its sessions, reap the sshds (SIGKILL one that stays), and
+    wait up to 5 s for the rest: the pids, for the caller's check that none is left."""
+    pids = [p.pid for p in procs] + [d for p in procs for d in descendants_of(p.pid)]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+    deadline = time.monotonic() + 5
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pids
+
+
 def free_port(addresses: Sequence[str], start: int = 2222, stop: int = 2400) -> int:
     """A port free on every address, so that concurrent clusters (other test runs,
     benchmarks) on the same addresses do not collide."""
