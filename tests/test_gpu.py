@@ -156,6 +156,38 @@ def test_orch_up_on_a_local_gpu_host_trains_with_nccl(gpu_cluster: Callable,
     assert float(rows[-1]["val_acc"]) >= TARGET
 
 
+def _routed_interface() -> str | None:
+    """This machine's first interface that is up, not loopback and has an IPv4 address
+    (what a user names in `network.interface`), from the agent's own reading."""
+    from orchestrator.agent.network import interfaces
+    for i in interfaces():
+        if i["up"] and i["name"] != "lo" and any(not a.startswith("127.") for a in i["addrs"]):
+            return str(i["name"])
+    return None
+
+
+def test_nccl_bootstraps_on_the_interface_orch_sets(gpu_cluster: Callable,
+                                                    tmp_path: Path) -> None:
+    """`network.interface` on a GPU host: orch checks the name against the host's
+    interfaces, sets NCCL_SOCKET_IFNAME (and GLOO's) for the ranks, and NCCL's own log
+    shows its bootstrap on that interface, not on lo."""
+    _free_gpu_here()
+    iface = _routed_interface()
+    if iface is None:
+        pytest.skip("no interface but lo with an IPv4 address on this machine")
+    env = "  env: {NCCL_DEBUG: INFO, NCCL_DEBUG_SUBSYS: 'INIT,BOOTSTRAP,ENV,NET'}\n"
+    gpu_cluster(1, args=[*DEMO, "--epochs", "1", "--dist-backend", "nccl"],
+                job_extra=env + f"network: {{interface: {iface}}}\n")
+    assert _orch(tmp_path, "split-data").returncode == 0
+    up = _orch(tmp_path, "up", "cluster.yaml")
+    out = up.stdout + up.stderr
+    assert up.returncode == 0, out[-3000:]
+    assert f"interface {iface} on localhost (network.interface" in out, out[-3000:]
+    assert f"NCCL_SOCKET_IFNAME set by environment to {iface}" in out, out[-3000:]
+    used = re.findall(r"(?:Bootstrap|NET/Socket) ?: Using (.*)", out)
+    assert used and all(iface in u and "lo:" not in u for u in used), (used, out[-3000:])
+
+
 def test_preflight_refuses_more_gpus_than_nvidia_smi_lists(gpu_cluster: Callable,
                                                            tmp_path: Path) -> None:
     assert shutil.which("nvidia-smi"), \

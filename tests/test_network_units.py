@@ -161,6 +161,31 @@ def test_a_dry_run_shows_the_network_plan(tmp_path: Path) -> None:
     assert "network: MASTER_ADDR=127.0.0.2 (one machine: nothing probed" in one, one
 
 
+def test_a_named_interface_is_set_on_one_host_or_one_machine_too(tmp_path: Path) -> None:
+    """Nothing is probed on one machine, but an interface the inventory names is still
+    checked against the host's interfaces and set (a one-host NCCL job on eth0)."""
+    one = parse("name: n\nhosts:\n  - {address: 127.0.0.2, network: {interface: eth0}}\n"
+                "  - 127.0.0.3\njob: {entrypoint: job.py}\n", tmp_path / "cluster.yaml")
+    assert not network.wanted(one) and network.named(one)
+    args = network.preflight_args(one, one.hosts[0], "n" * 32)
+    assert args["listen"] is False and args["toward"] == ""
+    f = facts(LO, ("eth0", ["10.1.0.6"]))
+    plan = network.prove(one, {}, {0: f, 1: f}, {}, 29500, "n" * 32)
+    assert plan.env(0) == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert plan.hosts[0].how == "network.interface" and plan.env(1) == {}
+    assert plan.probe == "none (one machine: the named interfaces set as they are)"
+    assert plan.hosts[0].found == ()
+    shown = dry_run_plan(one)
+    assert "(one machine: nothing probed)" in shown, shown
+    assert "interface on 127.0.0.2: eth0 -> GLOO_SOCKET_IFNAME" in shown, shown
+    assert "interface on 127.0.0.3: left to torch" in shown, shown
+    with pytest.raises(HostError, match=r"network\.interface eth0 does not exist there"):
+        network.prove(one, {}, {0: facts(LO), 1: f}, {}, 29500, "n" * 32)
+    bare = cluster(tmp_path, hosts="  - 127.0.0.2\n")
+    assert not network.named(bare)
+    assert network.prove(bare, {}, {0: None}, {}, 29500, "n" * 32).hosts == {}
+
+
 def test_a_warm_torchrun_takes_the_interface_set_at_launch() -> None:
     env = {"ORCH_JOB": "j"}
     spec: dict[str, Any] = {"argv": ["py", "-m", "torch.distributed.run"],

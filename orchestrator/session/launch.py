@@ -203,24 +203,39 @@ def network_plan(cluster: Cluster, addr: str) -> list[str]:
     net = cluster.network
     if not network.wanted(cluster):
         why = "one host" if len(cluster.hosts) == 1 else "one machine"
-        return [f"network: MASTER_ADDR={addr} ({why}: nothing probed, interfaces left to torch)"]
+        if not network.named(cluster):
+            return [f"network: MASTER_ADDR={addr} ({why}: nothing probed, interfaces left "
+                    "to torch)"]
+        return [f"network: MASTER_ADDR={addr} ({why}: nothing probed)",
+                *interface_lines(cluster, named_only=True)]
     where = "network.master_addr" if net.master_addr else \
         "the inventory's address, else an address of host 0 that every host reaches"
-    iface = {h.label: ",".join(h.interface) if h.interface else
-             ",".join(net.interface) if net.interface else "auto" for h in cluster.hosts}
     lines = [f"network: MASTER_ADDR={addr} ({where}; proven at preflight)"
              if net.check else f"network: MASTER_ADDR={addr} (network.check: false: not probed)"]
-    by: dict[str, list[str]] = {}
-    for label, name in iface.items():
-        by.setdefault(name, []).append(label)
-    for name, labels in by.items():
-        shown = "the one that reaches the master" if name == "auto" else name
-        lines.append(f"  interface on {fold(labels)}: {shown} -> GLOO_SOCKET_IFNAME, "
-                     "NCCL_SOCKET_IFNAME (unless job.env or the host sets them)")
+    lines.extend(interface_lines(cluster))
     if net.check:
         lines.append("  probe at preflight: every host to host 0 on the master port, each "
                      "to its ring neighbour on a port the OS picks "
                      f"({network.bound(len(cluster.hosts)):g} s bound; a blocked path: exit 3)")
+    return lines
+
+
+def interface_lines(cluster: Cluster, named_only: bool = False) -> list[str]:
+    """Each host's interface as the inventory asks it (`auto` or names), folded."""
+    net = cluster.network
+    by: dict[str, list[str]] = {}
+    for h in cluster.hosts:
+        names = h.interface if h.interface is not None else net.interface
+        name = ",".join(names) if names else "auto"
+        by.setdefault(name, []).append(h.label)
+    lines = []
+    for name, labels in by.items():
+        if name == "auto" and named_only:
+            lines.append(f"  interface on {fold(labels)}: left to torch")
+            continue
+        shown = "the one that reaches the master" if name == "auto" else name
+        lines.append(f"  interface on {fold(labels)}: {shown} -> GLOO_SOCKET_IFNAME, "
+                     "NCCL_SOCKET_IFNAME (unless job.env or the host sets them)")
     return lines
 
 

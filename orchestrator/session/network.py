@@ -98,12 +98,22 @@ def wanted(cluster: Cluster) -> bool:
     return cluster.job.array is None and len(cluster.hosts) > 1 and not one_machine(cluster)
 
 
+def named(cluster: Cluster) -> bool:
+    """Whether the inventory names an interface (`network.interface`, the job's or a
+    host's): then it is set on one host or one machine too, where nothing is probed."""
+    return cluster.job.array is None and (
+        cluster.network.interface is not None
+        or any(h.interface is not None for h in cluster.hosts))
+
+
 def preflight_args(cluster: Cluster, host: Host, nonce: str) -> dict[str, Any]:
-    """The preflight request's `net`: what to learn, and whether to listen for the probe."""
-    toward = cluster.network.master_addr or ("" if cluster.hosts[0].is_local
+    """The preflight request's `net`: what to learn, and whether to listen for the probe
+    (only where there is a probe: an interface named on one machine is only looked up)."""
+    probe = wanted(cluster)
+    toward = cluster.network.master_addr or ("" if cluster.hosts[0].is_local or not probe
                                              else inventory_master(cluster))
     return {"toward": toward, "token": token(nonce, host.index),
-            "listen": cluster.network.check, "master": host.index == 0}
+            "listen": cluster.network.check and probe, "master": host.index == 0}
 
 
 def token(nonce: str, index: int) -> str:
@@ -391,7 +401,8 @@ def host_plan(cluster: Cluster, host: Host, facts: dict[str, Any], src: str,
                             hint="name an interface the host has, or write `interface: auto`")
         iface, how = ",".join(names), "network.interface"
     elif all_lo:
-        iface, how = None, "one machine: all hosts reached the master over loopback"
+        iface, how = None, ("one host" if len(cluster.hosts) == 1 else
+                            "one machine: all hosts reached the master over loopback")
     else:
         iface = iface_of(facts, src)
         if iface == "lo":   # this host is host 0's machine: host 0's interface there
@@ -414,6 +425,19 @@ def plan_of(cluster: Cluster, facts: dict[int, dict[str, Any]], src: dict[int, s
     return NetPlan(master, how, hosts, probe, time.monotonic() - t0)
 
 
+def named_only(cluster: Cluster, facts: dict[int, dict[str, Any]], inventory: str,
+               t0: float) -> NetPlan:
+    """One host or one machine with `network.interface` named: the names are checked
+    against each host's interfaces and set; a host without a name is left to torch."""
+    base = unproven(cluster, inventory)
+    # no findings: a hostname on loopback or a docker0 breaks nothing within one machine
+    hosts = {h.index: replace(host_plan(cluster, h, facts[h.index], "", base.master_addr, True),
+                              found=()) for h in cluster.hosts}
+    why = "one host" if len(cluster.hosts) == 1 else "one machine"
+    return NetPlan(base.master_addr, base.how, hosts, f"none ({why}: the named interfaces "
+                   "set as they are)", time.monotonic() - t0)
+
+
 def unproven(cluster: Cluster, inventory: str) -> NetPlan:
     """One machine, one host, or a host that learnt nothing: the inventory's address."""
     why = "one host" if len(cluster.hosts) == 1 else "one machine"
@@ -430,6 +454,8 @@ def prove(cluster: Cluster, links: dict[int, Link], facts: dict[int, dict[str, A
     inventory = inventory_master(cluster, ssh_connection)
     known = {i: f for i, f in facts.items() if f is not None}
     if not wanted(cluster) or len(known) < len(cluster.hosts):
+        if named(cluster) and len(known) == len(cluster.hosts):
+            return named_only(cluster, known, inventory, t0)
         return unproven(cluster, inventory)
     if not cluster.network.check:
         addr = cluster.network.master_addr or inventory

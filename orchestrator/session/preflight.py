@@ -95,7 +95,7 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
         extra["share"] = {"nonce": nonce, "index": host.index}
     if host.gpu_want is not None:
         extra["gpus"] = host.gpu_want
-    if network.wanted(cluster):
+    if network.wanted(cluster) or network.named(cluster):
         extra["net"] = network.preflight_args(cluster, host, nonce)
     _, pending = link.submit("preflight", job_dir=job_dir(cluster, host),
                              master_port=cluster.job.master_port or 0,
