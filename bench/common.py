@@ -112,15 +112,35 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
+def wide_address(k: int) -> str:
+    """The k-th host of a wide cluster: 250 to a /24 from 127.0.1.1 (1,000 hosts are
+    127.0.1.1-127.0.4.250), apart from the tests' clusters on 127.0.0.x."""
+    return f"127.0.{1 + k // 250}.{1 + k % 250}"
+
+
+class WideCluster(SshdCluster):
+    """An SshdCluster whose hosts go past one /24 (wide_address)."""
+
+    def add_host(self, trusted: bool = True) -> FakeHost:
+        index = len(self.all_hosts())
+        host = self._spawn(index, wide_address(index))
+        (self.hosts if trusted else self.untrusted_hosts).append(host)
+        self._write_known_hosts()
+        return host
+
+
 @contextmanager
 def fake_cluster(n: int, root: Path | None = None, first_octet: int = 2,
-                 sshd_options: dict | None = None) -> Iterator[SshdCluster]:
-    """A started n-host SshdCluster under a temp dir, stopped (and checked) on exit."""
+                 sshd_options: dict | None = None, wide: bool = False) -> Iterator[SshdCluster]:
+    """A started n-host SshdCluster under a temp dir, stopped (and checked) on exit;
+    wide: on 127.0.1.1 and on (wide_address) instead of 127.0.0.<first_octet>..."""
     with tempfile.TemporaryDirectory(prefix="orch-bench-") as tmp:
         base = Path(root) if root else Path(tmp)
-        addresses = [f"127.0.0.{first_octet + i}" for i in range(n)]
-        cluster = SshdCluster(base / "cluster", n, port=free_port(addresses),
-                              first_octet=first_octet, sshd_options=sshd_options)
+        addresses = [wide_address(i) if wide else f"127.0.0.{first_octet + i}"
+                     for i in range(n)]
+        kind = WideCluster if wide else SshdCluster
+        cluster = kind(base / "cluster", n, port=free_port(addresses),
+                       first_octet=first_octet, sshd_options=sshd_options)
         with cluster:
             yield cluster
 
@@ -378,10 +398,15 @@ class Bed:
                 "-w", ",".join(h.address for h in self.hosts), remote]
 
     def torchrun_remote(self, d: Path, port: int, env: str = "") -> str:
-        """run_dist.sh style: the node rank from the address (127.0.0.<first + rank>);
-        env: `K=V ...` put before the command."""
-        first = int(self.hosts[0].address.rsplit(".", 1)[1])
-        return (f"h=%h; R=$(( ${{h##*.}} - {first} )); cd {d} && {env + ' ' if env else ''}"
+        """run_dist.sh style: the node rank from the address (127.0.0.<first + rank>, or
+        a wide cluster's 127.0.<1 + rank // 250>.<1 + rank % 250>); env: `K=V ...` put
+        before the command."""
+        if not self.hosts[0].address.startswith("127.0.0."):
+            rank = "h=%h; b=${h##*.}; a=${h%.*}; a=${a##*.}; R=$(( (a - 1) * 250 + b - 1 ))"
+        else:
+            first = int(self.hosts[0].address.rsplit(".", 1)[1])
+            rank = f"h=%h; R=$(( ${{h##*.}} - {first} ))"
+        return (f"{rank}; cd {d} && {env + ' ' if env else ''}"
                 f"{self.python} -m torch.distributed.run --nnodes {self.n} --node-rank $R "
                 f"--nproc-per-node 1 --master-addr {self.hosts[0].address} "
                 f"--master-port {port} job.py")
@@ -407,7 +432,8 @@ class Beds:
 
 
 @contextmanager
-def bed_cluster(n: int, shells: Sequence[str], first_octet: int = 2) -> Iterator[Beds]:
+def bed_cluster(n: int, shells: Sequence[str], first_octet: int = 2,
+                wide: bool = False) -> Iterator[Beds]:
     """An n-host cluster whose sshd also reads the plain user's ~/.ssh/authorized_keys,
     the stand-in torchrun, and the asked login shells ("root", "plain"). On the way out,
     interrupted too: every process naming this run's folders is killed, the plain user's
@@ -420,7 +446,8 @@ def bed_cluster(n: int, shells: Sequence[str], first_octet: int = 2) -> Iterator
         python = make_standin(standin)
         real = torch_venv(standin / "torch")
         options = {"AuthorizedKeysFile": "{authorized_keys} .ssh/authorized_keys"}
-        with fake_cluster(n, first_octet=first_octet, sshd_options=options) as cluster:
+        with fake_cluster(n, first_octet=first_octet, sshd_options=options,
+                          wide=wide) as cluster:
             sshds = [h.pid for h in cluster.hosts]
             needles.append(str(cluster.root.parent))
             pub = cluster.authorized_keys.read_text().strip()
