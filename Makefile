@@ -19,7 +19,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q -c requirements.lock pip setuptools
-	$(VPY) -m pip install -q -c requirements.lock -e '.[worker,dev]'
+	$(VPY) -m pip install -q -c requirements.lock -e '.[worker,dev,curves]'
 	$(VPY) tools/check_lock.py requirements.lock
 	touch $(STAMP)
 
@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml requirements.lock
 LOCKVENV := .venv-lock
 lock:
 	test -x $(LOCKVENV)/bin/pip-compile || { $(PY) -m venv $(LOCKVENV) && $(LOCKVENV)/bin/pip install -q pip-tools==7.6.2; }
-	$(LOCKVENV)/bin/pip-compile -q --extra worker --extra dev --strip-extras --allow-unsafe \
+	$(LOCKVENV)/bin/pip-compile -q --extra worker --extra dev --extra curves --strip-extras --allow-unsafe \
 	  --no-emit-index-url --no-emit-find-links --annotation-style line \
 	  -o requirements.lock pyproject.toml lock.in
 
