@@ -6,7 +6,8 @@ healing.py decides the next attempt's hosts (strikes, spares, `job.min_hosts`) a
 a short back-off the whole job starts again under the same name (ORCH_RESTART_COUNT=k).
 An `orch stop` from elsewhere, Ctrl-C, success, or no restart left end the run.
 
-While an attempt runs, a Keeper copies `job.checkpoint`'s files off rank 0's host
+While an attempt runs, its metrics files come back from every rank's host for live
+curves (watch/curvefetch.py), and a Keeper copies `job.checkpoint`'s files off rank 0's host
 (session/checkpoints.py, session/hostkeep.py); before a restart's launch they are put back
 into every job folder of the new run, so a run resumes even when the host that held them
 is gone. Everything is emitted as events (watch/events.py); nothing is printed."""
@@ -39,6 +40,8 @@ from orchestrator.watch import events as ev
 if TYPE_CHECKING:   # imported when the job runs (api.pulling, the monitor): not before
     from orchestrator.api.outcomes import PullResult  # the first login (tests/test_cli.py)
     from orchestrator.api.pulling import PullShown
+    from orchestrator.session.state import JobState
+    from orchestrator.watch.curvefetch import CurveFetch
     from orchestrator.watch.monitor import Monitor, Outcome
 
 
@@ -256,6 +259,7 @@ class Run:
             started = time.monotonic() - t0
             self.running()
             keeper = self.new_keeper(got.session, pres[-1]) if keep else None
+            fetch = self.new_fetch(got.session, st) if opts.pull else None
             from orchestrator.watch.monitor import watch
             mons: list[Monitor] = []
             try:
@@ -263,6 +267,8 @@ class Run:
             finally:
                 if keeper is not None:
                     self.end_keeper(keeper, mons[0] if mons else None, cluster)
+                if fetch is not None:
+                    fetch.stop(final=True, timeout=30.0)
             self.attempts.append(AttemptResult(
                 plan.attempt, tuple(h.label for h in st.hosts), outcome.cause,
                 outcome.cause.summary() if outcome.cause else "", started,
@@ -295,6 +301,15 @@ class Run:
         finally:
             self.pull_seconds = time.monotonic() - t0
         return code
+
+    def new_fetch(self, session: Session, st: JobState) -> CurveFetch:
+        """The attempt's metrics files fetched from every rank's host while it runs
+        (watch/curvefetch.py), into this run's outputs/<name>/ (an earlier run's folder
+        set aside first, as the pull at the end would)."""
+        from orchestrator.api import pulling
+        from orchestrator.watch.curvefetch import CurveFetch
+        pulling.run_dest(session.cluster, st)
+        return CurveFetch(session).start()
 
     def new_keeper(self, session: Session, pre: PreflightReport) -> checkpoints.Keeper:
         """The attempt's keeper, started: on the controller, or with `checkpoint_to: host`

@@ -279,13 +279,14 @@ def batches(names: list[str]) -> list[list[str]]:
 def receive(link: Link, job_dir: str, rx: Receiver, **fields: Any) -> None:
     """The wanted files; `fields` go with each request (`folder`: code/ not output/)."""
     for names in batches(sorted(rx.wanted)):
-        link.last_seen = timeouts.CLOCK.now()
-        _, p = link.submit("pull_send", stream=rx, job_dir=job_dir, files=names, **fields)
-        try:
-            wait_stream(link, p)
-        except BaseException:   # host lost, an error reply, Ctrl-C: no half file stays
-            rx.abort()
-            raise
+        with link.pull_lock:   # another pull on this link (a keeper) ends its batch first
+            link.last_seen = timeouts.CLOCK.now()
+            _, p = link.submit("pull_send", stream=rx, job_dir=job_dir, files=names, **fields)
+            try:
+                wait_stream(link, p)
+            except BaseException:   # host lost, an error reply, Ctrl-C: no half file stays
+                rx.abort()
+                raise
         if rx.rel is not None:
             raise HostError(f"{link.name}: the pull stream ended inside {rx.rel}")
 

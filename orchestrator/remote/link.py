@@ -89,6 +89,9 @@ class Link:
         self.boot: threading.Thread | None = None   # writes the loader and the bundle
         self.wlock = threading.RLock()
         self.plock = threading.Lock()
+        # one pull stream at a time (file data carries no request id): the checkpoint
+        # keeper and the curves' fetch take turns on one link (files/pull.receive)
+        self.pull_lock = threading.Lock()
         self.pending: dict[int, Pending] = {}
         self.ids = itertools.count(1)
         self.sink: Any = None               # follow events go here (see follow.Sink)

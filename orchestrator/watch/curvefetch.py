@@ -1,0 +1,157 @@
+"""The job's metrics files fetched from every rank's host while it runs (#35 item 2),
+so that curves (watch/curves.py) are live: `orch pull` run every few seconds on the
+session's open links, for the files whose names curves knows (`curves.GLOBS` under
+output/), into the local copies (`curves.local_root`: rank 0's host at outputs/<name>/,
+where `orch pull` puts it, so a later pull finds them there unchanged).
+
+Each round is one listing request per host (the host hashes a file only when it
+changed), then only the new or changed files, each written beside and renamed. A file
+still being appended to comes back as the bytes it held when sent (the readers drop a
+last line cut short). Capped: a file over its kind's size, more than `curves.MAX_FILES`
+files a host, more than MAX_ROUND bytes a round from a host; what is left out is a note.
+Nothing local is ever deleted. A failed round (host lost, the folder held by an
+`orch pull`) is recorded and tried again; nothing is raised into the caller.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from orchestrator.config.inventory import Cluster, Host
+from orchestrator.errors import HostError, OrchError
+from orchestrator.files.localfiles import DigestCache
+from orchestrator.files.pull import PullReport, Receiver, manifest, plan, receive
+from orchestrator.files.pulldest import Dest
+from orchestrator.remote.fanout import fan_out
+from orchestrator.session.session import Session
+from orchestrator.watch import curves
+
+INTERVAL = 2.0            # seconds between rounds: an epoch's row shows within about that
+MAX_ROUND = 64 << 20      # bytes fetched from one host in one round (the rest next round)
+log = logging.getLogger("orchestrator")
+
+
+def fetched_hosts(cluster: Cluster) -> tuple[Host, ...]:
+    """The hosts that run ranks (a spare runs none)."""
+    return tuple(h for h in cluster.hosts if len(h.ranks))
+
+
+def capped(remote: dict[str, Any], notes: curves.Notes, host: str) -> dict[str, Any]:
+    """The listed files worth fetching: a kind curves reads, within its size cap, at
+    most curves.MAX_FILES of them."""
+    out: dict[str, Any] = {}
+    for rel, entry in sorted(remote.items()):
+        kind = curves.kind_of(rel)
+        cap = curves.MAX_EVENTS if kind == "tfevents" else curves.MAX_TEXT
+        if kind is None:
+            continue
+        if entry[0] > cap:
+            notes.add(f"{host}: output/{rel}: {entry[0]} bytes, more than {cap} (not fetched)")
+        elif len(out) >= curves.MAX_FILES:
+            notes.add(f"{host}: more than {curves.MAX_FILES} metrics files; the rest are "
+                      "not fetched")
+            break
+        else:
+            out[rel] = entry
+    return out
+
+
+def within_round(fetch: dict[str, Any]) -> dict[str, Any]:
+    """The first files up to MAX_ROUND bytes (always one): the rest wait a round."""
+    out: dict[str, Any] = {}
+    total = 0
+    for rel, entry in fetch.items():
+        if out and total + entry[0] > MAX_ROUND:
+            break
+        out[rel] = entry
+        total += entry[0]
+    return out
+
+
+def fetch_host(session: Session, host: Host, cache: DigestCache,
+               notes: curves.Notes) -> int:
+    """One host's metrics files into their local copy; the number of files fetched."""
+    link = session.links.get(host.index)
+    if link is None:
+        raise HostError(f"{host.label}: not connected")
+    job_dir = session.records[host.index].job_dir
+    _, remote = manifest(link, job_dir, [], globs=list(curves.GLOBS))
+    wanted = capped(remote, notes, host.label)
+    if not wanted:
+        return 0
+    with Dest(curves.local_root(session.cluster, host)) as dest:
+        todo = plan(wanted, dest, cache)
+        fetch = within_round(todo.fetch)
+        if not fetch:
+            return 0
+        report = PullReport(link.name, "output", dest.show(""))
+        receive(link, job_dir, Receiver(dest, fetch, cache, report, None))
+    for failed in report.failed[:3]:
+        notes.add(f"{host.label}: output/{failed['p']}: {failed['why']}")
+    return report.files
+
+
+def once(session: Session, notes: curves.Notes | None = None) -> int:
+    """One round from every rank's host of the session, in parallel; the files fetched.
+    A host that fails is a note."""
+    noted = notes if notes is not None else curves.Notes()
+    cache = DigestCache(session.cluster.state_dir / "curve-digests.bin")
+    hosts = tuple(h for h in fetched_hosts(session.cluster) if h.index in session.links)
+    try:
+        got = fan_out(hosts, lambda h: fetch_host(session, h, cache, noted))
+    finally:
+        cache.save()
+    for index, exc in got.failed.items():
+        text = str(exc)
+        label = session.cluster.hosts[index].label
+        noted.add(text if text.startswith(label + ":") else f"{label}: {text}")
+    return sum(got.ok.values())
+
+
+class CurveFetch:
+    """`once` every `interval` seconds in a thread, on the session's open links, until
+    stopped. `version` grows each time a file changed here (a reader re-reads then);
+    `notes`: the latest round's (files skipped, hosts failed)."""
+
+    def __init__(self, session: Session, interval: float = INTERVAL) -> None:
+        self.session, self.interval = session, interval
+        self.lock = threading.Lock()
+        self.version = 0
+        self.rounds = 0
+        self.notes: list[str] = []
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> CurveFetch:
+        self.done.clear()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="curve-fetch")
+        self.thread.start()
+        return self
+
+    def stop(self, final: bool = False, timeout: float | None = None) -> None:
+        """End the thread; `final`: one last round first (the files' last rows), in the
+        caller's thread, never raising."""
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join(timeout)
+        if final and (self.thread is None or not self.thread.is_alive()):
+            self.round()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            self.round()
+            self.done.wait(self.interval)
+
+    def round(self) -> int:
+        notes = curves.Notes()
+        try:
+            files = once(self.session, notes)
+        except (OrchError, OSError) as e:   # recorded, never raised: a job is watched
+            notes.add(str(e))
+            files = 0
+        with self.lock:
+            self.rounds += 1
+            self.version += bool(files)
+            self.notes = list(notes)
+        return files
