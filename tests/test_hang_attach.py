@@ -14,9 +14,12 @@ from fake_agent import FakeChannel, FakeTransport
 from orchestrator.commands.uprender import attach
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_JOB_FAILED, EXIT_OK
+from orchestrator.session.replies import Supervisor
 from orchestrator.session.session import Session
 from orchestrator.session.state import HostState, JobState
 from orchestrator.wire import protocol
+
+SUP = Supervisor(1, 1, None, 2, "run", 0.0)   # a launched host's supervisor
 
 INVENTORY = """name: fake
 hosts:
@@ -43,7 +46,7 @@ def run_job(tmp_path: Path, handlers: dict) -> tuple[int, dict[int, list[dict]]]
         transports[host.index] = FakeTransport(host, handlers)
         return transports[host.index]
     state = JobState("fake", "run", str(tmp_path / "cluster.yaml"), 0.0, 3, "127.0.0.1", 29500,
-                     [HostState(h.index, h.label, f"/r{h.index}/fake", list(h.ranks), 0.0, {})
+                     [HostState(h.index, h.label, f"/r{h.index}/fake", list(h.ranks), 0.0, SUP)
                       for h in cluster.hosts])
     session = Session(cluster, state, connector=connector).open()
     try:

@@ -21,6 +21,7 @@ from orchestrator.files.shards import resplit_size
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import rank_env
 from orchestrator.session.preflight import HostInfo
+from orchestrator.session.replies import Supervisor
 from orchestrator.session.session import Session
 from orchestrator.session.session import whole as whole_list
 from test_api import status_reply, stop_reply
@@ -187,7 +188,7 @@ def started(path: Path, selection: str) -> Cluster:
     infos = {h.index: HostInfo(f"/jobs/{h.index}", "python3", "2.3", 0, 0.0, False, "", {})
              for h in run.hosts}
     job_state.save(run, job_state.new_state(run, "run1", "10.0.0.2", 29500, infos,
-                                            {h.index: {"pid": 1} for h in run.hosts}))
+                                            {h.index: Supervisor(1, 1, None, 2, "run1", 0.0) for h in run.hosts}))
     return run
 
 

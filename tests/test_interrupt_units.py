@@ -21,9 +21,12 @@ from orchestrator.api.outcomes import UpHost, UpResult
 from orchestrator.commands import up as up_cmd
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK
+from orchestrator.session.replies import Supervisor
 from orchestrator.session.session import Session
 from orchestrator.session.state import HostState, JobState
 from orchestrator.wire import protocol, timeouts
+
+SUP = Supervisor(1, 1, None, 2, "run", 0.0)   # a launched host's supervisor
 
 INVENTORY = """name: ctrlc
 hosts:
@@ -116,7 +119,7 @@ def run_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hosts: Hosts) -> int
     path.write_text(INVENTORY)
     cluster = parse(INVENTORY, path)
     state = JobState("ctrlc", "run", str(path), 0.0, 4, "127.0.0.1", 29500,
-                     [HostState(h.index, h.label, f"/r{h.index}/ctrlc", list(h.ranks), 0.0, {})
+                     [HostState(h.index, h.label, f"/r{h.index}/ctrlc", list(h.ranks), 0.0, SUP)
                       for h in cluster.hosts])
 
     @contextlib.contextmanager

@@ -16,11 +16,14 @@ from fake_agent import FakeChannel, FakeTransport, later
 from orchestrator.commands.uprender import attach
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_JOB_FAILED
+from orchestrator.session.replies import Supervisor
 from orchestrator.session.session import Session
 from orchestrator.session.state import HostState, JobState
 from orchestrator.watch.clock import HostClock
 from orchestrator.watch.rootcause import Exit, verdict
 from orchestrator.wire import protocol, timeouts
+
+SUP = Supervisor(1, 1, None, 2, "run", 0.0)   # a launched host's supervisor
 
 INVENTORY = """name: fake
 hosts:
@@ -43,7 +46,7 @@ def run_job(tmp_path: Path, handlers: dict) -> tuple[int, dict, dict]:
         transports[host.index] = t
         return t
     state = JobState("fake", "run", str(tmp_path / "cluster.yaml"), 0.0, 4, "127.0.0.1", 29500,
-                     [HostState(h.index, h.label, f"/r{h.index}/fake", list(h.ranks), 0.0, {})
+                     [HostState(h.index, h.label, f"/r{h.index}/fake", list(h.ranks), 0.0, SUP)
                       for h in cluster.hosts])
     session = Session(cluster, state, connector=connector).open()
     try:

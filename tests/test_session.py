@@ -11,9 +11,12 @@ from fake_agent import FakeChannel, FakeTransport, later
 from orchestrator.commands.uprender import attach
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_JOB_FAILED
+from orchestrator.session.replies import Supervisor
 from orchestrator.session.session import Session
 from orchestrator.session.state import HostState, JobState
 from orchestrator.wire import protocol
+
+SUP = Supervisor(1, 1, None, 2, "run", 0.0)   # a launched host's supervisor
 
 INVENTORY = """name: fake
 hosts:
@@ -33,7 +36,7 @@ def job(tmp_path: Path, handlers: dict):
         return transports[host.index]
     state = JobState("fake", "run", "cluster.yaml", 0.0, 4, "127.0.0.1", 29500,
                      [HostState(h.index, h.label, f"/r{h.index}/fake", list(h.ranks),
-                                10.0 * h.index, {}) for h in cluster.hosts])
+                                10.0 * h.index, SUP) for h in cluster.hosts])
     return cluster, Session(cluster, state, connector=connector).open(), state, transports
 
 

@@ -22,13 +22,18 @@ from helpers import (
 )
 from orchestrator.config import inventory
 from orchestrator.session import state
+from orchestrator.session.replies import Supervisor
 from sshd_cluster import SshdCluster
 
 GOOD: dict[str, Any] = {
     "name": "st", "run_id": "r1", "inventory": "/x/cluster.yaml", "started": 1.5,
     "world_size": 1, "master_addr": "127.0.0.1", "master_port": 29500,
     "hosts": [{"index": 0, "label": "localhost", "job_dir": "/x/st", "ranks": [0],
-               "clock_offset": 0.0, "supervisor": {"pid": 1}}]}
+               "clock_offset": 0.0, "supervisor": {"pid": 1, "pgid": 1, "start_ticks": None,
+                                                    "torchrun_pid": 2, "run_id": "r1",
+                                                    "started": 4.5}}],
+    "attempts": [{"attempt": 1, "of": 2, "why": "rank 0 exited 1", "at": 9.5,
+                  "hosts": ["localhost"]}]}
 
 
 def damaged_variants() -> dict[str, str]:
@@ -40,7 +45,10 @@ def damaged_variants() -> dict[str, str]:
             "wrong-type": json.dumps(wrong_type), "missing-key": json.dumps(missing),
             "host-wrong-type": json.dumps(bad_host), "null": "null", "empty": "",
             "host-not-object": json.dumps(dict(GOOD, hosts=[7])),
-            "bool-for-int": json.dumps(dict(GOOD, master_port=True))}
+            "bool-for-int": json.dumps(dict(GOOD, master_port=True)),
+            "supervisor-partial": json.dumps(dict(GOOD, hosts=[dict(GOOD["hosts"][0],
+                                                                     supervisor={"pid": 1})])),
+            "attempt-wrong-shape": json.dumps(dict(GOOD, attempts=[{"attempt": "1"}]))}
 
 
 def local_cluster(tmp_path: Path) -> inventory.Cluster:
@@ -60,6 +68,12 @@ def test_good_state_round_trips(tmp_path: Path) -> None:
     state.state_path(cluster).write_text(json.dumps(GOOD))
     st = state.load(cluster)
     assert st is not None and st.hosts[0].job_dir == "/x/st" and st.master_port == 29500
+    # decoded once, into the types the controller reads (not dicts)
+    assert st.hosts[0].supervisor == Supervisor(1, 1, None, 2, "r1", 4.5)
+    assert st.attempts == [state.Attempt(1, 2, "rank 0 exited 1", 9.5, ("localhost",))]
+    state.save(cluster, st)
+    full = dict(GOOD, selection="", hosts=[dict(GOOD["hosts"][0], gpu_ids=None)])
+    assert json.loads(state.state_path(cluster).read_text()) == full   # the defaults added
 
 
 @pytest.mark.parametrize("variant", sorted(damaged_variants()))

@@ -27,12 +27,15 @@ from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_HOST, EXIT_JOB_FAILED
+from orchestrator.session.replies import Supervisor
 from orchestrator.session.state import HostState, JobState
 from orchestrator.ui import console as ui_console
 from orchestrator.ui.liveline import ERASE, LiveLine, started_text
 from orchestrator.ui.wording import hint_cmd, plural
 from orchestrator.watch.follow import PrefixPrinter
 from orchestrator.wire import protocol
+
+SUP = Supervisor(1, 1, None, 2, "run", 0.0)   # a launched host's supervisor
 
 INVENTORY = """name: ux
 hosts:
@@ -138,7 +141,7 @@ def fake_session_factory(tmp_path: Path, last_line: str, down: int | None, raw: 
 
 def state_of(cluster) -> JobState:
     return JobState("ux", "run", "cluster.yaml", 0.0, 4, "127.0.0.1", 29500,
-                    [HostState(h.index, h.label, f"/r{h.index}/ux", list(h.ranks), 0.0, {})
+                    [HostState(h.index, h.label, f"/r{h.index}/ux", list(h.ranks), 0.0, SUP)
                      for h in cluster.hosts])
 
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from orchestrator.config.inventory import Cluster, Host, RankSlot
 from orchestrator.errors import GroupError
+from orchestrator.session.state import Attempt
 
 BACKOFF_FIRST = 2.0     # seconds before the first restart; doubled each time
 BACKOFF_MAX = 30.0
@@ -42,7 +42,7 @@ class Healer:
     restarts: int                         # the most restarts allowed
     spares: list[Host] = field(default_factory=list)
     strikes: dict[str, int] = field(default_factory=dict)    # host label -> failures
-    attempts: list[dict[str, Any]] = field(default_factory=list)   # one per restart
+    attempts: list[Attempt] = field(default_factory=list)   # one per restart
     ended: str = ""                       # why the run cannot go on (after() gave None)
 
     @classmethod
@@ -71,8 +71,8 @@ class Healer:
         if hosts is None:
             return None
         attempt = self.attempt + 1
-        self.attempts.append({"attempt": attempt, "of": self.restarts, "why": why,
-                              "at": time.time(), "hosts": [h.label for h in hosts]})
+        self.attempts.append(Attempt(attempt, self.restarts, why, time.time(),
+                                     tuple(h.label for h in hosts)))
         self.cluster = relaid(self.cluster, hosts, attempt, out)
         return self.cluster
 

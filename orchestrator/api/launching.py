@@ -43,6 +43,7 @@ from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import HostFiles, Session, group_files, whole
 from orchestrator.session.setupstep import needs_check
 from orchestrator.session.shelloutput import Printer
+from orchestrator.session.state import Attempt
 from orchestrator.ui.wording import hint_cmd
 
 SyncReports = dict[int, dict[str, SyncReport]]   # host index -> "code"/"data" -> what was sent
@@ -171,7 +172,7 @@ def plan(inventory: jobs.Inventory, *, hosts: str | None = None,
 @contextmanager
 def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str | None = None,
           setup: bool = False, wait: bool = False, progress: UpProgress | None = None,
-          attempts: list[dict[str, Any]] | None = None,
+          attempts: list[Attempt] | None = None,
           before_launch: Callable[[Session, PreflightReport], None] | None = None,
           restart: bool = False) -> Iterator[Started]:
     """Every step up to the start on every host; the session closes when the block ends.

@@ -214,7 +214,7 @@ def run_start(st: job_state.JobState | None, host: Host) -> float | None:
     """When this run's supervisor started on `host`, on that host's own clock (the
     files' times are on it too): before any rank of the run could write."""
     rec = next((h for h in st.hosts if h.index == host.index), None) if st else None
-    started = rec.supervisor.get("started") if rec is not None else None
+    started = rec.supervisor.started if rec is not None else None
     return float(started) if isinstance(started, (int, float)) else None
 
 

@@ -94,7 +94,8 @@ def status_of(session: Session, st: JobState | None,
     gpus = gpu_statuses(session, st, result)
     errors = {cluster.hosts[i].label: str(r["gpu_error"]) for i, r in result.ok.items()
               if "gpu_error" in r}
-    restarts = [Restart(**a) for a in st.attempts] if st is not None else []
+    restarts = [Restart(a.attempt, a.of, a.why, a.at, list(a.hosts))
+                for a in st.attempts] if st is not None else []
     return Status(job=cluster.name, ranks=rank_statuses(cluster, result),
                   unreachable=jobs.labelled(cluster, failed), gpus=gpus, gpu_errors=errors,
                   restarts=restarts,

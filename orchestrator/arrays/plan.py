@@ -21,6 +21,7 @@ from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.session.launch import rank_env
 from orchestrator.session.preflight import PreflightReport
+from orchestrator.session.replies import Supervisor
 from orchestrator.session.session import Session
 from orchestrator.session.state import write_record
 from orchestrator.ui.wording import hint_cmd
@@ -89,19 +90,19 @@ def host_spec(cluster: Cluster, host: Host, python: str, job_dir: str, run_id: s
 
 
 def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport
-               ) -> tuple[ArrayRecord, dict[int, dict[str, Any]]]:
+               ) -> tuple[ArrayRecord, dict[int, Supervisor]]:
     """Start every host's runner in parallel; raise naming every host that failed."""
     spec = cluster.job.array
     assert spec is not None
     rec = ArrayRecord(uuid.uuid4().hex, list(spec.keys), [list(t) for t in spec.tasks],
                       deal(cluster, spec), spec.procs_per_task)
 
-    def one(h: Host) -> dict[str, Any]:
+    def one(h: Host) -> Supervisor:
         info = pre.hosts[h.index]
         body = host_spec(cluster, h, info.executable, info.job_dir, rec.run_id, rec.tasks_of(h.index))
         reply = links[h.index].request("array_launch", timeouts.LAUNCH, job_dir=info.job_dir,
                                        spec=body)
-        return dict(reply["supervisor"])
+        return Supervisor.of(reply["supervisor"])
     result = fan_out(cluster.hosts, one)
     result.raise_failures(cluster.hosts, "to start")
     return rec, result.ok
@@ -147,7 +148,7 @@ def task_of(rec: ArrayRecord, task: int) -> int:
     return rec.host[task]
 
 
-def start(session: Session, pre: PreflightReport) -> tuple[ArrayRecord, dict[int, dict[str, Any]]]:
+def start(session: Session, pre: PreflightReport) -> tuple[ArrayRecord, dict[int, Supervisor]]:
     """Every host's runner, all or none (like `Session.launch`)."""
     try:
         return launch_all(session.cluster, session.links, pre)

@@ -15,6 +15,7 @@ from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
 from orchestrator.session import network
 from orchestrator.session.preflight import HostInfo, PreflightReport, job_dir
+from orchestrator.session.replies import Supervisor
 from orchestrator.ui.termsafe import escaped
 from orchestrator.ui.wording import plural
 from orchestrator.wire import timeouts
@@ -98,12 +99,11 @@ def launch_spec(cluster: Cluster, host: Host, info: HostInfo, addr: str, port: i
     }
 
 
-def launch_host(link: Link, job_dir: str, spec: dict[str, Any]) -> dict[str, Any]:
+def launch_host(link: Link, job_dir: str, spec: dict[str, Any]) -> Supervisor:
     """The agent starts the supervisor (detached: a dropped connection leaves it
     running) and replies with its pid, pgid, torchrun's pid and start time."""
-    supervisor: dict[str, Any] = link.request("launch", timeouts.LAUNCH, job_dir=job_dir,
-                                              spec=spec)["supervisor"]
-    return supervisor
+    return Supervisor.of(link.request("launch", timeouts.LAUNCH, job_dir=job_dir,
+                                      spec=spec)["supervisor"])
 
 
 def warm_start(cluster: Cluster) -> bool:
@@ -125,7 +125,7 @@ def new_run_id() -> str:
 
 
 def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport, run_id: str
-               ) -> tuple[str, dict[int, dict[str, Any]]]:
+               ) -> tuple[str, dict[int, Supervisor]]:
     """Start torchrun on every host in parallel; raise naming every host that failed."""
     addr = run_master(cluster, pre)
     plan: network.NetPlan | None = pre.network

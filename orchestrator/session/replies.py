@@ -2,8 +2,28 @@
 wire/protocol.py's): the controller past the session reads fields, not dict keys."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Supervisor:
+    """A host's supervisor as `launch` (or `array_launch`) reports it and the state
+    keeps it: its pid and process group, torchrun's pid, the run, and when it started
+    on the host's own clock."""
+
+    pid: int
+    pgid: int
+    start_ticks: int | None
+    torchrun_pid: int
+    run_id: str
+    started: float
+
+    @classmethod
+    def of(cls, reply: Mapping[str, Any]) -> Supervisor:   # checked by protocol.py's SUPERVISOR
+        return cls(int(reply["pid"]), int(reply["pgid"]), reply.get("start_ticks"),
+                   int(reply["torchrun_pid"]), str(reply["run_id"]), float(reply["started"]))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from orchestrator.session import gpuclaims, setupstep, shellcmd
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import launch_all, new_run_id, warm_env, warm_start
 from orchestrator.session.preflight import Checked, PreflightReport, check_host, preflight
-from orchestrator.session.replies import HostStacks
+from orchestrator.session.replies import HostStacks, Supervisor
 from orchestrator.session.shelloutput import HostOutput, Printer
 from orchestrator.session.stopper import StopReport, stop_all
 from orchestrator.wire import timeouts
@@ -94,7 +94,7 @@ class Session:
     def __init__(self, cluster: Cluster, state: job_state.JobState | None = None,
                  connector: Callable[[Host], Transport] | None = None, *,
                  waiting: gpuclaims.Waiting | None = None,
-                 attempts: list[dict[str, Any]] | None = None, warm: bool = True,
+                 attempts: list[job_state.Attempt] | None = None, warm: bool = True,
                  expected: Callable[[], dict[int, HostFiles]] | None = None) -> None:
         """`connector` opens one host's transport (default: SSH or local, per the
         inventory); unit tests pass an in-process fake. The keywords: see below."""
@@ -327,7 +327,7 @@ class Session:
             env=setupstep.command_env(self.cluster, self.records[i].job_dir)))
         return shellcmd.wait_all(running, None, failed)
 
-    def launch(self, pre: PreflightReport) -> tuple[str, dict[int, dict[str, Any]]]:
+    def launch(self, pre: PreflightReport) -> tuple[str, dict[int, Supervisor]]:
         """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts
         that did start are stopped again before the error is reported."""
         try:

@@ -16,7 +16,9 @@ from typing import Any, Callable, Protocol
 from orchestrator.config import hostselect
 from orchestrator.config.inventory import Cluster, host_part
 from orchestrator.errors import UsageError
+from orchestrator.session.replies import Supervisor
 from orchestrator.ui.wording import hint_cmd
+from orchestrator.wire.protocol import SUPERVISOR
 
 
 class StateDamaged(UsageError):
@@ -30,8 +32,20 @@ class HostState:
     job_dir: str            # absolute on the host
     ranks: list[int]
     clock_offset: float
-    supervisor: dict[str, Any]
+    supervisor: Supervisor
     gpu_ids: list[int] | None = None   # the GPUs `up --hosts host:0,1` named there
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One restart of the run (api/healing.py): attempt `attempt` of `of`, begun at `at`
+    (epoch seconds) on `hosts`, after `why`."""
+
+    attempt: int
+    of: int
+    why: str
+    at: float
+    hosts: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -48,7 +62,7 @@ class JobState:
     # later commands act on the state's hosts then (run_cluster); "" for every host
     selection: str = ""
     # one entry per restart of this run (api/healing.py): attempt, of, why, at, hosts
-    attempts: list[dict[str, Any]] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
 
     def host(self, index: int) -> HostState:
         return self.hosts[index]
@@ -143,13 +157,24 @@ def _from_json(raw: Any) -> JobState:
         if item["index"] != i or not all(isinstance(r, int) and not isinstance(r, bool)
                                          for r in [*item["ranks"], *(item.get("gpu_ids") or ())]):
             raise ValueError(f"hosts[{i}] has a wrong index or ranks")
-        hosts.append(HostState(**item))
+        hosts.append(HostState(**dict(item, supervisor=supervisor_of(item["supervisor"], i))))
     top["hosts"] = hosts
     for a in top.get("attempts", []):
         if not (isinstance(a, dict) and all(isinstance(a.get(k), t) for k, t in ATTEMPT.items())
                 and all(isinstance(h, str) for h in a["hosts"])):
             raise ValueError("an entry of `attempts` has a wrong shape")
+    top["attempts"] = [Attempt(a["attempt"], a["of"], a["why"], a["at"], tuple(a["hosts"]))
+                       for a in top.get("attempts", [])]
     return JobState(**top)
+
+
+def supervisor_of(raw: dict[str, Any], i: int) -> Supervisor:
+    """A saved supervisor, checked as the launch reply is (protocol.py's SUPERVISOR)."""
+    kinds: dict[str, Any] = SUPERVISOR
+    bad = [k for k, t in kinds.items() if not isinstance(raw.get(k), t)]
+    if bad:
+        raise ValueError(f"hosts[{i}].supervisor has a wrong `{bad[0]}`")
+    return Supervisor.of(raw)
 
 
 def job_dirs(cluster: Cluster, state: JobState | None) -> dict[int, str]:
@@ -178,8 +203,8 @@ class HostFacts(Protocol):
 
 
 def new_state(cluster: Cluster, run_id: str, addr: str, port: int,
-              infos: Mapping[int, HostFacts], supervisors: Mapping[int, dict[str, Any]],
-              attempts: list[dict[str, Any]] | None = None) -> JobState:
+              infos: Mapping[int, HostFacts], supervisors: Mapping[int, Supervisor],
+              attempts: list[Attempt] | None = None) -> JobState:
     hosts = [HostState(h.index, h.label, infos[h.index].job_dir, list(h.ranks),
                        infos[h.index].clock_offset, supervisors[h.index],
                        None if h.gpu_ids is None else list(h.gpu_ids)) for h in cluster.hosts]
