@@ -82,6 +82,28 @@ def up(lan: BridgeHosts, base: Path, *args: str, timeout: float = 180) -> subpro
     return orch(base, "up", *args, timeout=timeout, run=lan.run_in_client)
 
 
+def up_until(lan: BridgeHosts, base: Path, inv: Path, said: str) -> tuple[subprocess.Popen, str]:
+    """An attached `orch up` (looks after the launch at 4, 8, 16 s), read until a line
+    holds `said`, then Ctrl-C; the process and everything it wrote to stderr."""
+    env = dict(os.environ, ORCH_RDZV_NOTICE="4")
+    proc = subprocess.Popen(["ip", "netns", "exec", lan.client_ns, *ORCH, "up", str(inv)],
+                            cwd=base, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = ""
+    try:
+        deadline = time.monotonic() + 120
+        assert proc.stderr is not None
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            err += line
+            if said in line or not line:
+                break
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _out, rest = proc.communicate(timeout=60)
+    return proc, err + rest
+
+
 def no_job_left(lan: BridgeHosts, name: str) -> None:
     for h in lan.hosts:
         out = lan.run_in_host(h.index, ["sh", "-c", f"grep -l ORCH_JOB_DIR=.*{name} "
@@ -145,26 +167,33 @@ def test_a_stalled_rendezvous_is_named(lan: BridgeHosts, tmp_path: Path) -> None
     (where they were to meet, the likely cause) instead of waiting without a word;
     Ctrl-C then stops the job on every host."""
     inv = inventory(lan, tmp_path, "net-rdzv", check=False)
-    env = dict(os.environ, ORCH_RDZV_NOTICE="4")
-    proc = subprocess.Popen(["ip", "netns", "exec", lan.client_ns, *ORCH, "up", str(inv)],
-                            cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    err = ""
-    try:
-        deadline = time.monotonic() + 120
-        assert proc.stderr is not None
-        while time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            err += line
-            if "rendezvous:" in line or not line:
-                break
-    finally:
-        proc.send_signal(signal.SIGINT)
-        _out, rest = proc.communicate(timeout=60)
-    err += rest
+    proc, err = up_until(lan, tmp_path, inv, "rendezvous:")
     text = " ".join(err.split())
     assert f"rendezvous: no host has joined torchrun's rendezvous at {lan.hosts[0].address}:" \
            f"{MASTER_PORT} 4 s after the launch" in text, text
     assert "likely cause" in text and "Traceback" not in text, text
     assert proc.returncode == 130, text
     no_job_left(lan, "net-rdzv")
+
+
+def test_a_network_hang_in_init_process_group_names_the_host_pair(lan: BridgeHosts,
+                                                                  tmp_path: Path) -> None:
+    """The firewall of the test above, with `network.check: false` (the probe would have
+    refused it): the rendezvous on the master port passes, and gloo's pairs, on ports the
+    OS picks, get no answer. `orch up` names the hang while it lasts (which host could
+    not reach which, at what address and port, the fix), not gloo's 30 min later."""
+    inv = inventory(lan, tmp_path, "net-hang", check=False, master_addr=lan.hosts[0].lan)
+    for h in lan.hosts:
+        lan.firewall(h.index, "22,29400:29499")
+    try:
+        proc, err = up_until(lan, tmp_path, inv, "network hang:")
+    finally:
+        lan.open_all()
+    text = " ".join(err.split())
+    assert "network hang:" in text and "Traceback" not in text, text
+    labels, lans = [h.address for h in lan.hosts], [h.lan for h in lan.hosts]
+    pairs = [(a, b, c) for a in labels for b, c in zip(labels, lans) if a != b]
+    assert any(f"on {a} -> {b} at {c}:" in text for a, b, c in pairs), text
+    assert "allow TCP between the hosts of the job on every port" in text, text
+    assert proc.returncode == 130, text
+    no_job_left(lan, "net-hang")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -303,3 +304,117 @@ def test_a_master_port_in_time_wait_is_free_and_a_listened_one_is_not() -> None:
     conn.close()                        # the server's side closes first: its TIME_WAIT
     client.close()
     assert port_free(port)
+
+
+# ---------------------------------------------------------------- after the launch
+
+WAITER = """\
+import socket, sys, time
+port = int(sys.argv[1])
+socks = []
+for _ in range(3):   # the listener's backlog holds one: the others' SYNs are dropped
+    s = socket.socket()
+    s.setblocking(False)
+    s.connect_ex(("127.0.0.1", port))
+    socks.append(s)
+time.sleep(60)
+"""
+
+
+def test_the_agent_names_a_rank_connection_that_gets_no_answer(tmp_path: Path) -> None:
+    """A rank whose SYN is dropped (here: a listener whose backlog is full, as a firewall
+    that drops it) is SYN_SENT with its SYN sent again: `net_waits` names it with its
+    rank, the address and the port; a process of another job is not looked at."""
+    import os
+    import socket
+    import sys
+    job = tmp_path / "job"
+    (job / "run").mkdir(parents=True)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    env = dict(os.environ, ORCH_JOB_DIR=str(job), RANK="3")
+    other = dict(env, ORCH_JOB_DIR=str(tmp_path / "other"), RANK="5")
+    procs = [subprocess.Popen([sys.executable, "-c", WAITER, str(port)], env=e)
+             for e in (env, other)]
+
+    req = SimpleNamespace(args={"job_dir": str(job)})
+    got: list[dict[str, Any]] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.3)
+            got = agent_net.run_waits(req)["waits"]   # type: ignore[arg-type]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        listener.close()
+    assert got and {w["rank"] for w in got} == {3}, got
+    assert {(w["addr"], w["port"], w["pid"]) for w in got} == {("127.0.0.1", port, procs[0].pid)}
+    assert all(w["tries"] >= 1 for w in got), got
+    assert all(p.poll() is not None for p in procs)
+
+
+def test_proc_net_addresses_are_decoded() -> None:
+    assert agent_net.hex_addr("0100007F:1F90") == ("127.0.0.1", 8080)
+    assert agent_net.hex_addr("0000000000000000FFFF00000200630A:B26F") == ("10.99.0.2", 45679)
+    assert agent_net.hex_addr("00000000000000000000000001000000:0016") == ("::1", 22)
+
+
+def test_network_hang_looks_thin_out() -> None:
+    from itertools import islice
+
+    from orchestrator.watch.netwatch import looks
+    assert list(islice(looks(60), 6)) == [10, 20, 40, 60, 120, 240]
+    assert list(islice(looks(4), 3)) == [4, 8, 16]
+
+
+def test_a_network_hang_is_said_with_the_host_pair(tmp_path: Path) -> None:
+    """Host 1's rank 1 waits for host 2's 10.1.0.7 on a port the OS picked (a firewall
+    drops it): said once, naming both hosts, the address, the cause and the fix; a
+    rendezvous wait of a torchrun toward the master port names that port as the fix."""
+    from orchestrator.watch import events as ev
+    from orchestrator.watch.netwatch import NetWatch
+    c = cluster(tmp_path, hosts="  - 10.0.0.8\n  - 10.0.0.9\n  - 10.0.0.10\n")
+    lans = ["10.1.0.5", "10.1.0.6", "10.1.0.7"]
+    waits: dict[int, list[dict[str, Any]]] = {0: [], 2: [],
+        1: [{"rank": 1, "pid": 9, "local": "10.1.0.6", "addr": "10.1.0.7", "port": 41234,
+             "tries": 3},
+            {"rank": 1, "pid": 9, "local": "127.0.0.1", "addr": "127.0.0.1", "port": 5,
+             "tries": 3}]}
+
+    class Link:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def request(self, command: str, timeout: float, **fields: Any) -> dict[str, Any]:
+            assert command == "net_waits" and fields == {"job_dir": "/j"}
+            return {"waits": waits[self.i], "interfaces": [
+                {"name": "eth0", "addrs": [lans[self.i]], "up": True},
+                {"name": "docker0", "addrs": ["172.17.0.1"], "up": True}]}
+    session = SimpleNamespace(cluster=c, links={i: Link(i) for i in range(3)},
+                              records={i: SimpleNamespace(job_dir="/j") for i in range(3)})
+    said: list[ev.Event] = []
+    watch = NetWatch(session, {0, 1, 2}, lambda: False, said.append,  # type: ignore[arg-type]
+                     ("10.1.0.5", 29500))
+    watch.look(10, rendezvous=False)
+    watch.look(20, rendezvous=False)   # said once
+    assert len(said) == 1 and isinstance(said[0], ev.NetworkStall), said
+    e = said[0]
+    assert e.waits == (ev.NetWait("10.0.0.9", 1, "10.0.0.10", "10.1.0.7", 41234, 3),)
+    assert e.text.startswith("network hang: 1 host pair gets no answer to a connection (rank 1 "
+                             "on 10.0.0.9 -> 10.0.0.10 at 10.1.0.7:41234, 4 tries unanswered); "
+                             "likely cause: a firewall between 10.0.0.[9-10] drops it"), e.text
+    assert "allow TCP between the hosts of the job on every port" in e.text, e.text
+    waits[1] = [{"rank": None, "pid": 8, "local": "10.1.0.6", "addr": "10.1.0.5",
+                 "port": 29500, "tries": 2}]
+    late = NetWatch(session, {0}, lambda: False, said.append,  # type: ignore[arg-type]
+                    ("10.1.0.5", 29500))
+    late.look(60, rendezvous=True)
+    text = said[-1].text   # type: ignore[attr-defined]
+    assert text.startswith("rendezvous: 10.0.0.[9-10] have not joined"), text
+    assert "torchrun on 10.0.0.9 -> 10.0.0.8 at 10.1.0.5:29500 (the rendezvous)" in text, text
+    assert "fix: allow TCP port 29500 from the other hosts to host 0" in text, text
+    assert said[-1].late == ("10.0.0.9", "10.0.0.10")   # type: ignore[attr-defined]

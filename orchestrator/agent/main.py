@@ -54,6 +54,7 @@ HANDLERS = {
     "stacks": ("stacks", "run"),
     "net_probe": ("network", "run_probe"),
     "net_close": ("network", "run_close"),
+    "net_waits": ("network", "run_waits"),
 }
 # command -> daemon thread (not waited for); setup and exec run beside a `cancel`; a
 # pull (the checkpoint keeper's, every few seconds while the job runs) never holds up a

@@ -8,7 +8,8 @@ host 0, one on the master port. Each listener answers every connection with this
 host's token, so a probe that lands on another machine holding the same address (every
 host's docker0 is 172.17.0.1) is told from one that reached the right host.
 `net_probe` connects to the given targets, all at once, each bounded by its timeout;
-`net_close` closes the listeners before the launch needs the master port.
+`net_close` closes the listeners before the launch needs the master port. After the
+launch, `net_waits` names the job's connections that get no answer (a network hang).
 """
 from __future__ import annotations
 
@@ -310,3 +311,110 @@ def run_close(req: Request) -> dict[str, Any]:
     while LISTENERS:
         LISTENERS.pop().close()
     return {"closed": n}
+
+
+# ------------------------------------------------------------------ after the launch
+
+SYN_SENT = "02"             # /proc/net/tcp's st of a connection that waits for its answer
+
+
+def run_waits(req: Request) -> dict[str, Any]:
+    """The job's TCP connections that got no answer: SYN_SENT with the SYN sent again at
+    least once (a second without an answer; a LAN answers in a millisecond). A firewall
+    that drops the ports gloo or NCCL connect their pairs on leaves a rank so, inside
+    init_process_group, for up to gloo's 30 minutes; a node's torchrun so before the
+    rendezvous. Also this host's interfaces: the controller names the peer by them."""
+    from orchestrator.agent import procs
+    from orchestrator.agent.common import job_paths
+    from orchestrator.wire.protocol import MAX_NET_WAITS
+    p = job_paths(req.args["job_dir"])
+    pids = procs.marked_pids(p["job"])
+    sup = procs.supervisor_alive(p)
+    torchrun = sup.get("torchrun_pid") if sup else None
+    if sup and isinstance(torchrun, int) and torchrun not in pids and \
+            procs.child_of(torchrun, sup["pid"]):
+        pids.append(torchrun)   # a warm-started torchrun has no marker of its own
+    owner = {}   # type: dict[str, int]
+    for pid in pids:
+        owner.update(dict.fromkeys(socket_inodes(pid), pid))
+    waits = []   # type: list[dict[str, Any]]
+    seen = set()   # type: set[str]
+    for pid in sorted(set(owner.values())):
+        for w in syn_sent(pid, owner, seen):
+            del w["inode"]
+            w["rank"] = rank_of(pid)
+            waits.append(w)
+    return {"waits": waits[:MAX_NET_WAITS], "interfaces": interfaces()}
+
+
+def socket_inodes(pid: int) -> list[str]:
+    """The inodes of pid's sockets ("socket:[N]" links in /proc/<pid>/fd)."""
+    out = []   # type: list[str]
+    try:
+        fds = os.listdir("/proc/%d/fd" % pid)
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.append(link[8:-1])
+    return out
+
+
+def syn_sent(pid: int, owner: dict[str, int], seen: set[str]) -> list[dict[str, Any]]:
+    """pid's network namespace's waiting connections that a process of the job owns;
+    `seen`: inodes already reported (processes that share a namespace list the same)."""
+    out = []   # type: list[dict[str, Any]]
+    for name in ("tcp", "tcp6"):
+        try:
+            with open("/proc/%d/net/%s" % (pid, name)) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            w = waiting(line.split(), owner)
+            if w is not None and w["inode"] not in seen:
+                seen.add(w["inode"])
+                out.append(w)
+    return out
+
+
+def waiting(f: list[str], owner: dict[str, int]) -> dict[str, Any] | None:
+    """One line of /proc/net/tcp{,6} as a waiting connection of the job, else None."""
+    if len(f) < 10 or f[3] != SYN_SENT or f[9] not in owner:
+        return None
+    try:
+        tries = int(f[6], 16)
+        local, remote = hex_addr(f[1]), hex_addr(f[2])
+    except (ValueError, OSError):
+        return None
+    if tries < 1:
+        return None
+    return {"inode": f[9], "pid": owner[f[9]], "local": local[0], "addr": remote[0],
+            "port": remote[1], "tries": tries}
+
+
+def hex_addr(text: str) -> tuple[str, int]:
+    """"0100007F:1F90" -> ("127.0.0.1", 8080); an IPv4-mapped IPv6 address as IPv4."""
+    host, port = text.split(":")
+    raw = b"".join(struct.pack("<I", int(host[i:i + 8], 16)) for i in range(0, len(host), 8))
+    if len(raw) == 4:
+        return _socket.inet_ntoa(raw), int(port, 16)
+    if raw[:12] == b"\0" * 10 + b"\xff\xff":
+        return _socket.inet_ntoa(raw[12:]), int(port, 16)
+    return _socket.inet_ntop(_socket.AF_INET6, raw), int(port, 16)
+
+
+def rank_of(pid: int) -> int | None:
+    """The global rank of a rank's process (RANK in its environment); None: torchrun."""
+    from orchestrator.agent.procs import read_environ
+    for entry in read_environ(pid).split(b"\0"):
+        if entry.startswith(b"RANK="):
+            try:
+                return int(entry[5:])
+            except ValueError:
+                return None
+    return None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
@@ -80,7 +79,6 @@ class UpRenderer:
         self.failed = False
         self.interrupted = False     # Ctrl-C while the job ran: its stop was said
         self.world = 0
-        self.notice: threading.Timer | None = None
 
     def __call__(self, event: ev.Event) -> None:
         handler = getattr(self, "on_" + type(event).__name__, None)
@@ -101,8 +99,6 @@ class UpRenderer:
 
     def close(self) -> None:
         self.live.close()
-        if self.notice is not None:
-            self.notice.cancel()
 
     # ---------------------------------------------------------------- the ranks
 
@@ -119,8 +115,6 @@ class UpRenderer:
         self.live = LiveLine(sys.stderr)   # the console's file: stderr
         self.printer.above = self.live.above
         self.live.update(self.started_line())
-        if e.attempts == 1:
-            self.notice = rendezvous_notice(self, e)
 
     def started_line(self) -> str:
         hosts = [(h.label, sum(r in self.started for r in h.ranks), len(h.ranks))
@@ -154,6 +148,9 @@ class UpRenderer:
 
     def on_HostLost(self, e: ev.HostLost) -> None:
         self.failed = True
+
+    def on_NetworkStall(self, e: ev.NetworkStall) -> None:
+        console.print(plain_lines(e.text))
 
     # ---------------------------------------------------------------- the end
 
@@ -236,27 +233,6 @@ class UpRenderer:
             console.print(f"no restart left ({e.restarts} made)", markup=False)
         else:
             console.print(plain(f"cannot restart: {e.why}"))
-
-
-def rendezvous_notice(shown: UpRenderer, e: ev.Started) -> threading.Timer:
-    """Once, a while after the launch (network.notice_after): the hosts none of whose
-    ranks started (they have not joined torchrun's rendezvous), where they were to meet,
-    the likely cause."""
-    from orchestrator.session import network
-    cluster = shown.cluster
-
-    def check() -> None:
-        if shown.failed:
-            return
-        text = network.stalled(cluster, shown.started.copy(), e.master_addr, e.master_port,
-                               after)
-        if text:
-            console.print(text, markup=False)
-    after = network.notice_after()
-    timer = threading.Timer(after, check)
-    timer.daemon = True
-    timer.start()
-    return timer
 
 
 def stop_summary(cluster: Cluster, e: ev.Stopped) -> str:

@@ -157,6 +157,30 @@ class HangSuspected(Event):
 
 
 @dataclass(frozen=True)
+class NetWait:
+    """A connection of the job that got no answer: from `host` (its rank `rank`, None
+    for its torchrun) to `peer` (the host that holds `addr`; None when several do)."""
+
+    host: str
+    rank: int | None
+    peer: str | None
+    addr: str
+    port: int
+    tries: int                           # SYNs sent again without an answer
+
+
+@dataclass(frozen=True)
+class NetworkStall(Event):
+    """Said once while it lasts (watch/netwatch.py): hosts that have not joined torchrun's
+    rendezvous (`late`), connections between the hosts that get no answer (`waits`), in
+    words (`text`); the job goes on."""
+
+    late: tuple[str, ...]
+    waits: tuple[NetWait, ...]
+    text: str
+
+
+@dataclass(frozen=True)
 class Culprit:
     rank: int
     host: str

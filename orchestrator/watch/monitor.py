@@ -5,7 +5,8 @@ non-zero exit or a lost host stops every rank (fail fast) and names the root cau
 (rootcause.py: the earliest real failure by the hosts' measured clocks, never a rank
 orch's own stop ended, or a host that went silent before any rank failed); with
 `job.hang_timeout`, a hang (hang.py) takes every rank's stack, names the culprit and
-stops the job; Ctrl-C stops the job everywhere and is raised again. What happens is
+stops the job; a network hang (netwatch.py) is said while the job waits; Ctrl-C stops
+the job everywhere and is raised again. What happens is
 emitted as events (events.py) and returned as an `Outcome`; nothing here prints."""
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from orchestrator.watch import events as ev
 from orchestrator.watch.clock import Clocks, HostClock
 from orchestrator.watch.follow import TAIL_KEEP, HostStream, LineSink, follow
 from orchestrator.watch.hang import HangReport, HangWatch, culprits, rank_stacks, reason
+from orchestrator.watch.netwatch import NetWatch
 from orchestrator.watch.rootcause import Exit, Failure, Verdict, verdict
 from orchestrator.wire import timeouts
 
@@ -159,8 +161,13 @@ def watch(session: Session, state: JobState, emit: ev.Emit,
     for i, exc in sorted(session.failed.items()):   # not reached (a reattach)
         mon.host_lost(i, str(exc))
     mon.clocks = Clocks(session.links).start()
+    # a network hang said while it lasts (netwatch.py); only watching: not looked for
+    net = NetWatch(session, mon.started, mon.failed, record,
+                   (state.master_addr, state.master_port)) if decide else None
     try:
         finished = follow(streams, mon, heartbeats=mon.hang is not None)
+        if net is not None:
+            net.start()
         if not decide:
             return watched(session, mon, finished, record)
         hang = follow_to_end(session, mon, finished)
@@ -170,6 +177,8 @@ def watch(session: Session, state: JobState, emit: ev.Emit,
         raise
     finally:
         mon.clocks.close()
+        if net is not None:
+            net.close()
     exits = tuple(sorted(record.exits.values(), key=lambda e: e.rank))
     if hang is not None and not mon.failed():
         cause = on_hang(session, mon, finished, investigate(session, hang))

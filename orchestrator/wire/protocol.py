@@ -323,6 +323,8 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "net_probe": {"targets": [{"addr": str, "port": int, "token": str, "group": str}],
                   "bound": NUM},
     "net_close": {},
+    # after the launch: the job's connections that get no answer (a network hang)
+    "net_waits": {"job_dir": str},
     # orch up --wait: claim again, trying for up to wait_s; release: let go of them all
     "gpu_claim": {"job_dir": str, "want": gpu_want, "wait_s": NUM},
     "gpu_release": {"job_dir": str},
@@ -415,9 +417,24 @@ def name_list(value: Any) -> str | None:
     if not all(isinstance(v, str) and len(v) <= 255 for v in value):
         return "must hold names of at most 255 characters"
     return None
+MAX_NET_WAITS = 32                   # waiting connections in a `net_waits` reply
+NET_WAIT = {"rank": OPT_INT, "pid": int, "local": str, "addr": str, "port": int, "tries": int}
+
+
+def net_waits(value: Any) -> str | None:
+    if not isinstance(value, list) or len(value) > MAX_NET_WAITS:
+        return "must be a list of at most %d connections" % MAX_NET_WAITS
+    for item in value:
+        if not isinstance(item, dict):
+            return "holds an entry that is not a connection"
+        check(item, NET_WAIT, "connection")
+    return None
+
+
 # a host's network as preflight learnt it (agent/network.learn)
+NET_IFACE = {"name": str, "addrs": [str], "up": bool}
 NET_FACTS = {"hostname": str, "resolves": [str], "route_src": str, "boot_id": str,
-             "interfaces": [{"name": str, "addrs": [str], "up": bool}], "env": dict,
+             "interfaces": [NET_IFACE], "env": dict,
              "?port": int, "?master_listen": int}
 REPLIES: dict[str, dict[str, Any]] = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
@@ -427,6 +444,7 @@ REPLIES: dict[str, dict[str, Any]] = {
                   "?gpu_uuids": [str], "?gpu_busy": [GPU], "?gpu_error": str, "?net": NET_FACTS},
     "net_probe": {"results": [{"ok": bool, "why": str, "src": str, "ms": NUM}]},
     "net_close": {"closed": int},
+    "net_waits": {"waits": net_waits, "interfaces": [NET_IFACE]},
     "manifest": {"root": str},                            # the files come as parts
     "receive": {"files": int, "bytes": int, "deleted": int},
     "launch": {"supervisor": SUPERVISOR},

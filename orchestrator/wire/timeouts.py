@@ -36,6 +36,7 @@ CLOCK_PERIOD = 5.0          # a new clock sample per host this often while a job
 SETUP = 6 * 3600.0          # one host's `setup:` (pip installs can be long)
 STACKS = 15.0               # a hang: the hosts' `stacks` replies (each waits STACK_WAIT at most)
 CANCEL = 15.0               # Ctrl-C during setup or exec: the hosts' replies after a cancel
+NET_WAITS = 10.0            # a look for a network hang: the hosts' `net_waits` replies
 
 # on the host (the agent)
 HEARTBEAT = 1.0             # a follow sends a heartbeat this often; HOST_LOST relies on it

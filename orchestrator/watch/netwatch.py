@@ -1,0 +1,147 @@
+"""While an attached job starts: the network hangs it would otherwise wait out without a
+word (gloo waits 30 minutes in init_process_group, NCCL 10, torchrun's rendezvous 15),
+said while they last.
+
+A few looks after the launch (`looks`: 10, 20 and 40 s, then notice_after() and every
+doubling of it), every host is asked for the job's connections that get no answer
+(`net_waits`, agent/network.py: SYN_SENT, the SYN sent again): a rank in
+init_process_group whose peer's firewall drops the port the OS picked there, a node's
+torchrun that cannot reach the rendezvous. Each such connection is named by the two
+hosts (the peer found among the hosts' addresses), the address and the port. The first
+look at or past notice_after() also names the hosts none of whose ranks started
+(session/network.stalled). Each is said once, as a `NetworkStall` event; the job goes
+on (Ctrl-C, `orch stop` or `job.hang_timeout` ends it). A look is one small request per
+host; the looks thin out, so a long run asks a handful of times in all.
+
+What it cannot see: a connection refused (or unreachable) that the rank retries, which
+leaves no waiting socket between its tries; a hang that is not a connection (a
+collective on an open path)."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from orchestrator.config.hostranges import fold
+from orchestrator.remote.fanout import fan_out
+from orchestrator.session import network
+from orchestrator.session.session import Session
+from orchestrator.watch import events as ev
+from orchestrator.wire import timeouts
+
+EARLY = (10.0, 20.0, 40.0)   # looks before the rendezvous notice: a wait is certain at once
+SHOWN = 4                     # host pairs named in one line; the rest counted
+
+
+def looks(notice: float) -> Iterator[float]:
+    """Seconds after the launch of each look: EARLY below `notice`, then notice, 2x, 4x..."""
+    yield from (t for t in EARLY if t < notice)
+    t = notice
+    while True:
+        yield t
+        t *= 2
+
+
+class NetWatch:
+    """The looks, in a thread of their own: the follow loop never waits on them."""
+
+    def __init__(self, session: Session, started: set[int], failed: Any,
+                 emit: ev.Emit, master: tuple[str, int]) -> None:
+        self.session, self.started, self.failed, self.emit = session, started, failed, emit
+        self.master = master
+        self.done = threading.Event()
+        self.said_late = self.said_waits = False
+        self.t0 = time.monotonic()
+        self.thread = threading.Thread(target=self.run, daemon=True, name="orch-netwatch")
+
+    def start(self) -> NetWatch:
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        self.done.set()
+
+    def run(self) -> None:
+        notice = network.notice_after()
+        for at in looks(notice):
+            if self.done.wait(max(0.0, self.t0 + at - time.monotonic())) or self.failed():
+                return
+            try:
+                self.look(at, at >= notice)
+            except Exception:  # a look is advice: never the job's end
+                pass
+            if self.said_late and self.said_waits:
+                return
+
+    def look(self, at: float, rendezvous: bool) -> None:
+        cluster = self.session.cluster
+        lines: list[str] = []
+        late: tuple[str, ...] = ()
+        if rendezvous and not self.said_late:
+            self.said_late = True
+            text = network.stalled(cluster, set(self.started), *self.master, at)
+            if text:
+                lines.append(text)
+                late = tuple(h.label for h in cluster.hosts
+                             if not any(r in self.started for r in h.ranks))
+        waits: tuple[ev.NetWait, ...] = ()
+        if not self.said_waits:
+            waits = self.ask()
+            if waits:
+                self.said_waits = True
+                lines.append(waits_text(waits, self.master))
+        if lines and not self.done.is_set() and not self.failed():
+            self.emit(ev.NetworkStall(time.time(), late, waits, "\n".join(lines)))
+
+    def ask(self) -> tuple[ev.NetWait, ...]:
+        """Every host's waiting connections, each peer named by the addresses the hosts
+        hold (one held by several hosts, as docker0's, names none)."""
+        s = self.session
+        hosts = tuple(h for h in s.cluster.hosts if h.index in s.links)
+        got = fan_out(hosts, lambda h: s.links[h.index].request(
+            "net_waits", timeouts.scaled(timeouts.NET_WAITS, len(hosts)),
+            job_dir=s.records[h.index].job_dir))
+        owners: dict[str, set[str]] = {}
+        for i, reply in got.ok.items():
+            for iface in reply["interfaces"]:
+                for addr in iface["addrs"]:
+                    owners.setdefault(addr, set()).add(s.cluster.hosts[i].label)
+        owners.setdefault(self.master[0], set()).add(s.cluster.hosts[0].label)
+        out = []
+        for i, reply in sorted(got.ok.items()):
+            for w in reply["waits"]:
+                peers = owners.get(w["addr"])
+                if not peers or network.is_loopback(w["addr"]):
+                    continue   # not a connection between the job's hosts
+                peer = next(iter(peers)) if len(peers) == 1 else None
+                out.append(ev.NetWait(s.cluster.hosts[i].label, w["rank"], peer, w["addr"],
+                                      w["port"], w["tries"]))
+        return tuple(out)
+
+
+def waits_text(waits: tuple[ev.NetWait, ...], master: tuple[str, int]) -> str:
+    """One line: each host pair once (the first connection of it), the cause, the fix."""
+    pairs: dict[tuple[str, str], ev.NetWait] = {}
+    for w in waits:
+        pairs.setdefault((w.host, w.peer or w.addr), w)
+    shown = [pair_text(w, master) for w in list(pairs.values())[:SHOWN]]
+    more = f" (and {len(pairs) - SHOWN} more)" if len(pairs) > SHOWN else ""
+    store = all(w.rank is None and (w.addr, w.port) == master for w in pairs.values())
+    fix = (f"allow TCP port {master[1]} from the other hosts to host 0" if store else
+           "allow TCP between the hosts of the job on every port (gloo and NCCL connect "
+           "each pair of ranks on ports the OS picks)")
+    hosts = fold(sorted({h for pair in pairs for h in pair}))
+    return (f"network hang: {len(pairs)} host "
+            f"{'pair gets' if len(pairs) == 1 else 'pairs get'} no answer to a connection "
+            f"({'; '.join(shown)}{more}); likely cause: a firewall between {hosts} drops "
+            f"it; fix: {fix}; the job waits until torch's own timeout (gloo 30 min, "
+            f"NCCL 10), Ctrl-C or `orch stop`")
+
+
+def pair_text(w: ev.NetWait, master: tuple[str, int]) -> str:
+    who = "torchrun" if w.rank is None else f"rank {w.rank}"
+    where = " (the rendezvous)" if (w.addr, w.port) == master else ""
+    peer = w.peer or "an address several hosts hold"
+    return (f"{who} on {w.host} -> {peer} at {w.addr}:{w.port}{where}, "
+            f"{w.tries + 1} tries unanswered")
