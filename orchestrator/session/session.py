@@ -107,6 +107,9 @@ class Session:
         self.waiting = waiting   # `up --wait`: GPUs are queued for
         self.attempts = list(attempts or [])   # the run's restarts so far (its state keeps them)
         self.pinned: set[int] = set()   # hosts release() leaves open (a checkpoint keeper host)
+        # called with a host's index before release() closes its link: the last look at
+        # it (the curves' fetch takes the rows a rank wrote as it ended); never raises
+        self.before_release: list[Callable[[int], None]] = []
         self.warm = warm   # torchrun started warm at preflight (not on a spare: it runs nothing)
         # what each host's folders will hold, when known before preflight (a call that
         # waits for the local list): a folder that holds exactly that is not listed back
@@ -201,6 +204,8 @@ class Session:
         link = self.records[index].link
         if link is None or index in self.pinned:
             return
+        for hook in self.before_release:
+            hook(index)
         self.records[index].link = None
         th = threading.Thread(target=end_link, args=(link,), daemon=True)
         th.start()

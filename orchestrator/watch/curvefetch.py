@@ -9,7 +9,8 @@ changed), then only the new or changed files, each written beside and renamed. A
 still being appended to comes back as the bytes it held when sent (the readers drop a
 last line cut short). Capped: a file over its kind's size, more than `curves.MAX_FILES`
 files a host, more than MAX_ROUND bytes a round from a host; what is left out is a note.
-Nothing local is ever deleted. A failed round (host lost, the folder held by an
+A host let go as its ranks end well (Session.release) gets one last round
+first. Nothing local is ever deleted. A failed round (host lost, the folder held by an
 `orch pull`) is recorded and tried again; nothing is raised into the caller.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 from typing import Any
 
 from orchestrator.config.inventory import Cluster, Host
-from orchestrator.errors import HostError, OrchError
+from orchestrator.errors import HostError
 from orchestrator.files.localfiles import DigestCache
 from orchestrator.files.pull import PullReport, Receiver, manifest, plan, receive
 from orchestrator.files.pulldest import Dest
@@ -125,6 +126,7 @@ class CurveFetch:
 
     def start(self) -> CurveFetch:
         self.done.clear()
+        self.session.before_release.append(self.last_look)
         self.thread = threading.Thread(target=self._run, daemon=True, name="curve-fetch")
         self.thread.start()
         return self
@@ -133,6 +135,8 @@ class CurveFetch:
         """End the thread; `final`: one last round first (the files' last rows), in the
         caller's thread, never raising."""
         self.done.set()
+        if self.last_look in self.session.before_release:
+            self.session.before_release.remove(self.last_look)
         if self.thread is not None:
             self.thread.join(timeout)
         if final and (self.thread is None or not self.thread.is_alive()):
@@ -143,11 +147,28 @@ class CurveFetch:
             self.round()
             self.done.wait(self.interval)
 
+    def last_look(self, index: int) -> None:
+        """A host about to be let go (its ranks ended well): the rows they wrote last."""
+        host = self.session.cluster.hosts[index]
+        if not len(host.ranks):
+            return
+        notes = curves.Notes()
+        cache = DigestCache(self.session.cluster.state_dir / "curve-digests.bin")
+        try:
+            files = fetch_host(self.session, host, cache, notes)
+            cache.save()
+        except Exception as e:   # in the monitor's thread: its last rows are missed, nothing else
+            notes.add(f"{host.label}: {e}")
+            files = 0
+        with self.lock:
+            self.version += bool(files)
+            self.notes += list(notes)[:curves.MAX_NOTES]
+
     def round(self) -> int:
         notes = curves.Notes()
         try:
             files = once(self.session, notes)
-        except (OrchError, OSError) as e:   # recorded, never raised: a job is watched
+        except Exception as e:   # recorded, never raised: a job is watched
             notes.add(str(e))
             files = 0
         with self.lock:

@@ -1,0 +1,94 @@
+"""Curves from the job's files over real SSH (#35 item 2): a run followed to its end
+(`api.run`, what an attached `orch up` runs) brings
+every rank's host's metrics files back while the job runs (watch/curvefetch.py), so a
+row written on a host is read here (watch/curves.py) before the job ends; the last rows
+come with the job's end."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import Jobs, assert_nothing_left, job_dir, wait_until, write_job
+from orchestrator import api
+from orchestrator.config.inventory import load
+from orchestrator.watch import curves
+from orchestrator.watch import events as ev
+from sshd_cluster import SshdCluster
+
+# rank 0 writes metrics.csv as worker.train does, rank 1 a JSON-lines file of its own;
+# each writes its second row only once the test drops `go` into its output/
+JOB = """\
+import json, os, time
+out, rank = os.environ["ORCH_OUTPUT_DIR"], int(os.environ["RANK"])
+os.makedirs(out, exist_ok=True)
+
+def row(epoch):
+    if rank == 0:
+        path = os.path.join(out, "metrics.csv")
+        new = not os.path.exists(path)
+        with open(path, "a") as f:
+            f.write(("epoch,train_loss,val_acc\\n" if new else "") +
+                    "%d,%g,%g\\n" % (epoch, 1.0 / epoch, 0.4 + epoch / 10))
+    else:
+        with open(os.path.join(out, "rank-%d.jsonl" % rank), "a") as f:
+            f.write(json.dumps({"step": epoch * 100, "loss": 2.0 / epoch}) + "\\n")
+
+row(1)
+print("epoch 1 written", flush=True)
+while not os.path.exists(os.path.join(out, "go")):
+    time.sleep(0.05)
+row(2)
+print("epoch 2 written", flush=True)
+"""
+
+
+@pytest.mark.ssh
+def test_a_running_jobs_metrics_arrive_before_it_ends(
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    hosts, name = sshd_cluster.hosts[:2], "e2e-curves"
+    write_job(tmp_path, JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
+    jobs.add(inv, hosts, name)
+    cluster = load(inv)
+    first, second = cluster.hosts[0].label, cluster.hosts[1].label
+    lines: list[str] = []
+    ended: list[Any] = []
+
+    def on_event(e: ev.Event) -> None:
+        if isinstance(e, ev.RankLine):
+            lines.append(e.text)
+
+    def attached() -> None:
+        try:
+            ended.append(api.run(inv, on_event=on_event))
+        except BaseException as e:   # the test's thread reports it
+            ended.append(e)
+    run = threading.Thread(target=attached, daemon=True)
+    run.start()
+    wait_until(lambda: lines.count("epoch 1 written") == 2 or ended, 120,
+               "both ranks to write their first row")
+    assert not ended, ended
+
+    def both() -> dict:
+        got = curves.latest(curves.read_curves(cluster))
+        return got if (first, 0) in got and (second, 1) in got else {}
+    got = wait_until(both, 30, "both ranks' first rows to arrive here")
+    assert run.is_alive() and not ended, "the job ended before its metrics were read"
+    assert got == {(first, 0): {"train_loss": 1.0, "val_acc": 0.5},   # type: ignore[comparison-overlap]
+                   (second, 1): {"loss": 2.0}}
+    local = tmp_path / "outputs" / name
+    assert (local / "metrics.csv").is_file()
+    assert (local / ".hosts" / second / "rank-1.jsonl").is_file()
+
+    for h in hosts:
+        (job_dir(h, name) / "output" / "go").touch()
+    run.join(120)
+    assert ended and isinstance(ended[0], api.RunResult) and ended[0].code == 0, ended
+    series = {(s.host, s.name): s for s in curves.read_curves(cluster)}
+    assert [p.epoch for p in series[(first, "train_loss")].points] == [1, 2]
+    assert [(p.step, p.value) for p in series[(second, "loss")].points] == [(100, 2.0), (200, 1.0)]
+    assert not list(local.rglob("*.orch-part-*"))
+    assert_nothing_left(hosts, name)
