@@ -39,6 +39,7 @@ COMMANDS = {
     "exec": ("exec", "run a command on every host (or --hosts) in the job folder"),
     "split-data": ("split_data", "split a dataset into one shard (folder of links) per worker"),
     "forward": ("forward", "forward a local port to a port on a job's host over orch's SSH"),
+    "dashboard": ("dashboard", "the job's live page in a browser (127.0.0.1, behind a token)"),
 }
 
 

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Iterator
 
 from orchestrator.api import jobs
+from orchestrator.session.session import Session
+from orchestrator.session.state import JobState
 from orchestrator.watch import events as ev
 
 _END = object()
@@ -20,12 +22,23 @@ _END = object()
 def follow(inventory: jobs.Inventory) -> Iterator[ev.Event]:
     """Every event of the running (or ended) job until it ends; a host not reached is a
     HostLost at once. Leaving the loop early closes the connections; the job goes on."""
-    from orchestrator.watch.monitor import watch
+    session, st = attach(inventory)
+    yield from events(session, st)
+
+
+def attach(inventory: jobs.Inventory) -> tuple[Session, JobState]:
+    """The job's session, its agents started (what `follow` reads from; the dashboard
+    asks its GPU samples on the same connections). A mistake raises here."""
     cluster = jobs.run_cluster(inventory)
     if cluster.job.array is not None:
         raise jobs.kind_error(cluster, "a job array", "logs")
     st = jobs.require_state(cluster)
-    session = jobs.open_job(cluster, st)
+    return jobs.open_job(cluster, st), st
+
+
+def events(session: Session, st: JobState) -> Iterator[ev.Event]:
+    """`follow`'s events from an attached session, which is closed at the end."""
+    from orchestrator.watch.monitor import watch
     got: queue.Queue[object] = queue.Queue()
 
     def run() -> None:

@@ -73,8 +73,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("`up --json` needs --detach: an attached job streams its ranks' output",
                          hint=f"`{hint_cmd(cluster, 'up --detach --json')}`, then "
                               f"`{hint_cmd(cluster, 'status --json')}`")
+    if args.dashboard and (args.detach or cluster.job.array is not None):
+        raise UsageError("`up --dashboard` opens the page beside an attached run of a "
+                         "distributed job", hint=f"`{hint_cmd(cluster, 'dashboard')}` "
+                                                 "once it started")
     if not args.detach and cluster.job.array is None:   # the run to its end, rendered
         from orchestrator.commands import uprender
+        if args.dashboard:
+            return uprender.with_dashboard(cluster, args, restarts, UpView)
         return uprender.attached(cluster, args, restarts, UpView)
     if restarts and args.detach:
         console.print(f"note: restarts ({restarts}) need an attached `orch up`: this detached run "

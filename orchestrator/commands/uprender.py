@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
@@ -32,19 +33,58 @@ if TYPE_CHECKING:
 
 
 def attached(cluster: Cluster, args: argparse.Namespace, restarts: int,
-             view: Callable[[], UpProgress]) -> int:
-    """`orch up` without --detach: the run to its end, rendered; its exit code."""
+             view: Callable[[], UpProgress], also: ev.Emit | None = None) -> int:
+    """`orch up` without --detach: the run to its end, rendered; its exit code. `also`:
+    one more reader of its events (the dashboard's board)."""
     shown = UpRenderer(cluster)
     opts = running.Options(restarts, setup=args.setup, wait=args.wait, pull=not args.no_pull,
                            transfer=pull_bar)
+    reader: ev.Emit = shown if also is None else Tee(shown, also)
     try:
-        return running.run_job(cluster, opts, running.Serial(shown), view).code
+        return running.run_job(cluster, opts, running.Serial(reader), view).code
     except KeyboardInterrupt:
         if shown.interrupted:   # the job was stopped everywhere, and that was said
             return EXIT_INTERRUPTED
         raise   # before the job ran (the start's own stop): `orch: interrupted`
     finally:
         shown.close()
+
+
+def with_dashboard(cluster: Cluster, args: argparse.Namespace, restarts: int,
+                   view: Callable[[], UpProgress]) -> int:
+    """`orch up --dashboard`: the page served (its URL printed) beside the attached run,
+    fed its events; after the run, on a terminal, kept until Ctrl-C."""
+    from orchestrator.commands.common import inventory_path
+    from orchestrator.dashboard import page
+    opened = page.open_beside_run(cluster, inventory_path(args))
+    try:
+        console.print(plain(f"dashboard: {opened.url}"))
+        page.open_browser(opened.url, lambda line: console.print(plain(line)))
+        code = attached(cluster, args, restarts, view, also=opened.board)
+        if sys.stdin.isatty():
+            console.print("the run ended; the dashboard stays open until Ctrl-C", markup=False)
+            try:
+                threading.Event().wait()
+            except KeyboardInterrupt:
+                pass
+        return code
+    finally:
+        opened.close()
+
+
+class Tee:
+    """Two readers of one stream: each gets every event, and `many` where it has one."""
+
+    def __init__(self, *readers: ev.Emit) -> None:
+        self.readers = readers
+
+    def __call__(self, event: ev.Event) -> None:
+        for reader in self.readers:
+            reader(event)
+
+    def many(self, events: Sequence[ev.Event]) -> None:
+        for reader in self.readers:
+            ev.emit_all(reader, events)
 
 
 def attach(session: Session, state: JobState) -> int:

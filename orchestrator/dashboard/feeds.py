@@ -1,0 +1,160 @@
+"""What fills a Board: the job's events (api.follow's, or an attached run's own), each
+GPU's facts sampled every few seconds on the hosts, the curves read from the local
+copies of the job's files, a job array's rows. Each feed is a daemon thread that ends
+when the `Feeds` is closed; a feed that fails says why on the page and stops, the
+others go on."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from orchestrator.api import following, jobs
+from orchestrator.api.outcomes import Status
+from orchestrator.config.inventory import Cluster
+from orchestrator.dashboard.board import Board
+from orchestrator.errors import OrchError
+from orchestrator.session.session import Session
+from orchestrator.session.state import JobState
+
+GPU_EVERY = 5.0       # seconds between GPU samples: nvidia-smi on every host each time
+CURVES_EVERY = 2.0    # seconds between reads of the curves' local copies
+TASKS_EVERY = 5.0
+
+log = logging.getLogger("orchestrator")
+
+
+class Feeds:
+    """The threads that feed one board; `close()` ends them and the follow's session."""
+
+    def __init__(self, board: Board) -> None:
+        self.board = board
+        self.done = threading.Event()
+        self.session: Session | None = None
+        self.threads: list[threading.Thread] = []
+
+    def start(self, name: str, target: Callable[[], None]) -> None:
+        def guarded() -> None:
+            try:
+                target()
+            except Exception as e:    # said on the page; the other feeds go on
+                self.board.end(f"{name}: {e}") if name == "follow" else self.note(name, e)
+                log.debug("dashboard feed %s failed", name, exc_info=True)
+        t = threading.Thread(target=guarded, daemon=True, name=f"dashboard-{name}")
+        self.threads.append(t)
+        t.start()
+
+    def note(self, name: str, e: BaseException) -> None:
+        with self.board.lock:
+            self.board.notes.append(f"{name}: {e}")
+
+    def every(self, seconds: float, step: Callable[[], None]) -> None:
+        """`step` now and every `seconds` until closed."""
+        while not self.done.is_set():
+            step()
+            self.done.wait(seconds)
+
+    def close(self) -> None:
+        self.done.set()
+        if self.session is not None:
+            self.session.close()
+
+
+def follow_job(inventory: jobs.Inventory, board: Board, feeds: Feeds,
+               gpu_every: float = GPU_EVERY) -> Cluster:
+    """`orch dashboard` of a distributed job: api.follow's events into the board, and the
+    GPU samples asked on the same session while the job runs. A mistake (no job started,
+    an array) raises here, before any page is served; returns the run's cluster."""
+    session, st = following.attach(inventory)
+    feeds.session = session
+    stream = following.events(session, st)
+
+    def follow() -> None:
+        for event in stream:
+            board(event)
+            if feeds.done.is_set():
+                break
+        board.end()
+    feeds.start("follow", follow)
+    if any(h.gpus for h in session.cluster.hosts):
+        feeds.start("gpus", lambda: sample_gpus(session, st, board, feeds, gpu_every))
+    return session.cluster
+
+
+def sample_gpus(session: Session, st: JobState, board: Board, feeds: Feeds,
+                every: float) -> None:
+    """Each GPU's utilisation, memory and holder, as `orch status` asks them, until the
+    job ended."""
+    from orchestrator.api import querying
+
+    def step() -> None:
+        if board.ended:
+            feeds.done.wait(every)
+            return
+        status = querying.status_of(session, st, session.status())
+        board.gpu_sample(time.time(), status.gpus, status.gpu_errors)
+    feeds.every(every, step)
+
+
+def sample_statuses(statuses: Iterator[Status], board: Board, feeds: Feeds) -> None:
+    """GPU samples from `api.querying.watch` (an attached `orch up`'s own session is the
+    run's: the page asks on one of its own)."""
+    for status in statuses:
+        board.gpu_sample(time.time(), status.gpus, status.gpu_errors)
+        if feeds.done.is_set() or board.ended:
+            break
+
+
+def read_curves(cluster: Cluster, board: Board, feeds: Feeds,
+                every: float = CURVES_EVERY) -> None:
+    """The curves from the local copies of the job's metrics files, re-read while the
+    page is open (watch/curves.py caps what it reads)."""
+    from orchestrator.watch import curves
+
+    def step() -> None:
+        notes: list[str] = []
+        series = curves.read_curves(cluster, notes=notes)
+        board.set_curves(series, curves.latest(series))
+    feeds.every(every, step)
+
+
+def array_tasks(inventory: jobs.Inventory, board: Board, feeds: Feeds,
+                every: float = TASKS_EVERY) -> None:
+    """A job array's tasks and their groups over folds, as `orch results` shows them."""
+    from orchestrator import api
+
+    def step() -> None:
+        try:
+            results = api.results(inventory)
+        except OrchError as e:
+            board.set_tasks({"error": e.message})
+            return
+        board.set_tasks(api.document(results))
+    feeds.every(every, step)
+
+
+def start_all(inventory: jobs.Inventory, board: Board, feeds: Feeds,
+              gpu_every: float = GPU_EVERY) -> Cluster:
+    """Every feed of `orch dashboard` for the inventory's job (an array: its tasks). A
+    mistake (no job started) raises here, before any page is served."""
+    cluster = jobs.run_cluster(inventory)
+    if cluster.job.array is not None:
+        from orchestrator import api
+        board.set_tasks(api.document(api.results(cluster)))
+        feeds.start("tasks", lambda: array_tasks(cluster, board, feeds))
+    else:
+        cluster = follow_job(cluster, board, feeds, gpu_every)
+        board.set_network(network_plan(cluster))
+    feeds.start("curves", lambda: read_curves(cluster, board, feeds))
+    return cluster
+
+
+def network_plan(cluster: Cluster) -> str:
+    """The network plan as `up` found it (.orch/<name>/network.json), where there is one."""
+    import json
+    try:
+        doc = json.loads((cluster.state_dir / "network.json").read_text()[:200_000])
+    except (OSError, ValueError):
+        return ""
+    return json.dumps(doc, indent=1)[:20_000] if isinstance(doc, dict) else ""

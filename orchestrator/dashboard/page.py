@@ -1,0 +1,110 @@
+"""A dashboard put together: its board, feeds and server (`open_for_job` for `orch
+dashboard`, `open_beside_run` for `orch up --dashboard`), the stop the button asks
+for, and the browser opened where there is a display to open it on."""
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import threading
+import webbrowser
+from collections.abc import Callable
+
+from orchestrator.api import jobs
+from orchestrator.config.inventory import Cluster
+from orchestrator.dashboard import feeds as feeding
+from orchestrator.dashboard.board import Board
+from orchestrator.dashboard.server import Dashboard, Stop
+from orchestrator.errors import UsageError
+
+
+class Opened:
+    """A served dashboard and its feeds; `close()` ends both."""
+
+    def __init__(self, board: Board, feeds: feeding.Feeds, server: Dashboard) -> None:
+        self.board, self.feeds, self.server = board, feeds, server
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def close(self) -> None:
+        self.feeds.close()
+        self.server.close()
+
+
+def stopper(inventory: jobs.Inventory) -> Stop:
+    """The stop button's action: `orch stop` of the same inventory."""
+    def stop() -> str:
+        from orchestrator import api
+        result = api.stop(inventory)
+        n = len(result.hosts)
+        return f"stopped on {n} host{'s' if n != 1 else ''}"
+    return stop
+
+
+def serve(board: Board, stop: Stop | None, port: int) -> Dashboard:
+    try:
+        return Dashboard(board, stop, port).start()
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise UsageError(f"port {port} on 127.0.0.1 is in use",
+                             hint="pass another --port, or --port 0 for any free one") from None
+        raise UsageError(f"cannot listen on 127.0.0.1:{port}: {e.strerror}",
+                         hint="pass another --port, or --port 0 for any free one") from None
+
+
+def open_for_job(inventory: jobs.Inventory, port: int = 0,
+                 gpu_every: float = feeding.GPU_EVERY) -> Opened:
+    """`orch dashboard`: the inventory's job followed (a mistake raises before anything
+    is served), then served."""
+    board = Board(jobs.run_cluster(inventory))
+    feeds = feeding.Feeds(board)
+    try:
+        feeding.start_all(inventory, board, feeds, gpu_every)
+        return Opened(board, feeds, serve(board, stopper(inventory), port))
+    except BaseException:
+        feeds.close()
+        raise
+
+
+def open_beside_run(cluster: Cluster, inventory: jobs.Inventory, port: int = 0) -> Opened:
+    """`orch up --dashboard`: a board the attached run feeds with its own events (the
+    caller hands `opened.board` to the run as one more reader), the curves, and GPU
+    samples on a session of its own once the job started."""
+    board = Board(cluster, mode="attached")
+    feeds = feeding.Feeds(board)
+    try:
+        feeds.start("curves", lambda: feeding.read_curves(cluster, board, feeds))
+        if any(h.gpus for h in cluster.hosts):
+            feeds.start("gpus", lambda: gpus_once_started(inventory, board, feeds))
+        return Opened(board, feeds, serve(board, stopper(inventory), port))
+    except BaseException:
+        feeds.close()
+        raise
+
+
+def gpus_once_started(inventory: jobs.Inventory, board: Board, feeds: feeding.Feeds) -> None:
+    from orchestrator.api import querying
+    while not board.started.wait(1.0):
+        if feeds.done.is_set():
+            return
+    statuses = querying.watch(inventory, every=feeding.GPU_EVERY)
+    try:
+        feeding.sample_statuses(statuses, board, feeds)
+    finally:
+        statuses.close()
+
+
+def has_display() -> bool:
+    """A graphical browser can open: macOS, Windows, or an X11/Wayland session (never a
+    text browser taking over the terminal the run prints to)."""
+    return sys.platform in ("darwin", "win32") or bool(
+        os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def open_browser(url: str, say: Callable[[str], None]) -> None:
+    if not has_display():
+        say("no display here: open the URL in a browser (over SSH: `ssh -L PORT:127.0.0.1:PORT`)")
+        return
+    threading.Thread(target=webbrowser.open, args=(url,), daemon=True, name="browser").start()

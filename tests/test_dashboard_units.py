@@ -1,0 +1,224 @@
+"""The dashboard's data and server, in process: a run's events into the board (ranks,
+logs, events, the root cause), GPU samples and curves, every cap; `orch dashboard` of a
+job on the fake cluster (tests/fake_agent.py) served on 127.0.0.1 behind its token, a
+rank's `<script>` kept as text in the JSON and in the saved page, the stop button's
+request reaching every host."""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fake_agent import FakeChannel, FakeCluster
+from orchestrator import api
+from orchestrator.api.outcomes import GpuStatus
+from orchestrator.config.inventory import load
+from orchestrator.dashboard import board as boards
+from orchestrator.dashboard import page, server
+from orchestrator.dashboard.board import Board
+from orchestrator.watch import curves
+from orchestrator.wire import protocol
+from test_controller_fake import inventory
+
+SCRIPT = b"<script>alert(1)</script>"
+
+
+def wait_for(what: Any, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting")
+
+
+class Fetch:
+    """Requests to a served dashboard, as a browser on this machine makes them."""
+
+    def __init__(self, opened: page.Opened) -> None:
+        self.port, self.token = opened.server.port, opened.server.token
+
+    def __call__(self, path: str, method: str = "GET", host: str | None = None,
+                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request(method, path, headers={"Host": host or f"127.0.0.1:{self.port}",
+                                                **(headers or {})})
+            r = conn.getresponse()
+            return r.status, dict(r.getheaders()), r.read()
+        finally:
+            conn.close()
+
+    def json(self, path: str) -> Any:
+        status, _, body = self(path, headers={"X-Orch-Token": self.token})
+        assert status == 200, body
+        return json.loads(body)
+
+
+def a_run_board(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Board:
+    FakeCluster(lambda label, rank, env: 3 if rank == 3 else 0).install(monkeypatch)
+    path = inventory(tmp_path)
+    board = Board(load(Path(path)))
+    with pytest.raises(api.JobError):
+        api.run(path, on_event=board)
+    return board
+
+
+def test_a_runs_events_make_the_ranks_logs_and_timeline(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    snap = a_run_board(tmp_path, monkeypatch).snapshot()
+    ranks = {r["rank"]: r for r in snap["ranks"]}
+    assert sorted(ranks) == list(range(6))
+    assert ranks[3]["failed"] and ranks[3]["state"] == "failed (exit code 3)"
+    assert [ranks[r]["host"] for r in range(6)] == ["127.0.0.1"] * 2 + ["127.0.0.2"] * 2 + ["127.0.0.3"] * 2
+    assert [ranks[r]["local_rank"] for r in range(6)] == [0, 1] * 3
+    assert ranks[0]["last_line"] == "rank 0 up"
+    assert snap["root_cause"]["summary"] == "rank 3 on 127.0.0.2 failed (exit code 3)"
+    assert snap["ended"] and snap["outcome"] == "failed"
+    kinds = [e["kind"] for e in snap["events"]]
+    assert kinds[:4] == ["Synced"] * 3 + ["Started"] and kinds[-1] == "Finished"
+    assert "RankLine" not in kinds and "RootCause" in kinds
+    json.dumps(snap)   # JSON-ready as it is
+
+
+def test_the_logs_are_numbered_and_read_from_a_cursor() -> None:
+    board = Board(load_three())
+    board.many([api.RankLine(1.0, 0, "h", "out", b"a"), api.RankLine(1.0, 1, "h", "out", b"b"),
+                api.RankLine(2.0, 0, "h", "out", b"c")])
+    first = board.log(0)
+    assert [t for _, t in first["lines"]] == ["a", "c"]
+    assert board.log(0, after=first["lines"][0][0])["lines"] == [first["lines"][1]]
+    assert board.log(0, after=first["next"])["lines"] == []
+    assert board.log_text(0) == "a\nc\n" and board.log(5)["lines"] == []
+
+
+def test_everything_kept_is_capped() -> None:
+    board = Board(load_three())
+    long = b"x" * (boards.MAX_LINE_CHARS * 3)
+    board.many([api.RankLine(1.0, 0, "h", "out", long)] * (boards.MAX_LOG_LINES + 10))
+    lines = board.log(0)["lines"]
+    assert len(lines) == boards.MAX_LOG_LINES
+    assert len(lines[0][1]) == boards.MAX_LINE_CHARS + 1 and lines[0][1].endswith("…")
+    for _ in range(boards.MAX_EVENTS + 5):
+        board(api.HostLost(1.0, "h", "why"))
+    assert len(board.snapshot()["events"]) == boards.MAX_EVENTS
+    gpu = GpuStatus("h", 0, "H100", 50.0, 1024.0, 81920.0, "this job", ranks=[0])
+    for i in range(boards.MAX_GPU_SAMPLES + 3):
+        board.gpu_sample(float(i), [gpu])
+    (track,) = board.snapshot()["gpus"]
+    assert len(track["samples"]) == boards.MAX_GPU_SAMPLES and track["holder"] == "this job, rank 0"
+    assert track["samples"][-1] == [float(boards.MAX_GPU_SAMPLES + 2), 50.0, 1024.0, 81920.0]
+
+
+def test_curves_are_thinned_and_the_latest_kept_per_rank() -> None:
+    board = Board(load_three())
+    points = tuple(curves.Point(i, None, float(i), None) for i in range(5000))
+    series = [curves.Series("127.0.0.1", 0, "metrics.csv", "loss", points)]
+    board.set_curves(series, curves.latest(series))
+    snap = board.snapshot()
+    (c,) = snap["curves"]
+    assert len(c["points"]) <= boards.MAX_CURVE_POINTS + 1 and c["points"][-1] == [4999, None, 4999.0, None]
+    assert snap["latest"] == {"127.0.0.1/0": {"loss": 4999.0}}
+
+
+def load_three() -> Any:
+    import tempfile
+    return load(Path(inventory(Path(tempfile.mkdtemp()))))
+
+
+# ---------------------------------------------------------------- served
+
+class Running:
+    """A job on the fake cluster whose ranks print a `<script>`, then run until stopped
+    (every follow's channel is told when any stop arrives)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.fake = FakeCluster(lambda label, rank, env: None).install(monkeypatch)
+        self.chans: list[FakeChannel] = []
+        self.fake.on("follow", self.follow)
+        self.default_stop = self.fake.handler("", "stop")
+        self.fake.on("stop", self.stop)
+
+    def follow(self, chan: FakeChannel, msg: dict) -> None:
+        self.chans.append(chan)
+        for r in msg["ranks"]:
+            chan.push(protocol.output(r, SCRIPT + b"\n"))
+        self.fake.follow(chan, msg)
+
+    def stop(self, chan: FakeChannel, msg: dict) -> None:
+        for followed in self.chans:
+            followed.stopped.set()
+        self.default_stop(chan, msg)
+
+
+def test_orch_dashboard_serves_the_job_behind_its_token(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    job = Running(monkeypatch)
+    path = inventory(tmp_path)
+    api.up(path)
+    opened = page.open_for_job(path)
+    try:
+        fetch = Fetch(opened)
+        assert opened.url.startswith("http://127.0.0.1:") and f"token={opened.server.token}" in opened.url
+        assert fetch("/")[0] == 403 and fetch("/api/state")[0] == 403
+        assert fetch("/?token=wrong")[0] == 403
+        assert fetch("/static/app.js")[0] == 403
+        assert fetch(f"/?token={opened.server.token}", host="evil.example:80")[0] == 403
+        status, headers, body = fetch(f"/?token={opened.server.token}")
+        assert status == 200 and b"static/app.js" in body
+        assert "script-src 'self'" in headers["Content-Security-Policy"]
+        assert "unsafe-inline" not in headers["Content-Security-Policy"]
+        cookie = headers["Set-Cookie"].split(";")[0]
+        assert "HttpOnly" in headers["Set-Cookie"] and "SameSite=Strict" in headers["Set-Cookie"]
+        assert fetch("/static/app.js", headers={"Cookie": cookie})[0] == 200
+        snap = wait_for(lambda: (s := fetch.json("/api/state"))["log_seq"] == 12 and s)
+        assert [r["state"] for r in snap["ranks"]] == ["running"] * 6
+        assert snap["ranks"][0]["last_line"] == "rank 0 up"
+        log = fetch.json("/api/log?rank=2")
+        assert [t for _, t in log["lines"]] == [SCRIPT.decode(), "rank 2 up"]
+        status, headers, text = fetch("/api/log.txt?rank=2", headers={"Cookie": cookie})
+        assert text.decode() == SCRIPT.decode() + "\nrank 2 up\n"
+        assert headers["Content-Disposition"] == 'attachment; filename="fk-rank-2.log"'
+        saved = fetch("/save", headers={"Cookie": cookie})[2].decode()
+        assert "alert(1)" in saved and "<script>alert" not in saved
+        assert "unsafe-inline" not in saved and "sha256-" in saved
+        # a cross-site form carries the cookie at most: the stop needs the header
+        assert fetch("/api/stop", "POST", headers={"Cookie": cookie})[0] == 403
+        assert not job.fake.requests("stop")
+        status, _, body = fetch("/api/stop", "POST", headers={"X-Orch-Token": opened.server.token})
+        assert status == 200 and json.loads(body) == {"ok": True, "message": "stopped on 3 hosts"}
+        assert len(job.fake.requests("stop")) >= 3
+        ended = wait_for(lambda: (s := fetch.json("/api/state"))["ended"] and s)
+        assert {r["state"] for r in ended["ranks"]} == {"stopped"}
+    finally:
+        opened.close()
+
+
+def test_a_job_not_started_serves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeCluster().install(monkeypatch)
+    before = threading.active_count()
+    with pytest.raises(api.UsageError):
+        page.open_for_job(inventory(tmp_path))
+    assert threading.active_count() <= before
+
+
+def test_a_port_in_use_is_a_usage_error() -> None:
+    board = Board(load_three())
+    first = server.Dashboard(board, None).start()
+    try:
+        with pytest.raises(api.UsageError, match=f"port {first.port} on 127.0.0.1 is in use"):
+            page.serve(board, None, first.port)
+    finally:
+        first.close()
+
+
+def test_inline_json_cannot_end_its_script() -> None:
+    text = server.inline_json({"x": "</script><script>alert(1)</script>&"})
+    assert "<" not in text and ">" not in text and "&" not in text
+    assert json.loads(text) == {"x": "</script><script>alert(1)</script>&"}
