@@ -1,4 +1,5 @@
-"""Rank 0's per-epoch record: the console line, metrics.csv and metrics.png."""
+"""Rank 0's per-epoch record: the console line, metrics.csv and metrics.png, and with
+--tensorboard the same columns as TensorBoard scalars."""
 from __future__ import annotations
 
 import csv
@@ -42,6 +43,40 @@ def append(path: Path, row: dict) -> None:
     with open(path, "a", newline="") as f:
         csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore").writerow(row)
         f.flush()
+
+
+TENSORBOARD_DIR = "tensorboard"   # <output>/tensorboard/: --tensorboard's event files
+
+
+def require_tensorboard() -> None:
+    """--tensorboard on a host whose python lacks the tensorboard package: one line."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        from worker.errors import WorkerError
+        raise WorkerError("--tensorboard: the tensorboard package is not installed in this "
+                          "host's python", hint="install it on the hosts (pip install "
+                          "tensorboard, e.g. in setup:), or leave --tensorboard out") from None
+
+
+class Scalars:
+    """Rank 0's TensorBoard scalars: each numeric column of an epoch's row, at step
+    `epoch`, under <output>/tensorboard/. On resume, the epochs after the checkpoint are
+    purged (they run again), as metrics.csv drops their rows."""
+
+    def __init__(self, output_dir: Path, resumed_epoch: int | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+        purge = None if resumed_epoch is None else resumed_epoch + 1
+        self.writer = SummaryWriter(str(output_dir / TENSORBOARD_DIR), purge_step=purge)
+
+    def add(self, row: dict) -> None:
+        for key in COLUMNS:
+            if key != "epoch" and isinstance(row.get(key), (int, float)):
+                self.writer.add_scalar(key, row[key], int(row["epoch"]))
+        self.writer.flush()   # the controller fetches the file while the job runs
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def line(row: dict, epochs: int) -> str:

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="rank 0 prints `epoch E step S/T` after every STEPS training steps (0: never)")
     a("--data-dir", type=Path, default=os.environ.get("ORCH_DATA_DIR"), metavar="DIR",
       help="folder of worker_<r>_of_<W> shards (default: $ORCH_DATA_DIR)")
+    a("--tensorboard", action="store_true",
+      help="rank 0 also writes each epoch's metrics as TensorBoard scalars under "
+           "<output-dir>/tensorboard/ (needs the tensorboard package on the hosts)")
     a("--output-dir", type=Path, default=Path(os.environ.get("ORCH_OUTPUT_DIR") or "output"),
       metavar="DIR", help="metrics and checkpoints (default: $ORCH_OUTPUT_DIR, else ./output)")
     a("--grad-compression", choices=("none", "fp16", "terngrad"), default="none",

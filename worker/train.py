@@ -2,7 +2,8 @@
 
 Rank r reads ``$ORCH_DATA_DIR/worker_<r>_of_<W>/`` (packed arrays when the shard has
 them, else the image files) and writes nothing but its log; rank 0 writes metrics.csv,
-metrics.png and checkpoints under ``$ORCH_OUTPUT_DIR`` (default ./output). With
+metrics.png, checkpoints (and with --tensorboard, tensorboard/) under ``$ORCH_OUTPUT_DIR``
+(default ./output). With
 WORLD_SIZE unset or 1 it runs as one process without a process group (a job-array task).
 SIGTERM ends it quietly (one line, then the signal's own exit). ``--help`` lists the options.
 """
@@ -426,8 +427,12 @@ def _loaders(args: argparse.Namespace, ctx: Ctx, data: Data) -> tuple:
 
 def fit(args: argparse.Namespace, ctx: Ctx, data: Data, st: State) -> None:
     csv_path = args.output_dir / "metrics.csv"
+    resumed = st.start_epoch - 1 if args.resume else None
+    if args.tensorboard:
+        metrics.require_tensorboard()   # every rank: each says it, none waits on rank 0
     if ctx.is_main:
-        metrics.start(csv_path, st.start_epoch - 1 if args.resume else None)
+        metrics.start(csv_path, resumed)
+    scalars = metrics.Scalars(args.output_dir, resumed) if args.tensorboard and ctx.is_main else None
     loaders, started = _loaders(args, ctx, data), time.perf_counter()
     for epoch in range(st.start_epoch, args.epochs + 1):
         row = run_epoch(args, ctx, st, epoch, loaders, started)
@@ -437,6 +442,8 @@ def fit(args: argparse.Namespace, ctx: Ctx, data: Data, st: State) -> None:
         if ctx.is_main:
             print(metrics.line(row, args.epochs), flush=True)
             metrics.append(csv_path, row)
+            if scalars is not None:
+                scalars.add(row)
         last = stop or epoch == args.epochs
         if args.checkpoint_every > 0 and (epoch % args.checkpoint_every == 0 or last):
             state = checkpoint_state(args, st, data.classes, row["time_s"])
@@ -445,6 +452,8 @@ def fit(args: argparse.Namespace, ctx: Ctx, data: Data, st: State) -> None:
             say(ctx, f"reached validation accuracy {row['val_acc']:.4f} >= {args.target_accuracy} "
                      f"for {args.patience} epoch(s): stopping after epoch {epoch}")
             break
+    if scalars is not None:
+        scalars.close()
     if ctx.is_main and metrics.read_rows(csv_path):
         fold = f"fold {args.fold} of {args.folds}" if args.folds else ""
         metrics.plot(csv_path, args.output_dir / "metrics.png",
