@@ -3,8 +3,8 @@
 Rank r reads ``$ORCH_DATA_DIR/worker_<r>_of_<W>/`` (packed arrays when the shard has
 them, else the image files) and writes nothing but its log; rank 0 writes metrics.csv,
 metrics.png, checkpoints (and with --tensorboard, tensorboard/) under ``$ORCH_OUTPUT_DIR``
-(default ./output). With
-WORLD_SIZE unset or 1 it runs as one process without a process group (a job-array task).
+(default ./output). With WORLD_SIZE unset or 1 it runs as one process without a process
+group (a job-array task).
 SIGTERM ends it quietly (one line, then the signal's own exit). ``--help`` lists the options.
 """
 from __future__ import annotations
