@@ -3,7 +3,7 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
-APT_PKGS := openssh-server openssh-client rsync pdsh iproute2 procps iptables
+APT_PKGS := openssh-server openssh-client rsync pdsh iproute2 procps iptables chromium chromium-driver
 
 # Python may cache bytecode here even where the shell says not to: pytest keeps its
 # rewritten test modules as .pyc, and every `orch` a test starts loads compiled modules
@@ -33,7 +33,8 @@ lock:
 	  --no-emit-index-url --no-emit-find-links --annotation-style line \
 	  -o requirements.lock pyproject.toml lock.in
 
-# sshd, rsync and pdsh are what the tests' fake cluster and the benchmarks' baselines use.
+# sshd, rsync and pdsh are what the tests' fake cluster and the benchmarks' baselines use;
+# chromium and chromium-driver, the browser the dashboard's test drives headless.
 system-deps:
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
