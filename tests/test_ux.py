@@ -27,7 +27,7 @@ from orchestrator.commands import logs as logs_cmd
 from orchestrator.commands import status as status_cmd
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_HOST, EXIT_JOB_FAILED
-from orchestrator.session.replies import Supervisor
+from orchestrator.session.replies import RankReply, Supervisor
 from orchestrator.session.state import HostState, JobState
 from orchestrator.ui import console as ui_console
 from orchestrator.ui.liveline import ERASE, LiveLine, started_text
@@ -87,8 +87,8 @@ def test_logs_before_any_run_exits_2_with_a_working_hint(tmp_path: Path) -> None
 # ---------------------------------------------------------------- status
 
 def rows_of(last_line: str) -> list:
-    info = {"state": "exited", "code": -15, "pid": 4242, "started": 1.0, "ended": 20.5,
-            "last_line": last_line}
+    info = RankReply.of({"rank": 0, "state": "exited", "code": -15, "pid": 4242,
+                         "started": 1.0, "ended": 20.5, "last_line": last_line})
     return [rank_status(r, f"worker-node-{r:02d}.example.com", r % 2, info, 0.0)
             for r in range(4)]
 
@@ -322,7 +322,7 @@ def test_a_rank_ended_by_a_stop_reads_stopped(tmp_path: Path) -> None:
     assert host_status.rank_status(p, 0, 0, None)["state"] == "exited"
     assert host_status.rank_status(p, 1, 1, None)["state"] == "stopped"
     info = host_status.rank_status(p, 1, 1, None)
-    assert rank_status(1, "h", 1, info, 0).state == "stopped"
+    assert rank_status(1, "h", 1, RankReply.of(info), 0).state == "stopped"
 
 
 def test_launch_clears_the_previous_runs_records(tmp_path: Path) -> None:

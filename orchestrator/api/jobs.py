@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Callable, Union
 
 from orchestrator.config.inventory import Cluster, Host, load
 from orchestrator.errors import UsageError
 from orchestrator.remote.fanout import GroupResult
 from orchestrator.session import state as job_state
+from orchestrator.session.replies import StatusReply
 from orchestrator.session.session import Session
 from orchestrator.ui.wording import hint_cmd, set_inventory
 
@@ -90,11 +91,10 @@ def state_or_warn(cluster: Cluster, warn: Warn, instead: str) -> job_state.JobSt
         return None
 
 
-def require_a_run(session: Session, result: GroupResult[dict[str, Any]]) -> None:
+def require_a_run(session: Session, result: GroupResult[StatusReply]) -> None:
     """With no saved state: "not started" (exit 2) when every host answered `status` and
     none holds a trace of a run (a supervisor, its exit, a rank's pid)."""
-    ran = any(reply.get("supervisor") or reply.get("host_exit")
-              or any(r.get("pid") is not None for r in reply["ranks"])
+    ran = any(reply.ran or any(r.pid is not None for r in reply.ranks)
               for reply in result.ok.values())
     if not ran and not session.failed and not result.failed:
         require_state(session.cluster)

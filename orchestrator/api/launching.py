@@ -341,7 +341,7 @@ def refuse_running_elsewhere(cluster: Cluster) -> None:
     finally:
         session.close()
     busy = [run.hosts[i].label for i, r in sorted(result.ok.items())
-            if r["supervisor"] or any(x["state"] in ("running", "starting") for x in r["ranks"])]
+            if r.running or any(x.state in ("running", "starting") for x in r.ranks)]
     if busy:
         raise UsageError(f"job '{cluster.name}' is already running on {', '.join(busy)} "
                          "(its last run, which this one leaves out)",

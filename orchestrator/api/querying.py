@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
+from dataclasses import replace
 from typing import Any
 
 from orchestrator.api import jobs
@@ -26,31 +27,32 @@ from orchestrator.arrays import results as array_results
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import UsageError
 from orchestrator.remote.fanout import GroupResult
+from orchestrator.session.replies import GpuReply, RankReply, StatusReply
 from orchestrator.session.session import Session
 from orchestrator.session.state import JobState
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.watch.events import runtime_of, state_text
 
 
-def rank_status(rank: int, host: str, local: int, info: dict[str, Any],
+def rank_status(rank: int, host: str, local: int, info: RankReply,
                 offset: float) -> RankStatus:
     """One rank from its host's `status` reply; its runtime on the host's clock (`offset`
     from ours) while it runs."""
-    state = state_text(info["state"], info.get("code"))
-    runtime = runtime_of(info.get("started"), info.get("ended"), offset)
-    return RankStatus(rank=rank, host=host, local_rank=local, pid=info.get("pid"), state=state,
-                      exit_code=info.get("code"), runtime_s=runtime,
-                      last_line=info.get("last_line", ""), log_bytes=info.get("log_bytes"))
+    state = state_text(info.state, info.code)
+    runtime = runtime_of(info.started, info.ended, offset)
+    return RankStatus(rank=rank, host=host, local_rank=local, pid=info.pid, state=state,
+                      exit_code=info.code, runtime_s=runtime,
+                      last_line=info.last_line, log_bytes=info.log_bytes)
 
 
-def rank_statuses(cluster: Cluster, result: GroupResult[dict[str, Any]]) -> list[RankStatus]:
+def rank_statuses(cluster: Cluster, result: GroupResult[StatusReply]) -> list[RankStatus]:
     """Every rank, `unreachable` where its host did not answer."""
     out = []
     for h in cluster.hosts:
         reply = result.ok.get(h.index)
         for local, rank in enumerate(h.ranks):
-            info = reply["ranks"][local] if reply else {"state": "unreachable", "last_line": ""}
-            offset = reply["time"] - time.time() if reply else 0.0
+            info = reply.ranks[local] if reply else RankReply(rank, "unreachable")
+            offset = reply.time - time.time() if reply else 0.0
             out.append(rank_status(rank, h.label, local, info, offset))
     return out
 
@@ -79,7 +81,7 @@ def watch(inventory: jobs.Inventory, every: float = 2.0,
             result = session.status()
             if st is None and done == 0:
                 jobs.require_a_run(session, result)
-            yield status_of(session, st, result)
+            yield with_metrics(session, st, status_of(session, st, result))
             done += 1
             if rounds is None or done < rounds:
                 time.sleep(max(0.0, every - (time.monotonic() - t0)))
@@ -87,33 +89,60 @@ def watch(inventory: jobs.Inventory, every: float = 2.0,
         session.close()
 
 
+def with_metrics(session: Session, st: JobState | None, status: Status) -> Status:
+    """Each rank's latest metric values from the job's own files: one fetch round of
+    them on the open links (into this run's outputs/<name>/), then the local copies read.
+    A file whose rank is not known counts as its host's first rank's."""
+    from orchestrator.api import pulling
+    from orchestrator.watch import curvefetch, curves
+    if st is not None:
+        pulling.run_dest(session.cluster, st)
+        curvefetch.once(session)
+    latest = curves.latest(curves.read_curves(session.cluster))
+    if not latest:
+        return status
+    first = {h.label: h.ranks.start for h in session.cluster.hosts if len(h.ranks)}
+
+    def of(r: RankStatus) -> dict[str, float]:
+        got = dict(latest.get((r.host, None), {})) if first.get(r.host) == r.rank else {}
+        got.update(latest.get((r.host, r.rank), {}))
+        return got
+    return replace(status, ranks=[replace(r, metrics=of(r)) for r in status.ranks])
+
+
 def status_of(session: Session, st: JobState | None,
-              result: GroupResult[dict[str, Any]]) -> Status:
+              result: GroupResult[StatusReply]) -> Status:
     cluster = session.cluster
     failed = {**session.failed, **result.failed}
     gpus = gpu_statuses(session, st, result)
-    errors = {cluster.hosts[i].label: str(r["gpu_error"]) for i, r in result.ok.items()
-              if "gpu_error" in r}
+    errors = {cluster.hosts[i].label: r.gpu_error for i, r in result.ok.items()
+              if r.gpu_error is not None}
     restarts = [Restart(a.attempt, a.of, a.why, a.at, list(a.hosts))
                 for a in st.attempts] if st is not None else []
     return Status(job=cluster.name, ranks=rank_statuses(cluster, result),
                   unreachable=jobs.labelled(cluster, failed), gpus=gpus, gpu_errors=errors,
-                  restarts=restarts,
+                  restarts=restarts, network=saved_network(cluster, st),
                   unreached=dict(session.failed), unanswered=dict(result.failed))
 
 
+def saved_network(cluster: Cluster, st: JobState | None) -> dict[str, Any] | None:
+    """The network plan this run's `up` proved and saved (session/network.save)."""
+    from orchestrator.session import network
+    return network.load(cluster, st.run_id) if st is not None else None
+
+
 def gpu_statuses(session: Session, st: JobState | None,
-                 result: GroupResult[dict[str, Any]]) -> list[GpuStatus]:
+                 result: GroupResult[StatusReply]) -> list[GpuStatus]:
     """Every GPU the hosts reported, with its holder: this job's (its ranks by the
     GPUs it claimed, in local rank order), another orch job's, or foreign processes."""
     out = []
     for h in session.cluster.hosts:
-        reply = result.ok.get(h.index) or {}
+        reply = result.ok.get(h.index)
         rec = session.records[h.index]
         claimed = claimed_ids(h.index, st)
-        for g in reply.get("gpus", ()):
+        for g in reply.gpus if reply else ():
             out.append(gpu_status(h.label, g, rec.job_dir, rec.part,
-                                  ranks_on(g["index"], claimed, h.ranks)))
+                                  ranks_on(g.index, claimed, h.ranks)))
     return out
 
 
@@ -129,20 +158,19 @@ def ranks_on(gpu: int, claimed: list[int], ranks: range) -> list[int]:
         else []
 
 
-def gpu_status(host: str, g: dict[str, Any], job_dir: str, part: str,
+def gpu_status(host: str, g: GpuReply, job_dir: str, part: str,
                ranks: list[int]) -> GpuStatus:
-    holder = g["holder"] if isinstance(g["holder"], dict) else None
-    pids = [p["pid"] for p in g["procs"]]
-    facts = dict(host=host, index=g["index"], name=g["name"], util=g["util"],
-                 mem_used=g["mem_used"], mem_total=g["mem_total"], pids=pids)
+    holder = g.holder
+    facts = GpuStatus(host=host, index=g.index, name=g.name, holder="free", util=g.util,
+                      mem_used=g.mem_used, mem_total=g.mem_total, pids=[p.pid for p in g.procs])
     if holder is None:
-        return GpuStatus(holder="free", **facts)
+        return facts
     if "pids" in holder:
-        users = [p["user"] for p in g["procs"]]
-        return GpuStatus(holder="process", user=users[0] if users else None, **facts)
+        users = [p.user for p in g.procs]
+        return replace(facts, holder="process", user=users[0] if users else None)
     mine = holder.get("job_dir") == job_dir and holder.get("part") in (part, None)
-    return GpuStatus(holder="this job" if mine else "job", job=str(holder.get("job", "?")),
-                     user=str(holder.get("user", "?")), ranks=ranks if mine else [], **facts)
+    return replace(facts, holder="this job" if mine else "job", job=str(holder.get("job", "?")),
+                   user=str(holder.get("user", "?")), ranks=ranks if mine else [])
 
 
 def array_status(inventory: jobs.Inventory) -> ArrayStatus:

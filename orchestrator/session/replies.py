@@ -50,3 +50,76 @@ class HostStacks:
         ranks = tuple(RankStackReply(r["rank"], r["state"], r.get("pid"), r.get("stack", ""))
                       for r in reply["ranks"])
         return cls(ranks, tuple(reply.get("nccl_dumps", ())))
+
+
+@dataclass(frozen=True)
+class RankReply:
+    """One rank in a host's `status` reply (protocol.py's RANK_STATUS); times on the
+    host's own clock."""
+
+    rank: int
+    state: str
+    last_line: str = ""
+    pid: int | None = None
+    started: float | None = None
+    code: int | None = None
+    ended: float | None = None
+    error_file: str = ""
+    log_bytes: int | None = None
+
+    @classmethod
+    def of(cls, r: Mapping[str, Any]) -> RankReply:
+        return cls(r["rank"], r["state"], r.get("last_line", ""), r.get("pid"), r.get("started"),
+                   r.get("code"), r.get("ended"), r.get("error_file", ""), r.get("log_bytes"))
+
+
+@dataclass(frozen=True)
+class GpuProc:
+    pid: int
+    user: str
+    mem: float | None
+
+
+@dataclass(frozen=True)
+class GpuReply:
+    """One GPU of a host (protocol.py's GPU): its facts from nvidia-smi, its processes,
+    and the claim on it (`holder`: an orch job's claim file, {"pids": ...} for foreign
+    processes, None when free), as the agent read them."""
+
+    index: int
+    uuid: str
+    name: str
+    util: float | None
+    mem_used: float | None
+    mem_total: float | None
+    holder: Mapping[str, Any] | None   # a claim file's fields: free-form by design
+    procs: tuple[GpuProc, ...]
+
+    @classmethod
+    def of(cls, g: Mapping[str, Any]) -> GpuReply:
+        procs = tuple(GpuProc(p["pid"], p["user"], p.get("mem")) for p in g["procs"])
+        holder = g["holder"] if isinstance(g["holder"], dict) else None
+        return cls(g["index"], g["uuid"], g["name"], g["util"], g["mem_used"], g["mem_total"],
+                   holder, procs)
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    """A host's `status` reply: whether a run left a trace there (a supervisor or its
+    exit), the host's clock, each asked rank, its GPUs (the GPU view) or why none."""
+
+    ran: bool
+    running: bool             # a supervisor is there now
+    time: float
+    ranks: tuple[RankReply, ...]
+    gpus: tuple[GpuReply, ...] = ()
+    gpu_error: str | None = None
+    nccl_dumps: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, reply: Mapping[str, Any]) -> StatusReply:   # checked by protocol.py
+        return cls(bool(reply.get("supervisor") or reply.get("host_exit")),
+                   bool(reply.get("supervisor")), float(reply["time"]),
+                   tuple(RankReply.of(r) for r in reply["ranks"]),
+                   tuple(GpuReply.of(g) for g in reply.get("gpus", ())),
+                   reply.get("gpu_error"), tuple(reply.get("nccl_dumps", ())))

@@ -27,7 +27,7 @@ from orchestrator.session import gpuclaims, setupstep, shellcmd
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import launch_all, new_run_id, warm_env, warm_start
 from orchestrator.session.preflight import Checked, PreflightReport, check_host, preflight
-from orchestrator.session.replies import HostStacks, Supervisor
+from orchestrator.session.replies import HostStacks, StatusReply, Supervisor
 from orchestrator.session.shelloutput import HostOutput, Printer
 from orchestrator.session.stopper import StopReport, stop_all
 from orchestrator.wire import timeouts
@@ -352,13 +352,13 @@ class Session:
                  if i not in skip or link.dead is None}
         return stop_all(self.cluster, links, self.dirs(), grace)
 
-    def status(self) -> GroupResult[dict[str, Any]]:
+    def status(self) -> GroupResult[StatusReply]:
         links = self.links
         hosts = tuple(h for h in self.cluster.hosts if h.index in links)
         # hosts with GPUs: every GPU's facts and holder too (the GPU view)
-        return fan_out(hosts, lambda h: links[h.index].request(
+        return fan_out(hosts, lambda h: StatusReply.of(links[h.index].request(
             "status", timeouts.STATUS, job_dir=self.records[h.index].job_dir,
-            ranks=list(h.ranks), **({"gpus": True} if h.gpus else {})))
+            ranks=list(h.ranks), **({"gpus": True} if h.gpus else {}))))
 
     def stacks(self, reason: str) -> GroupResult[HostStacks]:
         """A hang: every rank's Python stack, or why it has none (agent/stacks.py); the
@@ -381,9 +381,9 @@ class Session:
                                  ranks=[rank], first_local=rank - host.first_rank)
         except Exception:  # the report is still useful without the error file
             return "", ()
-        error_file: str = reply["ranks"][0].get("error_file", "")[-2000:]
+        got = StatusReply.of(reply)
         run = self.run_dir(host.index)
-        return error_file, tuple(f"{run}/{name}" for name in reply.get("nccl_dumps", ()))
+        return got.ranks[0].error_file[-2000:], tuple(f"{run}/{name}" for name in got.nccl_dumps)
 
     def run_dir(self, host: int) -> str:
         """The host's part of run/, as its agent maps it."""
