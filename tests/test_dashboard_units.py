@@ -222,3 +222,66 @@ def test_inline_json_cannot_end_its_script() -> None:
     text = server.inline_json({"x": "</script><script>alert(1)</script>&"})
     assert "<" not in text and ">" not in text and "&" not in text
     assert json.loads(text) == {"x": "</script><script>alert(1)</script>&"}
+
+
+# ---------------------------------------------------------------- orch up --dashboard, GPUs
+
+def test_orch_up_dashboard_feeds_the_page_from_the_runs_own_events(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from test_controller_fake import orch
+    FakeCluster().install(monkeypatch)
+    seen: list[page.Opened] = []
+    real = page.open_beside_run
+
+    def kept(*a: Any, **kw: Any) -> page.Opened:
+        seen.append(real(*a, **kw))
+        return seen[-1]
+    monkeypatch.setattr(page, "open_beside_run", kept)
+    assert orch("up", "--dashboard", inventory(tmp_path)) == 0
+    err = capsys.readouterr().err
+    (opened,) = seen
+    assert f"dashboard: {opened.url}" in " ".join(err.split())
+    snap = opened.board.snapshot()
+    assert snap["mode"] == "attached" and snap["outcome"] == "succeeded"
+    assert [r["state"] for r in snap["ranks"]] == ["exited 0"] * 6
+    kinds = [e["kind"] for e in snap["events"]]
+    assert kinds[0] == "Started" and kinds[-3:] == ["Succeeded", "Pulled", "Finished"]
+    with pytest.raises(OSError):   # closed with the run (stdin is no terminal here)
+        http.client.HTTPConnection("127.0.0.1", opened.server.port, timeout=5).request("GET", "/")
+
+
+def test_up_dashboard_with_detach_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from test_controller_fake import orch
+    assert orch("up", "--dashboard", "--detach", inventory(tmp_path)) == 2
+    assert "`up --dashboard` opens the page beside an attached run" in " ".join(capsys.readouterr().err.split())
+
+
+def test_gpu_samples_are_asked_on_the_follows_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each sample is one `status` on the session the follow holds, turned into GPU rows
+    as `orch status` turns them; none once the job ended."""
+    from orchestrator.api import querying
+    from orchestrator.api.outcomes import Status
+    from orchestrator.dashboard import feeds as feeding
+    board = Board(load_three())
+    asked: list[object] = []
+
+    class Session:
+        def status(self) -> str:
+            asked.append(self)
+            return "reply"
+    session = Session()
+    gpu = GpuStatus("127.0.0.1", 1, "H100", 97.0, 60000.0, 81559.0, "job", job="other", user="ann")
+    monkeypatch.setattr(querying, "status_of", lambda s, st, reply: (
+        Status("fk", [], {}, gpus=[gpu], gpu_errors={"127.0.0.3": "nvidia-smi failed"})
+        if s is session and reply == "reply" else None))
+    feeds = feeding.Feeds(board)
+    feeds.start("gpus", lambda: feeding.sample_gpus(session, None, board, feeds, 0.05))  # type: ignore[arg-type]
+    track = wait_for(lambda: len((g := board.snapshot()["gpus"]) and g[0]["samples"]) >= 3 and g[0])
+    assert track["holder"] == "job other (user ann)" and track["samples"][0][1:] == [97.0, 60000.0, 81559.0]
+    assert board.snapshot()["gpu_errors"] == {"127.0.0.3": "nvidia-smi failed"}
+    board.end()
+    time.sleep(0.2)
+    count = len(asked)
+    time.sleep(0.3)
+    assert len(asked) == count, "no sample once the job ended"
+    feeds.close()

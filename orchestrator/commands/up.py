@@ -54,6 +54,8 @@ def add_parser(sub: Any) -> None:
                         "(default: job.hang_timeout, else off)")
     p.add_argument("--no-pull", action="store_true",
                    help="do not pull rank 0's output/ into outputs/<name>/ when the job ends")
+    p.add_argument("--dashboard", action="store_true",
+                   help="serve the run's live page (as `orch dashboard`) beside the attached run")
     p.set_defaults(func=run)
 
 

@@ -17,6 +17,8 @@ from orchestrator.dashboard.board import Board
 from orchestrator.errors import OrchError
 from orchestrator.session.session import Session
 from orchestrator.session.state import JobState
+from orchestrator.watch import events as ev
+from orchestrator.watch.curvefetch import CurveFetch
 
 GPU_EVERY = 5.0       # seconds between GPU samples: nvidia-smi on every host each time
 CURVES_EVERY = 2.0    # seconds between reads of the curves' local copies
@@ -32,6 +34,7 @@ class Feeds:
         self.board = board
         self.done = threading.Event()
         self.session: Session | None = None
+        self.fetch: CurveFetch | None = None
         self.threads: list[threading.Thread] = []
 
     def start(self, name: str, target: Callable[[], None]) -> None:
@@ -57,21 +60,27 @@ class Feeds:
 
     def close(self) -> None:
         self.done.set()
+        if self.fetch is not None:
+            self.fetch.stop()
         if self.session is not None:
             self.session.close()
 
 
 def follow_job(inventory: jobs.Inventory, board: Board, feeds: Feeds,
                gpu_every: float = GPU_EVERY) -> Cluster:
-    """`orch dashboard` of a distributed job: api.follow's events into the board, and the
-    GPU samples asked on the same session while the job runs. A mistake (no job started,
+    """`orch dashboard` of a distributed job: api.follow's events into the board; on the
+    same session, the GPU samples while the job runs and the curves' files fetched
+    (watch/curvefetch.py, as an attached `orch up` does). A mistake (no job started,
     an array) raises here, before any page is served; returns the run's cluster."""
     session, st = following.attach(inventory)
     feeds.session = session
     stream = following.events(session, st)
+    fetch = feeds.fetch = CurveFetch(session).start()   # the curves' files, while it runs
 
     def follow() -> None:
         for event in stream:
+            if isinstance(event, (ev.Succeeded, ev.RootCause)):   # the last: the files' last rows
+                fetch.stop(final=True)
             board(event)
             if feeds.done.is_set():
                 break
