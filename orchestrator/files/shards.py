@@ -10,7 +10,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +53,33 @@ class Manifest:
         return DataError(f"{self.path}: {what}", hint=self.fix_whole if whole else self.fix)
 
 
-def load_split(cluster: Cluster, cache: DigestCache | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Shard:
+    """One rank's shard of a checked split: its folder's name (`worker_<r>_of_<W>`), its
+    bytes, and its files as the manifest lists them, [path, bytes] pairs (a million of
+    them stay the parsed lists: an object each would double a first listing's time)."""
+
+    name: str
+    bytes: int
+    files: list[list[Any]]
+
+
+@dataclass(frozen=True)
+class Split:
+    """The split for the job's world size, checked (check_split): one Shard per rank."""
+
+    kind: str
+    source: str
+    seed: int
+    shards: tuple[Shard, ...]
+
+    @classmethod
+    def of(cls, checked: Mapping[str, Any]) -> Split:   # a split check_split passed
+        return cls(checked["kind"], checked["source"], checked["seed"],
+                   tuple(Shard(s["name"], s["bytes"], s["files"]) for s in checked["shards"]))
+
+
+def load_split(cluster: Cluster, cache: DigestCache | None = None) -> Split:
     """The split made for this job's world size, checked, or a message saying what to do.
     With a cache: a split checked before is taken from its memo while manifest.json's
     stat key stands (a million entries' JSON and checks were a third of a nothing-changed
@@ -66,7 +92,7 @@ def load_split(cluster: Cluster, cache: DigestCache | None = None) -> dict[str, 
         st = None   # read() says what is wrong
     hit = cache.memo.get(memo_key) if cache is not None and st is not None else None
     if type(hit) is tuple and len(hit) == 2 and st is not None and hit[0] == stat_key(st):
-        return hit[1]   # type: ignore[no-any-return]
+        return Split.of(hit[1])
     manifest, st = read_with_stat(m)
     splits = manifest["splits"]
     split = splits.get(str(m.world))
@@ -81,9 +107,9 @@ def load_split(cluster: Cluster, cache: DigestCache | None = None) -> dict[str, 
             for old in [k for k, v in cache.memo.items() if k.startswith(same_file)
                         and not (type(v) is tuple and len(v) == 2 and v[0] == key)]:
                 del cache.memo[old]   # another world size's split of an older manifest
-            cache.memo[memo_key] = (key, checked)
+            cache.memo[memo_key] = (key, checked)   # the memo keeps plain data
             cache.dirty = True
-    return checked
+    return Split.of(checked)
 
 
 def resplit_size(cluster: Cluster) -> int | None:
@@ -246,7 +272,7 @@ def safe_rel(rel: str, where: str, fix: str = "re-create the split with `orch sp
 
 # ---------------------------------------------------------------- the host's files
 
-def host_files(cluster: Cluster, host: Host, split: dict[str, Any],
+def host_files(cluster: Cluster, host: Host, split: Split,
                cache: DigestCache) -> list[LocalFile]:
     """The host's own shards, as `worker_<r>_of_<W>/<rel>` under data/: the bytes of files
     and of links into data.source; links inside a shard stay links."""
@@ -256,7 +282,7 @@ def host_files(cluster: Cluster, host: Host, split: dict[str, Any],
     return files
 
 
-def host_chunks(cluster: Cluster, host: Host, split: dict[str, Any], cache: DigestCache,
+def host_chunks(cluster: Cluster, host: Host, split: Split, cache: DigestCache,
                 step: int | None = None) -> Iterator[list[LocalFile]]:
     """host_files() as it is made, `step` (CHUNK) files at a time (files.feed: a push that
     starts before the list is whole)."""
@@ -264,18 +290,18 @@ def host_chunks(cluster: Cluster, host: Host, split: dict[str, Any], cache: Dige
     source = os.path.realpath(cluster.data.source) if cluster.data.source else None
     resolver, fix = Resolver(), shard_fix(cluster, source)
     for rank in host.ranks:
-        shard = split["shards"][rank]
-        folder = shard_folder(cluster, shard["name"])
-        listed = Listed(shard["files"])
-        where = Where(f"{cluster.data.shards}/{shard['name']}/", folder, shard["name"], source, fix)
-        entries = shard["files"]
+        shard = split.shards[rank]
+        folder = shard_folder(cluster, shard.name)
+        listed = Listed(shard.files)
+        where = Where(f"{cluster.data.shards}/{shard.name}/", folder, shard.name, source, fix)
+        entries = shard.files
         for lo in range(0, len(entries), step):
             yield shard_files(where, entries[lo:lo + step], listed, cache, resolver)
 
 
-def shard_bytes(split: dict[str, Any], host: Host) -> int:
+def shard_bytes(split: Split, host: Host) -> int:
     """The bytes the split says the host's shards hold (a push's total before the list is)."""
-    return sum(split["shards"][rank]["bytes"] for rank in host.ranks)
+    return sum(split.shards[rank].bytes for rank in host.ranks)
 
 
 class Listed:
