@@ -27,7 +27,7 @@ from orchestrator.remote.link import Link, Pending, Stream
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import protocol, timeouts
 
-Progress = Callable[[int], None]     # bytes just received
+ReceiveProgress = Callable[[int], None]     # bytes just received
 BATCH_NAMES = 2 << 20                # bytes of names per pull_send request (a JSON frame)
 HEX = frozenset("0123456789abcdef")
 
@@ -157,7 +157,7 @@ class Receiver(Stream):
     exact = False
 
     def __init__(self, dest: Dest, wanted: dict[str, Any], cache: DigestCache, report: PullReport,
-                 progress: Progress | None) -> None:
+                 progress: ReceiveProgress | None) -> None:
         self.dest, self.wanted, self.cache, self.report = dest, wanted, cache, report
         self.progress, self.lock = progress, threading.Lock()
         self.seen: set[str] = set()
@@ -307,7 +307,7 @@ def manifest(link: Link, job_dir: str, paths: list[str],
 
 
 def pull(link: Link, job_dir: str, paths: list[str], root: Path, cache: DigestCache,
-         progress: Progress | None = None,
+         progress: ReceiveProgress | None = None,
          planned: Callable[[int], None] | None = None) -> PullReport:
     """Bring output/ (or `paths` under it) of one host's job into root. `planned` is
     told how many bytes will come, before they do."""

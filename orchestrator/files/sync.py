@@ -34,7 +34,7 @@ from orchestrator.wire import protocol, timeouts
 
 BATCH = 1 << 20
 STALL_STEP = 1 << 18   # bytes per send between two progress stamps (13 KB/s at PUSH_IDLE)
-Progress = Callable[[int, int], None]   # (bytes, files) just sent
+SendProgress = Callable[[int, int], None]   # (bytes, files) just sent
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def file_head(f: LocalFile, fresh: bool = False) -> bytes:
 
 
 def stream_files(send: Callable[[bytes | memoryview], None], files: Iterable[LocalFile],
-                 progress: Progress | None, batch: bool = True,
+                 progress: SendProgress | None, batch: bool = True,
                  cache: DigestCache | None = None,
                  stop: Callable[[], bool] | None = None) -> None:
     """A `file` message and data frames (at most 1 MiB each) per file. `batch`: small
@@ -179,7 +179,7 @@ class Batcher:
     """The stream's bytes gathered into writes of about BATCH, small files into batches."""
 
     def __init__(self, send: Callable[[bytes | memoryview], None],
-                 progress: Progress | None, stop: Callable[[], bool] | None = None) -> None:
+                 progress: SendProgress | None, stop: Callable[[], bool] | None = None) -> None:
         self.send, self.progress = send, progress
         self.stop = stop or (lambda: False)   # asked only between two frames
         self.out, self.pending = bytearray(), 0     # bytes to write, files in them
@@ -279,7 +279,7 @@ class Stall:
     """A push's watchdog: when the host takes no byte and sends no frame for `idle`
     seconds (sshd frozen, link cut: TCP itself may wait a quarter of an hour), the
     host's connection is closed, which ends a send blocked on the SSH window and the
-    wait for the reply. Progress = a send returned, or any frame from the host."""
+    wait for the reply. progress: a send returned, or any frame from the host."""
 
     def __init__(self, link: Link, idle: float | None = None) -> None:
         self.link, self.idle = link, timeouts.PUSH_IDLE if idle is None else idle
@@ -326,7 +326,7 @@ class Stall:
 
 
 def push(link: Link, dest: str, local: list[LocalFile] | Feed,
-         progress: Progress | None = None, remote: dict[str, list[Any]] | Same | None = None,
+         progress: SendProgress | None = None, remote: dict[str, list[Any]] | Same | None = None,
          cache: DigestCache | None = None) -> SyncReport:
     """Make `dest` on the host hold exactly `local` (by content); send only differences.
     `remote` is the host's manifest of dest when the caller has it already; `cache`
@@ -358,7 +358,7 @@ def push(link: Link, dest: str, local: list[LocalFile] | Feed,
                       tuple(f.rel for f in send))
 
 
-def push_fed(link: Link, dest: str, feed: Feed, progress: Progress | None,
+def push_fed(link: Link, dest: str, feed: Feed, progress: SendProgress | None,
              cache: DigestCache | None) -> SyncReport:
     """A first push into a folder that holds nothing: every file is sent and none
     deleted, so the stream starts with the listing's first chunk. The request waits for
@@ -395,7 +395,7 @@ def settle(local: list[LocalFile], remote: dict[str, list[Any]],
 
 
 def stream_and_wait(link: Link, stall: Stall, dest: str, send: Iterable[LocalFile],
-                    delete: list[str], progress: Progress | None,
+                    delete: list[str], progress: SendProgress | None,
                     command: str = "receive", cache: DigestCache | None = None,
                     **fields: Any) -> dict[str, Any]:
     """The stream after its request (`receive` into dest, or another that takes the same

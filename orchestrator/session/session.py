@@ -16,7 +16,7 @@ from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_USAGE, DataError, HostError, OrchError
 from orchestrator.files.feed import Feed
 from orchestrator.files.localfiles import DigestCache, LocalFile, Pushable
-from orchestrator.files.pull import Progress, PullReport
+from orchestrator.files.pull import PullReport, ReceiveProgress
 from orchestrator.files.pull import pull as pull_files
 from orchestrator.files.sync import SyncReport, push
 from orchestrator.remote.bundle import bundle
@@ -390,7 +390,7 @@ class Session:
         record = self.records[host]
         return f"{record.job_dir}/run" + (f"/{record.part}" if record.part else "")
 
-    def pull(self, host: Host, paths: list[str], dest: Path, progress: Progress | None = None,
+    def pull(self, host: Host, paths: list[str], dest: Path, progress: ReceiveProgress | None = None,
              planned: Callable[[int], None] | None = None) -> PullReport:
         """`paths` under the job's output/ on `host` (all of it when empty) into dest, on
         the host's open link (no new login)."""
