@@ -224,10 +224,11 @@ def test_documents_carry_the_version_and_the_cli_field_names() -> None:
                         unreached={1: RuntimeError("down")})
     doc = document(status)
     assert list(doc) == ["version", "job", "ranks", "unreachable", "gpus", "gpu_errors",
-                         "restarts"] and doc["version"] == 1
+                         "restarts", "network"] and doc["version"] == 1
+    assert doc["network"] is None   # no plan saved: one machine, or not proven
     assert doc["ranks"] == [{"rank": 0, "host": "h", "local_rank": 0, "pid": 7,
                              "state": "running", "code": None, "runtime_s": 1.5,
-                             "last_line": "x"}]   # exit_code is "code"; log_bytes stays out
+                             "last_line": "x", "metrics": {}}]   # exit_code is "code"; log_bytes stays out
     json.dumps(doc)   # the exceptions stay out too
     up = api.UpResult("j", "run1", 2, "10.0.0.1", 29500, [api.UpHost("h", "/r/j", [0, 1])])
     assert document(up) == {"version": 1, "job": "j", "run_id": "run1", "world_size": 2,

@@ -92,6 +92,8 @@ class RankStatus:
     runtime_s: float | None   # measured on the host's clock; None before it started
     last_line: str
     log_bytes: int | None = field(default=None, metadata=NOT_IN_JSON)   # `logs --list`
+    # the latest value of each metric the job's files hold for this rank (watch/curves.py)
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:

@@ -151,19 +151,34 @@ def gpu_tables(status: Status) -> list[Any]:
     return [gpuview.table(status.gpus)] if status.gpus else []
 
 
-COLUMNS = ("rank", "host", "local", "pid", "state", "runtime", "last line")
+COLUMNS = ("rank", "host", "local", "pid", "state", "runtime", "metric", "last line")
 CAPS = {"host": 20}                    # wider than this: cut with an ellipsis
 NARROW_CAPS = {"host": 12}
 NARROW = 100                           # below this width the pid column is left out
 # the state is never cut: on a screen too narrow for it, these columns are left out first
-DROPPED = ("last line", "local", "runtime", "host")
+DROPPED = ("last line", "metric", "local", "runtime", "host")
+# the metric shown per rank: its loss and its accuracy, the first of these it has
+LOSS_KEYS = ("loss", "train_loss", "train/loss", "val_loss", "val/loss")
+ACC_KEYS = ("val_acc", "val/acc", "accuracy", "acc", "train_acc", "train/acc")
+
+
+def metric_text(m: dict[str, float]) -> str:
+    """`train_loss 0.231  val_acc 0.912`: a loss and an accuracy (any name holding the
+    word, else); empty when the rank's files hold neither."""
+    parts = []
+    for keys, word in ((LOSS_KEYS, "loss"), (ACC_KEYS, "acc")):
+        key = next((k for k in keys if k in m), None) or \
+            next((k for k in sorted(m) if word in k.lower()), None)
+        if key is not None:
+            parts.append(f"{key[:24]} {m[key]:.4g}")
+    return "  ".join(parts)
 
 
 def cells(r: RankStatus) -> dict[str, str]:
     runtime = "-" if r.runtime_s is None else f"{r.runtime_s:.1f}s"
     shown = {"rank": str(r.rank), "host": r.host, "local": str(r.local_rank),
              "pid": str(r.pid or "-"), "state": r.state, "runtime": runtime,
-             "last line": r.last_line[:LAST_LINE_MAX]}
+             "metric": metric_text(r.metrics), "last line": r.last_line[:LAST_LINE_MAX]}
     # measured and shown as the terminal will see them: control characters escaped
     return {k: visible(v, keep_sgr=False) for k, v in shown.items()}
 
@@ -204,7 +219,9 @@ def table(name: str, rows: list[RankStatus], width: int | None = None) -> Table:
     tells lines apart); host text is shown escaped, never read as markup."""
     width = width or out.width
     texts = [cells(r) for r in rows]
-    cols, w = fitted(texts, [c for c in COLUMNS if c != "pid" or width >= NARROW], width)
+    metric = any(r["metric"] for r in texts)   # a job that writes no metrics: no column
+    cols, w = fitted(texts, [c for c in COLUMNS if (c != "pid" or width >= NARROW)
+                             and (c != "metric" or metric)], width)
     t = Table(title=plain(f"job {name}"))
     for c in cols:
         # the state folds onto a second line on a screen too narrow even for it alone
