@@ -7,6 +7,7 @@ writes metrics.csv into ORCH_OUTPUT_DIR and prints."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -103,6 +104,12 @@ def test_array_queue_results_status_logs(sshd_cluster: SshdCluster, tmp_path: Pa
     rows = {r["task"]: r for r in got["tasks"]}
     assert len(rows) == 10 and rows[6]["state"] == "failed (exit code 3)" and rows[6]["metrics"] == {}
     assert rows[3]["metrics"] == {"epoch": "2", "val_acc": "0.8", "val_loss": "1.0"}
+    # each task's curve: its metrics.csv fetched from the host that ran it
+    assert (rows[3]["curve_metric"], rows[3]["curve"]) == ("val_acc", [0.1, 0.8])
+    assert rows[6]["curve"] == [] and rows[6]["curve_metric"] == ""
+    shown = orch(tmp_path, "results", "-c", str(inv),
+                 env={**os.environ, "PYTHONIOENCODING": "utf-8", "COLUMNS": "200"})
+    assert "▁█ val_acc" in shown.stdout, shown.stdout
     good = next(g for g in got["groups"] if g["params"] == {"model": "good"})
     assert good["tasks"] == [0, 1, 2, 3, 4] and good["metrics"]["val_acc"]["mean"] == pytest.approx(0.7)
     assert good["metrics"]["val_acc"]["std"] == pytest.approx(0.15811, abs=1e-4)

@@ -343,6 +343,9 @@ class TaskResult:
     params: dict[str, str]    # --model vgg --fold 1 -> {"model": "vgg", "fold": "1"}
     state: str
     metrics: dict[str, str]   # the last row of its metrics.csv, as text
+    # its curve: one metric's values, epoch by epoch, from the task's files (watch/curves.py)
+    curve_metric: str = ""
+    curve: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

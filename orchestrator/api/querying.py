@@ -210,18 +210,36 @@ def results(inventory: jobs.Inventory) -> Results:
         session.close()
 
 
+CURVE_METRICS = ("val_acc", "val/acc", "accuracy", "acc", "val_loss", "val/loss", "loss",
+                 "train_loss", "train/loss")   # a task's curve: the first of these it has
+CURVE_POINTS = 200                             # values kept (the last ones)
+
+
+def task_curve(cluster: Cluster, task: int) -> dict[str, Any]:
+    """{"curve_metric", "curve"}: one metric of the task's files, epoch by epoch (or
+    step by step), from the local copies; empty when it wrote none."""
+    from orchestrator.watch import curves
+    found = {s.name: s for s in curves.read_curves(cluster, task=task)}
+    name = next((m for m in CURVE_METRICS if m in found), None) or next(iter(sorted(found)), None)
+    if name is None:
+        return {}
+    return {"curve_metric": name, "curve": [p.value for p in found[name].points][-CURVE_POINTS:]}
+
+
 def results_of(session: Session, rec: plan.ArrayRecord) -> Results:
     """The results over an open session (`up` of an attached array ends with them)."""
     cluster = session.cluster
     status = plan.host_request(session, "array_status", rec)
     fetched = plan.host_request(session, "array_results", rec)
     rows = array_results.result_rows(rec, array_results.status_rows(cluster, rec, status), fetched)
+    from orchestrator.watch import curvefetch
+    curvefetch.once(session)   # each task's metrics files, for its curve
     path = cluster.state_dir / "results.csv"
     array_results.write_csv(path, rows)
     groups = [ResultGroup(params=g["params"], tasks=g["tasks"], ok=g["ok"],
                           metrics={c: MetricStats(**m) for c, m in g["metrics"].items()})
               for g in array_results.group(rows)]
     tasks = [TaskResult(task=r["task"], args=r["args"], params=r["params"], state=r["state"],
-                        metrics=r["metrics"]) for r in rows]
+                        metrics=r["metrics"], **task_curve(cluster, r["task"])) for r in rows]
     return Results(job=cluster.name, tasks=tasks, groups=groups, csv=path,
                    unreached=dict(session.failed))

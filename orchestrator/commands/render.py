@@ -77,14 +77,42 @@ def shown_columns(tasks: list[TaskResult]) -> list[str]:
     return (first + [c for c in cols if c not in first])[:MAX_COLS]
 
 
+BARS = "▁▂▃▄▅▆▇█"                              # a sparkline's eight heights
+SPARK_WIDTH = 24                                 # characters of a task's curve at most
+
+
+def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:
+    """`▁▃▅█`: the values scaled to eight heights between their min and max, the last
+    `width` of them."""
+    tail = values[-width:]
+    if not tail:
+        return ""
+    low, high = min(tail), max(tail)
+    span = high - low
+    return "".join(BARS[int((v - low) / span * 7.999) if span else 3] for v in tail)
+
+
+def can_draw() -> bool:
+    """The terminal's encoding holds the bars (not an ASCII locale or a pipe to one)."""
+    try:
+        BARS.encode(out.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
+
 def results(res: Results) -> None:
-    """The tasks' table, the groups' table, and where results.csv is."""
+    """The tasks' table (with each task's curve where the terminal can draw it), the
+    groups' table, and where results.csv is."""
     cols = shown_columns(res.tasks)
+    curve = can_draw() and any(r.curve for r in res.tasks)
     t = Table(title=f"job array {res.job}: {len(res.tasks)} tasks")
-    for c in ("task", "args", "state", *cols):
+    for c in ("task", "args", "state", *cols, *(["curve"] if curve else [])):
         t.add_column(c)
     for r in res.tasks:
-        t.add_row(str(r.task), plain(r.args), r.state, *(plain(r.metrics.get(c, "")) for c in cols))
+        drawn = [f"{sparkline(r.curve)} {plain(r.curve_metric)}" if r.curve else ""] if curve else []
+        t.add_row(str(r.task), plain(r.args), r.state, *(plain(r.metrics.get(c, "")) for c in cols),
+                  *drawn)
     out.print(t, soft_wrap=False)
     g = Table(title="grouped over folds (mean ± std)")
     for c in ("group", "tasks", "ok", *cols):
