@@ -285,3 +285,44 @@ def test_gpu_samples_are_asked_on_the_follows_session(monkeypatch: pytest.Monkey
     time.sleep(0.3)
     assert len(asked) == count, "no sample once the job ended"
     feeds.close()
+
+
+def test_the_orch_dashboard_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The URL printed (and --json's document), the page served behind it until Ctrl-C:
+    exit 130, the port closed after."""
+    import re
+
+    from orchestrator.commands import dashboard as command
+    from test_controller_fake import orch
+    Running(monkeypatch)
+    path = inventory(tmp_path)
+    api.up(path)
+    capsys.readouterr()
+    seen: dict[str, Any] = {}
+
+    def held() -> None:
+        out, err = capsys.readouterr()
+        seen["doc"], seen["err"] = json.loads(out), " ".join(err.split())
+        port, token = re.search(r"127\.0\.0\.1:(\d+)/\?token=(\S+)", seen["err"]).groups()  # type: ignore[union-attr]
+        conn = http.client.HTTPConnection("127.0.0.1", int(port), timeout=30)
+        conn.request("GET", f"/api/state?token={token}")
+        seen["state"] = json.loads(conn.getresponse().read())
+        conn.close()
+        raise KeyboardInterrupt
+    monkeypatch.setattr(command, "hold", held)
+    assert orch("dashboard", "--json", "-c", path) == 130
+    assert seen["doc"]["url"] in seen["err"] and seen["doc"]["version"] == 1
+    assert "Ctrl-C ends it" in seen["err"] and len(seen["state"]["ranks"]) == 6
+    assert "dashboard closed" in capsys.readouterr().err
+    with pytest.raises(OSError):
+        http.client.HTTPConnection("127.0.0.1", seen["doc"]["port"], timeout=5).request("GET", "/")
+
+
+def test_orch_dashboard_without_a_job_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from test_controller_fake import orch
+    FakeCluster().install(monkeypatch)
+    assert orch("dashboard", "-c", inventory(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "orch: " in err and "Traceback" not in err and "dashboard:" not in err

@@ -8,7 +8,7 @@ import argparse
 import threading
 from typing import Any
 
-from orchestrator.commands.common import console, inventory_path
+from orchestrator.commands.common import console, emit_json, inventory_path
 from orchestrator.dashboard import page
 from orchestrator.errors import EXIT_INTERRUPTED
 from orchestrator.ui.termsafe import plain
@@ -26,9 +26,11 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     opened = page.open_for_job(inventory_path(args), port=args.port)
     try:
-        say_url(opened.url, args.no_open)
+        if args.json:   # for a script that opens the page itself
+            emit_json({"url": opened.url, "port": opened.server.port})
+        say_url(opened.url, args.no_open or args.json)
         console.print("Ctrl-C ends it", markup=False)
-        threading.Event().wait()
+        hold()
     except KeyboardInterrupt:
         console.print("dashboard closed", markup=False)
     finally:
@@ -36,7 +38,12 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED
 
 
+def hold() -> None:
+    """Until Ctrl-C: the page is served by its own threads."""
+    threading.Event().wait()
+
+
 def say_url(url: str, no_open: bool) -> None:
-    console.print(plain(f"dashboard: {url}"))
+    console.print(plain(f"dashboard: {url}"), soft_wrap=True)   # one line to copy
     if not no_open:
         page.open_browser(url, lambda line: console.print(plain(line)))

@@ -58,7 +58,7 @@ def with_dashboard(cluster: Cluster, args: argparse.Namespace, restarts: int,
     from orchestrator.dashboard import page
     opened = page.open_beside_run(cluster, inventory_path(args))
     try:
-        console.print(plain(f"dashboard: {opened.url}"))
+        console.print(plain(f"dashboard: {opened.url}"), soft_wrap=True)
         page.open_browser(opened.url, lambda line: console.print(plain(line)))
         code = attached(cluster, args, restarts, view, also=opened.board)
         if sys.stdin.isatty():

@@ -124,10 +124,12 @@
     box.appendChild(el("h3", title));
     parent.appendChild(box);
     var colors = ["#27a", "#c33", "#2a7", "#e90", "#84c", "#0aa", "#a60", "#666"];
-    var series = [{}].concat(labels.map(function (l, i) {
+    var series = [{label: (opts && opts.xLabel) || "time"}].concat(labels.map(function (l, i) {
       return {label: l, stroke: colors[i % colors.length], width: 1.5, spanGaps: true};
     }));
-    var plot = new uPlot(Object.assign({width: 460, height: 220, series: series}, opts || {}), data, box);
+    var conf = Object.assign({width: 460, height: 220, series: series}, opts || {});
+    delete conf.xLabel;
+    var plot = new uPlot(conf, data, box);
     charts[key] = {plot: plot, shape: shape, box: box};
   }
   function renderCurves() {
@@ -144,7 +146,7 @@
       });
       var data = tables.length === 1 ? tables[0] : uPlot.join(tables);
       var labels = list.map(function (s) { return s.host + (s.rank === null ? "" : " r" + s.rank) + " " + s.source; });
-      chart("curve:" + name, name, $("curve-charts"), labels, data, {scales: {x: {time: false}}});
+      chart("curve:" + name, name, $("curve-charts"), labels, data, {scales: {x: {time: false}}, xLabel: "step or epoch"});
     });
   }
   function renderGpus() {
