@@ -255,3 +255,36 @@ def test_the_fetch_thread_rounds_and_the_checkpoint_keeper_share_one_link(
             t.join(60)
         assert keeper.last_error is None and fetch.notes == [], (keeper.last_error, fetch.notes)
         assert len(keeper.latest()) == 8 and fetch.version == 1
+
+
+# ---------------------------------------------------------------- the terminal
+
+def test_status_shows_a_loss_and_an_accuracy_per_rank_only_when_written() -> None:
+    import io
+
+    from rich.console import Console
+
+    from orchestrator.api.outcomes import RankStatus
+    from orchestrator.commands import status
+    assert status.metric_text({"train_loss": 0.23456, "val_acc": 0.9, "lr": 0.1}) == \
+        "train_loss 0.2346  val_acc 0.9"
+    assert status.metric_text({"my/Loss_x": 2.0}) == "my/Loss_x 2"
+    assert status.metric_text({"lr": 0.1}) == ""
+
+    def shown(metrics: dict[str, float]) -> str:
+        r = RankStatus(rank=0, host="h", local_rank=0, pid=1, state="running", exit_code=None,
+                       runtime_s=1.0, last_line="epoch 1", metrics=metrics)
+        con = Console(file=io.StringIO(), width=120, record=True)
+        con.print(status.table("j", [r], width=120))
+        return con.export_text()
+    assert "metric" in shown({"loss": 0.5}) and "loss 0.5" in shown({"loss": 0.5})
+    assert "metric" not in shown({})
+    # a metric's name is the job's text: shown escaped, never a terminal sequence
+    assert "\x1b" not in shown({"\x1b[31mloss": 1.0})
+
+
+def test_sparkline_scales_between_min_and_max() -> None:
+    from orchestrator.commands.render import sparkline
+    assert sparkline([0.1, 0.5, 0.8]) == "\u2581\u2585\u2588"
+    assert sparkline([1.0, 1.0]) == "\u2584\u2584" and sparkline([]) == ""
+    assert len(sparkline([float(i) for i in range(100)])) == 24

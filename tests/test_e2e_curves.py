@@ -79,6 +79,8 @@ def test_a_running_jobs_metrics_arrive_before_it_ends(
     assert run.is_alive() and not ended, "the job ended before its metrics were read"
     assert got == {(first, 0): {"train_loss": 1.0, "val_acc": 0.5},   # type: ignore[comparison-overlap]
                    (second, 1): {"loss": 2.0}}
+    ranks = {r.rank: r.metrics for r in api.status(inv).ranks}   # `orch status --json`
+    assert ranks == {0: {"train_loss": 1.0, "val_acc": 0.5}, 1: {"loss": 2.0}}
     local = tmp_path / "outputs" / name
     assert (local / "metrics.csv").is_file()
     assert (local / ".hosts" / second / "rank-1.jsonl").is_file()
