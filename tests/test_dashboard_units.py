@@ -326,3 +326,15 @@ def test_orch_dashboard_without_a_job_is_a_usage_error(tmp_path: Path, monkeypat
     assert orch("dashboard", "-c", inventory(tmp_path)) == 2
     err = capsys.readouterr().err
     assert "orch: " in err and "Traceback" not in err and "dashboard:" not in err
+
+
+def test_the_big_parts_are_sent_only_when_they_changed() -> None:
+    board = Board(load_three())
+    first = board.snapshot()
+    assert {"events", "gpus", "curves", "tasks"} <= first.keys()
+    again = board.snapshot(first["versions"])
+    assert not {"events", "gpus", "curves", "tasks"} & again.keys() and len(again["ranks"]) == 6
+    board(api.HostLost(1.0, "127.0.0.1", "gone"))
+    board.set_curves([], {})   # unchanged: no new version
+    later = board.snapshot(first["versions"])
+    assert "events" in later and "curves" not in later and later["ranks"][0]["state"] == "lost"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -77,6 +77,7 @@ class Board:
         self.tasks: dict[str, Any] = {}
         self.notes: list[str] = []
         self.started = threading.Event()   # an attempt's Started was seen
+        self.versions = {"events": 0, "gpus": 0, "curves": 0, "tasks": 0}
         self.place([(h.label, list(h.ranks)) for h in cluster.hosts])
 
     def place(self, hosts: Sequence[tuple[str, Sequence[int]]]) -> None:
@@ -106,6 +107,7 @@ class Board:
             text, detail = describe(event)
             self.events.append({"time": event.time, "kind": type(event).__name__,
                                 "text": cut(text), "detail": cut(detail, MAX_DETAIL_CHARS)})
+            self.changed("events")
 
     def row(self, rank: int, host: str) -> RankRow:
         if rank not in self.ranks:
@@ -189,18 +191,23 @@ class Board:
                     track = self.gpus[(g.host, g.index)] = GpuTrack(g.host, g.index, cut(g.name, 80), "")
                 track.holder = cut(holder(g), 200)
                 track.samples.append((when, g.util, g.mem_used, g.mem_total))
+            self.changed("gpus")
             self.gpu_errors = {k: cut(v, 500) for k, v in (errors or {}).items()}
 
     def set_curves(self, series: Sequence[Any], latest: dict[tuple[str, int | None], dict[str, float]]) -> None:
         """The curves as read from the job's files (watch/curves.Series), thinned."""
         shown = [curve(s) for s in series[:MAX_SERIES]]
         with self.lock:
-            self.curves = shown
+            if shown != self.curves:
+                self.curves = shown
+                self.changed("curves")
             self.latest = {f"{h}/{'' if r is None else r}": dict(m) for (h, r), m in latest.items()}
 
     def set_tasks(self, tasks: dict[str, Any]) -> None:
         with self.lock:
-            self.tasks = tasks
+            if tasks != self.tasks:
+                self.tasks = tasks
+                self.changed("tasks")
 
     def set_network(self, plan: str) -> None:
         with self.lock:
@@ -208,18 +215,31 @@ class Board:
 
     # ------------------------------------------------------------------ reading
 
-    def snapshot(self) -> dict[str, Any]:
-        """Everything but the logs, as JSON-ready data."""
+    def snapshot(self, have: dict[str, int] | None = None) -> dict[str, Any]:
+        """Everything but the logs, as JSON-ready data. The big parts (events, GPU
+        samples, curves, tasks) only where `have` (the page's versions of them, as
+        `versions` gave them) is not the current one: the page polls every second."""
         now = time.time()
         with self.lock:
-            return {"job": self.job, "mode": self.mode, "now": now, "ended": self.ended,
-                    "outcome": self.outcome, "restarts": self.restarts,
-                    "root_cause": self.root_cause, "ranks": [self.rank_json(r, now) for r in
-                                                             sorted(self.ranks.values(), key=lambda r: r.rank)],
-                    "events": list(self.events), "gpus": [gpu_json(t) for t in self.gpus.values()],
-                    "gpu_errors": dict(self.gpu_errors), "network": self.network,
-                    "curves": list(self.curves), "latest": dict(self.latest),
-                    "tasks": self.tasks, "notes": list(self.notes), "log_seq": self.seq}
+            doc = {"job": self.job, "mode": self.mode, "now": now, "ended": self.ended,
+                   "outcome": self.outcome, "restarts": self.restarts,
+                   "root_cause": self.root_cause, "ranks": [self.rank_json(r, now) for r in
+                                                            sorted(self.ranks.values(), key=lambda r: r.rank)],
+                   "gpu_errors": dict(self.gpu_errors), "network": self.network,
+                   "latest": dict(self.latest), "notes": list(self.notes), "log_seq": self.seq,
+                   "versions": dict(self.versions)}
+            for part, value in self.parts().items():
+                if have is None or have.get(part) != self.versions[part]:
+                    doc[part] = value()
+            return doc
+
+    def parts(self) -> dict[str, Callable[[], Any]]:
+        return {"events": lambda: list(self.events),
+                "gpus": lambda: [gpu_json(t) for t in self.gpus.values()],
+                "curves": lambda: list(self.curves), "tasks": lambda: self.tasks}
+
+    def changed(self, part: str) -> None:
+        self.versions[part] += 1
 
     def rank_json(self, row: RankRow, now: float) -> dict[str, Any]:
         out = asdict(row)

@@ -165,7 +165,13 @@ class Handler(BaseHTTPRequestHandler):
         self.send(HTTPStatus.OK, static("index.html"), TYPES[".html"], {"Set-Cookie": cookie})
 
     def state(self, query: dict[str, list[str]]) -> None:
-        self.send_json(self.dash.board.snapshot())
+        """`?have=events:3,curves:1`: the parts the page holds at those versions are left out."""
+        have = {}
+        for item in query.get("have", [""])[0].split(",")[:10]:
+            part, _, version = item.partition(":")
+            if version.isdigit():
+                have[part] = int(version)
+        self.send_json(self.dash.board.snapshot(have))
 
     def log(self, query: dict[str, list[str]]) -> None:
         rank, after = number(query, "rank"), number(query, "after")

@@ -178,7 +178,6 @@
   var BAD = /RootCause|Hang|HostLost|StartFailed/, WARN = /Stopping|Stopped|Restarting|HangSuspected/;
   function renderEvents() {
     var list = $("event-list"), line = $("timeline");
-    if (list.childNodes.length === state.events.length) return;
     clear(list); clear(line);
     if (!state.events.length) return;
     var t0 = state.events[0].time, t1 = Math.max(state.events[state.events.length - 1].time, t0 + 1);
@@ -224,12 +223,25 @@
   }
 
   // ---------------------------------------------------------------- the loop
+  var drawn = {};            // part -> the version on the page (the big parts drawn on change only)
+  function fresh(part) {
+    if (drawn[part] === state.versions[part]) return false;
+    drawn[part] = state.versions[part];
+    return true;
+  }
   function render() {
-    renderHead(); renderRanks(); renderEvents(); renderTasks();
-    try { renderCurves(); renderGpus(); } catch (err) { $("notes").textContent = "charts: " + err; }
+    renderHead(); renderRanks();
+    if (fresh("events")) renderEvents();
+    if (fresh("tasks")) renderTasks();
+    try {
+      if (fresh("curves")) renderCurves();
+      if (fresh("gpus")) renderGpus();
+    } catch (err) { $("notes").textContent = "charts: " + err; }
   }
   function poll() {
-    get("api/state").then(function (s) {
+    var have = state ? Object.keys(state.versions).map(function (k) { return k + ":" + state.versions[k]; }).join(",") : "";
+    get("api/state?have=" + have).then(function (s) {
+      if (state) ["events", "gpus", "curves", "tasks"].forEach(function (k) { if (!(k in s)) s[k] = state[k]; });
       state = s; render();
       return pollLog();
     }).catch(function (err) {
