@@ -208,12 +208,15 @@ def test_fetch_brings_every_hosts_metrics_files_only_and_then_only_changes(
     (a / "checkpoints" / "epoch-1.pt").write_bytes(b"w" * 5000)       # not a metrics file
     (b / "rank-3.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
     monkeypatch.setattr(curves, "MAX_TEXT", 10_000)
+    monkeypatch.setattr(curves, "MAX_EVENTS", 30_000)
     (b / "metrics-huge.csv").write_text("epoch,loss\n" + "1,1\n" * 5000)  # over the cap
+    (b / "events.out.tfevents.1.h.2.0").write_bytes(b"x" * 40_000)       # the host hashes not
     with session(tmp_path, agent_handlers()) as s:
         notes = curves.Notes()
         assert curvefetch.once(s, notes) == 2
-        assert notes == ["beta: output/metrics-huge.csv: 20011 bytes, more than 10000 "
-                         "(not fetched)"]
+        assert sorted(notes) == [
+            "beta: output/events.out.tfevents.1.h.2.0: larger than 30000 bytes (not hashed)",
+            "beta: output/metrics-huge.csv: 20011 bytes, more than 10000 (not fetched)"]
         cluster = s.cluster
         local = curves.outputs_dir(cluster)
         assert (local / "metrics.csv").read_bytes() == (a / "metrics.csv").read_bytes()

@@ -133,10 +133,11 @@ def save_digests(jd: JobDir, cache: dict[str, Any], folder: str = OUTPUT) -> Non
         jd.write_file(DIGESTS[folder], json.dumps(cache).encode())
 
 
-def digest_of(jd: JobDir, rel: str, cache: dict[str, Any],
-              folder: str = OUTPUT) -> tuple[int, str] | None:
+def digest_of(jd: JobDir, rel: str, cache: dict[str, Any], folder: str = OUTPUT,
+              limit: int | None = None) -> tuple[int, str] | None:
     """(size, sha256) of <folder>/<rel>, hashed only when (size, mtime, inode) changed;
-    None when it is gone or became something else (a link) since the walk."""
+    None when it is gone or became something else (a link) since the walk; (size, "")
+    when it is larger than `limit` (not hashed)."""
     try:
         fd = jd.open_for_read(folder + "/" + rel)
     except OSError:
@@ -146,6 +147,9 @@ def digest_of(jd: JobDir, rel: str, cache: dict[str, Any],
     except OSError:
         os.close(fd)
         raise
+    if limit is not None and st.st_size > limit:
+        os.close(fd)
+        return st.st_size, ""
     key, hit = stat_key(st), cache.get(rel)
     if hit and hit[0] == key:
         os.close(fd)
@@ -170,8 +174,8 @@ def list_all(req: Any, jd: JobDir, folder: str, notes: Notes) -> dict[str, Any]:
     found: dict[str, Any] = {}
     rests = req.args.get("globs")
     if rests is not None:
-        for rest in rests:
-            list_path(jd, globs.root(rest), found, notes, folder, must=False)
+        for top in sorted({globs.root(rest) for rest in rests}):   # each folder walked once
+            list_path(jd, top, found, notes, folder, must=False)
         return {rel: None for rel in found if globs.matches_any(rests, rel)}
     for path in req.args["paths"] or [""]:
         if path and protocol.pull_path_problem(path):
@@ -307,11 +311,15 @@ def run_manifest(req: Any) -> dict[str, Any]:
     settle = Settle(jd, folder, req.args.get("settle", 0))
     files: dict[str, list[Any]] = {}
     total = 0
+    limit = req.args.get("max_size")
     for rel in sorted(found):
         if req.args.get("settle"):
             settle.look(rel)
-        got = digest_of(jd, rel, old, folder)
+        got = digest_of(jd, rel, old, folder, limit)
         if got is None:
+            continue
+        if not got[1]:
+            notes.add(rel, "larger than %d bytes (not hashed)" % limit)
             continue
         kept[rel] = old[rel]
         if got[0] > protocol.MAX_PULL_SIZE:

@@ -77,7 +77,10 @@ def fetch_host(session: Session, host: Host, cache: DigestCache,
     if link is None:
         raise HostError(f"{host.label}: not connected")
     job_dir = session.records[host.index].job_dir
-    _, remote = manifest(link, job_dir, [], globs=list(curves.GLOBS))
+    reply, remote = manifest(link, job_dir, [], globs=list(curves.GLOBS),
+                             max_size=curves.MAX_EVENTS)   # the host hashes no bigger file
+    for skip in reply["skipped"][:3]:   # too big, a link: named by the host
+        notes.add(f"{host.label}: output/{skip['p'][:300]}: {skip['why'][:200]}")
     wanted = capped(remote, notes, host.label)
     if not wanted:
         return 0

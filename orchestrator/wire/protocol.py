@@ -349,9 +349,10 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "array_results": {"job_dir": str, "tasks": [int]},
     # paths relative to the folder (output/ unless `folder`: "output", "code", or
     # "checkpoints", the keeper host's copy: globs.KEEP); globs
-    # (the checkpoint keeper): only the files they match, none written in the last `settle` s
+    # (the checkpoint keeper): only the files they match, none written in the last `settle` s;
+    # `max_size` (the curves' fetch): a bigger file is named, never hashed
     "pull_manifest": {"job_dir": str, "paths": [str], "?folder": str, "?globs": glob_list,
-                      "?settle": NUM},
+                      "?settle": NUM, "?max_size": int},
     "pull_send": {"job_dir": str, "files": [str], "?folder": str},   # from the manifest
     # checkpoints put back before a (re)launch: which of these differ or are missing
     # there, then `restore` with the receive stream (`file` items, `end` with no deletion);
