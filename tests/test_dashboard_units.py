@@ -338,3 +338,29 @@ def test_the_big_parts_are_sent_only_when_they_changed() -> None:
     board.set_curves([], {})   # unchanged: no new version
     later = board.snapshot(first["versions"])
     assert "events" in later and "curves" not in later and later["ranks"][0]["state"] == "lost"
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_page_and_its_scripts(tmp_path: Path) -> None:
+    """Offline: every script and style the page loads is package data in the wheel."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"
+    shutil.copytree(root / "orchestrator", src / "orchestrator",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "wheel"), str(src)], check=True, timeout=600)
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    page_text = server.static("index.html").decode()
+    loaded = re.findall(r'(?:src|href)="static/([^"]+)"', page_text)
+    assert set(loaded) == {"uPlot.min.css", "app.css", "uPlot.iife.min.js", "app.js"}
+    for name in (*loaded, "index.html", "uPlot.LICENSE"):
+        assert f"orchestrator/dashboard/static/{name}" in names
+    assert not re.search(r'(?:src|href)="(?:https?:)?//', page_text), "nothing from the network"
