@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,13 @@ print("sum", int(t.item()), flush=True)
 dist.destroy_process_group()
 """
 MASTER_PORT = 29450
+# every rank says it started, then waits for the test's go before init_process_group
+WAIT_JOB = """\
+import os, time
+print("ready", flush=True)
+while not os.path.exists(os.environ["GO_FILE"]):
+    time.sleep(0.1)
+""" + GLOO_JOB
 
 
 def _tools() -> str | None:
@@ -62,15 +69,16 @@ def lan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BridgeHosts]:
     assert not [p for p in pids if pid_alive(p)]
 
 
-def inventory(lan: BridgeHosts, base: Path, name: str, **network: Any) -> Path:
-    write_job(base, GLOO_JOB)
+def inventory(lan: BridgeHosts, base: Path, name: str, job: str = GLOO_JOB,
+              env: dict[str, str] | None = None, **network: Any) -> Path:
+    write_job(base, job)
     doc: dict[str, Any] = {
         "name": name,
         "ssh": {"user": "root", "identity_file": str(lan.client_key),
                 "known_hosts": str(lan.known_hosts), "connect_timeout": 5},
         "hosts": [{"address": h.address, "remote_dir": str(h.remote_dir)} for h in lan.hosts],
         "python": sys.executable, "code": {"paths": ["job.py"]},
-        "job": {"entrypoint": "job.py", "master_port": MASTER_PORT}}
+        "job": {"entrypoint": "job.py", "master_port": MASTER_PORT, "env": env or {}}}
     if network:
         doc["network"] = network
     path = base / "cluster.yaml"
@@ -82,25 +90,29 @@ def up(lan: BridgeHosts, base: Path, *args: str, timeout: float = 180) -> subpro
     return orch(base, "up", *args, timeout=timeout, run=lan.run_in_client)
 
 
-def up_until(lan: BridgeHosts, base: Path, inv: Path, said: str) -> tuple[subprocess.Popen, str]:
-    """An attached `orch up` (looks after the launch at 4, 8, 16 s), read until a line
-    holds `said`, then Ctrl-C; the process and everything it wrote to stderr."""
+def up_until(lan: BridgeHosts, base: Path, inv: Path, said: str,
+             then: Callable[[str], bool] | None = None) -> tuple[subprocess.Popen, str]:
+    """An attached `orch up` (looks after the launch at 4, 8, 16, ... s), its stdout and
+    stderr read as one until a line holds `said` (each line given to `then` first: it
+    may act on it), then Ctrl-C; the process and everything it wrote."""
     env = dict(os.environ, ORCH_RDZV_NOTICE="4")
     proc = subprocess.Popen(["ip", "netns", "exec", lan.client_ns, *ORCH, "up", str(inv)],
                             cwd=base, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     err = ""
     try:
         deadline = time.monotonic() + 120
-        assert proc.stderr is not None
+        assert proc.stdout is not None
         while time.monotonic() < deadline:
-            line = proc.stderr.readline()
+            line = proc.stdout.readline()
             err += line
+            if then is not None:
+                then(line)
             if said in line or not line:
                 break
     finally:
         proc.send_signal(signal.SIGINT)
-        _out, rest = proc.communicate(timeout=60)
+        rest, _ = proc.communicate(timeout=60)
     return proc, err + rest
 
 
@@ -130,6 +142,10 @@ def test_hostname_trap_docker0_and_unused_inventory_address(lan: BridgeHosts, tm
     assert st.returncode == 0, st.stderr
     shown = " ".join((st.stderr + st.stdout).split())
     assert f"network: MASTER_ADDR={lan.hosts[0].lan}; interface eth0 on" in shown, shown
+    js = orch(tmp_path, "status", "-c", str(inv), "--json", run=lan.run_in_client)
+    net = json.loads(js.stdout)["network"]
+    assert net["master_addr"] == lan.hosts[0].lan and "run_id" not in net, net
+    assert [h["interface"] for h in net["hosts"]] == ["eth0"] * 3, net
     doc = json.loads((tmp_path / ".orch" / "net-trap" / "network.json").read_text())
     assert doc["master_addr"] == lan.hosts[0].lan
     assert [h["interface"] for h in doc["hosts"]] == ["eth0"] * 3
@@ -178,22 +194,33 @@ def test_a_stalled_rendezvous_is_named(lan: BridgeHosts, tmp_path: Path) -> None
 
 def test_a_network_hang_in_init_process_group_names_the_host_pair(lan: BridgeHosts,
                                                                   tmp_path: Path) -> None:
-    """The firewall of the test above, with `network.check: false` (the probe would have
-    refused it): the rendezvous on the master port passes, and gloo's pairs, on ports the
-    OS picks, get no answer. `orch up` names the hang while it lasts (which host could
-    not reach which, at what address and port, the fix), not gloo's 30 min later."""
-    inv = inventory(lan, tmp_path, "net-hang", check=False, master_addr=lan.hosts[0].lan)
-    for h in lan.hosts:
-        lan.firewall(h.index, "22,29400:29499")
+    """The firewall of the test above comes up after the probe passed and every rank
+    started (each printed `ready`): the ranks then enter init_process_group, and the
+    connections to ports the OS picked get no answer. `orch up` names the hang while it
+    lasts (which host could not reach which, at what address and port, the fix), not
+    gloo's 30 min later."""
+    go = tmp_path / "go"
+    inv = inventory(lan, tmp_path, "net-hang", job=WAIT_JOB, env={"GO_FILE": str(go)})
+    ready: list[str] = []
+
+    def firewall_once_ready(line: str) -> bool:
+        if "ready" in line:
+            ready.append(line)
+            if len(ready) == len(lan.hosts):
+                for h in lan.hosts:
+                    lan.firewall(h.index, "22,29400:29499")
+                go.write_text("go")
+        return True
     try:
-        proc, err = up_until(lan, tmp_path, inv, "network hang:")
+        proc, err = up_until(lan, tmp_path, inv, "network hang:", then=firewall_once_ready)
     finally:
         lan.open_all()
     text = " ".join(err.split())
     assert "network hang:" in text and "Traceback" not in text, text
     labels, lans = [h.address for h in lan.hosts], [h.lan for h in lan.hosts]
     pairs = [(a, b, c) for a in labels for b, c in zip(labels, lans) if a != b]
-    assert any(f"on {a} -> {b} at {c}:" in text for a, b, c in pairs), text
+    assert any(f"rank {r} on {a} -> {b} at {c}:" in text for a, b, c in pairs
+               for r in range(3)), text
     assert "allow TCP between the hosts of the job on every port" in text, text
     assert proc.returncode == 130, text
     no_job_left(lan, "net-hang")

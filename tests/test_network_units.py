@@ -152,6 +152,19 @@ def test_choose_master_names_every_host_that_failed_and_why(tmp_path: Path) -> N
     assert network.choose_master(c, ["10.0.0.8", "10.1.0.5"], results) == "10.1.0.5"
 
 
+def test_the_plan_is_saved_for_its_run_only(tmp_path: Path) -> None:
+    """`orch status --json` carries the plan `up --json` gave, for this run only."""
+    c = cluster(tmp_path)
+    f = facts(LO, ("eth0", ["10.1.0.6"]))
+    hosts = {h.index: network.host_plan(c, h, f, "10.1.0.6", "10.1.0.5", False) for h in c.hosts}
+    plan = network.NetPlan("10.1.0.5", "the inventory's address", hosts, "p", 0.25)
+    network.save(c, "run-1", plan)
+    assert network.load(c, "run-1") == plan.document()
+    assert network.load(c, "run-2") is None
+    (c.state_dir / "network.json").write_text("[1]")
+    assert network.load(c, "run-1") is None
+
+
 def test_a_dry_run_shows_the_network_plan(tmp_path: Path) -> None:
     plan = dry_run_plan(cluster(tmp_path, "network: {interface: eth0}\n"))
     assert "network: MASTER_ADDR=10.0.0.8 (the inventory's address, else an address of host 0" \
@@ -336,8 +349,15 @@ def test_the_agent_names_a_rank_connection_that_gets_no_answer(tmp_path: Path) -
     port = listener.getsockname()[1]
     env = dict(os.environ, ORCH_JOB_DIR=str(job), RANK="3")
     other = dict(env, ORCH_JOB_DIR=str(tmp_path / "other"), RANK="5")
-    procs = [subprocess.Popen([sys.executable, "-c", WAITER, str(port)], env=e)
-             for e in (env, other)]
+    # a process of the job without a rank (its torchrun), started first: each process
+    # of the job reads the same /proc/net/tcp, and the owner of a socket is named
+    torchrun = {k: v for k, v in env.items() if k != "RANK"}
+    procs = [subprocess.Popen([sys.executable, "-c", "import socket, time; s = socket.socket(); "
+                               "print(1, flush=True); time.sleep(60)"], env=torchrun,
+                              stdout=subprocess.PIPE)]
+    assert procs[0].stdout is not None and procs[0].stdout.readline()   # it holds a socket
+    procs += [subprocess.Popen([sys.executable, "-c", WAITER, str(port)], env=e)
+              for e in (env, other)]
 
     req = SimpleNamespace(args={"job_dir": str(job)})
     got: list[dict[str, Any]] = []
@@ -350,9 +370,11 @@ def test_the_agent_names_a_rank_connection_that_gets_no_answer(tmp_path: Path) -
         for p in procs:
             p.kill()
             p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
         listener.close()
     assert got and {w["rank"] for w in got} == {3}, got
-    assert {(w["addr"], w["port"], w["pid"]) for w in got} == {("127.0.0.1", port, procs[0].pid)}
+    assert {(w["addr"], w["port"], w["pid"]) for w in got} == {("127.0.0.1", port, procs[1].pid)}
     assert all(w["tries"] >= 1 for w in got), got
     assert all(p.poll() is not None for p in procs)
 
@@ -414,7 +436,13 @@ def test_a_network_hang_is_said_with_the_host_pair(tmp_path: Path) -> None:
                     ("10.1.0.5", 29500))
     late.look(60, rendezvous=True)
     text = said[-1].text   # type: ignore[attr-defined]
-    assert text.startswith("rendezvous: 10.0.0.[9-10] have not joined"), text
-    assert "torchrun on 10.0.0.9 -> 10.0.0.8 at 10.1.0.5:29500 (the rendezvous)" in text, text
+    assert text.startswith("network hang: 1 host pair gets no answer to a connection "
+                           "(torchrun on 10.0.0.9 -> 10.0.0.8 at 10.1.0.5:29500 (the "
+                           "rendezvous), 3 tries unanswered)"), text
     assert "fix: allow TCP port 29500 from the other hosts to host 0" in text, text
     assert said[-1].late == ("10.0.0.9", "10.0.0.10")   # type: ignore[attr-defined]
+    waits[1] = []   # no waiting connection: the rendezvous line guesses the cause
+    NetWatch(session, {0}, lambda: False, said.append,  # type: ignore[arg-type]
+             ("10.1.0.5", 29500)).look(60, rendezvous=True)
+    assert said[-1].text.startswith(  # type: ignore[attr-defined]
+        "rendezvous: 10.0.0.[9-10] have not joined"), said[-1]

@@ -342,7 +342,7 @@ def run_waits(req: Request) -> dict[str, Any]:
     for pid in sorted(set(owner.values())):
         for w in syn_sent(pid, owner, seen):
             del w["inode"]
-            w["rank"] = rank_of(pid)
+            w["rank"] = rank_of(w["pid"])
             waits.append(w)
     return {"waits": waits[:MAX_NET_WAITS], "interfaces": interfaces()}
 

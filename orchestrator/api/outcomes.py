@@ -143,6 +143,8 @@ class Status:
     gpus: list[GpuStatus] = field(default_factory=list)   # hosts with `gpus:` only
     gpu_errors: dict[str, str] = field(default_factory=dict)   # host label -> nvidia-smi's failure
     restarts: list[Restart] = field(default_factory=list)     # this run's, oldest first
+    # the run's network plan, as `up --json` gave it (None: nothing proven, or no run)
+    network: dict[str, Any] | None = None
     # by host index: the connection's failure; reached, but no answer to `status`
     unreached: HostErrors = field(default_factory=dict, repr=False, compare=False,
                                   metadata=NOT_IN_JSON)

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             warn(f"{cluster.hosts[i].label}: {exc}")
         out.print(table(cluster.name, status.ranks), soft_wrap=False, crop=True)
         restart_rows(status)
-        network_view(cluster)
+        network_view(status)
         gpu_view(status)
         summarize(status.failed, len(status.ranks), "rank")
     return verdict(bool(status.failed), bool(status.unreachable))
@@ -93,15 +93,10 @@ def failed_summary(failed: Sequence[RankStatus | TaskStatus], total: int, unit: 
             + (f", and {more} more" if more > 0 else ""))
 
 
-def network_view(cluster: Cluster) -> None:
+def network_view(status: Status) -> None:
     """MASTER_ADDR and each host's interface, as the run's `up` proved them."""
     from orchestrator.config.hostranges import fold
-    from orchestrator.session import network, state
-    try:
-        st = state.load(cluster)
-    except state.StateDamaged:
-        return
-    doc = network.load(cluster, st.run_id) if st is not None else None
+    doc = status.network
     if not doc:
         return
     by: dict[str, list[str]] = {}

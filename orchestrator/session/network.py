@@ -504,12 +504,15 @@ def save(cluster: Cluster, run_id: str, plan: NetPlan) -> None:
 
 
 def load(cluster: Cluster, run_id: str) -> dict[str, Any] | None:
-    """The saved plan of this run, or None (another run's, none, or unreadable)."""
+    """The saved plan of this run as `up --json` gives it (NetPlan.document), or None
+    (another run's, none, or unreadable)."""
     try:
         doc = json.loads((cluster.state_dir / "network.json").read_text())
     except (OSError, ValueError):
         return None
-    return doc if isinstance(doc, dict) and doc.get("run_id") == run_id else None
+    if not isinstance(doc, dict) or doc.pop("run_id", None) != run_id:
+        return None
+    return doc
 
 
 # ------------------------------------------------------------------ after the launch

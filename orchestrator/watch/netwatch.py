@@ -6,12 +6,13 @@ A few looks after the launch (`looks`: 10, 20 and 40 s, then notice_after() and 
 doubling of it), every host is asked for the job's connections that get no answer
 (`net_waits`, agent/network.py: SYN_SENT, the SYN sent again): a rank in
 init_process_group whose peer's firewall drops the port the OS picked there, a node's
-torchrun that cannot reach the rendezvous. Each such connection is named by the two
-hosts (the peer found among the hosts' addresses), the address and the port. The first
-look at or past notice_after() also names the hosts none of whose ranks started
-(session/network.stalled). Each is said once, as a `NetworkStall` event; the job goes
-on (Ctrl-C, `orch stop` or `job.hang_timeout` ends it). A look is one small request per
-host; the looks thin out, so a long run asks a handful of times in all.
+torchrun that cannot reach the rendezvous or the ranks' store. Each such connection is
+named by the two hosts (the peer found among the hosts' addresses), the address and the
+port. The first look at or past notice_after() also names the hosts none of whose
+ranks started (session/network.stalled), unless waiting connections name the cause.
+Each is said once, as a `NetworkStall` event; the job goes on (Ctrl-C, `orch stop` or
+`job.hang_timeout` ends it). A look is one small request per host; the looks thin out,
+so a long run asks a handful of times in all.
 
 What it cannot see: a connection refused (or unreachable) that the rank retries, which
 leaves no waiting socket between its tries; a hang that is not a connection (a
@@ -76,23 +77,21 @@ class NetWatch:
 
     def look(self, at: float, rendezvous: bool) -> None:
         cluster = self.session.cluster
-        lines: list[str] = []
-        late: tuple[str, ...] = ()
-        if rendezvous and not self.said_late:
-            self.said_late = True
-            text = network.stalled(cluster, set(self.started), *self.master, at)
-            if text:
-                lines.append(text)
-                late = tuple(h.label for h in cluster.hosts
-                             if not any(r in self.started for r in h.ranks))
         waits: tuple[ev.NetWait, ...] = ()
         if not self.said_waits:
             waits = self.ask()
-            if waits:
-                self.said_waits = True
-                lines.append(waits_text(waits, self.master))
-        if lines and not self.done.is_set() and not self.failed():
-            self.emit(ev.NetworkStall(time.time(), late, waits, "\n".join(lines)))
+        late: tuple[str, ...] = ()
+        text = None
+        if rendezvous and not self.said_late:
+            self.said_late = True
+            late = tuple(h.label for h in cluster.hosts
+                         if not any(r in self.started for r in h.ranks))
+            text = network.stalled(cluster, set(self.started), *self.master, at)
+        if waits:   # the waiting connections name the cause the rendezvous line guesses
+            self.said_waits = True
+            text = waits_text(waits, self.master)
+        if text and not self.done.is_set() and not self.failed():
+            self.emit(ev.NetworkStall(time.time(), late, waits, text))
 
     def ask(self) -> tuple[ev.NetWait, ...]:
         """Every host's waiting connections, each peer named by the addresses the hosts
