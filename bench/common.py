@@ -360,6 +360,7 @@ class Bed:
     remote: Path                         # under it: host<i>/ (orch) and pdsh/ (baseline)
     real_torch: bool = False
     dirs: list[str] = field(default_factory=list)   # job dirs of the last inventory
+    ssh: dict = field(default_factory=dict)          # more of the inventory's ssh: section
 
     @property
     def n(self) -> int:
@@ -379,7 +380,8 @@ class Bed:
         return self.cluster.write_inventory(
             work / "cluster.yaml", hosts=self.hosts, name=name, entrypoint="job.py",
             code_paths=["job.py"], env=env,
-            top={"hosts": entries, "python": self.python, "ssh": {"user": self.shell.user}})
+            top={"hosts": entries, "python": self.python,
+                 "ssh": {"user": self.shell.user, **self.ssh}})
 
     def left_over(self) -> list[int]:
         """The last inventory's job processes still alive on any host."""

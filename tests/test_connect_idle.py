@@ -1,0 +1,33 @@
+"""An idle connection's transport thread sleeps for IDLE_WAKE_S between wake-ups (not
+paramiko's 0.1 s), and closing the connection ends that thread at once, not a sleep later."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config.inventory import load
+from orchestrator.ssh import connect
+from orchestrator.ssh.sshtransport import SSHTransport
+from sshd_cluster import SshdCluster
+
+
+def test_an_idle_transport_sleeps_long_and_its_close_wakes_it(
+        sshd_cluster: SshdCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(connect, "IDLE_WAKE_S", 120.0)   # far beyond the wait below
+    (tmp_path / "job.py").write_text("")
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=sshd_cluster.hosts[:1])
+    host = load(inv).hosts[0]
+    link = connect.connect(host, connect.ssh_config(), tmp_path)
+    assert isinstance(link, SSHTransport)
+    transport = link.client.get_transport()
+    assert transport is not None and transport.is_alive()
+    assert transport.sock.gettimeout() == 120.0
+    result = link.open(["true"], 30).finish()   # the connection works as before
+    assert result.code == 0
+    link.close()
+    deadline = time.monotonic() + 60   # without the wake, the thread sleeps 120 s
+    while transport.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not transport.is_alive()
