@@ -78,7 +78,7 @@ def test_a_last_line_still_being_written_is_left_for_later(tmp_path: Path) -> No
 def test_jsonl_steps_epochs_wall_time_nested_and_bad_lines(tmp_path: Path) -> None:
     cluster = cluster_at(tmp_path)
     beta = curves.local_root(cluster, cluster.hosts[1])
-    assert beta == curves.outputs_dir(cluster) / ".hosts" / "beta"
+    assert beta == tmp_path / ".orch" / "fake" / "curves" / "beta"
     (beta / "logs").mkdir(parents=True)
     lines = [{"step": 10, "loss": 2.5, "time": 1_800_000_000.5, "val": {"acc": 0.25}},
              "not json", [1, 2], {"loss": 1.0},   # no step or epoch
@@ -221,7 +221,7 @@ def test_fetch_brings_every_hosts_metrics_files_only_and_then_only_changes(
         local = curves.outputs_dir(cluster)
         assert (local / "metrics.csv").read_bytes() == (a / "metrics.csv").read_bytes()
         assert not (local / "checkpoints").exists()
-        assert (local / ".hosts" / "beta" / "rank-3.jsonl").exists()
+        assert (cluster.state_dir / "curves" / "beta" / "rank-3.jsonl").exists()
         assert curvefetch.once(s) == 0                      # nothing changed: nothing sent
         worker_metrics.append(a / "metrics.csv", {"epoch": 2, "train_loss": 0.25})
         assert curvefetch.once(s) == 1

@@ -83,7 +83,7 @@ def test_a_running_jobs_metrics_arrive_before_it_ends(
     assert ranks == {0: {"train_loss": 1.0, "val_acc": 0.5}, 1: {"loss": 2.0}}
     local = tmp_path / "outputs" / name
     assert (local / "metrics.csv").is_file()
-    assert (local / ".hosts" / second / "rank-1.jsonl").is_file()
+    assert (tmp_path / ".orch" / name / "curves" / second / "rank-1.jsonl").is_file()
 
     for h in hosts:
         (job_dir(h, name) / "output" / "go").touch()

@@ -71,12 +71,23 @@ def pull(inventory: jobs.Inventory, paths: Sequence[str] = (), *, rank: int | No
     raise not_there(cluster, st, source, rel, rank)
 
 
-def job_output(session: Session, progress: PullShown = quiet) -> PullResult:
-    """`up`'s pull when the job ended: rank 0's output/ on the up's open links."""
+def job_output(session: Session, progress: PullShown = quiet,
+               aside: Path | None = None) -> PullResult:
+    """`up`'s pull when the job ended: rank 0's output/ on the up's open links. `aside`:
+    where an earlier run's files went when the run began (the curves' fetch made the
+    folder then), said with this pull."""
     cluster = session.cluster
     st = job_state.load(cluster)
-    dest, aside = run_dest(cluster, st)
-    return pull_on(session, cluster.host_of(0), [], dest, progress, aside, st)
+    dest, now = run_dest(cluster, st)
+    return pull_on(session, cluster.host_of(0), [], dest, progress, now or aside, st)
+
+
+def adopt(cluster: Cluster, st: job_state.JobState) -> None:
+    """outputs/<name>/ holds this run's files from now on, as they are: a restart's
+    attempt goes on with the files its run's earlier attempts brought there."""
+    cluster.state_dir.mkdir(parents=True, exist_ok=True)
+    (cluster.state_dir / "pulled-run.json").write_text(
+        json.dumps({"run_id": st.run_id, "started": st.started}))
 
 
 def run_dest(cluster: Cluster, st: job_state.JobState | None) -> tuple[Path, Path | None]:
@@ -97,8 +108,7 @@ def run_dest(cluster: Cluster, st: job_state.JobState | None) -> tuple[Path, Pat
         started = held.get("started")
         when = time.localtime(started if isinstance(started, (int, float)) else None)
         aside = set_aside(dest, time.strftime("%Y%m%d-%H%M%S", when))
-    cluster.state_dir.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({"run_id": st.run_id, "started": st.started}))
+    adopt(cluster, st)
     return dest, aside
 
 

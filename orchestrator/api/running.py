@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.api import healing, jobs, launching
@@ -227,6 +228,7 @@ class Run:
         self.ranks: tuple[RankEnd, ...] = ()
         self.pulled: PullResult | None = None
         self.pull_error, self.pull_seconds = "", 0.0
+        self.aside: Path | None = None   # where the run's start moved an earlier run's outputs
         self.job = plan.cluster.name
 
     def result(self, code: int, outcome: Outcome | None) -> RunResult:
@@ -292,7 +294,8 @@ class Run:
         from orchestrator.api import pulling
         t0 = time.monotonic()
         try:
-            self.pulled = pulling.job_output(session, self.opts.transfer or pulling.quiet)
+            self.pulled = pulling.job_output(session, self.opts.transfer or pulling.quiet,
+                                             self.aside)
             self.emit(Pulled(time.time(), self.pulled))
         except OrchError as e:
             self.pulled, self.pull_error = e.result, str(e)
@@ -305,10 +308,15 @@ class Run:
     def new_fetch(self, session: Session, st: JobState) -> CurveFetch:
         """The attempt's metrics files fetched from every rank's host while it runs
         (watch/curvefetch.py), into this run's outputs/<name>/ (an earlier run's folder
-        set aside first, as the pull at the end would)."""
+        set aside first, as the pull at the end would; said by that pull)."""
         from orchestrator.api import pulling
+        from orchestrator.watch import curves
         from orchestrator.watch.curvefetch import CurveFetch
-        pulling.run_dest(session.cluster, st)
+        if self.plan.attempt == 0:
+            _, self.aside = pulling.run_dest(session.cluster, st)
+            curves.clear_copies(session.cluster)
+        else:   # a restart: the same run's folder, its earlier attempts' files kept
+            pulling.adopt(session.cluster, st)
         return CurveFetch(session).start()
 
     def new_keeper(self, session: Session, pre: PreflightReport) -> checkpoints.Keeper:

@@ -5,8 +5,9 @@ TensorBoard event files (`events.out.tfevents.*`, read by the `tensorboard` pack
 own reader, an optional extra).
 
 Where the copies are: the host of global rank 0 at `outputs/<name>/` beside the
-inventory (where `orch pull` puts rank 0's output/), every other host at
-`outputs/<name>/.hosts/<label>/` (watch/curvefetch.py fetches them while the job runs).
+inventory (where `orch pull` puts rank 0's output/), every other host's metrics files
+in orch's own `.orch/<name>/curves/<label>/` (watch/curvefetch.py fetches them while the
+job runs; a new run starts that folder afresh).
 
 A file is the job's output: never trusted. Each is capped in size, a series in points
 and the whole in series; a file that is too big, binary or malformed is skipped with a
@@ -21,6 +22,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from orchestrator.config.inventory import Cluster, Host
 
 log = logging.getLogger("orchestrator")
 
-HOSTS_DIR = ".hosts"            # outputs/<name>/.hosts/<label>/: the other hosts' copies
+HOSTS_DIR = "curves"            # .orch/<name>/curves/<label>/: the other hosts' copies
 MAX_TEXT = 32 << 20             # bytes of one csv or jsonl file read
 MAX_EVENTS = 128 << 20          # bytes of one TensorBoard event file read
 MAX_FILES = 256                 # metrics files read per job
@@ -93,7 +95,17 @@ def local_root(cluster: Cluster, host: Host) -> Path:
     first = rank0_host(cluster)
     if first is not None and host.label == first.label:
         return outputs_dir(cluster)
-    return outputs_dir(cluster) / HOSTS_DIR / host.label
+    return cluster.state_dir / HOSTS_DIR / host.label
+
+
+def clear_copies(cluster: Cluster) -> None:
+    """A new run: the other hosts' copies of an earlier run's files removed (orch's own
+    folder; the hosts keep their files). A link there is removed, never followed."""
+    top = cluster.state_dir / HOSTS_DIR
+    if top.is_symlink():
+        top.unlink()
+    elif top.is_dir():
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def kind_of(rel: str) -> str | None:
@@ -113,12 +125,12 @@ GLOBS = ("**/metrics*.csv", "**/*.jsonl", "**/*.ndjson", "**/events.out.tfevents
 
 
 def files_under(root: Path, notes: Notes) -> Iterator[str]:
-    """Metrics files under root (relative, '/'-separated), no link followed, not the
-    other hosts' copies (HOSTS_DIR), at most MAX_FILES."""
+    """Metrics files under root (relative, '/'-separated), no link followed, at most
+    MAX_FILES."""
     count = 0
     for top, dirs, names in os.walk(root, followlinks=False):
         rel_top = os.path.relpath(top, root).replace(os.sep, "/")
-        dirs[:] = sorted(d for d in dirs if not (rel_top == "." and d == HOSTS_DIR))
+        dirs[:] = sorted(dirs)
         for name in sorted(names):
             rel = name if rel_top == "." else f"{rel_top}/{name}"
             if kind_of(rel) is None or ".orch-part-" in name:
