@@ -266,6 +266,11 @@ class Run:
             mons: list[Monitor] = []
             try:
                 outcome = watch(got.session, st, self.emit, mons.append)
+            except BaseException:   # Ctrl-C, a failed follow: no last round, out at once
+                if fetch is not None:
+                    fetch.stop(timeout=1.0)
+                    fetch = None
+                raise
             finally:
                 if keeper is not None:
                     self.end_keeper(keeper, mons[0] if mons else None, cluster)
