@@ -247,16 +247,17 @@ def test_a_probe_answers_once_the_best_address_is_known() -> None:
 
 
 def test_a_stalled_rendezvous_names_the_hosts_that_have_not_joined(tmp_path: Path) -> None:
+    from orchestrator.watch import netwatch
     c = parse(BASE.replace("  - 10.0.0.8\n  - 10.0.0.9\n", "  - gpu[01-04]\n"),
               tmp_path / "cluster.yaml")
-    assert network.stalled(c, {0, 1, 2, 3}, "10.1.0.5", 29500, 60) is None
-    some = network.stalled(c, {0, 1}, "10.1.0.5", 29500, 60)
+    assert netwatch.stalled(c, {0, 1, 2, 3}, "10.1.0.5", 29500, 60) is None
+    some = netwatch.stalled(c, {0, 1}, "10.1.0.5", 29500, 60)
     assert some is not None and some.startswith(
         "rendezvous: gpu[03-04] have not joined torchrun's rendezvous at 10.1.0.5:29500 "
         "60 s after the launch; likely cause:"), some
     assert "gpu[03-04]" in some and "10.1.0.5:29500 60 s after the launch" in some, some
     assert "cannot reach it (a firewall on the master port" in some
-    none = network.stalled(c, set(), "10.1.0.5", 29500, 60)
+    none = netwatch.stalled(c, set(), "10.1.0.5", 29500, 60)
     assert none is not None and none.startswith("rendezvous: no host has joined"), none
 
 
@@ -282,6 +283,64 @@ def test_a_candidate_left_unfinished_is_probed_again_where_it_was_left(tmp_path:
                    results)
     assert [[t["addr"] for t in a] for a in asked] == [["10.1.0.5"]]
     assert network.choose_master(c, ["10.0.0.8", "10.1.0.5"], results) == "10.1.0.5"
+
+
+class RetryLink:
+    """A host's agent for the probe's second try: each target answers as `answer` says."""
+
+    def __init__(self, asked: list[Any], answer: dict[str, Any]) -> None:
+        self.asked, self.answer = asked, answer
+
+    def request(self, command: str, timeout: float, **fields: Any) -> dict[str, Any]:
+        self.asked.append((fields["bound"], [(t["addr"], t["group"]) for t in fields["targets"]]))
+        return {"results": [dict(self.answer, src="10.1.0.9", ms=1.0) for _ in fields["targets"]]}
+
+
+def probed(addr: str, group: str, ok: bool, why: str = "", port: int = 29450) -> dict[str, Any]:
+    return {"addr": addr, "port": port, "token": "t", "group": group, "ok": ok, "why": why,
+            "src": "", "ms": 1.0, "bound": 3.0}
+
+
+def test_a_probe_without_an_answer_in_time_is_tried_again_with_a_longer_bound(
+        tmp_path: Path) -> None:
+    """200 namespace hosts on one loaded kernel: host 0 answered a sixth of them after
+    the bound. Those are probed once more, alone, with twice the bound; refused stands."""
+    c = cluster(tmp_path, hosts="  - 10.0.0.8\n  - 10.0.0.9\n  - 10.0.0.10\n  - 10.0.0.11\n")
+    results = {i: [probed("10.1.0.5", "m", i != 2, "" if i != 2 else "timeout"),
+                   probed(f"10.1.0.{6 + (i + 1) % 4}", "r", i != 1, "timeout", 40000)]
+               for i in range(4)}
+    results[3][1] = probed("10.1.0.6", "r", False, "refused", 40000)
+    asked: list[Any] = []
+    links = {i: RetryLink(asked, {"ok": True, "why": ""}) for i in range(4)}
+    network.retry_slow(c, links, ["10.1.0.5"], results)  # type: ignore[arg-type]
+    assert sorted(asked) == [(6.0, [("10.1.0.5", "m0")]), (6.0, [("10.1.0.8", "r0")])], asked
+    assert network.choose_master(c, ["10.1.0.5"], results) == "10.1.0.5"
+    assert results[1][1]["ok"] and results[1][1]["first"] == 3.0
+    assert results[3][1]["why"] == "refused"   # an answer: not tried again
+    # tried again and still no answer: said with both bounds
+    results = {i: [probed("10.1.0.5", "m", i != 2, "" if i != 2 else "timeout")] for i in range(4)}
+    links = {i: RetryLink(asked, {"ok": False, "why": "timeout"}) for i in range(4)}
+    network.retry_slow(c, links, ["10.1.0.5"], results)  # type: ignore[arg-type]
+    with pytest.raises(HostError) as err:
+        network.choose_master(c, ["10.1.0.5"], results)
+    assert "10.1.0.5:29450 no answer in 3 s, nor in 6 s once more (a firewall drops it)" \
+        in err.value.message, err.value.message
+
+
+def test_when_every_probe_of_a_kind_timed_out_none_is_tried_again(tmp_path: Path) -> None:
+    """A firewall's pattern: every host but host 0 without an answer from host 0, or
+    every ring pair: the error comes at once, a bound sooner."""
+    c = cluster(tmp_path, hosts="  - 10.0.0.8\n  - 10.0.0.9\n  - 10.0.0.10\n")
+    star = {i: [probed("10.1.0.5", "m", i == 0, "" if i == 0 else "timeout")] for i in range(3)}
+    ring = {i: [probed("10.1.0.5", "m", True), probed(f"10.1.0.{5 + (i + 1) % 3}", "r", False,
+                                                      "timeout", 40000)] for i in range(3)}
+    asked: list[Any] = []
+    links = {i: RetryLink(asked, {"ok": True, "why": ""}) for i in range(3)}
+    for results in (star, ring):
+        network.retry_slow(c, links, ["10.1.0.5"], results)  # type: ignore[arg-type]
+    assert asked == []
+    with pytest.raises(HostError, match=r"no answer in 3 s \(a firewall drops it\)"):
+        network.check_ring(c, ring, {i: f"10.1.0.{5 + i}" for i in range(3)})
 
 
 def test_many_blocked_pairs_with_one_cause_are_one_message(tmp_path: Path) -> None:

@@ -6,8 +6,10 @@ and what that resolves to, the route toward the master) and opens its listeners;
 one `net_probe` round: every host connects to host 0 on the master port at each
 candidate address (a star: proves MASTER_ADDR) and to its ring neighbour on a port the
 OS picked (proves the ports gloo and NCCL connect their pairs on). 2n connections
-in all, each bounded by `bound` (3 s below 100 hosts), all at once: the cost stays flat in the number
-of hosts. What a ring cannot see: a rule between two hosts that are not neighbours, a
+in all, each bounded by `bound` (3 s below 100 hosts), all at once: the cost stays flat
+in the number of hosts. A connection that got no answer in time (not refused) is tried
+once more with twice the bound before it is called blocked, unless all of its kind
+timed out (a firewall: `retry_slow`). What a ring cannot see: a rule between two hosts that are not neighbours, a
 port range open only in part, RDMA and UDP (docs/howto/network.md).
 
 One machine (every host's inventory address is loopback, or every host reached the
@@ -247,16 +249,17 @@ def targets(cluster: Cluster, facts: dict[int, dict[str, Any]], cands: list[str]
     return out
 
 
-def run_probe(cluster: Cluster, links: dict[int, Link],
-              plan: dict[int, list[dict[str, Any]]]) -> dict[int, list[dict[str, Any]]]:
+def run_probe(cluster: Cluster, links: dict[int, Link], plan: dict[int, list[dict[str, Any]]],
+              wait: float | None = None) -> dict[int, list[dict[str, Any]]]:
+    """Each host's targets probed at once; `wait`: each connection's bound (bound())."""
     def one(h: Host) -> list[dict[str, Any]]:
         link = links[h.index]
         # as preflight's: every host's reply is read on this machine's CPU
-        wait = bound(len(cluster.hosts))
-        reply = link.request("net_probe", timeouts.scaled(wait * 4 + 10, len(cluster.hosts)),
-                             targets=plan[h.index], bound=wait)
-        return [dict(t, **r, group=t["group"][:1], bound=wait)
+        reply = link.request("net_probe", timeouts.scaled(each * 4 + 10, len(cluster.hosts)),
+                             targets=plan[h.index], bound=each)
+        return [dict(t, **r, group=t["group"][:1], bound=each)
                 for t, r in zip(plan[h.index], reply["results"])]
+    each = wait or bound(len(cluster.hosts))
     # one thread per host however many: each only waits (at most PROBE_TIMEOUT), and a
     # second wave would add a whole bound where a firewall drops (fan_out's limit is 256)
     result = fan_out(cluster.hosts, one, limit=max(256, len(cluster.hosts)))
@@ -275,6 +278,9 @@ def close_listeners(links: dict[int, Link]) -> None:
 
 def why(r: dict[str, Any]) -> str:
     w: str = r["why"]
+    if w == "timeout" and r.get("first"):
+        return (f"no answer in {r['first']:g} s, nor in {r['bound']:g} s once more (a "
+                "firewall drops it)")
     if w == "timeout":
         return f"no answer in {r.get('bound', PROBE_TIMEOUT):g} s (a firewall drops it)"
     if w == "refused":
@@ -316,6 +322,65 @@ def settle(cluster: Cluster, links: dict[int, Link], cands: list[str],
     sub = replace(cluster, hosts=tuple(h for h in cluster.hosts if h.index in todo))
     for i, rs in run_probe(sub, links, again).items():
         results[i] = [r for r in results[i] if not (r["group"] == "m" and r["addr"] == c)] + rs
+
+
+RETRY = ("timeout", "slow")   # no answer in the bound: a drop, or a host too loaded
+RETRY_FACTOR = 2             # a probe tried again waits this many first bounds
+
+
+def retry_slow(cluster: Cluster, links: dict[int, Link], cands: list[str],
+               results: dict[int, list[dict[str, Any]]]) -> None:
+    """A connection without an answer in the bound may be a loaded host (200 namespace
+    hosts on one kernel: a sixth of the SYNs to host 0 answered after 5 s), not a
+    firewall: those the choice depends on are probed once more, alone, each waited for
+    RETRY_FACTOR bounds, before any is called blocked. Refused and unreachable are
+    answers and stand. Where every host's probe of a kind timed out, nothing is tried
+    again: that is a firewall's pattern, and its error comes a bound sooner. The results
+    are updated in place."""
+    again = slow_master(results, cands) + slow_ring(results)
+    if not again:
+        return
+    todo: dict[int, list[dict[str, Any]]] = {}
+    for i, r in again:   # each target a group of its own: each is waited for
+        todo.setdefault(i, []).append({"addr": r["addr"], "port": r["port"], "token": r["token"],
+                                       "group": f"{r['group']}{len(todo[i])}"})
+    first = results[again[0][0]][0].get("bound", PROBE_TIMEOUT)
+    sub = replace(cluster, hosts=tuple(h for h in cluster.hosts if h.index in todo))
+    for i, rs in run_probe(sub, links, todo, first * RETRY_FACTOR).items():
+        for new in rs:
+            old = next(k for k, r in enumerate(results[i]) if (r["group"], r["addr"], r["port"])
+                       == (new["group"], new["addr"], new["port"]))
+            results[i][old] = dict(new, first=first)
+
+
+def slow_master(results: dict[int, list[dict[str, Any]]], cands: list[str]
+                ) -> list[tuple[int, dict[str, Any]]]:
+    """No candidate reached by every host: the first that every host reached or got no
+    answer from in time, at the hosts that got none (not all of them)."""
+    if any(len(reached(results, c)) == len(results) for c in cands):
+        return []
+    for c in cands:
+        mine = {i: next((r for r in rs if r["group"] == "m" and r["addr"] == c), None)
+                for i, rs in results.items()}
+        if any(r is None or not (r["ok"] or r["why"] in RETRY) for r in mine.values()):
+            continue
+        slow = [(i, r) for i, r in mine.items() if r is not None and not r["ok"]]
+        others = sum(1 for i in mine if i != 0)
+        return [] if len(slow) >= others else slow
+    return []
+
+
+def slow_ring(results: dict[int, list[dict[str, Any]]]) -> list[tuple[int, dict[str, Any]]]:
+    """The ring targets that got no answer in time at hosts that reached no address of
+    their neighbour; none where every host's ring timed out."""
+    rings = {i: [r for r in rs if r["group"] == "r"] for i, rs in results.items()}
+    rings = {i: ring for i, ring in rings.items() if ring}
+    stuck = {i: [r for r in ring if r["why"] in RETRY] for i, ring in rings.items()
+             if not any(r["ok"] for r in ring)}
+    stuck = {i: slow for i, slow in stuck.items() if slow}
+    if len(stuck) == len(rings) and all(len(s) == len(rings[i]) for i, s in stuck.items()):
+        return []
+    return [(i, r) for i, slow in sorted(stuck.items()) for r in slow]
 
 
 def choose_master(cluster: Cluster, cands: list[str],
@@ -466,6 +531,7 @@ def prove(cluster: Cluster, links: dict[int, Link], facts: dict[int, dict[str, A
         todo = targets(cluster, known, cands, nonce, master_port)
         results = run_probe(cluster, links, todo)
         settle(cluster, links, cands, todo, results)
+        retry_slow(cluster, links, cands, results)
     finally:
         close_listeners(links)
     addr = choose_master(cluster, cands, results)
@@ -513,34 +579,3 @@ def load(cluster: Cluster, run_id: str) -> dict[str, Any] | None:
     if not isinstance(doc, dict) or doc.pop("run_id", None) != run_id:
         return None
     return doc
-
-
-# ------------------------------------------------------------------ after the launch
-
-RDZV_NOTICE = 60.0   # seconds after the launch: a host with no rank started is named
-
-
-def notice_after() -> float:
-    """RDZV_NOTICE, or ORCH_RDZV_NOTICE's seconds (a test's, or a slow cluster's)."""
-    try:
-        return max(1.0, float(os.environ.get("ORCH_RDZV_NOTICE", RDZV_NOTICE)))
-    except ValueError:
-        return RDZV_NOTICE
-
-
-def stalled(cluster: Cluster, started: set[int], addr: str, port: int,
-            waited: float) -> str | None:
-    """The hosts none of whose ranks has started: torchrun starts them only once every
-    node joined its rendezvous at addr:port. None when each host has a rank started."""
-    late = [h.label for h in cluster.hosts if not any(r in started for r in h.ranks)]
-    if not late:
-        return None
-    who = "no host has" if len(late) == len(cluster.hosts) else \
-        f"{fold(late)} {'has' if len(late) == 1 else 'have'} not"
-    return (f"rendezvous: {who} joined torchrun's rendezvous at {addr}:{port} "
-            f"{waited:g} s after the launch; likely cause: "
-            + ("host 0's torchrun is not up, or no host reaches it (a firewall on the "
-               "master port)" if len(late) == len(cluster.hosts) else
-               "they cannot reach it (a firewall on the master port, or no route), or "
-               "their torchrun failed (its log: run/<host part>/torchrun.log there)")
-            + "; the job goes on until torchrun's own timeout, Ctrl-C or `orch stop` ends it")

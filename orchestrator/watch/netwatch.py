@@ -9,7 +9,7 @@ init_process_group whose peer's firewall drops the port the OS picked there, a n
 torchrun that cannot reach the rendezvous or the ranks' store. Each such connection is
 named by the two hosts (the peer found among the hosts' addresses), the address and the
 port. The first look at or past notice_after() also names the hosts none of whose
-ranks started (session/network.stalled), unless waiting connections name the cause.
+ranks started (`stalled`), unless waiting connections name the cause.
 Each is said once, as a `NetworkStall` event; the job goes on (Ctrl-C, `orch stop` or
 `job.hang_timeout` ends it). A look is one small request per host; the looks thin out,
 so a long run asks a handful of times in all.
@@ -19,12 +19,14 @@ leaves no waiting socket between its tries; a hang that is not a connection (a
 collective on an open path)."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from orchestrator.config.hostranges import fold
+from orchestrator.config.inventory import Cluster
 from orchestrator.remote.fanout import fan_out
 from orchestrator.session import network
 from orchestrator.session.session import Session
@@ -33,6 +35,35 @@ from orchestrator.wire import timeouts
 
 EARLY = (10.0, 20.0, 40.0)   # looks before the rendezvous notice: a wait is certain at once
 SHOWN = 4                     # host pairs named in one line; the rest counted
+
+
+RDZV_NOTICE = 60.0   # seconds after the launch: a host with no rank started is named
+
+
+def notice_after() -> float:
+    """RDZV_NOTICE, or ORCH_RDZV_NOTICE's seconds (a test's, or a slow cluster's)."""
+    try:
+        return max(1.0, float(os.environ.get("ORCH_RDZV_NOTICE", RDZV_NOTICE)))
+    except ValueError:
+        return RDZV_NOTICE
+
+
+def stalled(cluster: Cluster, started: set[int], addr: str, port: int,
+            waited: float) -> str | None:
+    """The hosts none of whose ranks has started: torchrun starts them only once every
+    node joined its rendezvous at addr:port. None when each host has a rank started."""
+    late = [h.label for h in cluster.hosts if not any(r in started for r in h.ranks)]
+    if not late:
+        return None
+    who = "no host has" if len(late) == len(cluster.hosts) else \
+        f"{fold(late)} {'has' if len(late) == 1 else 'have'} not"
+    return (f"rendezvous: {who} joined torchrun's rendezvous at {addr}:{port} "
+            f"{waited:g} s after the launch; likely cause: "
+            + ("host 0's torchrun is not up, or no host reaches it (a firewall on the "
+               "master port)" if len(late) == len(cluster.hosts) else
+               "they cannot reach it (a firewall on the master port, or no route), or "
+               "their torchrun failed (its log: run/<host part>/torchrun.log there)")
+            + "; the job goes on until torchrun's own timeout, Ctrl-C or `orch stop` ends it")
 
 
 def looks(notice: float) -> Iterator[float]:
@@ -64,7 +95,7 @@ class NetWatch:
         self.done.set()
 
     def run(self) -> None:
-        notice = network.notice_after()
+        notice = notice_after()
         for at in looks(notice):
             if self.done.wait(max(0.0, self.t0 + at - time.monotonic())) or self.failed():
                 return
@@ -86,7 +117,7 @@ class NetWatch:
             self.said_late = True
             late = tuple(h.label for h in cluster.hosts
                          if not any(r in self.started for r in h.ranks))
-            text = network.stalled(cluster, set(self.started), *self.master, at)
+            text = stalled(cluster, set(self.started), *self.master, at)
         if waits:   # the waiting connections name the cause the rendezvous line guesses
             self.said_waits = True
             text = waits_text(waits, self.master)
