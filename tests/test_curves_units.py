@@ -291,3 +291,21 @@ def test_sparkline_scales_between_min_and_max() -> None:
     assert sparkline([0.1, 0.5, 0.8]) == "\u2581\u2585\u2588"
     assert sparkline([1.0, 1.0]) == "\u2584\u2584" and sparkline([]) == ""
     assert len(sparkline([float(i) for i in range(100)])) == 24
+
+
+def test_a_files_note_is_warned_once_per_process(tmp_path: Path, monkeypatch, caplog) -> None:
+    """`orch status --watch` reads every 2 s: a bad file is said once, not every time."""
+    monkeypatch.setattr(curves, "SAID", set())
+    cluster = cluster_at(tmp_path)
+    out = curves.outputs_dir(cluster)
+    out.mkdir(parents=True)
+    (out / "log.jsonl").write_text("oops\n")
+    with caplog.at_level("WARNING", logger="orchestrator"):
+        for lines in ("oops\n", "oops\nagain\n"):
+            (out / "log.jsonl").write_text(lines)
+            curves.read_curves(cluster)
+        notes = curves.Notes()
+        notes.add("beta: connection lost", say=False)   # a host's round: not a warning
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["alpha: output/log.jsonl: 1 line not a JSON object with `step` or "
+                    "`epoch` (first: line 1); skipped"], said

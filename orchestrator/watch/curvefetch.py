@@ -48,7 +48,8 @@ def capped(remote: dict[str, Any], notes: curves.Notes, host: str) -> dict[str, 
         if kind is None:
             continue
         if entry[0] > cap:
-            notes.add(f"{host}: output/{rel}: {entry[0]} bytes, more than {cap} (not fetched)")
+            notes.add(f"{host}: output/{rel}: {entry[0]} bytes, more than {cap} (not fetched)",
+                      f"{host}: output/{rel}")
         elif len(out) >= curves.MAX_FILES:
             notes.add(f"{host}: more than {curves.MAX_FILES} metrics files; the rest are "
                       "not fetched")
@@ -80,7 +81,8 @@ def fetch_host(session: Session, host: Host, cache: DigestCache,
     reply, remote = manifest(link, job_dir, [], globs=list(curves.GLOBS),
                              max_size=curves.MAX_EVENTS)   # the host hashes no bigger file
     for skip in reply["skipped"][:3]:   # too big, a link: named by the host
-        notes.add(f"{host.label}: output/{skip['p'][:300]}: {skip['why'][:200]}")
+        where = f"{host.label}: output/{skip['p'][:300]}"
+        notes.add(f"{where}: {skip['why'][:200]}", where)
     wanted = capped(remote, notes, host.label)
     if not wanted:
         return 0
@@ -92,7 +94,7 @@ def fetch_host(session: Session, host: Host, cache: DigestCache,
         report = PullReport(link.name, "output", dest.show(""))
         receive(link, job_dir, Receiver(dest, fetch, cache, report, None))
     for failed in report.failed[:3]:
-        notes.add(f"{host.label}: output/{failed['p']}: {failed['why']}")
+        notes.add(f"{host.label}: output/{failed['p']}: {failed['why']}", say=False)
     return report.files
 
 
@@ -109,7 +111,7 @@ def once(session: Session, notes: curves.Notes | None = None) -> int:
     for index, exc in got.failed.items():
         text = str(exc)
         label = session.cluster.hosts[index].label
-        noted.add(text if text.startswith(label + ":") else f"{label}: {text}")
+        noted.add(text if text.startswith(label + ":") else f"{label}: {text}", say=False)
     return sum(got.ok.values())
 
 
@@ -161,7 +163,7 @@ class CurveFetch:
             files = fetch_host(self.session, host, cache, notes)
             cache.save()
         except Exception as e:   # in the monitor's thread: its last rows are missed, nothing else
-            notes.add(f"{host.label}: {e}")
+            notes.add(f"{host.label}: {e}", say=False)
             files = 0
         with self.lock:
             self.version += bool(files)
@@ -172,7 +174,7 @@ class CurveFetch:
         try:
             files = once(self.session, notes)
         except Exception as e:   # recorded, never raised: a job is watched
-            notes.add(str(e))
+            notes.add(str(e), say=False)
             files = 0
         with self.lock:
             self.rounds += 1

@@ -68,11 +68,22 @@ class Series:
     points: tuple[Point, ...]
 
 
-class Notes(list[str]):
-    """What was skipped, in words (the first MAX_NOTES)."""
+SAID: set[str] = set()          # the notes warned of in this process (each once)
 
-    def add(self, text: str) -> None:
-        log.debug("curves: %s", text)
+
+class Notes(list[str]):
+    """What was skipped, in words (the first MAX_NOTES). A file's note is also a warning
+    of the `orchestrator` logger (the CLI prints it), once per process and `key` (the
+    file): `orch status --watch` and a fetch every 2 s do not repeat it; `say=False`: a
+    host's failed round, which the run reports its own way."""
+
+    def add(self, text: str, key: str | None = None, say: bool = True) -> None:
+        if say and (key or text) not in SAID:
+            if len(SAID) < 4096:
+                SAID.add(key or text)
+                log.warning("%s", text)
+        else:
+            log.debug("curves: %s", text)
         if len(self) < MAX_NOTES:
             self.append(text)
 
@@ -214,12 +225,12 @@ def read_file(root: Path, rel: str, host: str, notes: Notes, first: bool) -> lis
         return []
     shown = f"{host}: output/{rel}"
     if st.st_size > cap:
-        notes.add(f"{shown}: {st.st_size} bytes, more than {cap} (not read)")
+        notes.add(f"{shown}: {st.st_size} bytes, more than {cap} (not read)", shown)
         return []
     try:
         rows = parse(path, kind, notes, shown)
     except Exception as e:  # hostile or broken input: a note, never a crash
-        notes.add(f"{shown}: not read ({type(e).__name__}: {str(e)[:200]})")
+        notes.add(f"{shown}: not read ({type(e).__name__}: {str(e)[:200]})", shown)
         return []
     rank = rank_of(rel, kind, first)
     return [Series(host, rank, rel, name, thin(points)) for name, points in rows.items()]
@@ -234,7 +245,7 @@ def parse(path: Path, kind: str, notes: Notes, shown: str) -> Rows:
     with open(path, "rb") as f:
         raw = f.read(MAX_TEXT + 1)
     if b"\0" in raw[:65536]:
-        notes.add(f"{shown}: binary, not a text metrics file (not read)")
+        notes.add(f"{shown}: binary, not a text metrics file (not read)", shown)
         return {}
     text = raw.decode("utf-8", "replace")
     return parse_csv(text, notes, shown) if kind == "csv" else parse_jsonl(text, notes, shown)
@@ -296,7 +307,7 @@ def parse_csv(text: str, notes: Notes, shown: str) -> Rows:
         for row in reader:
             add_row(rows, {k: v for k, v in row.items() if k is not None})
     except csv.Error as e:
-        notes.add(f"{shown}: not a CSV file ({e})")
+        notes.add(f"{shown}: not a CSV file ({e})", shown)
         return {}
     if not reader.fieldnames:
         return {}
@@ -321,7 +332,7 @@ def parse_jsonl(text: str, notes: Notes, shown: str) -> Rows:
         add_row(rows, flatten(obj))
     if bad:
         notes.add(f"{shown}: {bad} line{'s' if bad != 1 else ''} not a JSON object with "
-                  f"`step` or `epoch` (first: line {first_bad}); skipped")
+                  f"`step` or `epoch` (first: line {first_bad}); skipped", shown)
     return rows
 
 
@@ -357,7 +368,7 @@ def parse_events(path: Path, notes: Notes, shown: str) -> Rows:
         from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
         from tensorboard.util import tensor_util
     except ImportError:
-        notes.add(f"{shown}: a TensorBoard event file, not read: {TB_HINT}")
+        notes.add(f"{shown}: a TensorBoard event file, not read: {TB_HINT}", "tensorboard")
         return {}
     rows: Rows = {}
     for event in EventFileLoader(str(path)).Load():
