@@ -332,8 +332,11 @@ def test_when_every_probe_of_a_kind_timed_out_none_is_tried_again(tmp_path: Path
     every ring pair: the error comes at once, a bound sooner."""
     c = cluster(tmp_path, hosts="  - 10.0.0.8\n  - 10.0.0.9\n  - 10.0.0.10\n")
     star = {i: [probed("10.1.0.5", "m", i == 0, "" if i == 0 else "timeout")] for i in range(3)}
+    # each neighbour's other address (the inventory's) has no route from the others
     ring = {i: [probed("10.1.0.5", "m", True), probed(f"10.1.0.{5 + (i + 1) % 3}", "r", False,
-                                                      "timeout", 40000)] for i in range(3)}
+                                                      "timeout", 40000),
+                probed(f"10.0.0.{8 + (i + 1) % 3}", "r", False, "unreachable", 40000)]
+            for i in range(3)}
     asked: list[Any] = []
     links = {i: RetryLink(asked, {"ok": True, "why": ""}) for i in range(3)}
     for results in (star, ring):
