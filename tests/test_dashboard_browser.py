@@ -3,7 +3,9 @@
 cluster whose ranks print `<script>alert(1)</script>` and run until stopped. The page
 without the token is refused; with it, every rank and a curve appear, the `<script>` is
 shown as text and runs nothing, and the stop button asks first (dismissed: nothing is
-stopped) and then stops the job on every host."""
+stopped) and then stops the job on every host. Then the same over real SSH (the suite's
+sshd hosts): a rank's exit, a printed line and an epoch's curve point reach the page,
+and the stop button's stop is verified on the hosts."""
 from __future__ import annotations
 
 import http.client
@@ -69,7 +71,7 @@ def gone(pid: int) -> None:
     raise AssertionError(f"chromedriver {pid} still runs")
 
 
-def until(driver: Any, what: Any, timeout: float = 30) -> Any:
+def until(driver: Any, what: Any, timeout: float = 60) -> Any:
     from selenium.webdriver.support.ui import WebDriverWait
     return WebDriverWait(driver, timeout, poll_frequency=0.1).until(what)
 
@@ -145,3 +147,90 @@ def test_the_page_in_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, b
     until(browser, lambda d: SCRIPT.decode() in d.find_element(By.ID, "log-view").text)
     assert browser.execute_script("return document.querySelectorAll('main script').length") == 0
     assert not [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
+
+
+# ---------------------------------------------------------------- over real SSH
+
+E2E_JOB = """\
+import os, time
+out, rank = os.environ["ORCH_OUTPUT_DIR"], int(os.environ["RANK"])
+os.makedirs(out, exist_ok=True)
+
+def row(epoch):
+    if rank == 0:
+        path = os.path.join(out, "metrics.csv")
+        new = not os.path.exists(path)
+        with open(path, "a") as f:
+            f.write(("epoch,train_loss\\n" if new else "") + "%d,%g\\n" % (epoch, 1.0 / epoch))
+
+print("<script>alert(1)</script>", flush=True)
+row(1)
+print("epoch 1 written", flush=True)
+while not os.path.exists(os.path.join(out, "go")):
+    time.sleep(0.05)
+row(2)
+print("epoch 2 written", flush=True)
+if rank == 0:
+    time.sleep(600)   # runs until the page's stop
+"""
+
+
+def points(driver: Any, key: str) -> int:
+    got = driver.execute_script(
+        "var c = document.querySelector('[data-chart=\"' + arguments[0] + '\"]'); "
+        "return c ? parseInt(c.dataset.points, 10) : 0", key)
+    return int(got or 0)
+
+
+@pytest.mark.ssh
+def test_a_job_on_sshd_hosts_in_chromium(sshd_cluster: Any, tmp_path: Path, jobs: Any,
+                                         browser: Any) -> None:
+    """`orch up --detach`, then the page: both ranks running; a rank's exit, a line it
+    prints and an epoch's curve point appear; the `<script>` is text; the stop button
+    stops the job on the hosts. The delays are printed (the 2 s the issue aims at is
+    not asserted: this machine's load varies)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    from helpers import assert_nothing_left, job_dir, job_pids, write_job
+    hosts, name = sshd_cluster.hosts[:2], "e2e-dash"
+    write_job(tmp_path, E2E_JOB)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
+    jobs.add(inv, hosts, name)
+    api.up(inv)
+    opened = page.open_for_job(inv)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", opened.server.port, timeout=30)
+        conn.request("GET", "/")
+        assert conn.getresponse().status == 403
+        conn.close()
+        browser.get(opened.url)
+        table = browser.find_element(By.ID, "rank-rows")
+        until(browser, lambda d: table.text.count("running") == 2, 120)
+        until(browser, lambda d: points(d, "curve:train_loss") == 1, 60)
+        Select(browser.find_element(By.ID, "log-rank")).select_by_value("0")
+        view = browser.find_element(By.ID, "log-view")
+        until(browser, lambda d: "epoch 1 written" in view.text, 60)
+        assert SCRIPT.decode() in view.text
+        assert browser.execute_script("return document.querySelectorAll('main script').length") == 0
+
+        t0 = time.monotonic()
+        for h in hosts:
+            (job_dir(h, name) / "output" / "go").touch()
+        until(browser, lambda d: "epoch 2 written" in view.text, 60)
+        line_s = time.monotonic() - t0
+        until(browser, lambda d: "exited 0" in d.find_element(By.CSS_SELECTOR, '#rank-rows tr[data-rank="1"]').text, 60)
+        exit_s = time.monotonic() - t0
+        until(browser, lambda d: points(d, "curve:train_loss") == 2, 60)
+        curve_s = time.monotonic() - t0
+        print(f"\ndashboard over sshd: line {line_s:.2f} s, rank 1's exit {exit_s:.2f} s, "
+              f"curve point {curve_s:.2f} s after the epoch's go")
+
+        browser.find_element(By.ID, "stop").click()
+        until(browser, lambda d: d.switch_to.alert).accept()
+        until(browser, lambda d: "stopped on 2 hosts" in d.find_element(By.ID, "notes").text, 120)
+        until(browser, lambda d: not any(job_pids(hosts, name).values()), 60)
+        until(browser, lambda d: "running" not in table.text, 60)
+    finally:
+        opened.close()
+    assert_nothing_left(hosts, name)

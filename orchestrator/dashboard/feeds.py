@@ -22,6 +22,7 @@ from orchestrator.watch.curvefetch import CurveFetch
 
 GPU_EVERY = 5.0       # seconds between GPU samples: nvidia-smi on every host each time
 CURVES_EVERY = 2.0    # seconds between reads of the curves' local copies
+CURVES_LOOK = 0.25    # seconds between looks at whether a fetch changed them
 TASKS_EVERY = 5.0
 
 log = logging.getLogger("orchestrator")
@@ -118,14 +119,20 @@ def sample_statuses(statuses: Iterator[Status], board: Board, feeds: Feeds) -> N
 def read_curves(cluster: Cluster, board: Board, feeds: Feeds,
                 every: float = CURVES_EVERY) -> None:
     """The curves from the local copies of the job's metrics files, re-read while the
-    page is open (watch/curves.py caps what it reads)."""
+    page is open (watch/curves.py caps what it reads): at once when this page's own
+    fetch brought a changed file (`feeds.fetch.version`), else every `every` seconds
+    (an attached run's fetch writes them)."""
     from orchestrator.watch import curves
+    seen = [-1, 0.0]     # the fetch's version read last, and when
 
     def step() -> None:
-        notes: list[str] = []
-        series = curves.read_curves(cluster, notes=notes)
+        version = feeds.fetch.version if feeds.fetch is not None else -1
+        if version == seen[0] and time.monotonic() - seen[1] < every:
+            return
+        seen[:] = [version, time.monotonic()]
+        series = curves.read_curves(cluster, notes=[])
         board.set_curves(series, curves.latest(series))
-    feeds.every(every, step)
+    feeds.every(CURVES_LOOK, step)
 
 
 def array_tasks(inventory: jobs.Inventory, board: Board, feeds: Feeds,
