@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.arrays import plan, results
+from orchestrator.arrays.rows import MetricStats, TaskResult
 from orchestrator.config.arrayspec import MAX_TASKS, expand, task_params
 from orchestrator.config.inventory import parse
 from orchestrator.errors import InventoryError
@@ -119,18 +120,17 @@ def test_metrics_last_row_and_groups_over_folds() -> None:
     assert results.parse_metrics("epoch,val_acc", "3,0.9") == {"epoch": "3", "val_acc": "0.9"}
     assert results.parse_metrics("epoch,val_acc", "epoch,val_acc") == {}   # header only
     assert results.parse_metrics(None, None) == {}
-    rows = [{"task": i, "params": {"model": m, "fold": str(f)}, "state": "exited 0",
-             "metrics": {"val_acc": str(acc), "note": "x"}}
+    rows = [TaskResult(i, "", {"model": m, "fold": str(f)}, "exited 0",
+                       {"val_acc": str(acc), "note": "x"})
             for i, (m, f, acc) in enumerate([("a", 0, 0.5), ("a", 1, 0.7), ("b", 0, 0.9)])]
-    rows.append({"task": 3, "params": {"model": "b", "fold": "1"}, "state": "failed (exit code 1)",
-                 "metrics": {}})
+    rows.append(TaskResult(3, "", {"model": "b", "fold": "1"}, "failed (exit code 1)", {}))
     groups = results.group(rows)
-    assert [g["params"] for g in groups] == [{"model": "a"}, {"model": "b"}]
+    assert [g.params for g in groups] == [{"model": "a"}, {"model": "b"}]
     a, b = groups
-    assert a["metrics"]["val_acc"]["mean"] == pytest.approx(0.6)
-    assert a["metrics"]["val_acc"]["std"] == pytest.approx(statistics.stdev([0.5, 0.7]))
-    assert "note" not in a["metrics"]           # not a number: not averaged
-    assert b["tasks"] == [2, 3] and b["ok"] == 1 and b["metrics"]["val_acc"] == {"mean": 0.9, "std": 0.0, "n": 1}
+    assert a.metrics["val_acc"].mean == pytest.approx(0.6)
+    assert a.metrics["val_acc"].std == pytest.approx(statistics.stdev([0.5, 0.7]))
+    assert "note" not in a.metrics           # not a number: not averaged
+    assert b.tasks == [2, 3] and b.ok == 1 and b.metrics["val_acc"] == MetricStats(0.9, 0.0, 1)
 
 
 def test_status_rows_states_and_lost_hosts(tmp_path: Path) -> None:
@@ -140,8 +140,9 @@ def test_status_rows_states_and_lost_hosts(tmp_path: Path) -> None:
         {"task": 0, "state": "exited", "code": -15, "started": 1.0, "ended": 3.5, "slot": 1, "last_line": "x"},
         {"task": 2, "state": "queued", "last_line": ""}]}
     rows = results.status_rows(c, rec, GroupResult(ok={0: reply}, failed={1: OSError("gone")}))
-    assert [r["state"] for r in rows] == ["failed (killed by SIGTERM)", "unreachable", "queued"]
-    assert rows[0]["runtime_s"] == 2.5 and rows[0]["slot"] == 1 and rows[0]["args"] == "--fold 0"
+    assert [r.state for r in rows] == ["failed (killed by SIGTERM)", "unreachable", "queued"]
+    assert rows[0].runtime_s == 2.5 and rows[0].slot == 1 and rows[0].args == "--fold 0"
+    assert rows[0].exit_code == -15 and rows[1].host == c.hosts[1].label
 
 
 def test_array_messages_have_schemas_both_ways() -> None:

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator.arrays.rows import MetricStats as MetricStats  # built once where a row is made
+from orchestrator.arrays.rows import ResultGroup as ResultGroup
+from orchestrator.arrays.rows import TaskResult as TaskResult
+from orchestrator.arrays.rows import TaskStatus as TaskStatus
 from orchestrator.errors import JobError
 from orchestrator.session.stopper import StopReport
 from orchestrator.watch.events import Event, RootCause
@@ -170,21 +174,6 @@ class Status:
 
 
 @dataclass(frozen=True)
-class TaskStatus:
-    """One task of a job array. `state`: queued, running, exited 0, failed (...),
-    stopped, unreachable."""
-
-    task: int
-    args: str
-    host: str
-    slot: int | None
-    state: str
-    exit_code: int | None = field(metadata=_renamed("code"))
-    runtime_s: float | None
-    last_line: str
-
-
-@dataclass(frozen=True)
 class ArrayStatus:
     job: str
     tasks: list[TaskStatus]
@@ -330,33 +319,6 @@ class ExecResult:
 
 
 # ---------------------------------------------------------------- results
-
-@dataclass(frozen=True)
-class MetricStats:
-    mean: float
-    std: float                # sample std; 0 for one value
-    n: int
-
-
-@dataclass(frozen=True)
-class TaskResult:
-    task: int
-    args: str
-    params: dict[str, str]    # --model vgg --fold 1 -> {"model": "vgg", "fold": "1"}
-    state: str
-    metrics: dict[str, str]   # the last row of its metrics.csv, as text
-    # its curve: one metric's values, epoch by epoch, from the task's files (watch/curves.py)
-    curve_metric: str = ""
-    curve: list[float] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class ResultGroup:
-    params: dict[str, str]    # every param but fold
-    tasks: list[int]
-    ok: int                   # tasks of the group that exited 0
-    metrics: dict[str, MetricStats]
-
 
 @dataclass(frozen=True)
 class Results:

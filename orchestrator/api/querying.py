@@ -13,14 +13,10 @@ from orchestrator.api import jobs
 from orchestrator.api.outcomes import (
     ArrayStatus,
     GpuStatus,
-    MetricStats,
     RankStatus,
     Restart,
-    ResultGroup,
     Results,
     Status,
-    TaskResult,
-    TaskStatus,
 )
 from orchestrator.arrays import plan
 from orchestrator.arrays import results as array_results
@@ -183,12 +179,9 @@ def array_status(inventory: jobs.Inventory) -> ArrayStatus:
     session = jobs.open_session(cluster, jobs.require_state(cluster))
     try:
         result = plan.host_request(session, "array_status", rec)
-        rows = array_results.status_rows(cluster, rec, result)
+        tasks = array_results.status_rows(cluster, rec, result)
     finally:
         session.close()
-    tasks = [TaskStatus(task=r["task"], args=r["args"], host=r["host"], slot=r["slot"],
-                        state=r["state"], exit_code=r["code"], runtime_s=r["runtime_s"],
-                        last_line=r["last_line"]) for r in rows]
     failed = {**session.failed, **result.failed}
     return ArrayStatus(job=cluster.name, tasks=tasks, unreachable=jobs.labelled(cluster, failed),
                        unreached=dict(session.failed), unanswered=dict(result.failed))
@@ -236,10 +229,6 @@ def results_of(session: Session, rec: plan.ArrayRecord) -> Results:
     curvefetch.once(session)   # each task's metrics files, for its curve
     path = cluster.state_dir / "results.csv"
     array_results.write_csv(path, rows)
-    groups = [ResultGroup(params=g["params"], tasks=g["tasks"], ok=g["ok"],
-                          metrics={c: MetricStats(**m) for c, m in g["metrics"].items()})
-              for g in array_results.group(rows)]
-    tasks = [TaskResult(task=r["task"], args=r["args"], params=r["params"], state=r["state"],
-                        metrics=r["metrics"], **task_curve(cluster, r["task"])) for r in rows]
-    return Results(job=cluster.name, tasks=tasks, groups=groups, csv=path,
+    tasks = [replace(r, **task_curve(cluster, r.task)) for r in rows]
+    return Results(job=cluster.name, tasks=tasks, groups=array_results.group(rows), csv=path,
                    unreached=dict(session.failed))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.arrays.plan import ArrayRecord
+from orchestrator.arrays.rows import MetricStats, ResultGroup, TaskResult, TaskStatus
 from orchestrator.config.arrayspec import task_params
 from orchestrator.config.inventory import Cluster
 from orchestrator.remote.fanout import GroupResult
@@ -27,9 +28,10 @@ def state_text(info: dict[str, Any]) -> str:
     return events.state_text(str(info["state"]), info.get("code"))
 
 
-def status_rows(cluster: Cluster, rec: ArrayRecord, status: GroupResult[dict[str, Any]]) -> list[dict[str, Any]]:
+def status_rows(cluster: Cluster, rec: ArrayRecord,
+                status: GroupResult[dict[str, Any]]) -> list[TaskStatus]:
     """One row per task: index, args, host/slot, state, runtime, last line."""
-    infos: dict[int, tuple[dict[str, Any], float]] = {}
+    infos: dict[int, tuple[dict[str, Any], float]] = {}   # a reply's TASK_STATUS items
     for reply in status.ok.values():
         offset = reply["time"] - time.time()
         for info in reply["tasks"]:
@@ -38,9 +40,10 @@ def status_rows(cluster: Cluster, rec: ArrayRecord, status: GroupResult[dict[str
     for i, host in enumerate(rec.host):
         info, offset = infos.get(i, ({"state": "unreachable", "last_line": ""}, 0.0))
         runtime = events.runtime_of(info.get("started"), info.get("ended"), offset)
-        rows.append({"task": i, "args": " ".join(rec.args[i]), "host": cluster.hosts[host].label,
-                     "slot": info.get("slot"), "state": state_text(info), "code": info.get("code"),
-                     "runtime_s": runtime, "last_line": info.get("last_line", "")})
+        rows.append(TaskStatus(task=i, args=" ".join(rec.args[i]),
+                               host=cluster.hosts[host].label, slot=info.get("slot"),
+                               state=state_text(info), exit_code=info.get("code"),
+                               runtime_s=runtime, last_line=info.get("last_line", "")))
     return rows
 
 
@@ -56,14 +59,14 @@ def parse_metrics(header: str | None, last: str | None) -> dict[str, str]:
     return {c: v for c, v in zip(cols, vals)}
 
 
-def result_rows(rec: ArrayRecord, status_rows_: list[dict[str, Any]],
-                results: GroupResult[dict[str, Any]]) -> list[dict[str, Any]]:
-    metrics: dict[int, dict[str, Any]] = {}
+def result_rows(rec: ArrayRecord, statuses: list[TaskStatus],
+                results: GroupResult[dict[str, Any]]) -> list[TaskResult]:
+    metrics: dict[int, dict[str, str]] = {}
     for reply in results.ok.values():
         for item in reply["tasks"]:
             metrics[item["task"]] = parse_metrics(item["header"], item["last"])
-    return [{"task": r["task"], "args": r["args"], "params": task_params(rec.args[r["task"]]),
-             "state": r["state"], "metrics": metrics.get(r["task"], {})} for r in status_rows_]
+    return [TaskResult(task=r.task, args=r.args, params=task_params(rec.args[r.task]),
+                       state=r.state, metrics=metrics.get(r.task, {})) for r in statuses]
 
 
 def number(text: str) -> float | None:
@@ -74,39 +77,40 @@ def number(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def group(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def group(rows: list[TaskResult]) -> list[ResultGroup]:
     """Rows with the same params other than `fold`: per numeric metric, mean and sample std
     (0 for one row) over the rows that have it; groups in the order they first appear."""
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    groups: dict[tuple[tuple[str, str], ...], list[TaskResult]] = {}
     for r in rows:
-        key = tuple((k, v) for k, v in r["params"].items() if k != FOLD)
+        key = tuple((k, v) for k, v in r.params.items() if k != FOLD)
         groups.setdefault(key, []).append(r)
-    out = []
-    for key, members in groups.items():
-        cols: dict[str, list[float]] = {}
-        for r in members:
-            for c, v in r["metrics"].items():
-                x = number(v)
-                if x is not None:
-                    cols.setdefault(c, []).append(x)
-        stats = {c: {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
-                     "n": len(xs)} for c, xs in cols.items()}
-        out.append({"params": dict(key), "tasks": [r["task"] for r in members],
-                    "ok": sum(r["state"] == "exited 0" for r in members), "metrics": stats})
-    return out
+    return [group_of(dict(key), members) for key, members in groups.items()]
 
 
-def columns(rows: list[dict[str, Any]]) -> list[str]:
+def group_of(params: dict[str, str], members: list[TaskResult]) -> ResultGroup:
+    cols: dict[str, list[float]] = {}
+    for r in members:
+        for c, v in r.metrics.items():
+            x = number(v)
+            if x is not None:
+                cols.setdefault(c, []).append(x)
+    stats = {c: MetricStats(statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0,
+                            len(xs)) for c, xs in cols.items()}
+    return ResultGroup(params=params, tasks=[r.task for r in members],
+                       ok=sum(r.state == "exited 0" for r in members), metrics=stats)
+
+
+def columns(rows: list[TaskResult]) -> list[str]:
     seen: dict[str, None] = {}
     for r in rows:
-        for c in r["metrics"]:
+        for c in r.metrics:
             seen.setdefault(c, None)
     return list(seen)
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_csv(path: Path, rows: list[TaskResult]) -> None:
     """results.csv: task, each param, state, each metric column of the last rows."""
-    params = list(dict.fromkeys(k for r in rows for k in r["params"]))
+    params = list(dict.fromkeys(k for r in rows for k in r.params))
     cols = columns(rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -114,6 +118,6 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         w = csv.writer(f)
         w.writerow(["task", *params, "state", *cols])
         for r in rows:
-            w.writerow([r["task"], *(r["params"].get(k, "") for k in params), r["state"],
-                        *(r["metrics"].get(c, "") for c in cols)])
+            w.writerow([r.task, *(r.params.get(k, "") for k in params), r.state,
+                        *(r.metrics.get(c, "") for c in cols)])
     os.replace(tmp, path)
