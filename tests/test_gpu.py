@@ -273,6 +273,49 @@ torch.cuda.synchronize()
 
 
 @pytest.mark.slow
+def _nvidia_smi_gpus() -> list[list[str]]:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    return [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def test_the_dashboards_gpu_view_against_the_real_nvidia_smi(gpu_cluster: Callable,
+                                                             tmp_path: Path) -> None:
+    """`orch dashboard`'s hosts view while the job trains: each GPU sampled on the host
+    through the agent's connection has nvidia-smi's name and total memory, a utilisation
+    in 0-100 and memory in use, and is "this job, rank 0"; served behind the token."""
+    _free_gpu_here()
+    import urllib.request
+
+    from orchestrator.dashboard import page
+    path = gpu_cluster(1)
+    assert _orch(tmp_path, "split-data").returncode == 0
+    up = _orch(tmp_path, "up", "--detach", "cluster.yaml")
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    opened = page.open_for_job(str(path), gpu_every=1.0)
+    try:
+        def state() -> dict:
+            with urllib.request.urlopen(opened.url.replace("/?", "/api/state?"), timeout=10) as r:
+                return json.loads(r.read())
+        deadline, gpus = time.monotonic() + 90, list[dict]()
+        while time.monotonic() < deadline:
+            gpus = state().get("gpus") or []
+            if gpus and len(gpus[0]["samples"]) >= 3 and gpus[0]["samples"][-1][2]:
+                break
+            time.sleep(1.0)
+        smi = _nvidia_smi_gpus()
+        assert [g["index"] for g in gpus] == [int(row[0]) for row in smi], (gpus, smi)
+        g = gpus[0]
+        assert g["name"] == smi[0][1] and g["holder"] == "this job, rank 0", g
+        _, util, used, total = g["samples"][-1]
+        assert total == float(smi[0][2]) and 0 < used <= total, g["samples"][-3:]
+        assert util is not None and 0 <= util <= 100, g["samples"][-3:]
+    finally:
+        opened.close()
+        _orch(tmp_path, "stop", "cluster.yaml")
+
+
 def test_a_stalled_nccl_collective_is_reported_with_its_flight_recorder_dump(
         gpu_cluster: Callable, tmp_path: Path) -> None:
     """NCCL's watchdog times the stalled collective out (4 s) and, with orch's flight
