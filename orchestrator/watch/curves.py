@@ -16,6 +16,7 @@ note (`notes`), never raised.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import logging
@@ -227,13 +228,33 @@ def read_file(root: Path, rel: str, host: str, notes: Notes, first: bool) -> lis
     if st.st_size > cap:
         notes.add(f"{shown}: {st.st_size} bytes, more than {cap} (not read)", shown)
         return []
+    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino, host, first)
+    hit = PARSED.get(key)
+    if hit is not None:
+        return hit
+    before = len(notes)
     try:
         rows = parse(path, kind, notes, shown)
     except Exception as e:  # hostile or broken input: a note, never a crash
         notes.add(f"{shown}: not read ({type(e).__name__}: {str(e)[:200]})", shown)
         return []
     rank = rank_of(rel, kind, first)
-    return [Series(host, rank, rel, name, thin(points)) for name, points in rows.items()]
+    got = [Series(host, rank, rel, name, thin(points)) for name, points in rows.items()]
+    if len(notes) == before:   # a file with a note is read again: its note is said again
+        remember(key, got)
+    return got
+
+
+# what each file held when last read, by its stat: the dashboard and `status --watch`
+# read every few seconds, and only the files the fetch changed are parsed again
+PARSED: dict[tuple[Any, ...], list[Series]] = {}
+PARSED_CAP = 2 * MAX_FILES
+
+
+def remember(key: tuple[Any, ...], got: list[Series]) -> None:
+    if len(PARSED) >= PARSED_CAP:
+        PARSED.clear()
+    PARSED[key] = got
 
 
 Rows = dict[str, list[Point]]
@@ -267,11 +288,17 @@ def whole(value: Any) -> int | None:
     return int(got) if got is not None and got == int(got) and abs(got) < 1 << 62 else None
 
 
+def first_of(row: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    for k in keys:
+        if k in row:
+            return row[k]
+    return None
+
+
 def axes(row: dict[str, Any]) -> tuple[int | None, int | None, float | None]:
     """(step, epoch, wall time) of a row or a JSON object."""
-    step = next((whole(row[k]) for k in STEP_KEYS if k in row), None)
-    epoch = next((whole(row[k]) for k in EPOCH_KEYS if k in row), None)
-    t = next((number(row[k]) for k in TIME_KEYS if k in row), None)
+    step, epoch = whole(first_of(row, STEP_KEYS)), whole(first_of(row, EPOCH_KEYS))
+    t = number(first_of(row, TIME_KEYS))
     return step, epoch, t if t is not None and t >= UNIX_2001 else None
 
 
@@ -290,6 +317,7 @@ def add_row(rows: Rows, row: dict[str, Any]) -> None:
                 rows.setdefault(name, []).append(Point(step, epoch, got, t))
 
 
+@functools.lru_cache(maxsize=4096)   # the same few keys on every row
 def clean_name(key: str) -> str:
     """A metric's name as text only (no control character), capped."""
     return "".join(c for c in key.strip() if c.isprintable())[:MAX_NAME]
