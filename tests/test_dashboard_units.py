@@ -364,3 +364,41 @@ def test_the_wheel_ships_the_page_and_its_scripts(tmp_path: Path) -> None:
     for name in (*loaded, "index.html", "uPlot.LICENSE"):
         assert f"orchestrator/dashboard/static/{name}" in names
     assert not re.search(r'(?:src|href)="(?:https?:)?//', page_text), "nothing from the network"
+
+
+ARRAY = """name: arr
+hosts:
+  - {address: 127.0.0.1, connection: local, remote_dir: /r1, procs: 2}
+code: {paths: [job.py]}
+job:
+  entrypoint: job.py
+  array:
+    matrix: {model: [lenet, vgg], fold: [0, 1]}
+"""
+
+
+def test_a_job_arrays_tasks_and_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`orch dashboard` of an array: `orch results`'s rows (tasks, groups over folds), asked
+    before anything is served and again while the page is open."""
+    from orchestrator.api.outcomes import MetricStats, ResultGroup, Results, TaskResult
+    asked: list[object] = []
+
+    def results(inventory: object) -> Results:
+        asked.append(inventory)
+        tasks = [TaskResult(i, f"--model m{i // 2} --fold {i % 2}", {"model": f"m{i // 2}", "fold": str(i % 2)},
+                            "exited 0", {"val_acc": "0.9"}) for i in range(4)]
+        groups = [ResultGroup({"model": f"m{g}"}, [2 * g, 2 * g + 1], 2,
+                              {"val_acc": MetricStats(0.9, 0.0, 2)}) for g in range(2)]
+        return Results("arr", tasks, groups, tmp_path / "results.csv")
+    monkeypatch.setattr(api, "results", results, raising=False)
+    monkeypatch.setattr("orchestrator.dashboard.feeds.TASKS_EVERY", 0.05)
+    path = inventory(tmp_path, ARRAY)
+    opened = page.open_for_job(path)
+    try:
+        assert opened.board.snapshot()["ranks"] == []   # an array's rows are its tasks
+        tasks = opened.board.snapshot()["tasks"]
+        assert [t["task"] for t in tasks["tasks"]] == [0, 1, 2, 3] and tasks["tasks"][3]["state"] == "exited 0"
+        assert [g["tasks"] for g in tasks["groups"]] == [[0, 1], [2, 3]]
+        wait_for(lambda: len(asked) >= 3)
+    finally:
+        opened.close()

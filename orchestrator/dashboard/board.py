@@ -78,7 +78,8 @@ class Board:
         self.notes: list[str] = []
         self.started = threading.Event()   # an attempt's Started was seen
         self.versions = {"events": 0, "gpus": 0, "curves": 0, "tasks": 0}
-        self.place([(h.label, list(h.ranks)) for h in cluster.hosts])
+        if cluster.job.array is None:   # an array's tasks are rows of their own (`tasks`)
+            self.place([(h.label, list(h.ranks)) for h in cluster.hosts])
 
     def place(self, hosts: Sequence[tuple[str, Sequence[int]]]) -> None:
         """The ranks as the hosts hold them (the inventory's, then each Started's)."""

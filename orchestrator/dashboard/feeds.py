@@ -136,7 +136,7 @@ def read_curves(cluster: Cluster, board: Board, feeds: Feeds,
 
 
 def array_tasks(inventory: jobs.Inventory, board: Board, feeds: Feeds,
-                every: float = TASKS_EVERY) -> None:
+                every: float | None = None) -> None:
     """A job array's tasks and their groups over folds, as `orch results` shows them."""
     from orchestrator import api
 
@@ -147,7 +147,7 @@ def array_tasks(inventory: jobs.Inventory, board: Board, feeds: Feeds,
             board.set_tasks({"error": e.message})
             return
         board.set_tasks(api.document(results))
-    feeds.every(every, step)
+    feeds.every(every or TASKS_EVERY, step)
 
 
 def start_all(inventory: jobs.Inventory, board: Board, feeds: Feeds,

@@ -42,6 +42,7 @@
     return keys.map(function (k) { return k + " " + fmt(m[k]); }).join(", ");
   }
   function renderRanks() {
+    $("ranks").hidden = state.ranks.length === 0;    // a job array: its tasks instead
     var body = $("rank-rows");
     clear(body);
     state.ranks.forEach(function (r) {
@@ -201,8 +202,15 @@
       line.appendChild(tick);
     });
   }
+  function valueText(x) {
+    if (x && typeof x === "object") {
+      return "mean" in x ? fmt(x.mean) + " ± " + fmt(x.std) + " (n=" + x.n + ")" : JSON.stringify(x);
+    }
+    return fmt(x);
+  }
   function cellText(v) {
-    if (v && typeof v === "object") return Object.keys(v).map(function (k) { return k + " " + fmt(v[k]); }).join(", ");
+    if (Array.isArray(v)) return v.join(", ");
+    if (v && typeof v === "object") return Object.keys(v).map(function (k) { return k + " " + valueText(v[k]); }).join(", ");
     return v === null || v === undefined ? "" : v;
   }
   function table(head, body, rows, cols) {
