@@ -309,3 +309,19 @@ def test_a_files_note_is_warned_once_per_process(tmp_path: Path, monkeypatch, ca
     said = [r.getMessage() for r in caplog.records]
     assert said == ["alpha: output/log.jsonl: 1 line not a JSON object with `step` or "
                     "`epoch` (first: line 1); skipped"], said
+
+
+def test_a_hosts_listing_is_capped_in_files_and_each_round_in_bytes(monkeypatch) -> None:
+    monkeypatch.setattr(curves, "SAID", set())
+    monkeypatch.setattr(curves, "MAX_FILES", 3)
+    digest = "0" * 64
+    remote = {f"m{i}.jsonl": [10, digest] for i in range(5)}
+    remote.update({"model.pt": [10, digest], "events.out.tfevents.1": [curves.MAX_EVENTS + 1, digest]})
+    notes = curves.Notes()
+    got = curvefetch.capped(remote, notes, "h")
+    assert list(got) == ["m0.jsonl", "m1.jsonl", "m2.jsonl"]       # no checkpoint, no giant
+    assert any("events.out.tfevents.1" in n and "not fetched" in n for n in notes), notes
+    assert any("more than 3 metrics files" in n for n in notes), notes
+    monkeypatch.setattr(curvefetch, "MAX_ROUND", 25)
+    assert list(curvefetch.within_round(got)) == ["m0.jsonl", "m1.jsonl"]   # the rest next round
+    assert list(curvefetch.within_round({"big": [100, digest]})) == ["big"]  # always one
