@@ -402,3 +402,43 @@ def test_a_job_arrays_tasks_and_groups(tmp_path: Path, monkeypatch: pytest.Monke
         wait_for(lambda: len(asked) >= 3)
     finally:
         opened.close()
+
+
+def test_a_hang_marks_the_culprit_and_keeps_every_stack(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_run_events import HANG, hung_follow, run, stacks
+    fake = FakeCluster(lambda label, rank, env: None).install(monkeypatch)
+    fake.on("follow", hung_follow(threading.Event())).on("stacks", stacks)
+    path = inventory(tmp_path, HANG)
+    events, err = run(path, pull=False)
+    assert isinstance(err, api.JobError)
+    board = Board(load(Path(path)))
+    board.many(events)
+    snap = board.snapshot()
+    assert [r["rank"] for r in snap["ranks"] if r["hung"]] == [3]
+    assert snap["root_cause"]["kind"] == "hang" and snap["outcome"] == "failed"
+    (hang,) = [e for e in snap["events"] if e["kind"] == "Hang"]
+    assert "rank 3 on 127.0.0.2" in hang["text"] and "train_step" in hang["detail"]
+
+
+def test_a_restart_on_a_spare_moves_the_ranks_and_counts(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.api import healing
+    from test_controller_fake import SPARE, lost_for_good
+    from test_run_events import run
+    monkeypatch.setattr(healing, "backoff", lambda attempt: 0.0)
+    fake = FakeCluster(lambda label, rank, env: (
+        None if env["ORCH_RESTART_COUNT"] == "0" else 0)).install(monkeypatch)
+    lost_for_good(fake, "127.0.0.2")
+    path = inventory(tmp_path, SPARE)
+    events, err = run(path, restarts=1, pull=False)
+    assert err is None
+    board = Board(load(Path(path)))
+    board.many(events)
+    snap = board.snapshot()
+    assert {r["host"] for r in snap["ranks"]} == {"127.0.0.1", "127.0.0.9", "127.0.0.3"}
+    assert [r["state"] for r in snap["ranks"]] == ["exited 0"] * 6
+    assert {r["restarts"] for r in snap["ranks"]} == {1} and snap["outcome"] == "succeeded"
+    texts = [e["text"] for e in snap["events"]]
+    assert any(t.startswith("restart 1 of 1") and "127.0.0.9" in t for t in texts)
+    assert "spares ready: 127.0.0.9" in texts
