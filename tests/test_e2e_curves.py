@@ -5,6 +5,7 @@ row written on a host is read here (watch/curves.py) before the job ends; the la
 come with the job's end."""
 from __future__ import annotations
 
+import importlib.util
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,17 @@ from orchestrator.watch import curves
 from orchestrator.watch import events as ev
 from sshd_cluster import SshdCluster
 
-# rank 0 writes metrics.csv as worker.train does, rank 1 a JSON-lines file of its own;
-# each writes its second row only once the test drops `go` into its output/
+# rank 0 writes metrics.csv as worker.train does, rank 1 a JSON-lines file of its own and
+# TensorBoard scalars; each writes its second row only once the test drops `go` into its
+# output/
 JOB = """\
 import json, os, time
 out, rank = os.environ["ORCH_OUTPUT_DIR"], int(os.environ["RANK"])
 os.makedirs(out, exist_ok=True)
+tb = None
+if rank == 1:   # and TensorBoard scalars, as a third-party script's SummaryWriter writes them
+    from torch.utils.tensorboard import SummaryWriter
+    tb = SummaryWriter(os.path.join(out, "tb", "rank1"))
 
 def row(epoch):
     if rank == 0:
@@ -35,17 +41,23 @@ def row(epoch):
     else:
         with open(os.path.join(out, "rank-%d.jsonl" % rank), "a") as f:
             f.write(json.dumps({"step": epoch * 100, "loss": 2.0 / epoch}) + "\\n")
+        tb.add_scalar("tb/acc", 0.25 * epoch, epoch)
+        tb.flush()
 
 row(1)
 print("epoch 1 written", flush=True)
 while not os.path.exists(os.path.join(out, "go")):
     time.sleep(0.05)
 row(2)
+if tb is not None:
+    tb.close()
 print("epoch 2 written", flush=True)
 """
 
 
 @pytest.mark.ssh
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
+                    reason="the tensorboard package (orch[curves]) is not installed")
 def test_a_running_jobs_metrics_arrive_before_it_ends(
         sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
     hosts, name = sshd_cluster.hosts[:2], "e2e-curves"
@@ -72,15 +84,19 @@ def test_a_running_jobs_metrics_arrive_before_it_ends(
                "both ranks to write their first row")
     assert not ended, ended
 
-    def both() -> dict:
-        got = curves.latest(curves.read_curves(cluster))
-        return got if (first, 0) in got and (second, 1) in got else {}
-    got = wait_until(both, 30, "both ranks' first rows to arrive here")
+    want = {(first, 0): {"train_loss": 1.0, "val_acc": 0.5}, (second, 1): {"loss": 2.0, "tb/acc": 0.25}}
+    seen: list = []
+
+    def arrived() -> bool:
+        seen[:] = [curves.latest(curves.read_curves(cluster))]
+        return seen[0] == want
+    try:
+        wait_until(arrived, 30, "both ranks' first rows to arrive here")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; read here: {seen}") from None
     assert run.is_alive() and not ended, "the job ended before its metrics were read"
-    assert got == {(first, 0): {"train_loss": 1.0, "val_acc": 0.5},   # type: ignore[comparison-overlap]
-                   (second, 1): {"loss": 2.0}}
     ranks = {r.rank: r.metrics for r in api.status(inv).ranks}   # `orch status --json`
-    assert ranks == {0: {"train_loss": 1.0, "val_acc": 0.5}, 1: {"loss": 2.0}}
+    assert ranks == {0: {"train_loss": 1.0, "val_acc": 0.5}, 1: {"loss": 2.0, "tb/acc": 0.25}}
     local = tmp_path / "outputs" / name
     assert (local / "metrics.csv").is_file()
     assert (tmp_path / ".orch" / name / "curves" / second / "rank-1.jsonl").is_file()
@@ -92,5 +108,6 @@ def test_a_running_jobs_metrics_arrive_before_it_ends(
     series = {(s.host, s.name): s for s in curves.read_curves(cluster)}
     assert [p.epoch for p in series[(first, "train_loss")].points] == [1, 2]
     assert [(p.step, p.value) for p in series[(second, "loss")].points] == [(100, 2.0), (200, 1.0)]
+    assert [(p.step, p.value) for p in series[(second, "tb/acc")].points] == [(1, 0.25), (2, 0.5)]
     assert not list(local.rglob("*.orch-part-*"))
     assert_nothing_left(hosts, name)
