@@ -442,3 +442,27 @@ def test_a_restart_on_a_spare_moves_the_ranks_and_counts(tmp_path: Path,
     texts = [e["text"] for e in snap["events"]]
     assert any(t.startswith("restart 1 of 1") and "127.0.0.9" in t for t in texts)
     assert "spares ready: 127.0.0.9" in texts
+
+
+def test_the_next_run_is_followed_once_the_first_ended(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`orch dashboard` stays on the job: stopped, then started again by another `orch
+    up`, the page follows the new run's ranks."""
+    from orchestrator.dashboard import feeds as feeding
+    monkeypatch.setattr(feeding, "NEXT_RUN_EVERY", 0.1)
+    Running(monkeypatch)
+    path = inventory(tmp_path)
+    api.up(path)
+    opened = page.open_for_job(path)
+    try:
+        board = opened.board
+        wait_for(lambda: [r["state"] for r in board.snapshot()["ranks"]] == ["running"] * 6)
+        api.stop(path)
+        wait_for(lambda: board.snapshot()["ended"])
+        assert {r["state"] for r in board.snapshot()["ranks"]} == {"stopped"}
+        api.up(path)
+        again = wait_for(lambda: (s := board.snapshot())["log_seq"] >= 24 and not s["ended"] and s)
+        assert [r["state"] for r in again["ranks"]] == ["running"] * 6 and again["root_cause"] is None
+        assert any(e["kind"] == "Followed" for e in again["events"])
+    finally:
+        opened.close()

@@ -174,6 +174,18 @@ class Board:
     def on_NoRestart(self, e: ev.NoRestart) -> None:
         self.ended = True
 
+    def reattached(self, cluster: Cluster, run_id: str, restarts: int) -> None:
+        """A new run of the job is followed (`orch dashboard`): its ranks start again."""
+        with self.lock:
+            self.place([(h.label, list(h.ranks)) for h in cluster.hosts])
+            for row in self.ranks.values():
+                row.state, row.failed, row.hung, row.runtime, row.started = "starting", False, False, None, None
+            self.ended, self.outcome, self.root_cause, self.restarts = False, "", None, restarts
+            what = f"restart {restarts}" if restarts else f"run {run_id}"
+            self.events.append({"time": time.time(), "kind": "Followed",
+                                "text": cut(f"following the job's {what}"), "detail": ""})
+            self.changed("events")
+
     def end(self, why: str = "") -> None:
         """The feed is over (the follow ended): nothing more will come."""
         with self.lock:

@@ -24,6 +24,7 @@ GPU_EVERY = 5.0       # seconds between GPU samples: nvidia-smi on every host ea
 CURVES_EVERY = 2.0    # seconds between reads of the curves' local copies
 CURVES_LOOK = 0.25    # seconds between looks at whether a fetch changed them
 TASKS_EVERY = 5.0
+NEXT_RUN_EVERY = 2.0  # seconds between looks at the saved state once a run ended
 
 log = logging.getLogger("orchestrator")
 
@@ -71,40 +72,65 @@ def follow_job(inventory: jobs.Inventory, board: Board, feeds: Feeds,
                gpu_every: float = GPU_EVERY) -> Cluster:
     """`orch dashboard` of a distributed job: api.follow's events into the board; on the
     same session, the GPU samples while the job runs and the curves' files fetched
-    (watch/curvefetch.py, as an attached `orch up` does). A mistake (no job started,
-    an array) raises here, before any page is served; returns the run's cluster."""
+    (watch/curvefetch.py, as an attached `orch up` does). Once that run ended, a new one
+    (a restart, another `orch up`) is followed as it appears in the saved state. A
+    mistake (no job started, an array) raises here, before any page is served; returns
+    the run's cluster."""
     session, st = following.attach(inventory)
-    feeds.session = session
-    stream = following.events(session, st)
-    fetch = feeds.fetch = CurveFetch(session).start()   # the curves' files, while it runs
 
     def follow() -> None:
-        for event in stream:
-            if isinstance(event, (ev.Succeeded, ev.RootCause)):   # the last: the files' last rows
-                fetch.stop(final=True)
-            board(event)
-            if feeds.done.is_set():
-                break
-        board.end()
+        current: tuple[Session, JobState] | None = (session, st)
+        while current is not None:
+            follow_run(*current, board, feeds, gpu_every)
+            current = next_run(inventory, current[1], feeds)
+            if current is not None:
+                board.reattached(current[0].cluster, current[1].run_id, len(current[1].attempts))
     feeds.start("follow", follow)
-    if any(h.gpus for h in session.cluster.hosts):
-        feeds.start("gpus", lambda: sample_gpus(session, st, board, feeds, gpu_every))
     return session.cluster
 
 
-def sample_gpus(session: Session, st: JobState, board: Board, feeds: Feeds,
-                every: float) -> None:
-    """Each GPU's utilisation, memory and holder, as `orch status` asks them, until the
-    job ended."""
-    from orchestrator.api import querying
+def follow_run(session: Session, st: JobState, board: Board, feeds: Feeds,
+               gpu_every: float) -> None:
+    """One run's events to its end, with its curves' fetch and GPU samples."""
+    feeds.session = session
+    stream = following.events(session, st)
+    fetch = feeds.fetch = CurveFetch(session).start()   # the curves' files, while it runs
+    if any(h.gpus for h in session.cluster.hosts):
+        feeds.start("gpus", lambda: sample_gpus(session, st, board, feeds, gpu_every))
+    for event in stream:
+        if isinstance(event, (ev.Succeeded, ev.RootCause)):   # the last: the files' last rows
+            fetch.stop(final=True)
+        board(event)
+        if feeds.done.is_set():
+            break
+    fetch.stop()
+    board.end()
 
-    def step() -> None:
-        if board.ended:
-            feeds.done.wait(every)
-            return
+
+def next_run(inventory: jobs.Inventory, last: JobState, feeds: Feeds,
+             every: float | None = None) -> tuple[Session, JobState] | None:
+    """The job's next run once its saved state names one (a new run id, or one more
+    restart), attached; None once the page is closed."""
+    seen = (last.run_id, len(last.attempts))
+    while not feeds.done.wait(every or NEXT_RUN_EVERY):
+        try:
+            st = jobs.saved_state(jobs.run_cluster(inventory))
+            if st is not None and (st.run_id, len(st.attempts)) != seen:
+                return following.attach(inventory)
+        except OrchError as e:   # a damaged state, a host not reached: said, tried again
+            feeds.note("next run", e)
+    return None
+
+
+def sample_gpus(session: Session, st: JobState | None, board: Board, feeds: Feeds,
+                every: float) -> None:
+    """Each GPU's utilisation, memory and holder, as `orch status` asks them, while the
+    run of this session goes on."""
+    from orchestrator.api import querying
+    while not feeds.done.is_set() and feeds.session in (None, session) and not board.ended:
         status = querying.status_of(session, st, session.status())
         board.gpu_sample(time.time(), status.gpus, status.gpu_errors)
-    feeds.every(every, step)
+        feeds.done.wait(every)
 
 
 def sample_statuses(statuses: Iterator[Status], board: Board, feeds: Feeds) -> None:
