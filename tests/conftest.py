@@ -11,7 +11,7 @@ import pytest
 from hypothesis import settings
 
 from helpers import TORCHRUN_VARS, Jobs
-from sshd_cluster import FakeHost, SshdCluster, free_port, pid_alive
+from sshd_cluster import FakeHost, SshdCluster, free_port, loopback, pid_alive
 
 CLUSTER_SIZE = 4
 
@@ -54,9 +54,12 @@ TIMING_MODULES = {
 }
 
 
+# tryfirst: before pytest's -m selection and before pytest-xdist reads the xdist_group marks
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """`make test-fast` leaves out `ssh` and `slow` tests; `make test-stress` runs `ssh`
-    and `timing`."""
+    and `timing`. For pytest-xdist (`make test`), a module with a fixture of its own
+    that lives longer than a test is one xdist_group, and the costly tests come first."""
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         if used & SSHD_FIXTURES:
@@ -65,6 +68,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
         if item.path.stem in TIMING_MODULES:
             item.add_marker(pytest.mark.timing)
+        if _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=_cost_rank)
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether the test uses a module-scoped fixture (its own sshd cluster, namespaces, a
+    trained model): under `--dist loadgroup` the module's tests then run in one worker,
+    which sets it up once, instead of once in every worker that gets one of its tests."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d.scope == "module" for chain in defs for d in chain)
+
+
+def _cost_rank(item: pytest.Item) -> int:
+    """xdist hands out work in collection order (`--no-loadscope-reorder`): the likely
+    long units first (a module's group, then jobs over sshd, sshd, jobs, real waits), the
+    many short unit tests last, where they fill the gaps. The sort is stable: a module's
+    tests keep their order."""
+    marks = {m.name for m in item.iter_markers()}
+    for rank, need in enumerate(({"xdist_group"}, {"ssh", "slow"}, {"ssh"}, {"slow"},
+                                 {"timing"})):
+        if need <= marks:
+            return rank
+    return 5
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -81,15 +110,12 @@ def _isolated_orch_env() -> Iterator[None]:
             os.environ[key] = value
 
 
-def _addresses(first_octet: int, count: int) -> list[str]:
-    return [f"127.0.0.{first_octet + i}" for i in range(count)]
-
-
 @pytest.fixture(scope="session")
 def sshd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
     """4 sshd hosts on 127.0.0.2-5 (a port free on all of them, plus room for the
-    untrusted host). Session-wide: tests must not stop it or leave hosts paused."""
-    port = free_port(_addresses(2, CLUSTER_SIZE + 2))
+    untrusted host; in a pytest-xdist worker, that worker's addresses: loopback_net).
+    Session-wide (one per worker): tests must not stop it or leave hosts paused."""
+    port = free_port([loopback(2 + i) for i in range(CLUSTER_SIZE + 2)])
     cluster = SshdCluster(tmp_path_factory.mktemp("sshd"), CLUSTER_SIZE, port=port).start()
     yield cluster
     pids = [h.pid for h in cluster.all_hosts()]

@@ -1,9 +1,10 @@
 """A fake SSH cluster on one machine: one real OpenSSH sshd per loopback address.
 
 Every "host" is its own `/usr/sbin/sshd -D` bound to 127.0.0.<k>:<port> with its own
-host key, so host-key checking, per-host failures (pause one sshd, drop one host key)
-and parallel fan-out are exercised for real, without containers or root-only tricks
-beyond running sshd itself. Used by tests/conftest.py and by bench/.
+host key (in a pytest-xdist worker, on an address range of that worker's: loopback_net),
+so host-key checking, per-host failures (pause one sshd, drop one host key) and parallel
+fan-out are exercised for real, without containers or root-only tricks beyond running
+sshd itself. Used by tests/conftest.py and by bench/.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,7 +101,31 @@ def _signal(pids: Iterable[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-# ---------------------------------------------------------------- ports
+# ---------------------------------------------------------------- addresses and ports
+
+def loopback_net() -> str:
+    """The first three numbers of this process's fake hosts' addresses: 127.0.0 (hosts
+    127.0.0.2, ...), or, in pytest-xdist worker gw<N>, 127.<10+N>.<R> with R from the run's
+    id. Every 127.x.y.z is this machine's loopback, so each worker's clusters (and those of
+    another run beside it) have addresses of their own, whatever ports they pick; bench/
+    keeps 127.0.1-4.* for its wide clusters."""
+    worker = _xdist_worker()
+    if worker is None:
+        return "127.0.0"
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
+    return f"127.{10 + worker % 240}.{1 + zlib.crc32(run.encode()) % 250}"
+
+
+def _xdist_worker() -> int | None:
+    """N in pytest-xdist's worker gw<N>, or None outside one."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else None
+
+
+def loopback(octet: int) -> str:
+    """This process's fake host address ending in `octet` (see loopback_net)."""
+    return f"{loopback_net()}.{octet}"
+
 
 def port_free(address: str, port: int) -> bool:
     """True when nothing listens on address:port and we could bind it."""
@@ -141,11 +167,27 @@ def end_sshds(procs: Sequence[subprocess.Popen]) -> list[int]:
 
 def free_port(addresses: Sequence[str], start: int = 2222, stop: int = 2400) -> int:
     """A port free on every address, so that concurrent clusters (other test runs,
-    benchmarks) on the same addresses do not collide."""
+    benchmarks) on the same addresses do not collide. In a pytest-xdist worker, from that
+    worker's share of start..stop only (worker_ports): two workers that look at once
+    (torchrun's master port on 127.0.0.1) never take the same one."""
+    start, stop = worker_ports(start, stop)
     for port in range(start, stop):
         if all(port_free(a, port) for a in addresses):
             return port
     raise ClusterError(f"no port in {start}..{stop} is free on {', '.join(addresses)}")
+
+
+def worker_ports(start: int, stop: int) -> tuple[int, int]:
+    """This process's share of the ports start..stop: all of them without pytest-xdist,
+    else the worker's slice of one in PYTEST_XDIST_WORKER_COUNT."""
+    worker, count = _xdist_worker(), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker is None or not count.isdigit() or worker >= int(count):
+        return start, stop
+    width = (stop - start) // int(count)
+    if width < 1:
+        return start, stop
+    first = start + worker * width
+    return first, first + width
 
 
 # ---------------------------------------------------------------- hosts
@@ -248,14 +290,16 @@ def _sshd_config(home: Path, address: str, port: int, authorized_keys: Path,
 # ---------------------------------------------------------------- the cluster
 
 class SshdCluster:
-    """n sshd "hosts" on 127.0.0.<first_octet>.. sharing one port, one client key and
-    one known_hosts file that trusts exactly the trusted hosts."""
+    """n sshd "hosts" on 127.0.0.<first_octet>.. (loopback(first_octet), ...) sharing one
+    port, one client key and one known_hosts file that trusts exactly the trusted hosts."""
 
     def __init__(self, root: Path, n: int, *, port: int = 2222, first_octet: int = 2,
-                 sshd_options: dict[str, Any] | None = None) -> None:
+                 sshd_options: dict[str, Any] | None = None, net: str | None = None) -> None:
         """`sshd_options` (keyword -> value) replace or add lines of every sshd_config
-        (the scale benchmark raises MaxStartups, adds a user's own authorized_keys)."""
+        (the scale benchmark raises MaxStartups, adds a user's own authorized_keys);
+        `net` the addresses' first three numbers (default: loopback_net())."""
         self.root = Path(root).resolve()
+        self.net = net or loopback_net()
         self.sshd_options = dict(sshd_options or {})
         self.n = n
         self.port = port
@@ -344,7 +388,7 @@ class SshdCluster:
         if not self._started:
             raise ClusterError("start() the cluster before adding hosts")
         index = len(self.all_hosts())
-        address = f"127.0.0.{self._next_octet}"
+        address = f"{self.net}.{self._next_octet}"
         self._next_octet += 1
         host = self._spawn(index, address)
         (self.hosts if trusted else self.untrusted_hosts).append(host)
@@ -389,7 +433,7 @@ class SshdCluster:
     def unreachable() -> tuple[str, int]:
         """An address:port where nothing listens (connections are refused)."""
         for octet in range(250, 200, -1):
-            address = f"127.0.0.{octet}"
+            address = loopback(octet)
             if not accepts(address, 2222, timeout=0.3):
                 return address, 2222
         raise ClusterError("no unused loopback address found for unreachable()")
@@ -401,7 +445,7 @@ class SshdCluster:
 
     def _write_ssh_config(self) -> None:
         self.ssh_config.write_text("\n".join([
-            "Host 127.0.0.*",
+            f"Host {self.net}.*",
             "  User root",
             f"  Port {self.port}",
             f"  IdentityFile {self.client_key}",
@@ -460,11 +504,13 @@ def ssh_cmd(cluster: SshdCluster) -> list[str]:
 
 
 @contextlib.contextmanager
-def own_cluster(root: Path, hosts: int, first_octet: int) -> Iterator[SshdCluster]:
-    """A module's own cluster of `hosts` sshd on 127.0.0.<first_octet>..., apart from the
+def own_cluster(root: Path, hosts: int, first_octet: int,
+                sshd_options: dict[str, Any] | None = None) -> Iterator[SshdCluster]:
+    """A module's own cluster of `hosts` sshd on loopback(first_octet)..., apart from the
     session's (a test may kill one of its hosts); proven gone at the end."""
-    port = free_port([f"127.0.0.{first_octet + i}" for i in range(hosts)])
-    cluster = SshdCluster(root, hosts, port=port, first_octet=first_octet).start()
+    port = free_port([loopback(first_octet + i) for i in range(hosts)])
+    cluster = SshdCluster(root, hosts, port=port, first_octet=first_octet,
+                          sshd_options=sshd_options).start()
     try:
         yield cluster
     finally:

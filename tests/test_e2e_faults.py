@@ -20,7 +20,7 @@ import yaml
 
 import fault_servers as fs
 from helpers import ORCH, orch
-from sshd_cluster import SshdCluster
+from sshd_cluster import SshdCluster, loopback
 
 # Each case runs the CLI against SSH servers and waits out connect timeouts: not for
 # `make test-fast`.
@@ -33,7 +33,7 @@ _octet = iter(range(60, 120))
 
 
 def next_address() -> str:
-    return f"127.0.0.{next(_octet)}"
+    return loopback(next(_octet))   # 127.0.0.<k>; a pytest-xdist worker's own range
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 from helpers import Jobs, orch, wait_until, write_job
 from orchestrator import api
 from orchestrator.errors import UsageError
-from sshd_cluster import SshdCluster, free_port, pid_alive
+from sshd_cluster import SshdCluster, free_port, loopback, pid_alive
 
 pytestmark = pytest.mark.ssh
 
@@ -63,7 +63,7 @@ class Echo:
 def fwd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
     """2 sshd hosts that allow TCP forwarding (the session's cluster does not)."""
     root = tmp_path_factory.mktemp("sshd-fwd")
-    port = free_port([f"127.0.0.{FIRST_OCTET + i}" for i in range(2)])
+    port = free_port([loopback(FIRST_OCTET + i) for i in range(2)])
     cluster = SshdCluster(root, 2, port=port, first_octet=FIRST_OCTET,
                           sshd_options={"AllowTcpForwarding": "yes"}).start()
     try:

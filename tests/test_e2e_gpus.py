@@ -21,7 +21,7 @@ import pytest
 
 import gpu_standin
 from helpers import ORCH, Jobs, assert_nothing_left, orch, wait_until, write_job
-from sshd_cluster import SshdCluster, free_port, pid_alive
+from sshd_cluster import SshdCluster, free_port, loopback, pid_alive
 
 pytestmark = pytest.mark.ssh
 
@@ -47,7 +47,7 @@ def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluste
     shared.chmod(0o755)
     env = (f"PATH={root / 'bin'}:/usr/local/bin:/usr/bin:/bin ORCH_FAKE_GPUS_DIR={root} "
            f"ORCH_GPU_CLAIMS_DIR={shared / 'claims'}")
-    port = free_port([f"127.0.0.{FIRST_OCTET + i}" for i in range(2)])
+    port = free_port([loopback(FIRST_OCTET + i) for i in range(2)])
     cluster = SshdCluster(root / "sshd", 2, port=port, first_octet=FIRST_OCTET,
                           sshd_options={"SetEnv": env}).start()
     cluster.fake_gpus = root   # type: ignore[attr-defined]

@@ -201,7 +201,8 @@ def test_exec_on_all_hosts_a_selection_a_failure_and_json(
         assert f"[{h.address}] it's ok; $HOME" in r.stdout  # argv words, no shell on the way
         assert f"{h.address}: exit 0" in r.stderr
 
-    some = orch(tmp_path, "exec", "-c", str(inv), "--hosts", "127.0.0.[2-3]", "--", "true")
+    some = orch(tmp_path, "exec", "-c", str(inv), "--hosts", f"{sshd_cluster.net}.[2-3]", "--",
+                "true")
     assert some.returncode == 0, some.stderr
     assert [line.split(":")[0] for line in some.stderr.splitlines()] == [
         h.address for h in hosts[:2]

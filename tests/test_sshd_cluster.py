@@ -17,9 +17,12 @@ from sshd_cluster import (
     SshdCluster,
     accepts,
     free_port,
+    loopback,
+    loopback_net,
     pid_alive,
     pids_with_env,
     ssh_cmd,
+    worker_ports,
 )
 
 pytestmark = pytest.mark.ssh  # every test here starts sshd
@@ -42,8 +45,7 @@ def _paramiko(cluster: SshdCluster, host: FakeHost, timeout: float = 5) -> param
 
 
 def test_openssh_reaches_every_host(sshd_cluster: SshdCluster) -> None:
-    assert [h.address for h in sshd_cluster.hosts] == [
-        "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
+    assert [h.address for h in sshd_cluster.hosts] == [loopback(k) for k in (2, 3, 4, 5)]
     for host in sshd_cluster.hosts:
         result = _ssh(sshd_cluster, host, "echo $SSH_CONNECTION")
         assert result.returncode == 0, result.stderr
@@ -112,6 +114,37 @@ def _state(pid: int) -> str:
         return "gone"
 
 
+def test_each_xdist_worker_has_addresses_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without pytest-xdist the hosts are 127.0.0.<k>; each worker of a run, and the same
+    worker of another run, gets a /24 of its own (disjoint from bench/'s 127.0.1-4.*)."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert loopback_net() == "127.0.0" and loopback(2) == "127.0.0.2"
+    nets = set()
+    for run in ("run-a", "run-b"):
+        monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", run)
+        for worker in ("gw0", "gw1", "gw2", "gw3"):
+            monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+            nets.add(loopback_net())
+            assert loopback(7) == loopback_net() + ".7"
+    assert len(nets) == 8, nets
+    assert all(n.startswith("127.") and not n.startswith("127.0.") for n in nets), nets
+
+
+def test_each_xdist_worker_picks_ports_from_a_share_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """free_port on the same address (torchrun's master on 127.0.0.1) in two workers at
+    once: their shares of the range do not overlap; outside xdist, the whole range."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert worker_ports(29600, 29900) == (29600, 29900)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    shares = []
+    for worker in ("gw0", "gw1", "gw2"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        shares.append(set(range(*worker_ports(29600, 29900))))
+        assert free_port(["127.0.0.1"], 29600, 29900) in shares[-1]
+    assert all(len(s) == 100 for s in shares) and len(set.union(*shares)) == 300
+
+
 def test_unreachable_refuses_connections() -> None:
     address, port = SshdCluster.unreachable()
     assert not accepts(address, port)
@@ -128,8 +161,8 @@ def test_write_inventory_follows_spec(sshd_cluster: SshdCluster, tmp_path: Path)
                           "host_key_policy": "accept-new", "connect_timeout": 5,
                           "port": sshd_cluster.port}
     assert doc["hosts"] == [
-        {"address": "127.0.0.2", "procs": 2, "remote_dir": str(sshd_cluster.hosts[0].remote_dir)},
-        {"address": "127.0.0.3", "procs": 1, "remote_dir": str(sshd_cluster.hosts[1].remote_dir)},
+        {"address": loopback(2), "procs": 2, "remote_dir": str(sshd_cluster.hosts[0].remote_dir)},
+        {"address": loopback(3), "procs": 1, "remote_dir": str(sshd_cluster.hosts[1].remote_dir)},
         {"address": "10.0.0.1"}]
     assert doc["job"] == {"entrypoint": "job.py", "args": ["--x", "1"], "env": {"A": "b"}}
     assert doc["name"] == "t1" and doc["remote_dir"] == "/ignored"
@@ -137,7 +170,7 @@ def test_write_inventory_follows_spec(sshd_cluster: SshdCluster, tmp_path: Path)
 
 
 def test_stop_leaves_no_process(tmp_path: Path) -> None:
-    port = free_port(["127.0.0.40"])
+    port = free_port([loopback(40)])
     cluster = SshdCluster(tmp_path, 1, port=port, first_octet=40).start()
     host = cluster.hosts[0]
     marker = f"ORCH_TEST_MARK={tmp_path.name}"
