@@ -12,6 +12,7 @@ and the functions with the most cumulative and own time.
 """
 from __future__ import annotations
 
+import _thread
 import argparse
 import cProfile
 import io
@@ -25,9 +26,20 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
-from common import REPO, VENV_PY, Bed, bed_cluster, compile_orch, kill_pids, orch_env, remote_base
-from fleet import SSH
+from common import (
+    ORCH,
+    REPO,
+    VENV_PY,
+    Bed,
+    bed_cluster,
+    compile_orch,
+    kill_pids,
+    orch_env,
+    remote_base,
+)
+from fleet import SSH, measured
 from scale import SLEEPER, wait_started
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -53,23 +65,36 @@ def one(verb: str, inventory: str, top: int) -> None:
     lock = threading.Lock()
     inner = threading.Thread._bootstrap_inner   # type: ignore[attr-defined]
 
-    def bootstrap(self: threading.Thread) -> None:
-        p = cProfile.Profile()
+    def profiled(kind: Callable[[], str], run: Callable[[], object]) -> None:
+        p = cProfile.Profile(time.thread_time)   # CPU, not the waits
         p.enable()
         try:
-            inner(self)
+            run()
         finally:
             p.disable()
             cost = thread_cost()
             with lock:
                 profiles.append(p)
-                k = kinds[kind_of(self)]
+                k = kinds[kind()]
                 k[0] += 1
                 for i, v in enumerate(cost):
                     k[i + 1] += v
+
+    def bootstrap(self: threading.Thread) -> None:
+        profiled(lambda: kind_of(self), lambda: inner(self))
+
+    def start_new_thread(fn: Callable[..., object], args: tuple = (),
+                         kwargs: dict | None = None) -> int:
+        # remote/fanout starts its threads so (no Thread object): profiled as "fan-out"
+        return start_raw(lambda: profiled(lambda: "fan-out", lambda: fn(*args, **(kwargs or {}))), ())
     threading.Thread._bootstrap_inner = bootstrap   # type: ignore[attr-defined]
+    start_raw = _thread.start_new_thread
+    _thread.start_new_thread = start_new_thread   # type: ignore[assignment]
+    from orchestrator import cli as orch_cli  # as `orch` (cli.main) sets it, unless asked
     from orchestrator.cli import cli
-    main = cProfile.Profile()
+    ours: float = getattr(orch_cli, "SWITCH_INTERVAL_S", 0.005)
+    sys.setswitchinterval(float(os.environ.get("FLEET_SWITCH") or ours))
+    main = cProfile.Profile(time.thread_time)
     t0 = time.perf_counter()
     main.enable()
     code = cli([verb, *(["--detach"] if verb == "up" else []), "-c", inventory])
@@ -86,6 +111,9 @@ def one(verb: str, inventory: str, top: int) -> None:
     print("threads by kind: count, user s, sys s, voluntary, involuntary switches")
     for name, k in sorted(kinds.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
         print(f"  {name:50s} {k[0]:5d} {k[1]:7.2f} {k[2]:7.2f} {k[3]:9d} {k[4]:8d}")
+    out = io.StringIO()
+    pstats.Stats(main, stream=out).sort_stats("tottime").print_stats(top)
+    print("main thread alone:" + out.getvalue().split("   ncalls", 1)[-1].join(["\n   ncalls", ""]))
     stats = pstats.Stats(main)
     for p in profiles:
         stats.add(p)
@@ -107,6 +135,10 @@ def main() -> None:
     ap.add_argument("--trees", nargs="+", type=Path, default=[REPO], metavar="DIR",
                     help="folders holding an orchestrator/ to compare (each put first on "
                          "PYTHONPATH), profiled one after the other on the same hosts")
+    ap.add_argument("--plain", action="store_true",
+                    help="no profiler: each `orch` command's CPU, RSS, threads, fds (wait4)")
+    ap.add_argument("--switch", nargs="+", default=[""], metavar="S",
+                    help="sys.setswitchinterval values to compare ('': what `orch` sets)")
     if sys.argv[1:2] == ["one"]:
         one(sys.argv[2], sys.argv[3], int(os.environ.get("FLEET_TOP", "25")))
     args = ap.parse_args()
@@ -117,11 +149,22 @@ def main() -> None:
         bed = Bed(beds.cluster, beds.cluster.hosts, sh, beds.python, work,
                   remote_base(beds.cluster, sh) / "prof", ssh=dict(SSH))
         inv = bed.inventory("prof", SLEEPER)
-        for tree in args.trees:
-            print(f"\n##### orchestrator from {tree}", flush=True)
-            env = dict(orch_env(), FLEET_TOP=str(args.top), PYTHONPATH=str(tree))
+        for tree, switch in [(t, w) for t in args.trees for w in args.switch]:
+            print(f"\n##### orchestrator from {tree}, switch interval {switch or 'default'}",
+                  flush=True)
+            env = dict(orch_env(), FLEET_TOP=str(args.top), PYTHONPATH=str(tree),
+                       FLEET_SWITCH=switch)
             for verb in ("up", "status", "stop"):
                 print(f"load {' '.join(f'{v:.1f}' for v in os.getloadavg())}", flush=True)
+                if args.plain:   # the `orch` command as a user runs it, its cost by wait4
+                    o, c = measured([str(ORCH), verb, *(["--detach"] if verb == "up" else []),
+                                     "-c", str(inv)], env=env, cwd=inv.parent)
+                    print(f"### {verb}: exit {c.code}, {c.seconds:.2f} s, cpu {c.user:.2f} user"
+                          f" + {c.system:.2f} sys, rss {c.rss_mib:.0f} MiB, {c.threads} "
+                          f"threads, {c.fds} fds", flush=True)
+                    if not o.ok:
+                        print(o.tail(600))
+                    continue
                 subprocess.run([str(VENV_PY), __file__, "one", verb, str(inv)], env=env,
                                cwd=inv.parent, check=False)
                 if verb == "up" and not wait_started(bed, timeout=300):

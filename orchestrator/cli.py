@@ -155,6 +155,15 @@ def cli(argv: list[str] | None = None) -> int:
         return EXIT_PIPE
 
 
+# How long a thread may hold the GIL while another waits for it. orch's threads (one per
+# host, and paramiko's per connection) wait on the network, not on each other; with
+# Python's 5 ms each thread waiting for the GIL woke 200 times a second to ask for it,
+# which at 300 hosts was most of orch's system time (at 50 ms: a quarter of the wake-ups,
+# half the system time, measured by bench/fleet_profile.py). Set by the `orch` command
+# only: a program that imports the api keeps its own.
+SWITCH_INTERVAL_S = 0.05
+
+
 def main() -> NoReturn:
     """The `orch` command: `cli()`, then the process's end without the interpreter's
     teardown, once the command is done: what a normal exit does that matters (threads
@@ -165,6 +174,7 @@ def main() -> NoReturn:
     # a closed stdout is the user's pipe, never a host: guarded here, once, for every
     # command and every thread that prints (ui/console.py)
     guard_std_streams()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         code = cli()
         stop_interrupting()

@@ -31,3 +31,21 @@ def test_an_idle_transport_sleeps_long_and_its_close_wakes_it(
     while transport.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not transport.is_alive()
+
+
+def test_wait_exit_returns_at_the_exit_or_none_at_the_timeout(
+        sshd_cluster: SshdCluster, tmp_path: Path) -> None:
+    """The channel's wait_exit (what Link.close waits with) sleeps on paramiko's event:
+    the exit code once the command ended, None while it still runs."""
+    (tmp_path / "job.py").write_text("")
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=sshd_cluster.hosts[:1])
+    link = connect.connect(load(inv).hosts[0], connect.ssh_config(), tmp_path)
+    try:
+        running = link.open(["sleep", "30"], 30)
+        assert running.wait_exit(0.2) is None
+        running.close()
+        ended = link.open(["sh", "-c", "exit 7"], 30)
+        ended.close_stdin()
+        assert ended.wait_exit(30) == 7
+    finally:
+        link.close()

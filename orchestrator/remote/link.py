@@ -405,9 +405,8 @@ class Link:
             wait = 0.0
         try:
             self.chan.close_stdin()
-            deadline = time.monotonic() + wait
-            while wait and self.chan.exit_code() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
+            if wait:
+                self.chan.wait_exit(wait)
         except Exception:  # closing is best effort: the host may be gone
             pass
         self.chan.close()

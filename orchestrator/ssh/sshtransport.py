@@ -72,6 +72,11 @@ class SSHChannel(Channel):
     def exit_code(self) -> int | None:
         return self.chan.recv_exit_status() if self.chan.exit_status_ready() else None
 
+    def wait_exit(self, timeout: float) -> int | None:
+        # paramiko sets status_event when the exit status arrives or the channel closes
+        self.chan.status_event.wait(timeout)
+        return self.exit_code()
+
     def close(self) -> None:
         self.chan.close()
 
