@@ -466,3 +466,23 @@ def test_the_next_run_is_followed_once_the_first_ended(tmp_path: Path,
         assert any(e["kind"] == "Followed" for e in again["events"])
     finally:
         opened.close()
+
+
+def test_a_broken_request_prints_no_traceback(capfd: pytest.CaptureFixture[str]) -> None:
+    """A bad Content-Length, a browser gone mid-answer: nothing on the run's terminal."""
+    import socket
+    dash = server.Dashboard(Board(load_three()), None).start()
+    try:
+        with socket.create_connection(("127.0.0.1", dash.port), timeout=10) as s:
+            s.sendall(f"POST /api/stop HTTP/1.1\r\nHost: 127.0.0.1:{dash.port}\r\nX-Orch-Token: "
+                      f"{dash.token}\r\nContent-Length: lots\r\n\r\n".encode())
+            assert b" 200 " in s.recv(65536).split(b"\r\n")[0]
+        with socket.create_connection(("127.0.0.1", dash.port), timeout=10) as s:
+            s.sendall(f"GET /api/state HTTP/1.1\r\nHost: 127.0.0.1:{dash.port}\r\nX-Orch-Token: "
+                      f"{dash.token}\r\n\r\n".encode())
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        time.sleep(0.3)
+    finally:
+        dash.close()
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err and not out

@@ -14,6 +14,7 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import re
 import secrets
 import threading
@@ -35,6 +36,7 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
 MAX_BODY = 4096        # a stop request's body, which carries nothing we read
 
 Stop = Callable[[], str]    # stops the job; the words to show (raises OrchError)
+log = logging.getLogger("orchestrator")
 
 
 def static(name: str) -> bytes:
@@ -47,7 +49,7 @@ class Dashboard:
     def __init__(self, board: Board, stop: Stop | None, port: int = 0) -> None:
         self.board, self.stop = board, stop
         self.token = secrets.token_urlsafe(32)
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.httpd = Server(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
         self.httpd.dashboard = self  # type: ignore[attr-defined]
         self.port = int(self.httpd.server_address[1])
@@ -81,6 +83,13 @@ class Dashboard:
         return saved_page(self.board)
 
 
+class Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A browser gone mid-answer is no news: the terminal is the run's (the stdlib
+        would print a traceback there)."""
+        log.debug("dashboard: a request failed", exc_info=True)
+
+
 class Handler(BaseHTTPRequestHandler):
     server_version = "orch-dashboard"
     sys_version = ""
@@ -111,7 +120,7 @@ class Handler(BaseHTTPRequestHandler):
         # a form from another site carries the cookie at most, never the header
         if not self.checked({}, header_only=True):
             return
-        length = min(int(self.headers.get("Content-Length") or 0), MAX_BODY)
+        length = min(number({"n": [self.headers.get("Content-Length") or "0"]}, "n"), MAX_BODY)
         self.rfile.read(length)
         if url.path != "/api/stop":
             self.send_json({"error": "not found"}, HTTPStatus.NOT_FOUND)
