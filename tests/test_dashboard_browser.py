@@ -72,8 +72,19 @@ def gone(pid: int) -> None:
 
 
 def until(driver: Any, what: Any, timeout: float = 60) -> Any:
+    """`what` true within `timeout`; the page redraws its tables every second, so an
+    element read between two polls may be gone: read again."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(what)
+    return WebDriverWait(driver, timeout, poll_frequency=0.1, ignored_exceptions=(
+        NoSuchElementException, StaleElementReferenceException)).until(what)
+
+
+def cells(driver: Any, column: int) -> list[str]:
+    """One column of the rank table, read at once (the rows are redrawn every poll)."""
+    return list(driver.execute_script(
+        "var c = arguments[0]; return Array.from(document.querySelectorAll('#rank-rows tr'))"
+        ".map(function (r) { return r.children[c].textContent; })", column))
 
 
 def test_the_page_in_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, browser: Any) -> None:
@@ -96,9 +107,8 @@ def test_the_page_in_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, b
         assert "forbidden" in browser.find_element(By.TAG_NAME, "body").text
 
         browser.get(opened.url)
-        rows = until(browser, lambda d: len(r := d.find_elements(By.CSS_SELECTOR, "#rank-rows tr")) == 6 and r)
-        assert [r.find_elements(By.TAG_NAME, "td")[1].text for r in rows] == \
-            ["127.0.0.1"] * 2 + ["127.0.0.2"] * 2 + ["127.0.0.3"] * 2
+        until(browser, lambda d: len(cells(d, 1)) == 6)
+        assert cells(browser, 1) == ["127.0.0.1"] * 2 + ["127.0.0.2"] * 2 + ["127.0.0.3"] * 2
         until(browser, lambda d: d.find_element(By.ID, "rank-rows").text.count("running") == 6)
         # a curve: the chart of train_loss from rank 0's metrics.csv, drawn by uPlot
         until(browser, lambda d: "train_loss" in [h.text for h in d.find_elements(By.CSS_SELECTOR, "#curve-charts h3")])
