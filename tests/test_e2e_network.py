@@ -172,7 +172,9 @@ def test_firewall_ends_before_launch_naming_hosts_and_port(lan: BridgeHosts, tmp
     assert "no answer in 3 s (a firewall drops it)" in err, err
     assert "allow TCP between the hosts of the job" in err, err
     assert "started job" not in err
-    assert took < 30, took
+    # 6-8 s at a load of 10-40 (3 logins, one 3 s bound); 30 s once at a load of 120:
+    # the bound only catches a wait of gloo's kind (minutes)
+    assert took < 60, took
     no_job_left(lan, "net-fw")
     (tmp_path / "took.txt").write_text(f"{took:.2f}\n")
 
