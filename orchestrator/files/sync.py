@@ -432,9 +432,9 @@ def stream_and_wait(link: Link, stall: Stall, dest: str, send: Iterable[LocalFil
         raise local   # Ctrl-C: the stream is ended, its answer not waited for
     stall.sent = stall.clock.now()
     deadline = time.monotonic() + timeouts.SYNC
-    # the stall watchdog ends a silent host sooner (its reader then fails the wait)
-    while not pending.done.wait(0.5) and time.monotonic() < deadline:
-        pass
+    # the stall watchdog ends a silent host sooner (its reader then fails the wait, which
+    # sets done): one wait, not a wake-up every half second per host
+    pending.done.wait(timeouts.SYNC)
     if local is not None and not isinstance(local, HostRefused):
         raise local   # (the host's answer to the abort says only that it was aborted)
     return link.wait(pending, max(0.0, deadline - time.monotonic()))
