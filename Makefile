@@ -43,8 +43,15 @@ system-deps:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
+# The whole suite in TEST_WORKERS pytest-xdist workers. Most of its time is real waiting
+# (sshd logins, jobs, timeouts), which a third worker overlaps on 2 cores. Each worker has
+# fake hosts, ports and temp folders of its own (tests/sshd_cluster.py); a module with a
+# fixture of its own (its own sshd cluster, namespaces) is one xdist_group that one worker
+# runs, the costly tests first (tests/conftest.py). TEST_WORKERS=0 runs it serially;
+# TEST_ARGS adds pytest options. Times: docs/development.md.
+TEST_WORKERS ?= 3
 test: install system-deps
-	$(VPY) -m pytest
+	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(TEST_ARGS)
 
 # The unit tests only: no sshd, no training, a quarter of the fuzz documents; in 4
 # pytest-xdist workers even on 2 cores: their time is mostly each worker's start (torch's

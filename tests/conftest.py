@@ -68,7 +68,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
         if item.path.stem in TIMING_MODULES:
             item.add_marker(pytest.mark.timing)
-        if _shares_a_module_fixture(item):
+        if item.get_closest_marker("gpu") is not None:
+            # one worker, in file order: a CUDA context in one test process would take
+            # GPU 0 from another's orch up (test_gpu.py runs its orch up ones first)
+            item.add_marker(pytest.mark.xdist_group("gpu"))
+        elif _shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=_cost_rank)
