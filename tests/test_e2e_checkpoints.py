@@ -191,7 +191,9 @@ def test_tutorial_snapshot_in_code_survives_and_code_sync_keeps_it(
         wait_until(lambda: kept.exists() and kept.read_text().startswith("epoch 2 "), 5,
                    "snapshot.pt of epoch 2 to be kept")
         assert kept.read_bytes() == (code0 / "snapshot.pt").read_bytes()
-        assert keeper.latest() == {"code/snapshot.pt": sha(kept.read_bytes())}
+        # the keeper's record follows its copy (written, then recorded): wait for it
+        wait_until(lambda: keeper.latest() == {"code/snapshot.pt": sha(kept.read_bytes())}, 10,
+                   "the keeper to record the copy of epoch 2 it wrote")
     finally:
         keeper.stop(final=True)
         session.close()

@@ -23,7 +23,7 @@ from test_e2e_restarts import kill_host
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
 FIRST_OCTET = 80
-EPOCHS, SAVE_EVERY = "300", "15"
+EPOCHS, SAVE_EVERY = "150", "15"   # the run outlasts the kill at epoch 15+ by far
 TUTORIAL = """\
 import os
 import sys
@@ -180,7 +180,7 @@ def test_the_tutorials_snapshot_outlives_its_host_and_every_rank_resumes_from_it
     at_kill = kept_epoch(kept)
     assert held.exists() and not (cluster3.hosts[1].remote_dir / name / "code" / "snapshot.pt").exists()
     kill_host(cluster3, 0, name)     # the only host with snapshot.pt is gone
-    code = run.finish(300)
+    code = run.finish(450)           # at most 135 epochs more; a loaded machine trains slowly
     text = "\n".join(run.out + run.err)
     assert code == 0 or torch_teardown_abort(text), run.text()
     spare, other = cluster3.hosts[2].address, cluster3.hosts[1].address

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from orchestrator.api import jobs
 from orchestrator.api.outcomes import PullResult
@@ -95,21 +95,30 @@ def run_dest(cluster: Cluster, st: job_state.JobState | None) -> tuple[Path, Pat
     (`.orch/<name>/pulled-run.json` says which), that folder is renamed first to
     outputs/<name>.<when that run started>/, so runs never mix and nothing is deleted.
     (the destination, where the earlier run's files went or None)."""
-    dest, record = default_dest(cluster), cluster.state_dir / "pulled-run.json"
+    dest = default_dest(cluster)
     if st is None:   # an `up` killed before it saved its run: nothing to tell runs apart
         return dest, None
-    try:
-        held = json.loads(record.read_text())
-    except (OSError, ValueError):
-        held = {}
-    aside = None
-    earlier = isinstance(held, dict) and held.get("run_id") not in (None, st.run_id)
-    if earlier and dest.is_dir() and not dest.is_symlink() and any(dest.iterdir()):
+    aside, held = None, earlier_run(cluster, st)
+    if held is not None:
         started = held.get("started")
         when = time.localtime(started if isinstance(started, (int, float)) else None)
         aside = set_aside(dest, time.strftime("%Y%m%d-%H%M%S", when))
     adopt(cluster, st)
     return dest, aside
+
+
+def earlier_run(cluster: Cluster, st: job_state.JobState) -> dict[str, Any] | None:
+    """The record of the earlier run whose files outputs/<name>/ holds (None: it holds
+    this run's, or nothing): the parsed `.orch/<name>/pulled-run.json`."""
+    dest, record = default_dest(cluster), cluster.state_dir / "pulled-run.json"
+    try:
+        held = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    earlier = isinstance(held, dict) and held.get("run_id") not in (None, st.run_id)
+    if earlier and dest.is_dir() and not dest.is_symlink() and any(dest.iterdir()):
+        return held   # type: ignore[no-any-return]
+    return None
 
 
 def pull_on(session: Session, host: Host, paths: list[str], dest: Path,

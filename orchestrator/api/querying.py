@@ -91,8 +91,12 @@ def with_metrics(session: Session, st: JobState | None, status: Status) -> Statu
     A file whose rank is not known counts as its host's first rank's."""
     from orchestrator.api import pulling
     from orchestrator.watch import curvefetch, curves
+    if st is not None and pulling.earlier_run(session.cluster, st) is not None:
+        # outputs/<name>/ holds an earlier run's files: `orch status` moves nothing (the
+        # pull or the attached run sets them aside, and says so) and shows no stale metric
+        return status
     if st is not None:
-        pulling.run_dest(session.cluster, st)
+        pulling.adopt(session.cluster, st)
         curvefetch.once(session)
     latest = curves.latest(curves.read_curves(session.cluster))
     if not latest:
