@@ -349,12 +349,9 @@ def run_waits(req: Request) -> dict[str, Any]:
 
 def socket_inodes(pid: int) -> list[str]:
     """The inodes of pid's sockets ("socket:[N]" links in /proc/<pid>/fd)."""
+    from orchestrator.agent.procs import fds_of  # as the other /proc readers here
     out = []   # type: list[str]
-    try:
-        fds = os.listdir("/proc/%d/fd" % pid)
-    except OSError:
-        return out
-    for fd in fds:
+    for fd in fds_of(pid):
         try:
             link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
         except OSError:

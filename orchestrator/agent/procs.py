@@ -111,14 +111,18 @@ def open_for_writing(wanted: set[tuple[int, int]]) -> set[tuple[int, int]]:
     return held
 
 
+def fds_of(pid: int) -> list[str]:
+    """pid's open descriptors (names in /proc/<pid>/fd); none when it is gone or not ours."""
+    try:
+        return os.listdir("/proc/%d/fd" % pid)
+    except OSError:
+        return []
+
+
 def writing_in(pid: int, wanted: set[tuple[int, int]]) -> set[tuple[int, int]]:
     """The files of `wanted` that pid has open with O_WRONLY or O_RDWR."""
     out: set[tuple[int, int]] = set()
-    try:
-        fds = os.listdir("/proc/%d/fd" % pid)
-    except OSError:
-        return out
-    for fd in fds:
+    for fd in fds_of(pid):
         try:
             st = os.stat("/proc/%d/fd/%s" % (pid, fd))
         except OSError:
