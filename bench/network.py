@@ -142,11 +142,13 @@ def measure(n: int) -> None:
         fw_total, _, fw_err = timed_up(lan, base, inv)
         lan.open_all()
         ok = "the network check before launch" in fw_err
+        took = re.search(r"the network check before launch \(([\d.]+) s\)", fw_err)
         print(f"{n:>4} hosts (namespaces made in {made:.1f} s): probe round "
               f"{probe.group(2) if probe else '?'} s ({probe.group(1) if probe else '?'} "
               f"connections); learn {cpu * 1000:.1f} ms CPU per host; up to the plan "
               f"{plan_at if plan_at is None else round(plan_at, 2)} s, to setup's end "
-              f"{total:.2f} s; with the firewall: exit at {fw_total:.2f} s "
+              f"{total:.2f} s; with the firewall: exit at {fw_total:.2f} s, "
+              f"{took.group(1) if took else '?'} s after preflight "
               f"({'the ring named' if ok else 'NOT the expected error'}), "
               f"load {os.getloadavg()[0]:.1f}", flush=True)
         if not probe:

@@ -352,9 +352,9 @@ def test_many_blocked_pairs_with_one_cause_are_one_message(tmp_path: Path) -> No
     results = {i: [{"addr": f"10.1.0.{(i + 1) % 12}", "port": 40000, "group": "r",
                     "ok": False, "why": "timeout", "src": ""}] for i in range(12)}
     with pytest.raises(HostError) as err:
-        network.check_ring(c, results, {i: f"10.1.0.{i}" for i in range(12)})
+        network.check_ring(c, results, {i: f"10.1.0.{i}" for i in range(12)}, 3.04)
     msg = err.value.message
-    assert msg.startswith("the network check before launch: 12 of 12 hosts cannot reach their "
+    assert msg.startswith("the network check before launch (3.0 s): 12 of 12 hosts cannot reach their "
                           "ring neighbour on a port the OS picked"), msg
     assert "no answer in 3 s (a firewall drops it): gpu01 -> gpu02 10.1.0.1:40000; " in msg, msg
     assert msg.endswith("(and 8 more)"), msg

@@ -407,9 +407,10 @@ def choose_master(cluster: Cluster, cands: list[str],
 
 
 def check_ring(cluster: Cluster, results: dict[int, list[dict[str, Any]]],
-               address: dict[int, str]) -> None:
+               address: dict[int, str], took: float = 0.0) -> None:
     """Each host reached its neighbour on a port the OS picked, at the address that
-    neighbour's ranks will use; else exit 3 naming both hosts, the port and the cause."""
+    neighbour's ranks will use; else exit 3 naming both hosts, the port and the cause
+    (and how long the check took after preflight: `took`)."""
     n = len(cluster.hosts)
     bad: dict[int, dict[str, Any]] = {}
     for i, rs in sorted(results.items()):
@@ -427,16 +428,17 @@ def check_ring(cluster: Cluster, results: dict[int, list[dict[str, Any]]],
     pair = {i: f"{cluster.hosts[i].label} -> {cluster.hosts[(i + 1) % n].label} "
                f"{r['addr']}:{r['port']}" for i, r in bad.items()}
     causes = {why(r) for r in bad.values()}
+    what = f"the network check before launch ({took:.1f} s)"
     if len(bad) > RING_SHOWN and len(causes) == 1:   # one cause everywhere: one message
         shown = "; ".join(pair[i] for i in sorted(bad)[:RING_SHOWN])
-        raise HostError(f"the network check before launch: {len(bad)} of {n} hosts cannot "
+        raise HostError(f"{what}: {len(bad)} of {n} hosts cannot "
                         f"reach their ring neighbour on a port the OS picked (as gloo and "
                         f"NCCL connect their pairs): {causes.pop()}: {shown} "
                         f"(and {len(bad) - RING_SHOWN} more)", hint=fix)
     GroupResult(failed={i: HostError(f"{pair[i]} (a port the OS picked, as gloo and NCCL "
                                      f"connect their pairs): {why(r)}")
                         for i, r in bad.items()}).raise_failures(
-        cluster.hosts, "the network check before launch", hint=fix)
+        cluster.hosts, what, hint=fix)
 
 
 # ------------------------------------------------------------------ the plan
@@ -540,7 +542,8 @@ def prove(cluster: Cluster, links: dict[int, Link], facts: dict[int, dict[str, A
            for i, rs in results.items()}
     plan = plan_of(cluster, known, src, addr, master_how(cluster, addr, inventory, results),
                    "", t0)
-    check_ring(cluster, results, {i: h.address for i, h in plan.hosts.items()})
+    check_ring(cluster, results, {i: h.address for i, h in plan.hosts.items()},
+               time.monotonic() - t0)
     count = sum(1 for rs in results.values() for r in rs if r["why"] != "unfinished")
     probe = (f"all hosts reached host 0 on port {results[0][0]['port']} and its ring "
              f"neighbour on a port the OS picked ({count} connections, "
