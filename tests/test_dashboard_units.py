@@ -486,3 +486,47 @@ def test_a_broken_request_prints_no_traceback(capfd: pytest.CaptureFixture[str])
         dash.close()
     out, err = capfd.readouterr()
     assert "Traceback" not in err and not out
+
+
+def test_orch_dashboard_sets_an_earlier_runs_files_aside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """outputs/fk/ holding the previous run's files: `orch dashboard` of the new run moves
+    them to outputs/fk.<when>/ as the pull would, says so on the terminal and the page,
+    and its curves are the new run's only."""
+    from orchestrator.api import pulling
+    from orchestrator.commands import dashboard as command
+    from orchestrator.session import state as job_state
+    from test_controller_fake import orch
+    Running(monkeypatch)
+    path = inventory(tmp_path)
+    cluster = load(Path(path))
+    api.up(path)
+    pulling.adopt(cluster, job_state.load(cluster))     # outputs/fk/ is the first run's
+    out = tmp_path / "outputs" / "fk"
+    out.mkdir(parents=True)
+    (out / "metrics.csv").write_text("epoch,old_loss\n0,9\n1,8\n")
+    api.stop(path)
+    api.up(path)
+    capsys.readouterr()
+    seen: dict[str, Any] = {}
+
+    def held() -> None:
+        seen["err"] = " ".join(capsys.readouterr().err.split())
+        (tmp_path / "outputs" / "fk").mkdir(exist_ok=True)
+        (tmp_path / "outputs" / "fk" / "metrics.csv").write_text("epoch,new_loss\n0,1\n")
+        seen["state"] = wait_for(lambda: (s := seen["board"].snapshot())["curves"] and s)
+        raise KeyboardInterrupt
+    real = page.open_for_job
+
+    def kept(*a: Any, **kw: Any) -> page.Opened:
+        opened = real(*a, **kw)
+        seen["board"] = opened.board
+        return opened
+    monkeypatch.setattr(command, "hold", held)
+    monkeypatch.setattr(page, "open_for_job", kept)
+    assert orch("dashboard", "--no-open", "-c", path) == 130
+    (aside,) = (tmp_path / "outputs").glob("fk.*")
+    assert (aside / "metrics.csv").read_text().startswith("epoch,old_loss")
+    said = f"outputs/fk held an earlier run's files: moved to outputs/{aside.name} (each run keeps its own folder)"
+    assert said in seen["err"] and said in seen["state"]["notes"]
+    assert [c["name"] for c in seen["state"]["curves"]] == ["new_loss"]

@@ -29,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:   # for a script that opens the page itself
             emit_json({"url": opened.url, "port": opened.server.port})
         say_url(opened.url, args.no_open or args.json)
+        for line in list(opened.board.notes):   # an earlier run's files set aside, as the pull says it
+            console.print(plain(line), soft_wrap=True)
         console.print("Ctrl-C ends it", markup=False)
         hold()
     except KeyboardInterrupt:

@@ -25,6 +25,7 @@ MAX_DETAIL_CHARS = 20000    # a hang's stacks, a root cause's last lines
 MAX_GPU_SAMPLES = 720       # an hour at the sampler's 5 s
 MAX_CURVE_POINTS = 2000     # per series, thinned evenly beyond it
 MAX_SERIES = 200
+MAX_NOTES = 20              # the newest kept
 
 
 def cut(text: str, limit: int = MAX_LINE_CHARS) -> str:
@@ -185,6 +186,11 @@ class Board:
             self.events.append({"time": time.time(), "kind": "Followed",
                                 "text": cut(f"following the job's {what}"), "detail": ""})
             self.changed("events")
+
+    def note(self, text: str) -> None:
+        """A line for the page's notes (a feed's failure, an earlier run's files moved)."""
+        with self.lock:
+            self.notes = [*self.notes, cut(text)][-MAX_NOTES:]
 
     def end(self, why: str = "") -> None:
         """The feed is over (the follow ended): nothing more will come."""

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from orchestrator.api import following, jobs
 from orchestrator.api.outcomes import Status
@@ -51,8 +52,7 @@ class Feeds:
         t.start()
 
     def note(self, name: str, e: BaseException) -> None:
-        with self.board.lock:
-            self.board.notes.append(f"{name}: {e}")
+        self.board.note(f"{name}: {e}")
 
     def every(self, seconds: float, step: Callable[[], None]) -> None:
         """`step` now and every `seconds` until closed."""
@@ -77,6 +77,7 @@ def follow_job(inventory: jobs.Inventory, board: Board, feeds: Feeds,
     mistake (no job started, an array) raises here, before any page is served; returns
     the run's cluster."""
     session, st = following.attach(inventory)
+    own_folder(session.cluster, st, board)
 
     def follow() -> None:
         current: tuple[Session, JobState] | None = (session, st)
@@ -85,6 +86,7 @@ def follow_job(inventory: jobs.Inventory, board: Board, feeds: Feeds,
             current = next_run(inventory, current[1], feeds)
             if current is not None:
                 board.reattached(current[0].cluster, current[1].run_id, len(current[1].attempts))
+                own_folder(current[0].cluster, current[1], board)
     feeds.start("follow", follow)
     return session.cluster
 
@@ -105,6 +107,28 @@ def follow_run(session: Session, st: JobState, board: Board, feeds: Feeds,
             break
     fetch.stop()
     board.end()
+
+
+def own_folder(cluster: Cluster, st: JobState, board: Board) -> None:
+    """outputs/<name>/ made this run's before its files are fetched, as the pull makes it
+    (api/pulling.run_dest): an earlier run's folder renamed aside, the other hosts'
+    copies of its files removed, and said on the page (`orch dashboard` prints it too),
+    so that no curve mixes two runs."""
+    from orchestrator.api import pulling
+    from orchestrator.watch import curves
+    try:
+        dest, aside = pulling.run_dest(cluster, st)
+    except OrchError as e:   # another pull writes there now: said, the curves may mix
+        board.note(f"outputs: {e.message}")
+        return
+    if aside is not None:
+        curves.clear_copies(cluster)
+        board.note(f"{rel(cluster, dest)} held an earlier run's files: moved to "
+                          f"{rel(cluster, aside)} (each run keeps its own folder)")
+
+
+def rel(cluster: Cluster, path: Path) -> str:
+    return str(path.relative_to(cluster.base_dir)) if path.is_relative_to(cluster.base_dir) else str(path)
 
 
 def next_run(inventory: jobs.Inventory, last: JobState, feeds: Feeds,
