@@ -530,3 +530,28 @@ def test_orch_dashboard_sets_an_earlier_runs_files_aside(tmp_path: Path, monkeyp
     said = f"outputs/fk held an earlier run's files: moved to outputs/{aside.name} (each run keeps its own folder)"
     assert said in seen["err"] and said in seen["state"]["notes"]
     assert [c["name"] for c in seen["state"]["curves"]] == ["new_loss"]
+
+
+def test_the_network_plan_is_a_table_with_identical_hosts_folded() -> None:
+    """The plan `up` saved, as rows: the master and how it was chosen, then each group of
+    identical hosts with its interface, addresses, findings and the variables set; every
+    value text, whatever the file holds."""
+    board = Board(load_three())
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    trap = "hostname resolves to 127.0.1.1 (loopback): gloo alone would advertise it to the other hosts"
+    hosts = [{"host": f"gpu0{i}", "interface": "eth0", "how": "auto", "address": f"10.1.0.{i}",
+              "found": [trap], "set": env} for i in range(1, 4)]
+    hosts.append({"host": "<b>x</b>", "interface": None, "how": "one machine", "address": "",
+                  "found": "not a list", "set": ["not a dict"]})
+    board.set_network({"master_addr": "10.1.0.1", "how": "the inventory's address", "probe": "p",
+                       "hosts": hosts + ["junk"]})
+    plan = board.snapshot()["network"]
+    assert plan["master_addr"] == "10.1.0.1" and plan["how"] == "the inventory's address"
+    first, other = plan["rows"]
+    assert first == {"hosts": "gpu[01-03]", "addresses": "10.1.0.[1-3]", "interface": "eth0",
+                     "how": "auto", "found": [trap],
+                     "set": ["GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0"]}
+    assert other["hosts"] == "<b>x</b>" and other["interface"] == "left to torch"
+    assert other["found"] == [] and other["set"] == []
+    board.set_network(None)
+    assert board.snapshot()["network"] is None

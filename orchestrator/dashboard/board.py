@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from orchestrator.api.outcomes import Finished, GpuStatus
+from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster
 from orchestrator.watch import events as ev
 
@@ -26,6 +27,7 @@ MAX_GPU_SAMPLES = 720       # an hour at the sampler's 5 s
 MAX_CURVE_POINTS = 2000     # per series, thinned evenly beyond it
 MAX_SERIES = 200
 MAX_NOTES = 20              # the newest kept
+MAX_PLAN_HOSTS = 10000      # the network plan's hosts read
 
 
 def cut(text: str, limit: int = MAX_LINE_CHARS) -> str:
@@ -72,7 +74,7 @@ class Board:
         self.outcome = ""
         self.gpus: dict[tuple[str, int], GpuTrack] = {}
         self.gpu_errors: dict[str, str] = {}
-        self.network = ""          # the network plan, as text
+        self.network: dict[str, Any] | None = None   # the network plan (plan_table)
         self.curves: list[dict[str, Any]] = []
         self.latest: dict[str, dict[str, float]] = {}   # "host/rank" -> metric -> value
         self.tasks: dict[str, Any] = {}
@@ -228,9 +230,11 @@ class Board:
                 self.tasks = tasks
                 self.changed("tasks")
 
-    def set_network(self, plan: str) -> None:
+    def set_network(self, plan: dict[str, Any] | None) -> None:
+        """The plan `up` saved (session/network.NetPlan.document), as the page's table."""
+        table = plan_table(plan) if plan else None
         with self.lock:
-            self.network = cut(plan, MAX_DETAIL_CHARS)
+            self.network = table
 
     # ------------------------------------------------------------------ reading
 
@@ -306,6 +310,37 @@ def curve(s: Any) -> dict[str, Any]:
     return {"host": s.host, "rank": s.rank, "source": cut(str(s.source), 300),
             "name": cut(str(s.name), 200),
             "points": [[p.step, p.epoch, p.value, p.time] for p in points]}
+
+
+def plan_table(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The network plan as rows, identical hosts folded into one as `orch up`'s plan
+    lines fold them (same interface, reason, findings and variables set). Every value is
+    made a capped string: the file holds what the hosts said."""
+    rows: dict[tuple[str, ...], dict[str, Any]] = {}
+    hosts = doc.get("hosts")
+    for h in (hosts if isinstance(hosts, list) else [])[:MAX_PLAN_HOSTS]:
+        if not isinstance(h, dict):
+            continue
+        found = [cut(str(f), 300) for f in listed(h.get("found"))[:10]]
+        env = h.get("set")
+        env = env if isinstance(env, dict) else {}
+        set_ = [cut(f"{k}={v}", 200) for k, v in sorted(env.items())[:10]]
+        iface = cut(str(h.get("interface") or ""), 100)
+        key = (iface, cut(str(h.get("how", "")), 300), *found, "\0", *set_)
+        row = rows.setdefault(key, {"interface": iface or "left to torch", "how": key[1],
+                                    "found": found, "set": set_, "hosts": [], "addresses": []})
+        row["hosts"].append(cut(str(h.get("host", "")), 200))
+        row["addresses"].append(cut(str(h.get("address") or ""), 100))
+    if not rows and not doc.get("master_addr"):
+        return None
+    return {"master_addr": cut(str(doc.get("master_addr", "")), 200), "how": cut(str(doc.get("how", "")), 500),
+            "probe": cut(str(doc.get("probe", "")), 500),
+            "rows": [dict(r, hosts=fold(r["hosts"]), addresses=cut(fold([a for a in r["addresses"] if a]), 500))
+                     for r in rows.values()]}
+
+
+def listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
 
 
 def describe(e: ev.Event) -> tuple[str, str]:

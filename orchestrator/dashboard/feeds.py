@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from orchestrator.api import following, jobs
 from orchestrator.api.outcomes import Status
@@ -216,11 +217,12 @@ def start_all(inventory: jobs.Inventory, board: Board, feeds: Feeds,
     return cluster
 
 
-def network_plan(cluster: Cluster) -> str:
-    """The network plan as `up` found it (.orch/<name>/network.json), where there is one."""
+def network_plan(cluster: Cluster) -> dict[str, Any] | None:
+    """The network plan as `up` found it (.orch/<name>/network.json), where there is one
+    (the board makes it a table, every value checked)."""
     import json
     try:
-        doc = json.loads((cluster.state_dir / "network.json").read_text()[:200_000])
+        doc = json.loads((cluster.state_dir / "network.json").read_text()[:2_000_000])
     except (OSError, ValueError):
-        return ""
-    return json.dumps(doc, indent=1)[:20_000] if isinstance(doc, dict) else ""
+        return None
+    return doc if isinstance(doc, dict) else None
