@@ -28,10 +28,10 @@ def cluster(tmp_path: Path, extra: str = "", hosts: str = "") -> Any:
 
 
 def facts(*ifaces: tuple[str, list[str]], resolves: str = "127.0.1.1", src: str = "",
-          env: dict[str, str] | None = None, port: int = 40000) -> dict[str, Any]:
-    return {"hostname": "h", "resolves": [resolves], "route_src": src, "boot_id": "b",
+          env: dict[str, str] | None = None, port: int = 40000) -> network.NetFacts:
+    return network.NetFacts.of({"hostname": "h", "resolves": [resolves], "route_src": src, "boot_id": "b",
             "env": env or {}, "port": port, "master_listen": 29450,
-            "interfaces": [{"name": n, "addrs": a, "up": True} for n, a in ifaces]}
+            "interfaces": [{"name": n, "addrs": a, "up": True} for n, a in ifaces]})
 
 
 LO = ("lo", ["127.0.0.1"])
@@ -138,8 +138,8 @@ def test_the_plan_folds_identical_hosts(tmp_path: Path) -> None:
 
 def test_choose_master_names_every_host_that_failed_and_why(tmp_path: Path) -> None:
     c = cluster(tmp_path)
-    def r(addr: str, ok: bool, why: str = "") -> dict[str, Any]:
-        return {"addr": addr, "port": 29450, "group": "m", "ok": ok, "why": why, "src": ""}
+    def r(addr: str, ok: bool, why: str = "") -> network.Probed:
+        return network.Probed(addr, 29450, "", "m", ok, why)
     results = {0: [r("10.0.0.8", True)], 1: [r("10.0.0.8", False, "timeout")]}
     with pytest.raises(HostError) as err:
         network.choose_master(c, ["10.0.0.8"], results)
@@ -266,12 +266,11 @@ def test_a_candidate_left_unfinished_is_probed_again_where_it_was_left(tmp_path:
     only its eth0: eth0 is probed again on host 0 alone, and chosen."""
     c = cluster(tmp_path)
 
-    def r(addr: str, ok: bool, why: str = "") -> dict[str, Any]:
-        return {"addr": addr, "port": 29450, "group": "m", "ok": ok, "why": why, "src": addr,
-                "token": "t"}
+    def r(addr: str, ok: bool, why: str = "") -> network.Probed:
+        return network.Probed(addr, 29450, "t", "m", ok, why, addr)
     results = {0: [r("10.0.0.8", True), r("10.1.0.5", False, "unfinished")],
                1: [r("10.0.0.8", False, "unreachable"), r("10.1.0.5", True)]}
-    plan = {i: [{k: x[k] for k in ("addr", "port", "token", "group")} for x in rs]
+    plan = {i: [network.Target(x.addr, x.port, x.token, x.group) for x in rs]
             for i, rs in results.items()}
     asked: list[Any] = []
 
@@ -279,8 +278,8 @@ def test_a_candidate_left_unfinished_is_probed_again_where_it_was_left(tmp_path:
         def request(self, command: str, timeout: float, **fields: Any) -> dict[str, Any]:
             asked.append(fields["targets"])
             return {"results": [{"ok": True, "why": "", "src": "10.1.0.5", "ms": 0.1}]}
-    network.settle(c, {0: Link(), 1: Link()}, ["10.0.0.8", "10.1.0.5"], plan,  # type: ignore[dict-item]
-                   results)
+    network.settle(c, {0: Link(), 1: Link()},  # type: ignore[dict-item]
+                   ["10.0.0.8", "10.1.0.5"], plan, results)
     assert [[t["addr"] for t in a] for a in asked] == [["10.1.0.5"]]
     assert network.choose_master(c, ["10.0.0.8", "10.1.0.5"], results) == "10.1.0.5"
 
@@ -296,9 +295,8 @@ class RetryLink:
         return {"results": [dict(self.answer, src="10.1.0.9", ms=1.0) for _ in fields["targets"]]}
 
 
-def probed(addr: str, group: str, ok: bool, why: str = "", port: int = 29450) -> dict[str, Any]:
-    return {"addr": addr, "port": port, "token": "t", "group": group, "ok": ok, "why": why,
-            "src": "", "ms": 1.0, "bound": 3.0}
+def probed(addr: str, group: str, ok: bool, why: str = "", port: int = 29450) -> network.Probed:
+    return network.Probed(addr, port, "t", group, ok, why, "", 1.0, 3.0)
 
 
 def test_a_probe_without_an_answer_in_time_is_tried_again_with_a_longer_bound(
@@ -315,8 +313,8 @@ def test_a_probe_without_an_answer_in_time_is_tried_again_with_a_longer_bound(
     network.retry_slow(c, links, ["10.1.0.5"], results)  # type: ignore[arg-type]
     assert sorted(asked) == [(6.0, [("10.1.0.5", "m0")]), (6.0, [("10.1.0.8", "r0")])], asked
     assert network.choose_master(c, ["10.1.0.5"], results) == "10.1.0.5"
-    assert results[1][1]["ok"] and results[1][1]["first"] == 3.0
-    assert results[3][1]["why"] == "refused"   # an answer: not tried again
+    assert results[1][1].ok and results[1][1].first == 3.0
+    assert results[3][1].why == "refused"   # an answer: not tried again
     # tried again and still no answer: said with both bounds
     results = {i: [probed("10.1.0.5", "m", i != 2, "" if i != 2 else "timeout")] for i in range(4)}
     links = {i: RetryLink(asked, {"ok": False, "why": "timeout"}) for i in range(4)}
@@ -349,8 +347,8 @@ def test_when_every_probe_of_a_kind_timed_out_none_is_tried_again(tmp_path: Path
 def test_many_blocked_pairs_with_one_cause_are_one_message(tmp_path: Path) -> None:
     c = parse(BASE.replace("  - 10.0.0.8\n  - 10.0.0.9\n", "  - gpu[01-12]\n"),
               tmp_path / "cluster.yaml")
-    results = {i: [{"addr": f"10.1.0.{(i + 1) % 12}", "port": 40000, "group": "r",
-                    "ok": False, "why": "timeout", "src": ""}] for i in range(12)}
+    results = {i: [network.Probed(f"10.1.0.{(i + 1) % 12}", 40000, "", "r", False, "timeout")]
+               for i in range(12)}
     with pytest.raises(HostError) as err:
         network.check_ring(c, results, {i: f"10.1.0.{i}" for i in range(12)}, 3.04)
     msg = err.value.message

@@ -16,6 +16,7 @@ from orchestrator.arrays.rows import ResultGroup as ResultGroup
 from orchestrator.arrays.rows import TaskResult as TaskResult
 from orchestrator.arrays.rows import TaskStatus as TaskStatus
 from orchestrator.errors import JobError
+from orchestrator.session.network import PlanDoc
 from orchestrator.session.stopper import StopReport
 from orchestrator.watch.events import Event, RootCause
 
@@ -60,7 +61,7 @@ class UpResult:
     master_port: int
     hosts: list[UpHost]
     # the network plan: MASTER_ADDR and each host's interface, what was found and set
-    network: dict[str, Any] | None = None
+    network: PlanDoc | None = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ class Status:
     gpu_errors: dict[str, str] = field(default_factory=dict)   # host label -> nvidia-smi's failure
     restarts: list[Restart] = field(default_factory=list)     # this run's, oldest first
     # the run's network plan, as `up --json` gave it (None: nothing proven, or no run)
-    network: dict[str, Any] | None = None
+    network: PlanDoc | None = None
     # by host index: the connection's failure; reached, but no answer to `status`
     unreached: HostErrors = field(default_factory=dict, repr=False, compare=False,
                                   metadata=NOT_IN_JSON)

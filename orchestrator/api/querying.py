@@ -23,6 +23,7 @@ from orchestrator.arrays import results as array_results
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import UsageError
 from orchestrator.remote.fanout import GroupResult
+from orchestrator.session.network import PlanDoc
 from orchestrator.session.replies import GpuReply, RankReply, StatusReply
 from orchestrator.session.session import Session
 from orchestrator.session.state import JobState
@@ -125,7 +126,7 @@ def status_of(session: Session, st: JobState | None,
                   unreached=dict(session.failed), unanswered=dict(result.failed))
 
 
-def saved_network(cluster: Cluster, st: JobState | None) -> dict[str, Any] | None:
+def saved_network(cluster: Cluster, st: JobState | None) -> PlanDoc | None:
     """The network plan this run's `up` proved and saved (session/network.save)."""
     from orchestrator.session import network
     return network.load(cluster, st.run_id) if st is not None else None

@@ -21,8 +21,9 @@ import ipaddress
 import json
 import os
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, TypedDict, cast
 
 from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster, Host
@@ -53,6 +54,97 @@ def is_loopback(addr: str) -> bool:
         return ipaddress.ip_address(addr).is_loopback
     except ValueError:
         return False
+
+
+class NetArgs(TypedDict):
+    """The preflight request's `net` (protocol.py's REQUESTS["preflight"]["?net"])."""
+
+    toward: str
+    token: str
+    listen: bool
+    master: bool
+
+
+@dataclass(frozen=True)
+class Iface:
+    name: str
+    addrs: tuple[str, ...]
+    up: bool
+
+
+@dataclass(frozen=True)
+class NetFacts:
+    """A host's network as its preflight learnt it (agent/network.learn; the reply's
+    `net`, checked by protocol.py's NET_FACTS): its interfaces, what its hostname
+    resolves to, its route's source toward the master, the interface variables its
+    environment sets, and the probe listeners' ports (a ring port; host 0's master port)."""
+
+    interfaces: tuple[Iface, ...]
+    resolves: tuple[str, ...] = ()
+    route_src: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    port: int | None = None
+    master_listen: int | None = None
+
+    @classmethod
+    def of(cls, r: Mapping[str, Any]) -> NetFacts:   # the decoded frame's `net`
+        ifaces = tuple(Iface(str(i["name"]), tuple(map(str, i["addrs"])), bool(i["up"]))
+                       for i in r["interfaces"])
+        return cls(ifaces, tuple(map(str, r["resolves"])), str(r["route_src"]),
+                   {str(k): str(v) for k, v in r["env"].items()}, r.get("port"),
+                   r.get("master_listen"))
+
+
+@dataclass(frozen=True)
+class Target:
+    """One connection of the probe (protocol.py's net_probe target): `group` m is host
+    0 on the master port, r the ring neighbour; the agent answers each group's best."""
+
+    addr: str
+    port: int
+    token: str
+    group: str
+
+
+@dataclass(frozen=True)
+class Probed:
+    """A target as probed: `group` m or r, `why` the agent's cause where not ok,
+    `bound` the seconds it was given, `first` the bound of a first try that got no
+    answer (this is the second)."""
+
+    addr: str
+    port: int
+    token: str
+    group: str
+    ok: bool
+    why: str
+    src: str = ""
+    ms: float = 0.0
+    bound: float = PROBE_TIMEOUT
+    first: float | None = None
+
+
+Results = dict[int, list[Probed]]   # host index -> its probe's targets, as probed
+Targets = dict[int, list[Target]]   # host index -> what it probes
+
+
+class HostDoc(TypedDict):
+    host: str
+    interface: str | None
+    how: str
+    address: str
+    found: list[str]
+    set: dict[str, str]
+
+
+class PlanDoc(TypedDict):
+    """The plan as `up --json` and `orch status --json` give it, and network.json holds."""
+
+    master_addr: str
+    how: str
+    probe: str
+    seconds: float
+    hosts: list[HostDoc]
 
 
 def inventory_master(cluster: Cluster, ssh_connection: dict[int, str] | None = None) -> str:
@@ -108,7 +200,7 @@ def named(cluster: Cluster) -> bool:
         or any(h.interface is not None for h in cluster.hosts))
 
 
-def preflight_args(cluster: Cluster, host: Host, nonce: str) -> dict[str, Any]:
+def preflight_args(cluster: Cluster, host: Host, nonce: str) -> NetArgs:
     """The preflight request's `net`: what to learn, and whether to listen for the probe
     (only where there is a probe: an interface named on one machine is only looked up)."""
     probe = wanted(cluster)
@@ -126,20 +218,16 @@ def virtual(name: str) -> bool:
     return name.startswith(VIRTUAL)
 
 
-def iface_of(facts: dict[str, Any], addr: str) -> str | None:
-    for i in facts["interfaces"]:
-        if addr in i["addrs"]:
-            name: str = i["name"]
-            return name
-    return None
+def iface_of(facts: NetFacts, addr: str) -> str | None:
+    return next((i.name for i in facts.interfaces if addr in i.addrs), None)
 
 
-def usable_addrs(facts: dict[str, Any]) -> list[str]:
+def usable_addrs(facts: NetFacts) -> list[str]:
     """Addresses another machine may reach this host at: up, not loopback, not a
     container bridge, not link-local; the route toward the master's first."""
-    out = [a for i in facts["interfaces"] if i["up"] and not virtual(i["name"])
-           for a in i["addrs"] if not a.startswith(("127.", "169.254."))]
-    src = facts.get("route_src", "")
+    out = [a for i in facts.interfaces if i.up and not virtual(i.name)
+           for a in i.addrs if not a.startswith(("127.", "169.254."))]
+    src = facts.route_src
     if src in out:
         out.remove(src)
         out.insert(0, src)
@@ -173,7 +261,7 @@ class NetPlan:
     def lines(self) -> list[str]:
         return plan_lines(self)
 
-    def document(self) -> dict[str, Any]:
+    def document(self) -> PlanDoc:
         return {"master_addr": self.master_addr, "how": self.how, "probe": self.probe,
                 "seconds": round(self.seconds, 3),
                 "hosts": [{"host": h.label, "interface": h.interface, "how": h.how,
@@ -201,17 +289,17 @@ def plan_lines(plan: NetPlan) -> list[str]:
     return lines
 
 
-def findings(facts: dict[str, Any]) -> tuple[str, ...]:
+def findings(facts: NetFacts) -> tuple[str, ...]:
     """What breaks pdsh + torchrun on this host: a hostname that resolves to loopback
     (gloo advertises what the hostname resolves to), container bridges."""
     out = []
-    loop = [a for a in facts["resolves"] if a.startswith("127.")]
+    loop = [a for a in facts.resolves if a.startswith("127.")]
     if loop:
         out.append(f"hostname resolves to {loop[0]} (loopback): gloo alone would "
                    "advertise it to the other hosts")
-    for i in facts["interfaces"]:
-        if virtual(i["name"]) and i["name"] != "lo" and i["addrs"]:
-            out.append(f"{i['name']} {i['addrs'][0]} (a container bridge: never used)")
+    for i in facts.interfaces:
+        if virtual(i.name) and i.name != "lo" and i.addrs:
+            out.append(f"{i.name} {i.addrs[0]} (a container bridge: never used)")
             break
     return tuple(out)
 
@@ -219,7 +307,7 @@ def findings(facts: dict[str, Any]) -> tuple[str, ...]:
 # ------------------------------------------------------------------ the probe
 
 
-def candidates(cluster: Cluster, facts0: dict[str, Any], inventory: str) -> list[str]:
+def candidates(cluster: Cluster, facts0: NetFacts, inventory: str) -> list[str]:
     """MASTER_ADDR candidates in order of preference: `network.master_addr` alone, else
     the inventory's address, then host 0's own addresses that another machine can use."""
     if cluster.network.master_addr:
@@ -229,35 +317,36 @@ def candidates(cluster: Cluster, facts0: dict[str, Any], inventory: str) -> list
     return out[:MAX_CANDIDATES]
 
 
-def targets(cluster: Cluster, facts: dict[int, dict[str, Any]], cands: list[str],
-            nonce: str, master_port: int) -> dict[int, list[dict[str, Any]]]:
+def targets(cluster: Cluster, facts: dict[int, NetFacts], cands: list[str],
+            nonce: str, master_port: int) -> Targets:
     """Each host's probe: host 0 at every candidate on the master port (group m), its
     ring neighbour at each usable address on its OS-picked port (group r)."""
     n = len(cluster.hosts)
-    port0 = facts[0].get("master_listen") or master_port
-    out: dict[int, list[dict[str, Any]]] = {}
+    port0 = facts[0].master_listen or master_port
+    out: Targets = {}
     for h in cluster.hosts:
         # host 0 reaches its own addresses at once: it proves every candidate (a group
         # each), and no second round is needed for one it would have left unfinished
-        mine = [{"addr": c, "port": port0, "token": token(nonce, 0),
-                 "group": f"m{k}" if h.index == 0 else "m"} for k, c in enumerate(cands)]
+        mine = [Target(c, port0, token(nonce, 0), f"m{k}" if h.index == 0 else "m")
+                for k, c in enumerate(cands)]
         j = (h.index + 1) % n
-        if j != h.index and facts[j].get("port"):
-            mine += [{"addr": a, "port": facts[j]["port"], "token": token(nonce, j), "group": "r"}
-                     for a in usable_addrs(facts[j])]
+        ring = facts[j].port
+        if j != h.index and ring:
+            mine += [Target(a, ring, token(nonce, j), "r") for a in usable_addrs(facts[j])]
         out[h.index] = mine
     return out
 
 
-def run_probe(cluster: Cluster, links: dict[int, Link], plan: dict[int, list[dict[str, Any]]],
-              wait: float | None = None) -> dict[int, list[dict[str, Any]]]:
+def run_probe(cluster: Cluster, links: dict[int, Link], plan: Targets,
+              wait: float | None = None) -> Results:
     """Each host's targets probed at once; `wait`: each connection's bound (bound())."""
-    def one(h: Host) -> list[dict[str, Any]]:
+    def one(h: Host) -> list[Probed]:
         link = links[h.index]
         # as preflight's: every host's reply is read on this machine's CPU
         reply = link.request("net_probe", timeouts.scaled(each * 4 + 10, len(cluster.hosts)),
-                             targets=plan[h.index], bound=each)
-        return [dict(t, **r, group=t["group"][:1], bound=each)
+                             targets=[asdict(t) for t in plan[h.index]], bound=each)
+        return [Probed(t.addr, t.port, t.token, t.group[:1], bool(r["ok"]), str(r["why"]),
+                       str(r["src"]), float(r["ms"]), each)
                 for t, r in zip(plan[h.index], reply["results"])]
     each = wait or bound(len(cluster.hosts))
     # one thread per host however many: each only waits (at most PROBE_TIMEOUT), and a
@@ -276,19 +365,19 @@ def close_listeners(links: dict[int, Link]) -> None:
             pass
 
 
-def why(r: dict[str, Any]) -> str:
-    w: str = r["why"]
-    if w == "timeout" and r.get("first"):
-        return (f"no answer in {r['first']:g} s, nor in {r['bound']:g} s once more (a "
+def why(r: Probed) -> str:
+    w = r.why
+    if w == "timeout" and r.first:
+        return (f"no answer in {r.first:g} s, nor in {r.bound:g} s once more (a "
                 "firewall drops it)")
     if w == "timeout":
-        return f"no answer in {r.get('bound', PROBE_TIMEOUT):g} s (a firewall drops it)"
+        return f"no answer in {r.bound:g} s (a firewall drops it)"
     if w == "refused":
         return "connection refused (nothing listens there, or a firewall rejects it)"
     if w == "other":
         return "another machine answers at that address"
     if w == "slow":
-        return (f"connected, but no token in {r.get('bound', PROBE_TIMEOUT) * 3:g} s (the host is too "
+        return (f"connected, but no token in {r.bound * 3:g} s (the host is too "
                 "loaded to answer, or something else listens there)")
     if w == "unresolved":
         return "the name does not resolve there"
@@ -297,16 +386,14 @@ def why(r: dict[str, Any]) -> str:
     return w.replace("unreachable", "no route to that address")
 
 
-def reached(results: dict[int, list[dict[str, Any]]], c: str, also: str = "") -> list[int]:
+def reached(results: Results, c: str, also: str = "") -> list[int]:
     """The hosts whose probe of candidate c on the master port ended ok (or as `also`)."""
     return [i for i, rs in results.items()
-            if any(r["group"] == "m" and r["addr"] == c and (r["ok"] or r["why"] == also)
-                   for r in rs)]
+            if any(r.group == "m" and r.addr == c and (r.ok or r.why == also) for r in rs)]
 
 
 def settle(cluster: Cluster, links: dict[int, Link], cands: list[str],
-           plan: dict[int, list[dict[str, Any]]], results: dict[int, list[dict[str, Any]]]
-           ) -> None:
+           plan: Targets, results: Results) -> None:
     """A host stops at its best candidate, so a later one may be left unfinished there
     while another host reached only that one (host 0 reaches its inventory address, the
     others do not). The first candidate every host reached or left unfinished is then
@@ -318,10 +405,10 @@ def settle(cluster: Cluster, links: dict[int, Link], cands: list[str],
     if c is None:
         return
     todo = set(reached(results, c, "unfinished")) - set(reached(results, c))
-    again = {i: [t for t in plan[i] if t["group"] == "m" and t["addr"] == c] for i in todo}
+    again = {i: [t for t in plan[i] if t.group == "m" and t.addr == c] for i in todo}
     sub = replace(cluster, hosts=tuple(h for h in cluster.hosts if h.index in todo))
     for i, rs in run_probe(sub, links, again).items():
-        results[i] = [r for r in results[i] if not (r["group"] == "m" and r["addr"] == c)] + rs
+        results[i] = [r for r in results[i] if not (r.group == "m" and r.addr == c)] + rs
 
 
 RETRY = ("timeout", "slow")   # no answer in the bound: a drop, or a host too loaded
@@ -329,7 +416,7 @@ RETRY_FACTOR = 2             # a probe tried again waits this many first bounds
 
 
 def retry_slow(cluster: Cluster, links: dict[int, Link], cands: list[str],
-               results: dict[int, list[dict[str, Any]]]) -> None:
+               results: Results) -> None:
     """A connection without an answer in the bound may be a loaded host (200 namespace
     hosts on one kernel: a sixth of the SYNs to host 0 answered after 5 s), not a
     firewall: those the choice depends on are probed once more, alone, each waited for
@@ -340,63 +427,61 @@ def retry_slow(cluster: Cluster, links: dict[int, Link], cands: list[str],
     again = slow_master(results, cands) + slow_ring(results)
     if not again:
         return
-    todo: dict[int, list[dict[str, Any]]] = {}
+    todo: Targets = {}
     for i, r in again:   # each target a group of its own: each is waited for
-        todo.setdefault(i, []).append({"addr": r["addr"], "port": r["port"], "token": r["token"],
-                                       "group": f"{r['group']}{len(todo[i])}"})
-    first = results[again[0][0]][0].get("bound", PROBE_TIMEOUT)
+        todo.setdefault(i, []).append(Target(r.addr, r.port, r.token,
+                                             f"{r.group}{len(todo[i])}"))
+    first = results[again[0][0]][0].bound
     sub = replace(cluster, hosts=tuple(h for h in cluster.hosts if h.index in todo))
     for i, rs in run_probe(sub, links, todo, first * RETRY_FACTOR).items():
         for new in rs:
-            old = next(k for k, r in enumerate(results[i]) if (r["group"], r["addr"], r["port"])
-                       == (new["group"], new["addr"], new["port"]))
-            results[i][old] = dict(new, first=first)
+            old = next(k for k, r in enumerate(results[i])
+                       if (r.group, r.addr, r.port) == (new.group, new.addr, new.port))
+            results[i][old] = replace(new, first=first)
 
 
-def slow_master(results: dict[int, list[dict[str, Any]]], cands: list[str]
-                ) -> list[tuple[int, dict[str, Any]]]:
+def slow_master(results: Results, cands: list[str]) -> list[tuple[int, Probed]]:
     """No candidate reached by every host: the first that every host reached or got no
     answer from in time, at the hosts that got none (not all of them)."""
     if any(len(reached(results, c)) == len(results) for c in cands):
         return []
     for c in cands:
-        mine = {i: next((r for r in rs if r["group"] == "m" and r["addr"] == c), None)
+        mine = {i: next((r for r in rs if r.group == "m" and r.addr == c), None)
                 for i, rs in results.items()}
-        if any(r is None or not (r["ok"] or r["why"] in RETRY) for r in mine.values()):
+        if any(r is None or not (r.ok or r.why in RETRY) for r in mine.values()):
             continue
-        slow = [(i, r) for i, r in mine.items() if r is not None and not r["ok"]]
+        slow = [(i, r) for i, r in mine.items() if r is not None and not r.ok]
         others = sum(1 for i in mine if i != 0)
         return [] if len(slow) >= others else slow
     return []
 
 
-def slow_ring(results: dict[int, list[dict[str, Any]]]) -> list[tuple[int, dict[str, Any]]]:
+def slow_ring(results: Results) -> list[tuple[int, Probed]]:
     """The ring targets that got no answer in time at hosts that reached no address of
     their neighbour; none where every host's ring is so (its other addresses may have
     answered no route: the inventory's, on an interface the hosts do not share)."""
-    rings = {i: [r for r in rs if r["group"] == "r"] for i, rs in results.items()}
+    rings = {i: [r for r in rs if r.group == "r"] for i, rs in results.items()}
     rings = {i: ring for i, ring in rings.items() if ring}
-    stuck = {i: [r for r in ring if r["why"] in RETRY] for i, ring in rings.items()
-             if not any(r["ok"] for r in ring)}
+    stuck = {i: [r for r in ring if r.why in RETRY] for i, ring in rings.items()
+             if not any(r.ok for r in ring)}
     stuck = {i: slow for i, slow in stuck.items() if slow}
     if len(stuck) == len(rings):
         return []
     return [(i, r) for i, slow in sorted(stuck.items()) for r in slow]
 
 
-def choose_master(cluster: Cluster, cands: list[str],
-                  results: dict[int, list[dict[str, Any]]]) -> str:
+def choose_master(cluster: Cluster, cands: list[str], results: Results) -> str:
     """The first candidate every host reached; else exit 3 naming who failed where."""
     for c in cands:
-        if all(any(r["group"] == "m" and r["addr"] == c and r["ok"] for r in rs)
+        if all(any(r.group == "m" and r.addr == c and r.ok for r in rs)
                for rs in results.values()):
             return c
-    port = next(r["port"] for rs in results.values() for r in rs if r["group"] == "m")
+    port = next(r.port for rs in results.values() for r in rs if r.group == "m")
     failed: dict[int, BaseException] = {}
     for i, rs in sorted(results.items()):
-        bad = [r for r in rs if r["group"] == "m" and not r["ok"] and r["why"] != "unfinished"]
+        bad = [r for r in rs if r.group == "m" and not r.ok and r.why != "unfinished"]
         if bad:
-            text = "; ".join(f"{r['addr']}:{r['port']} {why(r)}" for r in bad)
+            text = "; ".join(f"{r.addr}:{r.port} {why(r)}" for r in bad)
             failed[i] = HostError(f"{cluster.hosts[i].label}: cannot reach host 0 "
                                   f"({cluster.hosts[0].label}) on the master port: {text}")
     GroupResult(failed=failed).raise_failures(
@@ -406,19 +491,19 @@ def choose_master(cluster: Cluster, cands: list[str],
     raise HostError("no address of host 0 is reached by every host")   # not reached
 
 
-def check_ring(cluster: Cluster, results: dict[int, list[dict[str, Any]]],
+def check_ring(cluster: Cluster, results: Results,
                address: dict[int, str], took: float = 0.0) -> None:
     """Each host reached its neighbour on a port the OS picked, at the address that
     neighbour's ranks will use; else exit 3 naming both hosts, the port and the cause
     (and how long the check took after preflight: `took`)."""
     n = len(cluster.hosts)
-    bad: dict[int, dict[str, Any]] = {}
+    bad: dict[int, Probed] = {}
     for i, rs in sorted(results.items()):
-        ring = [r for r in rs if r["group"] == "r"]
+        ring = [r for r in rs if r.group == "r"]
         if not ring:
             continue
-        r = ([r for r in ring if r["addr"] == address.get((i + 1) % n)] or ring[:1])[0]
-        if not (r["ok"] or (r["why"] == "unfinished" and any(x["ok"] for x in ring))):
+        r = ([r for r in ring if r.addr == address.get((i + 1) % n)] or ring[:1])[0]
+        if not (r.ok or (r.why == "unfinished" and any(x.ok for x in ring))):
             bad[i] = r
     if not bad:
         return
@@ -426,7 +511,7 @@ def check_ring(cluster: Cluster, results: dict[int, list[dict[str, Any]]],
            "each pair of ranks on ports the OS picks), or turn this check off with "
            "`network.check: false`")
     pair = {i: f"{cluster.hosts[i].label} -> {cluster.hosts[(i + 1) % n].label} "
-               f"{r['addr']}:{r['port']}" for i, r in bad.items()}
+               f"{r.addr}:{r.port}" for i, r in bad.items()}
     causes = {why(r) for r in bad.values()}
     what = f"the network check before launch ({took:.1f} s)"
     if len(bad) > RING_SHOWN and len(causes) == 1:   # one cause everywhere: one message
@@ -444,24 +529,24 @@ def check_ring(cluster: Cluster, results: dict[int, list[dict[str, Any]]],
 # ------------------------------------------------------------------ the plan
 
 
-def user_set(cluster: Cluster, facts: dict[str, Any]) -> dict[str, str]:
+def user_set(cluster: Cluster, facts: NetFacts) -> dict[str, str]:
     """The interface variables the user set: in `job.env`, or in the host's environment
     (the ranks inherit it). orch never overrides them."""
     job = dict(cluster.job.env)
     out = {k: "job.env" for k in ENV_KEYS if k in job}
     out.update({k: "the host's environment" for k in ENV_KEYS
-                if k in facts.get("env", {}) and k not in out})
+                if k in facts.env and k not in out})
     return out
 
 
-def host_plan(cluster: Cluster, host: Host, facts: dict[str, Any], src: str,
+def host_plan(cluster: Cluster, host: Host, facts: NetFacts, src: str,
               master: str, all_lo: bool) -> HostNet:
     """The interface of one host's ranks: `network.interface` (the host's, else the
     job's), else the one that carried the probe to the master; none on one machine."""
     names = host.interface if host.interface is not None else cluster.network.interface
     iface: str | None
     if names is not None:
-        have = {i["name"] for i in facts["interfaces"]}
+        have = {i.name for i in facts.interfaces}
         missing = [n for n in names if n not in have]
         if missing:
             raise HostError(f"{host.label}: network.interface {', '.join(missing)} does not "
@@ -485,7 +570,7 @@ def host_plan(cluster: Cluster, host: Host, facts: dict[str, Any], src: str,
     return HostNet(host.label, iface, how, src, findings(facts), env)
 
 
-def plan_of(cluster: Cluster, facts: dict[int, dict[str, Any]], src: dict[int, str],
+def plan_of(cluster: Cluster, facts: dict[int, NetFacts], src: dict[int, str],
             master: str, how: str, probe: str, t0: float) -> NetPlan:
     all_lo = all(iface_of(facts[i], s) == "lo" for i, s in src.items() if s)
     hosts = {h.index: host_plan(cluster, h, facts[h.index], src.get(h.index, ""), master, all_lo)
@@ -493,7 +578,7 @@ def plan_of(cluster: Cluster, facts: dict[int, dict[str, Any]], src: dict[int, s
     return NetPlan(master, how, hosts, probe, time.monotonic() - t0)
 
 
-def named_only(cluster: Cluster, facts: dict[int, dict[str, Any]], inventory: str,
+def named_only(cluster: Cluster, facts: dict[int, NetFacts], inventory: str,
                t0: float) -> NetPlan:
     """One host or one machine with `network.interface` named: the names are checked
     against each host's interfaces and set; a host without a name is left to torch."""
@@ -514,7 +599,7 @@ def unproven(cluster: Cluster, inventory: str) -> NetPlan:
     return NetPlan(addr, how, {}, f"none ({why}: interfaces left to torch)")
 
 
-def prove(cluster: Cluster, links: dict[int, Link], facts: dict[int, dict[str, Any] | None],
+def prove(cluster: Cluster, links: dict[int, Link], facts: dict[int, NetFacts | None],
           ssh_connection: dict[int, str], master_port: int, nonce: str) -> NetPlan:
     """MASTER_ADDR, every host's interface and the ports between the hosts, proven by
     one probe round (or, with `network.check: false`, taken from the routes)."""
@@ -527,7 +612,7 @@ def prove(cluster: Cluster, links: dict[int, Link], facts: dict[int, dict[str, A
         return unproven(cluster, inventory)
     if not cluster.network.check:
         addr = cluster.network.master_addr or inventory
-        src = {i: f["route_src"] for i, f in known.items()}
+        src = {i: f.route_src for i, f in known.items()}
         return plan_of(cluster, known, src, addr, "not probed", "off (network.check: false)", t0)
     cands = candidates(cluster, known[0], inventory)
     try:
@@ -538,27 +623,27 @@ def prove(cluster: Cluster, links: dict[int, Link], facts: dict[int, dict[str, A
     finally:
         close_listeners(links)
     addr = choose_master(cluster, cands, results)
-    src = {i: next(r["src"] for r in rs if r["group"] == "m" and r["addr"] == addr and r["ok"])
+    src = {i: next(r.src for r in rs if r.group == "m" and r.addr == addr and r.ok)
            for i, rs in results.items()}
     plan = plan_of(cluster, known, src, addr, master_how(cluster, addr, inventory, results),
                    "", t0)
     check_ring(cluster, results, {i: h.address for i, h in plan.hosts.items()},
                time.monotonic() - t0)
-    count = sum(1 for rs in results.values() for r in rs if r["why"] != "unfinished")
-    probe = (f"all hosts reached host 0 on port {results[0][0]['port']} and its ring "
+    count = sum(1 for rs in results.values() for r in rs if r.why != "unfinished")
+    probe = (f"all hosts reached host 0 on port {results[0][0].port} and its ring "
              f"neighbour on a port the OS picked ({count} connections, "
              f"{time.monotonic() - t0:.2f} s)")
     return NetPlan(plan.master_addr, plan.how, plan.hosts, probe, time.monotonic() - t0)
 
 
 def master_how(cluster: Cluster, addr: str, inventory: str,
-               results: dict[int, list[dict[str, Any]]]) -> str:
+               results: Results) -> str:
     if cluster.network.master_addr:
         return "network.master_addr, reached by all hosts"
     if addr == inventory:
         return "the inventory's address, reached by all hosts"
     bad = [r for rs in results.values() for r in rs
-           if r["group"] == "m" and r["addr"] == inventory and not r["ok"]]
+           if r.group == "m" and r.addr == inventory and not r.ok]
     cause = f": {why(bad[0])}" if bad else ""
     return (f"an address of host 0 that all hosts reached; the inventory's {inventory} "
             f"is not one the hosts use between themselves{cause}")
@@ -573,7 +658,7 @@ def save(cluster: Cluster, run_id: str, plan: NetPlan) -> None:
     os.replace(tmp, path)
 
 
-def load(cluster: Cluster, run_id: str) -> dict[str, Any] | None:
+def load(cluster: Cluster, run_id: str) -> PlanDoc | None:
     """The saved plan of this run as `up --json` gives it (NetPlan.document), or None
     (another run's, none, or unreadable)."""
     try:
@@ -582,4 +667,4 @@ def load(cluster: Cluster, run_id: str) -> dict[str, Any] | None:
         return None
     if not isinstance(doc, dict) or doc.pop("run_id", None) != run_id:
         return None
-    return doc
+    return cast(PlanDoc, doc)   # save() wrote it from document(): passed on as it is

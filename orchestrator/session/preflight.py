@@ -32,14 +32,14 @@ class HostInfo:
     share_leader: int = -1     # whose preflight marker it found in its job folder (-1: none)
     gpu_ids: tuple[int, ...] | None = None   # the GPUs its agent claimed for the job
     gpu_uuids: tuple[str, ...] = ()          # every GPU's (the order of `up --wait`)
-    net: dict[str, Any] | None = None        # its network (agent/network.learn)
+    net: network.NetFacts | None = None      # its network (agent/network.learn)
 
 
 @dataclass(frozen=True)
 class PreflightReport:
     hosts: dict[int, HostInfo]
     master_port: int
-    network: Any = None   # session/network.NetPlan, once the probe has run
+    network: network.NetPlan | None = None   # once the probe has run
 
     def groups(self) -> list[tuple[int, ...]]:
         """The hosts that share one job folder, each group in inventory order (a host
@@ -110,7 +110,7 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
                     r.get("share_leader", -1),
                     tuple(r["gpu_ids"]) if "gpu_ids" in r else None,
                     tuple(r.get("gpu_uuids") or [g["uuid"] for g in r.get("gpu_busy", ())]),
-                    r.get("net"))
+                    network.NetFacts.of(r["net"]) if "net" in r else None)
     problems = host_problems(host, info, r, defer_torch=cluster.setup is not None)
     gpus = gpuclaims.problem(cluster, host, r)
     if isinstance(gpus, gpuclaims.GpusBusy) and not problems:
