@@ -1,5 +1,7 @@
 """Following an attached job array: every task's output as `[t<i> host] line`, each end
-recorded; a failing task does not stop the others unless --fail-fast; Ctrl-C stops all."""
+recorded; a failing task does not stop the others unless --fail-fast; Ctrl-C stops all.
+Meanwhile each task's metrics files come back every few seconds, as a single job's do
+(watch/curvefetch.py), into the copies `orch results` and `orch pull` read."""
 from __future__ import annotations
 
 import threading
@@ -16,6 +18,7 @@ from orchestrator.session.session import Session
 from orchestrator.ui.console import console
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.watch import events as ev
+from orchestrator.watch.curvefetch import CurveFetch
 from orchestrator.watch.events import signal_name
 from orchestrator.watch.follow import HostStream, LineSink, PrefixPrinter, follow
 from orchestrator.watch.monitor import interrupt_stop
@@ -79,13 +82,16 @@ def attach_array(session: Session, rec: ArrayRecord, fail_fast: bool) -> int:
     streams = {h.index: HostStream(session.links[h.index], session.records[h.index].job_dir,
                                    rec.tasks_of(h.index)) for h in cluster.hosts}
     finished = follow(streams, mon, unit="task")
+    fetch = CurveFetch(session).start()   # the tasks' curves, live (the results fetch the rest)
     try:
         while not finished() and not (fail_fast and (mon.failures() or mon.lost)):
             mon.wake.wait(0.2)
             mon.wake.clear()
     except KeyboardInterrupt:
+        fetch.stop(timeout=1.0)
         interrupt_stop(session, set(mon.lost), said(cluster.name))
         return EXIT_INTERRUPTED
+    fetch.stop(timeout=30.0)
     if not finished():
         fail_fast_stop(session, mon, finished)
     failed, n = mon.failures(), len(rec.host)
