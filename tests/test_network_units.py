@@ -18,6 +18,7 @@ from orchestrator.config.inventory import parse
 from orchestrator.errors import HostError, InventoryError
 from orchestrator.session import network
 from orchestrator.session.launch import dry_run_plan
+from orchestrator.session.replies import NetFacts, Probed, Target
 
 BASE = "name: n\nhosts:\n  - 10.0.0.8\n  - 10.0.0.9\njob: {entrypoint: job.py}\n"
 
@@ -28,8 +29,8 @@ def cluster(tmp_path: Path, extra: str = "", hosts: str = "") -> Any:
 
 
 def facts(*ifaces: tuple[str, list[str]], resolves: str = "127.0.1.1", src: str = "",
-          env: dict[str, str] | None = None, port: int = 40000) -> network.NetFacts:
-    return network.NetFacts.of({"hostname": "h", "resolves": [resolves], "route_src": src, "boot_id": "b",
+          env: dict[str, str] | None = None, port: int = 40000) -> NetFacts:
+    return NetFacts.of({"hostname": "h", "resolves": [resolves], "route_src": src, "boot_id": "b",
             "env": env or {}, "port": port, "master_listen": 29450,
             "interfaces": [{"name": n, "addrs": a, "up": True} for n, a in ifaces]})
 
@@ -138,8 +139,8 @@ def test_the_plan_folds_identical_hosts(tmp_path: Path) -> None:
 
 def test_choose_master_names_every_host_that_failed_and_why(tmp_path: Path) -> None:
     c = cluster(tmp_path)
-    def r(addr: str, ok: bool, why: str = "") -> network.Probed:
-        return network.Probed(addr, 29450, "", "m", ok, why)
+    def r(addr: str, ok: bool, why: str = "") -> Probed:
+        return Probed(addr, 29450, "", "m", ok, why, "", 0.0, 3.0)
     results = {0: [r("10.0.0.8", True)], 1: [r("10.0.0.8", False, "timeout")]}
     with pytest.raises(HostError) as err:
         network.choose_master(c, ["10.0.0.8"], results)
@@ -266,11 +267,11 @@ def test_a_candidate_left_unfinished_is_probed_again_where_it_was_left(tmp_path:
     only its eth0: eth0 is probed again on host 0 alone, and chosen."""
     c = cluster(tmp_path)
 
-    def r(addr: str, ok: bool, why: str = "") -> network.Probed:
-        return network.Probed(addr, 29450, "t", "m", ok, why, addr)
+    def r(addr: str, ok: bool, why: str = "") -> Probed:
+        return Probed(addr, 29450, "t", "m", ok, why, addr, 0.0, 3.0)
     results = {0: [r("10.0.0.8", True), r("10.1.0.5", False, "unfinished")],
                1: [r("10.0.0.8", False, "unreachable"), r("10.1.0.5", True)]}
-    plan = {i: [network.Target(x.addr, x.port, x.token, x.group) for x in rs]
+    plan = {i: [Target(x.addr, x.port, x.token, x.group) for x in rs]
             for i, rs in results.items()}
     asked: list[Any] = []
 
@@ -295,8 +296,8 @@ class RetryLink:
         return {"results": [dict(self.answer, src="10.1.0.9", ms=1.0) for _ in fields["targets"]]}
 
 
-def probed(addr: str, group: str, ok: bool, why: str = "", port: int = 29450) -> network.Probed:
-    return network.Probed(addr, port, "t", group, ok, why, "", 1.0, 3.0)
+def probed(addr: str, group: str, ok: bool, why: str = "", port: int = 29450) -> Probed:
+    return Probed(addr, port, "t", group, ok, why, "", 1.0, 3.0)
 
 
 def test_a_probe_without_an_answer_in_time_is_tried_again_with_a_longer_bound(
@@ -347,7 +348,8 @@ def test_when_every_probe_of_a_kind_timed_out_none_is_tried_again(tmp_path: Path
 def test_many_blocked_pairs_with_one_cause_are_one_message(tmp_path: Path) -> None:
     c = parse(BASE.replace("  - 10.0.0.8\n  - 10.0.0.9\n", "  - gpu[01-12]\n"),
               tmp_path / "cluster.yaml")
-    results = {i: [network.Probed(f"10.1.0.{(i + 1) % 12}", 40000, "", "r", False, "timeout")]
+    results = {i: [Probed(f"10.1.0.{(i + 1) % 12}", 40000, "", "r", False, "timeout",
+                          "", 0.0, 3.0)]
                for i in range(12)}
     with pytest.raises(HostError) as err:
         network.check_ring(c, results, {i: f"10.1.0.{i}" for i in range(12)}, 3.04)

@@ -21,15 +21,15 @@ import ipaddress
 import json
 import os
 import time
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, TypedDict, cast
+from typing import TypedDict, cast
 
 from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import HostError
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
+from orchestrator.session.replies import NetFacts, Probed, Target
 from orchestrator.wire import timeouts
 
 PROBE_TIMEOUT = 3.0          # one connection of the probe: past this, a firewall drops it
@@ -63,65 +63,6 @@ class NetArgs(TypedDict):
     token: str
     listen: bool
     master: bool
-
-
-@dataclass(frozen=True)
-class Iface:
-    name: str
-    addrs: tuple[str, ...]
-    up: bool
-
-
-@dataclass(frozen=True)
-class NetFacts:
-    """A host's network as its preflight learnt it (agent/network.learn; the reply's
-    `net`, checked by protocol.py's NET_FACTS): its interfaces, what its hostname
-    resolves to, its route's source toward the master, the interface variables its
-    environment sets, and the probe listeners' ports (a ring port; host 0's master port)."""
-
-    interfaces: tuple[Iface, ...]
-    resolves: tuple[str, ...] = ()
-    route_src: str = ""
-    env: Mapping[str, str] = field(default_factory=dict)
-    port: int | None = None
-    master_listen: int | None = None
-
-    @classmethod
-    def of(cls, r: Mapping[str, Any]) -> NetFacts:   # the decoded frame's `net`
-        ifaces = tuple(Iface(str(i["name"]), tuple(map(str, i["addrs"])), bool(i["up"]))
-                       for i in r["interfaces"])
-        return cls(ifaces, tuple(map(str, r["resolves"])), str(r["route_src"]),
-                   {str(k): str(v) for k, v in r["env"].items()}, r.get("port"),
-                   r.get("master_listen"))
-
-
-@dataclass(frozen=True)
-class Target:
-    """One connection of the probe (protocol.py's net_probe target): `group` m is host
-    0 on the master port, r the ring neighbour; the agent answers each group's best."""
-
-    addr: str
-    port: int
-    token: str
-    group: str
-
-
-@dataclass(frozen=True)
-class Probed:
-    """A target as probed: `group` m or r, `why` the agent's cause where not ok,
-    `bound` the seconds it was given, `first` the bound of a first try that got no
-    answer (this is the second)."""
-
-    addr: str
-    port: int
-    token: str
-    group: str
-    ok: bool
-    why: str
-    src: str = ""
-    ms: float = 0.0
-    bound: float = PROBE_TIMEOUT
-    first: float | None = None
 
 
 Results = dict[int, list[Probed]]   # host index -> its probe's targets, as probed

@@ -12,6 +12,7 @@ from orchestrator.files.sync import Same
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.session import gpuclaims, network
+from orchestrator.session.replies import NetFacts
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import protocol, timeouts
 
@@ -32,7 +33,7 @@ class HostInfo:
     share_leader: int = -1     # whose preflight marker it found in its job folder (-1: none)
     gpu_ids: tuple[int, ...] | None = None   # the GPUs its agent claimed for the job
     gpu_uuids: tuple[str, ...] = ()          # every GPU's (the order of `up --wait`)
-    net: network.NetFacts | None = None      # its network (agent/network.learn)
+    net: NetFacts | None = None      # its network (agent/network.learn)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
                     r.get("share_leader", -1),
                     tuple(r["gpu_ids"]) if "gpu_ids" in r else None,
                     tuple(r.get("gpu_uuids") or [g["uuid"] for g in r.get("gpu_busy", ())]),
-                    network.NetFacts.of(r["net"]) if "net" in r else None)
+                    NetFacts.of(r["net"]) if "net" in r else None)
     problems = host_problems(host, info, r, defer_torch=cluster.setup is not None)
     gpus = gpuclaims.problem(cluster, host, r)
     if isinstance(gpus, gpuclaims.GpusBusy) and not problems:
