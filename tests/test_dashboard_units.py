@@ -555,3 +555,55 @@ def test_the_network_plan_is_a_table_with_identical_hosts_folded() -> None:
     assert other["found"] == [] and other["set"] == []
     board.set_network(None)
     assert board.snapshot()["network"] is None
+
+
+LINES = 6000    # more than the board keeps (MAX_LOG_LINES)
+
+
+def test_download_streams_the_ranks_whole_log_from_its_host(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """*download*: rank 2's whole log, read on its host as `orch logs --rank 2` reads it
+    (the board keeps its newest 5,000 lines), behind the token, under a safe file name;
+    a rank outside the job is one message."""
+    job = Running(monkeypatch)
+    raw = b"".join(b"line %d of rank 2\n" % i for i in range(LINES))
+
+    def follow(chan: FakeChannel, msg: dict) -> None:
+        if msg.get("mode") != "raw":
+            return job.follow(chan, msg)
+        assert msg["ranks"] == [2] and msg["tail"] == page.MAX_DOWNLOAD_LINES
+        for at in range(0, len(raw), 50_000):
+            chan.push(protocol.output(2, raw[at:at + 50_000], partial=True))
+        chan.push(protocol.event("done", code=0, time=time.time()))
+    job.fake.on("follow", follow)
+    path = inventory(tmp_path)
+    api.up(path)
+    opened = page.open_for_job(path)
+    try:
+        fetch = Fetch(opened)
+        assert fetch("/api/log.txt?rank=2")[0] == 403
+        status, headers, body = fetch("/api/log.txt?rank=2", headers={"X-Orch-Token": opened.server.token})
+        assert status == 200 and body == raw and len(body.splitlines()) == LINES > boards.MAX_LOG_LINES
+        assert headers["Content-Disposition"] == 'attachment; filename="fk-rank-2.log"'
+        status, _, body = fetch("/api/log.txt?rank=99", headers={"X-Orch-Token": opened.server.token})
+        assert status == 400 and b"rank 99" in body and b"Traceback" not in body
+    finally:
+        opened.close()
+
+
+def test_a_download_is_cut_at_its_cap_and_says_so() -> None:
+    got: list[bytes] = []
+    sink = page.Capped(got.append, cap=10)
+    sink.output(0, 2, False, b"0123456\n")
+    sink.output(0, 2, False, b"789abc\n")
+    assert b"".join(got) == b"0123456\n78" and sink.cut and sink.ended.is_set()
+    sink.output(0, 2, False, b"more\n")
+    assert b"".join(got) == b"0123456\n78"
+
+
+@pytest.mark.parametrize("name", ["fk", "../../etc/passwd", '"; x="y', "a\r\nSet-Cookie: x", ".hidden",
+                                  "gpu[01-04] é", ""])
+def test_a_download_name_is_safe_for_any_job(name: str) -> None:
+    safe = server.safe_name(name + "-rank-0.log")
+    assert safe and not safe.startswith(".") and len(safe) <= 120
+    assert all(c.isascii() and (c.isalnum() or c in "._-") for c in safe), safe

@@ -10,11 +10,11 @@ import threading
 import webbrowser
 from collections.abc import Callable
 
-from orchestrator.api import jobs
+from orchestrator.api import jobs, reading
 from orchestrator.config.inventory import Cluster
 from orchestrator.dashboard import feeds as feeding
 from orchestrator.dashboard.board import Board
-from orchestrator.dashboard.server import Dashboard, Stop
+from orchestrator.dashboard.server import Dashboard, LogReader, Stop
 from orchestrator.errors import UsageError
 
 
@@ -43,9 +43,47 @@ def stopper(inventory: jobs.Inventory) -> Stop:
     return stop
 
 
-def serve(board: Board, stop: Stop | None, port: int) -> Dashboard:
+MAX_DOWNLOAD_LINES = 1_000_000       # a rank's download: its newest lines, read on the host
+MAX_DOWNLOAD_BYTES = 256 * 2 ** 20   # and at most this much of them (the rest: `orch logs`)
+
+
+class Capped(reading.RawLog):
+    """A rank's log bytes handed to `out` (the download's answer) as the host sends
+    them, up to `cap` bytes; a reader gone away or the cap reached ends the reading."""
+
+    def __init__(self, out: Callable[[bytes], None], cap: int = MAX_DOWNLOAD_BYTES) -> None:
+        super().__init__()
+        self.out, self.room, self.cut = out, cap, False
+
+    def write(self, data: bytes) -> None:
+        piece = data[:self.room]
+        try:
+            self.out(piece)
+        except OSError:     # the browser closed the download
+            raise BrokenPipeError from None
+        self.room -= len(piece)
+        if len(piece) < len(data):
+            self.cut = True
+            raise BrokenPipeError    # RawLog: the reading ends here
+
+
+def log_reader(inventory: jobs.Inventory) -> LogReader:
+    """The download's reading of rank R's whole log, as `orch logs --rank R` reads it:
+    on its host, over a session of its own; what ends it early, in words."""
+    def read(rank: int, out: Callable[[bytes], None]) -> str:
+        sink = Capped(out)
+        host, _ = reading.read_log(inventory, rank=rank, tail=MAX_DOWNLOAD_LINES, sink=sink)
+        if sink.cut:
+            return (f"cut at {MAX_DOWNLOAD_BYTES // 2 ** 20} MiB: the rest with "
+                    f"`orch logs --rank {rank}`")
+        return f"{host}: {sink.why}" if sink.why else ""
+    return read
+
+
+def serve(board: Board, stop: Stop | None, port: int,
+          read_log: LogReader | None = None) -> Dashboard:
     try:
-        return Dashboard(board, stop, port).start()
+        return Dashboard(board, stop, port, read_log).start()
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             raise UsageError(f"port {port} on 127.0.0.1 is in use",
@@ -62,7 +100,7 @@ def open_for_job(inventory: jobs.Inventory, port: int = 0,
     feeds = feeding.Feeds(board)
     try:
         feeding.start_all(inventory, board, feeds, gpu_every)
-        return Opened(board, feeds, serve(board, stopper(inventory), port))
+        return Opened(board, feeds, serve(board, stopper(inventory), port, log_reader(inventory)))
     except BaseException:
         feeds.close()
         raise
@@ -78,7 +116,7 @@ def open_beside_run(cluster: Cluster, inventory: jobs.Inventory, port: int = 0) 
         feeds.start("curves", lambda: feeding.read_curves(cluster, board, feeds))
         if any(h.gpus for h in cluster.hosts):
             feeds.start("gpus", lambda: gpus_once_started(inventory, board, feeds))
-        return Opened(board, feeds, serve(board, stopper(inventory), port))
+        return Opened(board, feeds, serve(board, stopper(inventory), port, log_reader(inventory)))
     except BaseException:
         feeds.close()
         raise

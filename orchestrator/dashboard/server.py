@@ -27,15 +27,19 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from orchestrator.dashboard.board import Board
+from orchestrator.errors import HostError, OrchError
 
 STATIC = ("index.html", "app.js", "app.css", "uPlot.iife.min.js", "uPlot.min.css")
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
          ".css": "text/css; charset=utf-8"}
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+TEXT = "text/plain; charset=utf-8"
 MAX_BODY = 4096        # a stop request's body, which carries nothing we read
 
 Stop = Callable[[], str]    # stops the job; the words to show (raises OrchError)
+# reads rank R's whole log on its host into `out`; what ended it early, or "" (raises OrchError)
+LogReader = Callable[[int, Callable[[bytes], None]], str]
 log = logging.getLogger("orchestrator")
 
 
@@ -46,8 +50,9 @@ def static(name: str) -> bytes:
 class Dashboard:
     """The server of one board, on 127.0.0.1:`port` (0: any free port)."""
 
-    def __init__(self, board: Board, stop: Stop | None, port: int = 0) -> None:
-        self.board, self.stop = board, stop
+    def __init__(self, board: Board, stop: Stop | None, port: int = 0,
+                 read_log: LogReader | None = None) -> None:
+        self.board, self.stop, self.read_log = board, stop, read_log
         self.token = secrets.token_urlsafe(32)
         self.httpd = Server(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
@@ -155,16 +160,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def send(self, status: HTTPStatus, body: bytes, ctype: str,
              extra: dict[str, str] | None = None) -> None:
+        self.head(status, ctype, {"Content-Length": str(len(body)), **(extra or {})})
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def head(self, status: HTTPStatus, ctype: str, extra: dict[str, str]) -> None:
+        """The status and headers; without a Content-Length the body ends with the
+        connection (HTTP/1.0: a streamed download)."""
         self.send_response(status)
-        headers = {"Content-Type": ctype, "Content-Length": str(len(body)),
-                   "Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
-                   "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
-                   "X-Frame-Options": "DENY", **(extra or {})}
+        headers = {"Content-Type": ctype, "Content-Security-Policy": CSP,
+                   "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+                   "Cache-Control": "no-store", "X-Frame-Options": "DENY", **extra}
         for k, v in headers.items():
             self.send_header(k, v)
         self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
 
     def send_json(self, doc: Any, status: HTTPStatus = HTTPStatus.OK) -> None:
         self.send(status, json.dumps(doc).encode(), "application/json")
@@ -187,15 +196,47 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(self.dash.board.log(rank, after))
 
     def log_text(self, query: dict[str, list[str]]) -> None:
+        """Rank R's whole log, streamed from its host as `orch logs --rank R` reads it
+        (capped: page.MAX_DOWNLOAD_*); without a reader, the lines the board holds."""
         rank = number(query, "rank")
-        name = f"{self.dash.board.job}-rank-{rank}.log"
-        self.send(HTTPStatus.OK, self.dash.board.log_text(rank).encode(), "text/plain; charset=utf-8",
-                  {"Content-Disposition": f'attachment; filename="{safe_name(name)}"'})
+        disposition = {"Content-Disposition": attachment(f"{self.dash.board.job}-rank-{rank}.log")}
+        if self.dash.read_log is None:
+            self.send(HTTPStatus.OK, self.dash.board.log_text(rank).encode(), TEXT, disposition)
+            return
+        stream = Streamed(self, disposition)
+        try:
+            why = self.dash.read_log(rank, stream.write)
+        except OrchError as e:
+            if not stream.started:
+                text = e.message + (f" (fix: {e.hint})" if e.hint else "") + "\n"
+                self.send(HTTPStatus.BAD_GATEWAY if isinstance(e, HostError) else HTTPStatus.BAD_REQUEST,
+                          text.encode(), TEXT)
+                return
+            why = e.message
+        stream.end(why)
 
     def save(self, query: dict[str, list[str]]) -> None:
-        name = safe_name(f"{self.dash.board.job}-dashboard.html")
         self.send(HTTPStatus.OK, self.dash.saved_page(), TYPES[".html"],
-                  {"Content-Disposition": f'attachment; filename="{name}"'})
+                  {"Content-Disposition": attachment(f"{self.dash.board.job}-dashboard.html")})
+
+
+class Streamed:
+    """An answer sent as it comes: the headers with its first bytes."""
+
+    def __init__(self, handler: Handler, extra: dict[str, str]) -> None:
+        self.handler, self.extra, self.started = handler, extra, False
+
+    def write(self, data: bytes) -> None:
+        if not self.started:
+            self.started = True
+            self.handler.head(HTTPStatus.OK, TEXT, self.extra)
+        self.handler.wfile.write(data)
+
+    def end(self, why: str) -> None:
+        """The end; what cut it short (a host lost, the cap) as the last line."""
+        self.write(b"")
+        if why:
+            self.handler.wfile.write(f"\n[orch dashboard: {why}]\n".encode())
 
 
 GETS: dict[str, Callable[[Handler, dict[str, list[str]]], None]] = {
@@ -212,7 +253,13 @@ def number(query: dict[str, list[str]], key: str) -> int:
 
 
 def safe_name(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:120]
+    """A file name for any job, host or rank: ASCII letters, digits, `.`, `_` and `-`
+    only (no quote, separator or control character), never hidden, at most 120."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".-")[:120] or "orch"
+
+
+def attachment(name: str) -> str:
+    return f'attachment; filename="{safe_name(name)}"'
 
 
 def run_stop(stop: Stop) -> dict[str, Any]:
