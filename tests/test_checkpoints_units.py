@@ -107,7 +107,7 @@ def sha(data: bytes) -> str:
 def test_prune_keeps_a_complete_round_only(tmp_path: Path) -> None:
     """What the keeper removes locally: files the host no longer has, and only after a
     round in which every listed file is held (never when the host lists nothing)."""
-    from orchestrator.session.checkpoints import stale
+    from orchestrator.session.keeper import stale
 
     held = {"checkpoints/epoch-1.pt": sha(b"1"), "checkpoints/epoch-2.pt": sha(b"2")}
     listed = {"checkpoints/epoch-2.pt": [1, sha(b"2")], "checkpoints/epoch-3.pt": [1, sha(b"3")]}
@@ -270,13 +270,14 @@ def test_why_nothing_was_kept_is_said(tmp_path: Path) -> None:
     unchanged, the globs matched nothing, or the host was never reached."""
     from types import SimpleNamespace
 
-    from orchestrator.session.checkpoints import Keeper
+    from orchestrator.files.pull import ManifestReply
+    from orchestrator.session.keeper import Keeper
 
     cluster = load(inventory(tmp_path, "  checkpoint: [output/ckpt.pt]\n"))
     keeper = Keeper(SimpleNamespace(links={}, records={}), cluster)  # type: ignore[arg-type]
     keeper.rounds = 3
     assert keeper.nothing_kept() == "job.checkpoint (output/ckpt.pt) matched no file on localhost"
-    keeper.saw("output", {"fresh_paths": ["ckpt.pt"]}, {})
+    keeper.saw("output", ManifestReply("output", (), 0, ("ckpt.pt",)), {})
     assert keeper.nothing_kept() == (
         "output/ckpt.pt never stayed unchanged for 1 s on localhost (written in place at "
         "every look; write it beside and rename it)")
@@ -292,19 +293,21 @@ def test_exact_receiver_drops_bytes_other_than_listed(tmp_path: Path) -> None:
     bytes whole and verified in transit) is not kept by the keeper's receiver; `orch
     pull`'s receiver keeps the newer one."""
     from orchestrator.files.localfiles import DigestCache
-    from orchestrator.files.pull import PullReport, Receiver
+    from orchestrator.files.pull import Entry, PullReport, Receiver
     from orchestrator.files.pulldest import Dest
-    from orchestrator.session.checkpoints import KeptReceiver
+    from orchestrator.remote.link import PullEnd, PullFile
+    from orchestrator.session.keeper import KeptReceiver
 
     listed, sent = b"old!", b"new!"
     for cls, kept in ((KeptReceiver, False), (Receiver, True)):
         root = tmp_path / cls.__name__
         with Dest(root) as dest:
             report = PullReport("h", "output", str(root))
-            rx = cls(dest, {"a.pt": [4, sha(listed)]}, DigestCache(tmp_path / "c.json"), report, None)
-            rx.part("pull_file", {"p": "a.pt", "s": 4, "m": 0o644})
+            rx = cls(dest, {"a.pt": Entry(4, sha(listed))}, DigestCache(tmp_path / "c.json"),
+                     report, None)
+            rx.part(PullFile("a.pt", 4, 0o644))
             rx.data(sent)
-            rx.part("pull_end", {"p": "a.pt", "h": sha(sent)})
+            rx.part(PullEnd("a.pt", sha(sent)))
         assert (root / "a.pt").exists() is kept
         assert not list(root.glob("*.orch-part-*"))
         if not kept:
@@ -316,7 +319,7 @@ def test_keeper_records_a_lost_host_and_never_raises(tmp_path: Path) -> None:
     recorded as failed and tried again; start/stop never raise."""
     from types import SimpleNamespace
 
-    from orchestrator.session.checkpoints import Keeper, restore
+    from orchestrator.session.keeper import Keeper, restore
 
     cluster = load(inventory(tmp_path, ""))
 

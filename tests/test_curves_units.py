@@ -16,6 +16,7 @@ import pytest
 
 from fake_agent import FakeTransport
 from orchestrator.config.inventory import Cluster, parse
+from orchestrator.files.pull import Entry
 from orchestrator.session.session import Session
 from orchestrator.watch import curvefetch, curves
 from test_pull import agent_handlers
@@ -237,7 +238,7 @@ def test_the_fetch_thread_rounds_and_the_checkpoint_keeper_share_one_link(
     data carries no request id, so their pull streams take turns (Link.pull_lock)."""
     from dataclasses import replace
 
-    from orchestrator.session.checkpoints import Keeper
+    from orchestrator.session.keeper import Keeper
     a = remote_out(tmp_path, "alpha")
     remote_out(tmp_path, "beta")
     (a / "checkpoints").mkdir()
@@ -315,8 +316,9 @@ def test_a_hosts_listing_is_capped_in_files_and_each_round_in_bytes(monkeypatch)
     monkeypatch.setattr(curves, "SAID", set())
     monkeypatch.setattr(curves, "MAX_FILES", 3)
     digest = "0" * 64
-    remote = {f"m{i}.jsonl": [10, digest] for i in range(5)}
-    remote.update({"model.pt": [10, digest], "events.out.tfevents.1": [curves.MAX_EVENTS + 1, digest]})
+    remote = {f"m{i}.jsonl": Entry(10, digest) for i in range(5)}
+    remote.update({"model.pt": Entry(10, digest),
+                   "events.out.tfevents.1": Entry(curves.MAX_EVENTS + 1, digest)})
     notes = curves.Notes()
     got = curvefetch.capped(remote, notes, "h")
     assert list(got) == ["m0.jsonl", "m1.jsonl", "m2.jsonl"]       # no checkpoint, no giant
@@ -324,4 +326,4 @@ def test_a_hosts_listing_is_capped_in_files_and_each_round_in_bytes(monkeypatch)
     assert any("more than 3 metrics files" in n for n in notes), notes
     monkeypatch.setattr(curvefetch, "MAX_ROUND", 25)
     assert list(curvefetch.within_round(got)) == ["m0.jsonl", "m1.jsonl"]   # the rest next round
-    assert list(curvefetch.within_round({"big": [100, digest]})) == ["big"]  # always one
+    assert list(curvefetch.within_round({"big": Entry(100, digest)})) == ["big"]  # always one

@@ -15,7 +15,7 @@ from helpers import Jobs, assert_nothing_left, job_dir, orch, wait_until, write_
 from orchestrator.api import jobs as api_jobs
 from orchestrator.config.inventory import Cluster, load
 from orchestrator.session import state as job_state
-from orchestrator.session.checkpoints import Keeper, restore
+from orchestrator.session.keeper import Keeper, restore
 from sshd_cluster import SshdCluster
 
 # rank 0 writes a checkpoint atomically (beside, fsync, rename) each time the test drops

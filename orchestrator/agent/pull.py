@@ -1,6 +1,6 @@
 """`orch pull` on the host: list the job's output/ (or named paths under it) with each
 file's size and sha256, then send the files the controller asks for. The checkpoint
-keeper (session/checkpoints.py) asks the same of output/ or code/, for the files that
+keeper (session/keeper.py) asks the same of output/ or code/, for the files that
 match its globs (wire/globs.py) and were not written in the last `settle` seconds, and
 of checkpoints/ (the keeper host's copy, `job.checkpoint_to: host`) for the relay.
 

@@ -1,4 +1,4 @@
-"""Checkpoints put back into a job folder before a (re)launch (session/checkpoints.py).
+"""Checkpoints put back into a job folder before a (re)launch (session/keeper.py).
 
 `restore_check`: of the files the controller keeps ({rel: [size, sha256]}, relative to
 the job folder, under output/ or code/), which are missing here or differ. `restore`:

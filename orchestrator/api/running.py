@@ -7,8 +7,8 @@ a short back-off the whole job starts again under the same name (ORCH_RESTART_CO
 An `orch stop` from elsewhere, Ctrl-C, success, or no restart left end the run.
 
 While an attempt runs, its metrics files come back from every rank's host for live
-curves (watch/curvefetch.py), and a Keeper copies `job.checkpoint`'s files off rank 0's host
-(session/checkpoints.py, session/hostkeep.py); before a restart's launch they are put back
+curves (watch/curvefetch.py), and `job.checkpoint`'s files are kept off rank 0's host
+(session/checkpoints.py, their one home); before a restart's launch they are put back
 into every job folder of the new run, so a run resumes even when the host that held them
 is gone. Everything is emitted as events (watch/events.py); nothing is printed."""
 from __future__ import annotations
@@ -32,8 +32,7 @@ from orchestrator.errors import (
     OrchError,
     UsageError,
 )
-from orchestrator.remote.fanout import fan_out
-from orchestrator.session import checkpoints, hostkeep
+from orchestrator.session import checkpoints
 from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import Session
 from orchestrator.watch import events as ev
@@ -138,7 +137,7 @@ def run_job(cluster: Cluster, opts: Options, emit: ev.Emit,
     """The run across its attempts; `view()`: what shows each attempt's steps."""
     plan = healing.Healer.first(cluster, opts.restarts)
     ready = Spares(plan, emit)
-    run = Run(plan, opts, emit, view, hostkeep.Kept(), ready.start)
+    run = Run(plan, opts, emit, view, checkpoints.Checkpointing(), ready.start)
     while True:
         try:
             outcome = run.attempt()
@@ -150,7 +149,7 @@ def run_job(cluster: Cluster, opts: Options, emit: ev.Emit,
         if isinstance(outcome, RunResult):
             emit(Finished(time.time(), outcome))
             return outcome
-        run.last.lost |= outcome.lost
+        run.kept.lost(outcome.lost)
         ready.join()
         nxt = plan.after(outcome.why, outcome.lost, outcome.culprits)
         if nxt is None:
@@ -220,10 +219,10 @@ class Run:
     """The attempts of one run, and what each did."""
 
     def __init__(self, plan: healing.Healer, opts: Options, emit: ev.Emit,
-                 view: Callable[[], launching.UpProgress], last: hostkeep.Kept,
+                 view: Callable[[], launching.UpProgress], kept: checkpoints.Checkpointing,
                  running: Callable[[], None]) -> None:
         self.plan, self.opts, self.emit, self.view = plan, opts, emit, view
-        self.last, self.running = last, running
+        self.kept, self.running = kept, running
         self.attempts: list[AttemptResult] = []
         self.ranks: tuple[RankEnd, ...] = ()
         self.pulled: PullResult | None = None
@@ -242,7 +241,7 @@ class Run:
         """One attempt, started and followed: the RunResult when the run ends with it."""
         plan, opts = self.plan, self.opts
         cluster = plan.cluster
-        keep = bool(cluster.job.checkpoint) and plan.restarts > 0
+        keep = checkpoints.wanted(cluster, plan.restarts)
         pres: list[PreflightReport] = []
 
         def before(session: Session, pre: PreflightReport) -> None:
@@ -260,7 +259,8 @@ class Run:
                 plan.restarts + 1))
             started = time.monotonic() - t0
             self.running()
-            keeper = self.new_keeper(got.session, pres[-1]) if keep else None
+            if keep:
+                self.kept.start(got.session, pres[-1], self.chosen)
             fetch = self.new_fetch(got.session, st) if opts.pull else None
             from orchestrator.watch.monitor import watch
             mons: list[Monitor] = []
@@ -272,8 +272,8 @@ class Run:
                     fetch = None
                 raise
             finally:
-                if keeper is not None:
-                    self.end_keeper(keeper, mons[0] if mons else None, cluster)
+                if keep:
+                    self.end_keeper(mons[0] if mons else None)
                 if fetch is not None:
                     fetch.stop(final=True, timeout=30.0)
             self.attempts.append(AttemptResult(
@@ -290,7 +290,7 @@ class Run:
                 return self.result(code, outcome)
             self.result(outcome.code, outcome)
             failed = blame(cluster, outcome)
-            failed.no_checkpoint = keeper.nothing_kept() if keeper is not None else None
+            failed.no_checkpoint = self.kept.nothing_kept() if keep else None
             return failed
 
     def pull(self, session: Session, code: int) -> int:
@@ -324,53 +324,23 @@ class Run:
             pulling.adopt(session.cluster, st)
         return CurveFetch(session).start()
 
-    def new_keeper(self, session: Session, pre: PreflightReport) -> checkpoints.Keeper:
-        """The attempt's keeper, started: on the controller, or with `checkpoint_to: host`
-        on the host `hostkeep.choose` picks (the controller when none fits)."""
-        cluster = session.cluster
-        if cluster.job.checkpoint_to != "host":
-            return checkpoints.Keeper(session, cluster).start()
-        choice = hostkeep.choose(cluster, pre.groups())
-        self.emit(ev.KeeperChosen(time.time(), choice.host.label if choice.host else "",
-                                  choice.line))
-        self.last.chosen(cluster, choice)
-        if choice.host is None:
-            return checkpoints.Keeper(session, cluster).start()
-        return hostkeep.HostKeeper(session, cluster, choice.host).start()
+    def chosen(self, host: str, line: str) -> None:
+        """`checkpoint_to: host`: where this attempt keeps its checkpoints, said."""
+        self.emit(ev.KeeperChosen(time.time(), host, line))
 
-    def end_keeper(self, keeper: checkpoints.Keeper, mon: Monitor | None,
-                   cluster: Cluster) -> None:
-        """One last round while rank 0's host (and the keeper host) answer. When one is
-        lost or silent, a round may be waiting on it: that thread is left to end when the
-        session closes the link (before the next attempt puts anything back)."""
-        extra = {keeper.keeper.index} if isinstance(keeper, hostkeep.HostKeeper) else set()
-        hosts = {cluster.host_of(0).index} | extra
-        gone = mon is None or bool(hosts & set(mon.lost))
-        keeper.stop(final=not gone, timeout=1.0 if gone else 30.0)
-        if keeper.held:
-            self.emit(ev.CheckpointKept(time.time(), tuple(sorted(keeper.held))))
+    def end_keeper(self, mon: Monitor | None) -> None:
+        """The keeper's last round (the hosts the monitor saw lost are not asked), and
+        what it holds said."""
+        held = self.kept.end(None if mon is None else mon.lost)
+        if held:
+            self.emit(ev.CheckpointKept(time.time(), held))
 
     def put_back(self, session: Session, pre: PreflightReport) -> None:
-        """The kept checkpoints into every job folder of the new run (once per shared
-        one), those it lacks: rank 0 resumes from them, and so does a script whose every
-        rank loads its own copy. A host that cannot take them fails this attempt's start
-        like any step. `checkpoint_to: host`: from the last attempt's keeper host (or what
-        survives it), relayed through the controller."""
-        cluster = session.cluster
-        if cluster.job.checkpoint_to == "host":
-            sent, where, source = hostkeep.put_back(session, pre, self.last)
-            if sent or source.startswith("nothing"):
-                self.emit(ev.CheckpointRestored(time.time(), tuple(where), tuple(sent),
-                                                source if sent else "", "" if sent else source))
-            return
-        leaders = tuple(cluster.hosts[g[0]] for g in pre.groups())
-        result = fan_out(leaders, lambda h: checkpoints.restore(session, cluster, h.index))
-        result.raise_failures(cluster.hosts, "to take the kept checkpoints back")
-        files = tuple(sorted({rel for rels in result.ok.values() for rel in rels}))
-        if files:
-            took = tuple(h.label for h in leaders if result.ok.get(h.index))
-            self.emit(ev.CheckpointRestored(time.time(), took, files))
-
+        """The kept checkpoints into every job folder of the new run (checkpoints.py)."""
+        got = self.kept.put_back(session, pre)
+        if got is not None:
+            self.emit(ev.CheckpointRestored(time.time(), got.hosts, got.files, got.source,
+                                            got.nothing))
 
 def blame(cluster: Cluster, outcome: Outcome) -> Failed:
     """What failed, in a line, and which hosts take a strike for it."""

@@ -1,277 +1,114 @@
-"""Checkpoints that survive the host (#22 item 3): `job.checkpoint`'s files copied off
-rank 0's host while the job runs (`Keeper`), and put back where the next rank 0 looks
-for them before a (re)launch (`restore`).
+"""Checkpoints that survive the host (#22 item 3): the controller's one home for them.
 
-The keeper is `orch pull` run every few seconds on the session's open link to rank 0's
-host, for the files the globs match (wire/globs.py), into
-`.orch/<name>/checkpoints/<output or code>/...` (their path relative to the job folder):
-the host lists them with their sha256 (hashed once per change), this side asks only for
-the new or changed ones, writes each beside its name, checks it and renames it. Never a
-half-written file: the host leaves out a file written in the last `settle` seconds (a
-job that saves in place), and a file is kept only when the bytes sent are those the
-listing hashed (`Receiver.exact`): one rewritten meanwhile is fetched next round. Once
-a round holds every file the host lists, the local files the host no longer has (the
-job pruned them) are removed, so the folder holds the host's newest set; a host that
-lists nothing removes nothing.
+For one run (`Checkpointing`), attempt after attempt, it decides and does everything
+about `job.checkpoint`'s files:
 
-`restore` sends the kept files that the new rank 0's job folder lacks (or holds
-otherwise) with the agent's `restore` request: written beside and renamed through its
-JobDir, and never recorded in code/'s ledger, so a later code sync leaves them alone.
-"""
+- whether they are kept at all (`wanted`: globs given and a restart left to use them);
+- where each attempt keeps its copy (`start`): on the controller (`keeper.Keeper`,
+  session/keeper.py), or with `checkpoint_to: host` on the keeper host `hostkeep.choose`
+  picks, relayed through the controller (`hostkeep.HostKeeper`);
+- the attempt's last round when it ends, while rank 0's host (and the keeper host)
+  answer, and what is then held (`end`: the files of the `CheckpointKept` event);
+- why a restart would resume from nothing (`nothing_kept`);
+- the copy put back into every job folder of the next attempt's run before its launch,
+  a spare that takes a lost host's place among them (`put_back`: the files, the hosts
+  that took them and where they came from, for the `CheckpointRestored` event).
+
+It prints and emits nothing: api/running.py turns what it returns into events."""
 from __future__ import annotations
 
-import logging
-import os
-import stat
-import threading
-from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
-from orchestrator.config.inventory import Cluster, Host
-from orchestrator.errors import HostError
-from orchestrator.files.localfiles import DigestCache, LocalFile
-from orchestrator.files.pull import PullReport, Receiver, manifest, plan, receive
-from orchestrator.files.pulldest import Dest
-from orchestrator.files.sync import Stall, stream_and_wait
-from orchestrator.remote.link import Link
+from orchestrator.config.inventory import Cluster
+from orchestrator.remote.fanout import fan_out
+from orchestrator.session import hostkeep
+from orchestrator.session.keeper import Keeper, restore
+from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import Session
-from orchestrator.wire import globs, protocol, timeouts
-
-# seconds between two rounds: a round is one listing request on the open link, and the
-# host hashes a file only when it changed, so rounds are cheap; a short interval keeps
-# the work lost to a host's death close to one checkpoint interval
-INTERVAL = 0.5
-SETTLE = 1.0       # a file written less than this long ago waits for the next round
-log = logging.getLogger("orchestrator")
 
 
-class KeptReceiver(Receiver):
-    exact = True
+def wanted(cluster: Cluster, restarts: int) -> bool:
+    """Whether a run keeps checkpoints: only a restart puts them back."""
+    return bool(cluster.job.checkpoint) and restarts > 0
 
 
-def folder_globs(patterns: Iterable[str]) -> dict[str, list[str]]:
-    """{"output" or "code": the globs relative to it}."""
-    out: dict[str, list[str]] = {}
-    for pattern in patterns:
-        folder, rest = globs.split(pattern)
-        out.setdefault(folder, []).append(rest)
-    return out
+@dataclass(frozen=True)
+class Restored:
+    """Kept checkpoints put back before a restart's launch (`source`: the keeper host,
+    or empty for the controller); `nothing`: why there was nothing to put back."""
+
+    hosts: tuple[str, ...]
+    files: tuple[str, ...]
+    source: str = ""
+    nothing: str = ""
 
 
-def stale(held: dict[str, str], listed: dict[str, Any]) -> list[str]:
-    """The local files to remove after a round: those the host no longer lists, and only
-    when every file it lists is held with its digest (the new set is complete here) and
-    it lists at least one."""
-    if not listed or any(held.get(rel) != entry[1] for rel, entry in listed.items()):
-        return []
-    return sorted(rel for rel in held if rel not in listed)
+class Checkpointing:
+    """One run's checkpoints across its attempts: the attempt's keeper, and where the
+    last attempt kept its copy (what a restart puts back from)."""
 
+    def __init__(self) -> None:
+        self.last = hostkeep.Kept()
+        self.keeper: Keeper | None = None   # the running (or last) attempt's
 
-def local_files(root: Path, cache: DigestCache) -> dict[str, LocalFile]:
-    """{rel: LocalFile} of the regular files under root (no link followed, no half-written
-    `.orch-part-` file), digests cached."""
-    out: dict[str, LocalFile] = {}
-    for top, dirs, names in os.walk(root, followlinks=False):
-        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(top, d))]
-        for name in names:
-            path = os.path.join(top, name)
-            rel = os.path.relpath(path, root).replace(os.sep, "/")
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode) or protocol.pull_path_problem(rel):
-                continue
-            out[rel] = LocalFile(rel, path, st.st_size, st.st_mode & 0o777, cache.digest(path, st))
-    return out
+    def lost(self, labels: Collection[str]) -> None:
+        """Hosts lost by an attempt: a keeper host among them is not asked again."""
+        self.last.lost |= set(labels)
 
+    def start(self, session: Session, pre: PreflightReport,
+              chosen: Callable[[str, str], None]) -> None:
+        """The attempt's keeper, started: on the controller, or with `checkpoint_to: host`
+        on the host `hostkeep.choose` picks (the controller when none fits), `chosen`
+        told first (the keeper host's label, empty for the controller, and the line
+        that says it)."""
+        cluster = session.cluster
+        if cluster.job.checkpoint_to != "host":
+            self.keeper = Keeper(session, cluster).start()
+            return
+        choice = hostkeep.choose(cluster, pre.groups())
+        chosen(choice.host.label if choice.host else "", choice.line)
+        self.last.chosen(cluster, choice)
+        if choice.host is None:
+            self.keeper = Keeper(session, cluster).start()
+            return
+        self.keeper = hostkeep.HostKeeper(session, cluster, choice.host).start()
 
-def kept(root: Path, cache: DigestCache, patterns: Iterable[str]) -> dict[str, LocalFile]:
-    """{rel to the job folder: LocalFile} of the kept files that the globs match."""
-    out: dict[str, LocalFile] = {}
-    for folder, rests in folder_globs(patterns).items():
-        for rel, f in local_files(root / folder, cache).items():
-            if globs.matches_any(rests, rel):
-                out[f"{folder}/{rel}"] = LocalFile(f"{folder}/{rel}", f.path, f.size, f.mode, f.digest)
-    return out
-
-
-class Keeper:
-    """Copies job.checkpoint's files off the host of global rank 0, every `interval`
-    seconds, on the session's open link. Never raises into its caller: a failed round
-    (host lost, disk full here) is recorded in `errors`/`last_error` and tried again.
-    Stop it before another pull on the same session (one file stream per link)."""
-
-    def __init__(self, session: Session, cluster: Cluster, interval: float = INTERVAL,
-                 settle: float = SETTLE) -> None:
-        self.session, self.cluster = session, cluster
-        self.interval, self.settle = interval, settle
-        self.root = cluster.state_dir / "checkpoints"
-        self.cache = DigestCache(cluster.state_dir / "checkpoint-digests.bin")
-        self.lock = threading.Lock()
-        self.held: dict[str, str] = {}          # rel to the job folder -> sha256, held here
-        self.rounds = 0                          # rounds that ended well
-        self.fetched = 0                         # files fetched since start
-        self.errors = 0                          # rounds that failed
-        self.last_error: str | None = None
-        self.fresh: set[str] = set()             # files left out as still being written
-        self.listed = 0                          # files the host listed, all rounds
-        self.done = threading.Event()
-        self.thread: threading.Thread | None = None
-
-    # ------------------------------------------------------------ the thread
-
-    def start(self) -> Keeper:
-        self.done.clear()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="checkpoint-keeper")
-        self.thread.start()
-        return self
-
-    def stop(self, final: bool = False, timeout: float | None = None) -> None:
-        """End the thread (after the file being received, if any); `final`: one last
-        round first, in the caller's thread (still never raising)."""
-        self.done.set()
-        if self.thread is not None:
-            self.thread.join(timeout)
-        if final:
-            self.round()
-
-    def _run(self) -> None:
-        while not self.done.is_set():
-            self.round()
-            self.done.wait(self.interval)
-
-    def saw(self, folder: str, reply: dict[str, Any], remote: dict[str, Any]) -> None:
-        """A listing's news for `nothing_kept`: what it offered, what it left out."""
-        with self.lock:
-            self.listed += len(remote)
-            self.fresh.update(f"{folder}/{rel}" for rel in reply.get("fresh_paths", []))
+    def end(self, lost: Collection[int] | None) -> tuple[str, ...]:
+        """One last round while rank 0's host (and the keeper host) answer (`lost`: the
+        hosts the attempt lost; None: not known, none asked). When one is lost or silent,
+        a round may be waiting on it: that thread is left to end when the session closes
+        the link (before the next attempt puts anything back). Returns the files held."""
+        keeper = self.keeper
+        if keeper is None:
+            return ()
+        extra = {keeper.keeper.index} if isinstance(keeper, hostkeep.HostKeeper) else set()
+        hosts = {keeper.cluster.host_of(0).index} | extra
+        gone = lost is None or bool(hosts & set(lost))
+        keeper.stop(final=not gone, timeout=1.0 if gone else 30.0)
+        return tuple(sorted(keeper.held))
 
     def nothing_kept(self) -> str | None:
-        """None when a checkpoint is held (this attempt's, or one kept before it); else
-        why there is none, in words for the restart line."""
-        with self.lock:
-            if self.held or self.kept_before():
-                return None
-            host = self.cluster.host_of(0).label
-            if self.fresh:
-                names = ", ".join(sorted(self.fresh)[:3])
-                return (f"{names} never stayed unchanged for {self.settle:g} s on {host} "
-                        f"(written in place at every look; write it beside and rename it)")
-            if self.rounds == 0 and self.last_error:
-                return f"no round of the keeper ended well: {self.last_error}"
-            if self.listed == 0:
-                return (f"job.checkpoint ({', '.join(self.cluster.job.checkpoint)}) "
-                        f"matched no file on {host}")
-            return "no complete copy was taken before the failure"
+        """Why a restart would resume from nothing (None: a checkpoint is held)."""
+        return self.keeper.nothing_kept() if self.keeper is not None else None
 
-    def kept_before(self) -> bool:
-        """Any kept file on this side from an earlier attempt (the controller's copy)."""
-        root = self.root
-        return root.is_dir() and any(f.is_file() for f in root.rglob("*"))
-
-    def latest(self) -> dict[str, str]:
-        """What it holds: {path relative to the job folder: sha256}, complete files only."""
-        with self.lock:
-            return dict(sorted(self.held.items()))
-
-    # ------------------------------------------------------------ one round
-
-    def round(self) -> bool:
-        """One round now; False (and the reason recorded) when it failed."""
-        host = self.cluster.host_of(0)
-        try:
-            link, job_dir = self.link_to(host)
-            self.one_round(link, job_dir)
-        except Exception as e:  # recorded, never raised: the caller is watching a job
-            text = str(e)
-            with self.lock:
-                self.errors += 1
-                self.last_error = text if text.startswith(host.label + ":") else f"{host.label}: {text}"
-            log.debug("checkpoint keeper: %s", self.last_error)
-            return False
-        with self.lock:
-            self.rounds += 1
-            self.last_error = None
-        return True
-
-    def link_to(self, host: Host) -> tuple[Link, str]:
-        """The session's link to a host and its job folder; HostError when it has none."""
-        link = self.session.links.get(host.index)
-        if link is None:
-            raise HostError(f"{host.label}: not connected")
-        return link, self.session.records[host.index].job_dir
-
-    def one_round(self, link: Link, job_dir: str) -> None:
-        """Rank 0's files (on `link`) into the controller's copy."""
-        for folder, rests in folder_globs(self.cluster.job.checkpoint).items():
-            self._folder(link, job_dir, folder, rests)
-
-    def _folder(self, link: Link, job_dir: str, folder: str, rests: list[str]) -> None:
-        reply, remote = manifest(link, job_dir, [], folder=folder, globs=rests,
-                                 settle=self.settle)
-        self.saw(folder, reply, remote)
-        with Dest(self.root / folder) as dest:
-            dest.sweep()
-            todo = plan(remote, dest, self.cache)
-            if todo.fetch:
-                report = PullReport(link.name, folder, dest.show(""))
-                try:
-                    receive(link, job_dir, KeptReceiver(dest, todo.fetch, self.cache, report, None),
-                            folder=folder)
-                finally:
-                    self.cache.save()
-                self.fetched += report.files
-            here = {rel: f.digest for rel, f in local_files(dest.root, self.cache).items()}
-            for rel in stale(here, remote):
-                dest.remove(rel)
-                del here[rel]
-        self.cache.save()
-        with self.lock:
-            self.held = {k: v for k, v in self.held.items() if not k.startswith(folder + "/")}
-            self.held.update({f"{folder}/{rel}": digest for rel, digest in here.items()
-                              if globs.matches_any(rests, rel)})
-
-
-# ---------------------------------------------------------------- restore
-
-def restore(session: Session, cluster: Cluster, index: int | None = None,
-            root: Path | None = None) -> list[str]:
-    """Put the kept files back into the job folder of host `index` (default: the host of
-    global rank 0; its agent up in `session`), those missing or different there only.
-    `root`: where the kept files are (default `.orch/<name>/checkpoints/`; the relay's
-    staging folder for `checkpoint_to: host`). Returns their paths, relative to the job
-    folder. Raises HostError when the host cannot take them."""
-    host = cluster.host_of(0) if index is None else cluster.hosts[index]
-    link: Link | None = session.links.get(host.index)
-    if link is None:
-        raise HostError(f"{host.label}: not connected: the checkpoints cannot be put back")
-    job_dir = session.records[host.index].job_dir
-    cache = DigestCache(cluster.state_dir / "checkpoint-digests.bin")
-    files = kept(root or cluster.state_dir / "checkpoints", cache, cluster.job.checkpoint)
-    cache.save()
-    if not files:
-        return []
-    if len(files) > protocol.MAX_RESTORE_FILES:
-        raise HostError(f"{len(files)} checkpoint files kept, more than "
-                        f"{protocol.MAX_RESTORE_FILES} (the limit)",
-                        hint="narrow job.checkpoint to the files the job resumes from")
-    asked = {rel: [f.size, f.digest] for rel, f in files.items()}
-    want = link.request("restore_check", timeouts.PULL_MANIFEST, job_dir=job_dir, files=asked)["want"]
-    if set(want) - files.keys():
-        raise HostError(f"{link.name}: the restore check is refused: it names files not offered",
-                        hint="the host's agent may be compromised or broken; nothing was sent")
-    send = [files[rel] for rel in sorted(set(want))]
-    if send:
-        with Stall(link) as stall:
-            try:
-                stream_and_wait(link, stall, job_dir, send, [], None, "restore", job_dir=job_dir)
-            except Exception:
-                if stall.fired:
-                    raise HostError(f"{link.name}: putting the checkpoints back stalled: the "
-                                    f"host took nothing for {stall.idle:g} s",
-                                    hint="the files that landed are kept; the next restore "
-                                         "sends only the rest") from None
-                raise
-    return [f.rel for f in send]
+    def put_back(self, session: Session, pre: PreflightReport) -> Restored | None:
+        """The kept checkpoints into every job folder of the new run (once per shared
+        one), those it lacks: rank 0 resumes from them, and so does a script whose every
+        rank loads its own copy. A host that cannot take them fails this attempt's start
+        like any step. `checkpoint_to: host`: from the last attempt's keeper host (or what
+        survives it), relayed through the controller. None: nothing to say."""
+        cluster = session.cluster
+        if cluster.job.checkpoint_to == "host":
+            sent, where, source = hostkeep.put_back(session, pre, self.last)
+            if sent or source.startswith("nothing"):
+                return Restored(tuple(where), tuple(sent), source if sent else "",
+                                "" if sent else source)
+            return None
+        leaders = tuple(cluster.hosts[g[0]] for g in pre.groups())
+        result = fan_out(leaders, lambda h: restore(session, cluster, h.index))
+        result.raise_failures(cluster.hosts, "to take the kept checkpoints back")
+        files = tuple(sorted({rel for rels in result.ok.values() for rel in rels}))
+        if not files:
+            return None
+        return Restored(tuple(h.label for h in leaders if result.ok.get(h.index)), files)

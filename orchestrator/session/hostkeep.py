@@ -1,5 +1,6 @@
 """`job.checkpoint_to: host`: the checkpoints kept on another host of the job instead of
-the controller (session/checkpoints.py keeps them on the controller).
+the controller (session/keeper.py keeps them on the controller; session/checkpoints.py
+chooses between the two).
 
 Hosts cannot reach each other over SSH, so the copy goes through the controller. Each
 round (`HostKeeper`, every half second, on the session's open links) asks the keeper
@@ -20,7 +21,7 @@ line. Chosen again at each attempt.
 
 Before a restart's launch (`put_back`), the copy comes back through the controller
 (`fetch`, into the staging folder) and goes to every job folder of the new run
-(`checkpoints.restore`), then the staging folder is deleted. When the keeper host is
+(`keeper.restore`), then the staging folder is deleted. When the keeper host is
 lost, what survives is used instead: rank 0's old host if it is in the new run, else a
 controller copy of an earlier run (`.orch/<name>/checkpoints/`).
 """
@@ -45,7 +46,7 @@ from orchestrator.files.pulldest import Dest
 from orchestrator.files.sync import Stall, stream_and_wait
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.link import Link
-from orchestrator.session.checkpoints import (
+from orchestrator.session.keeper import (
     INTERVAL,
     SETTLE,
     Keeper,
