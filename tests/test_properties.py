@@ -20,7 +20,7 @@ from orchestrator.agent.paths import UnsafePath, check_link_target
 from orchestrator.errors import HostError
 from orchestrator.files import splitdata
 from orchestrator.files.localfiles import LocalFile
-from orchestrator.files.pull import check_manifest
+from orchestrator.files.pull import Entry, check_manifest
 from orchestrator.files.sync import plan
 from orchestrator.remote import bundle
 from orchestrator.wire import protocol
@@ -148,7 +148,7 @@ DIGEST = "ab" * 32
 @SETTINGS
 @given(names=st.lists(NAMES, max_size=6))
 def test_a_pull_manifest_is_accepted_only_with_plain_paths_and_no_file_as_folder(names) -> None:
-    remote = {n: [1, DIGEST] for n in names}
+    remote = {n: Entry(1, DIGEST) for n in names}
     try:
         check_manifest("h", remote)
     except HostError as e:

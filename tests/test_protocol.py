@@ -24,7 +24,7 @@ from helpers import wait_until
 from orchestrator.config.inventory import parse
 from orchestrator.errors import HostError, OrchError
 from orchestrator.remote.bundle import agent_argv, agent_stdin, bundle
-from orchestrator.remote.link import Link
+from orchestrator.remote.link import HostDone, Link
 from orchestrator.remote.transport import LocalTransport
 from orchestrator.watch.follow import HostStream, LineSink, follow
 from orchestrator.wire import protocol
@@ -172,7 +172,7 @@ class Collect(LineSink):
     def __init__(self) -> None:
         self.frames: list[tuple[int, bool, bytes]] = []
         self.texts: list[bytes] = []
-        self.done: list[dict] = []
+        self.done: list[HostDone] = []
         self.lost: list[str] = []
 
     def output(self, host: int, rank: int, partial: bool, data: bytes) -> None:
@@ -185,7 +185,7 @@ class Collect(LineSink):
     def rank_exit(self, host: int, rank: int, code: int, when: float) -> None:
         raise AssertionError("a rank's output was taken for an exit event")
 
-    def host_done(self, host: int, info: dict) -> None:
+    def host_done(self, host: int, info: HostDone) -> None:
         self.done.append(info)
 
     def host_lost(self, host: int, why: str) -> None:
@@ -212,7 +212,7 @@ def test_rank_output_is_data_whatever_it_holds(tmp_path: Path) -> None:
         wait_until(finished, 60, "the snapshot to end")
     finally:
         link.close()
-    assert not sink.lost and sink.done == [{"code": None, "snapshot": True}]
+    assert not sink.lost and sink.done == [HostDone(None, snapshot=True)]
     assert {rank for rank, _, _ in sink.frames} == {3}
     assert b"".join(data for _, _, data in sink.frames) == content
     assert all(len(d) <= protocol.MAX_OUTPUT for _, _, d in sink.frames)
@@ -229,7 +229,8 @@ def test_rank_output_is_data_whatever_it_holds(tmp_path: Path) -> None:
 def test_agent_ends_when_its_stdin_closes(tmp_path: Path) -> None:
     link = started(tmp_path)
     assert link.hello is not None
-    pid = link.hello["pid"]
+    pid = link.hello.pid
+    assert pid is not None
     assert pid_alive(pid)
     link.close()
     wait_until(lambda: not pid_alive(pid), 10, "the agent to end")

@@ -24,6 +24,7 @@ from orchestrator.errors import HostError, UsageError
 from orchestrator.files import localfiles
 from orchestrator.files.localfiles import DigestCache
 from orchestrator.files.pull import (
+    Entry,
     PullReport,
     Receiver,
     check_manifest,
@@ -32,6 +33,7 @@ from orchestrator.files.pull import (
     raise_failed,
 )
 from orchestrator.files.pulldest import Dest
+from orchestrator.remote.link import PullEnd, PullFile
 from orchestrator.session.session import Session
 from orchestrator.wire import protocol, timeouts
 
@@ -40,8 +42,8 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def entry(data: bytes) -> list:
-    return [len(data), sha(data)]
+def entry(data: bytes) -> Entry:
+    return Entry(len(data), sha(data))
 
 
 # ---------------------------------------------------------------- names from the host
@@ -67,7 +69,7 @@ def test_any_name_a_file_system_holds_is_taken(name: str) -> None:
                                    [1, "0" * 63], [1, "G" * 64], [1, sha(b"").upper()]])
 def test_sizes_and_digests_out_of_range_are_refused(value: list) -> None:
     with pytest.raises(HostError, match="out of range"):
-        check_manifest("h", {"f": value})
+        check_manifest("h", {"f": Entry(*value)})
 
 
 def test_a_file_that_is_also_a_folder_and_too_many_files_are_refused(monkeypatch) -> None:
@@ -95,10 +97,10 @@ def receive(dest: Dest, files: dict[str, bytes], digests: dict | None = None,
     cache = cache or DigestCache(dest.root.parent / "cache.json")
     rx = Receiver(dest, {rel: entry(d) for rel, d in files.items()}, cache, report, None)
     for rel, data in files.items():
-        rx.part("pull_file", {"p": rel, "s": len(data), "m": 0o644})
+        rx.part(PullFile(rel, len(data), 0o644))
         for i in range(0, len(data), 7):
             rx.data(data[i:i + 7])
-        rx.part("pull_end", {"p": rel, "h": (digests or {}).get(rel, sha(data))})
+        rx.part(PullEnd(rel, (digests or {}).get(rel, sha(data))))
     return report
 
 
@@ -147,14 +149,14 @@ def test_the_receiver_accepts_only_what_was_asked_once_and_no_more_bytes(tmp_pat
         report = PullReport("h", "", "")
         rx = Receiver(dest, {"a": entry(b"ab")}, DigestCache(tmp_path / "c.json"), report, None)
         with pytest.raises(protocol.ProtocolError, match="not asked for"):
-            rx.part("pull_file", {"p": "../../etc/passwd", "s": 1, "m": 0o644})
-        rx.part("pull_file", {"p": "a", "s": 2, "m": 0o644})
+            rx.part(PullFile("../../etc/passwd", 1, 0o644))
+        rx.part(PullFile("a", 2, 0o644))
         with pytest.raises(protocol.ProtocolError, match="beyond the announced size"):
             rx.data(b"abc")
         rx.data(b"ab")
-        rx.part("pull_end", {"p": "a", "h": sha(b"ab")})
+        rx.part(PullEnd("a", sha(b"ab")))
         with pytest.raises(protocol.ProtocolError, match="not asked for"):
-            rx.part("pull_file", {"p": "a", "s": 2, "m": 0o644})
+            rx.part(PullFile("a", 2, 0o644))
         with pytest.raises(protocol.ProtocolError, match="file data"):
             rx.data(b"x")
 
@@ -227,7 +229,7 @@ def test_the_host_lists_regular_files_only_and_caches_digests(tmp_path: Path) ->
     make_output(tmp_path / "job")
     req = FakeReq(job_dir=str(tmp_path / "job"), paths=[])
     reply = host_pull.run_manifest(req)
-    files = {k: v for kind, body in req.parts for k, v in body["files"].items()}
+    files = {k: Entry(*v) for kind, body in req.parts for k, v in body["files"].items()}
     assert files == {"metrics.csv": entry(b"epoch\n1\n"), "ckpt/w.bin": entry(b"w" * 3000),
                      "new\nline": entry(b"x"), "not-utf8-\udcff": entry(b"y")}
     assert (reply["files"], reply["bytes"], reply["skipped_count"]) == (4, 3010, 3)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from orchestrator.files.localfiles import LocalFile
 from orchestrator.files.sync import plan
-from orchestrator.remote.link import Link
+from orchestrator.remote.link import HostDone, Link
 from orchestrator.remote.transport import remote_command
 from orchestrator.watch.follow import HostStream, LineSink, Tracker
 from orchestrator.watch.monitor import Monitor, signal_name
@@ -80,7 +80,7 @@ def test_parse_chunk_groups_lines_per_rank_and_keeps_order() -> None:
     # one call per frame, in order; a partial frame is one piece, newlines and all
     assert rec.calls == [("L", 0, [b"a", b"b c"]), ("L", 1, [b"x"]), ("L", 0, [b""]),
                          ("L", 1, [b"long\nline"]), ("L", 1, [b"y", b"", b"z"]),
-                         ("E", 1, 7, 12.5), ("X", {"code": 1})]
+                         ("E", 1, 7, 12.5), ("X", HostDone(1))]
     assert stream.done
 
 

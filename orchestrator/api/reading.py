@@ -5,12 +5,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from orchestrator.api import jobs
 from orchestrator.arrays import plan
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import HostError, UsageError
+from orchestrator.remote.link import HostDone
 from orchestrator.session.state import JobState
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.watch.follow import HostStream, Sink
@@ -49,7 +50,7 @@ class RawLog:
                   after_stop: bool = False) -> None:
         pass
 
-    def host_done(self, host: int, info: dict[str, Any]) -> None:
+    def host_done(self, host: int, info: HostDone) -> None:
         self.ended.set()
 
     def host_lost(self, host: int, why: str) -> None:

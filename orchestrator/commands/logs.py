@@ -21,6 +21,7 @@ from orchestrator.api.outcomes import (
 from orchestrator.commands.common import emit_json, inventory, out, warn, warn_unreachable
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
+from orchestrator.remote.link import HostDone
 from orchestrator.ui.termsafe import for_terminal, plain
 from orchestrator.ui.wording import plural
 from orchestrator.watch.follow import LineSink, PrefixPrinter
@@ -129,7 +130,7 @@ class LogSink(LineSink):
                   after_stop: bool = False) -> None:
         pass
 
-    def host_done(self, host: int, info: dict[str, Any]) -> None:
+    def host_done(self, host: int, info: HostDone) -> None:
         pass
 
     def host_lost(self, host: int, why: str) -> None:

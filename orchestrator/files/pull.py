@@ -16,20 +16,55 @@ import os
 import shutil
 import stat
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from orchestrator.errors import HostError, UsageError
 from orchestrator.files.localfiles import DigestCache
 from orchestrator.files.pulldest import Dest, Refused, Writing
-from orchestrator.remote.link import Link, Pending, Stream
+from orchestrator.remote.link import Link, Pending, PullEnd, PullFile, PullPart, Stream
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import protocol, timeouts
 
 ReceiveProgress = Callable[[int], None]     # bytes just received
 BATCH_NAMES = 2 << 20                # bytes of names per pull_send request (a JSON frame)
 HEX = frozenset("0123456789abcdef")
+
+
+class Entry(NamedTuple):
+    """One file of a host's pull manifest: the wire's [size, sha256], as the host read it."""
+
+    size: int
+    sha256: str
+
+
+Listing = dict[str, Entry]           # a manifest: path under the folder -> its entry
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A file the host left out of its listing, and why (too big, a link, unreadable)."""
+
+    path: str
+    why: str
+
+
+@dataclass(frozen=True)
+class ManifestReply:
+    """A host's `pull_manifest` reply (its files come as parts, in a Listing): its folder,
+    the files it skipped (the first MAX_PULL_NOTES named), and those not yet settled."""
+
+    root: str
+    skipped: tuple[Skipped, ...]
+    skipped_count: int
+    fresh_paths: tuple[str, ...]
+
+    @classmethod
+    def of(cls, reply: Mapping[str, Any]) -> ManifestReply:   # checked by protocol.py
+        return cls(reply["root"], tuple(Skipped(s["p"], s["why"]) for s in reply["skipped"]),
+                   reply["skipped_count"], tuple(reply.get("fresh_paths", ())))
 
 
 @dataclass
@@ -72,7 +107,7 @@ def check_paths(paths: list[str]) -> list[str]:
     return sorted(set(out))
 
 
-def check_manifest(host: str, remote: dict[str, Any]) -> None:
+def check_manifest(host: str, remote: Listing) -> None:
     """Every entry a plain relative path with [size, sha256] in range, within the count
     cap, and no file also used as a folder: a host that sends anything else is refused."""
     def bad(why: str) -> HostError:
@@ -99,12 +134,12 @@ def check_manifest(host: str, remote: dict[str, Any]) -> None:
 
 @dataclass
 class PullPlan:
-    fetch: dict[str, Any]                     # rel -> [size, sha256]
+    fetch: Listing
     unchanged: int
-    refused: dict[str, Any]                   # rel -> why (cannot be written here)
+    refused: dict[str, str]                   # rel -> why (cannot be written here)
 
 
-def plan(remote: dict[str, Any], dest: Dest, cache: DigestCache) -> PullPlan:
+def plan(remote: Listing, dest: Dest, cache: DigestCache) -> PullPlan:
     """What to ask for: every file whose local copy is missing or differs by content."""
     out = PullPlan({}, 0, {})
     for rel, (size, digest) in sorted(remote.items()):
@@ -117,7 +152,7 @@ def plan(remote: dict[str, Any], dest: Dest, cache: DigestCache) -> PullPlan:
                 and local_digest(dest, rel, st, cache) == digest:
             out.unchanged += 1
         else:
-            out.fetch[rel] = [size, digest]
+            out.fetch[rel] = Entry(size, digest)
     return out
 
 
@@ -133,7 +168,7 @@ def local_digest(dest: Dest, rel: str, st: os.stat_result, cache: DigestCache) -
     return known
 
 
-def check_space(dest: Dest, fetch: dict[str, Any]) -> None:
+def check_space(dest: Dest, fetch: Listing) -> None:
     need = sum(size for size, _ in fetch.values())
     free = shutil.disk_usage(dest.root).free
     if need > free:
@@ -156,7 +191,7 @@ class Receiver(Stream):
     # even to the same size, is left for the next round); `orch pull` keeps the newer
     exact = False
 
-    def __init__(self, dest: Dest, wanted: dict[str, Any], cache: DigestCache, report: PullReport,
+    def __init__(self, dest: Dest, wanted: Listing, cache: DigestCache, report: PullReport,
                  progress: ReceiveProgress | None) -> None:
         self.dest, self.wanted, self.cache, self.report = dest, wanted, cache, report
         self.progress, self.lock = progress, threading.Lock()
@@ -174,18 +209,18 @@ class Receiver(Stream):
             raise protocol.ProtocolError(f"pull: {rel[:200]!r} was not asked for (or twice)")
         self.seen.add(rel)
 
-    def part(self, kind: str, body: dict[str, Any]) -> None:
+    def part(self, part: PullPart) -> None:
         with self.lock:
-            if kind == "pull_file":
-                self._begin(body)
-            elif kind == "pull_end":
-                self._end(body)
+            if isinstance(part, PullFile):
+                self._begin(part)
+            elif isinstance(part, PullEnd):
+                self._end(part)
             else:
-                self._claim(body["p"])
-                self.report.skip(body["p"], body["why"][:300])
+                self._claim(part.path)
+                self.report.skip(part.path, part.why[:300])
 
-    def _begin(self, body: dict[str, Any]) -> None:
-        rel, size = body["p"], body["s"]
+    def _begin(self, part: PullFile) -> None:
+        rel, size = part.path, part.size
         self._claim(rel)
         if not 0 <= size <= protocol.MAX_PULL_SIZE:
             raise protocol.ProtocolError(f"pull: {rel}: size {size} out of range")
@@ -193,7 +228,7 @@ class Receiver(Stream):
         if self.closed:
             return
         try:
-            self.out = self.dest.create(rel, body["m"])
+            self.out = self.dest.create(rel, part.mode)
         except (Refused, OSError) as e:
             self._failed(rel, e)
 
@@ -219,17 +254,17 @@ class Receiver(Stream):
             if self.progress:
                 self.progress(len(payload))
 
-    def _end(self, body: dict[str, Any]) -> None:
-        rel = self.rel
-        if rel is None or body["p"] != rel or self.left:
-            raise protocol.ProtocolError(f"pull: end of {body['p'][:200]!r} out of place")
+    def _end(self, part: PullEnd) -> None:
+        rel, sent = self.rel, part.sha256
+        if rel is None or part.path != rel or self.left:
+            raise protocol.ProtocolError(f"pull: end of {part.path[:200]!r} out of place")
         self.rel, out, self.out = None, self.out, None
         if out is None:
             return
-        changed = self.exact and body["h"] != self.wanted[rel][1]
-        if not body["h"] or body["h"] != self.hash.hexdigest() or changed:
+        changed = self.exact and sent != self.wanted[rel].sha256
+        if not sent or sent != self.hash.hexdigest() or changed:
             out.abandon()
-            if body["h"] and not changed:
+            if sent and not changed:
                 self.report.failed.append({"p": rel, "why": "sha256 mismatch after transfer"})
             else:
                 self.report.skip(rel, "changed on the host while it was sent; pull again")
@@ -239,7 +274,7 @@ class Receiver(Stream):
         except (Refused, OSError) as e:
             self._failed(rel, e)
             return
-        self.cache.remember(self.dest.show(rel), st, body["h"])
+        self.cache.remember(self.dest.show(rel), st, sent)
         self.report.files += 1
         self.report.bytes += st.st_size
 
@@ -252,15 +287,16 @@ class Receiver(Stream):
                 self.out = None
 
 
-def wait_stream(link: Link, p: Pending) -> dict[str, Any]:
-    """The reply of a streaming request: any wait is fine while frames keep coming."""
+def wait_stream(link: Link, p: Pending) -> None:
+    """Until a streaming request's reply (not used): any wait is fine while frames keep
+    coming."""
     clock = timeouts.CLOCK
     while not clock.wait(p.done, 0.5):
         if clock.now() - link.last_seen > timeouts.PULL_IDLE:
             raise HostError(f"{link.name}: the pull stalled: nothing came for "
                             f"{timeouts.PULL_IDLE:g} s", hint=f"run `{hint_cmd(None, 'pull')}` again: "
                             "only what is missing will be sent")
-    return link.wait(p, 0)
+    link.wait(p, 0)
 
 
 def batches(names: list[str]) -> list[list[str]]:
@@ -294,14 +330,14 @@ def receive(link: Link, job_dir: str, rx: Receiver, **fields: Any) -> None:
 # ---------------------------------------------------------------- the whole pull
 
 def manifest(link: Link, job_dir: str, paths: list[str],
-             **fields: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+             **fields: Any) -> tuple[ManifestReply, Listing]:
     """The host's listing, checked; `fields`: the request's optional ones (folder, globs,
     settle)."""
     _, asked = link.submit("pull_manifest", job_dir=job_dir, paths=paths, **fields)
-    reply = link.wait(asked, timeouts.PULL_MANIFEST)
-    remote: dict[str, Any] = {}
-    for part in asked.parts:
-        remote.update(part["files"])
+    reply = ManifestReply.of(link.wait(asked, timeouts.PULL_MANIFEST))
+    remote: Listing = {}
+    for part in asked.parts:   # each checked by protocol.manifest_files: [int, str]
+        remote.update((rel, Entry(size, digest)) for rel, (size, digest) in part["files"].items())
     check_manifest(link.name, remote)
     return reply, remote
 
@@ -312,10 +348,10 @@ def pull(link: Link, job_dir: str, paths: list[str], root: Path, cache: DigestCa
     """Bring output/ (or `paths` under it) of one host's job into root. `planned` is
     told how many bytes will come, before they do."""
     reply, remote = manifest(link, job_dir, paths)
-    report = PullReport(link.name, reply["root"], str(root), listed=len(remote))
-    for note in reply["skipped"]:
-        report.skip(note["p"][:300], note["why"][:300])
-    report.skipped_count = max(report.skipped_count, reply["skipped_count"])
+    report = PullReport(link.name, reply.root, str(root), listed=len(remote))
+    for note in reply.skipped:
+        report.skip(note.path[:300], note.why[:300])
+    report.skipped_count = max(report.skipped_count, reply.skipped_count)
     if not remote and not os.path.lexists(root):   # nothing to write: no empty folder made
         return report
     with Dest(root) as dest:

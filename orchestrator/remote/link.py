@@ -11,8 +11,9 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from orchestrator.errors import HostError, OrchError, for_category
 from orchestrator.remote.bundle import agent_argv, agent_stdin, bundle, host_python
@@ -24,8 +25,95 @@ from orchestrator.wire import protocol, timeouts
 CAPS_IN = {protocol.JSON: protocol.MAX_JSON, protocol.DATA: protocol.MAX_DATA,
            protocol.OUTPUT: protocol.MAX_OUTPUT + protocol.RANK.size,
            protocol.STREAM_OUT: protocol.MAX_OUTPUT + protocol.RANK.size}
+# A reply's body as the link hands it over: JSON checked against protocol.REPLIES[command];
+# each caller decodes it into its reply's dataclass right there (session/replies.py, ...)
+Body = dict[str, Any]
 QUIET_SHELL = ("make the login shell quiet for non-interactive sessions (print nothing in "
                "~/.bashrc, ~/.profile or /etc/profile.d when $- has no `i`)")
+
+
+@dataclass(frozen=True)
+class PullFile:
+    """A pulled file begins: its path, size and mode; `size` bytes of data follow."""
+
+    path: str
+    size: int
+    mode: int
+
+
+@dataclass(frozen=True)
+class PullEnd:
+    """A pulled file ends: the sha256 of the bytes the host sent ("" when the file
+    changed size while it was read)."""
+
+    path: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class PullSkip:
+    """A file asked for that the host could not open, and why."""
+
+    path: str
+    why: str
+
+
+PullPart = Union[PullFile, PullEnd, PullSkip]
+
+
+def pull_part(kind: str, body: Mapping[str, Any]) -> PullPart:
+    """A pull stream's part, checked against protocol.PULL_STREAM[kind]."""
+    if kind == "pull_file":
+        return PullFile(body["p"], body["s"], body["m"])
+    if kind == "pull_end":
+        return PullEnd(body["p"], body["h"])
+    return PullSkip(body["p"], body["why"])
+
+
+@dataclass(frozen=True)
+class HostDone:
+    """A followed host's `done` event: its host exit code (None when the supervisor
+    vanished: `lost`), on the host's clock `time`; `snapshot`: a one-shot read ended."""
+
+    code: int | None
+    time: float | None = None
+    lost: bool = False
+    snapshot: bool = False
+
+    @classmethod
+    def of(cls, event: Mapping[str, Any]) -> HostDone:   # checked by protocol.EVENTS
+        return cls(event["code"], event.get("time"), bool(event.get("lost")),
+                   bool(event.get("snapshot")))
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The agent's first frame: the bundle's hash it runs, its pid and Python version
+    (the agent's own facts, for tests and debugging; only `version` is checked)."""
+
+    version: str
+    pid: int | None = None
+    python: str = ""
+
+    @classmethod
+    def of(cls, msg: Mapping[str, Any]) -> Hello:
+        pid, python = msg.get("pid"), msg.get("python")
+        return cls(msg["version"], pid if type(pid) is int else None,
+                   python if isinstance(python, str) else "")
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """A host's `error` answer to a request (protocol.ERROR)."""
+
+    category: str
+    message: str
+    traceback: str = ""
+    fix: str = ""
+
+    @classmethod
+    def of(cls, msg: Mapping[str, Any]) -> ErrorReply:
+        return cls(msg["category"], msg["message"], msg.get("traceback", ""), msg.get("fix", ""))
 
 
 class Stream:
@@ -39,8 +127,9 @@ class Stream:
     def output(self, data: bytes) -> None:
         raise protocol.ProtocolError("command output for a request that runs no command")
 
-    def part(self, kind: str, body: dict[str, Any]) -> None:
-        raise protocol.ProtocolError(f"a stream part {kind!r} for a request that streams none")
+    def part(self, part: PullPart) -> None:
+        raise protocol.ProtocolError(f"a stream part {type(part).__name__} for a request "
+                                     "that streams none")
 
     def data(self, payload: bytes | bytearray) -> None:
         raise protocol.ProtocolError("file data while nothing is pulled")
@@ -60,7 +149,7 @@ class Dropped(Stream):
     def output(self, data: bytes) -> None:
         pass
 
-    def part(self, kind: str, body: dict[str, Any]) -> None:
+    def part(self, part: PullPart) -> None:
         pass
 
     def data(self, payload: bytes | bytearray) -> None:
@@ -73,8 +162,8 @@ class Pending:
 
     command: str
     done: threading.Event = field(default_factory=threading.Event)
-    parts: list[Any] = field(default_factory=list)
-    body: dict[str, Any] | None = None
+    parts: list[Any] = field(default_factory=list)   # protocol.PARTS' manifest parts
+    body: Body | None = None
     error: OrchError | None = None
     received: float = 0.0               # our clock when the reply arrived (clock samples)
 
@@ -98,7 +187,7 @@ class Link:
         self.follow_id: int | None = None
         self.follow_ranks: frozenset[int] = frozenset()
         self.streams: dict[int, Stream] = {}   # request id -> what the host streams for it
-        self.hello: dict[str, Any] | None = None
+        self.hello: Hello | None = None
         self.started = threading.Event()
         self.dead: OrchError | None = None
         self.last_seen = time.monotonic()
@@ -106,7 +195,7 @@ class Link:
 
     # ------------------------------------------------------------ start
 
-    def start(self, timeout: float = timeouts.AGENT_START) -> dict[str, Any]:
+    def start(self, timeout: float = timeouts.AGENT_START) -> Hello:
         """Start the agent (one session) and wait for its hello; the bundle's hash must
         match ours, so the host runs exactly this controller's code."""
         python = host_python(self.host, self.argv_label) if self.argv_label else self.host.python
@@ -126,7 +215,8 @@ class Link:
                             hint="check that `ssh HOST python3 -c pass` returns at once")
         if self.dead:
             raise self.dead
-        return self.hello or {}
+        assert self.hello is not None   # started is set only by the hello or a failure
+        return self.hello
 
     def _write_boot(self) -> None:
         """The loader and the bundle; requests queue behind them on the write lock (the
@@ -170,7 +260,7 @@ class Link:
         if hello["version"] != bundle()[1]:
             raise HostError(f"{self.name}: the agent runs another version "
                             f"({hello['version'][:12]}, ours {bundle()[1][:12]})")
-        self.hello = hello
+        self.hello = Hello.of(hello)
         self.started.set()
 
     def _no_agent(self, g: protocol.Garbage) -> HostError:
@@ -264,7 +354,8 @@ class Link:
                     f"sent: {type(e).__name__}: {e}", hint="the host is fine; run it again, "
                     "and if it fails the same way, report it with ORCH_DEBUG=1")
 
-    def _answer(self, t: str, msg: dict[str, Any]) -> None:
+    def _answer(self, t: str, msg: Mapping[str, Any]) -> None:
+        """A reply, error or part frame (decoded JSON, its fields checked here)."""
         with self.plock:
             p = self.pending.get(msg.get("id"))  # type: ignore[arg-type]
         if p is None:
@@ -275,28 +366,29 @@ class Link:
         if t == "part":
             protocol.check(msg, {"kind": str, "body": dict}, what)
             if msg["kind"] in protocol.PULL_STREAM:
-                body = protocol.check(msg["body"], protocol.PULL_STREAM[msg["kind"]], what)
-                self._to_stream(msg["id"], lambda s: s.part(msg["kind"], body))
+                part = pull_part(msg["kind"], protocol.check(
+                    msg["body"], protocol.PULL_STREAM[msg["kind"]], what))
+                self._to_stream(msg["id"], lambda s: s.part(part))
                 return
             if msg["kind"] not in protocol.PARTS or len(p.parts) >= protocol.MAX_PARTS:
                 raise protocol.ProtocolError(f"{what}: unexpected part {msg['kind']!r}")
             p.parts.append(protocol.check(msg["body"], protocol.PARTS[msg["kind"]], what))
             return
         if t == "error":
-            self._error_reply(p, protocol.check(msg, protocol.ERROR, what))
+            self._error_reply(p, ErrorReply.of(protocol.check(msg, protocol.ERROR, what)))
         else:
             body = protocol.check(msg, {"body": dict}, what)["body"]
             p.body = protocol.check(body, protocol.REPLIES[p.command], what)
         self._finish(msg["id"], p)
 
-    def _error_reply(self, p: Pending, msg: dict[str, Any]) -> None:
-        text = f"{self.name}: {p.command} failed: {msg['message']}"
-        if os.environ.get("ORCH_DEBUG") == "1" and msg.get("traceback"):
-            text += "\n  host traceback:\n    " + msg["traceback"].strip().replace("\n", "\n    ")
-        p.error = for_category(msg["category"])(text, hint=msg.get("fix", ""))
+    def _error_reply(self, p: Pending, err: ErrorReply) -> None:
+        text = f"{self.name}: {p.command} failed: {err.message}"
+        if os.environ.get("ORCH_DEBUG") == "1" and err.traceback:
+            text += "\n  host traceback:\n    " + err.traceback.strip().replace("\n", "\n    ")
+        p.error = for_category(err.category)(text, hint=err.fix)
         if p.command == "follow" and self.sink is not None:
             self.follow_id = None
-            self.sink.host_lost(self.host.index, f"follow failed: {msg['message']}")
+            self.sink.host_lost(self.host.index, f"follow failed: {err.message}")
 
     def _finish(self, id: int, p: Pending) -> None:
         p.received = time.time()
@@ -305,7 +397,8 @@ class Link:
             self.streams.pop(id, None)
         p.done.set()
 
-    def _event(self, t: str, msg: dict[str, Any]) -> None:
+    def _event(self, t: str, msg: Mapping[str, Any]) -> None:
+        """A follow event, checked against protocol.EVENTS[t], to the sink."""
         if self.sink is None:
             raise protocol.ProtocolError(f"event {t!r} while nothing is followed")
         if t == "exit":
@@ -329,7 +422,7 @@ class Link:
                 progress(self.host.index, sorted(set(msg["ranks"])))
         elif t == "done":
             fid, self.follow_id = self.follow_id, None
-            self.sink.host_done(self.host.index, {k: v for k, v in msg.items() if k != "t"})
+            self.sink.host_done(self.host.index, HostDone.of(msg))
             if fid is not None:
                 with self.plock:
                     self.pending.pop(fid, None)
@@ -367,7 +460,7 @@ class Link:
                 self.streams[id] = stream
         return id, p
 
-    def wait(self, p: Pending, timeout: float | None) -> dict[str, Any]:
+    def wait(self, p: Pending, timeout: float | None) -> Body:
         if not p.done.wait(timeout):
             raise HostError(f"{self.name}: no answer to `{p.command}` within {timeout:g} s",
                             hint="check that the host is still reachable")
@@ -376,7 +469,7 @@ class Link:
         assert p.body is not None
         return p.body
 
-    def request(self, command: str, timeout: float | None, **fields: Any) -> dict[str, Any]:
+    def request(self, command: str, timeout: float | None, **fields: Any) -> Body:
         return self.wait(self.submit(command, **fields)[1], timeout)
 
     def follow(self, sink: Any, **fields: Any) -> None:

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import HostError
 from orchestrator.files.localfiles import DigestCache
-from orchestrator.files.pull import PullReport, Receiver, manifest, plan, receive
+from orchestrator.files.pull import Listing, PullReport, Receiver, manifest, plan, receive
 from orchestrator.files.pulldest import Dest
 from orchestrator.remote.fanout import fan_out
 from orchestrator.session.session import Session
@@ -38,17 +37,17 @@ def fetched_hosts(cluster: Cluster) -> tuple[Host, ...]:
     return tuple(h for h in cluster.hosts if len(h.ranks))
 
 
-def capped(remote: dict[str, Any], notes: curves.Notes, host: str) -> dict[str, Any]:
+def capped(remote: Listing, notes: curves.Notes, host: str) -> Listing:
     """The listed files worth fetching: a kind curves reads, within its size cap, at
     most curves.MAX_FILES of them."""
-    out: dict[str, Any] = {}
+    out: Listing = {}
     for rel, entry in sorted(remote.items()):
         kind = curves.kind_of(rel)
         cap = curves.MAX_EVENTS if kind == "tfevents" else curves.MAX_TEXT
         if kind is None:
             continue
-        if entry[0] > cap:
-            notes.add(f"{host}: output/{rel}: {entry[0]} bytes, more than {cap} (not fetched)",
+        if entry.size > cap:
+            notes.add(f"{host}: output/{rel}: {entry.size} bytes, more than {cap} (not fetched)",
                       f"{host}: output/{rel}")
         elif len(out) >= curves.MAX_FILES:
             notes.add(f"{host}: more than {curves.MAX_FILES} metrics files; the rest are "
@@ -59,15 +58,15 @@ def capped(remote: dict[str, Any], notes: curves.Notes, host: str) -> dict[str, 
     return out
 
 
-def within_round(fetch: dict[str, Any]) -> dict[str, Any]:
+def within_round(fetch: Listing) -> Listing:
     """The first files up to MAX_ROUND bytes (always one): the rest wait a round."""
-    out: dict[str, Any] = {}
+    out: Listing = {}
     total = 0
     for rel, entry in fetch.items():
-        if out and total + entry[0] > MAX_ROUND:
+        if out and total + entry.size > MAX_ROUND:
             break
         out[rel] = entry
-        total += entry[0]
+        total += entry.size
     return out
 
 
@@ -80,9 +79,9 @@ def fetch_host(session: Session, host: Host, cache: DigestCache,
     job_dir = session.records[host.index].job_dir
     reply, remote = manifest(link, job_dir, [], globs=list(curves.GLOBS),
                              max_size=curves.MAX_EVENTS)   # the host hashes no bigger file
-    for skip in reply["skipped"][:3]:   # too big, a link: named by the host
-        where = f"{host.label}: output/{skip['p'][:300]}"
-        notes.add(f"{where}: {skip['why'][:200]}", where)
+    for skip in reply.skipped[:3]:   # too big, a link: named by the host
+        where = f"{host.label}: output/{skip.path[:300]}"
+        notes.add(f"{where}: {skip.why[:200]}", where)
     wanted = capped(remote, notes, host.label)
     if not wanted:
         return 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Protocol
 
 from orchestrator.errors import OrchError
-from orchestrator.remote.link import Link
+from orchestrator.remote.link import HostDone, Link
 from orchestrator.ui.termsafe import for_terminal, visible
 from orchestrator.wire import timeouts
 
@@ -28,7 +28,7 @@ class Sink(Protocol):
     def output(self, host: int, rank: int, partial: bool, data: bytes) -> None: ...
     # a host's `after_stop=True` comes as a keyword only when set (see Link._event)
     def rank_exit(self, host: int, rank: int, code: int, when: float) -> None: ...
-    def host_done(self, host: int, info: dict[str, Any]) -> None: ...
+    def host_done(self, host: int, info: HostDone) -> None: ...
     def host_lost(self, host: int, why: str) -> None: ...
 
 
@@ -88,7 +88,7 @@ class Tracker:
             self.streams[host].done = True
         return first
 
-    def host_done(self, host: int, info: dict[str, Any]) -> None:
+    def host_done(self, host: int, info: HostDone) -> None:
         if self._end(host):
             self.sink.host_done(host, info)
 
@@ -117,7 +117,7 @@ def follow(streams: dict[int, HostStream], sink: Sink, tail: int = -1,
     heartbeats: the hosts report the ranks that touched their heartbeat file (a sink's
     `rank_progress(host, ranks)`), for the hang watch."""
     tracker, stop = Tracker(streams, sink), threading.Event()
-    extra: dict[str, Any] = {"unit": unit} if unit else {}
+    extra: dict[str, str | bool] = {"unit": unit} if unit else {}   # only when set
     if heartbeats:
         extra["heartbeats"] = True
     for index, s in streams.items():

@@ -26,7 +26,8 @@ from orchestrator.wire import globs
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
-    from typing import Any, Callable
+    from typing import Any, Callable, Mapping, TypeVar
+    Obj = TypeVar("Obj", bound=Mapping[str, Any])   # check() hands back what it was given
 
 MAGIC = b"\x00\x7fORCH-AGENT\x00"
 HEADER = struct.Struct(">cI")
@@ -568,7 +569,7 @@ def check_value(value: Any, spec: Any, where: str) -> None:
                                                            type(value).__name__))
 
 
-def check(obj: dict[str, Any], schema: dict[str, Any], what: str) -> dict[str, Any]:
+def check(obj: Obj, schema: dict[str, Any], what: str) -> Obj:
     """obj, if it has every field of schema with the right types; else ProtocolError
     naming `what` and the field."""
     for key, spec in schema.items():
