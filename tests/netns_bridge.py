@@ -130,13 +130,15 @@ class BridgeHosts:
                                    f"{(h.home / 'sshd.log').read_text()[-1000:]}")
             time.sleep(0.05)
 
-    def firewall(self, i: int, ports: str) -> None:
-        """Host i accepts TCP only to `ports` (iptables multiport: "22,29400:29499")."""
+    def firewall(self, i: int, ports: str, reject: str = "") -> None:
+        """Host i accepts TCP only to `ports` (iptables multiport: "22,29400:29499"); the
+        rest is dropped, or refused with `reject` ("tcp-reset", "icmp-port-unreachable")."""
         ns = self.hosts[i].ns
+        end = ["-j", "REJECT", "--reject-with", reject] if reject else ["-j", "DROP"]
         for rule in (["-i", "lo", "-j", "ACCEPT"],
                      ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
                      ["-p", "tcp", "-m", "multiport", "--dports", ports, "-j", "ACCEPT"],
-                     ["-p", "tcp", "-j", "DROP"]):
+                     ["-p", "tcp", *end]):
             subprocess.run(["ip", "netns", "exec", ns, "iptables", "-A", "INPUT", *rule],
                            check=True, capture_output=True)
 

@@ -91,10 +91,12 @@ def up(lan: BridgeHosts, base: Path, *args: str, timeout: float = 180) -> subpro
 
 
 def up_until(lan: BridgeHosts, base: Path, inv: Path, said: str,
-             then: Callable[[str], bool] | None = None) -> tuple[subprocess.Popen, str]:
+             then: Callable[[str], bool] | None = None, interrupt: bool = True
+             ) -> tuple[subprocess.Popen, str]:
     """An attached `orch up` (looks after the launch at 4, 8, 16, ... s), its stdout and
     stderr read as one until a line holds `said` (each line given to `then` first: it
-    may act on it), then Ctrl-C; the process and everything it wrote."""
+    may act on it), then Ctrl-C (`interrupt`; else it ends on its own); the process and
+    everything it wrote."""
     env = dict(os.environ, ORCH_RDZV_NOTICE="4")
     proc = subprocess.Popen(["ip", "netns", "exec", lan.client_ns, *ORCH, "up", str(inv)],
                             cwd=base, env=env, stdin=subprocess.DEVNULL,
@@ -111,8 +113,15 @@ def up_until(lan: BridgeHosts, base: Path, inv: Path, said: str,
             if said in line or not line:
                 break
     finally:
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
+        rest = ""
+        if not interrupt:   # its own end, within a bound
+            try:
+                rest, _ = proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            rest, _ = proc.communicate(timeout=60)
     return proc, err + rest
 
 
@@ -226,3 +235,39 @@ def test_a_network_hang_in_init_process_group_names_the_host_pair(lan: BridgeHos
     assert "allow TCP between the hosts of the job on every port" in text, text
     assert proc.returncode == 130, text
     no_job_left(lan, "net-hang")
+
+
+
+def test_a_refused_connection_in_init_process_group_is_named_as_the_root_cause(
+        lan: BridgeHosts, tmp_path: Path) -> None:
+    """The firewall comes up after every rank started, as above, but refuses (iptables
+    REJECT with a TCP reset) instead of dropping: gloo tries each pair 4 times in about a
+    second and init_process_group raises `Connection refused`. The root cause is then
+    named as the network: which host could not connect to which, where, and the fix."""
+    go = tmp_path / "go"
+    inv = inventory(lan, tmp_path, "net-refused", job=WAIT_JOB, env={"GO_FILE": str(go)})
+    ready: list[str] = []
+
+    def firewall_once_ready(line: str) -> bool:
+        if "ready" in line:
+            ready.append(line)
+            if len(ready) == len(lan.hosts):
+                for h in lan.hosts:
+                    lan.firewall(h.index, "22,29400:29499", reject="tcp-reset")
+                go.write_text("go")
+        return True
+    try:
+        proc, err = up_until(lan, tmp_path, inv, "the root cause is the network:",
+                             then=firewall_once_ready, interrupt=False)
+    finally:
+        lan.open_all()
+    text = " ".join(err.split())
+    labels, lans = [h.address for h in lan.hosts], [h.lan for h in lan.hosts]
+    pairs = [(a, b, c) for a in labels for b, c in zip(labels, lans) if a != b]
+    assert any(f"the root cause is the network: rank {r} on {a} could not connect to {b} "
+               f"at {c}:" in text for a, b, c in pairs for r in range(3)), text
+    assert "(refused); likely cause: a firewall on" in text and "Traceback" not in \
+        text.split("the root cause is the network:")[1], text
+    assert "fix: allow TCP between the hosts of the job on every port" in text, text
+    assert proc.returncode == 1, text
+    no_job_left(lan, "net-refused")

@@ -158,22 +158,25 @@ class HangSuspected(Event):
 
 @dataclass(frozen=True)
 class NetWait:
-    """A connection of the job that got no answer: from `host` (its rank `rank`, None
-    for its torchrun) to `peer` (the host that holds `addr`; None when several do)."""
+    """A connection of the job that failed: from `host` (its rank `rank`, None for its
+    torchrun) to `peer` (the host that holds `addr`; None when several do). `cause`:
+    "no answer" (waiting, or timed out), "refused" or "unreachable"."""
 
     host: str
     rank: int | None
     peer: str | None
     addr: str
     port: int
-    tries: int                           # SYNs sent again without an answer
+    tries: int                           # SYNs sent again without an answer (or tries)
+    cause: str = "no answer"
 
 
 @dataclass(frozen=True)
 class NetworkStall(Event):
     """Said once while it lasts (watch/netwatch.py): hosts that have not joined torchrun's
     rendezvous (`late`), connections between the hosts that get no answer (`waits`), in
-    words (`text`); the job goes on."""
+    words (`text`); the job goes on. Also right after a RootCause whose rank failed to
+    connect to another host (refused, unreachable): then `waits` holds that one."""
 
     late: tuple[str, ...]
     waits: tuple[NetWait, ...]

@@ -28,7 +28,7 @@ from orchestrator.watch import events as ev
 from orchestrator.watch.clock import Clocks, HostClock
 from orchestrator.watch.follow import TAIL_KEEP, HostStream, LineSink, follow
 from orchestrator.watch.hang import HangReport, HangWatch, culprits, rank_stacks, reason
-from orchestrator.watch.netwatch import NetWatch
+from orchestrator.watch.netwatch import NetWatch, refused
 from orchestrator.watch.rootcause import Exit, Failure, Verdict, verdict
 from orchestrator.wire import timeouts
 
@@ -186,7 +186,7 @@ def watch(session: Session, state: JobState, emit: ev.Emit,
     if not mon.failed():
         record(ev.Succeeded(time.time(), cluster.world_size))
         return Outcome(EXIT_OK, None, frozenset(), frozenset(), exits)
-    cause = fail_fast(session, mon, finished)
+    cause = fail_fast(session, mon, finished, (state.master_addr, state.master_port))
     exits = tuple(sorted(record.exits.values(), key=lambda e: e.rank))
     silent = frozenset(i for i, h in enumerate(cluster.hosts) if h.label in cause.silent)
     return Outcome(EXIT_JOB_FAILED, cause, frozenset(mon.lost), silent, exits)
@@ -253,8 +253,10 @@ def stopped(session: Session, mon: Monitor, result: GroupResult[StopReport], why
                             if i not in result.ok), len(hosts), seconds)
 
 
-def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool]) -> ev.RootCause:
-    """Stop every other rank on every host at once, then name the earliest failure."""
+def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool],
+              master: tuple[str, int]) -> ev.RootCause:
+    """Stop every other rank on every host at once, then name the earliest failure (and
+    the network, where it failed to connect to another host: netwatch.refused)."""
     # before our own stop: a rank that ended after its host got a stop was stopped by
     # someone else (`orch stop`), and a restart must not undo that
     user_stop = not mon.lost and any(e.after_stop for e in mon.exits.values() if e.code)
@@ -267,6 +269,9 @@ def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool]) -> e
     found = verdict(list(mon.exits.values()), mon.host_clocks(), mon.stop_started, lost_at)
     cause = root_cause(session, mon, found, user_stop)
     mon.emit(cause)
+    network = refused(session, cause, master)
+    if network is not None:
+        mon.emit(network)
     mon.emit(stopped(session, mon, result, "failure", time.monotonic() - started))
     return cause
 

@@ -20,6 +20,7 @@ collective on an open path)."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -128,18 +129,10 @@ class NetWatch:
         """Every host's waiting connections, each peer named by the addresses the hosts
         hold (one held by several hosts, as docker0's, names none)."""
         s = self.session
-        hosts = tuple(h for h in s.cluster.hosts if h.index in s.links)
-        got = fan_out(hosts, lambda h: s.links[h.index].request(
-            "net_waits", timeouts.scaled(timeouts.NET_WAITS, len(hosts)),
-            job_dir=s.records[h.index].job_dir))
-        owners: dict[str, set[str]] = {}
-        for i, reply in got.ok.items():
-            for iface in reply["interfaces"]:
-                for addr in iface["addrs"]:
-                    owners.setdefault(addr, set()).add(s.cluster.hosts[i].label)
-        owners.setdefault(self.master[0], set()).add(s.cluster.hosts[0].label)
+        got = ask_waits(s)
+        owners = owners_of(s, got, self.master[0])
         out = []
-        for i, reply in sorted(got.ok.items()):
+        for i, reply in sorted(got.items()):
             for w in reply["waits"]:
                 peers = owners.get(w["addr"])
                 if not peers or network.is_loopback(w["addr"]):
@@ -148,6 +141,27 @@ class NetWatch:
                 out.append(ev.NetWait(s.cluster.hosts[i].label, w["rank"], peer, w["addr"],
                                       w["port"], w["tries"]))
         return tuple(out)
+
+
+def ask_waits(s: Session) -> dict[int, dict[str, Any]]:
+    """Every reachable host's `net_waits` reply (a host that does not answer is left out)."""
+    hosts = tuple(h for h in s.cluster.hosts if h.index in s.links)
+    got = fan_out(hosts, lambda h: s.links[h.index].request(
+        "net_waits", timeouts.scaled(timeouts.NET_WAITS, len(hosts)),
+        job_dir=s.records[h.index].job_dir))
+    return dict(got.ok)
+
+
+def owners_of(s: Session, replies: dict[int, dict[str, Any]], master: str
+              ) -> dict[str, set[str]]:
+    """Address -> the labels of the hosts that hold it, from `net_waits` replies."""
+    owners: dict[str, set[str]] = {}
+    for i, reply in replies.items():
+        for iface in reply["interfaces"]:
+            for addr in iface["addrs"]:
+                owners.setdefault(addr, set()).add(s.cluster.hosts[i].label)
+    owners.setdefault(master, set()).add(s.cluster.hosts[0].label)
+    return owners
 
 
 def waits_text(waits: tuple[ev.NetWait, ...], master: tuple[str, int]) -> str:
@@ -175,3 +189,81 @@ def pair_text(w: ev.NetWait, master: tuple[str, int]) -> str:
     peer = w.peer or "an address several hosts hold"
     return (f"{who} on {w.host} -> {peer} at {w.addr}:{w.port}{where}, "
             f"{w.tries + 1} tries unanswered")
+
+
+# ------------------------------------------------ a connection that failed at once
+
+# A firewall that refuses (iptables REJECT) rather than drops leaves no waiting socket:
+# gloo tries a pair 4 times in about a second, then init_process_group raises. The
+# root cause's last lines then say so, in gloo's, NCCL's or the c10d store's words.
+WHY = r"(?P<why>Connection refused|No route to host|Network is unreachable|Connection timed out)"
+ADDR = r"\[?(?P<addr>[0-9A-Za-z.:_-]{1,253}?)\]?"
+CONNECT_ERRORS = (
+    re.compile(WHY + r"[^\n]{0,200}?remote=" + ADDR + r":(?P<port>\d{1,5})"),          # gloo
+    re.compile(r"Connect to " + ADDR + r"<(?P<port>\d{1,5})> failed\s*:\s*" + WHY),    # NCCL
+    re.compile(r"failed to connect to " + ADDR + r":(?P<port>\d{1,5}) \(errno: \d+ - " + WHY),
+)
+CAUSE = {"Connection refused": "refused", "No route to host": "unreachable",
+         "Network is unreachable": "unreachable", "Connection timed out": "no answer"}
+
+
+def connect_error(lines: tuple[str, ...]) -> tuple[str, int, str] | None:
+    """The last failed connection the lines name: (address, port, cause)."""
+    for line in reversed(lines):
+        for pattern in CONNECT_ERRORS:
+            m = pattern.search(line[-2000:])
+            if m and 0 < int(m["port"]) < 65536:
+                return m["addr"], int(m["port"]), CAUSE[m["why"]]
+    return None
+
+
+def refused(s: Session, cause: ev.RootCause, master: tuple[str, int]
+            ) -> ev.NetworkStall | None:
+    """After a failure of a job of several hosts: when the root cause's rank could not
+    connect to another host, the network named as the cause (host pair, address, port,
+    fix); the hosts are asked once for their addresses to name the peer. None else."""
+    f = cause.rank
+    if f is None or len(s.cluster.hosts) < 2:
+        return None
+    found = connect_error(f.last_lines + tuple(f.error_file.splitlines()))
+    if found is None:
+        return None
+    addr, port, why = found
+    try:
+        owners = owners_of(s, ask_waits(s), master[0])
+    except Exception:   # advice: the root cause is said without the peer's name
+        owners = {}
+    for h in s.cluster.hosts:
+        owners.setdefault(h.address, set()).add(h.label)
+    peers = owners.get(addr, set())
+    peer = next(iter(peers)) if len(peers) == 1 else None
+    w = ev.NetWait(f.host, f.rank, peer, addr, port, 0, why)
+    return ev.NetworkStall(time.time(), (), (w,), refused_text(w, master))
+
+
+def refused_text(w: ev.NetWait, master: tuple[str, int]) -> str:
+    """The cause in a line: who could not connect to whom, where, why, and the fix."""
+    peer = w.peer or ("a loopback address" if network.is_loopback(w.addr) else
+                      "another host")
+    where = " (the rendezvous)" if (w.addr, w.port) == master else ""
+    head = (f"the root cause is the network: rank {w.rank} on {w.host} could not connect "
+            f"to {peer} at {w.addr}:{w.port}{where} ({w.cause}); ")
+    every = ("allow TCP between the hosts of the job on every port (gloo and NCCL "
+             "connect each pair of ranks on a port the OS picks, not only the master port)")
+    if network.is_loopback(w.addr):
+        return head + ("likely cause: a rank told the others a loopback address (its "
+                       "hostname resolves to one; gloo binds what the hostname resolves "
+                       "to); fix: set `network.interface` in cluster.yaml (or "
+                       "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME in job.env) to the "
+                       "interface that reaches the other hosts")
+    if where:
+        return head + (f"likely cause: a firewall on host 0 {FIREWALL[w.cause]} the master "
+                       f"port; fix: allow TCP port {w.port} from the other hosts to host 0")
+    if w.cause == "unreachable":
+        return head + (f"likely cause: no route from {w.host} to {w.addr}, or a firewall "
+                       f"that answers `unreachable`; fix: {every}, and set "
+                       "`network.interface` to one that reaches the other hosts")
+    return head + f"likely cause: a firewall on {peer} {FIREWALL[w.cause]} that port; fix: {every}"
+
+
+FIREWALL = {"refused": "refuses (REJECT)", "no answer": "drops", "unreachable": "refuses"}

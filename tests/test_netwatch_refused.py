@@ -1,0 +1,112 @@
+"""A connection between the hosts that fails at once (a firewall that refuses, no
+route): gloo gives up on a pair in about a second and init_process_group raises, so the
+root cause's last lines name it; watch/netwatch.refused names the network as the cause.
+Controller side on fake replies; the e2e is in test_e2e_network.py."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from orchestrator.config.inventory import parse
+from orchestrator.watch import events as ev
+from orchestrator.watch.netwatch import connect_error, refused
+
+GLOO = ("RuntimeError: Gloo connectFullMesh failed with [/pytorch/third_party/gloo/gloo/"
+        "transport/tcp/pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "
+        "remote=[10.1.0.7]:62345$2")
+NCCL = "h1:77:90 [0] misc/socket.c:484 NCCL WARN socketStartConnect: Connect to " \
+       "10.1.0.7<43215> failed : No route to host"
+STORE = ("torch.distributed.DistNetworkError: The client socket has failed to connect to "
+         "[h0]:29500 (errno: 111 - Connection refused).")
+LANS = ["10.1.0.5", "10.1.0.6", "10.1.0.7"]
+MASTER = ("10.1.0.5", 29500)
+
+
+def session(tmp_path: Path, hosts: int = 3, broken: int | None = None) -> Any:
+    names = "".join(f"  - 10.0.0.{8 + i}\n" for i in range(hosts))
+    c = parse(f"name: n\nhosts:\n{names}job: {{entrypoint: job.py}}\n",
+              tmp_path / "cluster.yaml")
+    asked: list[int] = []
+
+    class Link:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def request(self, command: str, timeout: float, **fields: Any) -> dict[str, Any]:
+            assert command == "net_waits" and fields == {"job_dir": "/j"}
+            asked.append(self.i)
+            if self.i == broken:
+                raise OSError("connection lost")
+            return {"waits": [], "interfaces": [
+                {"name": "eth0", "addrs": [LANS[self.i]], "up": True},
+                {"name": "docker0", "addrs": ["172.17.0.1"], "up": True}]}
+    return SimpleNamespace(cluster=c, links={i: Link(i) for i in range(hosts)}, asked=asked,
+                           records={i: SimpleNamespace(job_dir="/j") for i in range(hosts)})
+
+
+def cause(*lines: str, rank: int = 2, host: str = "10.0.0.10") -> ev.RootCause:
+    return ev.RootCause(0.0, "rank", (ev.RankFailure(rank, host, 0, 1, last_lines=lines),))
+
+
+def test_the_failed_connection_is_read_in_gloo_nccl_and_store_words() -> None:
+    assert connect_error((GLOO,)) == ("10.1.0.7", 62345, "refused")
+    assert connect_error((NCCL,)) == ("10.1.0.7", 43215, "unreachable")
+    assert connect_error((STORE,)) == ("h0", 29500, "refused")
+    # the last such line counts; a line with no connection, or a port past 65535, none
+    assert connect_error((NCCL, "noise", GLOO, "more noise")) == ("10.1.0.7", 62345, "refused")
+    assert connect_error(("RuntimeError: CUDA out of memory", "Connection refused")) is None
+    assert connect_error(("SO_ERROR: Connection refused, remote=[10.1.0.7]:99999",)) is None
+
+
+def test_a_refused_pair_is_named_as_the_root_cause_with_the_fix(tmp_path: Path) -> None:
+    """Rank 2 on host 10.0.0.10 is refused by 10.1.0.5 (host 0's eth0, the address the
+    hosts use between themselves) on a port the OS picked for gloo's pair."""
+    s = session(tmp_path)
+    line = GLOO.replace("10.1.0.7", "10.1.0.5")
+    e = refused(s, cause("Traceback (most recent call last):", line), MASTER)
+    assert isinstance(e, ev.NetworkStall) and e.late == ()
+    assert e.waits == (ev.NetWait("10.0.0.10", 2, "10.0.0.8", "10.1.0.5", 62345, 0,
+                                  "refused"),)
+    assert e.text == (
+        "the root cause is the network: rank 2 on 10.0.0.10 could not connect to 10.0.0.8 "
+        "at 10.1.0.5:62345 (refused); likely cause: a firewall on 10.0.0.8 refuses (REJECT) "
+        "that port; fix: allow TCP between the hosts of the job on every port (gloo and "
+        "NCCL connect each pair of ranks on a port the OS picks, not only the master port)")
+    assert sorted(s.asked) == [0, 1, 2]   # one question per host, only now
+
+
+def test_the_master_port_a_loopback_and_no_route_each_get_their_fix(tmp_path: Path) -> None:
+    s = session(tmp_path)
+    store = refused(s, cause(STORE.replace("[h0]", "[10.1.0.5]"), rank=1, host="10.0.0.9"),
+                    MASTER)
+    assert store is not None and "could not connect to 10.0.0.8 at 10.1.0.5:29500 (the " \
+        "rendezvous) (refused)" in store.text, store
+    assert store.text.endswith("fix: allow TCP port 29500 from the other hosts to host 0")
+    trap = refused(s, cause(GLOO.replace("10.1.0.7", "127.0.1.1")), MASTER)
+    assert trap is not None and "could not connect to a loopback address at " \
+        "127.0.1.1:62345 (refused); likely cause: a rank told the others a loopback " \
+        "address" in trap.text, trap
+    assert "set `network.interface` in cluster.yaml" in trap.text
+    route = refused(s, cause(NCCL), MASTER)
+    assert route is not None and "to 10.0.0.10 at 10.1.0.7:43215 (unreachable); likely " \
+        "cause: no route from 10.0.0.10 to 10.1.0.7" in route.text, route
+
+
+def test_an_address_several_hosts_hold_or_none_answers_names_no_peer(tmp_path: Path) -> None:
+    """docker0's 172.17.0.1 is every host's: no peer is guessed. A host that does not
+    answer is left out; the address is still named, with the cause and fix."""
+    s = session(tmp_path, broken=2)
+    e = refused(s, cause(GLOO.replace("10.1.0.7", "172.17.0.1")), MASTER)
+    assert e is not None and e.waits[0].peer is None
+    assert "could not connect to another host at 172.17.0.1:62345 (refused)" in e.text, e
+    lost = refused(s, cause(GLOO), MASTER)   # host 2's 10.1.0.7: host 2 did not answer
+    assert lost is not None and "could not connect to another host at 10.1.0.7" in lost.text
+
+
+def test_nothing_is_said_without_a_connection_error_or_on_one_host(tmp_path: Path) -> None:
+    s = session(tmp_path)
+    assert refused(s, cause("RuntimeError: CUDA out of memory"), MASTER) is None
+    assert refused(s, ev.RootCause(0.0, "silent", silent=("10.0.0.9",)), MASTER) is None
+    assert refused(session(tmp_path, hosts=1), cause(GLOO), MASTER) is None
+    assert s.asked == []   # the hosts are asked only when a connection failed
