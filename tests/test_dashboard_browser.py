@@ -9,6 +9,7 @@ and the stop button's stop is verified on the hosts."""
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import shutil
 import tempfile
@@ -22,7 +23,7 @@ import pytest
 from orchestrator import api
 from orchestrator.dashboard import page
 from test_controller_fake import inventory
-from test_dashboard_units import SCRIPT, Running
+from test_dashboard_units import ARRAY, SCRIPT, Running, array_results
 
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 pytestmark = [
@@ -37,6 +38,11 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 METRICS = "epoch,time_s,train_loss,train_acc,val_loss,val_acc,images_per_s,lr,grad_bytes\n" + "".join(
     f"{e},{e * 10},{2.0 / (e + 1):.3f},{0.5 + e / 20:.3f},{2.1 / (e + 1):.3f},{0.5 + e / 25:.3f},900,0.1,1000\n"
     for e in range(5))
+TRAP = "hostname resolves to 127.0.1.1 (loopback)"
+PLAN = {"master_addr": "127.0.0.1", "how": "the inventory's address", "probe": "p", "hosts": [
+    *({"host": f"127.0.0.{i}", "interface": "lo", "how": "auto", "address": f"127.0.0.{i}", "found": [TRAP],
+       "set": {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}} for i in (1, 2)),
+    {"host": SCRIPT.decode(), "interface": None, "how": "one machine", "address": "", "found": [], "set": {}}]}
 
 
 @pytest.fixture
@@ -96,6 +102,7 @@ def test_the_page_in_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, b
     api.up(path)
     (tmp_path / "outputs" / "fk").mkdir(parents=True)
     (tmp_path / "outputs" / "fk" / "metrics.csv").write_text(METRICS)
+    (tmp_path / ".orch" / "fk" / "network.json").write_text(json.dumps(PLAN))
     opened = page.open_for_job(path)
     try:
         bare = opened.url.split("?")[0]
@@ -113,6 +120,15 @@ def test_the_page_in_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, b
         # a curve: the chart of train_loss from rank 0's metrics.csv, drawn by uPlot
         until(browser, lambda d: "train_loss" in [h.text for h in d.find_elements(By.CSS_SELECTOR, "#curve-charts h3")])
         assert browser.find_elements(By.CSS_SELECTOR, "#curve-charts .uplot canvas")
+
+        # the network plan: the master, then a row per group of identical hosts, as text
+        assert browser.find_element(By.ID, "network-master").text == "127.0.0.1"
+        rows = [[td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+                for tr in browser.find_elements(By.CSS_SELECTOR, "#network-rows tr")]
+        assert rows == [["127.0.0.[1-2]", "lo", "127.0.0.[1-2]", "auto", TRAP,
+                         "GLOO_SOCKET_IFNAME=lo\nNCCL_SOCKET_IFNAME=lo"],
+                        [SCRIPT.decode(), "left to torch", "", "one machine", "", "nothing"]]
+        assert not browser.find_elements(By.CSS_SELECTOR, "#network-rows script")
 
         # rank 2's log: the <script> it printed, as text; nothing ran
         Select(browser.find_element(By.ID, "log-rank")).select_by_value("2")
@@ -157,6 +173,44 @@ def test_the_page_in_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, b
     until(browser, lambda d: SCRIPT.decode() in d.find_element(By.ID, "log-view").text)
     assert browser.execute_script("return document.querySelectorAll('main script').length") == 0
     assert not [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
+
+
+def test_a_job_arrays_curves_per_task_in_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  browser: Any) -> None:
+    """A job array: its tasks and groups over folds; every task's curve on one chart, one
+    task's alone when it is picked (in the list, or by clicking its row)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+    array_results(tmp_path, monkeypatch)
+    for t in (1, 3):
+        (tmp_path / "outputs" / "arr" / f"task-{t}").mkdir(parents=True)
+        (tmp_path / "outputs" / "arr" / f"task-{t}" / "metrics.csv").write_text(METRICS)
+    opened = page.open_for_job(inventory(tmp_path, ARRAY))
+    try:
+        browser.get(opened.url)
+        until(browser, lambda d: series(d, "curve:train_loss") == 2)
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#task-rows tr")) == 4
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#group-rows tr")) == 2
+        choice = Select(browser.find_element(By.ID, "curve-task"))
+        assert [o.text for o in choice.options] == ["every task", "task 1 (--model m0 --fold 1)",
+                                                    "task 3 (--model m1 --fold 1)"]
+        choice.select_by_value("3")
+        until(browser, lambda d: series(d, "curve:train_loss") == 1)
+        assert "task 3" in browser.find_element(By.CSS_SELECTOR, '[data-chart="curve:train_loss"]').text
+        browser.find_elements(By.CSS_SELECTOR, "#task-rows tr")[1].click()
+        until(browser, lambda d: Select(d.find_element(By.ID, "curve-task")).first_selected_option.text.startswith("task 1"))
+        assert "task 1" in browser.find_element(By.CSS_SELECTOR, '[data-chart="curve:train_loss"]').text
+        choice.select_by_value("")
+        until(browser, lambda d: series(d, "curve:train_loss") == 2)
+    finally:
+        opened.close()
+
+
+def series(driver: Any, key: str) -> int:
+    got = driver.execute_script(
+        "var c = document.querySelector('[data-chart=\"' + arguments[0] + '\"]'); "
+        "return c ? parseInt(c.dataset.series, 10) : 0", key)
+    return int(got or 0)
 
 
 # ---------------------------------------------------------------- over real SSH

@@ -377,9 +377,9 @@ job:
 """
 
 
-def test_a_job_arrays_tasks_and_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`orch dashboard` of an array: `orch results`'s rows (tasks, groups over folds), asked
-    before anything is served and again while the page is open."""
+def array_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """`orch results` of ARRAY's four tasks (two models, two folds), every one exited 0;
+    the inventories it was asked for (every 0.05 s)."""
     from orchestrator.api.outcomes import MetricStats, ResultGroup, Results, TaskResult
     asked: list[object] = []
 
@@ -392,6 +392,13 @@ def test_a_job_arrays_tasks_and_groups(tmp_path: Path, monkeypatch: pytest.Monke
         return Results("arr", tasks, groups, tmp_path / "results.csv")
     monkeypatch.setattr(api, "results", results, raising=False)
     monkeypatch.setattr("orchestrator.dashboard.feeds.TASKS_EVERY", 0.05)
+    return asked
+
+
+def test_a_job_arrays_tasks_and_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`orch dashboard` of an array: `orch results`'s rows (tasks, groups over folds), asked
+    before anything is served and again while the page is open."""
+    asked = array_results(tmp_path, monkeypatch)
     path = inventory(tmp_path, ARRAY)
     opened = page.open_for_job(path)
     try:
@@ -400,6 +407,12 @@ def test_a_job_arrays_tasks_and_groups(tmp_path: Path, monkeypatch: pytest.Monke
         assert [t["task"] for t in tasks["tasks"]] == [0, 1, 2, 3] and tasks["tasks"][3]["state"] == "exited 0"
         assert [g["tasks"] for g in tasks["groups"]] == [[0, 1], [2, 3]]
         wait_for(lambda: len(asked) >= 3)
+        # each task's curves carry the task (its folder task-<i>/), for the page to group
+        for t in (1, 3):
+            (tmp_path / "outputs" / "arr" / f"task-{t}").mkdir(parents=True)
+            (tmp_path / "outputs" / "arr" / f"task-{t}" / "metrics.csv").write_text("epoch,loss\n0,1\n1,0.5\n")
+        got = wait_for(lambda: len(c := opened.board.snapshot()["curves"]) == 2 and c)
+        assert sorted((c["task"], c["source"]) for c in got) == [(1, "task-1/metrics.csv"), (3, "task-3/metrics.csv")]
     finally:
         opened.close()
 

@@ -17,6 +17,7 @@ from typing import Any
 from orchestrator.api.outcomes import Finished, GpuStatus
 from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster
+from orchestrator.watch import curves
 from orchestrator.watch import events as ev
 
 MAX_LOG_LINES = 5000        # per rank, the newest kept (the full log: `orch logs`)
@@ -307,7 +308,8 @@ def curve(s: Any) -> dict[str, Any]:
     if len(points) > MAX_CURVE_POINTS:
         step = len(points) / MAX_CURVE_POINTS
         points = [points[int(i * step)] for i in range(MAX_CURVE_POINTS)] + [points[-1]]
-    return {"host": s.host, "rank": s.rank, "source": cut(str(s.source), 300),
+    return {"host": s.host, "rank": s.rank, "task": curves.task_of(str(s.source)),
+            "source": cut(str(s.source), 300),
             "name": cut(str(s.name), 200),
             "points": [[p.step, p.epoch, p.value, p.time] for p in points]}
 

@@ -79,9 +79,33 @@
       $("cause-lines").textContent = cause.lines.join("\n");
     }
     $("notes").textContent = state.notes.join("; ");
-    var net = $("network");
-    net.hidden = !state.network;
-    $("network-text").textContent = state.network;
+    renderNetwork();
+  }
+
+  // the network plan: one row per group of identical hosts, as `orch up` prints it
+  var drawnPlan = null;
+  function lines(cell, list) {
+    list.forEach(function (t, i) { if (i) cell.appendChild(el("br")); cell.appendChild(document.createTextNode(t)); });
+    return cell;
+  }
+  function renderNetwork() {
+    var plan = state.network, shown = JSON.stringify(plan);
+    if (shown === drawnPlan) return;
+    drawnPlan = shown;
+    $("network").hidden = !plan;
+    if (!plan) return;
+    $("network-master").textContent = plan.master_addr;
+    $("network-how").textContent = "(" + plan.how + ")";
+    $("network-probe").textContent = plan.probe ? "probe: " + plan.probe : "";
+    var body = $("network-rows");
+    clear(body);
+    plan.rows.forEach(function (r) {
+      var tr = el("tr");
+      [r.hosts, r.interface, r.addresses, r.how].forEach(function (v) { tr.appendChild(el("td", v)); });
+      tr.appendChild(lines(el("td", null, "found"), r.found));
+      tr.appendChild(lines(el("td"), r.set.length ? r.set : ["nothing"]));
+      body.appendChild(tr);
+    });
   }
 
   // ---------------------------------------------------------------- logs
@@ -134,13 +158,54 @@
     delete conf.xLabel;
     var plot = new uPlot(conf, data, box);
     box.dataset.points = points;     // what the chart holds (a test reads it)
+    box.dataset.series = labels.length;
     charts[key] = {plot: plot, shape: shape, box: box};
   }
+  // a job array: every task's curves, or one task's (its row in Tasks picks it too)
+  var curveTask = "";
+  function hasTask(s) { return s.task !== null && s.task !== undefined; }
+  function taskArgs(t) {
+    var rows = (state.tasks && state.tasks.tasks) || [];
+    for (var i = 0; i < rows.length; i++) if (rows[i].task === t) return rows[i].args;
+    return "";
+  }
+  function renderTaskChoice() {
+    var seen = {};
+    state.curves.forEach(function (s) { if (hasTask(s)) seen[s.task] = true; });
+    var tasks = Object.keys(seen).map(Number).sort(function (a, b) { return a - b; });
+    var sel = $("curve-task"), want = tasks.join(",");
+    $("curve-task-row").hidden = tasks.length === 0;
+    if (sel.dataset.options === want) return;
+    sel.dataset.options = want;
+    clear(sel);
+    sel.appendChild(el("option", "every task")).value = "";
+    tasks.forEach(function (t) {
+      var args = taskArgs(t);
+      sel.appendChild(el("option", "task " + t + (args ? " (" + args + ")" : ""))).value = String(t);
+    });
+    if (curveTask !== "" && !seen[curveTask]) curveTask = "";
+    sel.value = curveTask;
+  }
+  function chooseTask(t) {
+    curveTask = String(t);
+    $("curve-task").value = curveTask;
+    renderCurves();
+    $("curves").scrollIntoView();
+  }
   function renderCurves() {
+    renderTaskChoice();
     var byName = {};
-    state.curves.forEach(function (s) { (byName[s.name] = byName[s.name] || []).push(s); });
+    state.curves.forEach(function (s) {
+      if (curveTask !== "" && String(s.task) !== curveTask) return;
+      (byName[s.name] = byName[s.name] || []).push(s);
+    });
     var names = Object.keys(byName).sort();
     $("curves-none").hidden = names.length > 0;
+    Object.keys(charts).forEach(function (key) {     // a metric no file (or task) has now
+      if (key.indexOf("curve:") === 0 && !byName[key.slice(6)]) {
+        charts[key].plot.destroy(); charts[key].box.remove(); delete charts[key];
+      }
+    });
     names.forEach(function (name) {
       var list = byName[name];
       var tables = list.map(function (s) {
@@ -149,7 +214,9 @@
         return [xs, ys];
       });
       var data = tables.length === 1 ? tables[0] : uPlot.join(tables);
-      var labels = list.map(function (s) { return s.host + (s.rank === null ? "" : " r" + s.rank) + " " + s.source; });
+      var labels = list.map(function (s) {
+        return (hasTask(s) ? "task " + s.task + " " : "") + s.host + (s.rank === null ? "" : " r" + s.rank) + " " + s.source;
+      });
       chart("curve:" + name, name, $("curve-charts"), labels, data, {scales: {x: {time: false}}, xLabel: "step or epoch"});
     });
   }
@@ -230,6 +297,12 @@
     if (t.error) { $("notes").textContent = t.error; return; }
     if (!t.tasks) return;
     table($("task-head"), $("task-rows"), t.tasks, ["task", "args", "state", "metrics"]);
+    Array.prototype.forEach.call($("task-rows").children, function (tr, i) {
+      var task = t.tasks[i].task;
+      tr.className = "pick";
+      tr.title = "show task " + task + "'s curves";
+      tr.addEventListener("click", function () { chooseTask(task); });
+    });
     table($("group-head"), $("group-rows"), t.groups || [], ["params", "tasks", "ok", "metrics"]);
   }
 
@@ -272,6 +345,7 @@
   $("stop").addEventListener("click", stop);
   $("log-rank").addEventListener("change", function () { showLog(); if (!saved) pollLog(); });
   $("log-search").addEventListener("input", showLog);
+  $("curve-task").addEventListener("change", function () { curveTask = $("curve-task").value; renderCurves(); });
   if (saved) {
     state = saved.state;
     Object.keys(saved.logs).forEach(function (r) { logs[r] = {lines: saved.logs[r], after: 0}; });
