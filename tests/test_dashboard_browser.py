@@ -198,7 +198,8 @@ def test_a_job_arrays_curves_per_task_in_chromium(tmp_path: Path, monkeypatch: p
         until(browser, lambda d: series(d, "curve:train_loss") == 1)
         assert "task 3" in browser.find_element(By.CSS_SELECTOR, '[data-chart="curve:train_loss"]').text
         browser.find_elements(By.CSS_SELECTOR, "#task-rows tr")[1].click()
-        until(browser, lambda d: Select(d.find_element(By.ID, "curve-task")).first_selected_option.text.startswith("task 1"))
+        picked = lambda d: Select(d.find_element(By.ID, "curve-task")).first_selected_option.text  # noqa: E731
+        until(browser, lambda d: picked(d).startswith("task 1"))
         assert "task 1" in browser.find_element(By.CSS_SELECTOR, '[data-chart="curve:train_loss"]').text
         choice.select_by_value("")
         until(browser, lambda d: series(d, "curve:train_loss") == 2)
