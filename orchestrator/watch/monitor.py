@@ -144,11 +144,13 @@ class Recorder:
 
 
 def watch(session: Session, state: JobState, emit: ev.Emit,
-          on_monitor: Callable[[Monitor], None] | None = None, decide: bool = True) -> Outcome:
+          on_monitor: Callable[[Monitor], None] | None = None, decide: bool = True,
+          tail: int = -1) -> Outcome:
     """Follow the job to its end over the session's agents, deciding as it goes.
     KeyboardInterrupt: the job is stopped on every host, then it is raised again.
     `decide` False: only watch (`api.follow`): nothing is stopped, no hang is looked for;
-    a failure's root cause is named when the job has ended."""
+    a failure's root cause is named when the job has ended. `tail`: each rank's last
+    lines only (-1: from its log's start)."""
     cluster = session.cluster
     record = Recorder(emit)
     mon = Monitor(cluster, state, record)
@@ -165,7 +167,7 @@ def watch(session: Session, state: JobState, emit: ev.Emit,
     net = NetWatch(session, mon.started, mon.failed, record,
                    (state.master_addr, state.master_port)) if decide else None
     try:
-        finished = follow(streams, mon, heartbeats=mon.hang is not None)
+        finished = follow(streams, mon, tail, heartbeats=mon.hang is not None)
         if net is not None:
             net.start()
         if not decide:
