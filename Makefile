@@ -48,10 +48,12 @@ system-deps:
 # fake hosts, ports and temp folders of its own (tests/sshd_cluster.py); a module with a
 # fixture of its own (its own sshd cluster, namespaces) is one xdist_group that one worker
 # runs, the costly tests first (tests/conftest.py). TEST_WORKERS=0 runs it serially;
-# TEST_ARGS adds pytest options. Times: docs/development.md.
+# TEST_ARGS adds pytest options. Times: docs/development.md; the 40 slowest tests are
+# listed at the end of each run (where the next cut of the suite's time is).
 TEST_WORKERS ?= 3
 test: install system-deps
-	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(TEST_ARGS)
+	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+	  --durations=40 $(TEST_ARGS)
 
 # The unit tests only: no sshd, no training, a quarter of the fuzz documents; in 4
 # pytest-xdist workers even on 2 cores: their time is mostly each worker's start (torch's

@@ -208,6 +208,31 @@ def drop_first(count: int, upstream: tuple[str, int]
     return behaviour
 
 
+def close_in_kex_first(count: int, upstream: tuple[str, int]
+                       ) -> Callable[[socket.socket, threading.Event], None]:
+    """A loaded sshd as a client saw it: the first `count` connections get the SSH banner,
+    then are closed once the client's key exchange arrives; later ones are relayed."""
+    seen = [0]
+    lock = threading.Lock()
+    relay = reset_proxy(upstream, after_bytes=1 << 40)
+
+    def behaviour(conn: socket.socket, stop: threading.Event) -> None:
+        with lock:
+            seen[0] += 1
+            drop = seen[0] <= count
+        if not drop:
+            relay(conn, stop)
+            return
+        conn.sendall(BANNER)
+        got = b""
+        for chunk in _chunks(conn, stop):   # the client's banner, then its KEXINIT
+            got += chunk
+            if b"\n" in got and len(got.split(b"\n", 1)[1]) > 0:
+                break
+        conn.close()
+    return behaviour
+
+
 def free_refused_port(address: str) -> int:
     """A port on address where nothing listens (bound once by us, then released)."""
     with socket.socket() as s:

@@ -215,6 +215,24 @@ def test_connections_dropped_before_the_banner_are_tried_again(
     assert elapsed < BOUND_S, elapsed
 
 
+@pytest.mark.ssh
+def test_connections_closed_during_the_key_exchange_are_tried_again(
+        sshd_cluster: SshdCluster, servers, tmp_path: Path) -> None:
+    """A loaded sshd closed a connection after its banner, during the key exchange: no
+    login happened, so orch connects again (as for a drop before the banner) and the
+    command works."""
+    host = sshd_cluster.hosts[2]
+    proxy = servers(fs.close_in_kex_first(2, (host.address, host.port)))
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[{proxy.address}]:{proxy.port} {host.host_key_pub}\n")
+    inv = write_inventory(tmp_path / "cluster.yaml", proxy.address, proxy.port,
+                          sshd_cluster.client_key, known, connect_timeout=10)
+    result, elapsed = run(tmp_path, "stop", "-c", str(inv))
+    assert result.returncode == 0, result.stderr
+    assert proxy.accepted == 3, proxy.accepted
+    assert elapsed < BOUND_S, elapsed
+
+
 def test_orch_debug_shows_paramiko(servers, client_key: Path, tmp_path: Path) -> None:
     """ORCH_DEBUG=1 is the way to see paramiko's own log (it is silent otherwise)."""
     server = servers(fs.banner_then_stall)

@@ -422,15 +422,17 @@ def connect_ssh(host: Host, target: Target, bastions: Bastions) -> SSHTransport:
 
 # sshd's MaxStartups (10:30:100 by default) drops connections past 10 that have not
 # logged in yet: many hosts behind one sshd (containers, a login node's ports), or
-# a shared bastion's sshd, see some connections closed before the banner. Those are
-# tried again, spread out, within the connect timeout; anything else fails at once.
+# a shared bastion's sshd, see some connections closed before the banner (or, on a
+# loaded sshd, during the key exchange). Those are tried again, spread out, within the
+# connect timeout; anything else fails at once.
 WAVE_RETRIES = 3
 WAVE_BACKOFF = 0.25   # seconds, doubled at each try, times a random factor in [0.5, 1.5)
 
 
 def in_waves(target: Target) -> _Client:
     """open_client, again (after a random back-off) while the connection is closed or
-    reset before the SSH banner and time is left in the connect timeout."""
+    reset before a login (faults.dropped_before_banner) and time is left in the connect
+    timeout."""
     deadline = time.monotonic() + target.timeout
     for attempt in range(WAVE_RETRIES + 1):
         try:

@@ -57,9 +57,12 @@ def _is(exc: BaseException, *types: type) -> bool:
 
 def dropped_before_banner(exc: ConnectFailed) -> bool:
     """Closed or reset before the SSH banner, which sshd's MaxStartups does to one
-    connection too many (the same failure as `_banner_failure`'s first case)."""
+    connection too many (the same failure as `_banner_failure`'s first case), or
+    during the key exchange, before any login: a host's sshd under a load of hundreds of
+    connections at once was seen to close one there (300 hosts on one machine). Nothing
+    has run on the host either way, so one more try is safe."""
     cause = exc.cause   # a reset may come before paramiko's transport exists ("tcp")
-    return exc.step in ("tcp", "banner") and (
+    return exc.step in ("tcp", "banner", "kex") and (
         _is(cause, ConnectionResetError, EOFError) or "reset" in str(cause).lower())
 
 
