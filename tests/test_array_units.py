@@ -136,10 +136,11 @@ def test_metrics_last_row_and_groups_over_folds() -> None:
 def test_status_rows_states_and_lost_hosts(tmp_path: Path) -> None:
     c = load(tmp_path, "  array:\n    matrix: {fold: [0, 1, 2]}\n")
     rec = plan.ArrayRecord("r", ["fold"], [["--fold", str(i)] for i in range(3)], [0, 1, 0], 1)
-    reply = {"time": 0.0, "tasks": [
+    tasks = [
         {"task": 0, "state": "exited", "code": -15, "started": 1.0, "ended": 3.5, "slot": 1, "last_line": "x"},
-        {"task": 2, "state": "queued", "last_line": ""}]}
-    rows = results.status_rows(c, rec, GroupResult(ok={0: reply}, failed={1: OSError("gone")}))
+        {"task": 2, "state": "queued", "last_line": ""}]
+    status = plan.ArrayStatus(0.0, tuple(plan.TaskReply.of(t) for t in tasks))
+    rows = results.status_rows(c, rec, GroupResult(ok={0: status}, failed={1: OSError("gone")}))
     assert [r.state for r in rows] == ["failed (killed by SIGTERM)", "unreachable", "queued"]
     assert rows[0].runtime_s == 2.5 and rows[0].slot == 1 and rows[0].args == "--fold 0"
     assert rows[0].exit_code == -15 and rows[1].host == c.hosts[1].label

@@ -183,7 +183,7 @@ def array_status(inventory: jobs.Inventory) -> ArrayStatus:
     rec = plan.load(cluster)
     session = jobs.open_session(cluster, jobs.require_state(cluster))
     try:
-        result = plan.host_request(session, "array_status", rec)
+        result = plan.host_status(session, rec)
         tasks = array_results.status_rows(cluster, rec, result)
     finally:
         session.close()
@@ -227,8 +227,8 @@ def task_curve(cluster: Cluster, task: int) -> dict[str, Any]:
 def results_of(session: Session, rec: plan.ArrayRecord) -> Results:
     """The results over an open session (`up` of an attached array ends with them)."""
     cluster = session.cluster
-    status = plan.host_request(session, "array_status", rec)
-    fetched = plan.host_request(session, "array_results", rec)
+    status = plan.host_status(session, rec)
+    fetched = plan.host_results(session, rec)
     rows = array_results.result_rows(rec, array_results.status_rows(cluster, rec, status), fetched)
     from orchestrator.watch import curvefetch
     curvefetch.once(session)   # each task's metrics files, for its curve

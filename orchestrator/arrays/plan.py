@@ -10,15 +10,16 @@ from __future__ import annotations
 import json
 import shlex
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypedDict, TypeVar
 
 from orchestrator.config.arrayspec import ArraySpec
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import UsageError
 from orchestrator.remote.fanout import GroupResult, fan_out
-from orchestrator.remote.link import Link
+from orchestrator.remote.link import Body, Link
 from orchestrator.session.launch import rank_env
 from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.replies import Supervisor
@@ -40,6 +41,67 @@ class ArrayRecord:
 
     def tasks_of(self, host: int) -> list[int]:
         return [i for i, h in enumerate(self.host) if h == host]
+
+
+class TaskSpec(TypedDict):
+    """One task of a host's `array_launch` spec: its index, command line and args."""
+
+    i: int
+    argv: list[str]
+    args: str
+
+
+class _HostSpec(TypedDict):
+    run_id: str
+    slots: int
+    env: dict[str, str]
+    tasks: list[TaskSpec]
+
+
+class HostSpec(_HostSpec, total=False):
+    """A host's `array_launch` spec (agent/array.py reads it); the GPUs only with
+    gpus_per_task."""
+
+    gpus: list[int]
+    gpus_per_task: int
+
+
+@dataclass(frozen=True)
+class TaskReply:
+    """One task in a host's `array_status` reply (protocol.py's TASK_STATUS); times on
+    the host's clock."""
+
+    task: int
+    state: str
+    last_line: str = ""
+    slot: int | None = None
+    started: float | None = None
+    code: int | None = None
+    ended: float | None = None
+
+    @classmethod
+    def of(cls, t: Mapping[str, Any]) -> TaskReply:
+        return cls(t["task"], t["state"], t["last_line"], t.get("slot"), t.get("started"),
+                   t.get("code"), t.get("ended"))
+
+
+@dataclass(frozen=True)
+class ArrayStatus:
+    """A host's `array_status` replies (its batches) together: its clock at the last
+    one, and each of its tasks."""
+
+    time: float
+    tasks: tuple[TaskReply, ...]
+
+
+@dataclass(frozen=True)
+class TaskMetrics:
+    """One task in an `array_results` reply (TASK_RESULT): its metrics.csv's header and
+    last row, None where it wrote none."""
+
+    task: int
+    header: str | None
+    last: str | None
 
 
 def slots(host: Host, spec: ArraySpec) -> int:
@@ -78,15 +140,16 @@ def task_argv(cluster: Cluster, python: str, job_dir: str, i: int, part: str = "
 
 
 def host_spec(cluster: Cluster, host: Host, python: str, job_dir: str, run_id: str,
-              tasks: list[int]) -> dict[str, Any]:
+              tasks: list[int]) -> HostSpec:
     spec = cluster.job.array
     assert spec is not None
-    env = rank_env(cluster, host, job_dir, run_id)
-    pinned = {"gpus": list(host.gpu_ids or ()), "gpus_per_task": spec.gpus_per_task} \
-        if spec.gpus_per_task else {}
-    return {"run_id": run_id, "slots": slots(host, spec), "env": env, **pinned,
-            "tasks": [{"i": i, "argv": task_argv(cluster, python, job_dir, i, host.part),
-                       "args": shlex.join(spec.tasks[i])} for i in tasks]}
+    env, n = rank_env(cluster, host, job_dir, run_id), slots(host, spec)
+    each = [TaskSpec(i=i, argv=task_argv(cluster, python, job_dir, i, host.part),
+                     args=shlex.join(spec.tasks[i])) for i in tasks]
+    if spec.gpus_per_task:
+        return HostSpec(run_id=run_id, slots=n, env=env, gpus=list(host.gpu_ids or ()),
+                        gpus_per_task=spec.gpus_per_task, tasks=each)
+    return HostSpec(run_id=run_id, slots=n, env=env, tasks=each)
 
 
 def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport
@@ -157,20 +220,36 @@ def start(session: Session, pre: PreflightReport) -> tuple[ArrayRecord, dict[int
         raise
 
 
+Reply = TypeVar("Reply")
+
+
+def host_status(session: Session, rec: ArrayRecord) -> GroupResult[ArrayStatus]:
+    """Each host's `array_status` of its tasks."""
+    def merged(replies: list[Body]) -> ArrayStatus:
+        tasks = tuple(TaskReply.of(t) for r in replies for t in r["tasks"])
+        return ArrayStatus(float(replies[-1]["time"]), tasks)
+    return host_request(session, "array_status", rec, merged)
+
+
+def host_results(session: Session, rec: ArrayRecord) -> GroupResult[tuple[TaskMetrics, ...]]:
+    """Each host's `array_results`: its tasks' last metrics rows."""
+    def merged(replies: list[Body]) -> tuple[TaskMetrics, ...]:
+        return tuple(TaskMetrics(t["task"], t["header"], t["last"])
+                     for r in replies for t in r["tasks"])
+    return host_request(session, "array_results", rec, merged)
+
+
 def host_request(session: Session, command: str, rec: ArrayRecord,
-                 batch: int = 1000) -> GroupResult[dict[str, Any]]:
-    """`array_status` or `array_results` of each host's tasks, in batches (a reply
-    stays far under the frame cap); the host's replies merged."""
+                 decode: Callable[[list[Body]], Reply], batch: int = 1000) -> GroupResult[Reply]:
+    """`command` on each host for its tasks, in batches (a reply stays far under the
+    frame cap); `decode` makes one host's reply of its batches' replies."""
     links = session.links
     hosts = tuple(h for h in session.cluster.hosts if h.index in links)
 
-    def one(h: Host) -> dict[str, Any]:
-        mine, merged = rec.tasks_of(h.index), dict[str, Any]()
-        for at in range(0, max(len(mine), 1), batch):
-            reply = links[h.index].request(command, timeouts.STATUS,
-                                           job_dir=session.records[h.index].job_dir,
-                                           tasks=mine[at:at + batch])
-            merged.setdefault("tasks", []).extend(reply.pop("tasks"))
-            merged.update(reply)
-        return merged
+    def one(h: Host) -> Reply:
+        mine = rec.tasks_of(h.index)
+        return decode([links[h.index].request(command, timeouts.STATUS,
+                                              job_dir=session.records[h.index].job_dir,
+                                              tasks=mine[at:at + batch])
+                       for at in range(0, max(len(mine), 1), batch)])
     return fan_out(hosts, one)

@@ -10,9 +10,8 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
-from orchestrator.arrays.plan import ArrayRecord
+from orchestrator.arrays.plan import ArrayRecord, ArrayStatus, TaskMetrics, TaskReply
 from orchestrator.arrays.rows import MetricStats, ResultGroup, TaskResult, TaskStatus
 from orchestrator.config.arrayspec import task_params
 from orchestrator.config.inventory import Cluster
@@ -22,28 +21,24 @@ from orchestrator.watch import events
 FOLD = "fold"
 
 
-def state_text(info: dict[str, Any]) -> str:
-    """exited 0, failed (exit code 3 / killed by SIGTERM), running, queued, stopped,
-    unreachable (the host did not answer)."""
-    return events.state_text(str(info["state"]), info.get("code"))
-
-
 def status_rows(cluster: Cluster, rec: ArrayRecord,
-                status: GroupResult[dict[str, Any]]) -> list[TaskStatus]:
-    """One row per task: index, args, host/slot, state, runtime, last line."""
-    infos: dict[int, tuple[dict[str, Any], float]] = {}   # a reply's TASK_STATUS items
+                status: GroupResult[ArrayStatus]) -> list[TaskStatus]:
+    """One row per task: index, args, host/slot, state (exited 0, failed (exit code 3 /
+    killed by SIGTERM), running, queued, stopped, unreachable: the host did not answer),
+    runtime, last line."""
+    infos: dict[int, tuple[TaskReply, float]] = {}
     for reply in status.ok.values():
-        offset = reply["time"] - time.time()
-        for info in reply["tasks"]:
-            infos[info["task"]] = (info, offset)
+        offset = reply.time - time.time()
+        for info in reply.tasks:
+            infos[info.task] = (info, offset)
     rows = []
     for i, host in enumerate(rec.host):
-        info, offset = infos.get(i, ({"state": "unreachable", "last_line": ""}, 0.0))
-        runtime = events.runtime_of(info.get("started"), info.get("ended"), offset)
+        info, offset = infos.get(i, (TaskReply(i, "unreachable"), 0.0))
+        runtime = events.runtime_of(info.started, info.ended, offset)
         rows.append(TaskStatus(task=i, args=" ".join(rec.args[i]),
-                               host=cluster.hosts[host].label, slot=info.get("slot"),
-                               state=state_text(info), exit_code=info.get("code"),
-                               runtime_s=runtime, last_line=info.get("last_line", "")))
+                               host=cluster.hosts[host].label, slot=info.slot,
+                               state=events.state_text(info.state, info.code),
+                               exit_code=info.code, runtime_s=runtime, last_line=info.last_line))
     return rows
 
 
@@ -60,11 +55,11 @@ def parse_metrics(header: str | None, last: str | None) -> dict[str, str]:
 
 
 def result_rows(rec: ArrayRecord, statuses: list[TaskStatus],
-                results: GroupResult[dict[str, Any]]) -> list[TaskResult]:
+                results: GroupResult[tuple[TaskMetrics, ...]]) -> list[TaskResult]:
     metrics: dict[int, dict[str, str]] = {}
-    for reply in results.ok.values():
-        for item in reply["tasks"]:
-            metrics[item["task"]] = parse_metrics(item["header"], item["last"])
+    for tasks in results.ok.values():
+        for item in tasks:
+            metrics[item.task] = parse_metrics(item.header, item.last)
     return [TaskResult(task=r.task, args=r.args, params=task_params(rec.args[r.task]),
                        state=r.state, metrics=metrics.get(r.task, {})) for r in statuses]
 
