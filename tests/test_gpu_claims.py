@@ -19,6 +19,7 @@ from orchestrator.agent import gpus
 from orchestrator.config.inventory import load
 from orchestrator.errors import InventoryError
 from orchestrator.session import gpuclaims
+from orchestrator.session.replies import GpuReply
 
 
 @pytest.fixture
@@ -151,7 +152,7 @@ def test_a_refused_claims_folder_is_one_message_with_the_fix(tmp_path: Path) -> 
     cluster = load(inventory(tmp_path, "- address: a\n  gpus: 2\n"))
     why = str(gpus.ClaimsFolderError("the claims folder /c belongs to user bob, who could delete "
                                      "anyone's claims", FIX + "/c"))
-    err = gpuclaims.problem(cluster, cluster.hosts[0], {"gpu_error": why})
+    err = gpuclaims.problem(cluster, cluster.hosts[0], why, None)
     assert err is not None and err.exit_code == 3
     assert err.message == ("a: 2 GPUs asked for, none can be claimed safely: the claims folder /c "
                            "belongs to user bob, who could delete anyone's claims")
@@ -239,15 +240,14 @@ def test_gpus_all_with_more_procs_than_free_gpus_names_the_line(tmp_path: Path) 
 
 def test_a_busy_gpu_message_names_holders_and_the_fixes(tmp_path: Path) -> None:
     cluster = load(inventory(tmp_path, "- address: a\n  gpus: 2\n"))
-    busy = [{"index": 0, "holder": {"job": "x", "user": "bob"}},
-            {"index": 1, "holder": {"pids": [{"pid": 7, "user": "carol"}]}},
-            {"index": 2, "holder": None}]
-    err = gpuclaims.problem(cluster, cluster.hosts[0], {"gpu_busy": busy})
+    busy = [GpuReply(i, f"GPU-{i}", "G", None, None, None, holder, ()) for i, holder in
+            enumerate([{"job": "x", "user": "bob"}, {"pids": [{"pid": 7, "user": "carol"}]}, None])]
+    err = gpuclaims.problem(cluster, cluster.hosts[0], None, busy)
     assert isinstance(err, gpuclaims.GpusBusy) and err.exit_code == 3
     assert err.message == ("a: 2 GPUs asked for, 1 of 3 free: GPU 0 held by job 'x' (user bob); "
                            "GPU 1 held by pid 7 (user carol), not an orch job")
     assert "--wait" in err.hint and "--exclude a" in err.hint
-    few = gpuclaims.problem(cluster, cluster.hosts[0], {"gpu_busy": busy[:1]})
+    few = gpuclaims.problem(cluster, cluster.hosts[0], None, busy[:1])
     assert few is not None and not isinstance(few, gpuclaims.GpusBusy)
     assert "1 found" in few.message
 

@@ -4,6 +4,7 @@ the run's layout once `gpus: all` has become a number."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -11,6 +12,7 @@ from orchestrator.agent.gpus import CLAIMS_PROBLEM, FIX  # a claims folder refus
 from orchestrator.config.inventory import Cluster, Host, RankSlot
 from orchestrator.errors import HostError, InventoryError
 from orchestrator.remote.link import Link
+from orchestrator.session.replies import GpuReply
 from orchestrator.ui.termsafe import visible
 from orchestrator.wire import timeouts
 
@@ -24,13 +26,11 @@ def safe(text: str) -> str:
 class GpusBusy(HostError):
     """Too few of a host's GPUs are free: `busy` is every GPU with its holder (data)."""
 
-    def __init__(self, host: Host, busy: list[dict[str, Any]], hint: str) -> None:
-        free = sum(1 for g in busy if g["holder"] is None)
+    def __init__(self, host: Host, busy: Sequence[GpuReply], hint: str) -> None:
+        free = sum(1 for g in busy if g.holder is None)
         super().__init__(f"{host.label}: {asked(host)}, {free} of {len(busy)} free: "
                          f"{holders_text(busy)}", hint=hint)
         self.host, self.busy = host, busy
-        self.info: Any = None                 # the host's other checks (preflight's HostInfo)
-        self.reply: dict[str, Any] = {}
 
 
 def asked(host: Host) -> str:
@@ -40,7 +40,7 @@ def asked(host: Host) -> str:
         f"{host.gpus} GPU{'s' if host.gpus != 1 else ''} asked for"
 
 
-def holder_text(holder: dict[str, Any] | None) -> str:
+def holder_text(holder: Mapping[str, Any] | None) -> str:   # a claim file's: free-form
     """`job 'x' (user bob)` for an orch claim, `pid 42 (user carol, not an orch job)`
     for a process no claim covers; every value as the host gave it, made printable."""
     if holder is None:
@@ -54,9 +54,9 @@ def holder_text(holder: dict[str, Any] | None) -> str:
     return f"job {safe(str(holder.get('job', '?')))!r} (user {safe(str(holder.get('user', '?')))})"
 
 
-def holders_text(gpus: list[dict[str, Any]]) -> str:
-    busy = [g for g in gpus if g["holder"] is not None]
-    return "; ".join(f"GPU {g['index']} held by {holder_text(g['holder'])}" for g in busy) \
+def holders_text(gpus: Sequence[GpuReply]) -> str:
+    busy = [g for g in gpus if g.holder is not None]
+    return "; ".join(f"GPU {g.index} held by {holder_text(g.holder)}" for g in busy) \
         or "none is held, but not enough are listed"
 
 
@@ -67,23 +67,24 @@ def busy_hint(cluster: Cluster, host: Host) -> str:
             f"(`{hint_cmd(cluster, 'up')} --exclude {host.label}`)")
 
 
-def problem(cluster: Cluster, host: Host, r: dict[str, Any]) -> HostError | None:
-    """What the preflight reply says of the host's GPUs, as the error to report."""
-    if "gpu_error" in r and str(r["gpu_error"]).startswith(CLAIMS_PROBLEM):
-        why, _, fix = str(r["gpu_error"])[len(CLAIMS_PROBLEM):].partition(FIX)
+def problem(cluster: Cluster, host: Host, gpu_error: str | None,
+            busy: Sequence[GpuReply] | None) -> HostError | None:
+    """What a host's reply says of its GPUs (preflight's gpu_error and gpu_busy, or
+    gpu_claim's busy), as the error to report."""
+    if gpu_error is not None and gpu_error.startswith(CLAIMS_PROBLEM):
+        why, _, fix = gpu_error[len(CLAIMS_PROBLEM):].partition(FIX)
         return HostError(f"{host.label}: {asked(host)}, none can be claimed safely: "
                          f"{safe(why)}", hint=safe(fix))
-    if "gpu_error" in r:
-        return HostError(f"{host.label}: {asked(host)}, 0 found ({r['gpu_error']})",
+    if gpu_error is not None:
+        return HostError(f"{host.label}: {asked(host)}, 0 found ({gpu_error})",
                          hint=f"set gpus: 0 for this host (line {host.line}), or fix its driver")
-    busy = r.get("gpu_busy")
     if busy is None:
         return None
     total = len(busy)
     if host.gpu_ids is None and not host.all_gpus and host.gpus > total:
         return HostError(f"{host.label}: {host.gpus} GPUs asked for, {total} found (nvidia-smi)",
                          hint=f"set gpus: {total} for this host, or fix its driver")
-    missing = [i for i in host.gpu_ids or () if i not in {g["index"] for g in busy}]
+    missing = [i for i in host.gpu_ids or () if i not in {g.index for g in busy}]
     if missing:
         return HostError(f"{host.label}: GPU {missing[0]} asked for, nvidia-smi lists "
                          f"GPUs 0 to {total - 1}", hint="name GPUs the host has")
@@ -118,7 +119,7 @@ def wait_in_order(cluster: Cluster, links: dict[int, Link], job_dirs: dict[int, 
             if "ids" in got:
                 taken[i] = got["ids"]
                 break
-            err = problem(cluster, host, {"gpu_busy": got.get("busy", [])})
+            err = problem(cluster, host, None, [GpuReply.of(g) for g in got.get("busy", [])])
             if not isinstance(err, GpusBusy):   # can never be met: say so, do not wait
                 raise err or HostError(f"{host.label}: no GPU answer")
             waiting.show(f"waiting {time.monotonic() - t0:.0f} s for GPUs: {err.message}")

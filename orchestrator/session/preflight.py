@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import HostError, UsageError
@@ -12,7 +12,7 @@ from orchestrator.files.sync import Same
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.session import gpuclaims, network
-from orchestrator.session.replies import NetFacts
+from orchestrator.session.replies import NetFacts, PreflightReply
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import protocol, timeouts
 
@@ -28,7 +28,7 @@ class HostInfo:
     clock_offset: float   # host clock minus ours: corrects exit times for root cause
     running: bool
     ssh_connection: str
-    manifests: dict[str, Any]       # {"code"|"data": {rel: [size, sha256]}} of what the host has
+    manifests: dict[str, Listed | Same]   # {"code"|"data": ...} of what the host has
     python_missing: str = ""   # `python:` not found (setup may make it): the agent ran with python3
     share_leader: int = -1     # whose preflight marker it found in its job folder (-1: none)
     gpu_ids: tuple[int, ...] | None = None   # the GPUs its agent claimed for the job
@@ -71,11 +71,33 @@ def folders(cluster: Cluster) -> list[str]:
     return [f for f, want in (("code", cluster.code.paths), ("data", cluster.data.shards)) if want]
 
 
+Listed = dict[str, list[Any]]   # a folder as the host listed it: {rel: [size, sha256]} (sync.push)
+
+
+class PreflightArgs(TypedDict, total=False):
+    """The preflight request's optional fields (protocol.py's REQUESTS["preflight"])."""
+
+    warm: dict[str, dict[str, str]]
+    expect: dict[str, str]
+    share: dict[str, str | int]
+    gpus: int | str | list[int]
+    net: network.NetArgs
+
+
+class BusyHost(gpuclaims.GpusBusy):
+    """Too few of a host's GPUs free, and its other checks passed: `up --wait` waits
+    for its GPUs, and then the host is checked (its HostInfo and reply kept here)."""
+
+    def __init__(self, busy: gpuclaims.GpusBusy, info: HostInfo, reply: PreflightReply) -> None:
+        super().__init__(busy.host, busy.busy, busy.hint)
+        self.info, self.reply = info, reply
+
+
 Expected = dict[str, list[LocalFile]]   # {"code"|"data": what the push will make the folder hold}
 
 
 def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
-               nonce: str = "", expect: Expected | None = None) -> tuple[HostInfo, dict[str, Any]]:
+               nonce: str = "", expect: Expected | None = None) -> tuple[HostInfo, PreflightReply]:
     """One request: the checks and the folders' manifests (sent as parts). `warm`: the
     ranks' environment: a host whose own checks pass starts torchrun warm at once
     (agent/warm.py), before its reply. `nonce`: the host leaves this preflight's marker
@@ -84,7 +106,7 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
     their token instead of its entries (manifests_of)."""
     host = link.host
     sent = time.time()
-    extra: dict[str, Any] = {"warm": {"env": warm}} if warm is not None else {}
+    extra: PreflightArgs = {"warm": {"env": warm}} if warm is not None else {}
     # a folder with a file not hashed yet (a deferring listing) has no token: the host
     # lists it back (for a first push, an empty folder or none)
     tokens = {f: protocol.manifest_token((x.rel, x.digest) for x in files)
@@ -102,21 +124,18 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
                              master_port=cluster.job.master_port or 0,
                              want_port=host.index == 0, folders=folders(cluster),
                              want_gpus=host.gpus > 0, **extra)
-    r = link.wait(pending, max(timeouts.scaled(timeouts.PREFLIGHT, len(cluster.hosts)),
-                               host.ssh.connect_timeout * 3))
-    offset = r["time"] - (sent + time.time()) / 2
+    r = PreflightReply.of(link.wait(pending, max(timeouts.scaled(timeouts.PREFLIGHT,
+                                                                 len(cluster.hosts)),
+                                                 host.ssh.connect_timeout * 3)))
+    offset = r.time - (sent + time.time()) / 2
     manifests = manifests_of(cluster, pending.parts, tokens, expect or {})
-    info = HostInfo(r["job_dir"], r["executable"], r["torch"], r["gpus"], offset,
-                    r["running"], r["ssh_connection"], manifests, r.get("python_missing", ""),
-                    r.get("share_leader", -1),
-                    tuple(r["gpu_ids"]) if "gpu_ids" in r else None,
-                    tuple(r.get("gpu_uuids") or [g["uuid"] for g in r.get("gpu_busy", ())]),
-                    NetFacts.of(r["net"]) if "net" in r else None)
+    info = HostInfo(r.job_dir, r.executable, r.torch, r.gpus, offset, r.running,
+                    r.ssh_connection, manifests, r.python_missing, r.share_leader, r.gpu_ids,
+                    r.gpu_uuids, r.net)
     problems = host_problems(host, info, r, defer_torch=cluster.setup is not None)
-    gpus = gpuclaims.problem(cluster, host, r)
+    gpus = gpuclaims.problem(cluster, host, r.gpu_error, r.gpu_busy)
     if isinstance(gpus, gpuclaims.GpusBusy) and not problems:
-        gpus.info, gpus.reply = info, r
-        raise gpus   # alone: `up --wait` may wait for it
+        raise BusyHost(gpus, info, r)   # alone: `up --wait` may wait for it
     if gpus is not None:
         problems.append((gpus.message.split(": ", 1)[1], gpus.hint))
     if problems:
@@ -125,43 +144,44 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
     return info, r
 
 
-def manifests_of(cluster: Cluster, parts: list[dict[str, Any]], tokens: dict[str, str],
-                 expect: Expected) -> dict[str, Any]:
+def manifests_of(cluster: Cluster, parts: list[Any], tokens: dict[str, str],
+                 expect: Expected) -> dict[str, Listed | Same]:
     """{folder: {rel: [size, digest]}} from the parts. A part that says `same` with the
     token we sent stands for exactly the files we expect (the host computed the token
     over what it holds): sync.Same of those, and the push of them sends and deletes
     nothing."""
-    manifests: dict[str, Any] = {f: {} for f in folders(cluster)}
-    for part in parts:
+    listed: dict[str, Listed] = {f: {} for f in folders(cluster)}
+    same: dict[str, Same] = {}
+    for part in parts:   # the link's parts, checked by protocol.py's PARTS
         folder = part["folder"]
         if "same" in part:
             if part["same"] != tokens.get(folder):
                 raise protocol.ProtocolError(f"manifest of {folder}: a token not asked for")
-            manifests[folder] = Same(expect[folder])
+            same[folder] = Same(expect[folder])
         else:
-            manifests.setdefault(folder, {}).update(part["files"])
-    return manifests
+            listed.setdefault(folder, {}).update(part["files"])
+    return {**listed, **same}
 
 
-def host_problems(host: Host, info: HostInfo, r: dict[str, Any],
+def host_problems(host: Host, info: HostInfo, r: PreflightReply,
                   defer_torch: bool = False) -> list[tuple[str, str]]:
     """`defer_torch`: setup may install torch or make the python: checked after it."""
     problems = []
     if info.torch is None and not defer_torch:
         problems.append((f"torch is not installed for {info.executable}",
                          "pip install torch there, or point `python:` at an interpreter that has it"))
-    if r["writable"]:
-        problems.append((f"remote_dir not writable: {r['writable']}",
+    if r.writable:
+        problems.append((f"remote_dir not writable: {r.writable}",
                          "choose a remote_dir the SSH user can write"))
-    if "port" in r and not r.get("port_free"):
-        problems.append((f"master port {r['port']} is already in use",
+    if r.port is not None and not r.port_free:
+        problems.append((f"master port {r.port} is already in use",
                          "set job.master_port to a free port, or leave it out to pick one"))
     return problems
 
 
 def wait_for_gpus(cluster: Cluster, links: dict[int, Link], result: Checked,
-                  busy: dict[int, gpuclaims.GpusBusy], waiting: gpuclaims.Waiting
-                  ) -> dict[int, tuple[HostInfo, dict[str, Any]]]:
+                  busy: dict[int, BusyHost], waiting: gpuclaims.Waiting
+                  ) -> dict[int, tuple[HostInfo, PreflightReply]]:
     """`up --wait`: every GPU host's claim taken again in the global order; the hosts
     that were busy get their HostInfo (from a preflight without the claim) made whole."""
     for i, err in busy.items():
@@ -188,7 +208,7 @@ def torch_mismatch(cluster: Cluster, infos: dict[int, HostInfo]) -> dict[int, Ho
             for i, v in versions.items() if v != master}
 
 
-Checked = GroupResult[tuple[HostInfo, dict[str, Any]]]
+Checked = GroupResult[tuple[HostInfo, PreflightReply]]
 
 
 def preflight(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseException],
@@ -226,7 +246,7 @@ def judge(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseExcept
     result.failed.update(rest.failed)
     failures = dict(failed)
     failures.update(result.failed)
-    busy = {i: e for i, e in failures.items() if isinstance(e, gpuclaims.GpusBusy)}
+    busy = {i: e for i, e in failures.items() if isinstance(e, BusyHost)}
     if busy and len(busy) == len(failures) and waiting is not None:
         failures = {}
         result.ok.update(wait_for_gpus(cluster, links, result, busy, waiting))
@@ -240,6 +260,7 @@ def judge(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseExcept
         raise UsageError(f"job '{cluster.name}' is already running on {', '.join(running)}",
                          hint=f"stop it first with `{hint_cmd(cluster, 'stop')}`, "
                               "or give this job another name")
-    if "port" not in result.ok[0][1]:
+    port = result.ok[0][1].port
+    if port is None:
         raise HostError(f"{cluster.hosts[0].label}: preflight did not report a master port")
-    return PreflightReport(infos, result.ok[0][1]["port"])
+    return PreflightReport(infos, port)

@@ -182,3 +182,41 @@ class Probed:
     ms: float
     bound: float
     first: float | None = None
+
+
+@dataclass(frozen=True)
+class PreflightReply:
+    """A host's `preflight` reply (protocol.py's REPLIES["preflight"]): the host's checks,
+    its GPUs' claim or every GPU and its holder (`gpu_busy`, None when not listed), its
+    network; `port` only from host 0 (the master port it found, and whether it is free)."""
+
+    python: str
+    executable: str
+    torch: str | None
+    job_dir: str
+    gpus: int
+    writable: str | None      # why remote_dir is not writable (None: it is)
+    time: float
+    hostname: str
+    ssh_connection: str
+    running: bool
+    port: int | None = None
+    port_free: bool = False
+    python_missing: str = ""
+    share_leader: int = -1
+    gpu_ids: tuple[int, ...] | None = None
+    gpu_uuids: tuple[str, ...] = ()
+    gpu_busy: tuple[GpuReply, ...] | None = None
+    gpu_error: str | None = None
+    net: NetFacts | None = None
+
+    @classmethod
+    def of(cls, r: Mapping[str, Any]) -> PreflightReply:   # checked by protocol.py
+        busy = tuple(GpuReply.of(g) for g in r["gpu_busy"]) if "gpu_busy" in r else None
+        return cls(r["python"], r["executable"], r["torch"], r["job_dir"], r["gpus"],
+                   r["writable"], float(r["time"]), r["hostname"], r["ssh_connection"],
+                   r["running"], r.get("port"), bool(r.get("port_free")),
+                   r.get("python_missing", ""), r.get("share_leader", -1),
+                   tuple(r["gpu_ids"]) if "gpu_ids" in r else None,
+                   tuple(r.get("gpu_uuids") or [g.uuid for g in busy or ()]), busy,
+                   r.get("gpu_error"), NetFacts.of(r["net"]) if "net" in r else None)

@@ -18,7 +18,7 @@ from orchestrator.files.feed import Feed
 from orchestrator.files.localfiles import DigestCache, LocalFile, Pushable
 from orchestrator.files.pull import PullReport, ReceiveProgress
 from orchestrator.files.pull import pull as pull_files
-from orchestrator.files.sync import SyncReport, push
+from orchestrator.files.sync import Same, SyncReport, push
 from orchestrator.remote.bundle import bundle
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
@@ -291,8 +291,9 @@ class Session:
             tick = (lambda nbytes, nfiles: progress(nbytes)) if progress else None
             out = {}
             if self.cluster.code.paths:
+                code = info.manifests["code"]
                 out["code"] = push(link, f"{info.job_dir}/code", mine.code, tick,
-                                   pushable(info.manifests["code"]))
+                                   code if isinstance(code, Same) else pushable(code))
             if mine.data is not None:
                 out["data"] = push(link, f"{info.job_dir}/data", mine.data, tick,
                                    info.manifests["data"], mine.cache)
