@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from orchestrator.api import healing, jobs, launching
 from orchestrator.api.outcomes import AttemptResult, Finished, Pulled, RankEnd, RunResult
@@ -55,6 +55,17 @@ class Options:
     wait: bool = False
     pull: bool = True
     transfer: PullShown | None = None
+    using: SessionUser | None = None
+
+
+class SessionUser(Protocol):
+    """One more user of each attempt's open session (`orch up --dashboard`'s GPU
+    samples: no connection of their own): told once the job started on it, and before
+    it closes."""
+
+    def started(self, session: Session, st: JobState) -> None: ...
+
+    def ending(self, session: Session) -> None: ...
 
 
 class Serial:
@@ -262,6 +273,8 @@ class Run:
             if keep:
                 self.kept.start(got.session, pres[-1], self.chosen)
             fetch = self.new_fetch(got.session, st) if opts.pull else None
+            if opts.using is not None:
+                opts.using.started(got.session, st)
             from orchestrator.watch.monitor import watch
             mons: list[Monitor] = []
             try:
@@ -272,6 +285,8 @@ class Run:
                     fetch = None
                 raise
             finally:
+                if opts.using is not None:
+                    opts.using.ending(got.session)
                 if keep:
                     self.end_keeper(mons[0] if mons else None)
                 if fetch is not None:

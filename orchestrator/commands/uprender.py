@@ -33,12 +33,14 @@ if TYPE_CHECKING:
 
 
 def attached(cluster: Cluster, args: argparse.Namespace, restarts: int,
-             view: Callable[[], UpProgress], also: ev.Emit | None = None) -> int:
+             view: Callable[[], UpProgress], also: ev.Emit | None = None,
+             using: running.SessionUser | None = None) -> int:
     """`orch up` without --detach: the run to its end, rendered; its exit code. `also`:
-    one more reader of its events (the dashboard's board)."""
+    one more reader of its events (the dashboard's board); `using`: one more user of
+    each attempt's session (the dashboard's GPU samples)."""
     shown = UpRenderer(cluster)
     opts = running.Options(restarts, setup=args.setup, wait=args.wait, pull=not args.no_pull,
-                           transfer=pull_bar)
+                           transfer=pull_bar, using=using)
     reader: ev.Emit = shown if also is None else Tee(shown, also)
     try:
         return running.run_job(cluster, opts, running.Serial(reader), view).code
@@ -60,7 +62,8 @@ def with_dashboard(cluster: Cluster, args: argparse.Namespace, restarts: int,
     try:
         console.print(plain(f"dashboard: {opened.url}"), soft_wrap=True)
         page.open_browser(opened.url, lambda line: console.print(plain(line)))
-        code = attached(cluster, args, restarts, view, also=opened.board)
+        code = attached(cluster, args, restarts, view, also=opened.board,
+                        using=opened.feeds.runs)
         if sys.stdin.isatty():
             console.print("the run ended; the dashboard stays open until Ctrl-C", markup=False)
             try:

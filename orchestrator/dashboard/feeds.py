@@ -8,12 +8,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from orchestrator.api import following, jobs
-from orchestrator.api.outcomes import Status
 from orchestrator.config.inventory import Cluster
 from orchestrator.dashboard.board import Board
 from orchestrator.errors import OrchError
@@ -40,6 +39,7 @@ class Feeds:
         self.session: Session | None = None
         self.fetch: CurveFetch | None = None
         self.threads: list[threading.Thread] = []
+        self.runs = RunSessions(board, self)   # `orch up --dashboard`: the run's sessions
 
     def start(self, name: str, target: Callable[[], None]) -> None:
         def guarded() -> None:
@@ -158,13 +158,45 @@ def sample_gpus(session: Session, st: JobState | None, board: Board, feeds: Feed
         feeds.done.wait(every)
 
 
-def sample_statuses(statuses: Iterator[Status], board: Board, feeds: Feeds) -> None:
-    """GPU samples from `api.querying.watch` (an attached `orch up`'s own session is the
-    run's: the page asks on one of its own)."""
-    for status in statuses:
-        board.gpu_sample(time.time(), status.gpus, status.gpu_errors)
-        if feeds.done.is_set() or board.ended:
-            break
+class RunSessions:
+    """`orch up --dashboard`'s GPU samples, asked on the attached run's own session of
+    each attempt (handed over by api/running.py: `Options.using`), so the page opens no
+    connection of its own. A sample that comes back after its attempt ended is dropped
+    (that session was closing)."""
+
+    def __init__(self, board: Board, feeds: Feeds, every: float | None = None) -> None:
+        self.board, self.feeds, self.every = board, feeds, every or GPU_EVERY
+        self.lock = threading.Lock()
+        self.current: tuple[Session, JobState] | None = None
+
+    def started(self, session: Session, st: JobState) -> None:
+        with self.lock:
+            self.current = (session, st)
+
+    def ending(self, session: Session) -> None:
+        with self.lock:
+            if self.current is not None and self.current[0] is session:
+                self.current = None
+
+    def sample(self) -> None:
+        """A sample every `every` seconds while an attempt runs, until the page closes."""
+        from orchestrator.api import querying
+        while not self.feeds.done.is_set():
+            with self.lock:
+                now = self.current
+            if now is None:    # before the job started, between attempts, after the run
+                self.feeds.done.wait(min(self.every, 0.5))
+                continue
+            try:
+                status = querying.status_of(now[0], now[1], now[0].status())
+            except Exception:
+                if self.current is now:
+                    raise           # said on the page
+                continue            # its session closed under it: the attempt ended
+            with self.lock:
+                if self.current is now:
+                    self.board.gpu_sample(time.time(), status.gpus, status.gpu_errors)
+            self.feeds.done.wait(self.every)
 
 
 def read_curves(cluster: Cluster, board: Board, feeds: Feeds,

@@ -109,29 +109,17 @@ def open_for_job(inventory: jobs.Inventory, port: int = 0,
 def open_beside_run(cluster: Cluster, inventory: jobs.Inventory, port: int = 0) -> Opened:
     """`orch up --dashboard`: a board the attached run feeds with its own events (the
     caller hands `opened.board` to the run as one more reader), the curves, and GPU
-    samples on a session of its own once the job started."""
+    samples asked on the run's own session (the caller hands it `opened.feeds.runs`)."""
     board = Board(cluster, mode="attached")
     feeds = feeding.Feeds(board)
     try:
         feeds.start("curves", lambda: feeding.read_curves(cluster, board, feeds))
         if any(h.gpus for h in cluster.hosts):
-            feeds.start("gpus", lambda: gpus_once_started(inventory, board, feeds))
+            feeds.start("gpus", feeds.runs.sample)   # on the run's own sessions
         return Opened(board, feeds, serve(board, stopper(inventory), port, log_reader(inventory)))
     except BaseException:
         feeds.close()
         raise
-
-
-def gpus_once_started(inventory: jobs.Inventory, board: Board, feeds: feeding.Feeds) -> None:
-    from orchestrator.api import querying
-    while not board.started.wait(1.0):
-        if feeds.done.is_set():
-            return
-    statuses = querying.watch(inventory, every=feeding.GPU_EVERY)
-    try:
-        feeding.sample_statuses(statuses, board, feeds)
-    finally:
-        statuses.close()
 
 
 def has_display() -> bool:
