@@ -10,7 +10,6 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -370,7 +369,6 @@ def test_logs_follow_ended_by_sigterm_says_one_line(tmp_path: Path, monkeypatch:
     reported as lost hosts (three warnings, the host named twice, before): one line."""
     from fake_agent import session_factory as factory
     from orchestrator import cli
-    from orchestrator.api import reading
     (tmp_path / "cluster.yaml").write_text(INVENTORY)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(api_jobs, "saved_state", lambda c: state_of(c))
@@ -379,14 +377,17 @@ def test_logs_follow_ended_by_sigterm_says_one_line(tmp_path: Path, monkeypatch:
         for r in msg["ranks"]:
             chan.push(protocol.output(r, b"rank %d up\n" % r))
     monkeypatch.setattr(api_jobs, "open_session", factory({"follow": follow}))
-    naps: list[float] = []
+    from orchestrator.commands import logs
+    from orchestrator.watch.follow import PrefixPrinter
+    shown: list[int] = []
 
-    def sleep(seconds: float) -> None:
-        naps.append(seconds)
-        if len(naps) > 3:   # the lines are in: the signal arrives (cli turns it into this)
-            raise KeyboardInterrupt
-        time.sleep(seconds)
-    monkeypatch.setattr(reading, "time", SimpleNamespace(sleep=sleep, monotonic=time.monotonic))
+    class Printer(PrefixPrinter):   # logs -f renders the job's events with it
+        def print_as(self, label: str, rank: int, texts: list[bytes]) -> None:
+            super().print_as(label, rank, texts)
+            shown.append(rank)
+            if len(shown) == 4:   # the lines are in: the signal arrives (cli turns it into this)
+                raise KeyboardInterrupt
+    monkeypatch.setattr(logs, "PrefixPrinter", Printer)
     assert cli.cli(["logs", "-f"]) == 130
     out, err = capsys.readouterr()
     assert sorted(out.splitlines()) == [f"[r{r} localhost#{r // 2}] rank {r} up" for r in range(4)], out

@@ -36,14 +36,15 @@ def attach(inventory: jobs.Inventory) -> tuple[Session, JobState]:
     return jobs.open_job(cluster, st), st
 
 
-def events(session: Session, st: JobState) -> Iterator[ev.Event]:
-    """`follow`'s events from an attached session, which is closed at the end."""
+def events(session: Session, st: JobState, tail: int = -1) -> Iterator[ev.Event]:
+    """`follow`'s events from an attached session, which is closed at the end; `tail`:
+    each rank's last lines only (`orch logs -f --tail N`), -1 from its log's start."""
     from orchestrator.watch.monitor import watch
     got: queue.Queue[object] = queue.Queue()
 
     def run() -> None:
         try:
-            watch(session, st, got.put, decide=False)
+            watch(session, st, got.put, decide=False, tail=tail)
         except BaseException as e:   # handed to the reader, raised there
             got.put(e)
         finally:

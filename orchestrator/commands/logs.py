@@ -1,5 +1,6 @@
 """`orch logs`: one rank's raw log (pipes cleanly), or every rank with prefixes;
-`--list`: each rank's host, state and log size (api.reading, api.status)."""
+`--list`: each rank's host, state and log size (api.reading, api.status). `-f` of every
+rank is a reader of the job's events (api.following, watch/events.py), as `orch up` is."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,7 @@ from typing import Any
 
 from rich.table import Table
 
-from orchestrator.api import jobs, querying, reading
+from orchestrator.api import following, jobs, querying, reading
 from orchestrator.api.outcomes import (
     AllLogs,
     ArrayLogs,
@@ -24,6 +25,7 @@ from orchestrator.errors import EXIT_HOST, EXIT_OK, UsageError
 from orchestrator.remote.link import HostDone
 from orchestrator.ui.termsafe import for_terminal, plain
 from orchestrator.ui.wording import plural
+from orchestrator.watch import events as ev
 from orchestrator.watch.follow import LineSink, PrefixPrinter
 
 
@@ -54,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
         return list_logs(cluster, args.json)
     if args.task is not None or args.rank is not None:
         return raw_log(cluster, args)
+    if args.follow and not args.json:
+        followed = follow_events(cluster, args.tail)
+        if followed is not None:
+            return followed
     return all_logs(cluster, args)
 
 
@@ -136,8 +142,37 @@ class LogSink(LineSink):
     def host_lost(self, host: int, why: str) -> None:
         self.lost[host] = why
         if self.printer is not None:
-            label = self.labels[host]   # the link's messages name the host already
-            warn(why if why.startswith(label) else f"host {label}: {why}")
+            warn_lost(self.labels[host], why)
+
+
+def warn_lost(label: str, why: str) -> None:
+    warn(why if why.startswith(label) else f"host {label}: {why}")   # the link's name it
+
+
+def follow_events(cluster: Cluster, tail: int) -> int | None:
+    """`logs -f` of every rank, to the job's end: its events rendered (each rank's lines
+    prefixed, a host lost said; the exits and the root cause are `orch status`'s). None
+    without a saved state (an `up` killed mid-launch: no run to attach to), which
+    `all_logs` reads from the inventory's job folders instead."""
+    run = jobs.run_cluster(cluster)
+    st = jobs.saved_state(run)
+    if st is None:
+        return None
+    session = jobs.open_job(run, st)
+    unreached = {run.hosts[i].label for i in session.failed}
+    printer = PrefixPrinter({h.index: h.label for h in run.hosts})
+    lost = False
+    try:
+        warn_unreachable(session.failed.values())
+        for e in following.events(session, st, tail):
+            if isinstance(e, ev.RankLine):
+                printer.print_as(e.host, e.rank, [e.data])
+            elif isinstance(e, ev.HostLost) and e.host not in unreached:
+                lost = True
+                warn_lost(e.host, e.why)
+    finally:
+        session.close()   # also when the events were never read
+    return EXIT_HOST if lost or unreached else EXIT_OK
 
 
 def all_logs(cluster: Cluster, args: argparse.Namespace) -> int:
