@@ -157,7 +157,9 @@ def watch(session: Session, state: JobState, emit: ev.Emit,
     if on_monitor is not None:
         on_monitor(mon)
     if cluster.job.hang_timeout and decide:
-        mon.hang = HangWatch(cluster.job.hang_timeout, range(cluster.world_size))
+        # on timeouts.CLOCK, the watchdogs' clock: a test moves it instead of waiting
+        mon.hang = HangWatch(cluster.job.hang_timeout, range(cluster.world_size),
+                             timeouts.CLOCK.now)
     streams = {h.index: HostStream(session.links[h.index], h.job_dir, h.ranks)
                for h in state.hosts if h.index in session.links}
     for i, exc in sorted(session.failed.items()):   # not reached (a reattach)
