@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, cast
 
 from orchestrator.config import hostselect
 from orchestrator.config.inventory import Cluster, host_part
@@ -121,8 +121,9 @@ def damaged(cluster: Cluster, why: str) -> StateDamaged:
              f"`{hint_cmd(cluster, 'up')}`")
 
 
-def _check(raw: Any, cls: type, what: str) -> dict[str, Any]:
-    """Every field of cls present with the type it is saved with; ValueError otherwise."""
+def _check(raw: Any, cls: type, what: str) -> dict[str, Any]:   # JSON values, checked
+    """Every field of cls present with the type it is saved with; ValueError otherwise:
+    the fields' values, each of its own type (_TYPES), that cls is then built from."""
     if not isinstance(raw, dict):
         raise ValueError(f"{what} is {type(raw).__name__}, not an object")
     for f in fields(cls):
@@ -138,15 +139,16 @@ def _check(raw: Any, cls: type, what: str) -> dict[str, Any]:
     return {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
 
 
+Kind = type | tuple[type, ...]   # what isinstance takes: a saved field's JSON type(s)
 _NUMBER = (int, float)
-_TYPES: dict[str, Any] = {
+_TYPES: dict[str, Kind] = {
     "name": str, "run_id": str, "inventory": str, "started": _NUMBER, "world_size": int,
     "master_addr": str, "master_port": int, "hosts": list, "index": int, "label": str,
     "job_dir": str, "ranks": list, "clock_offset": _NUMBER, "supervisor": dict,
     "selection": str, "gpu_ids": (list, type(None)), "attempts": list,
 }
-ATTEMPT: dict[str, Any] = {"attempt": int, "of": int, "why": str, "at": (int, float),
-                           "hosts": list}
+ATTEMPT: dict[str, Kind] = {"attempt": int, "of": int, "why": str, "at": (int, float),
+                            "hosts": list}
 
 
 def _from_json(raw: Any) -> JobState:
@@ -168,10 +170,9 @@ def _from_json(raw: Any) -> JobState:
     return JobState(**top)
 
 
-def supervisor_of(raw: dict[str, Any], i: int) -> Supervisor:
+def supervisor_of(raw: Mapping[str, object], i: int) -> Supervisor:
     """A saved supervisor, checked as the launch reply is (protocol.py's SUPERVISOR)."""
-    kinds: dict[str, Any] = SUPERVISOR
-    bad = [k for k, t in kinds.items() if not isinstance(raw.get(k), t)]
+    bad = [k for k, t in SUPERVISOR.items() if not isinstance(raw.get(k), cast(Kind, t))]
     if bad:
         raise ValueError(f"hosts[{i}].supervisor has a wrong `{bad[0]}`")
     return Supervisor.of(raw)
