@@ -228,7 +228,7 @@ def read_file(root: Path, rel: str, host: str, notes: Notes, first: bool) -> lis
     if st.st_size > cap:
         notes.add(f"{shown}: {st.st_size} bytes, more than {cap} (not read)", shown)
         return []
-    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino, host, first)
+    key = Seen(str(path), st.st_size, st.st_mtime_ns, st.st_ino, host, first)
     hit = PARSED.get(key)
     if hit is not None:
         return hit
@@ -245,19 +245,34 @@ def read_file(root: Path, rel: str, host: str, notes: Notes, first: bool) -> lis
     return got
 
 
+@dataclass(frozen=True)
+class Seen:
+    """A file as last read: its stat, and how its series were labelled."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    inode: int
+    host: str
+    first: bool
+
+
 # what each file held when last read, by its stat: the dashboard and `status --watch`
 # read every few seconds, and only the files the fetch changed are parsed again
-PARSED: dict[tuple[Any, ...], list[Series]] = {}
+PARSED: dict[Seen, list[Series]] = {}
 PARSED_CAP = 2 * MAX_FILES
 
 
-def remember(key: tuple[Any, ...], got: list[Series]) -> None:
+def remember(key: Seen, got: list[Series]) -> None:
     if len(PARSED) >= PARSED_CAP:
         PARSED.clear()
     PARSED[key] = got
 
 
 Rows = dict[str, list[Point]]
+# one row of a metrics file as decoded: a CSV row's cells (text), or a JSON object's
+# values (flattened); the job's data, so each value is looked at, never assumed
+Row = dict[str, object]
 
 
 def parse(path: Path, kind: str, notes: Notes, shown: str) -> Rows:
@@ -272,9 +287,9 @@ def parse(path: Path, kind: str, notes: Notes, shown: str) -> Rows:
     return parse_csv(text, notes, shown) if kind == "csv" else parse_jsonl(text, notes, shown)
 
 
-def number(value: Any) -> float | None:
+def number(value: object) -> float | None:
     """A finite float from a cell or a JSON value; None for anything else (bools too)."""
-    if isinstance(value, bool) or value is None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return None
     try:
         out = float(value)
@@ -283,19 +298,19 @@ def number(value: Any) -> float | None:
     return out if math.isfinite(out) else None
 
 
-def whole(value: Any) -> int | None:
+def whole(value: object) -> int | None:
     got = number(value)
     return int(got) if got is not None and got == int(got) and abs(got) < 1 << 62 else None
 
 
-def first_of(row: dict[str, Any], keys: tuple[str, ...]) -> Any:
+def first_of(row: Row, keys: tuple[str, ...]) -> object:
     for k in keys:
         if k in row:
             return row[k]
     return None
 
 
-def axes(row: dict[str, Any]) -> tuple[int | None, int | None, float | None]:
+def axes(row: Row) -> tuple[int | None, int | None, float | None]:
     """(step, epoch, wall time) of a row or a JSON object."""
     step, epoch = whole(first_of(row, STEP_KEYS)), whole(first_of(row, EPOCH_KEYS))
     t = number(first_of(row, TIME_KEYS))
@@ -305,7 +320,7 @@ def axes(row: dict[str, Any]) -> tuple[int | None, int | None, float | None]:
 AXES = frozenset(STEP_KEYS + EPOCH_KEYS + TIME_KEYS + ("time_s",))
 
 
-def add_row(rows: Rows, row: dict[str, Any]) -> None:
+def add_row(rows: Rows, row: Row) -> None:
     step, epoch, t = axes(row)
     for key, value in row.items():
         if not isinstance(key, str) or key in AXES:
@@ -364,7 +379,7 @@ def parse_jsonl(text: str, notes: Notes, shown: str) -> Rows:
     return rows
 
 
-def json_object(line: str) -> dict[str, Any] | None:
+def json_object(line: str) -> Row | None:
     if len(line) > MAX_LINE:
         return None
     try:
@@ -374,9 +389,9 @@ def json_object(line: str) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def flatten(obj: dict[str, Any], prefix: str = "", depth: int = 0) -> dict[str, Any]:
+def flatten(obj: Row, prefix: str = "", depth: int = 0) -> Row:
     """{"val": {"loss": 1}} -> {"val/loss": 1}, two levels deep at most."""
-    out: dict[str, Any] = {}
+    out: Row = {}
     for k, v in obj.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and depth < 2:
@@ -417,7 +432,7 @@ def scalar(value: Any, tensor_util: Any) -> float | None:
     if value.HasField("tensor"):
         arr = tensor_util.make_ndarray(value.tensor)
         if arr.size == 1 and arr.dtype.kind in "fiu":
-            return number(arr.reshape(-1)[0])
+            return number(float(arr.reshape(-1)[0]))   # a numpy scalar: a Python float
     return None
 
 
