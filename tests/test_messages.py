@@ -13,7 +13,9 @@ from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster, parse
 from orchestrator.errors import GroupError, HostError
 from orchestrator.remote.fanout import GroupResult
+from orchestrator.session.replies import CommandReply
 from orchestrator.session.setupstep import raise_setup_failures
+from orchestrator.session.shellcmd import Outcome
 from orchestrator.session.shelloutput import HostOutput, Printer
 
 FOUR = """name: msg
@@ -62,9 +64,9 @@ def test_a_failed_setup_is_one_block_and_its_hint_keeps_the_inventory(
                for i, h in enumerate(cluster.hosts)}
     for out in outputs.values():
         out.feed(b"ERROR: No matching distribution found for tourch\n")
-    replies = {i: {"code": 1, "failed": "pip install tourch"} for i in range(4)}
+    replies = {i: CommandReply(1, 0.1, failed="pip install tourch") for i in range(4)}
     with pytest.raises(GroupError) as err:
-        raise_setup_failures(cluster, GroupResult(ok=replies), outputs,  # type: ignore[arg-type]
+        raise_setup_failures(cluster, Outcome(replies, {}), outputs,
                              {i: f"/r{i}/msg/logs/setup.log" for i in range(4)},
                              {i: f"/r{i}/msg" for i in range(4)})
     text = str(err.value)

@@ -314,7 +314,7 @@ def test_session_exec_streams_and_collects(tmp_path: Path) -> None:
         outcome = session.exec(["echo", "hi"], outputs)
     finally:
         session.close()
-    assert {i: r["code"] for i, r in outcome.ok.items()} == {0: 0, 1: 1}
+    assert {i: r.code for i, r in outcome.ok.items()} == {0: 0, 1: 1}
     assert not outcome.failed and not outcome.interrupted
     lines = sorted(out.getvalue().decode().splitlines())
     assert lines == [

@@ -50,7 +50,7 @@ def exec(inventory: jobs.Inventory, command: Sequence[str], *, hosts: str | None
     for h in chosen:
         err = outcome.failed.get(h.index)
         rows.append(HostExec(host=h.label, index=h.index,
-                             exit_code=outcome.ok.get(h.index, {}).get("code"),
+                             exit_code=exit_of(outcome, h.index),
                              output=outputs[h.index].text(),
                              output_truncated=outputs[h.index].dropped > 0,
                              error=None if err is None else message(err)))
@@ -64,9 +64,14 @@ def message(err: BaseException) -> str:
     return err.message if isinstance(err, OrchError) else str(err)
 
 
+def exit_of(outcome: Outcome, index: int) -> int | None:
+    reply = outcome.ok.get(index)
+    return reply.code if reply is not None else None
+
+
 def exit_code(outcome: Outcome) -> int:
     if outcome.interrupted:
         return EXIT_INTERRUPTED
     if outcome.failed:
         return EXIT_HOST
-    return EXIT_JOB_FAILED if any(r["code"] != 0 for r in outcome.ok.values()) else EXIT_OK
+    return EXIT_JOB_FAILED if any(r.code != 0 for r in outcome.ok.values()) else EXIT_OK

@@ -466,7 +466,7 @@ def setup_and_check(session: Session, files: dict[int, HostFiles], pre: Prefligh
     if cluster.setup is not None:
         t0 = time.monotonic()
         replies = session.setup(pre, files[0].code, force, shown.setup_printer())
-        skipped = sum(1 for r in replies.values() if r["skipped"])
+        skipped = sum(1 for r in replies.values() if r.skipped)
         shown.setup_done(cluster, skipped, len(replies) - skipped, time.monotonic() - t0,
                          covered=len(cluster.hosts) - len(replies))
     return session.check_ready(pre) if needs_check(cluster) else pre

@@ -220,3 +220,35 @@ class PreflightReply:
                    tuple(r["gpu_ids"]) if "gpu_ids" in r else None,
                    tuple(r.get("gpu_uuids") or [g.uuid for g in busy or ()]), busy,
                    r.get("gpu_error"), NetFacts.of(r["net"]) if "net" in r else None)
+
+
+@dataclass(frozen=True)
+class CommandReply:
+    """A host's reply to `setup` or `exec` (protocol.py's): the command's exit status
+    (negative: the signal), and for setup whether it was skipped (its fingerprint
+    unchanged) and the command that failed."""
+
+    code: int
+    seconds: float
+    skipped: bool = False
+    failed: str | None = None
+
+    @classmethod
+    def of(cls, r: Mapping[str, Any]) -> CommandReply:   # checked by protocol.py
+        return cls(int(r["code"]), float(r["seconds"]), bool(r.get("skipped", False)),
+                   r.get("failed"))
+
+
+@dataclass(frozen=True)
+class ProbeReply:
+    """A host's `probe` reply after setup: its python (None: it does not run, `error`
+    says why), that python's torch, and why the entrypoint is not there (None: it is)."""
+
+    executable: str | None
+    torch: str | None
+    entrypoint: str | None
+    error: str | None
+
+    @classmethod
+    def of(cls, r: Mapping[str, Any]) -> ProbeReply:   # checked by protocol.py
+        return cls(r["executable"], r["torch"], r["entrypoint"], r["error"])

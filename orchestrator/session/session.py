@@ -8,9 +8,9 @@ the outcome; nothing here parses arguments, and messages go through `ui`.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_USAGE, DataError, HostError, OrchError
@@ -27,7 +27,7 @@ from orchestrator.session import gpuclaims, setupstep, shellcmd
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import launch_all, new_run_id, warm_env, warm_start
 from orchestrator.session.preflight import Checked, PreflightReport, check_host, preflight
-from orchestrator.session.replies import HostStacks, StatusReply, Supervisor
+from orchestrator.session.replies import CommandReply, HostStacks, StatusReply, Supervisor
 from orchestrator.session.shelloutput import HostOutput, Printer
 from orchestrator.session.stopper import StopReport, stop_all
 from orchestrator.wire import timeouts
@@ -42,7 +42,6 @@ class HostRecord:
     part: str = ""                     # its part of the job folder: run/<part>/
     link: Link | None = None           # its agent, once started
     error: BaseException | None = None  # why it could not be reached
-    reports: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -314,7 +313,7 @@ class Session:
         return result.ok
 
     def setup(self, pre: PreflightReport, code: list[LocalFile], force: bool,
-              printer: Printer) -> dict[int, dict[str, Any]]:
+              printer: Printer) -> dict[int, CommandReply]:
         """`setup:` on every host, all or nothing (setupstep.py); skipped on a host
         while its fingerprint is unchanged there, unless `force`."""
         digest = setupstep.setup_fingerprint(self.cluster, code)

@@ -6,7 +6,7 @@ pushed (`code:` absent): the entrypoint must then already be on every host."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TypedDict
 
 from orchestrator.config.inventory import Cluster
 from orchestrator.config.setupspec import fingerprint
@@ -16,12 +16,21 @@ from orchestrator.remote.bundle import host_python
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.session.preflight import HostInfo, PreflightReport, torch_mismatch
+from orchestrator.session.replies import CommandReply, ProbeReply
 from orchestrator.session.shellcmd import Outcome, submit_all, wait_all
 from orchestrator.session.shelloutput import HostOutput, Printer
 from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import timeouts
 
 TAIL = 10  # lines of a failing host's setup output in the message
+
+
+class Where(TypedDict, total=False):
+    """A host's setup request's own fields: `shared` (it runs setup for the hosts that
+    share its job folder) or `log` (its log's name, beside theirs)."""
+
+    shared: bool
+    log: str
 
 
 def command_env(cluster: Cluster, job_dir: str) -> dict[str, str]:
@@ -62,7 +71,7 @@ def run_setup(
     digest: str,
     force: bool,
     printer: Printer,
-) -> dict[int, dict[str, Any]]:
+) -> dict[int, CommandReply]:
     """Setup on every host in parallel; HostError (exit 3) naming every failing host with
     its last lines. KeyboardInterrupt after the hosts ended their commands."""
     spec = cluster.setup
@@ -94,13 +103,13 @@ def run_setup(
 
 
 def setup_hosts(cluster: Cluster, pre: PreflightReport, links: dict[int, Link]
-                ) -> dict[int, dict[str, Any]]:
+                ) -> dict[int, Where]:
     """{host: its setup request's extra fields} of the hosts that run setup. A host with a
     job folder of its own runs it; of hosts sharing one, the first (`once_per:
     filesystem`: its record, run/shared-setup.json, is theirs) or each of them into a
     log of its own (`once_per: host`)."""
     assert cluster.setup is not None
-    out: dict[int, dict[str, Any]] = {}
+    out: dict[int, Where] = {}
     for group in pre.groups():
         members = [i for i in group if i in links]
         if len(group) == 1:
@@ -118,11 +127,11 @@ def raise_setup_failures(
 ) -> None:
     failures = dict(outcome.failed)
     for i, reply in outcome.ok.items():
-        if reply["code"] != 0:
-            label, failed = cluster.hosts[i].label, reply["failed"] or "?"
+        if reply.code != 0:
+            label, failed = cluster.hosts[i].label, reply.failed or "?"
             tail = "".join(f"\n      | {line}" for line in outputs[i].tail_text())
             failures[i] = HostError(
-                f"{label}: `{failed}` exited with {_status(reply['code'])}; "
+                f"{label}: `{failed}` exited with {_status(reply.code)}; "
                 f"its last lines:{tail or ' (no output)'}",
                 hint=f"fix the command (the whole output is in "
                 f"{logs[i]} on {label}), then run `{hint_cmd(cluster, 'up')}` again",
@@ -154,7 +163,7 @@ def check_ready(cluster: Cluster, links: dict[int, Link], pre: PreflightReport) 
 
 def _probe(cluster: Cluster, link: Link, info: HostInfo) -> HostInfo:
     host, job = link.host, cluster.job
-    r = link.request(
+    r = ProbeReply.of(link.request(
         "probe",
         timeouts.PROBE + 15,
         job_dir=info.job_dir,
@@ -162,27 +171,27 @@ def _probe(cluster: Cluster, link: Link, info: HostInfo) -> HostInfo:
         entrypoint=job.entrypoint,
         module=job.is_module,
         env=command_env(cluster, info.job_dir),
-    )
+    ))
     after = " after setup" if cluster.setup else ""
-    if r["error"] or not r["executable"]:
+    if r.error or not r.executable:
         raise HostError(
-            f"{host.label}: python `{host.python}` does not run{after}: {r['error']}",
+            f"{host.label}: python `{host.python}` does not run{after}: {r.error}",
             hint="make setup create it, or point `python:` at an interpreter that exists there",
         )
-    if r["torch"] is None:
+    if r.torch is None:
         raise HostError(
-            f"{host.label}: torch is not installed for {r['executable']}{after}",
+            f"{host.label}: torch is not installed for {r.executable}{after}",
             hint="install torch there (e.g. in setup: `pip install torch==<version>`), "
             "or point `python:` at an interpreter that has it",
         )
-    if r["entrypoint"]:
+    if r.entrypoint:
         raise HostError(
-            f"{host.label}: the entrypoint is not there{after}: {r['entrypoint']} "
+            f"{host.label}: the entrypoint is not there{after}: {r.entrypoint} "
             f"(in {info.job_dir})",
             hint="push it with `code: {paths: [...]}`, copy it to that folder, or fix "
             "`job.entrypoint`",
         )
-    return dataclasses.replace(info, executable=r["executable"], torch=r["torch"])
+    return dataclasses.replace(info, executable=r.executable, torch=r.torch)
 
 
 def needs_check(cluster: Cluster) -> bool:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from orchestrator.errors import HostError, OrchError
 from orchestrator.remote.link import Link, Pending
+from orchestrator.session.replies import CommandReply
 from orchestrator.session.shelloutput import HostOutput
 from orchestrator.wire import timeouts
 
@@ -26,7 +27,7 @@ class Running:
 
 @dataclass
 class Outcome:
-    ok: dict[int, dict[str, Any]]  # host index -> reply
+    ok: dict[int, CommandReply]  # host index -> reply
     failed: dict[int, BaseException]  # host index -> why there is no reply
     interrupted: bool = False
 
@@ -35,7 +36,7 @@ def submit_all(
     links: dict[int, Link],
     command: str,
     outputs: dict[int, HostOutput],
-    fields: Callable[[int], dict[str, Any]],
+    fields: Callable[[int], dict[str, object]],   # a host's request fields, sent as JSON
 ) -> tuple[dict[int, Running], dict[int, BaseException]]:
     running: dict[int, Running] = {}
     failed: dict[int, BaseException] = {}
@@ -71,7 +72,7 @@ def wait_all(
             out.failed[i] = HostError(f"{r.link.name}: {r.pending.command}: {why}")
             continue
         try:
-            out.ok[i] = r.link.wait(r.pending, 0)
+            out.ok[i] = CommandReply.of(r.link.wait(r.pending, 0))
         except Exception as e:  # no reply: the host's error or a lost connection
             out.failed[i] = e
     return out
