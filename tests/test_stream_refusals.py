@@ -24,7 +24,7 @@ from orchestrator.config.inventory import load, parse
 from orchestrator.errors import DataError, OrchError, UsageError
 from orchestrator.files import pull
 from orchestrator.files.localfiles import DigestCache, LocalFile
-from orchestrator.files.sync import Stall, stream_and_wait
+from orchestrator.files.sync import Received, Stall, stream_and_wait
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import LocalTransport
 from orchestrator.session.session import Session
@@ -122,7 +122,7 @@ def files_of(h: Host, sizes: dict[str, int]) -> list[LocalFile]:
     return out
 
 
-def send(h: Host, command: str, files: list[LocalFile]) -> dict:
+def send(h: Host, command: str, files: list[LocalFile]) -> Received:
     """The stream of `command` with the controller's own code (sync.stream_and_wait)."""
     job = str(h.job)
     fields: dict[str, Any] = {"job_dir": job} if command != "receive" else {}

@@ -380,6 +380,7 @@ def test_link_memos_of_shard_folders_that_are_gone_are_dropped(split: Path) -> N
     cache.save()
     listing(split)   # the one-worker split's folders, remembered beside them
     memo = DigestCache(split.parent / ".orch" / "digests.bin").memo["links"]
+    assert isinstance(memo, dict)
     assert any("worker_1_of_2" in folder for folder in memo)
     for name in ("worker_0_of_2", "worker_1_of_2"):
         shutil.rmtree(split.parent / "shards" / name)
@@ -387,7 +388,7 @@ def test_link_memos_of_shard_folders_that_are_gone_are_dropped(split: Path) -> N
     assert shards.forget_gone_folders(cache) == sum("_of_2/" in f for f in memo)
     cache.save()
     kept = DigestCache(split.parent / ".orch" / "digests.bin").memo["links"]
-    assert kept and all("worker_0_of_1" in folder for folder in kept)
+    assert isinstance(kept, dict) and kept and all("worker_0_of_1" in folder for folder in kept)
     assert shards.forget_gone_folders(DigestCache(split.parent / ".orch" / "digests.bin")) == 0
 
 

@@ -176,9 +176,11 @@ class DigestCache:
             self.dirty = False
 
 
-def load_cache(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def load_cache(path: Path) -> tuple[dict[str, object], dict[str, object]]:
     """(entries, memo) of a cache file; empty ones when it is missing or not one
-    (an older orch's JSON, a torn write): only a slower run follows."""
+    (an older orch's JSON, a torn write): only a slower run follows. Their values are
+    as the file held them: each is checked where it is read (DigestCache.known,
+    shards.load_split, shards.LinkTexts)."""
     try:
         doc = marshal.loads(path.read_bytes())
     except (OSError, ValueError, EOFError, TypeError):
@@ -604,7 +606,7 @@ class Pushable:
                 self.seen[rel] = hit
         return hit
 
-    def __call__(self, remote: dict[str, Any]) -> dict[str, Any]:
+    def __call__(self, remote: dict[str, list[Any]]) -> dict[str, list[Any]]:
         if not isinstance(remote, dict):
             return remote
         return {rel: v for rel, v in remote.items() if self.keeps(rel)}

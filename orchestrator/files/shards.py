@@ -10,9 +10,9 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import DataError
@@ -53,6 +53,29 @@ class Manifest:
         return DataError(f"{self.path}: {what}", hint=self.fix_whole if whole else self.fix)
 
 
+class ManifestDoc(TypedDict):
+    """manifest.json with its top level checked (parse): its splits by worker count,
+    each still as the file holds it until check_split passes it."""
+
+    version: int
+    splits: dict[str, object]
+
+
+class ShardDoc(TypedDict):
+    name: str
+    bytes: int
+    files: list[list[Any]]     # [path, bytes] pairs
+
+
+class SplitDoc(TypedDict):
+    """A split check_split passed (the plain data its memo keeps)."""
+
+    kind: str
+    source: str
+    seed: int
+    shards: list[ShardDoc]
+
+
 @dataclass(frozen=True)
 class Shard:
     """One rank's shard of a checked split: its folder's name (`worker_<r>_of_<W>`), its
@@ -74,7 +97,7 @@ class Split:
     shards: tuple[Shard, ...]
 
     @classmethod
-    def of(cls, checked: Mapping[str, Any]) -> Split:   # a split check_split passed
+    def of(cls, checked: SplitDoc) -> Split:
         return cls(checked["kind"], checked["source"], checked["seed"],
                    tuple(Shard(s["name"], s["bytes"], s["files"]) for s in checked["shards"]))
 
@@ -92,7 +115,7 @@ def load_split(cluster: Cluster, cache: DigestCache | None = None) -> Split:
         st = None   # read() says what is wrong
     hit = cache.memo.get(memo_key) if cache is not None and st is not None else None
     if type(hit) is tuple and len(hit) == 2 and st is not None and hit[0] == stat_key(st):
-        return Split.of(hit[1])
+        return Split.of(cast(SplitDoc, hit[1]))   # it passed check_split when it was kept
     manifest, st = read_with_stat(m)
     splits = manifest["splits"]
     split = splits.get(str(m.world))
@@ -144,12 +167,12 @@ def resplit(cluster: Cluster) -> splitdata.SplitResult:
                            seed=seeds[0] if seeds else 0)
 
 
-def read(m: Manifest) -> dict[str, Any]:
+def read(m: Manifest) -> ManifestDoc:
     """The parsed manifest, its top level checked: {"version": 1, "splits": {"<N>": ...}}."""
     return read_with_stat(m)[0]
 
 
-def read_with_stat(m: Manifest) -> tuple[dict[str, Any], os.stat_result]:
+def read_with_stat(m: Manifest) -> tuple[ManifestDoc, os.stat_result]:
     """read(), and the file's stat taken before its bytes (the key a memo may keep)."""
     try:
         with open(m.path, "rb") as f:
@@ -165,7 +188,7 @@ def read_with_stat(m: Manifest) -> tuple[dict[str, Any], os.stat_result]:
     return parse(data, m), st
 
 
-def parse(data: bytes, m: Manifest) -> dict[str, Any]:
+def parse(data: bytes, m: Manifest) -> ManifestDoc:
     if b"\0" in data:
         line = data.count(b"\n", 0, data.index(b"\0")) + 1
         raise m.fail(f"line {line} holds a NUL byte: not a manifest written by orch", whole=True)
@@ -183,10 +206,10 @@ def parse(data: bytes, m: Manifest) -> dict[str, Any]:
     splits = manifest.get("splits")
     if not isinstance(splits, dict) or not all(k.isdigit() and k.isascii() for k in splits):
         raise m.fail("`splits` must map worker counts to splits", whole=True)
-    return manifest
+    return cast(ManifestDoc, manifest)   # the fields checked above
 
 
-def check_split(split: object, m: Manifest) -> dict[str, Any]:
+def check_split(split: object, m: Manifest) -> SplitDoc:
     """kind, source, seed, and one shard per rank named as the ranks read them, each
     listing its files as [path, bytes] with safe, distinct paths. Returns the split."""
     where = f"split for world size {m.world}"
@@ -203,7 +226,7 @@ def check_split(split: object, m: Manifest) -> dict[str, Any]:
         total += check_shard(shard, rank, m)
         if total > MAX_FILES:
             raise m.fail(f"the {where} lists more than {MAX_FILES} files")
-    return split
+    return cast(SplitDoc, split)   # every field checked above
 
 
 def check_shard(shard: object, rank: int, m: Manifest) -> int:
@@ -329,7 +352,7 @@ class LinkTexts:
     def __init__(self, cache: DigestCache) -> None:
         memo = cache.memo.get("links")
         self.cache = cache
-        self.memo: dict[str, Any] = memo if isinstance(memo, dict) else {}
+        self.memo: dict[str, object] = memo if isinstance(memo, dict) else {}
         cache.memo["links"] = self.memo
 
     def of(self, folder: str) -> dict[str, str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from hashlib import sha256
 from typing import Any, Callable
@@ -55,6 +55,20 @@ class Same:
 
     def manifest(self) -> dict[str, list[Any]]:
         return {f.rel: [f.size, f.digest] for f in self.files}
+
+
+@dataclass(frozen=True)
+class Received:
+    """A host's reply to a stream it took (`receive`, `keep_receive`, `restore`): the
+    files and bytes written, and the files deleted (none for a restore)."""
+
+    files: int
+    bytes: int
+    deleted: int = 0
+
+    @classmethod
+    def of(cls, reply: Mapping[str, Any]) -> Received:   # checked by protocol.py
+        return cls(reply["files"], reply["bytes"], reply.get("deleted", 0))
 
 
 # ---------------------------------------------------------------- the stream
@@ -354,8 +368,7 @@ def push(link: Link, dest: str, local: list[LocalFile] | Feed,
             if stall.fired:
                 raise stall.error(dest) from None
             raise
-    return SyncReport(reply["files"], reply["bytes"], reply["deleted"],
-                      tuple(f.rel for f in send))
+    return SyncReport(reply.files, reply.bytes, reply.deleted, tuple(f.rel for f in send))
 
 
 def push_fed(link: Link, dest: str, feed: Feed, progress: SendProgress | None,
@@ -375,7 +388,7 @@ def push_fed(link: Link, dest: str, feed: Feed, progress: SendProgress | None,
             if stall.fired:
                 raise stall.error(dest) from None
             raise
-    return SyncReport(reply["files"], reply["bytes"], reply["deleted"],
+    return SyncReport(reply.files, reply.bytes, reply.deleted,
                       tuple(f.rel for f in feed.whole()))
 
 
@@ -397,7 +410,7 @@ def settle(local: list[LocalFile], remote: dict[str, list[Any]],
 def stream_and_wait(link: Link, stall: Stall, dest: str, send: Iterable[LocalFile],
                     delete: list[str], progress: SendProgress | None,
                     command: str = "receive", cache: DigestCache | None = None,
-                    **fields: Any) -> dict[str, Any]:
+                    **fields: Any) -> Received:
     """The stream after its request (`receive` into dest, or another that takes the same
     stream with `fields`: a checkpoint `restore`, which takes no `files` batches), then
     the reply. Once the request is sent the stream always ends, so the host reads the
@@ -437,7 +450,7 @@ def stream_and_wait(link: Link, stall: Stall, dest: str, send: Iterable[LocalFil
     pending.done.wait(timeouts.SYNC)
     if local is not None and not isinstance(local, HostRefused):
         raise local   # (the host's answer to the abort says only that it was aborted)
-    return link.wait(pending, max(0.0, deadline - time.monotonic()))
+    return Received.of(link.wait(pending, max(0.0, deadline - time.monotonic())))
 
 
 class LinkBroke(Exception):
