@@ -271,3 +271,38 @@ def test_a_refused_connection_in_init_process_group_is_named_as_the_root_cause(
     assert "fix: allow TCP between the hosts of the job on every port" in text, text
     assert proc.returncode == 1, text
     no_job_left(lan, "net-refused")
+
+
+
+def test_a_refused_store_tried_again_is_named_as_a_network_hang(lan: BridgeHosts,
+                                                                 tmp_path: Path) -> None:
+    """Every TCP port but ssh's refused (iptables REJECT) once every rank started: the
+    ranks of hosts 1 and 2 are refused by the store on host 0's master port in
+    init_process_group and try again until torch's timeout (30 min), leaving no waiting
+    connection. Their hosts' count of failed connects grows between two looks; orch
+    checks which hosts they reach on a port the OS picks and names the refused pairs."""
+    go = tmp_path / "go"
+    inv = inventory(lan, tmp_path, "net-retry", job=WAIT_JOB, env={"GO_FILE": str(go)})
+    ready: list[str] = []
+
+    def firewall_once_ready(line: str) -> bool:
+        if "ready" in line:
+            ready.append(line)
+            if len(ready) == len(lan.hosts):
+                for h in lan.hosts:
+                    lan.firewall(h.index, "22", reject="tcp-reset")
+                go.write_text("go")
+        return True
+    try:
+        proc, err = up_until(lan, tmp_path, inv, "network hang:", then=firewall_once_ready)
+    finally:
+        lan.open_all()
+    text = " ".join(err.split())
+    assert "network hang: failed TCP connects since the last look:" in text, text
+    labels, lans = [h.address for h in lan.hosts], [h.lan for h in lan.hosts]
+    pairs = [(a, b, c) for a in labels for b, c in zip(labels, lans) if a != b]
+    assert any(f"{a} -> {b} at {c}:" in text for a, b, c in pairs), text
+    assert "refused); likely cause: a firewall between" in text, text
+    assert "fix: allow TCP between the hosts of the job on every port" in text, text
+    assert "Traceback" not in text and proc.returncode == 130, text
+    no_job_left(lan, "net-retry")

@@ -24,7 +24,7 @@ MASTER = ("10.1.0.5", 29500)
 
 
 def session(tmp_path: Path, hosts: int = 3, broken: int | None = None) -> Any:
-    names = "".join(f"  - 10.0.0.{8 + i}\n" for i in range(hosts))
+    names = "".join(f"  - 10.0.{(8 + i) // 256}.{(8 + i) % 256}\n" for i in range(hosts))
     c = parse(f"name: n\nhosts:\n{names}job: {{entrypoint: job.py}}\n",
               tmp_path / "cluster.yaml")
     asked: list[int] = []
@@ -110,3 +110,142 @@ def test_nothing_is_said_without_a_connection_error_or_on_one_host(tmp_path: Pat
     assert refused(s, ev.RootCause(0.0, "silent", silent=("10.0.0.9",)), MASTER) is None
     assert refused(session(tmp_path, hosts=1), cause(GLOO), MASTER) is None
     assert s.asked == []   # the hosts are asked only when a connection failed
+
+
+# ---------------------------------------------- refused, and tried again: the check
+
+class Fleet:
+    """Fake links: each host's failed connects (`fails`), which ports refuse (`refuse`:
+    (from, to) pairs), and every request asked, in order."""
+
+    def __init__(self, tmp_path: Path, hosts: int) -> None:
+        self.s = session(tmp_path, hosts)
+        self.s.run_id = "r1"
+        self.fails = dict.fromkeys(range(hosts), 100)
+        self.refuse: set[tuple[int, int]] = set()
+        self.asked: list[tuple[str, int, Any]] = []
+        self.s.links = {i: self.link(i) for i in range(hosts)}
+
+    def link(self, i: int) -> Any:
+        fleet = self
+
+        class Link:
+            def request(self, command: str, timeout: float, **f: Any) -> dict[str, Any]:
+                fleet.asked.append((command, i, f))
+                if command == "net_waits":
+                    return {"waits": [], "fails": fleet.fails[i], "interfaces": [
+                        {"name": "eth0", "addrs": [f"10.1.0.{5 + i}"], "up": True}]}
+                if command == "net_listen":
+                    return {"port": 40000 + i}
+                if command == "net_probe":
+                    return {"results": [
+                        {"ok": (i, int(t["group"])) not in fleet.refuse, "src": "",
+                         "why": "refused" if (i, int(t["group"])) in fleet.refuse else "",
+                         "ms": 1.0} for t in f["targets"]]}
+                assert command == "net_close", command
+                return {"closed": 1}
+        return Link()
+
+    def watch(self) -> tuple[Any, list[ev.Event]]:
+        from orchestrator.watch.netwatch import NetWatch
+        said: list[ev.Event] = []
+        return NetWatch(self.s, {0, 1, 2}, lambda: False, said.append,
+                        ("10.1.0.5", 29500)), said
+
+
+def test_refused_connects_tried_again_are_checked_and_the_pair_named(tmp_path: Path) -> None:
+    """No connection waits, but host 1's failed connects grow between two looks: host 1
+    checks the other hosts on a port the OS picks (each listens once, then closes), and
+    the refused pair is named with the cause and fix; said once."""
+    fleet = Fleet(tmp_path, 3)
+    fleet.refuse = {(1, 0)}
+    watch, said = fleet.watch()
+    watch.look(10, rendezvous=False)   # where each count starts: nothing said
+    assert said == [] and {c for c, _, _ in fleet.asked} == {"net_waits"}
+    fleet.fails[1] += 7
+    watch.look(20, rendezvous=False)
+    assert len(said) == 1 and isinstance(said[0], ev.NetworkStall), said
+    e = said[0]
+    assert e.waits == (ev.NetWait("10.0.0.9", None, "10.0.0.8", "10.1.0.5", 40000, 0,
+                                  "refused"),)
+    assert e.text.startswith(
+        "network hang: failed TCP connects since the last look: 7 on 10.0.0.9 (refused or "
+        "unreachable, then tried again, so no connection waits); checked on a port the OS "
+        "picks: 1 host pair cannot connect (10.0.0.9 -> 10.0.0.8 at 10.1.0.5:40000 "
+        "refused); likely cause: a firewall between 10.0.0.[8-9] refuses it; fix: allow "
+        "TCP between the hosts of the job on every port"), e.text
+    probes = [(i, f) for c, i, f in fleet.asked if c == "net_probe"]
+    assert [i for i, _ in probes] == [1]
+    assert [t["group"] for t in probes[0][1]["targets"]] == ["2", "0"]   # the ring on
+    listened = sorted(i for c, i, _ in fleet.asked if c == "net_listen")
+    assert listened == sorted(i for c, i, _ in fleet.asked if c == "net_close") == [0, 2]
+    fleet.fails[1] += 7
+    watch.look(40, rendezvous=False)
+    assert len(said) == 1   # said once
+
+
+def test_few_failed_connects_ask_nothing_and_a_clean_check_invents_no_pair(
+        tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path, 3)
+    watch, said = fleet.watch()
+    watch.look(10, rendezvous=False)
+    fleet.fails[2] += 2   # below MIN_FAILS: another process's, or a peer not yet up
+    watch.look(20, rendezvous=False)
+    assert said == [] and "net_probe" not in {c for c, _, _ in fleet.asked}
+    fleet.fails[2] += 5
+    watch.look(40, rendezvous=False)
+    text = said[0].text   # type: ignore[attr-defined]
+    assert text.startswith("network: failed TCP connects since the last look: 5 on "
+                           "10.0.0.10 (refused or unreachable"), text
+    assert "the cause is not found" in text and "->" not in text, text
+    assert said[0].waits == ()   # type: ignore[attr-defined]
+
+
+def test_the_check_stays_bounded_at_a_thousand_hosts(tmp_path: Path) -> None:
+    """Every host's count grows: REACH_FROM hosts check REACH_PEERS each, no more."""
+    from orchestrator.watch.netwatch import REACH_FROM, REACH_PEERS
+    fleet = Fleet(tmp_path, 1000)
+    watch, said = fleet.watch()
+    watch.look(10, rendezvous=False)
+    for i in fleet.fails:
+        fleet.fails[i] += 10
+    fleet.asked.clear()
+    watch.look(20, rendezvous=False)
+    probes = [f for c, _, f in fleet.asked if c == "net_probe"]
+    assert len(probes) == REACH_FROM and all(len(f["targets"]) == REACH_PEERS for f in probes)
+    assert len([c for c, _, _ in fleet.asked if c == "net_listen"]) <= REACH_FROM * REACH_PEERS
+    assert "and 996 more hosts" in said[0].text   # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------ the agent's count
+
+def test_the_agent_reads_the_kernels_failed_connects(tmp_path: Path) -> None:
+    """Tcp: AttemptFails of /proc/<pid>/net/snmp, once per network namespace; a refused
+    connect here counts (the counter only grows: other processes cannot break that)."""
+    import os
+    import socket
+
+    from orchestrator.agent import network as agent_net
+    snmp = tmp_path / "snmp"
+    snmp.write_text("Ip: Forwarding DefaultTTL\nIp: 1 64\nTcp: RtoAlgorithm ActiveOpens "
+                    "AttemptFails\nTcp: 1 20 17\nUdp: InDatagrams\nUdp: 5\n")
+    assert agent_net.snmp_attempt_fails(str(snmp)) == 17
+    snmp.write_text("Tcp: RtoAlgorithm\nTcp: 1\n")
+    assert agent_net.snmp_attempt_fails(str(snmp)) is None
+    assert agent_net.snmp_attempt_fails(str(tmp_path / "none")) is None
+    me = os.getpid()
+    before = agent_net.attempt_fails([me, me, os.getppid()])   # one namespace: once
+    assert before == agent_net.snmp_attempt_fails(f"/proc/{me}/net/snmp")
+    assert isinstance(before, int)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))   # bound, not listening: a connect to it is refused
+    port = closed.getsockname()[1]
+    with socket.socket() as s:
+        try:
+            s.connect(("127.0.0.1", port))
+        except ConnectionRefusedError:
+            pass
+    closed.close()
+    after = agent_net.attempt_fails([me])
+    assert after is not None and after >= before + 1, (before, after)
+    assert agent_net.attempt_fails([2 ** 22 + 7]) is None   # no such process

@@ -55,6 +55,7 @@ HANDLERS = {
     "net_probe": ("network", "run_probe"),
     "net_close": ("network", "run_close"),
     "net_waits": ("network", "run_waits"),
+    "net_listen": ("network", "run_listen"),
 }
 # command -> daemon thread (not waited for); setup and exec run beside a `cancel`; a
 # pull (the checkpoint keeper's, every few seconds while the job runs) never holds up a

@@ -9,7 +9,11 @@ host's token, so a probe that lands on another machine holding the same address 
 host's docker0 is 172.17.0.1) is told from one that reached the right host.
 `net_probe` connects to the given targets, all at once, each bounded by its timeout;
 `net_close` closes the listeners before the launch needs the master port. After the
-launch, `net_waits` names the job's connections that get no answer (a network hang).
+launch, `net_waits` names the job's connections that get no answer (a network hang),
+with the kernel's count of failed connects in the job's network namespace (a refused
+connect that is tried again leaves no waiting socket, only that count); `net_listen`
+opens one listener again, on a port the OS picks, for the controller's check of which
+hosts a host with failed connects still reaches (`net_probe` to it, then `net_close`).
 """
 from __future__ import annotations
 
@@ -334,6 +338,8 @@ def run_waits(req: Request) -> dict[str, Any]:
     if sup and isinstance(torchrun, int) and torchrun not in pids and \
             procs.child_of(torchrun, sup["pid"]):
         pids.append(torchrun)   # a warm-started torchrun has no marker of its own
+    fails = attempt_fails(pids + ([sup["pid"]] if sup and isinstance(sup.get("pid"), int)
+                                  else []))
     owner = {}   # type: dict[str, int]
     for pid in pids:
         owner.update(dict.fromkeys(socket_inodes(pid), pid))
@@ -344,7 +350,50 @@ def run_waits(req: Request) -> dict[str, Any]:
             del w["inode"]
             w["rank"] = rank_of(w["pid"])
             waits.append(w)
-    return {"waits": waits[:MAX_NET_WAITS], "interfaces": interfaces()}
+    out = {"waits": waits[:MAX_NET_WAITS], "interfaces": interfaces()}   # type: dict[str, Any]
+    if fails is not None:
+        out["fails"] = fails
+    return out
+
+
+def attempt_fails(pids: list[int]) -> int | None:
+    """The kernel's failed TCP connects (Tcp: AttemptFails: refused, unreachable or given
+    up on) summed over the network namespaces the pids live in, each counted once; None
+    when none is readable. Counts since the namespace began: the controller compares."""
+    total, seen = None, set()   # type: int | None, set[str]
+    for pid in pids:
+        try:
+            ns = os.readlink("/proc/%d/ns/net" % pid)
+        except OSError:
+            continue
+        if ns in seen:
+            continue
+        n = snmp_attempt_fails("/proc/%d/net/snmp" % pid)
+        if n is not None:
+            seen.add(ns)
+            total = (total or 0) + n
+    return total
+
+
+def snmp_attempt_fails(path: str) -> int | None:
+    """AttemptFails from a /proc/net/snmp file: its two `Tcp:` lines, names then values."""
+    try:
+        with open(path) as f:
+            tcp = [line.split() for line in f if line.startswith("Tcp:")]
+    except OSError:
+        return None
+    try:
+        return int(tcp[1][tcp[0].index("AttemptFails")])
+    except (IndexError, ValueError):
+        return None
+
+
+def run_listen(req: Request) -> dict[str, Any]:
+    """One listener on a port the OS picks that answers with the token, as preflight's
+    (closed by `net_close`, or after HOLD): the controller checks who reaches this host."""
+    lis = Listener(req.args["token"].encode() + b"\n", [0])
+    LISTENERS.append(lis)
+    return {"port": lis.ports[0]}
 
 
 def socket_inodes(pid: int) -> list[str]:

@@ -84,7 +84,8 @@ class NetWatch:
         self.session, self.started, self.failed, self.emit = session, started, failed, emit
         self.master = master
         self.done = threading.Event()
-        self.said_late = self.said_waits = False
+        self.said_late = self.said_waits = self.said_fails = False
+        self.fails: dict[int, int] = {}   # host -> its failed connects at the last look
         self.t0 = time.monotonic()
         self.thread = threading.Thread(target=self.run, daemon=True, name="orch-netwatch")
 
@@ -104,14 +105,15 @@ class NetWatch:
                 self.look(at, at >= notice)
             except Exception:  # a look is advice: never the job's end
                 pass
-            if self.said_late and self.said_waits:
+            if self.said_late and (self.said_waits or self.said_fails):
                 return
 
     def look(self, at: float, rendezvous: bool) -> None:
         cluster = self.session.cluster
         waits: tuple[ev.NetWait, ...] = ()
-        if not self.said_waits:
-            waits = self.ask()
+        grown: dict[int, int] = {}
+        if not (self.said_waits or self.said_fails):
+            waits, grown = self.ask()
         late: tuple[str, ...] = ()
         text = None
         if rendezvous and not self.said_late:
@@ -122,14 +124,21 @@ class NetWatch:
         if waits:   # the waiting connections name the cause the rendezvous line guesses
             self.said_waits = True
             text = waits_text(waits, self.master)
+        elif grown and not self.failed():   # refused and tried again: no socket waits
+            self.said_fails = True
+            waits = self.reach(grown)
+            labels = {i: cluster.hosts[i].label for i in grown}
+            text = fails_text(grown, labels, waits) + (f"\n{text}" if text else "")
         if text and not self.done.is_set() and not self.failed():
             self.emit(ev.NetworkStall(time.time(), late, waits, text))
 
-    def ask(self) -> tuple[ev.NetWait, ...]:
+    def ask(self) -> tuple[tuple[ev.NetWait, ...], dict[int, int]]:
         """Every host's waiting connections, each peer named by the addresses the hosts
-        hold (one held by several hosts, as docker0's, names none)."""
+        hold (one held by several hosts, as docker0's, names none); and the hosts whose
+        failed connects grew since the last look, by how many."""
         s = self.session
         got = ask_waits(s)
+        grown = self.grown(got)
         owners = owners_of(s, got, self.master[0])
         out = []
         for i, reply in sorted(got.items()):
@@ -140,7 +149,101 @@ class NetWatch:
                 peer = next(iter(peers)) if len(peers) == 1 else None
                 out.append(ev.NetWait(s.cluster.hosts[i].label, w["rank"], peer, w["addr"],
                                       w["port"], w["tries"]))
-        return tuple(out)
+        return tuple(out), grown
+
+    def grown(self, got: dict[int, dict[str, Any]]) -> dict[int, int]:
+        """Hosts whose count of failed connects grew by MIN_FAILS or more since the last
+        look (the first look sets where each starts)."""
+        out = {}
+        for i, reply in got.items():
+            now = reply.get("fails")
+            if not isinstance(now, int):
+                continue
+            if i in self.fails and now - self.fails[i] >= MIN_FAILS:
+                out[i] = now - self.fails[i]
+            self.fails[i] = now
+        return out
+
+    def reach(self, grown: dict[int, int]) -> tuple[ev.NetWait, ...]:
+        """Which hosts those with failed connects reach on a port the OS picks: each of
+        the next REACH_PEERS hosts on the ring listens once (`net_listen`), the host
+        probes them as preflight does, then the listeners close. Bounded at any size:
+        REACH_FROM hosts checked, REACH_PEERS connections each. A pair refused,
+        unreachable or unanswered is returned (rank None: the check's own connection)."""
+        s = self.session
+        n = len(s.cluster.hosts)
+        froms = [i for i in sorted(grown) if i in s.links][:REACH_FROM]
+        peers = {i: [j % n for j in range(i + 1, i + n) if j % n in s.links][:REACH_PEERS]
+                 for i in froms}
+        need = tuple(s.cluster.hosts[j] for j in sorted({j for js in peers.values() for j in js}))
+        tokens = {h.index: f"orch-reach-{s.run_id}-{h.index}" for h in need}
+        wait = timeouts.scaled(timeouts.NET_WAITS, len(need))
+        ports = fan_out(need, lambda h: s.links[h.index].request(
+            "net_listen", wait, token=tokens[h.index])).ok
+        try:
+            addrs = self.addresses()
+            targets = {i: [{"addr": addrs[j], "port": ports[j]["port"], "token": tokens[j],
+                            "group": str(j)} for j in peers[i] if ports.get(j, {}).get("port")]
+                       for i in froms}
+            bound = network.bound(n)
+            got = fan_out(tuple(s.cluster.hosts[i] for i in froms),
+                          lambda h: s.links[h.index].request(
+                              "net_probe", timeouts.scaled(bound * 4 + 10, len(froms)),
+                              targets=targets[h.index], bound=bound)).ok
+        finally:
+            fan_out(need, lambda h: s.links[h.index].request("net_close", wait))
+        return tuple(ev.NetWait(s.cluster.hosts[i].label, None,
+                                s.cluster.hosts[int(t["group"])].label, t["addr"], t["port"],
+                                0, PROBE_CAUSE[r["why"]])
+                     for i, reply in sorted(got.items())
+                     for t, r in zip(targets[i], reply["results"]) if r["why"] in PROBE_CAUSE)
+
+    def addresses(self) -> dict[int, str]:
+        """Each host's address the hosts use between themselves: the network plan's (its
+        source toward the master), else the inventory's; host 0's: MASTER_ADDR."""
+        s = self.session
+        out = {h.index: h.address for h in s.cluster.hosts}
+        doc = network.load(s.cluster, s.run_id)
+        for h, planned in zip(s.cluster.hosts, doc["hosts"] if doc else []):
+            if planned.get("address"):
+                out[h.index] = str(planned["address"])
+        out[0] = self.master[0]
+        return out
+
+
+MIN_FAILS = 3      # failed connects between two looks that start the check
+REACH_FROM = 16    # hosts with failed connects checked in one look
+REACH_PEERS = 64   # hosts each of them is checked against (the next on the ring)
+PROBE_CAUSE = {"refused": "refused", "unreachable": "unreachable", "timeout": "no answer"}
+
+
+def fails_text(grown: dict[int, int], labels: dict[int, str],
+               found: tuple[ev.NetWait, ...]) -> str:
+    """What the failed connects and the check found, in a line: the pairs refused or
+    unanswered with the cause and fix; else only what was seen (no pair invented)."""
+    seen = ", ".join(f"{n} on {labels[i]}" for i, n in sorted(grown.items())[:SHOWN])
+    more = f" (and {len(grown) - SHOWN} more hosts)" if len(grown) > SHOWN else ""
+    seen = (f"failed TCP connects since the last look: {seen}{more} (refused or "
+            "unreachable, then tried again, so no connection waits)")
+    if not found:
+        return (f"network: {seen}; every host checked from there answered on a port the "
+                "OS picks, so the cause is not found: a rank may be trying a peer that "
+                "is not listening, or one port a firewall closes; the job goes on")
+    pairs: dict[tuple[str, str], ev.NetWait] = {}
+    for w in found:
+        pairs.setdefault((w.host, w.peer or w.addr), w)
+    shown = [f"{w.host} -> {w.peer} at {w.addr}:{w.port} {w.cause}"
+             for w in list(pairs.values())[:SHOWN]]
+    extra = f" (and {len(pairs) - SHOWN} more)" if len(pairs) > SHOWN else ""
+    causes = {w.cause for w in pairs.values()}
+    act = "refuses" if causes == {"refused"} else "drops or refuses"
+    hosts = fold(sorted({h for pair in pairs for h in pair}))
+    return (f"network hang: {seen}; checked on a port the OS picks: {len(pairs)} host "
+            f"{'pair' if len(pairs) == 1 else 'pairs'} cannot connect ({'; '.join(shown)}"
+            f"{extra}); likely cause: a firewall between {hosts} {act} it; fix: allow TCP "
+            "between the hosts of the job on every port (gloo and NCCL connect each pair "
+            "of ranks on ports the OS picks); the job waits until torch's own timeout "
+            "(gloo 30 min, NCCL 10), Ctrl-C or `orch stop`")
 
 
 def ask_waits(s: Session) -> dict[int, dict[str, Any]]:

@@ -326,6 +326,8 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "net_close": {},
     # after the launch: the job's connections that get no answer (a network hang)
     "net_waits": {"job_dir": str},
+    # after the launch: one listener again, for the check of who reaches this host
+    "net_listen": {"token": str},
     # orch up --wait: claim again, trying for up to wait_s; release: let go of them all
     "gpu_claim": {"job_dir": str, "want": gpu_want, "wait_s": NUM},
     "gpu_release": {"job_dir": str},
@@ -446,7 +448,9 @@ REPLIES: dict[str, dict[str, Any]] = {
                   "?gpu_uuids": [str], "?gpu_busy": [GPU], "?gpu_error": str, "?net": NET_FACTS},
     "net_probe": {"results": [{"ok": bool, "why": str, "src": str, "ms": NUM}]},
     "net_close": {"closed": int},
-    "net_waits": {"waits": net_waits, "interfaces": [NET_IFACE]},
+    # fails: the kernel's failed TCP connects in the job's network namespace(s)
+    "net_waits": {"waits": net_waits, "interfaces": [NET_IFACE], "?fails": int},
+    "net_listen": {"port": int},
     "manifest": {"root": str},                            # the files come as parts
     "receive": {"files": int, "bytes": int, "deleted": int},
     "launch": {"supervisor": SUPERVISOR},
