@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import replace
-from typing import Any
+from typing import TypedDict
 
 from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster, Host
@@ -89,8 +89,17 @@ def rank_env(cluster: Cluster, host: Host, job_dir: str, run_id: str) -> dict[st
     return env
 
 
+class LaunchSpec(TypedDict):
+    """The `launch` request's spec (protocol.py's): what the host's supervisor starts."""
+
+    run_id: str
+    ranks: list[int]
+    argv: list[str]
+    env: dict[str, str]
+
+
 def launch_spec(cluster: Cluster, host: Host, info: HostInfo, addr: str, port: int,
-                run_id: str, net: dict[str, str] | None = None) -> dict[str, Any]:
+                run_id: str, net: dict[str, str] | None = None) -> LaunchSpec:
     """`net`: the interface variables the network plan sets on this host."""
     return {
         "run_id": run_id, "ranks": list(host.ranks),
@@ -99,7 +108,7 @@ def launch_spec(cluster: Cluster, host: Host, info: HostInfo, addr: str, port: i
     }
 
 
-def launch_host(link: Link, job_dir: str, spec: dict[str, Any]) -> Supervisor:
+def launch_host(link: Link, job_dir: str, spec: LaunchSpec) -> Supervisor:
     """The agent starts the supervisor (detached: a dropped connection leaves it
     running) and replies with its pid, pgid, torchrun's pid and start time."""
     return Supervisor.of(link.request("launch", timeouts.LAUNCH, job_dir=job_dir,

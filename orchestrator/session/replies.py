@@ -46,7 +46,7 @@ class HostStacks:
     nccl_dumps: tuple[str, ...]
 
     @classmethod
-    def of(cls, reply: dict[str, Any]) -> HostStacks:   # the decoded frame, checked by protocol.py
+    def of(cls, reply: Mapping[str, Any]) -> HostStacks:   # the decoded frame, checked by protocol.py
         ranks = tuple(RankStackReply(r["rank"], r["state"], r.get("pid"), r.get("stack", ""))
                       for r in reply["ranks"])
         return cls(ranks, tuple(reply.get("nccl_dumps", ())))
