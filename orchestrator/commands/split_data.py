@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 from rich.console import Console
 from rich.markup import escape
@@ -56,7 +56,29 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def summary(result: splitdata.SplitResult) -> dict[str, Any]:
+class ShardSummary(TypedDict):
+    name: str
+    files: int
+    bytes: int
+    classes: dict[str, int]
+
+
+class Summary(TypedDict):
+    """`orch split-data --json` (docs/reference/json.md names its fields)."""
+
+    workers: int
+    kind: str
+    source: str
+    seed: int
+    out: str
+    manifest: str
+    replaced: bool
+    seconds: dict[str, float]
+    notes: list[str]
+    shards: list[ShardSummary]
+
+
+def summary(result: splitdata.SplitResult) -> Summary:
     """--json: what was written, per shard its counts (not its file list: manifest.json has it)."""
     p = result.plan
     return {"workers": p.workers, "kind": p.kind, "source": str(p.source), "seed": p.seed,

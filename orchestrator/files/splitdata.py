@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, TypedDict, cast
 
 from orchestrator.errors import DataError
 
@@ -45,6 +45,31 @@ FileList = list[tuple[str, int]]
 Packer = Callable[[Path], None]
 
 
+class ShardJson(TypedDict):
+    """A shard in manifest.json (shards.py reads it back, checked)."""
+
+    name: str
+    bytes: int
+    files: FileList               # written as [path, bytes] pairs
+    classes: dict[str, int]
+    digest: str
+
+
+class SplitJson(TypedDict):
+    workers: int
+    kind: str
+    source: str
+    seed: int
+    shards: list[ShardJson]
+
+
+class ManifestJson(TypedDict):
+    """manifest.json: a split per worker count, each as split-data wrote it."""
+
+    version: int
+    splits: dict[str, SplitJson]
+
+
 @dataclass
 class Shard:
     """One worker's share: files as (path relative to the source, bytes), counts per class."""
@@ -61,7 +86,7 @@ class Shard:
         lines = sorted(f"{rel}\t{size}\n" for rel, size in self.files)
         return hashlib.sha256("".join(lines).encode("utf-8", "surrogateescape")).hexdigest()
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> ShardJson:
         # json writes the (path, bytes) tuples as two-element arrays.
         return {"name": self.name, "bytes": self.bytes, "files": self.files,
                 "classes": self.classes, "digest": self.digest()}
@@ -78,7 +103,7 @@ class SplitPlan:
     shards: list[Shard]
     notes: list[str] = field(default_factory=list)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> SplitJson:
         return {"workers": self.workers, "kind": self.kind, "source": str(self.source),
                 "seed": self.seed, "shards": [s.to_json() for s in self.shards]}
 
@@ -131,7 +156,7 @@ def _check_writable(dst: Path) -> None:
         raise DataError(f"cannot write to {existing}", hint="choose an --out you may write to")
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path) -> ManifestJson:
     """The manifest beside the shards, or an empty one; a damaged one is an error, not
     overwritten."""
     if not path.exists():
@@ -146,7 +171,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
             or not isinstance(data.get("splits"), dict)):
         raise DataError(f"{path} is not an orch manifest (version {MANIFEST_VERSION})",
                         hint="move it away, or choose another --out")
-    return data
+    return cast(ManifestJson, data)   # its version and splits checked: split-data wrote it
 
 
 def _names(items: list[str]) -> str:
@@ -482,16 +507,18 @@ def _swap_in(out: Path, tmp: Path, old: Path, names: list[str]) -> bool:
     return bool(retired)
 
 
-def _dumps(data: dict[str, Any], files: int) -> str:
+def _dumps(data: ManifestJson, files: int) -> str:
     """Readable (one file per line) when small; compact, by json's fast C encoder, when large."""
     if files > INDENT_LIMIT:
         return json.dumps(data, separators=(",", ":"))
-    lists: list[Any] = []  # each shard's "files" as it came from the manifest
-    for split in data["splits"].values():
-        for shard in split["shards"]:
-            lists.append(shard["files"])
-            shard["files"] = f"\0files{len(lists) - 1}"
-    text = json.dumps(data, indent=1)
+    lists: list[FileList] = []  # each shard's "files", written in by hand below
+
+    def marked(shard: ShardJson) -> dict[str, object]:
+        lists.append(shard["files"])
+        return {**shard, "files": f"\0files{len(lists) - 1}"}
+    shown = {**data, "splits": {n: {**split, "shards": [marked(s) for s in split["shards"]]}
+                                for n, split in data["splits"].items()}}
+    text = json.dumps(shown, indent=1)
     for i, pairs in enumerate(lists):
         body = ",\n".join(json.dumps(pair) for pair in pairs)
         text = text.replace(json.dumps(f"\0files{i}"), f"[\n{body}\n]" if pairs else "[]", 1)
