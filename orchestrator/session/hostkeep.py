@@ -33,15 +33,14 @@ import shutil
 import stat
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from orchestrator.config.inventory import Cluster, Host, RankSlot
 from orchestrator.errors import HostError, OrchError
 from orchestrator.files.localfiles import DigestCache, LocalFile
-from orchestrator.files.pull import PullReport, manifest, receive
+from orchestrator.files.pull import Listing, PullReport, manifest, receive
 from orchestrator.files.pulldest import Dest
 from orchestrator.files.sync import Stall, stream_and_wait
 from orchestrator.remote.fanout import fan_out
@@ -110,7 +109,7 @@ class HostKeeper(Keeper):
         if self.refused is not None and time.monotonic() < self.retry_at:
             raise HostError(self.refused)   # a failed round, without fetching everything again
         _, there = manifest(klink, kdir, [], folder=globs.KEEP)
-        listed: dict[str, Any] = {}
+        listed: Listing = {}
         for folder, rests in folder_globs(self.cluster.job.checkpoint).items():
             reply, remote = manifest(link, job_dir, [], folder=folder, globs=rests,
                                      settle=self.settle)
@@ -159,13 +158,13 @@ def matches(cluster: Cluster, rel: str) -> bool:
     return globs.matches_any(folder_globs(cluster.job.checkpoint).get(folder, []), sub)
 
 
-def fetch_into(link: Link, job_dir: str, stage: Path, fetch: dict[str, Any],
+def fetch_into(link: Link, job_dir: str, stage: Path, fetch: Listing,
                source: str | None = None) -> dict[str, LocalFile]:
     """`fetch` ({rel to the job folder: [size, sha256]}) from the host into stage/<rel>,
     complete and verified files only. `source`: the host's folder they are listed in
     (globs.KEEP: its copy, rel kept whole), else the job folder's output/ or code/.
     Returns the files that landed, as LocalFile to push on."""
-    by_folder: dict[str, dict[str, Any]] = {}
+    by_folder: dict[str, Listing] = {}
     for rel, entry in fetch.items():
         if source:
             by_folder.setdefault(source, {})[rel] = entry
@@ -228,7 +227,7 @@ class Kept:
         self.lost = set()
 
 
-Opener = Callable[[Cluster, Host], Any]
+Opener = Callable[[Cluster, Host], AbstractContextManager[tuple[Link, str]]]
 
 
 def put_back(session: Session, pre: PreflightReport, last: Kept,
@@ -272,7 +271,7 @@ def gather(session: Session, cluster: Cluster, last: Kept, stage: Path,
     in_run = {h.label for h in cluster.hosts}
     if last.rank0 is not None and last.rank0 in in_run:
         with host_link(session, cluster, last, last.rank0, opener) as (link, job_dir):
-            listed: dict[str, Any] = {}
+            listed: Listing = {}
             for folder, rests in folder_globs(cluster.job.checkpoint).items():
                 _, remote = manifest(link, job_dir, [], folder=folder, globs=rests)
                 listed.update({f"{folder}/{rel}": e for rel, e in remote.items()})
