@@ -10,13 +10,26 @@ torchrun that cannot reach the rendezvous or the ranks' store. Each such connect
 named by the two hosts (the peer found among the hosts' addresses), the address and the
 port. The first look at or past notice_after() also names the hosts none of whose
 ranks started (`stalled`), unless waiting connections name the cause.
-Each is said once, as a `NetworkStall` event; the job goes on (Ctrl-C, `orch stop` or
-`job.hang_timeout` ends it). A look is one small request per host; the looks thin out,
-so a long run asks a handful of times in all.
+A firewall that refuses (iptables REJECT, an ICMP unreachable) leaves no waiting socket:
+a rank whose store connection is refused tries again until torch's timeout. Each reply
+also carries the kernel's count of failed connects in the job's network namespace
+(Tcp: AttemptFails); where it grew by MIN_FAILS or more since the last look and no
+connection waits, that host checks the next REACH_PEERS hosts on a port the OS picks
+(each listens once, as at preflight), REACH_FROM hosts at most per look, and the pairs
+it cannot connect are named with the cause (refused, unreachable, no answer); if all
+answer, only what was seen is said. Each is said once, as a `NetworkStall` event; the
+job goes on (Ctrl-C, `orch stop` or `job.hang_timeout` ends it). A look is one small
+request per host; the looks thin out, so a long run asks a handful of times in all.
 
-What it cannot see: a connection refused (or unreachable) that the rank retries, which
-leaves no waiting socket between its tries; a hang that is not a connection (a
-collective on an open path)."""
+A pair refused at once (gloo tries 4 times in about a second, then init_process_group
+raises) ends the job instead: `refused` reads the root cause's last lines and names the
+network as its cause, host pair, port and fix, right after the RootCause.
+
+What it cannot see: a hang that is not a connection (a collective on an open path); a
+refused port the check's own port is not (one port closed, the rest open: the count
+is then said without a pair); failed connects of other processes in the namespace
+(the whole host's, without containers) look like the job's, and the check then finds
+every host answering."""
 from __future__ import annotations
 
 import os
