@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Callable, TypedDict
 
 from orchestrator.api import jobs
 from orchestrator.api.outcomes import ArrayHost, ArrayUpResult, Plan, UpHost, UpResult
@@ -437,16 +437,27 @@ def sync(session: Session, files: dict[int, HostFiles], pre: PreflightReport,
     record_sync(cluster, reports, shared)
 
 
+class SyncedPart(TypedDict):
+    """What one push (code or data) sent to a host, in last_sync.json."""
+
+    files: int
+    bytes: int
+    deleted: int
+    sent: list[str]
+
+
 def record_sync(cluster: Cluster, reports: SyncReports, shared: dict[int, list[str]]) -> None:
     """.orch/<name>/last_sync.json: what was sent where; a host whose job folder another
     host pushed for says `pushed_by`, the one that pushed `shared_with`."""
-    record: dict[str, Any] = {}
+    record: dict[str, dict[str, SyncedPart | list[str] | str]] = {}   # host -> its entry
     for i, parts in sorted(reports.items()):
         label = cluster.hosts[i].label
-        record[label] = {k: {"files": r.files, "bytes": r.bytes, "deleted": r.deleted,
-                             "sent": list(r.sent)} for k, r in parts.items()}
+        entry: dict[str, SyncedPart | list[str] | str] = {
+            k: SyncedPart(files=r.files, bytes=r.bytes, deleted=r.deleted, sent=list(r.sent))
+            for k, r in parts.items()}
+        record[label] = entry
         if i in shared:
-            record[label]["shared_with"] = shared[i]
+            entry["shared_with"] = shared[i]
         for other in shared.get(i, []):
             record[other] = {"pushed_by": label}
     cluster.state_dir.mkdir(parents=True, exist_ok=True)

@@ -420,8 +420,9 @@ def to_json(value: Any) -> Any:
     return value
 
 
-def document(result: Any) -> dict[str, Any]:
-    """The --json document of a result: `version` first, then its fields."""
+def document(result: Any) -> dict[str, Any]:   # free-form JSON, as json.loads gives it
+    """The --json document of a result: `version` first, then its fields (api.document:
+    a user's code reads it as it would read the JSON)."""
     data = to_json(result)
     if not isinstance(data, dict):
         raise TypeError(f"{type(result).__name__} is not a result")

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from orchestrator.api import jobs
 from orchestrator.api.outcomes import PullResult
@@ -100,16 +100,24 @@ def run_dest(cluster: Cluster, st: job_state.JobState | None) -> tuple[Path, Pat
         return dest, None
     aside, held = None, earlier_run(cluster, st)
     if held is not None:
-        started = held.get("started")
-        when = time.localtime(started if isinstance(started, (int, float)) else None)
+        when = time.localtime(held.started)
         aside = set_aside(dest, time.strftime("%Y%m%d-%H%M%S", when))
     adopt(cluster, st)
     return dest, aside
 
 
-def earlier_run(cluster: Cluster, st: job_state.JobState) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class PulledRun:
+    """`.orch/<name>/pulled-run.json`: the run whose files outputs/<name>/ holds, and
+    when it started (None where the record does not say)."""
+
+    run_id: str
+    started: float | None
+
+
+def earlier_run(cluster: Cluster, st: job_state.JobState) -> PulledRun | None:
     """The record of the earlier run whose files outputs/<name>/ holds (None: it holds
-    this run's, or nothing): the parsed `.orch/<name>/pulled-run.json`."""
+    this run's, or nothing)."""
     dest, record = default_dest(cluster), cluster.state_dir / "pulled-run.json"
     try:
         held = json.loads(record.read_text())
@@ -117,7 +125,8 @@ def earlier_run(cluster: Cluster, st: job_state.JobState) -> dict[str, Any] | No
         return None
     earlier = isinstance(held, dict) and held.get("run_id") not in (None, st.run_id)
     if earlier and dest.is_dir() and not dest.is_symlink() and any(dest.iterdir()):
-        return held   # type: ignore[no-any-return]
+        started = held.get("started")
+        return PulledRun(str(held["run_id"]), started if isinstance(started, (int, float)) else None)
     return None
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 from dataclasses import replace
-from typing import Any
 
 from orchestrator.api import jobs
 from orchestrator.api.outcomes import (
@@ -213,15 +212,15 @@ CURVE_METRICS = ("val_acc", "val/acc", "accuracy", "acc", "val_loss", "val/loss"
 CURVE_POINTS = 200                             # values kept (the last ones)
 
 
-def task_curve(cluster: Cluster, task: int) -> dict[str, Any]:
-    """{"curve_metric", "curve"}: one metric of the task's files, epoch by epoch (or
-    step by step), from the local copies; empty when it wrote none."""
+def task_curve(cluster: Cluster, task: int) -> tuple[str, list[float]]:
+    """(its metric, its values): one metric of the task's files, epoch by epoch (or step
+    by step), from the local copies; ("", []) when it wrote none."""
     from orchestrator.watch import curves
     found = {s.name: s for s in curves.read_curves(cluster, task=task)}
     name = next((m for m in CURVE_METRICS if m in found), None) or next(iter(sorted(found)), None)
     if name is None:
-        return {}
-    return {"curve_metric": name, "curve": [p.value for p in found[name].points][-CURVE_POINTS:]}
+        return "", []
+    return name, [p.value for p in found[name].points][-CURVE_POINTS:]
 
 
 def results_of(session: Session, rec: plan.ArrayRecord) -> Results:
@@ -234,6 +233,9 @@ def results_of(session: Session, rec: plan.ArrayRecord) -> Results:
     curvefetch.once(session)   # each task's metrics files, for its curve
     path = cluster.state_dir / "results.csv"
     array_results.write_csv(path, rows)
-    tasks = [replace(r, **task_curve(cluster, r.task)) for r in rows]
+    tasks = []
+    for r in rows:
+        metric, curve = task_curve(cluster, r.task)
+        tasks.append(replace(r, curve_metric=metric, curve=curve) if metric else r)
     return Results(job=cluster.name, tasks=tasks, groups=array_results.group(rows), csv=path,
                    unreached=dict(session.failed))
