@@ -137,14 +137,14 @@ def _config_error(path: str, exc: BaseException) -> UsageError:
                            "makes of it), or point ORCH_SSH_CONFIG at another file")
 
 
-def _lookup(config: paramiko.SSHConfig, name: str) -> dict[str, Any]:
+def _lookup(config: paramiko.SSHConfig, name: str) -> paramiko.SSHConfigDict:
     try:
         return config.lookup(name)
     except Exception as exc:  # a Match block paramiko cannot evaluate, and the like
         raise _config_error(ssh_config_path(), exc) from None
 
 
-def _config_keys(entry: dict[str, Any]) -> tuple[str, ...]:
+def _config_keys(entry: paramiko.SSHConfigDict) -> tuple[str, ...]:
     # OpenSSH skips an IdentityFile that does not exist; so do we
     paths = (os.path.expanduser(p) for p in entry.get("identityfile", []))
     return tuple(p for p in paths if os.path.exists(p))
