@@ -8,12 +8,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from rich.markup import escape
 
 from orchestrator.arrays.plan import ArrayRecord
 from orchestrator.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
+from orchestrator.remote.link import HostDone
 from orchestrator.session.session import Session
 from orchestrator.ui.console import console
 from orchestrator.ui.wording import hint_cmd
@@ -44,7 +44,7 @@ class ArrayMonitor(LineSink):
                           f"({signal_name(code)})[/]; the others go on")
             self.wake.set()
 
-    def host_done(self, host: int, info: dict[str, Any]) -> None:
+    def host_done(self, host: int, info: HostDone) -> None:
         self.wake.set()
 
     def host_lost(self, host: int, why: str) -> None:

@@ -21,6 +21,7 @@ from types import FrameType
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_JOB_FAILED, EXIT_OK
 from orchestrator.remote.fanout import GroupResult
+from orchestrator.remote.link import HostDone
 from orchestrator.session.session import Session
 from orchestrator.session.state import JobState
 from orchestrator.session.stopper import StopReport
@@ -90,9 +91,8 @@ class Monitor(LineSink):
                                 -code if code < 0 else None, at - self.state.started,
                                 after_stop))
 
-    def host_done(self, host: int, info: dict[str, object]) -> None:
-        code = info.get("code")
-        self.host_codes[host] = code if isinstance(code, int) else None
+    def host_done(self, host: int, info: HostDone) -> None:
+        self.host_codes[host] = info.code
         self.wake.set()
 
     def host_lost(self, host: int, why: str) -> None:
