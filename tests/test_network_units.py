@@ -18,7 +18,7 @@ from orchestrator.config.inventory import parse
 from orchestrator.errors import HostError, InventoryError
 from orchestrator.session import network
 from orchestrator.session.launch import dry_run_plan
-from orchestrator.session.replies import NetFacts, Probed, Target
+from orchestrator.session.replies import Iface, NetFacts, Probed, Target
 
 BASE = "name: n\nhosts:\n  - 10.0.0.8\n  - 10.0.0.9\njob: {entrypoint: job.py}\n"
 
@@ -218,6 +218,9 @@ def test_the_agent_learns_its_network_and_answers_the_probe_with_its_token() -> 
     try:
         assert {"name": "lo", "addrs": ["127.0.0.1"], "up": True} in f["interfaces"]
         assert f["route_src"] == "127.0.0.1" and f["port"] > 0 and "master_listen" not in f
+        got = NetFacts.of(f)   # as the controller decodes the preflight reply's `net`
+        assert Iface("lo", ("127.0.0.1",), True) in got.interfaces
+        assert (got.route_src, got.port, got.master_listen) == ("127.0.0.1", f["port"], None)
         good = {"addr": "127.0.0.1", "port": f["port"], "token": "tok-0"}
         assert agent_net.connect(good, 1)["ok"]
         assert agent_net.connect(dict(good, token="tok-1"), 1)["why"] == "other"
