@@ -107,10 +107,12 @@ def sha(data: bytes) -> str:
 def test_prune_keeps_a_complete_round_only(tmp_path: Path) -> None:
     """What the keeper removes locally: files the host no longer has, and only after a
     round in which every listed file is held (never when the host lists nothing)."""
+    from orchestrator.files.pull import Entry
     from orchestrator.session.keeper import stale
 
     held = {"checkpoints/epoch-1.pt": sha(b"1"), "checkpoints/epoch-2.pt": sha(b"2")}
-    listed = {"checkpoints/epoch-2.pt": [1, sha(b"2")], "checkpoints/epoch-3.pt": [1, sha(b"3")]}
+    listed = {"checkpoints/epoch-2.pt": Entry(1, sha(b"2")),
+              "checkpoints/epoch-3.pt": Entry(1, sha(b"3"))}
     assert stale(held, listed) == []      # epoch-3 is not held yet: keep everything
     held["checkpoints/epoch-3.pt"] = sha(b"3")
     assert stale(held, listed) == ["checkpoints/epoch-1.pt"]

@@ -27,7 +27,6 @@ import stat
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import HostError
@@ -68,11 +67,11 @@ def folder_globs(patterns: Iterable[str]) -> dict[str, list[str]]:
     return out
 
 
-def stale(held: dict[str, str], listed: dict[str, Any]) -> list[str]:
+def stale(held: dict[str, str], listed: Listing) -> list[str]:
     """The local files to remove after a round: those the host no longer lists, and only
     when every file it lists is held with its digest (the new set is complete here) and
     it lists at least one."""
-    if not listed or any(held.get(rel) != entry[1] for rel, entry in listed.items()):
+    if not listed or any(held.get(rel) != entry.sha256 for rel, entry in listed.items()):
         return []
     return sorted(rel for rel in held if rel not in listed)
 
