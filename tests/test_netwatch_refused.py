@@ -125,6 +125,7 @@ class Fleet:
         self.refuse: set[tuple[int, int]] = set()
         self.asked: list[tuple[str, int, Any]] = []
         self.s.links = {i: self.link(i) for i in range(hosts)}
+        self.started = set(range(hosts))   # each host's one rank
 
     def link(self, i: int) -> Any:
         fleet = self
@@ -149,7 +150,7 @@ class Fleet:
     def watch(self) -> tuple[Any, list[ev.Event]]:
         from orchestrator.watch.netwatch import NetWatch
         said: list[ev.Event] = []
-        return NetWatch(self.s, {0, 1, 2}, lambda: False, said.append,
+        return NetWatch(self.s, self.started, lambda: False, said.append,
                         ("10.1.0.5", 29500)), said
 
 
@@ -199,6 +200,36 @@ def test_few_failed_connects_ask_nothing_and_a_clean_check_invents_no_pair(
                            "10.0.0.10 (refused or unreachable"), text
     assert "the cause is not found" in text and "->" not in text, text
     assert said[0].waits == ()   # type: ignore[attr-defined]
+
+
+def test_failed_connects_before_the_ranks_start_are_no_fault_until_the_rendezvous_look(
+        tmp_path: Path) -> None:
+    """A node's launcher is refused by the store while host 0 still imports torch: its
+    count grows before its ranks start. Counted only between looks that found the host's
+    ranks started, or at the rendezvous look for a host none of whose ranks started."""
+    fleet = Fleet(tmp_path, 3)
+    fleet.started.clear()
+    watch, said = fleet.watch()
+    watch.look(4, rendezvous=False)
+    fleet.fails[1] += 9
+    watch.look(8, rendezvous=False)
+    assert said == [], said
+    fleet.started.update({0, 1, 2})   # started: this look only sets where counts start
+    fleet.fails[1] += 9
+    watch.look(16, rendezvous=False)
+    assert said == [], said
+    fleet.fails[1] += 9
+    watch.look(32, rendezvous=False)
+    assert len(said) == 1 and "9 on 10.0.0.9" in said[0].text   # type: ignore[attr-defined]
+    late = Fleet(tmp_path, 3)
+    late.started.clear()
+    late.started.add(0)
+    watch, said = late.watch()
+    watch.look(40, rendezvous=False)
+    late.fails[2] += 4
+    watch.look(60, rendezvous=True)   # host 2 has not joined: its refusals count now
+    assert len(said) == 1 and "4 on 10.0.0.10" in said[0].text, said   # type: ignore[attr-defined]
+    assert "rendezvous: 10.0.0.[9-10] have not joined" in said[0].text   # type: ignore[attr-defined]
 
 
 def test_the_check_stays_bounded_at_a_thousand_hosts(tmp_path: Path) -> None:

@@ -98,7 +98,8 @@ class NetWatch:
         self.master = master
         self.done = threading.Event()
         self.said_late = self.said_waits = self.said_fails = False
-        self.fails: dict[int, int] = {}   # host -> its failed connects at the last look
+        # host -> its failed connects at the last look, and whether its ranks had started
+        self.fails: dict[int, tuple[int, bool]] = {}
         self.t0 = time.monotonic()
         self.thread = threading.Thread(target=self.run, daemon=True, name="orch-netwatch")
 
@@ -126,7 +127,7 @@ class NetWatch:
         waits: tuple[ev.NetWait, ...] = ()
         grown: dict[int, int] = {}
         if not (self.said_waits or self.said_fails):
-            waits, grown = self.ask()
+            waits, grown = self.ask(rendezvous)
         late: tuple[str, ...] = ()
         text = None
         if rendezvous and not self.said_late:
@@ -145,13 +146,13 @@ class NetWatch:
         if text and not self.done.is_set() and not self.failed():
             self.emit(ev.NetworkStall(time.time(), late, waits, text))
 
-    def ask(self) -> tuple[tuple[ev.NetWait, ...], dict[int, int]]:
+    def ask(self, rendezvous: bool = False) -> tuple[tuple[ev.NetWait, ...], dict[int, int]]:
         """Every host's waiting connections, each peer named by the addresses the hosts
         hold (one held by several hosts, as docker0's, names none); and the hosts whose
         failed connects grew since the last look, by how many."""
         s = self.session
         got = ask_waits(s)
-        grown = self.grown(got)
+        grown = self.grown(got, rendezvous)
         owners = owners_of(s, got, self.master[0])
         out = []
         for i, reply in sorted(got.items()):
@@ -164,17 +165,24 @@ class NetWatch:
                                       w["port"], w["tries"]))
         return tuple(out), grown
 
-    def grown(self, got: dict[int, dict[str, Any]]) -> dict[int, int]:
+    def grown(self, got: dict[int, dict[str, Any]], rendezvous: bool) -> dict[int, int]:
         """Hosts whose count of failed connects grew by MIN_FAILS or more since the last
-        look (the first look sets where each starts)."""
+        look, counted only between two looks that each found every rank of the host
+        started: before, a node's launcher is refused by the store while host 0 still
+        imports torch, which is no fault. At the rendezvous look a host with no rank
+        started counts too: by then its refusals are one."""
         out = {}
         for i, reply in got.items():
             now = reply.get("fails")
             if not isinstance(now, int):
                 continue
-            if i in self.fails and now - self.fails[i] >= MIN_FAILS:
-                out[i] = now - self.fails[i]
-            self.fails[i] = now
+            ranks = self.session.cluster.hosts[i].ranks
+            up = all(r in self.started for r in ranks)
+            late = rendezvous and not any(r in self.started for r in ranks)
+            before, was_up = self.fails.get(i, (None, False))
+            if before is not None and ((up and was_up) or late) and now - before >= MIN_FAILS:
+                out[i] = now - before
+            self.fails[i] = (now, up)
         return out
 
     def reach(self, grown: dict[int, int]) -> tuple[ev.NetWait, ...]:
