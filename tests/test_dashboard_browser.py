@@ -229,6 +229,8 @@ def row(epoch):
             f.write(("epoch,train_loss\\n" if new else "") + "%d,%g\\n" % (epoch, 1.0 / epoch))
 
 print("<script>alert(1)</script>", flush=True)
+if rank == 1:   # more than the page keeps: the download has them all
+    print("".join("bulk line %d\\n" % i for i in range(6000)), end="", flush=True)
 row(1)
 print("epoch 1 written", flush=True)
 while not os.path.exists(os.path.join(out, "go")):
@@ -288,6 +290,13 @@ def test_a_job_on_sshd_hosts_in_chromium(sshd_cluster: Any, tmp_path: Path, jobs
         exit_s = time.monotonic() - t0
         until(browser, lambda d: points(d, "curve:train_loss") == 2, 60)
         curve_s = time.monotonic() - t0
+        # rank 1's whole log, read on its host: every line, past the page's 5,000
+        conn = http.client.HTTPConnection("127.0.0.1", opened.server.port, timeout=60)
+        conn.request("GET", "/api/log.txt?rank=1", headers={"X-Orch-Token": opened.server.token})
+        whole = conn.getresponse().read().decode().splitlines()
+        conn.close()
+        assert whole[0] == SCRIPT.decode() and whole[-1] == "epoch 2 written"
+        assert [t for t in whole if t.startswith("bulk line")] == [f"bulk line {i}" for i in range(6000)]
         print(f"\ndashboard over sshd: line {line_s:.2f} s, rank 1's exit {exit_s:.2f} s, "
               f"curve point {curve_s:.2f} s after the epoch's go")
 
