@@ -540,7 +540,7 @@ def test_orch_dashboard_sets_an_earlier_runs_files_aside(tmp_path: Path, monkeyp
     assert orch("dashboard", "--no-open", "-c", path) == 130
     (aside,) = (tmp_path / "outputs").glob("fk.*")
     assert (aside / "metrics.csv").read_text().startswith("epoch,old_loss")
-    said = f"outputs/fk held an earlier run's files: moved to outputs/{aside.name} (each run keeps its own folder)"
+    said = f"outputs/fk/ held an earlier run's files: moved to outputs/{aside.name}/ (each run keeps its own folder)"
     assert said in seen["err"] and said in seen["state"]["notes"]
     assert [c["name"] for c in seen["state"]["curves"]] == ["new_loss"]
 

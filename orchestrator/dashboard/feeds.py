@@ -129,7 +129,8 @@ def own_folder(cluster: Cluster, st: JobState, board: Board) -> None:
 
 
 def rel(cluster: Cluster, path: Path) -> str:
-    return str(path.relative_to(cluster.base_dir)) if path.is_relative_to(cluster.base_dir) else str(path)
+    """A folder as the pull's line names it: beside the inventory, with a slash."""
+    return (str(path.relative_to(cluster.base_dir)) if path.is_relative_to(cluster.base_dir) else str(path)) + "/"
 
 
 def next_run(inventory: jobs.Inventory, last: JobState, feeds: Feeds,
