@@ -129,6 +129,7 @@ def test_the_page_in_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, b
                          "GLOO_SOCKET_IFNAME=lo\nNCCL_SOCKET_IFNAME=lo"],
                         [SCRIPT.decode(), "left to torch", "", "one machine", "", "nothing"]]
         assert not browser.find_elements(By.CSS_SELECTOR, "#network-rows script")
+        assert not browser.find_element(By.ID, "curve-task-row").is_displayed()   # not an array
 
         # rank 2's log: the <script> it printed, as text; nothing ran
         Select(browser.find_element(By.ID, "log-rank")).select_by_value("2")
@@ -189,6 +190,7 @@ def test_a_job_arrays_curves_per_task_in_chromium(tmp_path: Path, monkeypatch: p
     try:
         browser.get(opened.url)
         until(browser, lambda d: series(d, "curve:train_loss") == 2)
+        assert browser.find_element(By.ID, "curve-task-row").is_displayed()
         assert len(browser.find_elements(By.CSS_SELECTOR, "#task-rows tr")) == 4
         assert len(browser.find_elements(By.CSS_SELECTOR, "#group-rows tr")) == 2
         choice = Select(browser.find_element(By.ID, "curve-task"))

@@ -99,6 +99,7 @@
     $("network-probe").textContent = plan.probe ? "probe: " + plan.probe : "";
     var body = $("network-rows");
     clear(body);
+    $("network-table").hidden = plan.rows.length === 0;
     plan.rows.forEach(function (r) {
       var tr = el("tr");
       [r.hosts, r.interface, r.addresses, r.how].forEach(function (v) { tr.appendChild(el("td", v)); });
