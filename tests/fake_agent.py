@@ -248,6 +248,7 @@ class FakeCluster:
         self.log: list[tuple[str, str, dict]] = []   # (label, request, message), in order
         self.exit_times: dict[int, float] = {}   # rank -> our time of its exit (default: now)
         self.late: dict[int, float] = {}         # rank -> seconds its exit event comes late
+        self.skew: dict[str, float] = {}         # label -> its clock minus ours (seconds)
 
     def on(self, t: str, handler: Handler, label: str | None = None) -> FakeCluster:
         """`label`'s (None: every host's) answer to request `t`."""
@@ -267,6 +268,7 @@ class FakeCluster:
                             hint="check that sshd runs there")
         transport = FakeTransport(host, {})
         transport.channel.answer = self.answer
+        transport.channel.skew = self.skew.get(host.label, 0.0)
         return transport
 
     def answer(self, chan: FakeChannel, msg: dict) -> None:

@@ -1,6 +1,8 @@
 """`api.run` and `api.follow` over the fake cluster (tests/fake_agent.FakeCluster): the
-events of a run in order, JobError's root cause as a value for a rank failure, a lost
-host and a hang, a restart seen as events, Ctrl-C, and a follow attached mid-run."""
+events of a run in order, their times on the controller's clock (a host's clock an hour
+off), JobError's root cause as a value for a rank failure, a lost host and a hang, a
+restart seen as events, Ctrl-C, and a follow attached mid-run. Nothing waits for a
+timeout: the watchdogs' clock (timeouts.CLOCK) is a fake one the tests move."""
 from __future__ import annotations
 
 import _thread
@@ -11,9 +13,12 @@ from pathlib import Path
 import pytest
 
 from fake_agent import FakeChannel, FakeCluster
+from helpers import FakeClock
 from orchestrator import api
 from orchestrator.api import healing
-from orchestrator.wire import protocol
+from orchestrator.watch import monitor
+from orchestrator.watch.hang import HangWatch
+from orchestrator.wire import protocol, timeouts
 from test_controller_fake import HOSTS, SPARE, inventory, lose_while_running, lost_for_good
 from test_up_golden import HANG, hung_follow, stacks
 
@@ -31,10 +36,22 @@ def kinds(events: list[api.Event]) -> list[str]:
     return [type(e).__name__ for e in events]
 
 
+@pytest.fixture(autouse=True)
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The watchdogs' clock (the push's stall, host-lost, the hang watch): it moves only
+    when a test advances it."""
+    fake = FakeClock()
+    monkeypatch.setattr(timeouts, "CLOCK", fake)
+    return fake
+
+
 def test_the_events_of_a_run_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    FakeCluster().install(monkeypatch)
+    fake = FakeCluster().install(monkeypatch)
+    fake.skew[HOSTS[1]] = 3600.0   # its clock an hour ahead: its exits' times are its own
+    t0 = time.time()
     events, err = run(inventory(tmp_path))
+    t1 = time.time()
     assert err is None and capsys.readouterr() == ("", ""), "api.run prints nothing"
     names = kinds(events)
     assert names[:4] == ["Synced"] * 3 + ["Started"], names
@@ -47,8 +64,12 @@ def test_the_events_of_a_run_in_order(tmp_path: Path, monkeypatch: pytest.Monkey
         line = mine[0]
         assert isinstance(line, api.RankLine)
         assert line.host == HOSTS[rank // 2] and line.text == f"rank {rank} up"
-    times = [e.time for e in events]
+    times = [e.time for e in events]   # on the controller's clock, the skewed host's too
+    assert all(t0 - 1 <= t <= t1 + 1 for t in times), [(type(e).__name__, e.time - t0)
+                                                       for e in events]
     assert times == sorted(times) or max(a - b for a, b in zip(times, times[1:])) < 1.0
+    ended = [e for e in middle if isinstance(e, api.RankExited)]
+    assert all(0 <= e.runtime < t1 - t0 + 1 for e in ended), ended
     end = events[-1]
     assert isinstance(end, api.Finished)
     result = end.result
@@ -91,10 +112,28 @@ def test_a_lost_host_is_a_job_error_naming_it(tmp_path: Path,
 
 
 def test_a_hang_is_a_job_error_with_the_stacks_and_the_culprit(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> None:
+    """A 10-minute hang_timeout passed on the fake clock once every rank has printed:
+    found at once, not after ten minutes."""
+    # a link stamps its frames on the real clock: ten fake minutes on would make every
+    # host silent for the host-lost watchdog, which is not what this test looks at
+    monkeypatch.setattr(timeouts, "HOST_LOST", 3600.0)
     fake = FakeCluster(lambda label, rank, env: None).install(monkeypatch)
     fake.on("follow", hung_follow(threading.Event())).on("stacks", stacks)
-    events, err = run(inventory(tmp_path, HANG), pull=False)
+    progressed: set[int] = set()
+
+    class Watch(HangWatch):
+        def progress(self, rank: int, heartbeat: bool = False) -> None:
+            super().progress(rank, heartbeat)
+            if rank not in progressed:
+                progressed.add(rank)
+                if len(progressed) == 6:   # every rank's line is in, then nothing more
+                    clock.advance(601)
+    monkeypatch.setattr(monitor, "HangWatch", Watch)
+    t0 = time.monotonic()
+    events, err = run(inventory(tmp_path, HANG.replace("hang_timeout: 1", "hang_timeout: 600")),
+                      pull=False)
+    assert time.monotonic() - t0 < 300, "the hang was waited for on the real clock"
     assert isinstance(err, api.JobError) and err.cause.kind == "hang"
     hang = err.cause.hang
     assert [(c.rank, c.host, c.local_rank) for c in hang.culprits] == [(3, HOSTS[1], 1)]
@@ -148,17 +187,21 @@ def test_ctrl_c_stops_the_job_everywhere_then_is_raised(
     assert [s.why for s in stopped] == ["interrupt"] and len(stopped[0].reports) == 3
 
 
-def exits_later(chan: FakeChannel, msg: dict) -> None:
-    """Each rank prints two lines a while apart, rank 3 then fails, the others end well."""
-    def run() -> None:
+def exits_later(seen: threading.Event):   # type: ignore[no-untyped-def]
+    """Each rank prints a line; once the follower has `seen` them all, a second line, then
+    rank 3 fails and the others end well."""
+    def follow(chan: FakeChannel, msg: dict) -> None:
+        threading.Thread(target=run, args=(chan, msg), daemon=True).start()
+
+    def run(chan: FakeChannel, msg: dict) -> None:
         for r in msg["ranks"]:
             chan.push(protocol.output(r, b"rank %d up\n" % r))
-        time.sleep(0.5)
+        seen.wait(30)
         for r in msg["ranks"]:
             chan.push(protocol.output(r, b"rank %d later\n" % r))
             chan.push(protocol.event("exit", rank=r, code=3 if r == 3 else 0, time=time.time()))
         chan.push(protocol.event("done", code=1 if 3 in msg["ranks"] else 0, time=time.time()))
-    threading.Thread(target=run, daemon=True).start()
+    return follow
 
 
 def test_follow_attaches_to_a_running_job(tmp_path: Path,
@@ -166,10 +209,16 @@ def test_follow_attaches_to_a_running_job(tmp_path: Path,
     """A detached job followed from its state: every rank's lines, its exits, and once
     it ended the root cause; nothing is stopped (follow only watches)."""
     fake = FakeCluster().install(monkeypatch)
-    fake.on("follow", exits_later)
+    seen = threading.Event()
+    fake.on("follow", exits_later(seen))
     path = inventory(tmp_path)
     api.up(path)
-    events = list(api.follow(path))
+    events: list[api.Event] = []
+    for e in api.follow(path):   # the job runs on until the first lines are read here
+        events.append(e)
+        if kinds(events).count("RankLine") == 6:
+            assert not any(isinstance(x, api.RankExited) for x in events), events
+            seen.set()
     lines = [(e.rank, e.text) for e in events if isinstance(e, api.RankLine)]
     assert sorted(lines) == sorted([(r, f"rank {r} up") for r in range(6)]
                                    + [(r, f"rank {r} later") for r in range(6)])
