@@ -13,13 +13,14 @@ ranks started (`stalled`), unless waiting connections name the cause.
 A firewall that refuses (iptables REJECT, an ICMP unreachable) leaves no waiting socket:
 a rank whose store connection is refused tries again until torch's timeout. Each reply
 also carries the kernel's count of failed connects in the job's network namespace
-(Tcp: AttemptFails); where it grew by MIN_FAILS or more since the last look and no
-connection waits, that host checks the next REACH_PEERS hosts on a port the OS picks
-(each listens once, as at preflight), REACH_FROM hosts at most per look, and the pairs
-it cannot connect are named with the cause (refused, unreachable, no answer); if all
-answer, only what was seen is said. Each is said once, as a `NetworkStall` event; the
-job goes on (Ctrl-C, `orch stop` or `job.hang_timeout` ends it). A look is one small
-request per host; the looks thin out, so a long run asks a handful of times in all.
+(Tcp: AttemptFails); where it grew by MIN_FAILS or more between two looks that found
+the host's ranks started (`grown`) and no connection waits, that host checks the next
+REACH_PEERS hosts on a port the OS picks (each listens once, as at preflight),
+REACH_FROM hosts at most per look, and the pairs it cannot connect are named with the
+cause (refused, unreachable, no answer); if all answer, only what was seen is said.
+Each is said once, as a `NetworkStall` event; the job goes on (Ctrl-C, `orch stop` or
+`job.hang_timeout` ends it). A look is one small request per host; the looks thin out,
+so a long run asks a handful of times in all.
 
 A pair refused at once (gloo tries 4 times in about a second, then init_process_group
 raises) ends the job instead: `refused` reads the root cause's last lines and names the
