@@ -264,7 +264,8 @@ def mbps(size: int, seconds: float) -> float:
 
 
 def report(ms: list[Method], sizes: list[int], reps: int) -> dict[str, object]:
-    rows, doc = [], {}
+    rows: list[list[object]] = []
+    doc: dict[str, object] = {}
     ssh = next(m for m in ms if m.name == "ssh")
     moved = sum(sizes) * MiB * reps * 2 / 1e9
     for i, size in enumerate(sizes):

@@ -514,7 +514,9 @@ def test_orch_dashboard_sets_an_earlier_runs_files_aside(tmp_path: Path, monkeyp
     path = inventory(tmp_path)
     cluster = load(Path(path))
     api.up(path)
-    pulling.adopt(cluster, job_state.load(cluster))     # outputs/fk/ is the first run's
+    first = job_state.load(cluster)
+    assert first is not None
+    pulling.adopt(cluster, first)     # outputs/fk/ is the first run's
     out = tmp_path / "outputs" / "fk"
     out.mkdir(parents=True)
     (out / "metrics.csv").write_text("epoch,old_loss\n0,9\n1,8\n")
@@ -552,12 +554,12 @@ def test_the_network_plan_is_a_table_with_identical_hosts_folded() -> None:
     board = Board(load_three())
     env = {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
     trap = "hostname resolves to 127.0.1.1 (loopback): gloo alone would advertise it to the other hosts"
-    hosts = [{"host": f"gpu0{i}", "interface": "eth0", "how": "auto", "address": f"10.1.0.{i}",
+    hosts: list[object] = [{"host": f"gpu0{i}", "interface": "eth0", "how": "auto", "address": f"10.1.0.{i}",
               "found": [trap], "set": env} for i in range(1, 4)]
     hosts.append({"host": "<b>x</b>", "interface": None, "how": "one machine", "address": "",
                   "found": "not a list", "set": ["not a dict"]})
     board.set_network({"master_addr": "10.1.0.1", "how": "the inventory's address", "probe": "p",
-                       "hosts": hosts + ["junk"]})
+                       "hosts": [*hosts, "junk"]})
     plan = board.snapshot()["network"]
     assert plan["master_addr"] == "10.1.0.1" and plan["how"] == "the inventory's address"
     first, other = plan["rows"]
