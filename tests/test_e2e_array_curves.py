@@ -60,3 +60,16 @@ def test_an_attached_arrays_task_curves_arrive_while_it_runs(
     assert values(inv, 0) == [0.1, 0.2] and values(inv, 1) == [1.1, 1.2]   # the last rows too
     assert "Traceback" not in up.text()
     assert_nothing_left(hosts, name, wait=10)
+    # a second run: the first run's files go aside before any of the new run's arrive
+    first = sorted(p.relative_to(tmp_path / "outputs" / name).as_posix()
+                   for p in (tmp_path / "outputs" / name).rglob("*") if p.is_file())
+    assert first, "the first run's task files are in outputs/<name>/"
+    again = jobs.start(tmp_path, "up", str(inv))
+    assert again.finish(120) == 0, again.text()
+    aside = [p for p in (tmp_path / "outputs").iterdir() if p.name.startswith(name + ".")]
+    assert len(aside) == 1, sorted(p.name for p in (tmp_path / "outputs").iterdir())
+    assert f"outputs/{name}/ held an earlier run's files: moved to outputs/{aside[0].name}/" \
+        in again.text(), again.text()
+    assert sorted(p.relative_to(aside[0]).as_posix() for p in aside[0].rglob("*")
+                  if p.is_file()) == first
+    assert_nothing_left(hosts, name, wait=10)

@@ -331,6 +331,8 @@ class Results:
     csv: Path = field(metadata=NOT_IN_JSON)   # .orch/<name>/results.csv, written now
     unreached: HostErrors = field(default_factory=dict, repr=False, compare=False,
                                   metadata=NOT_IN_JSON)
+    # outputs/<name>/ held an earlier run's files: (that folder, where they were moved first)
+    earlier_run: tuple[str, str] | None = field(default=None, metadata=NOT_IN_JSON)
 
 
 # ---------------------------------------------------------------- run

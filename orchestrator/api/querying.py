@@ -22,6 +22,7 @@ from orchestrator.arrays import results as array_results
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import UsageError
 from orchestrator.remote.fanout import GroupResult
+from orchestrator.session import state as job_state
 from orchestrator.session.network import PlanDoc
 from orchestrator.session.replies import GpuReply, RankReply, StatusReply
 from orchestrator.session.session import Session
@@ -229,7 +230,10 @@ def results_of(session: Session, rec: plan.ArrayRecord) -> Results:
     status = plan.host_status(session, rec)
     fetched = plan.host_results(session, rec)
     rows = array_results.result_rows(rec, array_results.status_rows(cluster, rec, status), fetched)
+    from orchestrator.api import pulling
     from orchestrator.watch import curvefetch
+    st = job_state.load(cluster)
+    aside = pulling.own_outputs(cluster, st, new_run=False) if st is not None else None
     curvefetch.once(session)   # each task's metrics files, for its curve
     path = cluster.state_dir / "results.csv"
     array_results.write_csv(path, rows)
@@ -237,5 +241,6 @@ def results_of(session: Session, rec: plan.ArrayRecord) -> Results:
     for r in rows:
         metric, curve = task_curve(cluster, r.task)
         tasks.append(replace(r, curve_metric=metric, curve=curve) if metric else r)
+    moved = (str(pulling.default_dest(cluster)), str(aside)) if aside else None
     return Results(job=cluster.name, tasks=tasks, groups=array_results.group(rows), csv=path,
-                   unreached=dict(session.failed))
+                   unreached=dict(session.failed), earlier_run=moved)

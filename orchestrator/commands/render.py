@@ -47,11 +47,16 @@ def shown(path: str) -> str:
     return (path if rel.startswith("..") else rel) + "/"
 
 
+def earlier_outputs(destination: str, aside: str) -> None:
+    """The pull's line: outputs/<name>/ held an earlier run's files, moved aside first."""
+    console.print(plain(f"{shown(destination)} held an earlier run's files: moved to "
+                        f"{shown(aside)} (each run keeps its own folder)"))
+
+
 def pulled(result: PullResult) -> None:
     where = shown(result.destination)
     if result.earlier_run:
-        console.print(plain(f"{where} held an earlier run's files: moved to "
-                            f"{shown(result.earlier_run)} (each run keeps its own folder)"))
+        earlier_outputs(result.destination, result.earlier_run)
     if result.files:
         console.print(f"pulled {plural(result.files, 'file')} ({result.bytes / 1e6:.1f} MB) to {where}"
                       + (f"; {result.unchanged} unchanged" if result.unchanged else ""))
@@ -104,6 +109,8 @@ def can_draw() -> bool:
 def results(res: Results) -> None:
     """The tasks' table (with each task's curve where the terminal can draw it), the
     groups' table, and where results.csv is."""
+    if res.earlier_run:
+        earlier_outputs(*res.earlier_run)
     cols = shown_columns(res.tasks)
     curve = can_draw() and any(r.curve for r in res.tasks)
     t = Table(title=f"job array {res.job}: {len(res.tasks)} tasks")

@@ -145,6 +145,11 @@ def array_started(started: launching.Started, args: argparse.Namespace) -> int:
     spec = cluster.job.array
     assert spec is not None and rec is not None
     total = sum(array_plan.slots(h, spec) for h in cluster.hosts)
+    from orchestrator.api import pulling
+    from orchestrator.commands import render
+    aside = pulling.own_outputs(cluster, started.state, new_run=True)   # before any fetch
+    if aside is not None:
+        render.earlier_outputs(str(pulling.default_dest(cluster)), str(aside))
     console.print(f"started job array '{cluster.name}': {len(rec.host)} tasks on "
                   f"{len(cluster.hosts)} hosts, {total} at a time")
     if args.detach:
@@ -156,7 +161,6 @@ def array_started(started: launching.Started, args: argparse.Namespace) -> int:
         return EXIT_OK
     from orchestrator.api import querying
     from orchestrator.arrays.attach import attach_array
-    from orchestrator.commands import render
     code = attach_array(started.session, rec, args.fail_fast)
     render.results(querying.results_of(started.session, rec))
     return code
