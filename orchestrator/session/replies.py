@@ -156,6 +156,36 @@ class NetFacts:
 
 
 @dataclass(frozen=True)
+class Waiting:
+    """A connection of the job that gets no answer (protocol.py's NET_WAIT): the rank
+    whose it is (None: torchrun's), the address and port it tries, its SYNs sent again."""
+
+    rank: int | None
+    addr: str
+    port: int
+    tries: int
+
+
+@dataclass(frozen=True)
+class NetWaitsReply:
+    """A host's `net_waits` reply: its waiting connections, its interfaces (to name the
+    peer of a connection), and its failed connects so far (None: not counted there)."""
+
+    waits: tuple[Waiting, ...]
+    interfaces: tuple[Iface, ...]
+    fails: int | None
+
+    @classmethod
+    def of(cls, r: Mapping[str, Any]) -> NetWaitsReply:   # checked by protocol.py
+        waits = tuple(Waiting(w["rank"], str(w["addr"]), int(w["port"]), int(w["tries"]))
+                      for w in r["waits"])
+        ifaces = tuple(Iface(str(i["name"]), tuple(map(str, i["addrs"])), bool(i["up"]))
+                       for i in r["interfaces"])
+        fails = r.get("fails")
+        return cls(waits, ifaces, fails if isinstance(fails, int) else None)
+
+
+@dataclass(frozen=True)
 class Target:
     """One connection of the probe (protocol.py's net_probe target): `group` m is host
     0 on the master port, r the ring neighbour; the agent answers each group's best."""

@@ -37,13 +37,13 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster
 from orchestrator.remote.fanout import fan_out
 from orchestrator.session import network
+from orchestrator.session.replies import NetWaitsReply
 from orchestrator.session.session import Session
 from orchestrator.watch import events as ev
 from orchestrator.wire import timeouts
@@ -93,7 +93,7 @@ def looks(notice: float) -> Iterator[float]:
 class NetWatch:
     """The looks, in a thread of their own: the follow loop never waits on them."""
 
-    def __init__(self, session: Session, started: set[int], failed: Any,
+    def __init__(self, session: Session, started: set[int], failed: Callable[[], bool],
                  emit: ev.Emit, master: tuple[str, int]) -> None:
         self.session, self.started, self.failed, self.emit = session, started, failed, emit
         self.master = master
@@ -157,16 +157,16 @@ class NetWatch:
         owners = owners_of(s, got, self.master[0])
         out = []
         for i, reply in sorted(got.items()):
-            for w in reply["waits"]:
-                peers = owners.get(w["addr"])
-                if not peers or network.is_loopback(w["addr"]):
+            for w in reply.waits:
+                peers = owners.get(w.addr)
+                if not peers or network.is_loopback(w.addr):
                     continue   # not a connection between the job's hosts
                 peer = next(iter(peers)) if len(peers) == 1 else None
-                out.append(ev.NetWait(s.cluster.hosts[i].label, w["rank"], peer, w["addr"],
-                                      w["port"], w["tries"]))
+                out.append(ev.NetWait(s.cluster.hosts[i].label, w.rank, peer, w.addr,
+                                      w.port, w.tries))
         return tuple(out), grown
 
-    def grown(self, got: dict[int, dict[str, Any]], rendezvous: bool) -> dict[int, int]:
+    def grown(self, got: dict[int, NetWaitsReply], rendezvous: bool) -> dict[int, int]:
         """Hosts whose count of failed connects grew by MIN_FAILS or more since the last
         look, counted only between two looks that each found every rank of the host
         started: before, a node's launcher is refused by the store while host 0 still
@@ -174,8 +174,8 @@ class NetWatch:
         started counts too: by then its refusals are one."""
         out = {}
         for i, reply in got.items():
-            now = reply.get("fails")
-            if not isinstance(now, int):
+            now = reply.fails
+            if now is None:
                 continue
             ranks = self.session.cluster.hosts[i].ranks
             up = all(r in self.started for r in ranks)
@@ -268,22 +268,22 @@ def fails_text(grown: dict[int, int], labels: dict[int, str],
             "(gloo 30 min, NCCL 10), Ctrl-C or `orch stop`")
 
 
-def ask_waits(s: Session) -> dict[int, dict[str, Any]]:
+def ask_waits(s: Session) -> dict[int, NetWaitsReply]:
     """Every reachable host's `net_waits` reply (a host that does not answer is left out)."""
     hosts = tuple(h for h in s.cluster.hosts if h.index in s.links)
     got = fan_out(hosts, lambda h: s.links[h.index].request(
         "net_waits", timeouts.scaled(timeouts.NET_WAITS, len(hosts)),
         job_dir=s.records[h.index].job_dir))
-    return dict(got.ok)
+    return {i: NetWaitsReply.of(reply) for i, reply in got.ok.items()}
 
 
-def owners_of(s: Session, replies: dict[int, dict[str, Any]], master: str
+def owners_of(s: Session, replies: dict[int, NetWaitsReply], master: str
               ) -> dict[str, set[str]]:
     """Address -> the labels of the hosts that hold it, from `net_waits` replies."""
     owners: dict[str, set[str]] = {}
     for i, reply in replies.items():
-        for iface in reply["interfaces"]:
-            for addr in iface["addrs"]:
+        for iface in reply.interfaces:
+            for addr in iface.addrs:
                 owners.setdefault(addr, set()).add(s.cluster.hosts[i].label)
     owners.setdefault(master, set()).add(s.cluster.hosts[0].label)
     return owners
