@@ -99,10 +99,10 @@ def test_the_page_in_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, b
     from selenium.webdriver.support.ui import Select
     job = Running(monkeypatch)
     path = inventory(tmp_path)
-    api.up(path)
+    run_id = api.up(path).run_id
     (tmp_path / "outputs" / "fk").mkdir(parents=True)
     (tmp_path / "outputs" / "fk" / "metrics.csv").write_text(METRICS)
-    (tmp_path / ".orch" / "fk" / "network.json").write_text(json.dumps(PLAN))
+    (tmp_path / ".orch" / "fk" / "network.json").write_text(json.dumps(dict(PLAN, run_id=run_id)))
     opened = page.open_for_job(path)
     try:
         bare = opened.url.split("?")[0]

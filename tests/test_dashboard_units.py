@@ -10,7 +10,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -21,6 +21,7 @@ from orchestrator.config.inventory import load
 from orchestrator.dashboard import board as boards
 from orchestrator.dashboard import page, server
 from orchestrator.dashboard.board import Board
+from orchestrator.session.network import PlanDoc
 from orchestrator.watch import curves
 from orchestrator.wire import protocol
 from test_controller_fake import inventory
@@ -79,7 +80,8 @@ def test_a_runs_events_make_the_ranks_logs_and_timeline(tmp_path: Path,
     assert [ranks[r]["host"] for r in range(6)] == ["127.0.0.1"] * 2 + ["127.0.0.2"] * 2 + ["127.0.0.3"] * 2
     assert [ranks[r]["local_rank"] for r in range(6)] == [0, 1] * 3
     assert ranks[0]["last_line"] == "rank 0 up"
-    assert snap["root_cause"]["summary"] == "rank 3 on 127.0.0.2 failed (exit code 3)"
+    cause = snap["root_cause"]
+    assert cause is not None and cause["summary"] == "rank 3 on 127.0.0.2 failed (exit code 3)"
     assert snap["ended"] and snap["outcome"] == "failed"
     kinds = [e["kind"] for e in snap["events"]]
     assert kinds[:4] == ["Synced"] * 3 + ["Started"] and kinds[-1] == "Finished"
@@ -403,7 +405,7 @@ def test_a_job_arrays_tasks_and_groups(tmp_path: Path, monkeypatch: pytest.Monke
     opened = page.open_for_job(path)
     try:
         assert opened.board.snapshot()["ranks"] == []   # an array's rows are its tasks
-        tasks = opened.board.snapshot()["tasks"]
+        tasks: Any = opened.board.snapshot()["tasks"]   # api.document's JSON, as the page reads it
         assert [t["task"] for t in tasks["tasks"]] == [0, 1, 2, 3] and tasks["tasks"][3]["state"] == "exited 0"
         assert [g["tasks"] for g in tasks["groups"]] == [[0, 1], [2, 3]]
         wait_for(lambda: len(asked) >= 3)
@@ -429,7 +431,8 @@ def test_a_hang_marks_the_culprit_and_keeps_every_stack(tmp_path: Path,
     board.many(events)
     snap = board.snapshot()
     assert [r["rank"] for r in snap["ranks"] if r["hung"]] == [3]
-    assert snap["root_cause"]["kind"] == "hang" and snap["outcome"] == "failed"
+    cause = snap["root_cause"]
+    assert cause is not None and cause["kind"] == "hang" and snap["outcome"] == "failed"
     (hang,) = [e for e in snap["events"] if e["kind"] == "Hang"]
     assert "rank 3 on 127.0.0.2" in hang["text"] and "train_step" in hang["detail"]
 
@@ -558,9 +561,10 @@ def test_the_network_plan_is_a_table_with_identical_hosts_folded() -> None:
               "found": [trap], "set": env} for i in range(1, 4)]
     hosts.append({"host": "<b>x</b>", "interface": None, "how": "one machine", "address": "",
                   "found": "not a list", "set": ["not a dict"]})
-    board.set_network({"master_addr": "10.1.0.1", "how": "the inventory's address", "probe": "p",
-                       "hosts": [*hosts, "junk"]})
+    board.set_network(cast(PlanDoc, {"master_addr": "10.1.0.1", "how": "the inventory's address",
+                                     "probe": "p", "hosts": [*hosts, "junk"]}))   # as network.load passes it on
     plan = board.snapshot()["network"]
+    assert plan is not None
     assert plan["master_addr"] == "10.1.0.1" and plan["how"] == "the inventory's address"
     first, other = plan["rows"]
     assert first == {"hosts": "gpu[01-03]", "addresses": "10.1.0.[1-3]", "interface": "eth0",

@@ -10,13 +10,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 from orchestrator.api.outcomes import Finished, GpuStatus
 from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster
+from orchestrator.session.network import PlanDoc
 from orchestrator.watch import curves
 from orchestrator.watch import events as ev
 
@@ -59,6 +60,108 @@ class GpuTrack:
         default_factory=lambda: deque(maxlen=MAX_GPU_SAMPLES))   # time, util %, used, total MiB
 
 
+# ------------------------------------------------------------ the page's JSON documents
+
+class EventDoc(TypedDict):
+    time: float
+    kind: str        # the event's class name ("Followed": a new run followed)
+    text: str
+    detail: str      # a hang's stacks, a root cause's last lines, ...
+
+
+class RootCauseDoc(TypedDict):
+    summary: str
+    kind: str
+    rank: int | None
+    lines: list[str]
+
+
+class PlanRow(TypedDict):
+    """Identical hosts of the network plan, folded (hostranges.fold)."""
+
+    interface: str
+    how: str
+    found: list[str]
+    set: list[str]       # "NAME=value"
+    hosts: str
+    addresses: str
+
+
+class PlanTable(TypedDict):
+    master_addr: str
+    how: str
+    probe: str
+    rows: list[PlanRow]
+
+
+class CurveDoc(TypedDict):
+    host: str
+    rank: int | None
+    task: int | None
+    source: str
+    name: str
+    points: list[list[float | None]]   # step, epoch, value, time
+
+
+class GpuDoc(TypedDict):
+    host: str
+    index: int
+    name: str
+    holder: str
+    samples: list[list[float | None]]  # time, util %, used, total MiB
+
+
+class RankDoc(TypedDict):
+    rank: int
+    host: str
+    local_rank: int
+    state: str
+    pid: int | None
+    started: float | None
+    runtime: float | None
+    last_line: str
+    failed: bool
+    hung: bool
+    restarts: int
+
+
+class LogPage(TypedDict):
+    rank: int
+    lines: list[tuple[int, str]]   # (line number, text), oldest first
+    next: int                      # the page's cursor for the next ask
+
+
+# an array's results as api.document gives them (or {"error": why}): passed to the page
+# as they are, never read here
+TasksDoc = Mapping[str, object]
+
+
+class _Parts(TypedDict, total=False):
+    """The big parts, only where the page's version of them is not the current one."""
+
+    events: list[EventDoc]
+    gpus: list[GpuDoc]
+    curves: list[CurveDoc]
+    tasks: TasksDoc
+
+
+class Snapshot(_Parts):
+    job: str
+    mode: str
+    now: float
+    ended: bool
+    outcome: str
+    restarts: int
+    root_cause: RootCauseDoc | None
+    ranks: list[RankDoc]
+    gpu_errors: dict[str, str]
+    network: PlanTable | None
+    latest: dict[str, dict[str, float]]
+    notes: list[str]
+    log_seq: int
+    versions: dict[str, int]
+
+
 class Board:
     """The job's page as data, updated by events from any thread."""
 
@@ -68,17 +171,17 @@ class Board:
         self.ranks: dict[int, RankRow] = {}
         self.logs: dict[int, deque[tuple[int, str]]] = {}
         self.seq = 0                       # every log line's number, across ranks
-        self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
-        self.root_cause: dict[str, Any] | None = None
+        self.events: deque[EventDoc] = deque(maxlen=MAX_EVENTS)
+        self.root_cause: RootCauseDoc | None = None
         self.restarts = 0
         self.ended = False
         self.outcome = ""
         self.gpus: dict[tuple[str, int], GpuTrack] = {}
         self.gpu_errors: dict[str, str] = {}
-        self.network: dict[str, Any] | None = None   # the network plan (plan_table)
-        self.curves: list[dict[str, Any]] = []
+        self.network: PlanTable | None = None
+        self.curves: list[CurveDoc] = []
         self.latest: dict[str, dict[str, float]] = {}   # "host/rank" -> metric -> value
-        self.tasks: dict[str, Any] = {}
+        self.tasks: TasksDoc = {}
         self.notes: list[str] = []
         self.started = threading.Event()   # an attempt's Started was seen
         self.versions = {"events": 0, "gpus": 0, "curves": 0, "tasks": 0}
@@ -216,7 +319,8 @@ class Board:
             self.changed("gpus")
             self.gpu_errors = {k: cut(v, 500) for k, v in (errors or {}).items()}
 
-    def set_curves(self, series: Sequence[Any], latest: dict[tuple[str, int | None], dict[str, float]]) -> None:
+    def set_curves(self, series: Sequence[curves.Series],
+                   latest: dict[tuple[str, int | None], dict[str, float]]) -> None:
         """The curves as read from the job's files (watch/curves.Series), thinned."""
         shown = [curve(s) for s in series[:MAX_SERIES]]
         with self.lock:
@@ -225,54 +329,57 @@ class Board:
                 self.changed("curves")
             self.latest = {f"{h}/{'' if r is None else r}": dict(m) for (h, r), m in latest.items()}
 
-    def set_tasks(self, tasks: dict[str, Any]) -> None:
+    def set_tasks(self, tasks: TasksDoc) -> None:
         with self.lock:
             if tasks != self.tasks:
                 self.tasks = tasks
                 self.changed("tasks")
 
-    def set_network(self, plan: dict[str, Any] | None) -> None:
-        """The plan `up` saved (session/network.NetPlan.document), as the page's table."""
+    def set_network(self, plan: PlanDoc | None) -> None:
+        """The plan `up` saved (session/network.load), as the page's table."""
         table = plan_table(plan) if plan else None
         with self.lock:
             self.network = table
 
     # ------------------------------------------------------------------ reading
 
-    def snapshot(self, have: dict[str, int] | None = None) -> dict[str, Any]:
+    def snapshot(self, have: dict[str, int] | None = None) -> Snapshot:
         """Everything but the logs, as JSON-ready data. The big parts (events, GPU
         samples, curves, tasks) only where `have` (the page's versions of them, as
         `versions` gave them) is not the current one: the page polls every second."""
         now = time.time()
         with self.lock:
-            doc = {"job": self.job, "mode": self.mode, "now": now, "ended": self.ended,
+            doc: Snapshot = {"job": self.job, "mode": self.mode, "now": now, "ended": self.ended,
                    "outcome": self.outcome, "restarts": self.restarts,
                    "root_cause": self.root_cause, "ranks": [self.rank_json(r, now) for r in
                                                             sorted(self.ranks.values(), key=lambda r: r.rank)],
                    "gpu_errors": dict(self.gpu_errors), "network": self.network,
                    "latest": dict(self.latest), "notes": list(self.notes), "log_seq": self.seq,
                    "versions": dict(self.versions)}
-            for part, value in self.parts().items():
-                if have is None or have.get(part) != self.versions[part]:
-                    doc[part] = value()
+            old = {part for part, v in self.versions.items() if have is None or have.get(part) != v}
+            if "events" in old:
+                doc["events"] = list(self.events)
+            if "gpus" in old:
+                doc["gpus"] = [gpu_json(t) for t in self.gpus.values()]
+            if "curves" in old:
+                doc["curves"] = list(self.curves)
+            if "tasks" in old:
+                doc["tasks"] = self.tasks
             return doc
-
-    def parts(self) -> dict[str, Callable[[], Any]]:
-        return {"events": lambda: list(self.events),
-                "gpus": lambda: [gpu_json(t) for t in self.gpus.values()],
-                "curves": lambda: list(self.curves), "tasks": lambda: self.tasks}
 
     def changed(self, part: str) -> None:
         self.versions[part] += 1
 
-    def rank_json(self, row: RankRow, now: float) -> dict[str, Any]:
-        out = asdict(row)
-        if row.runtime is None and row.started and row.state == "running":
-            out["runtime"] = round(now - row.started, 1)
-        out["restarts"] = self.restarts
-        return out
+    def rank_json(self, row: RankRow, now: float) -> RankDoc:
+        runtime = row.runtime
+        if runtime is None and row.started and row.state == "running":
+            runtime = round(now - row.started, 1)
+        return {"rank": row.rank, "host": row.host, "local_rank": row.local_rank,
+                "state": row.state, "pid": row.pid, "started": row.started, "runtime": runtime,
+                "last_line": row.last_line, "failed": row.failed, "hung": row.hung,
+                "restarts": self.restarts}
 
-    def log(self, rank: int, after: int = 0, limit: int = MAX_LOG_LINES) -> dict[str, Any]:
+    def log(self, rank: int, after: int = 0, limit: int = MAX_LOG_LINES) -> LogPage:
         """Rank `rank`'s lines numbered above `after` (the page's cursor), oldest first."""
         with self.lock:
             lines = [(n, t) for n, t in self.logs.get(rank, ()) if n > after][-limit:]
@@ -298,12 +405,12 @@ def holder(g: GpuStatus) -> str:
     return "free"
 
 
-def gpu_json(t: GpuTrack) -> dict[str, Any]:
+def gpu_json(t: GpuTrack) -> GpuDoc:
     return {"host": t.host, "index": t.index, "name": t.name, "holder": t.holder,
             "samples": [list(s) for s in t.samples]}
 
 
-def curve(s: Any) -> dict[str, Any]:
+def curve(s: curves.Series) -> CurveDoc:
     points = list(s.points)
     if len(points) > MAX_CURVE_POINTS:
         step = len(points) / MAX_CURVE_POINTS
@@ -314,34 +421,53 @@ def curve(s: Any) -> dict[str, Any]:
             "points": [[p.step, p.epoch, p.value, p.time] for p in points]}
 
 
-def plan_table(doc: dict[str, Any]) -> dict[str, Any] | None:
+def plan_table(doc: PlanDoc) -> PlanTable | None:
     """The network plan as rows, identical hosts folded into one as `orch up`'s plan
-    lines fold them (same interface, reason, findings and variables set). Every value is
-    made a capped string: the file holds what the hosts said."""
-    rows: dict[tuple[str, ...], dict[str, Any]] = {}
-    hosts = doc.get("hosts")
-    for h in (hosts if isinstance(hosts, list) else [])[:MAX_PLAN_HOSTS]:
-        if not isinstance(h, dict):
-            continue
-        found = [cut(str(f), 300) for f in listed(h.get("found"))[:10]]
-        env = h.get("set")
-        env = env if isinstance(env, dict) else {}
-        set_ = [cut(f"{k}={v}", 200) for k, v in sorted(env.items())[:10]]
-        iface = cut(str(h.get("interface") or ""), 100)
-        key = (iface, cut(str(h.get("how", "")), 300), *found, "\0", *set_)
-        row = rows.setdefault(key, {"interface": iface or "left to torch", "how": key[1],
-                                    "found": found, "set": set_, "hosts": [], "addresses": []})
-        row["hosts"].append(cut(str(h.get("host", "")), 200))
-        row["addresses"].append(cut(str(h.get("address") or ""), 100))
-    if not rows and not doc.get("master_addr"):
+    lines fold them (same interface, reason, findings and variables set). The file holds
+    what the hosts said and network.load passes it on unchecked: each value is read as
+    an object here, checked, and made a capped string."""
+    raw: Mapping[str, object] = doc
+    groups: dict[tuple[str, ...], HostGroup] = {}
+    for h in listed(raw.get("hosts"))[:MAX_PLAN_HOSTS]:
+        if isinstance(h, dict):
+            group_host(groups, h)
+    if not groups and not raw.get("master_addr"):
         return None
-    return {"master_addr": cut(str(doc.get("master_addr", "")), 200), "how": cut(str(doc.get("how", "")), 500),
-            "probe": cut(str(doc.get("probe", "")), 500),
-            "rows": [dict(r, hosts=fold(r["hosts"]), addresses=cut(fold([a for a in r["addresses"] if a]), 500))
-                     for r in rows.values()]}
+    return {"master_addr": cut(str(raw.get("master_addr", "")), 200),
+            "how": cut(str(raw.get("how", "")), 500), "probe": cut(str(raw.get("probe", "")), 500),
+            "rows": [g.row() for g in groups.values()]}
 
 
-def listed(value: Any) -> list[Any]:
+@dataclass
+class HostGroup:
+    """Hosts of the network plan alike in all but their name and address."""
+
+    interface: str
+    how: str
+    found: list[str]
+    set: list[str]
+    hosts: list[str] = field(default_factory=list)
+    addresses: list[str] = field(default_factory=list)
+
+    def row(self) -> PlanRow:
+        return {"interface": self.interface or "left to torch", "how": self.how,
+                "found": self.found, "set": self.set, "hosts": fold(self.hosts),
+                "addresses": cut(fold([a for a in self.addresses if a]), 500)}
+
+
+def group_host(groups: dict[tuple[str, ...], HostGroup], h: Mapping[str, object]) -> None:
+    found = [cut(str(f), 300) for f in listed(h.get("found"))[:10]]
+    env = h.get("set")
+    env = env if isinstance(env, dict) else {}
+    set_ = [cut(f"{k}={v}", 200) for k, v in sorted(env.items())[:10]]
+    iface = cut(str(h.get("interface") or ""), 100)
+    key = (iface, cut(str(h.get("how", "")), 300), *found, "\0", *set_)
+    group = groups.setdefault(key, HostGroup(iface, key[1], found, set_))
+    group.hosts.append(cut(str(h.get("host", "")), 200))
+    group.addresses.append(cut(str(h.get("address") or ""), 100))
+
+
+def listed(value: object) -> list[object]:
     return value if isinstance(value, list) else []
 
 
@@ -377,7 +503,10 @@ def _restarting(e: Any) -> tuple[str, str]:
             f" on {hosts}"), e.no_checkpoint
 
 
-DESCRIBE: dict[str, Any] = {
+# each takes the event class it is named by (Any: one table for all of them)
+Describe = Callable[[Any], tuple[str, str]]
+
+DESCRIBE: dict[str, Describe] = {
     "Started": _started,
     "Synced": lambda e: (f"{e.host}: synced {e.files} files ({e.bytes} bytes), {e.deleted} deleted", ""),
     "RankExited": _exited,

@@ -10,12 +10,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from orchestrator.api import following, jobs
 from orchestrator.config.inventory import Cluster
 from orchestrator.dashboard.board import Board
 from orchestrator.errors import OrchError
+from orchestrator.session import network
 from orchestrator.session.session import Session
 from orchestrator.session.state import JobState
 from orchestrator.watch import events as ev
@@ -79,6 +79,7 @@ def follow_job(inventory: jobs.Inventory, board: Board, feeds: Feeds,
     the run's cluster."""
     session, st = following.attach(inventory)
     own_folder(session.cluster, st, board)
+    board.set_network(network.load(session.cluster, st.run_id))   # as `up` found it
 
     def follow() -> None:
         current: tuple[Session, JobState] | None = (session, st)
@@ -88,6 +89,7 @@ def follow_job(inventory: jobs.Inventory, board: Board, feeds: Feeds,
             if current is not None:
                 board.reattached(current[0].cluster, current[1].run_id, len(current[1].attempts))
                 own_folder(current[0].cluster, current[1], board)
+                board.set_network(network.load(current[0].cluster, current[1].run_id))
     feeds.start("follow", follow)
     return session.cluster
 
@@ -245,17 +247,5 @@ def start_all(inventory: jobs.Inventory, board: Board, feeds: Feeds,
         feeds.start("tasks", lambda: array_tasks(cluster, board, feeds))
     else:
         cluster = follow_job(cluster, board, feeds, gpu_every)
-        board.set_network(network_plan(cluster))
     feeds.start("curves", lambda: read_curves(cluster, board, feeds))
     return cluster
-
-
-def network_plan(cluster: Cluster) -> dict[str, Any] | None:
-    """The network plan as `up` found it (.orch/<name>/network.json), where there is one
-    (the board makes it a table, every value checked)."""
-    import json
-    try:
-        doc = json.loads((cluster.state_dir / "network.json").read_text()[:2_000_000])
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None

@@ -23,7 +23,7 @@ from http import HTTPStatus
 from http.cookies import SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import parse_qs, urlsplit
 
 from orchestrator.dashboard.board import Board
@@ -262,7 +262,12 @@ def attachment(name: str) -> str:
     return f'attachment; filename="{safe_name(name)}"'
 
 
-def run_stop(stop: Stop) -> dict[str, Any]:
+class StopReply(TypedDict):
+    ok: bool
+    message: str   # what `orch stop` says, or its error with the fix
+
+
+def run_stop(stop: Stop) -> StopReply:
     from orchestrator.errors import OrchError
     try:
         return {"ok": True, "message": stop()}
