@@ -127,6 +127,25 @@ def test_fault_is_one_line_per_host(case: str, servers, client_key: Path,
         time.sleep(TIMEOUT)  # the late banner was sent to a client that had given up
 
 
+def test_a_slow_key_exchange_gets_the_whole_connect_timeout(
+        servers, client_key: Path, server_key: paramiko.PKey, tmp_path: Path) -> None:
+    """paramiko ends a key exchange after its own 15 s with an EOFError: 200 logins at once
+    on 2 cores were told "closed during the SSH key exchange" and tried again. The user's
+    connect_timeout (17 s here) governs the key exchange too, and a timeout is said as one
+    (not a close), without another try."""
+    server = servers(fs.banner_then_stall)
+    known = tmp_path / "known_hosts"
+    known.write_text(fs.known_hosts_line(server.address, server.port, server_key))
+    inv = write_inventory(tmp_path / "cluster.yaml", server.address, server.port, client_key,
+                          known, connect_timeout=17)
+    result, elapsed = run(tmp_path, "stop", "-c", str(inv))
+    assert result.returncode == 3, result.stderr
+    assert "the SSH key exchange did not finish within 17 s" in result.stderr, result.stderr
+    assert "closed" not in result.stderr, result.stderr
+    assert server.accepted == 1, server.accepted
+    assert 16.5 < elapsed < 60, elapsed
+
+
 def test_key_refused_names_the_keys_tried(servers, client_key: Path, server_key: paramiko.PKey,
                                           tmp_path: Path) -> None:
     server = servers(fs.refuse_auth(server_key))

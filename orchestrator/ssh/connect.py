@@ -320,9 +320,13 @@ def wake(t: paramiko.Transport) -> None:
             t.sock.shutdown(socket.SHUT_RDWR)
 
 
-def _transport_factory(made: list[paramiko.Transport]) -> Callable[..., paramiko.Transport]:
+def _transport_factory(made: list[paramiko.Transport], timeout: float
+                       ) -> Callable[..., paramiko.Transport]:
     def factory(sock: Any, **kwargs: Any) -> paramiko.Transport:
         t = paramiko.Transport(sock, **kwargs)
+        # the key exchange gets the user's connect timeout too: paramiko's own 15 s ended
+        # 200 logins at once on 2 cores with an EOFError, told as "closed" by sshd
+        t.handshake_timeout = timeout
         if isinstance(sock, socket.socket):
             sock.settimeout(IDLE_WAKE_S)   # paramiko set 0.1 s
         opts = t.get_security_options()
@@ -390,11 +394,14 @@ def open_client(target: Target, sock: Any) -> _Client:
             key_filename=list(target.identity_files) or None,  # type: ignore[arg-type]
             look_for_keys=not target.identity_files, allow_agent=True,
             timeout=target.timeout, banner_timeout=target.timeout, auth_timeout=target.timeout,
-            sock=sock, transport_factory=_transport_factory(made))
+            sock=sock, transport_factory=_transport_factory(made, target.timeout))
         client.live_transport().set_keepalive(int(timeouts.KEEPALIVE))
         return client
     except BaseException as exc:
         step = _step(made[0] if made else None)
+        cause: BaseException = exc
+        if step == "kex" and made[0].packetizer.handshake_timed_out():
+            cause = socket.timeout("the key exchange timed out")   # paramiko: EOFError
         client.close()
         sock.close()
         # a refused host key is the host's failure, told with its name and hop like any
@@ -402,7 +409,7 @@ def open_client(target: Target, sock: Any) -> _Client:
         if isinstance(exc, KeyboardInterrupt) or (
                 isinstance(exc, OrchError) and not isinstance(exc, HostKeyRefused)):
             raise
-        raise ConnectFailed(exc, step) from None
+        raise ConnectFailed(cause, step) from None
 
 
 def connect_ssh(host: Host, target: Target, bastions: Bastions) -> SSHTransport:
