@@ -107,8 +107,9 @@ def run_dest(cluster: Cluster, st: job_state.JobState | None) -> tuple[Path, Pat
 
 
 def own_outputs(cluster: Cluster, st: job_state.JobState, new_run: bool) -> Path | None:
-    """Before a job array's task files are fetched into outputs/<name>/ (no pull at its
-    end moves them there): run_dest, so that no curve or result mixes two runs, and the
+    """Before a run's files are fetched into outputs/<name>/ (an attached run's curves,
+    a job array's task files, the dashboard's): run_dest, so that no curve or result
+    mixes two runs, and the
     other hosts' copies cleared where an earlier run's folder went aside, or always at a
     new run's start (`new_run`). Where the earlier run's files went, or None."""
     from orchestrator.watch import curves

@@ -330,11 +330,9 @@ class Run:
         (watch/curvefetch.py), into this run's outputs/<name>/ (an earlier run's folder
         set aside first, as the pull at the end would; said by that pull)."""
         from orchestrator.api import pulling
-        from orchestrator.watch import curves
         from orchestrator.watch.curvefetch import CurveFetch
         if self.plan.attempt == 0:
-            _, self.aside = pulling.run_dest(session.cluster, st)
-            curves.clear_copies(session.cluster)
+            self.aside = pulling.own_outputs(session.cluster, st, new_run=True)
         else:   # a restart: the same run's folder, its earlier attempts' files kept
             pulling.adopt(session.cluster, st)
         return CurveFetch(session).start()

@@ -118,16 +118,14 @@ def own_folder(cluster: Cluster, st: JobState, board: Board) -> None:
     copies of its files removed, and said on the page (`orch dashboard` prints it too),
     so that no curve mixes two runs."""
     from orchestrator.api import pulling
-    from orchestrator.watch import curves
     try:
-        dest, aside = pulling.run_dest(cluster, st)
+        aside = pulling.own_outputs(cluster, st, new_run=False)
     except OrchError as e:   # another pull writes there now: said, the curves may mix
         board.note(f"outputs: {e.message}")
         return
     if aside is not None:
-        curves.clear_copies(cluster)
-        board.note(f"{rel(cluster, dest)} held an earlier run's files: moved to "
-                          f"{rel(cluster, aside)} (each run keeps its own folder)")
+        board.note(f"{rel(cluster, pulling.default_dest(cluster))} held an earlier run's "
+                   f"files: moved to {rel(cluster, aside)} (each run keeps its own folder)")
 
 
 def rel(cluster: Cluster, path: Path) -> str:
