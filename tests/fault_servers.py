@@ -189,48 +189,43 @@ def reset_proxy(upstream: tuple[str, int], after_bytes: int
     return behaviour
 
 
-def drop_first(count: int, upstream: tuple[str, int]
-               ) -> Callable[[socket.socket, threading.Event], None]:
+Behaviour = Callable[[socket.socket, threading.Event], None]
+
+
+def _first_then_relay(count: int, upstream: tuple[str, int], first: Behaviour) -> Behaviour:
+    """The first `count` connections get `first`; the later ones are relayed to a real sshd."""
+    seen = [0]
+    lock = threading.Lock()
+    relay = reset_proxy(upstream, after_bytes=1 << 40)
+
+    def behaviour(conn: socket.socket, stop: threading.Event) -> None:
+        with lock:
+            seen[0] += 1
+            early = seen[0] <= count
+        (first if early else relay)(conn, stop)
+    return behaviour
+
+
+def drop_first(count: int, upstream: tuple[str, int]) -> Behaviour:
     """sshd's MaxStartups as a client sees it: the first `count` connections are reset
     before any banner; the later ones are relayed to a real sshd."""
-    seen = [0]
-    lock = threading.Lock()
-    relay = reset_proxy(upstream, after_bytes=1 << 40)
-
-    def behaviour(conn: socket.socket, stop: threading.Event) -> None:
-        with lock:
-            seen[0] += 1
-            drop = seen[0] <= count
-        if drop:
-            reset(conn)
-        else:
-            relay(conn, stop)
-    return behaviour
+    return _first_then_relay(count, upstream, lambda conn, stop: reset(conn))
 
 
-def close_in_kex_first(count: int, upstream: tuple[str, int]
-                       ) -> Callable[[socket.socket, threading.Event], None]:
+def _close_in_kex(conn: socket.socket, stop: threading.Event) -> None:
+    conn.sendall(BANNER)
+    got = b""
+    for chunk in _chunks(conn, stop):   # the client's banner, then its KEXINIT
+        got += chunk
+        if b"\n" in got and len(got.split(b"\n", 1)[1]) > 0:
+            break
+    conn.close()
+
+
+def close_in_kex_first(count: int, upstream: tuple[str, int]) -> Behaviour:
     """A loaded sshd as a client saw it: the first `count` connections get the SSH banner,
     then are closed once the client's key exchange arrives; later ones are relayed."""
-    seen = [0]
-    lock = threading.Lock()
-    relay = reset_proxy(upstream, after_bytes=1 << 40)
-
-    def behaviour(conn: socket.socket, stop: threading.Event) -> None:
-        with lock:
-            seen[0] += 1
-            drop = seen[0] <= count
-        if not drop:
-            relay(conn, stop)
-            return
-        conn.sendall(BANNER)
-        got = b""
-        for chunk in _chunks(conn, stop):   # the client's banner, then its KEXINIT
-            got += chunk
-            if b"\n" in got and len(got.split(b"\n", 1)[1]) > 0:
-                break
-        conn.close()
-    return behaviour
+    return _first_then_relay(count, upstream, _close_in_kex)
 
 
 def free_refused_port(address: str) -> int:
