@@ -198,6 +198,8 @@ def test_orch_dashboard_serves_the_job_behind_its_token(tmp_path: Path,
         assert len(job.fake.requests("stop")) >= 3
         ended = wait_for(lambda: (s := fetch.json("/api/state"))["ended"] and s)
         assert {r["state"] for r in ended["ranks"]} == {"stopped"}
+        # the stop's words stay among the notes every poll redraws
+        assert "stopped on 3 hosts" in ended["notes"]
     finally:
         opened.close()
 

@@ -132,7 +132,11 @@ class Handler(BaseHTTPRequestHandler):
         elif self.dash.stop is None:
             self.send_json({"ok": False, "message": "this page cannot stop the job"})
         else:
-            self.send_json(run_stop(self.dash.stop))
+            reply = run_stop(self.dash.stop)
+            # kept as a note: the page redraws its notes from each poll, so a reply shown
+            # only by the button's own fetch would be wiped within a second
+            self.dash.board.note(reply["message"])
+            self.send_json(reply)
 
     def checked(self, query: dict[str, list[str]], header_only: bool = False) -> bool:
         """The right Host and the token, else 403 (and False)."""
