@@ -77,6 +77,7 @@ class Cost:
     rss_mib: float = 0.0
     threads: int = 0
     fds: int = 0
+    fd_limit: int = 0   # the process's own soft open-file limit, last read while it ran
 
 
 @dataclass
@@ -116,14 +117,25 @@ def limit_files() -> None:
 
 
 def peaks(pid: int, got: dict[str, int], stop: threading.Event) -> None:
-    """The most threads and descriptors pid had, sampled every 0.1 s until stop."""
+    """The most threads and descriptors pid had, sampled every 0.1 s until stop, and its
+    soft open-file limit (orch raises the one it was started under: this shows it did)."""
     while not stop.is_set():
         try:
             got["fds"] = max(got["fds"], len(os.listdir(f"/proc/{pid}/fd")))
             got["threads"] = max(got["threads"], len(os.listdir(f"/proc/{pid}/task")))
+            got["fd_limit"] = soft_nofile(Path(f"/proc/{pid}/limits").read_text())
         except OSError:
             return
         stop.wait(0.1)
+
+
+def soft_nofile(limits: str) -> int:
+    """The soft 'Max open files' of a /proc/PID/limits text (0: unlimited or unread)."""
+    for line in limits.splitlines():
+        if line.startswith("Max open files"):
+            soft = line.split()[3]
+            return int(soft) if soft.isdigit() else 0
+    return 0
 
 
 def measured(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 900,
@@ -135,7 +147,7 @@ def measured(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 900,
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=limit_files if limit else None)
-    got, stop = {"fds": 0, "threads": 0}, threading.Event()
+    got, stop = {"fds": 0, "threads": 0, "fd_limit": 0}, threading.Event()
     outs: dict[str, bytes] = {}
     readers = [threading.Thread(target=lambda k=k, f=f: outs.__setitem__(k, f.read()), daemon=True)
                for k, f in (("out", proc.stdout), ("err", proc.stderr))]
@@ -154,7 +166,7 @@ def measured(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 900,
     run = Run(seconds, proc.returncode, outs.get("out", b"").decode(errors="replace"),
               outs.get("err", b"").decode(errors="replace"))
     return run, Cost(seconds, proc.returncode, usage.ru_utime, usage.ru_stime,
-                     usage.ru_maxrss / 1024, got["threads"], got["fds"])
+                     usage.ru_maxrss / 1024, got["threads"], got["fds"], got["fd_limit"])
 
 
 def orch(inv: Path, verb: str, *extra: str) -> tuple[Run, Cost]:
@@ -169,7 +181,8 @@ def pdsh(bed: Bed, remote: str) -> Run:
 def show(label: str, c: Cost, base: float = float("nan")) -> None:
     vs = f" (baseline {base:.2f} s)" if base == base else ""
     print(f"  {label}: {c.seconds:.2f} s{vs}, cpu {c.user:.2f} user + {c.system:.2f} sys, "
-          f"rss {c.rss_mib:.0f} MiB, {c.threads} threads, {c.fds} fds", flush=True)
+          f"rss {c.rss_mib:.0f} MiB, {c.threads} threads, {c.fds} fds "
+          f"(soft limit {c.fd_limit or 'unlimited'})", flush=True)
 
 
 # ---------------------------------------------------------------- the measures
