@@ -309,7 +309,7 @@ def run(req: Request) -> None:
             log.offset = tail_offset(log.f, a["tail"])
         logs.append(log)
     reported: set[int] = set()
-    beat, idle = 0.0, 0
+    beat, idle = Beat(a.get("beat", timeouts.HEARTBEAT)), 0
     started = set()  # type: set[Any]
     rundir = RunDir(p["jd"])
     beats = Heartbeats(rundir, a["ranks"]) if a.get("heartbeats") and mode == "events" \
@@ -327,7 +327,8 @@ def run(req: Request) -> None:
                 return finish(send, p, logs, mode)
             if mode == "events" and len(reported) == len(logs):
                 end.watch(p)   # every rank ended: the host's end is torchrun's, soon
-            beat = heartbeat(send, mode, beat)
+            if mode == "events":
+                beat.due(send, busy > 0)
             touched = beats.touched() if beats is not None else []
             if touched:
                 send(protocol.event("progress", ranks=touched))
@@ -340,10 +341,22 @@ def run(req: Request) -> None:
         end.close()
 
 
-def heartbeat(send: Send, mode: str, beat: float) -> float:
-    """A `beat` event once every HEARTBEAT seconds while following; the last one's time."""
-    if mode == "events" and time.time() - beat >= timeouts.HEARTBEAT:
-        send(protocol.event("beat", time=time.time()))
-        return time.time()
-    return beat
+class Beat:
+    """The `beat` event: sent once `period` seconds (the follow's `beat`, set by the
+    controller for its host count) passed without a frame, since any frame tells the
+    controller this host lives. The first one comes at a random point of the first
+    period, so that a thousand hosts that began together do not beat together."""
 
+    def __init__(self, period: float) -> None:
+        self.period = period
+        spread = int.from_bytes(os.urandom(2), "big") / 65536.0   # random: no import
+        self.last = time.monotonic() - spread * period
+
+    def due(self, send: Send, sent: bool) -> None:
+        """After each poll; `sent`: this poll sent frames already."""
+        now = time.monotonic()
+        if sent:
+            self.last = now
+        elif now - self.last >= self.period:
+            send(protocol.event("beat", time=time.time()))
+            self.last = now

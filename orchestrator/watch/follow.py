@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, Callable, Protocol
 from orchestrator.errors import OrchError
 from orchestrator.remote.link import HostDone, Link
 from orchestrator.ui.termsafe import for_terminal, visible
+from orchestrator.watch.hostlost import TICK, Silence
 from orchestrator.wire import timeouts
 
 TAIL_KEEP = 20
@@ -98,14 +99,16 @@ class Tracker:
 
 
 def watchdog(streams: dict[int, HostStream], tracker: Tracker, stop: threading.Event) -> None:
-    """A host that sends not even a heartbeat for HOST_LOST seconds is lost."""
-    clock = timeouts.CLOCK
-    while not clock.wait(stop, 0.25):   # a quarter second late at most: checking is cheap
-        for index, s in streams.items():
-            if not s.done and clock.now() - s.link.last_seen > timeouts.HOST_LOST:
-                why = f"no answer for {timeouts.HOST_LOST:.0f} s"
-                tracker.host_lost(index, why)
-                s.link.lost(why)   # the closing `orch up` does not wait for its agent
+    """A host that sends not even a heartbeat for timeouts.host_lost seconds of the
+    controller's own time is lost (hostlost.Silence: a stalled controller, or most hosts
+    silent together, is the controller's silence)."""
+    clock, hosts = timeouts.CLOCK, len(streams)
+    silence = Silence(timeouts.host_lost(hosts), timeouts.heartbeat(hosts), clock.now())
+    while not clock.wait(stop, TICK):
+        seen = {i: s.link.last_seen for i, s in streams.items() if not s.done}
+        for index, why in silence.look(clock.now(), seen):
+            tracker.host_lost(index, why)
+            streams[index].link.lost(why)   # the closing `orch up` does not wait for its agent
 
 
 def follow(streams: dict[int, HostStream], sink: Sink, tail: int = -1,
@@ -117,9 +120,11 @@ def follow(streams: dict[int, HostStream], sink: Sink, tail: int = -1,
     heartbeats: the hosts report the ranks that touched their heartbeat file (a sink's
     `rank_progress(host, ranks)`), for the hang watch."""
     tracker, stop = Tracker(streams, sink), threading.Event()
-    extra: dict[str, str | bool] = {"unit": unit} if unit else {}   # only when set
+    extra: dict[str, str | bool | float] = {"unit": unit} if unit else {}   # only when set
     if heartbeats:
         extra["heartbeats"] = True
+    if mode == "events":   # the only mode that beats; slower for many hosts
+        extra["beat"] = timeouts.heartbeat(len(streams))
     for index, s in streams.items():
         s.link.last_seen = time.monotonic()
         try:

@@ -207,7 +207,8 @@ def watched(session: Session, mon: Monitor, finished: Callable[[], bool],
         record(ev.Succeeded(time.time(), session.cluster.world_size))
         return Outcome(EXIT_OK, None, frozenset(), frozenset(), exits)
     lost_at = {i: session.links[i].last_heard for i in mon.lost if i in session.links}
-    found = verdict(list(mon.exits.values()), mon.host_clocks(), None, lost_at)
+    found = verdict(list(mon.exits.values()), mon.host_clocks(), None, lost_at,
+                    timeouts.heartbeat(len(session.cluster.hosts)))
     cause = root_cause(session, mon, found, user_stop=False)
     record(cause)
     silent = frozenset(i for i, h in enumerate(session.cluster.hosts) if h.label in cause.silent)
@@ -270,7 +271,8 @@ def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool],
     if mon.clocks is not None:   # fresh samples: the failure may come before the first ones
         for _ in range(2):
             mon.clocks.measure(timeouts.CLOCK_REPLY / 2, skip=set(mon.lost))
-    found = verdict(list(mon.exits.values()), mon.host_clocks(), mon.stop_started, lost_at)
+    found = verdict(list(mon.exits.values()), mon.host_clocks(), mon.stop_started, lost_at,
+                    timeouts.heartbeat(len(session.cluster.hosts)))
     cause = root_cause(session, mon, found, user_stop)
     mon.emit(cause)
     network = refused(session, cause, master)

@@ -90,16 +90,17 @@ def first_failures(cands: list[Failure]) -> tuple[list[Failure], list[Failure]]:
 
 
 def verdict(exits: list[Exit], clocks: dict[int, HostClock], stop_started: float | None,
-            lost: dict[int, float]) -> Verdict:
-    """`lost`: each lost host's last frame, on our clock."""
+            lost: dict[int, float], beat: float = timeouts.HEARTBEAT) -> Verdict:
+    """`lost`: each lost host's last frame, on our clock; `beat`: the hosts' heartbeat
+    period (timeouts.heartbeat)."""
     first, rest = first_failures(candidates(exits, clocks, stop_started))
     if not lost:
         return Verdict(tuple(first), (), tuple(rest), ())
     if not first:
         return Verdict((), tuple(sorted(lost, key=lost.get)), (), ())  # type: ignore[arg-type]
     start = first[0].at - first[0].uncertainty
-    # its last heartbeat may be up to HEARTBEAT before it really went quiet
-    silent = tuple(sorted((h for h, t in lost.items() if t + timeouts.HEARTBEAT < start),
+    # its last heartbeat may be up to a period before it really went quiet
+    silent = tuple(sorted((h for h, t in lost.items() if t + beat < start),
                           key=lost.get))  # type: ignore[arg-type]
     if silent:
         return Verdict((), silent, tuple(first + rest), tuple(h for h in lost if h not in silent))

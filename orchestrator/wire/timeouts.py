@@ -21,6 +21,8 @@ STATUS = 30.0               # `orch status`
 ERROR_FILE = 15.0           # fetching torchrun's error file for the root cause
 STOP_EXTRA = 60.0           # a stop's reply may take its grace period plus this
 HOST_LOST = 15.0            # no frame (not even a heartbeat) for this long: the host is lost
+                            # (with HEARTBEAT's period; more past 100 hosts: host_lost())
+LOST_BEATS = 5.0            # ... and each second the period grew past HEARTBEAT adds this much
 FAILFAST_GRACE = 3.0        # SIGTERM -> SIGKILL when a rank failed
 INTERRUPT_GRACE = 10.0      # SIGTERM -> SIGKILL after Ctrl-C
 STOP_GRACE = 10.0           # `orch stop`'s default --grace
@@ -39,7 +41,9 @@ CANCEL = 15.0               # Ctrl-C during setup or exec: the hosts' replies af
 NET_WAITS = 10.0            # a look for a network hang: the hosts' `net_waits` replies
 
 # on the host (the agent)
-HEARTBEAT = 1.0             # a follow sends a heartbeat this often; HOST_LOST relies on it
+HEARTBEAT = 1.0             # a follow's heartbeat period, the shortest (heartbeat(hosts))
+HEARTBEAT_MAX = 10.0        # ... and the longest, asked of a large job's hosts
+HEARTBEAT_RATE = 100.0      # heartbeats a second the controller takes from all hosts together
 STACK_WAIT = 3.0            # a hang: how long the ranks have to write their stacks
 HEARTBEAT_POLL = 1.0        # how often a follow looks at the ranks' heartbeat files
 STOP_VERIFY = 5.0           # after SIGKILL: how long a stop waits for the kernel to reap
@@ -55,6 +59,20 @@ COMMAND_GRACE = 3.0         # setup/exec cancelled: SIGTERM -> SIGKILL of its pr
 def scaled(base: float, hosts: int) -> float:
     """A timeout that covers one host's step while `hosts` do the same at once."""
     return base + PER_HOST * max(0, hosts)
+
+
+def heartbeat(hosts: int) -> float:
+    """The heartbeat period a follow of `hosts` asks of each: every beat wakes the
+    controller and is decrypted there only to learn nothing changed, so all of them
+    together come at most HEARTBEAT_RATE times a second (1,000 hosts: every 10 s)."""
+    return min(HEARTBEAT_MAX, max(HEARTBEAT, hosts / HEARTBEAT_RATE))
+
+
+def host_lost(hosts: int) -> float:
+    """How long a host of a follow of `hosts` may send nothing: HOST_LOST at the base
+    period, then LOST_BEATS more for each second the period grew (25 s at 300 hosts,
+    60 s at 1,000: five periods and more), so a slower beat is never mistaken for loss."""
+    return HOST_LOST + LOST_BEATS * (heartbeat(hosts) - HEARTBEAT)
 
 
 class Clock:
