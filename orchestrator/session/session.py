@@ -190,9 +190,11 @@ class Session:
 
     def close(self) -> None:
         """Close every agent's stdin, give them a moment to end, close the connections:
-        all hosts at once (one after the other, 128 connections took a quarter second)."""
+        all hosts at once (one after the other, 128 connections took a quarter second;
+        in waves of fan_out's 256, 300 hosts took two agents' ends)."""
         links = self.links
-        fan_out(tuple(link.host for link in links.values()), lambda h: end_link(links[h.index]))
+        fan_out(tuple(link.host for link in links.values()), lambda h: end_link(links[h.index]),
+                limit=max(1, len(links)))
         for th in self.releasing:
             th.join(timeouts.CLOSE + 1)
 

@@ -270,7 +270,7 @@ def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool],
     lost_at = {i: session.links[i].last_heard for i in mon.lost if i in session.links}
     if mon.clocks is not None:   # fresh samples: the failure may come before the first ones
         for _ in range(2):
-            mon.clocks.measure(timeouts.CLOCK_REPLY / 2, skip=set(mon.lost))
+            mon.clocks.measure(timeouts.CLOCK_REPLY / 2, skip=not_compared(session, mon))
     found = verdict(list(mon.exits.values()), mon.host_clocks(), mon.stop_started, lost_at,
                     timeouts.heartbeat(len(session.cluster.hosts)))
     cause = root_cause(session, mon, found, user_stop)
@@ -280,6 +280,14 @@ def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool],
         mon.emit(network)
     mon.emit(stopped(session, mon, result, "failure", time.monotonic() - started))
     return cause
+
+
+def not_compared(session: Session, mon: Monitor) -> set[int]:
+    """The hosts whose clocks the verdict does not read: lost, or no failed rank of their
+    own (rootcause.candidates compares only those exits). Two rounds to every host were
+    seconds at 300 hosts, after the stop and before the stop was said."""
+    failed = {e.host for e in mon.exits.values() if e.code != 0 and not e.after_stop}
+    return set(mon.lost) | (set(session.links) - failed)
 
 
 def failure(cluster: Cluster, f: Failure, **known: object) -> ev.RankFailure:
