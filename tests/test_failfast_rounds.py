@@ -1,8 +1,8 @@
 """Fail-fast at 300 hosts over in-process fake agents (tests/fake_agent.py): what goes out
 between a rank's failure and every host's stop, counted in requests and rounds, not in
-seconds. Every stop is in flight at once (no waves behind a fan-out's thread limit), and
-the fresh clock samples before the verdict are asked only of the failed rank's host (not
-two rounds to every host)."""
+seconds. Every stop is in flight at once (no waves behind a fan-out's thread limit), the
+fresh clock samples before the verdict are asked only of the failed rank's host (not
+two rounds to every host), and the curves' fetch starts no round during the stop."""
 from __future__ import annotations
 
 import threading
@@ -12,14 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from fake_agent import FakeChannel, FakeTransport, later
+from fake_agent import FakeChannel, FakeCluster, FakeTransport, later, stop_reply
+from orchestrator import api
 from orchestrator.config.inventory import parse
 from orchestrator.errors import EXIT_JOB_FAILED
 from orchestrator.session.replies import Supervisor
 from orchestrator.session.session import Session
 from orchestrator.session.state import HostState, JobState
-from orchestrator.watch import monitor
+from orchestrator.watch import curvefetch, monitor
 from orchestrator.wire import protocol, timeouts
+from test_controller_fake import HOSTS as THREE_HOSTS
+from test_controller_fake import inventory as three_hosts
 
 HOSTS = 300      # past fan_out's 256 threads: a second wave would show
 FAILING = 1      # rank 1 (host 1) exits 3; every other rank runs until the stop
@@ -123,3 +126,29 @@ def test_fail_fast_at_300_hosts_sends_every_stop_in_one_round(
     clocks = {i: n for (i, t), n in hosts.asked.items() if t == "clock"}
     assert clocks == {FAILING: 2}, f"fresh clock samples asked of {len(clocks)} hosts"
     assert {i for (i, t) in hosts.asked if t == "status"} == {FAILING}
+
+
+def test_no_round_of_the_curves_fetch_starts_during_the_stop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The curves' fetch asks every host every round (here every 50 ms); from the stop
+    on, it starts no new round: each host gets at most the round in flight and the last
+    one (after the watch) while its stop takes a second, and rank 0's pull besides."""
+    monkeypatch.setattr(curvefetch, "INTERVAL", 0.05)
+    fake = FakeCluster(lambda label, rank, env: 3 if rank == 3 else None).install(monkeypatch)
+
+    def slow_stop(chan: FakeChannel, msg: dict) -> None:
+        later(1.0, lambda: stop_reply(chan, msg))
+    fake.on("stop", slow_stop)
+    with pytest.raises(api.JobError):
+        api.run(three_hosts(tmp_path), on_event=lambda e: None)
+    with fake.lock:
+        log = list(fake.log)
+    first_stop = next(k for k, (_, t, _) in enumerate(log) if t == "stop")
+    after = Counter(label for label, t, _ in log[first_stop:] if t == "pull_manifest")
+    assert fake.asked("stop") == dict.fromkeys(THREE_HOSTS, 1)
+    assert all(n <= 3 for n in after.values()), after   # in flight, the last, rank 0's pull
+    assert sum(after.values()) <= 2 * len(THREE_HOSTS) + 1, after
+
+
+def test_the_curves_rounds_thin_out_past_200_hosts() -> None:
+    assert [curvefetch.round_interval(n) for n in (3, 200, 300, 1000)] == [2.0, 2.0, 3.0, 10.0]

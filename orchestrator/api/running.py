@@ -196,6 +196,24 @@ def start_failed(plan: healing.Healer, err: GroupError) -> Failed:
     return Failed(f"preflight failed on {names}", failed, set(), err.exit_code)
 
 
+class PauseAtStop:
+    """The emit given to the watch: at the job's stop (fail-fast, a hang, Ctrl-C) the
+    curves' fetch starts no new round. Its rounds ask every host, every few seconds: at
+    300 hosts one ran beside the stop, on the cores the hosts share, and the last round
+    (after the watch) then waited behind it."""
+
+    def __init__(self, emit: ev.Emit, fetch: CurveFetch | None) -> None:
+        self.emit, self.fetch = emit, fetch
+
+    def __call__(self, event: ev.Event) -> None:
+        if isinstance(event, ev.Stopping) and self.fetch is not None:
+            self.fetch.stop(timeout=0)   # no wait: a round in flight ends by itself
+        self.emit(event)
+
+    def many(self, events: Sequence[ev.Event]) -> None:
+        ev.emit_all(self.emit, events)
+
+
 class Spares:
     """The spares made ready (preflight, code) beside the first attempt, in a thread: the
     job does not wait for them. One that cannot serve is said and taken out of the plan."""
@@ -278,7 +296,7 @@ class Run:
             from orchestrator.watch.monitor import watch
             mons: list[Monitor] = []
             try:
-                outcome = watch(got.session, st, self.emit, mons.append)
+                outcome = watch(got.session, st, PauseAtStop(self.emit, fetch), mons.append)
             except BaseException:   # Ctrl-C, a failed follow: no last round, out at once
                 if fetch is not None:
                     fetch.stop(timeout=1.0)

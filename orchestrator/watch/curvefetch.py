@@ -28,8 +28,16 @@ from orchestrator.session.session import Session
 from orchestrator.watch import curves
 
 INTERVAL = 2.0            # seconds between rounds: an epoch's row shows within about that
+ROUND_HOSTS = 100.0       # hosts asked a second at most, past 200 hosts (round_interval)
 MAX_ROUND = 64 << 20      # bytes fetched from one host in one round (the rest next round)
 log = logging.getLogger("orchestrator")
+
+
+def round_interval(hosts: int) -> float:
+    """Seconds between rounds for `hosts` hosts: INTERVAL, longer past 200 hosts. A round
+    asks every host; at 300 hosts one every 2 s was 150 requests and as many threads a
+    second, on the cores the hosts share (a fail-fast's stop ran beside them)."""
+    return max(INTERVAL, hosts / ROUND_HOSTS)
 
 
 def fetched_hosts(cluster: Cluster) -> tuple[Host, ...]:
@@ -119,8 +127,10 @@ class CurveFetch:
     stopped. `version` grows each time a file changed here (a reader re-reads then);
     `notes`: the latest round's (files skipped, hosts failed)."""
 
-    def __init__(self, session: Session, interval: float = INTERVAL) -> None:
-        self.session, self.interval = session, interval
+    def __init__(self, session: Session, interval: float | None = None) -> None:
+        self.session = session
+        self.interval = interval if interval is not None else round_interval(
+            len(fetched_hosts(session.cluster)))
         self.lock = threading.Lock()
         self.version = 0
         self.rounds = 0
