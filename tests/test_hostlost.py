@@ -25,6 +25,8 @@ def test_the_period_and_the_bound_grow_with_the_hosts(hosts: int, period: float,
                                                       bound: float) -> None:
     assert timeouts.heartbeat(hosts) == period and timeouts.host_lost(hosts) == bound
     assert bound >= max(timeouts.HOST_LOST, 5 * period)
+    # the clock samples slow down alike: 5 s each up to 100 hosts, 50 s at 1,000
+    assert timeouts.clock_period(hosts) == timeouts.CLOCK_PERIOD * period
 
 
 def test_all_hosts_together_beat_at_most_the_rate_up_to_a_thousand() -> None:

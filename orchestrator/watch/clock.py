@@ -93,8 +93,10 @@ class Clocks:
     def start(self, first: int = 5) -> Clocks:
         """`first` quick samples after CLOCK_FIRST seconds (the best of them is usually
         tight; not at once, where they would compete with every host's job starting),
-        then one every CLOCK_PERIOD seconds, in the background. A failure before then is
-        judged with fresh samples (`measure` in watch.fail_fast)."""
+        then one every timeouts.clock_period seconds, in the background (slower for many
+        hosts). A failure is judged with fresh samples (`measure` in watch.fail_fast)."""
+        every = timeouts.clock_period(len(self.links))
+
         def loop() -> None:
             if self.closed.wait(timeouts.CLOCK_FIRST):
                 return
@@ -102,7 +104,7 @@ class Clocks:
                 if self.closed.is_set():
                     return
                 self.measure()
-            while not self.closed.wait(timeouts.CLOCK_PERIOD):
+            while not self.closed.wait(every):
                 self.measure()
         threading.Thread(target=loop, daemon=True, name="clocks").start()
         return self

@@ -35,6 +35,7 @@ PULL_AGE = 15.0             # after a pull: the host lists the files older than 
 CLOCK_REPLY = 2.0           # a `clock` sample's reply; a later one is not a useful sample
 CLOCK_FIRST = 2.0           # the first clock samples of a followed job, after its start
 CLOCK_PERIOD = 5.0          # a new clock sample per host this often while a job is watched
+                            # (slower past 100 hosts: clock_period())
 SETUP = 6 * 3600.0          # one host's `setup:` (pip installs can be long)
 STACKS = 15.0               # a hang: the hosts' `stacks` replies (each waits STACK_WAIT at most)
 CANCEL = 15.0               # Ctrl-C during setup or exec: the hosts' replies after a cancel
@@ -73,6 +74,13 @@ def host_lost(hosts: int) -> float:
     period, then LOST_BEATS more for each second the period grew (25 s at 300 hosts,
     60 s at 1,000: five periods and more), so a slower beat is never mistaken for loss."""
     return HOST_LOST + LOST_BEATS * (heartbeat(hosts) - HEARTBEAT)
+
+
+def clock_period(hosts: int) -> float:
+    """How often a watched job's hosts are each asked for a clock sample: CLOCK_PERIOD,
+    slower as the heartbeat (50 s at 1,000 hosts: 20 requests a second in all). Clocks
+    drift by parts per million; a failure is judged with fresh samples anyway."""
+    return CLOCK_PERIOD * heartbeat(hosts) / HEARTBEAT
 
 
 class Clock:
