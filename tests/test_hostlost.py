@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from helpers import FakeClock
+from helpers import FakeClock, wait_until
 from orchestrator.agent.follow import Beat
+from orchestrator.errors import OrchError
 from orchestrator.watch.follow import HostStream, Tracker, follow, watchdog
 from orchestrator.watch.hostlost import ON_TIME, TICK, Silence
 from orchestrator.wire import protocol, timeouts
+from test_protocol import Collect, started
 
 # ---------------------------------------------------------------- the period and the bound
 
@@ -41,6 +44,29 @@ def test_the_wire_refuses_a_period_out_of_bounds(beat: Any) -> None:
         protocol.check(req, protocol.REQUESTS["follow"], "request follow")
     req["beat"] = 7.5
     assert protocol.check(req, protocol.REQUESTS["follow"], "request follow") is req
+
+
+def test_a_real_agent_refuses_a_bad_period_and_follows_with_a_good_one(tmp_path: Path) -> None:
+    """`beat` as the wire types it: the controller does not send a bad one, and the
+    agent (over pipes) answers one with a usage error naming the field; a period in
+    bounds is followed (here to the end of a job that never ran)."""
+    link = started(tmp_path)
+    try:
+        with pytest.raises(protocol.ProtocolError):   # this side never sends it
+            link.request("follow", 30, job_dir=str(tmp_path), ranks=[0], tail=-1,
+                         mode="events", beat=0.1)
+        id, pending = link._register("follow")         # an agent sent it all the same
+        link.send(protocol.message("follow", id=id, job_dir=str(tmp_path), ranks=[0],
+                                   tail=-1, mode="events", beat=0.1))
+        with pytest.raises(OrchError) as bad:
+            link.wait(pending, 30)
+        sink = Collect()
+        link.follow(sink, job_dir=str(tmp_path), ranks=[0], tail=-1, mode="events", beat=2.0)
+        wait_until(lambda: bool(sink.done or sink.lost), 30, "the follow's end")
+    finally:
+        link.close()
+    assert "follow failed" in str(bad.value) and "'beat' must be 1-10 s" in str(bad.value), bad.value
+    assert sink.lost == [] and len(sink.done) == 1, (sink.lost, sink.done)
 
 
 # ---------------------------------------------------------------- the agent's beat
