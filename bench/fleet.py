@@ -18,7 +18,9 @@ open descriptors seen (/proc, every 0.1 s):
   logs      `orch logs --rank 0` of it                 (no baseline)
   stop      `orch stop`, every process checked gone   vs  pdsh -f N true
   failfast  `orch up` of a job whose rank 1 exits 3 s after starting: seconds from that
-            exit to every host stopped (the whole up's wall and CPU beside it)
+            exit to orch's line that every host is stopped (verified), and to orch's
+            end (the curves' last round, rank 0's pull, every agent closed; the whole
+            up's wall and CPU beside it)
 
     .venv/bin/python bench/fleet.py --hosts 64 300 [--shells plain root] [--reps 1]
 
@@ -78,6 +80,7 @@ class Cost:
     threads: int = 0
     fds: int = 0
     fd_limit: int = 0   # the process's own soft open-file limit, last read while it ran
+    said_stopped: float = float("nan")   # wall time orch said every host was stopped
 
 
 @dataclass
@@ -86,6 +89,7 @@ class Sample:
     orch: Cost
     base: float = float("nan")   # the baseline's wall seconds
     extra: float = float("nan")  # failfast: seconds from the rank's exit to every host stopped
+    end: float = float("nan")    # failfast: seconds from the rank's exit to orch's end
 
 
 @dataclass
@@ -144,13 +148,16 @@ def measured(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 900,
     limit: under the login session's open-file limit (orch; pdsh keeps the bench's own:
     it holds three pipes per host)."""
     t0 = time.perf_counter()
+    said: dict[str, float] = {}   # the wall time each SAID text first came on stderr
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=limit_files if limit else None)
     got, stop = {"fds": 0, "threads": 0, "fd_limit": 0}, threading.Event()
     outs: dict[str, bytes] = {}
-    readers = [threading.Thread(target=lambda k=k, f=f: outs.__setitem__(k, f.read()), daemon=True)
-               for k, f in (("out", proc.stdout), ("err", proc.stderr))]
+    out, err = proc.stdout, proc.stderr
+    assert out is not None and err is not None
+    readers = [threading.Thread(target=lambda: outs.__setitem__("out", out.read()), daemon=True),
+               threading.Thread(target=read_err, args=(err, outs, said), daemon=True)]
     poll = threading.Thread(target=peaks, args=(proc.pid, got, stop), daemon=True)
     for th in (*readers, poll):
         th.start()
@@ -166,7 +173,22 @@ def measured(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 900,
     run = Run(seconds, proc.returncode, outs.get("out", b"").decode(errors="replace"),
               outs.get("err", b"").decode(errors="replace"))
     return run, Cost(seconds, proc.returncode, usage.ru_utime, usage.ru_stime,
-                     usage.ru_maxrss / 1024, got["threads"], got["fds"], got["fd_limit"])
+                     usage.ru_maxrss / 1024, got["threads"], got["fds"], got["fd_limit"],
+                     said.get("stopped", float("nan")))
+
+
+SAID = {"stopped": "stopped the job on every host"}   # orch up's line after a verified stop
+
+
+def read_err(f, outs: dict[str, bytes], said: dict[str, float]) -> None:
+    """stderr line by line, noting when each SAID text first came."""
+    lines = []
+    for line in f:
+        lines.append(line)
+        for key, text in SAID.items():
+            if key not in said and text.encode() in line:
+                said[key] = time.time()
+    outs["err"] = b"".join(lines)
 
 
 def orch(inv: Path, verb: str, *extra: str) -> tuple[Run, Cost]:
@@ -234,14 +256,15 @@ def measure_failfast(bed: Bed, s: Series) -> None:
     if o.returncode != 1 or not m or left:
         s.fail(f"orch up with a rank's exit (left {len(left)})", o)
         kill_pids(left)
-    s.samples.append(Sample("failfast", c, extra=after))
-    show(f"failfast (stopped {after:.2f} s after the exit)", c)
+    said = c.said_stopped - float(m.group(1)) if m else float("nan")
+    s.samples.append(Sample("failfast", c, extra=said, end=after))
+    show(f"failfast (stopped {said:.2f} s after the exit, orch ended {after:.2f} s after it)", c)
 
 
 # ---------------------------------------------------------------- report
 
 HEADERS = ["hosts", "shell", "command", "orch s", "baseline s", "ratio", "user s", "sys s",
-           "RSS MiB", "threads", "fds", "exit -> stopped s"]
+           "RSS MiB", "threads", "fds", "exit -> stopped s", "exit -> end s"]
 
 
 def mid(got: list[Sample], f: Callable[[Sample], float]) -> float:
@@ -260,7 +283,8 @@ def rows(series: list[Series]) -> list[list]:
             out.append([s.n, s.shell, measure, o, b, o / b if b == b else float("nan"),
                         mid(got, lambda x: x.orch.user), mid(got, lambda x: x.orch.system),
                         max(x.orch.rss_mib for x in got), max(x.orch.threads for x in got),
-                        max(x.orch.fds for x in got), mid(got, lambda x: x.extra)])
+                        max(x.orch.fds for x in got), mid(got, lambda x: x.extra),
+                        mid(got, lambda x: x.end)])
     return out
 
 
