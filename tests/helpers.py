@@ -202,8 +202,40 @@ def marker(host: JobHost, name: str) -> str:
 def job_pids(hosts: Sequence[JobHost], name: str) -> dict[str, list[int]]:
     """Live processes of the job, per host; empty lists when nothing is left. A warm
     torchrun too (found by argv: its marker is set in memory at the go)."""
-    return {h.address: pids_with_env(marker(h, name)) + warm_pids(job_dir(h, name))
-            for h in hosts}
+    found = job_processes([job_dir(h, name) for h in hosts])
+    return {h.address: found[str(job_dir(h, name))] for h in hosts}
+
+
+def job_processes(job_dirs: Iterable[Path | str]) -> dict[str, list[int]]:
+    """Live processes of each job folder: those carrying its marker, and a warm torchrun
+    waiting for its go (found by argv). One pass over /proc for every folder, where a pass
+    per folder made a 16-host check seconds long on a busy machine."""
+    dirs = [str(d) for d in job_dirs]
+    markers = {f"ORCH_JOB_DIR={d}".encode(): d for d in dirs}
+    warm = {d.encode(): d for d in dirs}
+    found: dict[str, list[int]] = {d: [] for d in dirs}
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        hit = _job_of(pid, markers, warm)
+        if hit is not None and pid_alive(pid):
+            found[hit].append(pid)
+    return found
+
+
+def _job_of(pid: int, markers: dict[bytes, str], warm: dict[bytes, str]) -> str | None:
+    """The job folder whose marker pid's environment holds, or whose warm torchrun it is."""
+    hit = next((markers[e] for e in _proc_list(pid, "environ") if e in markers), None)
+    argv = _proc_list(pid, "cmdline") if hit is None else []
+    if argv[-3:-2] == [b"orch-warm-torchrun"]:
+        hit = warm.get(argv[-2])
+    return hit
+
+
+def _proc_list(pid: int, name: str) -> list[bytes]:
+    """/proc/<pid>/<name> split at its NULs; [] when pid vanished or is not ours to read."""
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes().split(b"\0")
+    except OSError:
+        return []
 
 
 def rank_pids(hosts: Sequence[JobHost], name: str) -> dict[str, list[int]]:
@@ -218,8 +250,7 @@ def stray_pids(job_dirs: Iterable[Path | str], wait: float = 0.0) -> dict[str, l
     dirs = [str(d) for d in job_dirs]
 
     def left() -> dict[str, list[int]]:
-        found = {d: pids_with_env(f"ORCH_JOB_DIR={d}") + warm_pids(d) for d in dirs}
-        return {d: p for d, p in found.items() if p}
+        return {d: p for d, p in job_processes(dirs).items() if p}
     deadline = time.monotonic() + wait
     while left() and time.monotonic() < deadline:
         time.sleep(0.1)

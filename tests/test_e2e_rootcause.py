@@ -1,12 +1,14 @@
-"""The root cause at 16 hosts on a busy machine, over real sshd: one rank exits 3 a few
-seconds in; every other rank dies of orch's stop. The failing rank is always named
-(three runs), never a rank the stop killed, and nothing of the job is left."""
+"""The root cause at 16 hosts on a busy machine, over real sshd: once every rank runs,
+both cores are made busy and one rank exits 3; every other rank dies of orch's stop.
+The failing rank is always named (three runs), never a rank the stop killed, and nothing
+of the job is left."""
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,8 @@ import os, sys, time
 rank = int(os.environ["RANK"])
 print("rank %d started" % rank, flush=True)
 if rank == int(os.environ["FAIL_RANK"]):
-    time.sleep(3)
+    while not os.path.exists(os.environ["FAIL_NOW"]):   # the test's go: the cores are busy
+        time.sleep(0.05)
     print("failing now", flush=True)
     sys.exit(3)
 time.sleep(600)
@@ -36,36 +39,43 @@ def big_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluste
         yield cluster
 
 
-@pytest.fixture
+@contextmanager
 def busy_cores() -> Iterator[None]:
-    """Both cores busy with spinning processes for the length of the test."""
+    """Both cores busy with spinning processes until the block ends."""
     spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    yield
-    for p in spin:
-        p.kill()
-        p.wait(10)
+    try:
+        yield
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait(10)
     assert all(p.poll() is not None and not pid_alive(p.pid) for p in spin)
 
 
 @pytest.mark.parametrize("fail_rank", [9, 2, 15])
 def test_the_failing_rank_is_named_at_16_hosts_on_a_busy_machine(
-        big_cluster: SshdCluster, busy_cores: None, tmp_path: Path, jobs: Jobs,
-        fail_rank: int) -> None:
-    hosts, name = big_cluster.hosts, f"rc16-{fail_rank}"
+        big_cluster: SshdCluster, tmp_path: Path, jobs: Jobs, fail_rank: int) -> None:
+    """The cores are busy from the moment every rank runs until nothing of the job is
+    left: the failure, its detection, the stop and the report. Preflight and torchrun's
+    16 imports run before, on a machine only as busy as it is (they name nothing)."""
+    hosts, name, go = big_cluster.hosts, f"rc16-{fail_rank}", tmp_path / "fail-now"
     write_job(tmp_path, JOB)
     inv = big_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name,
-                                      env={"FAIL_RANK": str(fail_rank)})
+                                      env={"FAIL_RANK": str(fail_rank), "FAIL_NOW": str(go)})
     jobs.add(inv, hosts, name)
     run = jobs.start(tmp_path, "up", str(inv))
-    code = run.finish(timeout=240)
-    report = " ".join("\n".join(run.err).split())
-    assert code == 1, run.text()
-    address = re.escape(hosts[fail_rank].address)
-    cause = rf"root cause rank {fail_rank} on host {address} .*exit code 3"
-    assert re.search(cause, report), report
-    assert "SIGTERM" not in report.split("stopped the job")[0], report
-    assert "stopped the job on every host" in report, report
-    assert_nothing_left(hosts, name)
+    run.wait_for(r"\] rank \d+ started$", count=HOSTS, timeout=240)
+    with busy_cores():
+        go.touch()
+        code = run.finish(timeout=120)
+        report = " ".join("\n".join(run.err).split())
+        assert code == 1, run.text()
+        address = re.escape(hosts[fail_rank].address)
+        cause = rf"root cause rank {fail_rank} on host {address} .*exit code 3"
+        assert re.search(cause, report), report
+        assert "SIGTERM" not in report.split("stopped the job")[0], report
+        assert "stopped the job on every host" in report, report
+        assert_nothing_left(hosts, name)
 
 
 SLEEP_JOB = """\
