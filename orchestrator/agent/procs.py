@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import time
 
@@ -277,20 +278,72 @@ def wait_gone(job_dir: str, sup: dict[str, Any] | None, deadline: float,
     to verify that nothing new appeared; what that scan finds is watched in turn."""
     watch = {p: proc_start_time(p) for p in known}
     polls = 0
-    while True:
-        watch = {p: t for p, t in watch.items() if t is not None and proc_start_time(p) == t}
-        if not watch:
-            left = marked_pids(job_dir)
-            if sup and proc_start_time(sup["pid"]) == sup.get("start_ticks"):
-                left.append(sup["pid"])
-            if not left or time.time() >= deadline:
-                return left
-            watch = {p: proc_start_time(p) for p in left}
-        elif time.time() >= deadline:
-            return sorted(set(watch) | set(marked_pids(job_dir)))
-        # signalled processes mostly end within milliseconds: look again soon at first
-        polls += 1
-        time.sleep(0.01 if polls <= 20 else 0.05)
+    with Exits() as exits:
+        while True:
+            watch = {p: t for p, t in watch.items() if t is not None and proc_start_time(p) == t}
+            if not watch:
+                left = marked_pids(job_dir)
+                if sup and proc_start_time(sup["pid"]) == sup.get("start_ticks"):
+                    left.append(sup["pid"])
+                if not left or time.time() >= deadline:
+                    return left
+                watch = {p: proc_start_time(p) for p in left}
+            elif time.time() >= deadline:
+                return sorted(set(watch) | set(marked_pids(job_dir)))
+            # signalled processes mostly end within milliseconds: look again soon at first
+            polls += 1
+            exits.sleep(watch, min(0.5, max(0.0, deadline - time.time())),
+                        0.01 if polls <= 20 else 0.05)
+
+
+class Exits:
+    """The watched processes' ends as pidfds (Linux 5.3, Python 3.9): a stop sleeps until
+    one of them ends, instead of reading each one's /proc/<pid>/stat 20 to 100 times a
+    second. With 300 hosts' agents stopping at once on one machine, those reads were
+    cores' worth of CPU, taken from the very processes being waited for. Without a
+    pidfd for every watched process it sleeps `poll` seconds, as before."""
+
+    def __init__(self) -> None:
+        self.fds = {}   # type: dict[int, int]
+        self.poller = getattr(select, "poll", lambda: None)()
+
+    def __enter__(self) -> Exits:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for pid in list(self.fds):
+            self.drop(pid)
+
+    def sleep(self, watch: dict[int, int | None], most: float, poll: float) -> None:
+        for pid in [p for p in self.fds if p not in watch]:   # ended: its fd reads ready
+            self.drop(pid)
+        for pid, ticks in watch.items():
+            if pid not in self.fds:
+                self.open(pid, ticks)
+        if self.poller is None or any(p not in self.fds for p in watch):
+            time.sleep(poll)
+            return
+        self.poller.poll(most * 1000)
+
+    def open(self, pid: int, ticks: int | None) -> None:
+        opener = getattr(os, "pidfd_open", None)
+        if opener is None or self.poller is None:
+            return
+        try:
+            fd = opener(pid)
+        except OSError:   # ended already, or no pidfd in this kernel
+            return
+        if proc_start_time(pid) != ticks:   # ended before the open: the pid is not its own
+            os.close(fd)
+            return
+        self.fds[pid] = fd
+        self.poller.register(fd, select.POLLIN)
+
+    def drop(self, pid: int) -> None:
+        fd = self.fds.pop(pid)
+        if self.poller is not None:
+            self.poller.unregister(fd)
+        os.close(fd)
 
 
 def stop(job_dir: str, grace: float) -> dict[str, Any]:
