@@ -212,3 +212,39 @@ def test_a_full_disk_names_the_file_the_folder_and_the_fix(tmp_path: Path,
     assert str(tmp_path / "job" / "data") in text and "bytes free of" in text
     assert "remote_dir" in caught.value.fix   # type: ignore[attr-defined]
     assert not [p for p in (tmp_path / "job" / "data").rglob("*") if p.is_file()]
+
+
+def test_a_request_queued_behind_a_stuck_writer_fails_once_the_host_is_lost(
+        tmp_path: Path) -> None:
+    """A writer stuck on a host that takes nothing more holds the link's write lock; a
+    request behind it (a stop sent to every host in turn) fails as soon as the host is
+    called lost, instead of waiting for the stuck write, which ends only at the close."""
+    link, chan = silent_link(tmp_path, accept=0)
+    stuck = threading.Thread(target=lambda: suppress_oserror(link.send, b"x" * 1000),
+                             daemon=True)
+    stuck.start()
+    wait_until(lambda: blocked_in(stuck, "write"), 10, "the first write to block")
+    caught: list[BaseException] = []
+
+    def stop() -> None:
+        try:
+            link.submit("stop", job_dir="/r0/fake", grace=1.0)
+        except BaseException as e:
+            caught.append(e)
+    queued = threading.Thread(target=stop, daemon=True)
+    queued.start()
+    time.sleep(0.2)
+    assert queued.is_alive() and not caught, "the request did not wait behind the writer"
+    link.lost("no answer for 15 s")
+    queued.join(10)
+    assert not queued.is_alive() and stuck.is_alive(), "the request waited for the stuck write"
+    assert isinstance(caught[0], HostError) and "no answer for 15 s" in caught[0].message
+    chan.close()
+    stuck.join(10)
+
+
+def suppress_oserror(send: Any, data: bytes) -> None:
+    try:
+        send(data)
+    except (OSError, HostError):
+        pass

@@ -432,11 +432,18 @@ class Link:
     def send(self, data: bytes | memoryview) -> None:
         while self.boot is not None and self.boot.is_alive() and not self.dead:
             self.boot.join(0.05)   # behind the bundle, unless the host is found broken
-        if self.dead:
-            raise self.dead
         assert self.chan is not None
-        with self.wlock:
+        # the lock may be held by a writer stuck on a host that stopped reading (a frozen
+        # sshd): once that host is called lost, give up instead of queueing behind it
+        while not self.wlock.acquire(timeout=0.5):
+            if self.dead:
+                raise self.dead
+        try:
+            if self.dead:
+                raise self.dead
             self.chan.write(data)
+        finally:
+            self.wlock.release()
 
     def submit(self, command: str, stream: Stream | None = None,
                **fields: Any) -> tuple[int, Pending]:
