@@ -158,10 +158,11 @@ if len(sys.argv) > 1:
     sys.exit(0)
 if rank == "0":
     for e in (epoch + 1, epoch + 2):
+        if e == epoch + 2:
+            time.sleep(0.5)   # the keeper may see epoch 1 before it is rewritten in place
         with open("snapshot.pt", "w") as f:
             f.write("epoch %d " % e + "x" * 100000)
         print("saved", e, flush=True)
-        time.sleep(0.5)
 while not os.path.exists(os.path.join(out, "stop")):
     time.sleep(0.05)
 """

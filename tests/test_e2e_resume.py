@@ -5,12 +5,23 @@ global rank 0 and every rank loads its own copy at start), run with `job.restart
 snapshot.pt, dies mid-run: the spare takes its rank, the kept snapshot is put back into
 every job folder of the new run, and both ranks resume from the same epoch.
 
+The kill does not race the training: as soon as rank 0's log (read on its host, not
+through orch's stream) shows its save of epoch 5, the test SIGSTOPs rank 1, which holds
+rank 0 at its next allreduce (never inside a save), waits for that snapshot to be kept,
+kills rank 0's host, then SIGCONTs rank 1. So the first attempt cannot end before the
+kill, and the run needs only a few epochs past it.
+
 The script is the tutorial's with its two CUDA lines made CPU ones (gloo for nccl, no
 `.to(gpu_id)`): nothing in it knows orch."""
 from __future__ import annotations
 
+import contextlib
+import importlib
+import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,12 +29,15 @@ import pytest
 
 from helpers import Jobs, assert_nothing_left, wait_until, write_job
 from sshd_cluster import SshdCluster, own_cluster
+from test_e2e_hang import rank_pid
 from test_e2e_restarts import kill_host
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
 FIRST_OCTET = 80
-EPOCHS, SAVE_EVERY = "150", "15"   # the run outlasts the kill at epoch 15+ by far
+# training is held from the save of epoch SAVED on (the docstring); the epochs past it
+# cover the one or two rank 0 may run while the test reads that line and stops rank 1
+SAVED, EPOCHS, SAVE_EVERY = 5, "12", "5"
 TUTORIAL = """\
 import os
 import sys
@@ -140,6 +154,18 @@ def kept_epoch(path: Path) -> int:
     return int(torch.load(path, map_location="cpu")["EPOCHS_RUN"])
 
 
+def saved(log: Path, epoch: int) -> bool:
+    """Whether the rank's log (written by the rank itself, unbuffered) shows the tutorial's
+    line after its snapshot of `epoch` was written."""
+    return log.exists() and f"Epoch {epoch} | Training snapshot saved" in log.read_text()
+
+
+def import_torch_meanwhile() -> None:
+    """kept_epoch's torch import (seconds of CPU) done while the job starts rather than
+    while rank 1 is held: the later `import torch` waits for this one (the import lock)."""
+    threading.Thread(target=importlib.import_module, args=("torch",), daemon=True).start()
+
+
 def torch_teardown_abort(text: str) -> bool:
     """gloo's rare abort at interpreter exit, after `destroy_process_group()` returned
     (a C++ worker thread still joinable: "terminate called without an active exception").
@@ -173,14 +199,23 @@ def test_the_tutorials_snapshot_outlives_its_host_and_every_rank_resumes_from_it
                      "restarts": 1, "checkpoint": ["code/snapshot.pt"]}})
     jobs.add(inv, cluster3.hosts, name)
     run = jobs.start(tmp_path, "up", str(inv), "--no-pull")
+    import_torch_meanwhile()
     kept = tmp_path / ".orch" / name / "checkpoints" / "code" / "snapshot.pt"
     held = cluster3.hosts[0].remote_dir / name / "code" / "snapshot.pt"
-    wait_until(lambda: kept_epoch(kept) >= 15, 240,
-               f"a snapshot of epoch 15 or later kept off rank 0's host\n{run.text()}")
-    at_kill = kept_epoch(kept)
-    assert held.exists() and not (cluster3.hosts[1].remote_dir / name / "code" / "snapshot.pt").exists()
-    kill_host(cluster3, 0, name)     # the only host with snapshot.pt is gone
-    code = run.finish(450)           # at most 135 epochs more; a loaded machine trains slowly
+    log0 = cluster3.hosts[0].remote_dir / name / "logs" / "rank-0.log"
+    wait_until(lambda: saved(log0, SAVED), 240, f"rank 0 to save epoch {SAVED}\n{run.text()}")
+    held_back = rank_pid(cluster3.hosts[1], name, 1)
+    os.kill(held_back, signal.SIGSTOP)   # rank 0 waits for it at its next allreduce
+    try:
+        wait_until(lambda: kept_epoch(kept) >= SAVED, 60,
+                   f"a snapshot of epoch {SAVED} or later kept off rank 0's host\n{run.text()}")
+        at_kill = kept_epoch(kept)
+        assert held.exists() and not (cluster3.hosts[1].remote_dir / name / "code" / "snapshot.pt").exists()
+        kill_host(cluster3, 0, name)     # the only host with snapshot.pt is gone
+    finally:
+        with contextlib.suppress(ProcessLookupError):   # orch's stop may have killed it
+            os.kill(held_back, signal.SIGCONT)
+    code = run.finish(300)           # a restart, then 7 epochs at most; slow when loaded
     text = "\n".join(run.out + run.err)
     assert code == 0 or torch_teardown_abort(text), run.text()
     spare, other = cluster3.hosts[2].address, cluster3.hosts[1].address
