@@ -431,13 +431,14 @@ def faulted(bed: Bed, fault: str) -> dict[str, Any]:
     with hosts(bed, fault, 5) as net:
         inv = bed.inventory(net, name, 4, spare=True, job=job)
         run = orch_up(net, inv)
-        ready = mid_epoch
+        ready: Callable[[str], bool] = mid_epoch
         if bed.wait_kept and fault in ("cut", "kill"):
             ready = kept_before(inv.parent / ".orch" / name / "checkpoints")
         at = run.wait_for(ready, 600)
         if at is None:
             run.finish(5)
-            raise SystemExit(f"{fault}: no step of epoch >= 2 came:\n{run.text()[-3000:]}")
+            held = " with the checkpoint before it kept off the host" if ready is not mid_epoch else ""
+            raise SystemExit(f"{fault}: no step of epoch >= 2 came{held}:\n{run.text()[-3000:]}")
         t_fault = time.monotonic()
         what = inject(net, fault)
         print(f"  {fault}: {what} at '{at.text.strip()}'", flush=True)
