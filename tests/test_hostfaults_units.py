@@ -48,7 +48,10 @@ class SilentChannel(FakeChannel):
         if self.skip or len(data) + self.taken <= self.accept:
             self.taken += 0 if self.skip else len(data)
             return super().write(data)
-        self.gone.wait(30)
+        # until the close; the bound is only liveness: stepping a fake clock through
+        # PUSH_IDLE took over 30 s of real time at load 15, and a write that ended on its
+        # own made the stall look like a broken link
+        self.gone.wait(600)
         raise OSError("Socket is closed")
 
     def close(self) -> None:
@@ -94,9 +97,11 @@ def test_a_push_to_a_silent_host_ends_after_push_idle(tmp_path: Path, monkeypatc
     """Blocked in a send (the host took no more) or waiting for a reply that never
     comes: the push ends after PUSH_IDLE (20 s, on a fake clock: no real wait) with the
     host's name, not after SYNC; not a check before."""
+    link, chan = silent_link(tmp_path, accept)
+    # started after the link's hello: its last_seen is a real-clock stamp, and a fake
+    # clock started before a slow start (seconds at load 15) would read it in the future
     clock = FakeClock()
     monkeypatch.setattr(timeouts, "CLOCK", clock)
-    link, chan = silent_link(tmp_path, accept)
     local = [local_file(tmp_path, f"f{i}", 300_000) for i in range(4)]
     caught: list[BaseException] = []
 
@@ -130,9 +135,11 @@ def test_a_host_that_keeps_taking_data_is_not_stalled(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Slow is not silent: each send that returns is progress. Sends 0.6 PUSH_IDLE apart
     on a fake clock (five times PUSH_IDLE in all) never fire it; silence then does."""
+    link, chan = silent_link(tmp_path, 1 << 30)
+    # started after the link's hello: its last_seen is a real-clock stamp, and a fake
+    # clock started before a slow start (seconds at load 15) would read it in the future
     clock = FakeClock()
     monkeypatch.setattr(timeouts, "CLOCK", clock)
-    link, chan = silent_link(tmp_path, 1 << 30)
     stall = sync.Stall(link)
     with stall:
         clock.wait_for_checks(1)
