@@ -190,7 +190,9 @@ class Link:
         self.hello: Hello | None = None
         self.started = threading.Event()
         self.dead: OrchError | None = None
-        self.last_seen = time.monotonic()
+        # on the watchdogs' clock (timeouts.CLOCK: the monotonic one, or a test's fake one,
+        # which then never reads a frame's stamp in its future)
+        self.last_seen = timeouts.CLOCK.now()
         self.last_heard = time.time()       # the same moment on the wall clock (root cause)
 
     # ------------------------------------------------------------ start
@@ -237,7 +239,7 @@ class Link:
                 got = reader.read_frame()
                 if got is None:
                     return self._fail(HostError(f"{self.name}: the agent's connection ended"))
-                self.last_seen, self.last_heard = time.monotonic(), time.time()
+                self.last_seen, self.last_heard = timeouts.CLOCK.now(), time.time()
                 self._dispatch(*got)
         except protocol.ProtocolError as e:
             self._fail(HostError(f"{self.name}: the agent sent something orch does not "

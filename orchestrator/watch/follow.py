@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -126,7 +125,7 @@ def follow(streams: dict[int, HostStream], sink: Sink, tail: int = -1,
     if mode == "events":   # the only mode that beats; slower for many hosts
         extra["beat"] = timeouts.heartbeat(len(streams))
     for index, s in streams.items():
-        s.link.last_seen = time.monotonic()
+        s.link.last_seen = timeouts.CLOCK.now()
         try:
             s.link.follow(tracker, job_dir=s.job_dir, ranks=list(s.ranks), tail=tail, mode=mode,
                           **extra)
