@@ -267,3 +267,33 @@ def pushed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path,
     inv, spy = inventory(tmp_path), Spy(monkeypatch)
     assert up_sync(inv, spy)["data"].files == 10
     return inv, spy
+
+
+def test_two_caches_of_one_file_save_at_once(tmp_path: Path) -> None:
+    """The checkpoint keeper's cache and a restart's put-back cache are two objects of one
+    file, saved from two threads: a shared .tmp name made one rename find the other's
+    file gone (ENOENT, a restart lost in CI). Each save is whole; nothing is left over."""
+    import threading
+
+    from orchestrator.files.localfiles import DigestCache, load_cache
+    path = tmp_path / ".orch" / "job" / "checkpoint-digests.bin"
+    caches = [DigestCache(path), DigestCache(path)]
+    errors: list[BaseException] = []
+
+    def save_often(cache: DigestCache, n: int) -> None:
+        try:
+            for i in range(300):
+                cache.memo[f"k{n}"] = i
+                cache.dirty = True
+                cache.save()
+        except BaseException as e:
+            errors.append(e)
+    threads = [threading.Thread(target=save_often, args=(c, n)) for n, c in enumerate(caches)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    _, memo = load_cache(path)
+    assert memo and set(memo) <= {"k0", "k1"}
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]

@@ -164,15 +164,22 @@ class DigestCache:
 
     def save(self) -> None:
         """Under the lock from the write to the rename: the listing and a push that
-        started before it ended may both save (one .tmp file between them)."""
+        started before it ended may both save. The .tmp file is this thread's own: two
+        caches of one file (the checkpoint keeper's and a restart's put-back) save at
+        once, and a shared name made one's rename find the other's file gone (ENOENT).
+        The last rename wins: a cache may lose entries, never be torn."""
         with self.lock:
             if not self.dirty:
                 return
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
             doc = {"version": CACHE_VERSION, "entries": self.entries, "memo": self.memo}
-            tmp.write_bytes(marshal.dumps(doc))
-            os.replace(tmp, self.path)
+            try:
+                tmp.write_bytes(marshal.dumps(doc))
+                os.replace(tmp, self.path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
             self.dirty = False
 
 
