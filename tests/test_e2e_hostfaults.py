@@ -80,6 +80,18 @@ def orch_cmd(net: NsHosts, cwd: Path, *args: str) -> subprocess.CompletedProcess
     return orch(cwd, *args, run=net.run_in_client)
 
 
+def up_once_the_cut_up_is_gone(net: NsHosts, cwd: Path, inv: Path) -> subprocess.CompletedProcess:
+    """The next `orch up --detach` once the stalled one's agent on the silent host has
+    ended: it keeps the job folder's lock until its receive stream gives up (RECEIVE_IDLE
+    without bytes), and until then preflight refuses a new `up` as "already running"."""
+    deadline = time.monotonic() + timeouts.RECEIVE_IDLE + 60
+    while True:
+        again = orch_cmd(net, cwd, "up", "--detach", str(inv))
+        if "is already running" not in again.stderr or time.monotonic() > deadline:
+            return again
+        time.sleep(2)
+
+
 def write_inventory(net: NsHosts, base: Path, name: str, data: Dataset | None = None) -> Path:
     write_job(base, SLEEP_JOB)
     doc: dict[str, Any] = {
@@ -218,7 +230,7 @@ def test_a_push_to_a_host_that_goes_silent_ends_and_resumes(
     real_names_are_whole(silent, name, want[1])
     assert len(landed) < len(want[1]), "every file had landed before the fault"
 
-    again = orch_cmd(net, tmp_path, "up", "--detach", str(inv))
+    again = up_once_the_cut_up_is_gone(net, tmp_path, inv)
     try:
         assert again.returncode == 0, again.stderr
         report_sync = last_sync(tmp_path, name)
