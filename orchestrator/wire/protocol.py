@@ -453,7 +453,9 @@ NET_FACTS = {"hostname": str, "resolves": [str], "route_src": str, "boot_id": st
 REPLIES: dict[str, dict[str, Any]] = {
     "preflight": {"python": str, "executable": str, "torch": OPT_STR, "job_dir": str,
                   "gpus": int, "writable": OPT_STR, "time": NUM, "hostname": str,
-                  "ssh_connection": str, "running": bool, "?port": int, "?port_free": bool,
+                  # held: another agent holds the job folder's lock (an `up` under way)
+                  "ssh_connection": str, "running": bool, "?held": bool,
+                  "?port": int, "?port_free": bool,
                   "?python_missing": str, "?share_leader": int, "?gpu_ids": [int],
                   "?gpu_uuids": [str], "?gpu_busy": [GPU], "?gpu_error": str, "?net": NET_FACTS},
     "net_probe": {"results": [{"ok": bool, "why": str, "src": str, "ms": NUM}]},
