@@ -16,7 +16,7 @@ from orchestrator.agent import network as agent_net
 from orchestrator.agent.warm import matches
 from orchestrator.config.inventory import parse
 from orchestrator.errors import HostError, InventoryError
-from orchestrator.session import network
+from orchestrator.session import netprobe, network
 from orchestrator.session.launch import dry_run_plan
 from orchestrator.session.replies import Iface, NetFacts, Probed, Target
 
@@ -79,9 +79,9 @@ def test_a_host_takes_only_interface(tmp_path: Path) -> None:
 def test_master_candidates_prefer_the_inventory_then_host_0s_usable_addresses(tmp_path: Path) -> None:
     c = cluster(tmp_path)
     f0 = facts(LO, DOCKER, ("eth1", ["192.168.9.5"]), ("eth0", ["10.1.0.5"]), src="10.1.0.5")
-    assert network.candidates(c, f0, "10.0.0.8") == ["10.0.0.8", "10.1.0.5", "192.168.9.5"]
+    assert netprobe.candidates(c, f0, "10.0.0.8") == ["10.0.0.8", "10.1.0.5", "192.168.9.5"]
     over = cluster(tmp_path, "network: {master_addr: 10.9.9.9}\n")
-    assert network.candidates(over, f0, "10.0.0.8") == ["10.9.9.9"]
+    assert netprobe.candidates(over, f0, "10.0.0.8") == ["10.9.9.9"]
 
 
 def test_the_interface_is_the_one_that_carried_the_probe(tmp_path: Path) -> None:
@@ -143,14 +143,14 @@ def test_choose_master_names_every_host_that_failed_and_why(tmp_path: Path) -> N
         return Probed(addr, 29450, "", "m", ok, why, "", 0.0, 3.0)
     results = {0: [r("10.0.0.8", True)], 1: [r("10.0.0.8", False, "timeout")]}
     with pytest.raises(HostError) as err:
-        network.choose_master(c, ["10.0.0.8"], results)
+        netprobe.choose_master(c, ["10.0.0.8"], results)
     msg = err.value.message
     assert "10.0.0.9: cannot reach host 0 (10.0.0.8) on the master port: 10.0.0.8:29450 no " \
            "answer in 3 s (a firewall drops it)" in msg, msg
     assert "allow TCP port 29450" in err.value.hint
     results[1].insert(0, r("10.1.0.5", True))
     results[0].insert(0, r("10.1.0.5", True))
-    assert network.choose_master(c, ["10.0.0.8", "10.1.0.5"], results) == "10.1.0.5"
+    assert netprobe.choose_master(c, ["10.0.0.8", "10.1.0.5"], results) == "10.1.0.5"
 
 
 def test_the_plan_is_saved_for_its_run_only(tmp_path: Path) -> None:
@@ -164,6 +164,32 @@ def test_the_plan_is_saved_for_its_run_only(tmp_path: Path) -> None:
     assert network.load(c, "run-2") is None
     (c.state_dir / "network.json").write_text("[1]")
     assert network.load(c, "run-1") is None
+
+
+def test_two_saves_of_the_plan_at_once(tmp_path: Path) -> None:
+    """Two saves of one job's network.json from two threads: a shared .tmp name made one
+    rename find the other's file gone (ENOENT). Each save is whole; nothing is left over."""
+    import threading
+    c = cluster(tmp_path)
+    f = facts(LO, ("eth0", ["10.1.0.6"]))
+    hosts = {h.index: network.host_plan(c, h, f, "10.1.0.6", "10.1.0.5", False) for h in c.hosts}
+    plan = network.NetPlan("10.1.0.5", "the inventory's address", hosts, "p", 0.25)
+    errors: list[BaseException] = []
+
+    def save_often(run_id: str) -> None:
+        try:
+            for _ in range(300):
+                network.save(c, run_id, plan)
+        except BaseException as e:
+            errors.append(e)
+    threads = [threading.Thread(target=save_often, args=(r,)) for r in ("run-1", "run-2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert [network.load(c, r) for r in ("run-1", "run-2")].count(plan.document()) == 1
+    assert sorted(p.name for p in c.state_dir.iterdir()) == ["network.json"]
 
 
 def test_a_dry_run_shows_the_network_plan(tmp_path: Path) -> None:
@@ -282,10 +308,10 @@ def test_a_candidate_left_unfinished_is_probed_again_where_it_was_left(tmp_path:
         def request(self, command: str, timeout: float, **fields: Any) -> dict[str, Any]:
             asked.append(fields["targets"])
             return {"results": [{"ok": True, "why": "", "src": "10.1.0.5", "ms": 0.1}]}
-    network.settle(c, {0: Link(), 1: Link()},  # type: ignore[dict-item]
+    netprobe.settle(c, {0: Link(), 1: Link()},  # type: ignore[dict-item]
                    ["10.0.0.8", "10.1.0.5"], plan, results)
     assert [[t["addr"] for t in a] for a in asked] == [["10.1.0.5"]]
-    assert network.choose_master(c, ["10.0.0.8", "10.1.0.5"], results) == "10.1.0.5"
+    assert netprobe.choose_master(c, ["10.0.0.8", "10.1.0.5"], results) == "10.1.0.5"
 
 
 class RetryLink:
@@ -314,17 +340,17 @@ def test_a_probe_without_an_answer_in_time_is_tried_again_with_a_longer_bound(
     results[3][1] = probed("10.1.0.6", "r", False, "refused", 40000)
     asked: list[Any] = []
     links = {i: RetryLink(asked, {"ok": True, "why": ""}) for i in range(4)}
-    network.retry_slow(c, links, ["10.1.0.5"], results)  # type: ignore[arg-type]
+    netprobe.retry_slow(c, links, ["10.1.0.5"], results)  # type: ignore[arg-type]
     assert sorted(asked) == [(6.0, [("10.1.0.5", "m0")]), (6.0, [("10.1.0.8", "r0")])], asked
-    assert network.choose_master(c, ["10.1.0.5"], results) == "10.1.0.5"
+    assert netprobe.choose_master(c, ["10.1.0.5"], results) == "10.1.0.5"
     assert results[1][1].ok and results[1][1].first == 3.0
     assert results[3][1].why == "refused"   # an answer: not tried again
     # tried again and still no answer: said with both bounds
     results = {i: [probed("10.1.0.5", "m", i != 2, "" if i != 2 else "timeout")] for i in range(4)}
     links = {i: RetryLink(asked, {"ok": False, "why": "timeout"}) for i in range(4)}
-    network.retry_slow(c, links, ["10.1.0.5"], results)  # type: ignore[arg-type]
+    netprobe.retry_slow(c, links, ["10.1.0.5"], results)  # type: ignore[arg-type]
     with pytest.raises(HostError) as err:
-        network.choose_master(c, ["10.1.0.5"], results)
+        netprobe.choose_master(c, ["10.1.0.5"], results)
     assert "10.1.0.5:29450 no answer in 3 s, nor in 6 s once more (a firewall drops it)" \
         in err.value.message, err.value.message
 
@@ -342,10 +368,10 @@ def test_when_every_probe_of_a_kind_timed_out_none_is_tried_again(tmp_path: Path
     asked: list[Any] = []
     links = {i: RetryLink(asked, {"ok": True, "why": ""}) for i in range(3)}
     for results in (star, ring):
-        network.retry_slow(c, links, ["10.1.0.5"], results)  # type: ignore[arg-type]
+        netprobe.retry_slow(c, links, ["10.1.0.5"], results)  # type: ignore[arg-type]
     assert asked == []
     with pytest.raises(HostError, match=r"no answer in 3 s \(a firewall drops it\)"):
-        network.check_ring(c, ring, {i: f"10.1.0.{5 + i}" for i in range(3)})
+        netprobe.check_ring(c, ring, {i: f"10.1.0.{5 + i}" for i in range(3)})
 
 
 def test_many_blocked_pairs_with_one_cause_are_one_message(tmp_path: Path) -> None:
@@ -355,7 +381,7 @@ def test_many_blocked_pairs_with_one_cause_are_one_message(tmp_path: Path) -> No
                           "", 0.0, 3.0)]
                for i in range(12)}
     with pytest.raises(HostError) as err:
-        network.check_ring(c, results, {i: f"10.1.0.{i}" for i in range(12)}, 3.04)
+        netprobe.check_ring(c, results, {i: f"10.1.0.{i}" for i in range(12)}, 3.04)
     msg = err.value.message
     assert msg.startswith("the network check before launch (3.0 s): 12 of 12 hosts cannot reach their "
                           "ring neighbour on a port the OS picked"), msg

@@ -13,7 +13,7 @@ from orchestrator.remote.bundle import host_python
 from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
-from orchestrator.session import network
+from orchestrator.session import netprobe, network
 from orchestrator.session.preflight import HostInfo, PreflightReport, job_dir
 from orchestrator.session.replies import Supervisor
 from orchestrator.ui.termsafe import escaped
@@ -225,7 +225,7 @@ def network_plan(cluster: Cluster, addr: str) -> list[str]:
     if net.check:
         lines.append("  probe at preflight: every host to host 0 on the master port, each "
                      "to its ring neighbour on a port the OS picks "
-                     f"({network.bound(len(cluster.hosts)):g} s bound; a blocked path: exit 3)")
+                     f"({netprobe.bound(len(cluster.hosts)):g} s bound; a blocked path: exit 3)")
     return lines
 
 

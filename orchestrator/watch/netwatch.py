@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster
 from orchestrator.remote.fanout import fan_out
-from orchestrator.session import network
+from orchestrator.session import netprobe, network
 from orchestrator.session.replies import NetWaitsReply
 from orchestrator.session.session import Session
 from orchestrator.watch import events as ev
@@ -159,7 +159,7 @@ class NetWatch:
         for i, reply in sorted(got.items()):
             for w in reply.waits:
                 peers = owners.get(w.addr)
-                if not peers or network.is_loopback(w.addr):
+                if not peers or netprobe.is_loopback(w.addr):
                     continue   # not a connection between the job's hosts
                 peer = next(iter(peers)) if len(peers) == 1 else None
                 out.append(ev.NetWait(s.cluster.hosts[i].label, w.rank, peer, w.addr,
@@ -207,7 +207,7 @@ class NetWatch:
             targets = {i: [{"addr": addrs[j], "port": ports[j]["port"], "token": tokens[j],
                             "group": str(j)} for j in peers[i] if ports.get(j, {}).get("port")]
                        for i in froms}
-            bound = network.bound(n)
+            bound = netprobe.bound(n)
             got = fan_out(tuple(s.cluster.hosts[i] for i in froms),
                           lambda h: s.links[h.index].request(
                               "net_probe", timeouts.scaled(bound * 4 + 10, len(froms)),
@@ -368,14 +368,14 @@ def refused(s: Session, cause: ev.RootCause, master: tuple[str, int]
 
 def refused_text(w: ev.NetWait, master: tuple[str, int]) -> str:
     """The cause in a line: who could not connect to whom, where, why, and the fix."""
-    peer = w.peer or ("a loopback address" if network.is_loopback(w.addr) else
+    peer = w.peer or ("a loopback address" if netprobe.is_loopback(w.addr) else
                       "another host")
     where = " (the rendezvous)" if (w.addr, w.port) == master else ""
     head = (f"the root cause is the network: rank {w.rank} on {w.host} could not connect "
             f"to {peer} at {w.addr}:{w.port}{where} ({w.cause}); ")
     every = ("allow TCP between the hosts of the job on every port (gloo and NCCL "
              "connect each pair of ranks on a port the OS picks, not only the master port)")
-    if network.is_loopback(w.addr):
+    if netprobe.is_loopback(w.addr):
         return head + ("likely cause: a rank told the others a loopback address (its "
                        "hostname resolves to one; gloo binds what the hostname resolves "
                        "to); fix: set `network.interface` in cluster.yaml (or "
