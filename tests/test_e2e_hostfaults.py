@@ -80,15 +80,21 @@ def orch_cmd(net: NsHosts, cwd: Path, *args: str) -> subprocess.CompletedProcess
     return orch(cwd, *args, run=net.run_in_client)
 
 
-def up_once_the_cut_up_is_gone(net: NsHosts, cwd: Path, inv: Path) -> subprocess.CompletedProcess:
+def up_once_the_cut_up_is_gone(net: NsHosts, cwd: Path, inv: Path,
+                               silent: str) -> subprocess.CompletedProcess:
     """The next `orch up --detach` once the stalled one's agent on the silent host has
     ended: it keeps the job folder's lock until its receive stream gives up (RECEIVE_IDLE
-    without bytes), and until then preflight refuses a new `up` as "already running"."""
+    without bytes), and until then preflight refuses a new `up`, naming that host and
+    the cut `up` (not "already running": no process of the job lives)."""
     deadline = time.monotonic() + timeouts.RECEIVE_IDLE + 60
     while True:
         again = orch_cmd(net, cwd, "up", "--detach", str(inv))
-        if "is already running" not in again.stderr or time.monotonic() > deadline:
+        said = one_message(again.stderr)
+        if "another `orch up` of it holds its job folder" not in said \
+                or time.monotonic() > deadline:
             return again
+        assert again.returncode == 2 and f"job folder on {silent}:" in said, said
+        assert f"gives up after {timeouts.RECEIVE_IDLE:g} s without data" in said, said
         time.sleep(2)
 
 
@@ -230,7 +236,7 @@ def test_a_push_to_a_host_that_goes_silent_ends_and_resumes(
     real_names_are_whole(silent, name, want[1])
     assert len(landed) < len(want[1]), "every file had landed before the fault"
 
-    again = up_once_the_cut_up_is_gone(net, tmp_path, inv)
+    again = up_once_the_cut_up_is_gone(net, tmp_path, inv, silent.address)
     try:
         assert again.returncode == 0, again.stderr
         report_sync = last_sync(tmp_path, name)

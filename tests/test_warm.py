@@ -330,14 +330,14 @@ def test_claim_refused_while_another_agent_holds_the_lock(tmp_path: Path) -> Non
     holder = hold_lock(job.path)
     try:
         assert procs.claim(p) is False
-        assert preflight.running(p, True) is True   # "already running"
+        assert preflight.running(p, True) == preflight.HELD   # another `up`'s lock
         assert str(job.path) not in procs.LOCKED
     finally:
         end(holder)
     try:
         assert procs.claim(p) is True and str(job.path) in procs.LOCKED
         assert procs.claim(p) is True   # this agent's own lock: claimed again
-        assert preflight.running(p, True) is False   # and kept for its launch
+        assert preflight.running(p, True) is None   # and kept for its launch
         assert str(job.path) in procs.LOCKED
         other = subprocess.run([PY, "-c", HOLDER, str(job.path)], input="",
                                capture_output=True, text=True, timeout=30)
@@ -355,11 +355,27 @@ def test_running_job_releases_the_lock(tmp_path: Path) -> None:
     record = {"pid": me, "start_ticks": procs.proc_start_time(me), "torchrun_pid": None}
     write_atomic(job.p["jd"], "run/supervisor.json", json.dumps(record).encode())
     try:
-        assert preflight.running(job.p, True) is True
+        assert preflight.running(job.p, True) == preflight.RUNNING
         assert str(job.path) not in procs.LOCKED   # a job found running: no lock kept
     finally:
         procs.release(str(job.path))
     end(hold_lock(job.path))
+
+
+def test_held_lock_with_the_job_alive_is_running_not_held(tmp_path: Path) -> None:
+    """An attached `up` keeps the job folder's lock for the job's life: while its
+    processes live, another `up` is told "already running" (which `orch stop` ends),
+    not that an `up` holds the folder."""
+    job = Job(tmp_path)
+    me = os.getpid()
+    record = {"pid": me, "start_ticks": procs.proc_start_time(me), "torchrun_pid": None}
+    write_atomic(job.p["jd"], "run/supervisor.json", json.dumps(record).encode())
+    holder = hold_lock(job.path)
+    try:
+        assert preflight.running(job.p, True) == preflight.RUNNING
+        assert str(job.path) not in procs.LOCKED
+    finally:
+        end(holder)
 
 
 def test_resolved_puts_the_hosts_path_for_the_configured_one() -> None:

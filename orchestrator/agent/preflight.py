@@ -92,17 +92,22 @@ def dir_writable(p: dict[str, Any]) -> str | None:
         return "%s: %s" % (jd.path, e.strerror or e)
 
 
-def running(p: dict[str, Any], folder_made: bool) -> bool:
-    """Another `up` of this job under way (it holds the job folder's lock), or any of its
-    processes alive. A clean answer keeps the lock until this agent ends: its launch
-    then needs no second look at every process (agent/launch.py)."""
+RUNNING = "running"   # a process of the job lives here
+HELD = "held"         # none does, but another agent holds the job folder's lock
+
+
+def running(p: dict[str, Any], folder_made: bool) -> str | None:
+    """RUNNING: any of the job's processes alive. HELD: none is, but another `up` of this
+    job holds the job folder's lock (one under way, or one whose controller was cut off
+    and whose agent waits out RECEIVE_IDLE in a receive stream). None: neither; this
+    clean answer keeps the lock until this agent ends: its launch then needs no second
+    look at every process (agent/launch.py)."""
     claimed = procs.claim(p) if folder_made else None
-    if claimed is False:
-        return True
-    if job_running(p):
-        procs.release(p["job"])
-        return True
-    return False
+    if job_running(p):   # an attached `up` holds the lock for the job's life: running
+        if claimed:
+            procs.release(p["job"])
+        return RUNNING
+    return HELD if claimed is False else None
 
 
 SHARE = ".orch-share-"     # a preflight's marker in the job folder: .orch-share-<nonce>
@@ -158,7 +163,10 @@ def run(req: Request) -> dict[str, Any]:
         "ssh_connection": os.environ.get("SSH_CONNECTION", ""),
         "running": False,
     }
-    report["running"] = running(p, report["writable"] is None)
+    busy = running(p, report["writable"] is None)
+    report["running"] = busy is not None
+    if busy == HELD:
+        report["held"] = True
     if "share" in a and report["writable"] is None:
         report["share_leader"] = share_leader(p, a["share"])
     if "gpus" in a and report["writable"] is None and not report["running"]:

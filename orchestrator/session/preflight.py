@@ -34,6 +34,7 @@ class HostInfo:
     gpu_ids: tuple[int, ...] | None = None   # the GPUs its agent claimed for the job
     gpu_uuids: tuple[str, ...] = ()          # every GPU's (the order of `up --wait`)
     net: NetFacts | None = None      # its network (agent/network.learn)
+    held: bool = False   # running: no process of the job, another `up` holds its folder's lock
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
     manifests = manifests_of(cluster, pending.parts, tokens, expect or {})
     info = HostInfo(r.job_dir, r.executable, r.torch, r.gpus, offset, r.running,
                     r.ssh_connection, manifests, r.python_missing, r.share_leader, r.gpu_ids,
-                    r.gpu_uuids, r.net)
+                    r.gpu_uuids, r.net, r.held)
     problems = host_problems(host, info, r, defer_torch=cluster.setup is not None)
     gpus = gpuclaims.problem(cluster, host, r.gpu_error, r.gpu_busy)
     if isinstance(gpus, gpuclaims.GpusBusy) and not problems:
@@ -197,6 +198,28 @@ def wait_for_gpus(cluster: Cluster, links: dict[int, Link], result: Checked,
             for i, ids in taken.items()}
 
 
+def refuse_running(cluster: Cluster, infos: dict[int, HostInfo]) -> None:
+    """"Already running" where a process of the job lives; where none does but another
+    `up` of the job holds the job folder's lock, that `up` is named instead: `orch stop`
+    cannot end it (its agent is no process of the job), only its end frees the folder."""
+    running = [cluster.hosts[i].label for i, inf in sorted(infos.items())
+               if inf.running and not inf.held]
+    if running:
+        raise UsageError(f"job '{cluster.name}' is already running on {', '.join(running)}",
+                         hint=f"stop it first with `{hint_cmd(cluster, 'stop')}`, "
+                              "or give this job another name")
+    held = [cluster.hosts[i].label for i, inf in sorted(infos.items()) if inf.held]
+    if held:
+        idle = f"{timeouts.RECEIVE_IDLE:g} s"
+        raise UsageError(
+            f"job '{cluster.name}': another `orch up` of it holds its job folder on "
+            f"{', '.join(held)}: one still preparing it there, or an earlier one whose "
+            f"connection was cut (its agent there gives up after {idle} without data)",
+            hint=f"wait for that `orch up` to end (a cut one's agent: {idle}) and run "
+                 f"`{hint_cmd(cluster, 'up')}` again; `orch stop` does not end it "
+                 "(it is no process of the job)")
+
+
 def torch_mismatch(cluster: Cluster, infos: dict[int, HostInfo]) -> dict[int, HostError]:
     """Different torch versions deadlock or crash in collectives: refuse them up front."""
     versions = {i: inf.torch for i, inf in infos.items()}
@@ -255,11 +278,7 @@ def judge(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseExcept
         failures.update(torch_mismatch(cluster, infos))
     if failures:
         GroupResult(failed=failures).raise_failures(cluster.hosts, "preflight")
-    running = [cluster.hosts[i].label for i, inf in sorted(infos.items()) if inf.running]
-    if running:
-        raise UsageError(f"job '{cluster.name}' is already running on {', '.join(running)}",
-                         hint=f"stop it first with `{hint_cmd(cluster, 'stop')}`, "
-                              "or give this job another name")
+    refuse_running(cluster, infos)
     port = result.ok[0][1].port
     if port is None:
         raise HostError(f"{cluster.hosts[0].label}: preflight did not report a master port")

@@ -239,6 +239,7 @@ class PreflightReply:
     gpu_busy: tuple[GpuReply, ...] | None = None
     gpu_error: str | None = None
     net: NetFacts | None = None
+    held: bool = False        # running because another `up` holds the job folder's lock
 
     @classmethod
     def of(cls, r: Mapping[str, Any]) -> PreflightReply:   # checked by protocol.py
@@ -249,7 +250,8 @@ class PreflightReply:
                    r.get("python_missing", ""), r.get("share_leader", -1),
                    tuple(r["gpu_ids"]) if "gpu_ids" in r else None,
                    tuple(r.get("gpu_uuids") or [g.uuid for g in busy or ()]), busy,
-                   r.get("gpu_error"), NetFacts.of(r["net"]) if "net" in r else None)
+                   r.get("gpu_error"), NetFacts.of(r["net"]) if "net" in r else None,
+                   bool(r.get("held", False)))
 
 
 @dataclass(frozen=True)
