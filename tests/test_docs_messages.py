@@ -13,7 +13,7 @@ import re
 from functools import cache
 from pathlib import Path
 
-from orchestrator.config import arrayspec, inventory, jobspec, setupspec
+from orchestrator.config import arrayspec, hostspec, inventory, jobspec, setupspec
 
 REPO = Path(__file__).resolve().parent.parent
 TROUBLE = REPO / "docs" / "troubleshooting.md"
@@ -179,8 +179,8 @@ def test_pieces_leave_out_the_values() -> None:
 def accepted_keys() -> set[str]:
     """Every key the inventory reads, as the reference names it."""
     keys = {k for k in inventory.TOP_KEYS}
-    keys |= {f"ssh.{k}" for k in inventory.SSH_KEYS}
-    keys |= {f"hosts[].{k}" for k in inventory.HOST_KEYS if k not in inventory.SSH_KEYS}
+    keys |= {f"ssh.{k}" for k in hostspec.SSH_KEYS}
+    keys |= {f"hosts[].{k}" for k in hostspec.HOST_KEYS if k not in hostspec.SSH_KEYS}
     keys |= {f"code.{k}" for k in inventory.CODE_KEYS}
     keys |= {f"data.{k}" for k in inventory.DATA_KEYS}
     keys |= {f"job.{k}" for k in jobspec.JOB_KEYS}

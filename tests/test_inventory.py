@@ -12,10 +12,9 @@ import yaml
 
 from helpers import orch_in_process
 from orchestrator.config import yamlnodes
+from orchestrator.config.hostspec import MAX_HOSTS, MAX_WORLD_SIZE
 from orchestrator.config.inventory import (
     MAX_FILE_BYTES,
-    MAX_HOSTS,
-    MAX_WORLD_SIZE,
     Cluster,
     Host,
     RankSlot,

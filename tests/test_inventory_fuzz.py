@@ -21,7 +21,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.config.inventory import MAX_HOSTS, MAX_WORLD_SIZE, Cluster, parse
+from orchestrator.config.hostspec import MAX_HOSTS, MAX_WORLD_SIZE
+from orchestrator.config.inventory import Cluster, parse
 from orchestrator.errors import InventoryError
 
 MAX_SECONDS = 2.0

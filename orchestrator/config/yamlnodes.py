@@ -457,6 +457,25 @@ def check_text(src: Source, node: Node, what: str, value: str, verbatim: bool = 
                  "(a YAML `\\0`, `\\n` or `|` block makes them)")
 
 
+def text_items(sec: Section, key: str) -> list[tuple[str, Node]] | None:
+    """A list of non-empty strings (one string is a list of one), or None when absent."""
+    node = sec.node(key)
+    if node is None:
+        return None
+    one = isinstance(node, ScalarNode) and node.tag == TAG + "str"
+    nodes = [node] if one else sec.src.sequence(node, sec.what(key))
+    items = []
+    for i, item in enumerate(nodes):
+        what = f"{sec.what(key)}[{i}]"
+        value = sec.src.value(item, what)
+        if not isinstance(value, str) or not value.strip():
+            sec.src.fail(item, f"`{what}` must be non-empty text, got {sec.src.describe(item)}",
+                         f'put it in quotes: "{short(item.value)}"' if item.value else "remove the empty entry")
+        check_text(sec.src, item, what, value)
+        items.append((value, item))
+    return items
+
+
 def exists(src: Source, node: Node | None, path: Path, file: bool = False) -> bool:
     """path.exists() (or is_file()) for a path the inventory names, with what the OS
     refuses (a name too long, ...) as the inventory's error rather than a traceback."""
