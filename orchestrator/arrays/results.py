@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from orchestrator.arrays.plan import ArrayRecord, ArrayStatus, TaskMetrics, Task
 from orchestrator.arrays.rows import MetricStats, ResultGroup, TaskResult, TaskStatus
 from orchestrator.config.arrayspec import task_params
 from orchestrator.config.inventory import Cluster
+from orchestrator.config.safefile import write_whole
 from orchestrator.remote.fanout import GroupResult
 from orchestrator.watch import events
 
@@ -104,15 +104,14 @@ def columns(rows: list[TaskResult]) -> list[str]:
 
 
 def write_csv(path: Path, rows: list[TaskResult]) -> None:
-    """results.csv: task, each param, state, each metric column of the last rows."""
+    """results.csv: task, each param, state, each metric column of the last rows;
+    replaced whole (two `orch results` at once each through a .tmp of their own)."""
     params = list(dict.fromkeys(k for r in rows for k in r.params))
     cols = columns(rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["task", *params, "state", *cols])
-        for r in rows:
-            w.writerow([r.task, *(r.params.get(k, "") for k in params), r.state,
-                        *(r.metrics.get(c, "") for c in cols)])
-    os.replace(tmp, path)
+    out = io.StringIO(newline="")
+    w = csv.writer(out)
+    w.writerow(["task", *params, "state", *cols])
+    for r in rows:
+        w.writerow([r.task, *(r.params.get(k, "") for k in params), r.state,
+                    *(r.metrics.get(c, "") for c in cols)])
+    write_whole(path, out.getvalue().encode(), 0o644)

@@ -1,9 +1,11 @@
 """Read a small local file that someone else may have placed: a regular file only, of a
-bounded size, without ever blocking (a FIFO) or reading forever (/dev/zero)."""
+bounded size, without ever blocking (a FIFO) or reading forever (/dev/zero). Write one of
+orch's own local files whole (`write_whole`)."""
 from __future__ import annotations
 
 import os
 import stat
+import threading
 from pathlib import Path
 
 
@@ -51,3 +53,21 @@ def _read_at_most(fd: int, limit: int) -> bytes:
         chunks.append(chunk)
         size += len(chunk)
     return b"".join(chunks)
+
+
+def write_whole(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """`path` replaced whole by `data` (its folder made): a crash while writing leaves
+    the previous file. The .tmp file is this process's and thread's own: two writers of
+    one file at once (two threads, or two orch commands) through one shared .tmp name
+    made one's rename find the other's file gone (ENOENT); now the last rename wins.
+    Nothing is left behind when the write or the rename fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

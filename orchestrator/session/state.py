@@ -6,7 +6,6 @@ job: a new controller process reads it, so the first one may be closed or killed
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -15,6 +14,7 @@ from typing import Any, Callable, Protocol, cast
 
 from orchestrator.config import hostselect
 from orchestrator.config.inventory import Cluster, host_part
+from orchestrator.config.safefile import write_whole
 from orchestrator.errors import UsageError
 from orchestrator.session.replies import Supervisor
 from orchestrator.ui.wording import hint_cmd
@@ -78,13 +78,9 @@ def save(cluster: Cluster, state: JobState) -> None:
 
 def write_record(path: Path, data: Any, indent: int | None = None) -> None:
     """A job's record under .orch/<name>/ as JSON: private (0600), and replaced whole, so
-    that a crash while writing leaves the previous record (arrays/plan.py's too)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=indent)
-    os.replace(tmp, path)
+    that a crash while writing leaves the previous record (arrays/plan.py's too); two
+    writers at once each write through a .tmp of their own (write_whole)."""
+    write_whole(path, json.dumps(data, indent=indent).encode(), 0o600)
 
 
 def load(cluster: Cluster) -> JobState | None:
