@@ -1,5 +1,5 @@
 """Ignore patterns (`code.exclude`, `.gitignore`): whether one can be used at all.
-orch reads each pattern two ways (files/localfiles.py): as a gitignore line (pathspec)
+orch reads each pattern two ways (files/ignore.py): as a gitignore line (pathspec)
 and, for code.exclude, as a name pattern for every path component (fnmatch)."""
 from __future__ import annotations
 
