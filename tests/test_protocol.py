@@ -132,6 +132,7 @@ def test_bundle_is_deterministic_and_holds_the_host_package() -> None:
     assert bundle() == (data, digest)
     names = zipfile.ZipFile(io.BytesIO(data)).namelist()
     assert "orchestrator/wire/protocol.py" in names and "orchestrator/agent/main.py" in names
+    assert "orchestrator/wire/frames.py" in names   # protocol.py imports it on the host
     assert "orchestrator/agent/rankexec.py" in names
     assert not [n for n in names if not n.startswith("orchestrator/")]
 

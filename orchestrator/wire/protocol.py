@@ -1,44 +1,45 @@
-"""The wire between the controller and the agent on a host: frames and every message.
+"""The wire between the controller and the agent on a host: every message.
 
 Both sides import this module (the agent receives it in its bundle), so no message
 string is written anywhere else. Python 3.8, stdlib only.
 
-A frame is 1 byte kind + 4 bytes big-endian payload length + payload:
-
-    J  a JSON object; its "t" names the message (requests, replies, events)
-    D  raw file bytes (a receive stream: the bytes of the file announced before)
-    O  rank output: 4-byte rank, 1 flag byte, then the bytes exactly as the rank wrote
-       them. Output is data, never parsed, so nothing a rank prints can forge a frame.
-    S  a command's output (setup, exec): 4-byte request id, 1 flag byte (0), then the
-       bytes as the command wrote them (stdout and stderr together); agent -> controller.
-
-The agent's first frame is a hello, announced by MAGIC: whatever a login shell prints
-before the agent starts is skipped (up to MAX_GARBAGE bytes). Every frame kind has a
-size cap, checked before its payload is read, so a host can never make the controller
-buffer more than a fixed amount.
+The frames that carry the messages are frames.py's (kinds, caps, MAGIC, the reader);
+they are named here too, so that both sides say `protocol.` for the whole wire. A
+message is a JSON frame whose "t" names it: a request, its reply (or error, after any
+parts), an event, an item of a stream; each has a schema below, checked on arrival.
 """
 from __future__ import annotations
 
-import json
-import struct
-
 from orchestrator.wire import globs, timeouts
+from orchestrator.wire.frames import CAPS as CAPS
+from orchestrator.wire.frames import DATA as DATA
+from orchestrator.wire.frames import HEADER as HEADER
+from orchestrator.wire.frames import JSON as JSON
+from orchestrator.wire.frames import MAGIC as MAGIC
+from orchestrator.wire.frames import MAX_DATA as MAX_DATA
+from orchestrator.wire.frames import MAX_GARBAGE as MAX_GARBAGE
+from orchestrator.wire.frames import MAX_JSON as MAX_JSON
+from orchestrator.wire.frames import MAX_OUTPUT as MAX_OUTPUT
+from orchestrator.wire.frames import OUTPUT as OUTPUT
+from orchestrator.wire.frames import PARTIAL as PARTIAL
+from orchestrator.wire.frames import RANK as RANK
+from orchestrator.wire.frames import STREAM_OUT as STREAM_OUT
+from orchestrator.wire.frames import FrameReader as FrameReader
+from orchestrator.wire.frames import Garbage as Garbage
+from orchestrator.wire.frames import ProtocolError as ProtocolError
+from orchestrator.wire.frames import command_output as command_output
+from orchestrator.wire.frames import decode as decode
+from orchestrator.wire.frames import frame as frame
+from orchestrator.wire.frames import hello as hello
+from orchestrator.wire.frames import message as message
+from orchestrator.wire.frames import output as output
+from orchestrator.wire.frames import split_output as split_output
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
-    from typing import Any, Callable, Mapping, TypeVar
+    from typing import Any, Mapping, TypeVar
     Obj = TypeVar("Obj", bound=Mapping[str, Any])   # check() hands back what it was given
 
-MAGIC = b"\x00\x7fORCH-AGENT\x00"
-HEADER = struct.Struct(">cI")
-RANK = struct.Struct(">IB")          # rank, flags of an output frame
-JSON, DATA, OUTPUT, STREAM_OUT = b"J", b"D", b"O", b"S"
-PARTIAL = 1                          # output flag: a piece of a line, more follows
-
-MAX_JSON = 8 << 20                   # one JSON frame
-MAX_DATA = 1 << 20                   # one file-data frame
-MAX_OUTPUT = 64 << 10                # the bytes of one output frame
-MAX_GARBAGE = 64 << 10               # what may come before the agent's hello
 MANIFEST_PART = 20_000               # manifest entries per part, at most
 MAX_PARTS = 100                      # parts before one reply: 2 million files per folder
 MAX_PULL_FILES = 200_000             # files one pull may list (name the PATHs for more)
@@ -46,164 +47,11 @@ MAX_PULL_SIZE = 1 << 40              # one pulled file: 1 TiB at most
 MAX_PULL_PATH = 1024                 # bytes of a pulled file's path (each part: 255)
 MAX_PULL_NOTES = 50                  # skipped entries named in a pull manifest's reply
 MAX_RESTORE_FILES = 10_000           # checkpoint files one restore puts back
-CAPS = {JSON: MAX_JSON, DATA: MAX_DATA, OUTPUT: MAX_OUTPUT + RANK.size}
 MAX_COMMANDS = 200                   # setup commands in one request
 
 # Error categories of an error reply, and the exit code the controller gives them.
 USAGE, HOST, JOB = "usage", "host", "job"
 EXIT_CODES = {USAGE: 2, "inventory": 2, HOST: 3, JOB: 1}
-
-
-class ProtocolError(Exception):
-    """The peer sent something this protocol does not allow (size, kind, fields)."""
-
-
-class Garbage(ProtocolError):
-    """Bytes before the hello, beyond MAX_GARBAGE or up to the end of the stream."""
-
-    def __init__(self, count: int, sample: bytes, ended: bool) -> None:
-        super().__init__("%d bytes before the agent's hello" % count)
-        self.count, self.sample, self.ended = count, sample, ended
-
-
-# ---------------------------------------------------------------- frames
-
-def frame(kind: bytes, payload: bytes) -> bytes:
-    return HEADER.pack(kind, len(payload)) + payload
-
-
-def message(t: str, **fields: Any) -> bytes:
-    """A JSON frame of message type t."""
-    fields["t"] = t
-    return frame(JSON, json.dumps(fields).encode())
-
-
-def output(rank: int, data: bytes, partial: bool = False) -> bytes:
-    return frame(OUTPUT, RANK.pack(rank, PARTIAL if partial else 0) + data)
-
-
-def command_output(id: int, data: bytes) -> bytes:
-    """An S frame: a piece of the output of the command that request `id` runs."""
-    return frame(STREAM_OUT, RANK.pack(id, 0) + data)
-
-
-def split_output(payload: bytes | bytearray) -> tuple[Any, ...]:
-    """(rank, partial, data) of an output frame's payload."""
-    if len(payload) < RANK.size:
-        raise ProtocolError("output frame of %d bytes has no rank" % len(payload))
-    rank, flags = RANK.unpack_from(payload)
-    return rank, bool(flags & PARTIAL), payload[RANK.size:]
-
-
-def hello(version: str, **fields: Any) -> bytes:
-    return MAGIC + message("hello", version=version, **fields)
-
-
-class FrameReader:
-    """Frames from a byte source: `read(n)` returns up to n bytes, b"" at the end.
-    Buffers at most one frame plus one read; every size is checked against `caps`."""
-
-    def __init__(self, read: Callable[[int], bytes], caps: dict[bytes, int] | None = None,
-                 chunk: int = 1 << 16,
-                 readinto: Callable[[memoryview], int] | None = None) -> None:
-        """`readinto(view)`, when given, fills a big payload in place: one copy less
-        per file-data frame than going through the buffer."""
-        self._read, self.caps, self.chunk = read, caps or CAPS, chunk
-        self._readinto = readinto
-        self.buf, self.pos = bytearray(), 0
-        self.back: tuple[bytes, bytes | bytearray] | None = None   # unread(): read next
-
-    def unread(self, got: tuple[bytes, bytes | bytearray]) -> None:
-        """Give a frame back: the next read_frame returns it (the agent's stream reader
-        found a request where a stream item belongs: the request is served next)."""
-        self.back = got
-
-    def _fill(self, n: int) -> bool:
-        """At least n unread bytes buffered; False if the stream ended first."""
-        while len(self.buf) - self.pos < n:
-            if self.pos and self.pos >= len(self.buf) // 2:
-                del self.buf[:self.pos]
-                self.pos = 0
-            data = self._read(max(self.chunk, n - (len(self.buf) - self.pos)))
-            if not data:
-                return False
-            self.buf += data
-        return True
-
-    def _take(self, n: int) -> bytes:
-        out = bytes(self.buf[self.pos:self.pos + n])
-        self.pos += n
-        return out
-
-    def skip_to_magic(self, limit: int = MAX_GARBAGE) -> int:
-        """Skip what comes before MAGIC (a chatty login shell); the bytes skipped."""
-        while True:
-            at = self.buf.find(MAGIC, self.pos)
-            if 0 <= at - self.pos <= limit:
-                skipped = at - self.pos
-                self.pos = at + len(MAGIC)
-                return skipped
-            seen = len(self.buf) - self.pos
-            if seen > limit + len(MAGIC) or not self._fill(seen + 1):
-                ended = seen <= limit + len(MAGIC)
-                raise Garbage(seen, bytes(self.buf[self.pos:self.pos + 400]), ended)
-
-    def read_frame(self) -> tuple[bytes, bytes | bytearray] | None:
-        """(kind, payload), or None at a clean end of stream (between frames)."""
-        if self.back is not None:
-            got, self.back = self.back, None
-            return got
-        if not self._fill(HEADER.size):
-            if len(self.buf) > self.pos:
-                raise ProtocolError("stream ended inside a frame header")
-            return None
-        kind, size = HEADER.unpack_from(self.buf, self.pos)
-        cap = self.caps.get(kind)
-        if cap is None:
-            raise ProtocolError("unknown frame kind %r" % kind)
-        if size > cap:
-            raise ProtocolError("a %s frame of %d bytes is over the limit of %d"
-                                % (kind.decode("latin-1"), size, cap))
-        self.pos += HEADER.size
-        if self._readinto is not None and size - (len(self.buf) - self.pos) >= self.chunk:
-            return kind, self._read_big(size, self._readinto)
-        if not self._fill(size):
-            raise ProtocolError("stream ended inside a frame of %d bytes" % size)
-        return kind, self._take(size)
-
-    def _read_big(self, size: int, readinto: Callable[[memoryview], int]) -> bytearray:
-        out = bytearray(size)
-        got = len(self.buf) - self.pos
-        out[:got] = self.buf[self.pos:]
-        del self.buf[:]
-        self.pos = 0
-        view = memoryview(out)
-        while got < size:
-            n = readinto(view[got:])
-            if not n:
-                raise ProtocolError("stream ended inside a frame of %d bytes" % size)
-            got += n
-        return out
-
-    def read_json(self, what: str) -> dict[str, Any]:
-        """The next frame, which must be a JSON object."""
-        got = self.read_frame()
-        if got is None:
-            raise EOFError("stream ended before %s" % what)
-        return decode(got, what)
-
-
-def decode(got: tuple[bytes, bytes | bytearray], what: str) -> dict[str, Any]:
-    kind, payload = got
-    if kind != JSON:
-        raise ProtocolError("%s: expected a JSON frame, got kind %r" % (what, kind))
-    try:
-        obj = json.loads(payload.decode("utf-8"))
-    except ValueError as e:
-        raise ProtocolError("%s: not JSON (%s)" % (what, e)) from e
-    if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
-        raise ProtocolError("%s: not a message object" % what)
-    return obj
 
 
 # ---------------------------------------------------------------- messages
