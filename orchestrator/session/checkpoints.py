@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from orchestrator.config.inventory import Cluster
 from orchestrator.remote.fanout import fan_out
 from orchestrator.session import hostkeep
-from orchestrator.session.keeper import Keeper, restore
+from orchestrator.session.keeper import Keeper, raise_put_back_failures, restore
 from orchestrator.session.preflight import PreflightReport
 from orchestrator.session.session import Session
 
@@ -107,7 +107,7 @@ class Checkpointing:
             return None
         leaders = tuple(cluster.hosts[g[0]] for g in pre.groups())
         result = fan_out(leaders, lambda h: restore(session, cluster, h.index))
-        result.raise_failures(cluster.hosts, "to take the kept checkpoints back")
+        raise_put_back_failures(result, cluster.hosts)
         files = tuple(sorted({rel for rels in result.ok.values() for rel in rels}))
         if not files:
             return None

@@ -51,7 +51,8 @@ from orchestrator.session.keeper import (
     Keeper,
     KeptReceiver,
     folder_globs,
-    kept,
+    kept_here,
+    raise_put_back_failures,
     restore,
     stale,
 )
@@ -243,7 +244,7 @@ def put_back(session: Session, pre: PreflightReport, last: Kept,
         if root is None:
             return [], [], source
         result = fan_out(leaders, lambda h: restore(session, cluster, h.index, root))
-        result.raise_failures(cluster.hosts, "to take the kept checkpoints back")
+        raise_put_back_failures(result, cluster.hosts)
     finally:
         clear(stage)
     sent = sorted({rel for rels in result.ok.values() for rel in rels})
@@ -278,7 +279,7 @@ def gather(session: Session, cluster: Cluster, last: Kept, stage: Path,
             fetch_into(link, job_dir, stage, listed)
         return stage, f"rank 0's last host {last.rank0}{why}"
     cache = DigestCache(cluster.state_dir / "checkpoint-digests.bin")
-    if kept(mine, cache, cluster.job.checkpoint):
+    if kept_here(mine, cache, cluster.job.checkpoint):
         return mine, f"the controller's copy{why}"
     return None, f"nothing survives{why}"
 

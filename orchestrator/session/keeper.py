@@ -21,15 +21,17 @@ JobDir, and never recorded in code/'s ledger, so a later code sync leaves them a
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shlex
 import stat
 import threading
 from collections.abc import Iterable
 from pathlib import Path
 
 from orchestrator.config.inventory import Cluster, Host
-from orchestrator.errors import HostError
+from orchestrator.errors import DataError, HostError
 from orchestrator.files.localfiles import DigestCache, LocalFile
 from orchestrator.files.pull import (
     Listing,
@@ -42,8 +44,10 @@ from orchestrator.files.pull import (
 )
 from orchestrator.files.pulldest import Dest
 from orchestrator.files.sync import Stall, stream_and_wait
+from orchestrator.remote.fanout import GroupResult
 from orchestrator.remote.link import Link
 from orchestrator.session.session import Session
+from orchestrator.ui.wording import hint_cmd
 from orchestrator.wire import globs, protocol, timeouts
 
 # seconds between two rounds: a round is one listing request on the open link, and the
@@ -103,6 +107,42 @@ def kept(root: Path, cache: DigestCache, patterns: Iterable[str]) -> dict[str, L
             if globs.matches_any(rests, rel):
                 out[f"{folder}/{rel}"] = LocalFile(f"{folder}/{rel}", f.path, f.size, f.mode, f.digest)
     return out
+
+
+class LocalCopyError(DataError):
+    """This machine's copy of the kept checkpoints (a file of the controller's, not the
+    host's) failed during a put-back: no host is to blame for it, and no connection."""
+
+
+def local_copy_error(e: OSError, root: Path) -> LocalCopyError:
+    """An OSError on the controller's copy under `root`: the file, the cause, the fix."""
+    named = e.filename2 or e.filename   # a rename's: where it was going
+    path = os.fsdecode(named) if named else str(root)
+    folder = shlex.quote(str(root))
+    fix = {errno.EACCES: f"give your user access to it (`chmod -R u+rwX {folder}`)",
+           errno.EPERM: f"give your user access to it (`chmod -R u+rwX {folder}`)",
+           errno.ENOENT: f"it went away while it was read: leave {folder} alone while the "
+                         "job runs",
+           errno.ENOSPC: f"free space on the disk that holds it (`df -h {folder}`)",
+           errno.EDQUOT: f"free space within your disk quota there (`df -h {folder}`)",
+           errno.EROFS: f"{folder} is on a read-only file system: make it writable",
+           }.get(e.errno or 0, f"check it on this machine (`ls -l {shlex.quote(path)}`)")
+    return LocalCopyError(
+        f"this machine's copy of the kept checkpoints failed: {path}: {e.strerror or e} "
+        "(the controller's own file, not a host's), so the restart cannot put it back",
+        hint=f"{fix}, then run `{hint_cmd(None, 'up')}` again")
+
+
+def kept_here(root: Path, cache: DigestCache, patterns: Iterable[str]) -> dict[str, LocalFile]:
+    """kept(), and the digests saved: only this machine's files are touched, so any
+    OSError is this machine's (the fan-out would tell a bare one as the host's
+    connection lost)."""
+    try:
+        files = kept(root, cache, patterns)
+        cache.save()
+    except OSError as e:
+        raise local_copy_error(e, root) from None
+    return files
 
 
 class Keeper:
@@ -244,6 +284,15 @@ class Keeper:
 
 # ---------------------------------------------------------------- restore
 
+def raise_put_back_failures(result: GroupResult[list[str]], hosts: tuple[Host, ...]) -> None:
+    """A put-back's failures: this machine's copy failing is said once, as itself (no
+    host is blamed: a restart's hosts would take a strike for it); else every host's."""
+    local = [e for e in result.failed.values() if isinstance(e, LocalCopyError)]
+    if local:
+        raise local[0]
+    result.raise_failures(hosts, "to take the kept checkpoints back")
+
+
 def restore(session: Session, cluster: Cluster, index: int | None = None,
             root: Path | None = None) -> list[str]:
     """Put the kept files back into the job folder of host `index` (default: the host of
@@ -257,8 +306,8 @@ def restore(session: Session, cluster: Cluster, index: int | None = None,
         raise HostError(f"{host.label}: not connected: the checkpoints cannot be put back")
     job_dir = session.records[host.index].job_dir
     cache = DigestCache(cluster.state_dir / "checkpoint-digests.bin")
-    files = kept(root or cluster.state_dir / "checkpoints", cache, cluster.job.checkpoint)
-    cache.save()
+    root = root or cluster.state_dir / "checkpoints"
+    files = kept_here(root, cache, cluster.job.checkpoint)
     if not files:
         return []
     if len(files) > protocol.MAX_RESTORE_FILES:
@@ -275,6 +324,12 @@ def restore(session: Session, cluster: Cluster, index: int | None = None,
         with Stall(link) as stall:
             try:
                 stream_and_wait(link, stall, job_dir, send, [], None, "restore", job_dir=job_dir)
+            except DataError as e:   # a kept file that this side could not read as listed
+                raise LocalCopyError(
+                    f"this machine's copy of the kept checkpoints failed: {e.message} (the "
+                    "controller's own file, not a host's), so the restart cannot put it back",
+                    hint=f"check it on this machine, then run `{hint_cmd(None, 'up')}` "
+                         "again") from None
             except Exception:
                 if stall.fired:
                     raise HostError(f"{link.name}: putting the checkpoints back stalled: the "
