@@ -84,7 +84,7 @@ from orchestrator.files.sync import push, stream_files
 from orchestrator.remote.bundle import BOOT, agent_argv, agent_stdin
 from orchestrator.remote.link import Link
 from orchestrator.ssh.connect import connect as connect_host
-from orchestrator.ssh.connect import ssh_config
+from orchestrator.ssh.sshconfig import ssh_config
 from orchestrator.wire import protocol
 
 MB = 1e6
@@ -588,7 +588,7 @@ def warm_imports() -> None:
     from orchestrator.api import launching  # noqa: F401
     from orchestrator.remote.bundle import bundle
     from orchestrator.session import session  # noqa: F401
-    from orchestrator.ssh import connect, sshtransport  # noqa: F401
+    from orchestrator.ssh import connect, sshconfig, sshtransport  # noqa: F401
     bundle()
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config.inventory import load
-from orchestrator.ssh import connect
+from orchestrator.ssh import connect, sshconfig
 from orchestrator.ssh.sshtransport import SSHTransport
 from sshd_cluster import SshdCluster
 
@@ -19,7 +19,7 @@ def test_an_idle_transport_sleeps_long_and_its_close_wakes_it(
     (tmp_path / "job.py").write_text("")
     inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=sshd_cluster.hosts[:1])
     host = load(inv).hosts[0]
-    link = connect.connect(host, connect.ssh_config(), tmp_path)
+    link = connect.connect(host, sshconfig.ssh_config(), tmp_path)
     assert isinstance(link, SSHTransport)
     transport = link.client.get_transport()
     assert transport is not None and transport.is_alive()
@@ -39,7 +39,7 @@ def test_wait_exit_returns_at_the_exit_or_none_at_the_timeout(
     the exit code once the command ended, None while it still runs."""
     (tmp_path / "job.py").write_text("")
     inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=sshd_cluster.hosts[:1])
-    link = connect.connect(load(inv).hosts[0], connect.ssh_config(), tmp_path)
+    link = connect.connect(load(inv).hosts[0], sshconfig.ssh_config(), tmp_path)
     try:
         running = link.open(["sleep", "30"], 30)
         assert running.wait_exit(0.2) is None

@@ -14,7 +14,7 @@ import pytest
 from orchestrator.config import inventory
 from orchestrator.config.proxyjump import Jump, parse_chain, parse_jump
 from orchestrator.errors import InventoryError, UsageError
-from orchestrator.ssh.connect import resolve_target
+from orchestrator.ssh.sshconfig import resolve_target
 
 
 def cluster(tmp_path: Path, ssh: str = "", host: str = "") -> inventory.Cluster:
@@ -139,10 +139,10 @@ def test_invoke_is_imported_only_for_a_config_that_may_run_commands(tmp_path: Pa
     """paramiko imports invoke (asyncio, unittest.mock: 30-50 ms) only to run `Match
     exec`; orch holds it back at start and gives it back for a config that has one. One
     new process reads the plain config, then the one with `Match exec`."""
-    probe = ("import os, sys, orchestrator.cli\nfrom orchestrator.ssh import connect\n"
+    probe = ("import os, sys, orchestrator.cli\nfrom orchestrator.ssh import sshconfig\n"
              "for path in sys.argv[1:]:\n"
              "    os.environ['ORCH_SSH_CONFIG'] = path\n"
-             "    got = connect.ssh_config().lookup('h')\n"
+             "    got = sshconfig.ssh_config().lookup('h')\n"
              "    print(got.get('user'), 'invoke' in sys.modules and sys.modules['invoke'] is not None)\n")
     plain, matching = tmp_path / "plain", tmp_path / "matching"
     plain.write_text("Host h\n  User plainuser\n")

@@ -161,9 +161,9 @@ def plan(inventory: jobs.Inventory, *, hosts: str | None = None,
     local_files(cluster, data=again is None and not counted_at_preflight(cluster))
     if any(not h.is_local for h in cluster.hosts):
         # imported here, as in Session: paramiko only where SSH is used
-        from orchestrator.ssh import connect
+        from orchestrator.ssh import connect, sshconfig
 
-        connect.ssh_config()
+        sshconfig.ssh_config()
         connect.check_local_files(cluster.hosts)
     text = prepare.array_plan(cluster) if cluster.job.array else dry_run_plan(cluster)
     return Plan(job=cluster.name, plan=text)

@@ -153,9 +153,9 @@ def open_forwards(host: Host, base_dir: Path, specs: list[Spec], report: Report
     """The host's SSH connection (its bastions too), then a started Forward per spec.
     Every local port is bound before any forward starts: a port in use is refused with
     nothing left open."""
-    from orchestrator.ssh import connect  # paramiko only for a command that connects
+    from orchestrator.ssh import connect, sshconfig  # paramiko only for a command that connects
     connect.check_local_files((host,))
-    transport = connect.connect(host, connect.ssh_config(), base_dir)
+    transport = connect.connect(host, sshconfig.ssh_config(), base_dir)
     made: list[Forward] = []
     try:
         for spec in specs:

@@ -79,7 +79,7 @@ def inventory_master(cluster: Cluster, ssh_connection: dict[int, str] | None = N
     host sees it (SSH_CONNECTION's client field)."""
     master = cluster.hosts[0]
     if not master.is_local:
-        from orchestrator.ssh.connect import (  # paramiko: see Session._ssh
+        from orchestrator.ssh.sshconfig import (  # paramiko: see Session._ssh
             resolve_target,
             ssh_config,
         )
@@ -97,7 +97,7 @@ def one_machine(cluster: Cluster) -> bool:
         return True
     if all(h.is_local or is_ip(h.address) for h in cluster.hosts):
         return False   # a literal address that is not loopback: another machine
-    from orchestrator.ssh.connect import resolve_target, ssh_config  # see inventory_master
+    from orchestrator.ssh.sshconfig import resolve_target, ssh_config  # see inventory_master
     config = ssh_config()
     return all(h.is_local or is_loopback(resolve_target(h, config).hostname)
                for h in cluster.hosts)

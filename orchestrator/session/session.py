@@ -163,8 +163,8 @@ class Session:
         """A connector over SSH, and what ends its bastions' sharing. connect.py is imported
         here, not at the top: it brings paramiko, which commands that reach no host (help,
         a broken inventory) would load for nothing."""
-        from orchestrator.ssh import connect
-        config = connect.ssh_config()   # exit 2 for an unreadable ~/.ssh/config, files next
+        from orchestrator.ssh import connect, sshconfig
+        config = sshconfig.ssh_config()   # exit 2 for an unreadable ~/.ssh/config, files next
         connect.check_local_files(hosts)
         connect.check_fd_limit(len(hosts))
         bastions = connect.Bastions()   # one connection per bastion, shared by its hosts

@@ -4,7 +4,7 @@ paramiko.config imports `invoke` eagerly, only to run `Match exec` commands; inv
 own imports (asyncio, unittest.mock...) cost 30-50 ms at every `orch` start, before the
 first host is contacted. So paramiko is imported without it (`hold_back` before any
 paramiko import), and `give_back` imports it for real and hands it to paramiko when an
-SSH config may need it (connect.ssh_config: one that mentions `exec` or `Include`)."""
+SSH config may need it (sshconfig.ssh_config: one that mentions `exec` or `Include`)."""
 from __future__ import annotations
 
 import sys
