@@ -1,0 +1,203 @@
+"""The agent's stop on real processes (agent/procs.py): the known tree is signalled before
+any scan of every process's environment, one marker scan verifies, and what left the
+tree (setsid, its parent gone) is still found and ended; another job's or another
+part's processes are never touched."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.agent import paths, procs
+from orchestrator.agent.common import job_paths, write_atomic
+
+# two children that outlive their shell's SIGTERM only as long as sleep does
+TREE = "sleep 60 & sleep 60 & wait; :"
+
+
+def execed(pid: int, name: bytes, timeout: float = 10.0) -> None:
+    """Wait until pid runs `name` with its environment in place: in the middle of an
+    exec /proc/<pid>/environ reads empty (the new one is not set up yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_bytes().strip()
+        except OSError:
+            comm = b""
+        if comm == name and procs.read_environ(pid):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} never ran {name!r}")
+
+
+def gone(pid: int, ticks: int | None, timeout: float = 10.0) -> bool:
+    """pid has ended (or is a zombie, or another process now): by its start time."""
+    deadline = time.monotonic() + timeout
+    while procs.proc_start_time(pid) == ticks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return procs.proc_start_time(pid) != ticks
+
+
+class Started:
+    """Every process a test starts, ended by its pid (and start time) at the end."""
+
+    def __init__(self) -> None:
+        self.pids: dict[int, int] = {}   # what is not our child: pid -> start time
+        self.popens: list[subprocess.Popen[bytes]] = []
+
+    def popen(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE)
+        self.popens.append(p)   # (ended by its Popen)
+        return p
+
+    def escapee(self, env: dict[str, str]) -> int:
+        """A sleep that called setsid and whose parent has ended: init's child now."""
+        sh = self.popen(["sh", "-c", "setsid sleep 60 & echo $!"], env)
+        assert sh.stdout is not None
+        pid = int(sh.stdout.readline())
+        sh.wait()
+        ticks = procs.proc_start_time(pid)
+        assert ticks is not None
+        self.pids[pid] = ticks
+        execed(pid, b"sleep")   # setsid has started sleep
+        return pid
+
+    def end(self) -> None:
+        for pid, ticks in self.pids.items():
+            if procs.proc_start_time(pid) == ticks:
+                os.kill(pid, signal.SIGKILL)
+        for p in self.popens:
+            p.kill()
+            p.wait()
+        left = [pid for pid, ticks in self.pids.items() if not gone(pid, ticks)]
+        assert not left, [Path(f"/proc/{pid}/stat").read_text() for pid in left]
+
+
+@pytest.fixture
+def started() -> Iterator[Started]:
+    s = Started()
+    try:
+        yield s
+    finally:
+        s.end()
+
+
+def job(tmp_path: Path, name: str = "job") -> dict[str, Any]:
+    (tmp_path / name / "run").mkdir(parents=True)
+    return job_paths(str(tmp_path / name))
+
+
+def supervise(p: dict[str, Any], started: Started) -> subprocess.Popen[bytes]:
+    """A stand-in supervisor (unmarked, like the real one) with two marked children."""
+    sup = started.popen(["sh", "-c", f"env ORCH_JOB_DIR=\"$J\" sh -c '{TREE}'; :"],
+                        {"J": p["job"]})
+    record = {"pid": sup.pid, "start_ticks": procs.proc_start_time(sup.pid),
+              "torchrun_pid": None}
+    write_atomic(p["jd"], "run/supervisor.json", json.dumps(record).encode())
+    deadline = time.monotonic() + 10   # its tree is up: the shell, its two sleeps
+    while len(procs.known_tree(p, procs.supervisor_alive(p))) < 4 and \
+            time.monotonic() < deadline:
+        time.sleep(0.02)
+    return sup
+
+
+def test_stop_signals_the_tree_first_and_scans_once(
+        tmp_path: Path, started: Started, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = job(tmp_path)
+    supervise(p, started)
+    tree = procs.known_tree(p, procs.supervisor_alive(p))
+    assert len(tree) == 4, tree   # the supervisor, the marked shell, its two sleeps
+    log: list[str] = []
+    real_scan, real_signal = procs.marked_pids, procs.signal_all
+
+    def scan(job_dir: str) -> list[Any]:
+        log.append("scan")
+        return real_scan(job_dir)
+
+    def signal_all(pids: Any, sig: int) -> None:
+        pids = list(pids)
+        log.extend("signal" for _ in pids)
+        real_signal(pids, sig)
+    monkeypatch.setattr(procs, "marked_pids", scan)
+    monkeypatch.setattr(procs, "signal_all", signal_all)
+    report = procs.stop(p["job"], 10.0)
+    assert report["found"] == 4 and report["left"] == [], report
+    assert log == ["signal"] * 4 + ["scan"], log   # the verify scan only, after the signals
+    assert all(procs.proc_start_time(pid) is None for pid in tree)
+    assert procs.stop_time(p) is not None
+
+
+def test_what_left_the_tree_is_found_and_stopped(tmp_path: Path, started: Started) -> None:
+    p = job(tmp_path)
+    supervise(p, started)
+    escapee = started.escapee({"ORCH_JOB_DIR": p["job"]})
+    ticks = procs.proc_start_time(escapee)
+    assert escapee not in procs.known_tree(p, procs.supervisor_alive(p))
+    report = procs.stop(p["job"], 10.0)
+    assert report["found"] == 5 and report["left"] == [], report
+    assert gone(escapee, ticks, timeout=0)
+    assert procs.marked_pids(p["job"]) == []
+
+
+def test_an_orphan_alone_is_found_without_a_supervisor(tmp_path: Path,
+                                                       started: Started) -> None:
+    """A stop cut short left a rank that called setsid: no record leads to it."""
+    p = job(tmp_path)
+    escapee = started.escapee({"ORCH_JOB_DIR": p["job"]})
+    ticks = procs.proc_start_time(escapee)
+    report = procs.stop(p["job"], 10.0)
+    assert report["found"] == 1 and report["left"] == [], report
+    assert gone(escapee, ticks, timeout=0)
+    assert procs.stop_time(p) is not None   # recorded before its signal
+
+
+def test_another_jobs_and_another_parts_processes_are_left_alone(
+        tmp_path: Path, started: Started, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(paths, "HOST_PART", "h1")
+    p = job(tmp_path)
+    supervise(p, started)
+    mine = started.escapee({"ORCH_JOB_DIR": p["job"], "ORCH_JOB_PART": "h1"})
+    others = [started.escapee({"ORCH_JOB_DIR": p["job"] + "x"}),   # a prefix is another job
+              started.escapee({"ORCH_JOB_DIR": p["job"], "ORCH_JOB_PART": "h2"})]
+    ticks = {pid: procs.proc_start_time(pid) for pid in [mine] + others}
+    report = procs.stop(p["job"], 10.0)
+    assert report["left"] == [], report
+    assert gone(mine, ticks[mine], timeout=0)
+    assert all(procs.proc_start_time(pid) == ticks[pid] for pid in others)
+
+
+def test_a_marker_past_the_first_read_is_found(tmp_path: Path, started: Started) -> None:
+    """An environment larger than one read (HPC modules can make it so): read to its end."""
+    p = job(tmp_path)
+    big = {"FILLER": "x" * (3 * procs.ENVIRON_READ)}
+    child = started.popen(["sleep", "60"], {**big, "ORCH_JOB_DIR": p["job"]})
+    execed(child.pid, b"sleep")
+    env = procs.read_environ(child.pid)
+    assert len(env) > 3 * procs.ENVIRON_READ and env.endswith(b"\0ORCH_JOB_DIR=%s\0" % p["job"].encode())
+    assert procs.marked_pids(p["job"]) == [child.pid]
+
+
+def test_a_descendant_without_the_marker_is_still_the_jobs(tmp_path: Path,
+                                                           started: Started) -> None:
+    """A rank's child started with an environment of its own (no marker) is in the
+    supervisor's tree: the stop ends it too."""
+    p = job(tmp_path)
+    sup = started.popen(["sh", "-c", "env -i sleep 60 & wait; :"], {})
+    record = {"pid": sup.pid, "start_ticks": procs.proc_start_time(sup.pid)}
+    write_atomic(p["jd"], "run/supervisor.json", json.dumps(record).encode())
+    deadline = time.monotonic() + 10
+    while len(procs.known_tree(p, procs.supervisor_alive(p))) < 2 and \
+            time.monotonic() < deadline:
+        time.sleep(0.02)
+    [unmarked] = [x for x in procs.known_tree(p, procs.supervisor_alive(p)) if x != sup.pid]
+    ticks = procs.proc_start_time(unmarked)
+    report = procs.stop(p["job"], 10.0)
+    assert report["found"] == 2 and report["left"] == [], report
+    assert gone(unmarked, ticks, timeout=0)
