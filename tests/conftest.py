@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -56,10 +57,19 @@ TIMING_MODULES = {
 
 # tryfirst: before pytest's -m selection and before pytest-xdist reads the xdist_group marks
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`make test-fast` leaves out `ssh` and `slow` tests; `make test-stress` runs `ssh`
     and `timing`. For pytest-xdist (`make test`), a module with a fixture of its own
     that lives longer than a test is one xdist_group, and the costly tests come first."""
+    _mark(items)
+    if config.getoption("loadgroup", default=False):   # set in an xdist worker only
+        for item in items:
+            _name_the_group(item)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=_cost_rank)
+
+
+def _mark(items: list[pytest.Item]) -> None:
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         if used & SSHD_FIXTURES:
@@ -74,8 +84,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("gpu"))
         elif _shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=_cost_rank)
+
+
+def _name_the_group(item: pytest.Item) -> None:
+    """`--dist loadgroup` sends the tests whose nodeid ends in the same `@group` to one
+    worker. pytest-xdist 3.8 adds that suffix by setting item._nodeid, which pytest 9.2
+    no longer reads (the id is item._id, a NodeId): every group was then split over the
+    workers, and a module's fixture built once in each. With such a pytest the suffix is
+    set here, as xdist would; with one xdist can name, xdist does it."""
+    mark = item.get_closest_marker("xdist_group")
+    node_id: Any = getattr(item, "_id", None)   # a slot of pytest 9.2's Node; absent before
+    if mark is None or not hasattr(node_id, "parse") or "@" in str(node_id):
+        return
+    group = mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+    item._id = type(node_id).parse(f"{node_id}@{group}")
 
 
 def _shares_a_module_fixture(item: pytest.Item) -> bool:
