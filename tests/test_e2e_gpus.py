@@ -6,13 +6,18 @@ its GPU busy; `gpus: all` takes every free one; `orch status` shows every GPU an
 it is, `--watch` refreshes it, `--json` carries it."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import re
+import select
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,17 +193,52 @@ def assert_watch_refreshes(tmp_path: Path, inv: Path) -> None:
     assert proc.returncode == 0, err
     assert all(len(d["gpus"]) == 4 for d in docs) and took >= 1.5, (took, docs)
     assert "Traceback" not in err
-    # the tables, redrawn: on a pipe rich's Live writes the last one when it ends
-    proc = subprocess.Popen([*ORCH, "status", "-c", str(inv), "--watch"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=wide_env())
-    time.sleep(6)   # a first round (one login, one status) is well under this
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
-    shown = out + err
-    assert "GPUs" in shown and "this job, rank 0" in shown and "Ctrl-C to end" in shown, shown
+    # the tables, redrawn: on a terminal rich's Live draws each round as it comes
+    code, shown = watch_on_a_terminal(tmp_path, inv, ("GPUs", "this job, rank 0", "Ctrl-C to end"))
+    assert code == 0, shown
+    assert all(w in shown for w in ("GPUs", "this job, rank 0", "Ctrl-C to end")), shown
     assert "Traceback" not in shown
+
+
+ESCAPES = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|\][^\x07]*\x07)")
+
+
+def watch_on_a_terminal(tmp_path: Path, inv: Path, wanted: tuple[str, ...]) -> tuple[int, str]:
+    """`status --watch` on a terminal of 160 columns (a pty): read until every wanted
+    text was drawn (at most 120 s: a round is one login and one status, slow only on a
+    loaded machine), then Ctrl-C. On a pipe the Live writes only its last table, at the
+    end, so a test there could only guess when the first round was done."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
+    proc = subprocess.Popen([*ORCH, "status", "-c", str(inv), "--watch"], cwd=tmp_path,
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=wide_env())
+    os.close(slave)
+    raw = b""
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(
+                w in ESCAPES.sub("", raw.decode(errors="replace")) for w in wanted):
+            raw += read_some(master, 1.0)
+        proc.send_signal(signal.SIGINT)
+        while chunk := read_some(master, 30.0):   # to the end: the terminal closes
+            raw += chunk
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    return code, ESCAPES.sub("", raw.decode(errors="replace"))
+
+
+def read_some(fd: int, wait: float) -> bytes:
+    """What the terminal has within `wait` s; b"" once it is closed (EIO) or silent."""
+    if not select.select([fd], [], [], wait)[0]:
+        return b""
+    try:
+        return os.read(fd, 65536)
+    except OSError:
+        return b""
 
 
 TASK = """\
