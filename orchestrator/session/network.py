@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import TypedDict, cast
 
 from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster, Host
+from orchestrator.config.safefile import write_whole
 from orchestrator.errors import HostError
 from orchestrator.remote.link import Link
 from orchestrator.session.netprobe import (
@@ -334,17 +333,10 @@ def master_how(cluster: Cluster, addr: str, inventory: str,
 
 def save(cluster: Cluster, run_id: str, plan: NetPlan) -> None:
     """.orch/<name>/network.json: `orch status` shows each host's interface from it."""
-    cluster.state_dir.mkdir(parents=True, exist_ok=True)
-    path = cluster.state_dir / "network.json"
-    # this thread's own .tmp: two saves at once through one shared name made one's
-    # rename find the other's file gone (as the digest cache's once did)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    try:
-        tmp.write_text(json.dumps(dict(plan.document(), run_id=run_id), indent=1))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # through a .tmp of this thread's own: two saves at once through one shared name
+    # made one's rename find the other's file gone
+    write_whole(cluster.state_dir / "network.json",
+                json.dumps(dict(plan.document(), run_id=run_id), indent=1).encode(), 0o644)
 
 
 def load(cluster: Cluster, run_id: str) -> PlanDoc | None:
