@@ -201,3 +201,40 @@ def test_a_descendant_without_the_marker_is_still_the_jobs(tmp_path: Path,
     report = procs.stop(p["job"], 10.0)
     assert report["found"] == 2 and report["left"] == [], report
     assert gone(unmarked, ticks, timeout=0)
+
+
+def test_the_up_after_a_verified_stop_scans_nothing(
+        tmp_path: Path, started: Started, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop that ended verified is recorded for its launch: the next preflight's
+    "already running" check needs no scan of every process, until a new launch."""
+    p = job(tmp_path)
+    write_atomic(p["jd"], "run/launch.json", b"{}")
+    supervise(p, started)
+    started.escapee({"ORCH_JOB_DIR": p["job"]})
+    report = procs.stop(p["job"], 10.0)
+    assert report["left"] == [] and procs.stopped_clean(p), report
+    scans: list[str] = []
+    real = procs.marked_pids
+
+    def scan(job_dir: str) -> list[Any]:
+        scans.append(job_dir)
+        return real(job_dir)
+    monkeypatch.setattr(procs, "marked_pids", scan)
+    assert not procs.job_running(p) and scans == []
+    write_atomic(p["jd"], "run/launch.json", b"{}")   # a launch since: its processes
+    orphan = started.escapee({"ORCH_JOB_DIR": p["job"]})   # (one that lost its records)
+    assert not procs.stopped_clean(p)
+    assert procs.job_running(p) and scans == [p["job"]]
+    assert procs.stop(p["job"], 10.0)["left"] == []
+    assert procs.proc_start_time(orphan) is None
+
+
+def test_a_stop_cut_short_is_no_verified_stop(tmp_path: Path, started: Started) -> None:
+    """The stop record written before the signals says nothing of what was left."""
+    p = job(tmp_path)
+    write_atomic(p["jd"], "run/launch.json", b"{}")
+    orphan = started.escapee({"ORCH_JOB_DIR": p["job"]})
+    procs.mark_stop(p, time.time())   # a stop killed right after its record
+    assert not procs.stopped_clean(p)
+    assert procs.job_running(p)
+    procs.signal_all([orphan], signal.SIGKILL)

@@ -188,11 +188,12 @@ def job_running(p: dict[str, Any]) -> bool:
     The marker scan reads every process's environment (on a fake cluster of N hosts on
     one machine, N agents each read all N hosts' processes: seconds of CPU at 128). It
     is skipped when the last run ended by itself: torchrun ended after its ranks, no stop
-    came, and no recorded rank lives (the ranks' own records, run/rank-<r>.pid)."""
+    came, and no recorded rank lives (the ranks' own records, run/rank-<r>.pid); and
+    when a stop of the last run ended verified (stopped_clean): the `up` after a stop."""
     if supervisor_alive(p):
         return True
     alive = ranks_alive(p)
-    if alive is not None and (alive or ended_by_itself(p)):
+    if alive is not None and (alive or ended_by_itself(p) or stopped_clean(p)):
         return alive
     return bool(marked_pids(p["job"]))
 
@@ -236,6 +237,24 @@ def ended_by_itself(p: dict[str, Any]) -> bool:
     if jd.lstat("run/launch.json") is None:   # (run/ itself is made by preflight's claim)
         return True
     return jd.lstat("run/host.exit") is not None and jd.lstat(STOP_FILE) is None
+
+
+def launch_id(p: dict[str, Any]) -> list[int] | None:
+    """Which launch the job folder's run is: run/launch.json, written anew (a new file
+    renamed over the old one) by every launch and array launch."""
+    st = p["jd"].lstat("run/launch.json")
+    return None if st is None else [st.st_ino, st.st_mtime_ns, st.st_size]
+
+
+def stopped_clean(p: dict[str, Any]) -> bool:
+    """A stop of the last launch ended with its marker scan finding nothing left (the
+    stop record says so, for this launch): no process of the job can live since, for
+    only a launch starts one, and a launch writes launch.json anew (and a job's launch
+    removes the record). The `up` after a stop then needs no scan of every process."""
+    rec = read_json(p["jd"], STOP_FILE)
+    launch = launch_id(p)
+    return isinstance(rec, dict) and rec.get("verified") is True and launch is not None \
+        and rec.get("launch") == launch
 
 
 LOCKED: dict[str, int] = {}   # job dir -> a descriptor of it, holding its lock (claim)
@@ -446,6 +465,7 @@ def stop(job_dir: str, grace: float) -> dict[str, Any]:
     p = job_paths(job_dir)
     sup = supervisor_alive(p)
     t0 = time.time()
+    launch = launch_id(p)
     tree = known_tree(p, sup)
     torchrun: int | None = sup.get("torchrun_pid") if sup else None
     if torchrun not in tree:   # (a child of the supervisor: its warm one has no marker)
@@ -469,6 +489,8 @@ def stop(job_dir: str, grace: float) -> dict[str, Any]:
         signal_all(left, signal.SIGKILL)
         left = wait_gone(p["job"], sup, time.time() + timeouts.STOP_VERIFY, left,
                          lambda pids: signal_all(pids, signal.SIGKILL))
+    if seen and not left:
+        mark_verified(p, t0, launch)
     return {"found": len(seen), "killed": len(killed), "left": left,
             "seconds": round(time.time() - t0, 3)}
 
@@ -479,6 +501,19 @@ def mark_stop(p: dict[str, Any], when: float) -> None:
     A full disk must not keep the stop from happening."""
     with contextlib.suppress(OSError):
         write_atomic(p["jd"], STOP_FILE, json.dumps({"time": when}).encode(), 0o644)
+
+
+def mark_verified(p: dict[str, Any], when: float, launch: list[int] | None) -> None:
+    """The stop that began at `when` ended with nothing of the job left: recorded for
+    the launch it stopped (stopped_clean), unless a launch came meanwhile (launch.json
+    changed, or the stop record is not this stop's)."""
+    got = read_json(p["jd"], STOP_FILE)
+    if launch is None or launch_id(p) != launch or not isinstance(got, dict) or \
+            got.get("time") != when:
+        return
+    rec = {"time": when, "verified": True, "launch": launch}
+    with contextlib.suppress(OSError):
+        write_atomic(p["jd"], STOP_FILE, json.dumps(rec).encode(), 0o644)
 
 
 def stop_time(p: dict[str, Any]) -> float | None:
