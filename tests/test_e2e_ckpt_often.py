@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Jobs, assert_nothing_left, write_job
+from helpers import Jobs, assert_nothing_left, wait_until, write_job
 from sshd_cluster import SshdCluster, own_cluster
 from test_e2e_restarts import kill_host
 
@@ -57,17 +57,19 @@ time.sleep(300)
 
 
 @pytest.fixture(scope="module")
-def cluster3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
-    """3 sshd hosts of this module's own: the test kills one (rank 0's)."""
-    with own_cluster(tmp_path_factory.mktemp("sshd3"), 3, FIRST_OCTET) as cluster:
+def cluster2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdCluster]:
+    """2 sshd hosts of this module's own, rank 0's and a spare: the test kills rank 0's."""
+    with own_cluster(tmp_path_factory.mktemp("sshd2"), 2, FIRST_OCTET) as cluster:
         yield cluster
 
 
 def inventory(cluster: SshdCluster, tmp: Path, name: str, mode: str) -> Path:
+    """Rank 0's host and a spare: the claim is about rank 0's checkpoint outliving its
+    host, which a second host of ranks (another torchrun, twice) would not change."""
     write_job(tmp, JOB)
     entries = [{"address": h.address, "procs": 1, "remote_dir": str(h.remote_dir)}
-               for h in cluster.hosts[:2]]
-    spare = cluster.hosts[2]
+               for h in cluster.hosts[:1]]
+    spare = cluster.hosts[1]
     entries.append({"address": spare.address, "procs": 1, "remote_dir": str(spare.remote_dir),
                     "spare": True})
     return cluster.write_inventory(tmp / f"{name}.yaml", hosts=[], extra_hosts=entries,
@@ -77,14 +79,19 @@ def inventory(cluster: SshdCluster, tmp: Path, name: str, mode: str) -> Path:
 
 
 def test_a_checkpoint_renamed_every_fifth_of_a_second_outlives_its_host(
-        cluster3: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
-    inv = inventory(cluster3, tmp_path, "often", "rename")
-    jobs.add(inv, cluster3.hosts, "often")
+        cluster2: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    inv = inventory(cluster2, tmp_path, "often", "rename")
+    jobs.add(inv, cluster2.hosts, "often")
     run = jobs.start(tmp_path, "up", str(inv), "--no-pull")
     run.wait_for(r"saved step 12\b", timeout=120)
     kept = tmp_path / ".orch" / "often" / "checkpoints" / "output" / "ckpt.pt"
-    assert kept.exists(), f"nothing kept after 12 saves\n{run.text()}"
-    kill_host(cluster3, 0, "often")
+    # waited for while rank 0 saves on (read once after 12 saves, it was not there yet at
+    # a load of 20): before the fix nothing was kept however long the job ran
+    try:
+        wait_until(kept.exists, 120, "rank 0's checkpoint kept while it is replaced every 0.2 s")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{run.text()}") from None
+    kill_host(cluster2, 0, "often")
     code = run.finish(180)
     text = run.text()
     assert code == 0, text
@@ -93,15 +100,17 @@ def test_a_checkpoint_renamed_every_fifth_of_a_second_outlives_its_host(
     resumed = [int(m) for m in re.findall(r"rank 0 attempt 1 resumed at step (\d+)", text)]
     # before: nothing was ever kept and the restart began at step 0
     assert resumed and resumed[0] > 0, text
-    assert_nothing_left([cluster3.hosts[1], cluster3.hosts[2]], "often")
+    assert_nothing_left([cluster2.hosts[1]], "often")
 
 
 def test_a_checkpoint_never_whole_is_named_on_the_restart_line(
         sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
-    hosts = sshd_cluster.hosts[:2]
+    # one host of two ranks: rank 1's failure restarts the job, rank 0's checkpoint is
+    # named on that host (a second host's torchrun, twice, would prove nothing more)
+    hosts = sshd_cluster.hosts[:1]
     write_job(tmp_path, JOB)
     inv = sshd_cluster.write_inventory(
-        tmp_path / "inplace.yaml", hosts=hosts, name="inplace",
+        tmp_path / "inplace.yaml", hosts=hosts, procs=2, name="inplace",
         top={"job": {"entrypoint": "job.py", "args": ["inplace"], "restarts": 1,
                      "checkpoint": ["output/ckpt.pt"]}})
     jobs.add(inv, hosts, "inplace")
