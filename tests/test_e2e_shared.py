@@ -122,37 +122,7 @@ def test_setup_once_per_host(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jo
     assert_nothing_left([Shared(a.address, shared)], name, wait=20)
 
 
-# ---------------------------------------------------------------- stop one part
-
-
-def test_stop_of_one_part_leaves_the_other(sshd_cluster: SshdCluster, tmp_path: Path,
-                                           jobs: Jobs) -> None:
-    a, b = sshd_cluster.hosts[:2]
-    shared, name = tmp_path / "orch", "longrun"
-    inv = write(sshd_cluster, tmp_path / "cluster.yaml", [entry(a, shared), entry(b, shared)],
-                name, args=("600",))
-    jobs.add(inv, [Shared(a.address, shared)], name)
-    up = orch(tmp_path, "up", str(inv), "--detach", timeout=180)
-    assert up.returncode == 0, up.stdout + up.stderr
-    wait_until(lambda: len(part_pids(shared, name, a.address)) >= 2
-               and len(part_pids(shared, name, b.address)) >= 2, 60, "ranks of both parts")
-    doc = status(tmp_path, inv)
-    assert [r["state"] for r in doc["ranks"]] == ["running"] * 4, doc
-    busy = orch(tmp_path, "up", str(inv), timeout=120)
-    assert busy.returncode == 2 and "already running" in busy.stderr, busy.stderr
-    # b's part alone: an inventory of b only (its label, so its part, is the same)
-    only_b = write(sshd_cluster, tmp_path / "b" / "cluster.yaml", [entry(b, shared)], name,
-                   args=("600",))
-    stop_b = orch(only_b.parent, "stop", str(only_b), "--grace", "1")
-    assert stop_b.returncode == 0, stop_b.stderr
-    assert not part_pids(shared, name, b.address), "b's part is stopped"
-    assert len(part_pids(shared, name, a.address)) >= 2, "a's ranks are left alone"
-    stop = orch(tmp_path, "stop", str(inv), "--grace", "1")
-    assert stop.returncode == 0, stop.stderr
-    assert_nothing_left([Shared(a.address, shared)], name)
-
-
-# ---------------------------------------------------------------- mixed, two jobs
+# ---------------------------------------------------------------- mixed
 
 
 def test_shared_and_private_hosts_mixed(sshd_cluster: SshdCluster, tmp_path: Path,
@@ -175,26 +145,50 @@ def test_shared_and_private_hosts_mixed(sshd_cluster: SshdCluster, tmp_path: Pat
     assert (c.remote_dir / name / "run" / host_part(c.address)).is_dir()
 
 
-def test_two_jobs_in_one_shared_folder(sshd_cluster: SshdCluster, tmp_path: Path,
-                                       jobs: Jobs) -> None:
+# ---------------------------------------------------------------- two jobs, stop one part
+
+
+def test_two_jobs_in_one_shared_folder_and_a_stop_of_one_part(
+        sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
+    """Two long jobs in one shared folder of hosts a and b. A second up of the first is
+    refused while it runs; a stop of b's part of the first leaves a's part and the other
+    job alone; a stop of the first job leaves the second running. (One pair of jobs
+    serves both claims: a job of its own for the part's stop was two more torchruns.)"""
     a, b = sshd_cluster.hosts[:2]
     shared = tmp_path / "orch"
     invs = {}
-    for name in ("first", "second"):
+    for name, procs in (("first", 2), ("second", 1)):
         inv = write(sshd_cluster, tmp_path / name / "cluster.yaml",
-                    [entry(a, shared, 1), entry(b, shared, 1)], name, args=("600",))
+                    [entry(a, shared, procs), entry(b, shared, procs)], name, args=("600",))
         jobs.add(inv, [Shared(a.address, shared)], name)
         up = orch(inv.parent, "up", str(inv), "--detach", timeout=180)
         assert up.returncode == 0, up.stdout + up.stderr
         invs[name] = inv
+    first = invs["first"]
+
     def both_run(name: str) -> bool:
         return all(part_pids(shared, name, h.address) for h in (a, b))
-    for name in invs:
-        wait_until(lambda: both_run(name), 60, f"{name}'s ranks on both hosts")  # noqa: B023
-    stop = orch(invs["first"].parent, "stop", str(invs["first"]), "--grace", "1")
+    wait_until(lambda: len(part_pids(shared, "first", a.address)) >= 2
+               and len(part_pids(shared, "first", b.address)) >= 2, 60, "ranks of both parts")
+    wait_until(lambda: both_run("second"), 60, "second's ranks on both hosts")
+    doc = status(first.parent, first)
+    assert [r["state"] for r in doc["ranks"]] == ["running"] * 4, doc
+    busy = orch(first.parent, "up", str(first), timeout=120)
+    assert busy.returncode == 2 and "already running" in busy.stderr, busy.stderr
+
+    # b's part of the first alone: an inventory of b only (its label, so its part, is the same)
+    only_b = write(sshd_cluster, tmp_path / "b" / "cluster.yaml", [entry(b, shared)], "first",
+                   args=("600",))
+    stop_b = orch(only_b.parent, "stop", str(only_b), "--grace", "1")
+    assert stop_b.returncode == 0, stop_b.stderr
+    assert not part_pids(shared, "first", b.address), "b's part is stopped"
+    assert len(part_pids(shared, "first", a.address)) >= 2, "a's ranks are left alone"
+    assert both_run("second"), "the other job's parts are left alone"
+
+    stop = orch(first.parent, "stop", str(first), "--grace", "1")
     assert stop.returncode == 0, stop.stderr
     assert_nothing_left([Shared(a.address, shared)], "first")
-    assert all(part_pids(shared, "second", h.address) for h in (a, b)), "the other job runs on"
+    assert both_run("second"), "the other job runs on"
     stop = orch(invs["second"].parent, "stop", str(invs["second"]), "--grace", "1")
     assert stop.returncode == 0, stop.stderr
     assert_nothing_left([Shared(a.address, shared)], "second")
