@@ -69,6 +69,13 @@ class Started:
         execed(pid, b"sleep")   # setsid has started sleep
         return pid
 
+    def adopt(self, pids: list[int]) -> None:
+        """Processes the test's own children started (a stand-in supervisor's tree)."""
+        for pid in pids:
+            ticks = procs.proc_start_time(pid)
+            if ticks is not None:
+                self.pids.setdefault(pid, ticks)
+
     def end(self) -> None:
         for pid, ticks in self.pids.items():
             if procs.proc_start_time(pid) == ticks:
@@ -105,6 +112,7 @@ def supervise(p: dict[str, Any], started: Started) -> subprocess.Popen[bytes]:
     while len(procs.known_tree(p, procs.supervisor_alive(p))) < 4 and \
             time.monotonic() < deadline:
         time.sleep(0.02)
+    started.adopt(procs.known_tree(p, procs.supervisor_alive(p)))   # ended even if a stop fails
     return sup
 
 
@@ -197,6 +205,7 @@ def test_a_descendant_without_the_marker_is_still_the_jobs(tmp_path: Path,
             time.monotonic() < deadline:
         time.sleep(0.02)
     [unmarked] = [x for x in procs.known_tree(p, procs.supervisor_alive(p)) if x != sup.pid]
+    started.adopt([unmarked])
     ticks = procs.proc_start_time(unmarked)
     report = procs.stop(p["job"], 10.0)
     assert report["found"] == 2 and report["left"] == [], report
