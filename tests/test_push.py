@@ -43,7 +43,10 @@ from orchestrator.remote import bundle
 from orchestrator.wire import protocol
 from sshd_cluster import FakeHost, SshdCluster
 
-PROCS = [1, 2, 1]   # host 0: rank 0, host 1: ranks 1 and 2, host 2: rank 3
+# host 0: ranks 0 and 1, host 1: rank 2. Two hosts prove the placement: a host of two
+# ranks holds both their shards and no other, and the host after it starts at the next
+# rank (a third host would start one more torchrun per `orch up`, ~3 s of CPU each)
+PROCS = [2, 1]
 WORLD = sum(PROCS)
 
 # Each rank hashes every file of its own shard, read through $ORCH_DATA_DIR.
@@ -183,7 +186,7 @@ def check_job_output(stdout: str, data: Dataset, hosts: Sequence[FakeHost], name
             assert seen[r]["files"] == data.expected[r], f"rank {r} read other bytes"
 
 
-# ---------------------------------------------------------------- three hosts, world size 4
+# ---------------------------------------------------------------- two hosts, world size 3
 
 @dataclass
 class Pushed:
@@ -195,11 +198,11 @@ class Pushed:
 
 @pytest.fixture(scope="module")
 def pushed(sshd_cluster: SshdCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pushed]:
-    """A small ImageFolder split 4 ways, pushed once by `orch up` to 3 hosts (procs 1, 2, 1)."""
+    """A small ImageFolder split 3 ways, pushed once by `orch up` to 2 hosts (procs 2, 1)."""
     base = tmp_path_factory.mktemp("push")
     make_imagefolder(base / "src", classes=4, per_class=14, seed=1)
     data = split(base, base / "src", WORLD)
-    hosts, name = sshd_cluster.hosts[:3], "push-three"
+    hosts, name = sshd_cluster.hosts[:2], "push-two"
     inv = inventory(sshd_cluster, data, hosts, PROCS, name)
     first = orch(base, "up", str(inv))
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr
@@ -233,9 +236,9 @@ def test_second_up_sends_no_data(pushed: Pushed) -> None:
 def test_file_changed_on_host_is_sent_again(pushed: Pushed) -> None:
     """Same size, new bytes, new mtime: the host's digest cache must not hide it. A file
     orch did not push (the job's, a setup step's) stays where it is."""
-    host = pushed.hosts[1]
-    victim_rel = sorted(pushed.data.expected[2])[0]
-    victim = job_dir(host, pushed.name) / "data" / "worker_2_of_4" / victim_rel
+    host, shard = pushed.hosts[0], f"worker_1_of_{WORLD}"   # the host of two ranks
+    victim_rel = sorted(pushed.data.expected[1])[0]
+    victim = job_dir(host, pushed.name) / "data" / shard / victim_rel
     size = victim.stat().st_size
     victim.write_bytes(b"\0" * size)
     later = time.time() + 5
@@ -246,11 +249,10 @@ def test_file_changed_on_host_is_sent_again(pushed: Pushed) -> None:
     again = orch(pushed.data.base, "up", str(pushed.inventory))
     assert again.returncode == 0, again.stderr
     report = last_sync(pushed.data.base, pushed.name)
-    assert report[host.address]["data"]["sent"] == [f"worker_2_of_4/{victim_rel}"]
+    assert report[host.address]["data"]["sent"] == [f"{shard}/{victim_rel}"]
     assert report[host.address]["data"]["deleted"] == 0
-    for other in (pushed.hosts[0], pushed.hosts[2]):
-        assert report[other.address]["data"]["files"] == 0
-    assert file_sha(victim) == pushed.data.expected[2][victim_rel]
+    assert report[pushed.hosts[1].address]["data"]["files"] == 0
+    assert file_sha(victim) == pushed.data.expected[1][victim_rel]
     assert stray.read_bytes() == b"not part of the split"
     stray.unlink()
     check_hosts(pushed.data, pushed.hosts, PROCS, pushed.name)
@@ -365,7 +367,7 @@ def test_wrong_world_size_is_refused_before_any_host_is_touched(
     if how == "4-with-3-shards":
         _drop_last_shard(data.shards)
     hosts, name = sshd_cluster.hosts[:3], f"push-wrong-world-{how}"
-    inv = inventory(sshd_cluster, data, hosts, PROCS, name)
+    inv = inventory(sshd_cluster, data, hosts, [1, 2, 1], name)   # world size 4
     res = orch(tmp_path, "up", str(inv))
     assert res.returncode == 2, res.stderr
     assert "orch split-data --workers 4" in res.stderr, res.stderr
