@@ -16,7 +16,7 @@ from orchestrator.api import jobs as api_jobs
 from orchestrator.config.inventory import Cluster, load
 from orchestrator.session import state as job_state
 from orchestrator.session.keeper import Keeper, restore
-from sshd_cluster import SshdCluster
+from sshd_cluster import FakeHost, SshdCluster
 
 # rank 0 writes a checkpoint atomically (beside, fsync, rename) each time the test drops
 # go-<n> into output/; on go-rewrite it rewrites big.pt in place, slowly, VERSIONS times
@@ -72,9 +72,11 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def swapped(inv: Path, cluster: SshdCluster, hosts: list, name: str, **kw: object) -> Cluster:
-    """The inventory again with the hosts' order reversed: rank 0 now on the other host."""
-    cluster.write_inventory(inv, hosts=list(reversed(hosts)), name=name, **kw)  # type: ignore[arg-type]
+def moved(inv: Path, cluster: SshdCluster, host: FakeHost, name: str, **kw: object) -> Cluster:
+    """The inventory again on another host: rank 0 has moved there (the job ran on one
+    host: what is kept is rank 0's, and a host of other ranks, a torchrun importing torch
+    at each up, changed nothing of it)."""
+    cluster.write_inventory(inv, hosts=[host], name=name, **kw)  # type: ignore[arg-type]
     return load(inv)
 
 
@@ -83,7 +85,7 @@ def test_keeper_fetches_new_checkpoints_and_restore_moves_them(
         sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
     hosts, name = sshd_cluster.hosts[:2], "e2e-ckpt"
     write_job(tmp_path, WRITER)
-    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts[:1], name=name)
     jobs.add(inv, hosts, name)
     up = orch(tmp_path, "up", str(inv), "--detach")
     assert up.returncode == 0, up.stderr
@@ -130,17 +132,17 @@ def test_keeper_fetches_new_checkpoints_and_restore_moves_them(
     assert stop.returncode == 0, stop.stderr
 
     # rank 0 moves to the other host: the kept files are put back there, only once
-    moved = swapped(inv, sshd_cluster, hosts, name)
+    there = moved(inv, sshd_cluster, hosts[1], name)
     out1 = job_dir(hosts[1], name) / "output"
-    with api_jobs.open_session(moved) as s:
-        got = restore(s, moved)
+    with api_jobs.open_session(there) as s:
+        got = restore(s, there)
         assert sorted(got) == ["output/checkpoints/big.pt", "output/checkpoints/epoch-1.pt",
                                "output/checkpoints/epoch-2.pt"]
         for rel in got:
             assert (out1.parent / rel).read_bytes() == (tmp_path / ".orch" / name / "checkpoints" / rel).read_bytes()
-        assert restore(s, moved) == []
+        assert restore(s, there) == []
         (out1 / "checkpoints" / "epoch-1.pt").write_bytes(b"damaged")
-        assert restore(s, moved) == ["output/checkpoints/epoch-1.pt"]
+        assert restore(s, there) == ["output/checkpoints/epoch-1.pt"]
     assert not list(out1.rglob("*.orch-part-*"))
     assert_nothing_left(hosts, name)
 
@@ -175,7 +177,8 @@ def test_tutorial_snapshot_in_code_survives_and_code_sync_keeps_it(
     write_job(tmp_path, TUTORIAL)
     top = {"job": {"entrypoint": "job.py", "args": [], "env": {},
                    "checkpoint": ["code/snapshot.pt"]}}
-    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name, top=top)
+    inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts[:1], name=name,
+                                       top=top)
     jobs.add(inv, hosts, name)
     up = orch(tmp_path, "up", str(inv), "--detach")
     assert up.returncode == 0, up.stderr
@@ -203,11 +206,11 @@ def test_tutorial_snapshot_in_code_survives_and_code_sync_keeps_it(
 
     # the host that held it is gone: rank 0 on the other host finds it and resumes
     args = {"job": {**top["job"], "args": ["--once"]}}
-    moved = swapped(inv, sshd_cluster, hosts, name, top=args)
+    there = moved(inv, sshd_cluster, hosts[1], name, top=args)
     code1 = job_dir(hosts[1], name) / "code"
     assert not code1.joinpath("snapshot.pt").exists()
-    with api_jobs.open_session(moved) as s:
-        assert restore(s, moved) == ["code/snapshot.pt"]
+    with api_jobs.open_session(there) as s:
+        assert restore(s, there) == ["code/snapshot.pt"]
     assert (code1 / "snapshot.pt").read_bytes() == kept.read_bytes()
     up = orch(tmp_path, "up", str(inv))          # a code sync, then the job once
     assert up.returncode == 0, up.stderr
