@@ -1,7 +1,12 @@
-"""Hangs over real sshd, on CPU and gloo (`job.hang_timeout`): a SIGSTOPped rank, a
-rank sleeping inside its training step while the others wait in all_reduce, and a rank
-whose output is quiet while its heartbeat moves (not a hang). The right rank is named
-within hang_timeout + 10 s, orch exits 1, and nothing of the job is left."""
+"""Hangs over real sshd (`job.hang_timeout`): a SIGSTOPped rank, a rank sleeping inside
+its training step while the others wait in gloo's all_reduce (on CPU), and a rank whose
+output is quiet while its heartbeat moves (not a hang). The right rank is named within
+hang_timeout + 10 s, orch exits 1, and nothing of the job is left.
+
+Only the sleeping rank's job imports torch: what the others prove is orch's (a stopped
+rank's state, output and heartbeats, the ranks' stacks), so their ranks wait for each
+other on files instead of a process group, and start in a blink instead of 3-4 s of
+CPU each (torchrun, the real launcher, still imports it on every host)."""
 from __future__ import annotations
 
 import json
@@ -20,35 +25,48 @@ pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 # hang_timeout: above what precedes a rank's first line (torchrun's start, the rank's
 # python) on a busy machine; from its first line, the job's start prints (below)
 TIMEOUT = 20.0
-START = 240       # seconds: an up's start (preflight, push, three torch imports) at load 12
+START = 240       # seconds: an up's start (preflight, push, torch imports) at load 12
 
 JOB = """\
 import os, sys, threading, time
 rank, mode = int(os.environ["RANK"]), os.environ["MODE"]
-print("rank %d importing torch" % rank, flush=True)
-started = threading.Event()
+world = int(os.environ["WORLD_SIZE"])
+if mode == "sleep":   # the job whose ranks wait in gloo's all_reduce: the one that imports torch
+    print("rank %d importing torch" % rank, flush=True)
+    started = threading.Event()
 
+    def starting():
+        # torch's import and the rendezvous print nothing, for longer than hang_timeout on
+        # a busy machine (a start is no hang here): a line each second until the group is up
+        while not started.wait(1.0):
+            print("rank %d starting" % rank, flush=True)
 
-def starting():
-    # torch's import and the rendezvous print nothing, for longer than hang_timeout on
-    # a busy machine (a start is no hang here): a line each second until the group is up
-    while not started.wait(1.0):
-        print("rank %d starting" % rank, flush=True)
-
-
-threading.Thread(target=starting, daemon=True).start()
-import torch
-import torch.distributed as dist
-dist.init_process_group("gloo")
-started.set()
+    threading.Thread(target=starting, daemon=True).start()
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    started.set()
 print("rank %d ready" % rank, flush=True)
+
+
+def barrier(tag):
+    # without torch: each rank's file in BARRIER (the fake hosts share this machine's
+    # file system); a rank waits here until every rank has reached it, as in a collective
+    os.close(os.open(os.path.join(os.environ["BARRIER"], "%s-%d" % (tag, rank)),
+                     os.O_CREAT | os.O_WRONLY))
+    names = [os.path.join(os.environ["BARRIER"], "%s-%d" % (tag, r)) for r in range(world)]
+    while not all(os.path.exists(n) for n in names):
+        time.sleep(0.05)
 
 
 def train_step(i):
     if mode == "sleep" and rank == 2 and i == 5:
         time.sleep(600)
-    t = torch.ones(4)
-    dist.all_reduce(t)
+    if mode == "sleep":
+        t = torch.ones(4)
+        dist.all_reduce(t)
+    else:
+        barrier("step-%d" % i)
 
 
 def quiet_work(seconds, touch_for):
@@ -69,7 +87,7 @@ if mode == "quiet":
             print("rank %d working %d" % (rank, i), flush=True)
             time.sleep(0.5)
             i += 1
-    dist.barrier()
+    barrier("done")
     print("rank %d done" % rank, flush=True)
     sys.exit(0)
 for i in range(10 ** 6):
@@ -85,9 +103,16 @@ def start(cluster: SshdCluster, tmp_path: Path, jobs: Jobs, name: str,
     hosts = cluster.hosts[:2]
     write_job(tmp_path, JOB)
     inv = cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, procs=[2, 1],
-                                  name=name, env=env)
+                                  name=name, env={**env, "BARRIER": barrier_dir(tmp_path)})
     jobs.add(inv, hosts, name)
     return hosts, jobs.start(tmp_path, "up", str(inv), "--no-pull", *extra)
+
+
+def barrier_dir(tmp_path: Path) -> str:
+    """Where the torch-free ranks leave the files they wait on (the job's barrier)."""
+    path = tmp_path / "barrier"
+    path.mkdir(exist_ok=True)
+    return str(path)
 
 
 def wait_err(run: Running, pattern: str, timeout: float) -> float:
@@ -168,7 +193,8 @@ def test_a_quiet_rank_whose_heartbeat_moves_is_no_hang(
     write_job(tmp_path, JOB)
     inv = sshd_cluster.write_inventory(
         tmp_path / "cluster.yaml", hosts=hosts, procs=[2, 1], name=name,
-        env={"MODE": "quiet", "QUIET_S": str(quiet), "TOUCH_S": str(quiet if touch else 2)})
+        env={"MODE": "quiet", "QUIET_S": str(quiet), "TOUCH_S": str(quiet if touch else 2),
+             "BARRIER": barrier_dir(tmp_path)})
     text = inv.read_text().replace("job:\n", f"job:\n  hang_timeout: {TIMEOUT:g}\n", 1)
     inv.write_text(text)
     jobs.add(inv, hosts, name)
