@@ -26,6 +26,7 @@ from orchestrator.config.inventory import Cluster, load
 from orchestrator.errors import InventoryError, UsageError
 from orchestrator.session.launch import dry_run_plan, rank_env
 from orchestrator.session.replies import HostStacks
+from orchestrator.watch import hang as hang_mod
 from orchestrator.watch.hang import (
     Hang,
     HangReport,
@@ -110,6 +111,8 @@ def test_ranks_that_went_quiet_a_moment_later_do_not_go_on() -> None:
     """Rank 2 printed just after the others, then stopped: every rank is quiet."""
     clock = FakeClock()
     watch = HangWatch(8, range(3), now=clock)
+    for r in range(3):
+        watch.start(r)
     clock.t += 0.3
     watch.progress(2)
     clock.t += 7.8
@@ -129,6 +132,45 @@ def test_an_exited_rank_is_not_watched_and_unknown_ranks_are_ignored() -> None:
     watch.progress(0)
     clock.t += 4
     assert watch.check() is None
+
+
+def test_a_rank_is_watched_from_its_start_not_from_the_launch() -> None:
+    """torchrun's own start (torch's import, the rendezvous) is no rank's silence: on a
+    loaded host it took most of a 20 s hang_timeout before any rank ran."""
+    clock = FakeClock()
+    watch = HangWatch(20, range(2), now=clock)
+    clock.t += 15
+    watch.start(0)
+    watch.start(1)
+    clock.t += 19.9
+    assert watch.check() is None   # 34.9 s after the launch, 19.9 s after the start
+    clock.t += 0.1
+    hang = watch.check()
+    assert hang is not None and hang.idle == (0, 1) and hang.seconds == pytest.approx(20)
+
+
+def test_started_ranks_waiting_for_one_not_started_yet_are_no_hang() -> None:
+    """Host 0's ranks wait in init_process_group for host 1's, whose torchrun is still
+    importing torch: no hang until the ranks not started have had NOT_STARTED_S."""
+    clock = FakeClock()
+    watch = HangWatch(20, range(4), now=clock)
+    watch.start(0)
+    watch.start(1)
+    clock.t += hang_mod.NOT_STARTED_S - 1
+    assert watch.check() is None
+    clock.t += 1
+    hang = watch.check()
+    assert hang is not None and hang.idle == (0, 1, 2, 3) and hang.everyone
+    assert hang.seconds == pytest.approx(hang_mod.NOT_STARTED_S)
+
+
+def test_a_rank_that_never_starts_is_a_hang_after_the_longer_bound() -> None:
+    clock = FakeClock()
+    watch = HangWatch(600, range(1), now=clock)   # a timeout past NOT_STARTED_S rules
+    clock.t += 599
+    assert watch.check() is None
+    clock.t += 1
+    assert watch.check() is not None
 
 
 # ---------------------------------------------------------------- stacks

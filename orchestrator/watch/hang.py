@@ -2,9 +2,10 @@
 
 A rank makes progress when a line of its output arrives or when its host reports that it
 touched its heartbeat file (agent/follow.py). `HangWatch` keeps each running rank's last
-progress on an injectable clock; `check()` returns the `Hang` once every rank has gone
-`timeout` seconds without it, or once one rank that keeps a heartbeat (it touched its
-file before) has, while others went on. A rank's silence alone is no hang: many scripts
+progress on an injectable clock, from the rank's start (`NOT_STARTED_S` below);
+`check()` returns the `Hang` once every rank has gone `timeout` seconds without it, or
+once one rank that keeps a heartbeat (it touched its file before) has, while others went
+on. A rank's silence alone is no hang: many scripts
 print on rank 0 only, and a quiet rank is where the others are; its heartbeat is the
 rank's own promise of a pulse.
 
@@ -52,18 +53,39 @@ class Hang:
     timeout: float
 
 
+# A rank is watched from its start (its pid reported, or its first line): before it,
+# torchrun imports torch and meets the other hosts, seconds to a minute on a loaded host,
+# and a job still starting is not hung (nor is there a rank's stack to take). A rank that
+# never starts, a torchrun wedged before its ranks, is hung only after this long (or the
+# timeout, the longer); torchrun's own rendezvous timeout may end it first.
+NOT_STARTED_S = 300.0
+
+
 class HangWatch:
-    """Each running rank's last progress on `now` (a monotonic clock; tests pass a fake)."""
+    """Each started rank's last progress on `now` (a monotonic clock; tests pass a fake),
+    and since when the ranks not started yet have been waited for (the launch)."""
 
     def __init__(self, timeout: float, ranks: Iterable[int],
                  now: Callable[[], float] = time.monotonic) -> None:
         self.timeout, self.now, self.lock = timeout, now, threading.Lock()
-        start = now()
-        self.last = {r: start for r in ranks}
+        self.launched = now()
+        self.waiting = set(ranks)        # not started yet
+        self.last: dict[int, float] = {}
         self.beating: set[int] = set()   # ranks that touched their heartbeat file
+
+    def start(self, rank: int) -> None:
+        """The rank's process runs: from now on its own progress is watched."""
+        with self.lock:
+            self._start(rank)
+
+    def _start(self, rank: int) -> None:
+        if rank in self.waiting:
+            self.waiting.discard(rank)
+            self.last[rank] = self.now()
 
     def progress(self, rank: int, heartbeat: bool = False) -> None:
         with self.lock:
+            self._start(rank)
             if rank in self.last:
                 self.last[rank] = self.now()
                 if heartbeat:
@@ -73,17 +95,25 @@ class HangWatch:
         """An exited rank is no longer watched."""
         with self.lock:
             self.last.pop(rank, None)
+            self.waiting.discard(rank)
 
     def check(self) -> Hang | None:
         now = self.now()
         with self.lock:
-            idle = {r: now - t for r, t in self.last.items() if now - t >= self.timeout}
-            everyone = not any(now - t < self.timeout / 2 for t in self.last.values())
-            if len(idle) < len(self.last):   # some went on: only a missed heartbeat counts
+            since = dict(self.last)
+            since.update((r, self.launched) for r in self.waiting)
+            bound = {r: self.bound(r) for r in since}
+            idle = {r: now - t for r, t in since.items() if now - t >= bound[r]}
+            everyone = not any(now - t < bound[r] / 2 for r, t in since.items())
+            if len(idle) < len(since):   # some went on: only a missed heartbeat counts
                 idle = {r: t for r, t in idle.items() if r in self.beating}
         if not idle:
             return None
         return Hang(tuple(sorted(idle)), max(idle.values()), everyone, self.timeout)
+
+    def bound(self, rank: int) -> float:
+        """How long `rank` may go without progress (the lock held)."""
+        return max(self.timeout, NOT_STARTED_S) if rank in self.waiting else self.timeout
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,8 @@ class Monitor(LineSink):
 
     def rank_start(self, host: int, rank: int, pid: int) -> None:
         self.started.add(rank)
+        if self.hang is not None:
+            self.hang.start(rank)
         self.emit(ev.RankStarted(time.time(), rank, self.label(host), pid))
 
     def rank_exit(self, host: int, rank: int, code: int, when: float,
