@@ -123,6 +123,25 @@ def test_exits_caused_by_our_own_stop_are_never_the_root_cause() -> None:
     assert first_failure(mon) is None
 
 
+def test_a_torchrun_ended_by_a_stop_before_any_rank_is_a_user_stop() -> None:
+    """One host, `orch stop` from elsewhere: the stop kills torchrun first, and its end
+    (tagged after_stop by the host) may arrive before any rank's exit: still the user's
+    stop, not a failure to restart after (CI saw a restart there)."""
+    from orchestrator.remote.link import HostDone
+    from orchestrator.wire import protocol
+    mon = bare_monitor({0: 0.0})
+    protocol.event("done", code=-9, time=20.0, lost=False, after_stop=True)  # the wire takes it
+    mon.host_done(0, HostDone(-9, 20.0, after_stop=True))
+    assert mon.failed() and mon.user_stopped()
+    other = bare_monitor({0: 0.0})
+    other.host_done(0, HostDone(-9, 20.0))        # torchrun killed, no stop received
+    assert other.failed() and not other.user_stopped()
+    lost = bare_monitor({0: 0.0, 1: 0.0})
+    lost.host_done(0, HostDone(-9, 20.0, after_stop=True))
+    lost.lost[1] = "no answer"                    # a lost host: our own stop followed
+    assert not lost.user_stopped()
+
+
 def test_tail_offset_counts_lines_from_the_end(tmp_path) -> None:
     from orchestrator.agent.follow import tail_offset
     f = tmp_path / "log"

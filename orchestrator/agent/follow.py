@@ -135,10 +135,17 @@ def exit_event(p: dict[str, Any], rank: int, ex: dict[str, Any]) -> bytes:
     """A rank's exit; tagged after_stop when it came after this host received a stop
     (both times by this host's clock, so no offset is involved)."""
     fields = {"rank": rank, "code": ex["code"], "time": ex["time"]}
-    stopped = stop_time(p)
-    if stopped is not None and ex["time"] >= stopped:
+    if after_stop(p, ex["time"]):
         fields["after_stop"] = True
     return protocol.event("exit", **fields)
+
+
+def after_stop(p: dict[str, Any], when: Any) -> bool:
+    """`when` (this host's clock) came after this host received a stop during this run.
+    torchrun's own end is tagged too: a stop kills torchrun first, so on a host alone
+    its end can arrive before any rank's exit, and it is the stop's doing either way."""
+    stopped = stop_time(p)
+    return stopped is not None and isinstance(when, (int, float)) and when >= stopped
 
 
 def send_exits(send: Send, p: dict[str, Any], logs: list[Any], reported: set[Any],
@@ -176,8 +183,10 @@ def finish(send: Send, p: dict[str, Any], logs: list[Any], mode: str) -> None:
         emit(send, log, final=True)
     if mode == "events":
         done = host_done(p) or {"code": None}
-        send(protocol.event("done", code=done.get("code"), time=done.get("time"),
-                            lost=bool(done.get("lost"))))
+        fields = {"code": done.get("code"), "time": done.get("time"), "lost": bool(done.get("lost"))}
+        if after_stop(p, done.get("time")):
+            fields["after_stop"] = True
+        send(protocol.event("done", **fields))
     else:
         send(protocol.event("done", code=None, snapshot=True))
 

@@ -73,17 +73,19 @@ def pull_part(kind: str, body: Mapping[str, Any]) -> PullPart:
 @dataclass(frozen=True)
 class HostDone:
     """A followed host's `done` event: its host exit code (None when the supervisor
-    vanished: `lost`), on the host's clock `time`; `snapshot`: a one-shot read ended."""
+    vanished: `lost`), on the host's clock `time`; `snapshot`: a one-shot read ended;
+    `after_stop`: it ended after the host received a stop (the stop's doing)."""
 
     code: int | None
     time: float | None = None
     lost: bool = False
     snapshot: bool = False
+    after_stop: bool = False
 
     @classmethod
     def of(cls, event: Mapping[str, Any]) -> HostDone:   # checked by protocol.EVENTS
         return cls(event["code"], event.get("time"), bool(event.get("lost")),
-                   bool(event.get("snapshot")))
+                   bool(event.get("snapshot")), bool(event.get("after_stop")))
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class Monitor(LineSink):
     emit: ev.Emit = field(default=lambda e: None)
     exits: dict[int, Exit] = field(default_factory=dict)
     host_codes: dict[int, int | None] = field(default_factory=dict)   # torchrun's, per host
+    stopped_hosts: set[int] = field(default_factory=set)   # torchrun ended by a stop there
     lost: dict[int, str] = field(default_factory=dict)
     wake: threading.Event = field(default_factory=threading.Event)
     stop_started: float | None = None   # exits after this are our own stop's doing
@@ -95,12 +96,21 @@ class Monitor(LineSink):
 
     def host_done(self, host: int, info: HostDone) -> None:
         self.host_codes[host] = info.code
+        if info.after_stop and info.code != 0:
+            self.stopped_hosts.add(host)
         self.wake.set()
 
     def host_lost(self, host: int, why: str) -> None:
         self.lost[host] = why
         self.wake.set()
         self.emit(ev.HostLost(time.time(), self.label(host), why))
+
+    def user_stopped(self) -> bool:
+        """The job was stopped by someone else (`orch stop`), so a restart must not undo
+        it: a rank, or a host's torchrun, ended with a failure after its host received a
+        stop (on a host alone, torchrun's end, killed first, may come before any rank's)."""
+        return not self.lost and (any(e.after_stop for e in self.exits.values() if e.code)
+                                  or bool(self.stopped_hosts))
 
     def failed(self) -> bool:
         return bool(self.lost) or any(e.code != 0 for e in self.exits.values()) or any(
@@ -266,7 +276,7 @@ def fail_fast(session: Session, mon: Monitor, finished: Callable[[], bool],
     the network, where it failed to connect to another host: netwatch.refused)."""
     # before our own stop: a rank that ended after its host got a stop was stopped by
     # someone else (`orch stop`), and a restart must not undo that
-    user_stop = not mon.lost and any(e.after_stop for e in mon.exits.values() if e.code)
+    user_stop = mon.user_stopped()
     started = time.monotonic()
     result = stop_job(session, mon, finished, "failure")
     lost_at = {i: session.links[i].last_heard for i in mon.lost if i in session.links}

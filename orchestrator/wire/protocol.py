@@ -350,7 +350,8 @@ EVENTS: dict[str, dict[str, Any]] = {
     # so it is a consequence of the stop, never a job's root cause
     "exit": {"rank": int, "code": OPT_INT, "time": NUM, "?after_stop": bool},
     "start": {"rank": int, "pid": int},                   # a rank's process is there
-    "done": {"code": OPT_INT, "?time": OPT_NUM, "?lost": bool, "?snapshot": bool},
+    "done": {"code": OPT_INT, "?time": OPT_NUM, "?lost": bool, "?snapshot": bool,
+             "?after_stop": bool},
     "beat": {"?time": NUM},   # after a follow's `beat` seconds without a frame (host clock)
     "progress": {"ranks": [int]},             # these ranks touched their heartbeat file
 }
