@@ -202,6 +202,33 @@ def test_few_failed_connects_ask_nothing_and_a_clean_check_invents_no_pair(
     assert said[0].waits == ()   # type: ignore[attr-defined]
 
 
+def test_a_cause_not_found_is_said_once_and_a_later_refusal_is_still_named(
+        tmp_path: Path) -> None:
+    """At the rendezvous look a node was refused while host 0 still started (every host
+    answers the check: no cause); the firewall comes later: the looks go on and name it.
+    CI, beside a CPU burner, saw the first line and then nothing for 25 minutes."""
+    fleet = Fleet(tmp_path, 3)
+    watch, said = fleet.watch()
+    watch.look(4, rendezvous=False)
+    fleet.fails[1] += 13
+    watch.look(8, rendezvous=True)
+    assert len(said) == 1 and "the cause is not found" in said[0].text   # type: ignore[attr-defined]
+    fleet.fails[1] += 5                # the same again: not said twice
+    watch.look(16, rendezvous=False)
+    assert len(said) == 1, said
+    fleet.refuse = {(1, 0)}            # now a firewall on host 0 refuses host 1
+    fleet.fails[1] += 9
+    watch.look(32, rendezvous=False)
+    assert len(said) == 2, said
+    assert said[1].text.startswith("network hang: failed TCP connects since the last look: "   # type: ignore[attr-defined]
+                                   "9 on 10.0.0.9"), said[1]
+    assert "10.0.0.9 -> 10.0.0.8 at 10.1.0.5:40000 refused" in said[1].text   # type: ignore[attr-defined]
+    fleet.fails[1] += 9
+    fleet.asked.clear()
+    watch.look(64, rendezvous=False)   # a cause named: no more asking
+    assert len(said) == 2 and fleet.asked == []
+
+
 def test_failed_connects_before_the_ranks_start_are_no_fault_until_the_rendezvous_look(
         tmp_path: Path) -> None:
     """A node's launcher is refused by the store while host 0 still imports torch: its

@@ -17,8 +17,8 @@ also carries the kernel's count of failed connects in the job's network namespac
 the host's ranks started (`grown`) and no connection waits, that host checks the next
 REACH_PEERS hosts on a port the OS picks (each listens once, as at preflight),
 REACH_FROM hosts at most per look, and the pairs it cannot connect are named with the
-cause (refused, unreachable, no answer); if all answer, only what was seen is said.
-Each is said once, as a `NetworkStall` event; the job goes on (Ctrl-C, `orch stop` or
+cause (refused, unreachable, no answer); if all answer, only what was seen is said (once,
+and the looks go on for a cause). Each is said once, as a `NetworkStall` event; the job goes on (Ctrl-C, `orch stop` or
 `job.hang_timeout` ends it). A look is one small request per host; the looks thin out,
 so a long run asks a handful of times in all.
 
@@ -99,6 +99,7 @@ class NetWatch:
         self.master = master
         self.done = threading.Event()
         self.said_late = self.said_waits = self.said_fails = False
+        self.said_unfound = False   # failed connects said once without a cause found
         # host -> its failed connects at the last look, and whether its ranks had started
         self.fails: dict[int, tuple[int, bool]] = {}
         self.t0 = time.monotonic()
@@ -140,10 +141,15 @@ class NetWatch:
             self.said_waits = True
             text = waits_text(waits, self.master)
         elif grown and not self.failed():   # refused and tried again: no socket waits
-            self.said_fails = True
             waits = self.reach(grown)
-            labels = {i: cluster.hosts[i].label for i in grown}
-            text = fails_text(grown, labels, waits) + (f"\n{text}" if text else "")
+            # a pair found is said once and ends the looks; "not found" (every host
+            # answered the check: a node refused while host 0 still started, say) is
+            # said once, and the looks go on: a firewall that comes later is still named
+            if waits or not self.said_unfound:
+                labels = {i: cluster.hosts[i].label for i in grown}
+                text = fails_text(grown, labels, waits) + (f"\n{text}" if text else "")
+            self.said_fails = bool(waits)
+            self.said_unfound = True
         if text and not self.done.is_set() and not self.failed():
             self.emit(ev.NetworkStall(time.time(), late, waits, text))
 
