@@ -13,11 +13,14 @@ drops all but ssh and the master port, pdsh + torchrun hangs in init_process_gro
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -103,28 +106,43 @@ def up_until(lan: BridgeHosts, base: Path, inv: Path, said: str,
     proc = subprocess.Popen(["ip", "netns", "exec", lan.client_ns, *ORCH, "up", str(inv)],
                             cwd=base, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # read by a thread: a silent orch must not hold the test past its deadline (a
+    # blocking readline did, for 25 minutes, when the awaited line never came)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True)
+    reader.start()
     err = ""
     try:
         deadline = time.monotonic() + 120
-        assert proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                break
             err += line
             if then is not None:
                 then(line)
             if said in line or not line:
                 break
     finally:
-        rest = ""
         if not interrupt:   # its own end, within a bound
-            try:
-                rest, _ = proc.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
-                pass
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=120)
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-            rest, _ = proc.communicate(timeout=60)
+            proc.wait(timeout=60)
+        reader.join(30)
+    rest = ""
+    while not lines.empty():
+        rest += lines.get()
     return proc, err + rest
+
+
+def read_lines(stream: Any, out: queue.Queue[str]) -> None:
+    """Each line of `stream` into `out`, then "" for its end."""
+    for line in stream:
+        out.put(line)
+    out.put("")
 
 
 def no_job_left(lan: BridgeHosts, name: str) -> None:
