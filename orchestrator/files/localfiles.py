@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, NamedTuple
 
+from orchestrator.config.safefile import write_whole
 from orchestrator.errors import DataError
 from orchestrator.files.ignore import IgnoreRules
 
@@ -167,15 +168,8 @@ class DigestCache:
         with self.lock:
             if not self.dirty:
                 return
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
             doc = {"version": CACHE_VERSION, "entries": self.entries, "memo": self.memo}
-            try:
-                tmp.write_bytes(marshal.dumps(doc))
-                os.replace(tmp, self.path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+            write_whole(self.path, marshal.dumps(doc), 0o666)   # the umask decides, as before
             self.dirty = False
 
 

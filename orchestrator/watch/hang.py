@@ -5,9 +5,8 @@ touched its heartbeat file (agent/follow.py). `HangWatch` keeps each running ran
 progress on an injectable clock, from the rank's start (`NOT_STARTED_S` below);
 `check()` returns the `Hang` once every rank has gone `timeout` seconds without it, or
 once one rank that keeps a heartbeat (it touched its file before) has, while others went
-on. A rank's silence alone is no hang: many scripts
-print on rank 0 only, and a quiet rank is where the others are; its heartbeat is the
-rank's own promise of a pulse.
+on. A rank's silence alone is no hang: many scripts print on rank 0 only, and a quiet
+rank is where the others are; its heartbeat is the rank's own promise of a pulse.
 
 Then every rank's Python stack is taken (agent/stacks.py) and `culprits()` names the
 ranks that are not where the others are, in this order:

@@ -18,8 +18,8 @@ the host's ranks started (`grown`) and no connection waits, that host checks the
 REACH_PEERS hosts on a port the OS picks (each listens once, as at preflight),
 REACH_FROM hosts at most per look, and the pairs it cannot connect are named with the
 cause (refused, unreachable, no answer); if all answer, only what was seen is said (once,
-and the looks go on for a cause). Each is said once, as a `NetworkStall` event; the job goes on (Ctrl-C, `orch stop` or
-`job.hang_timeout` ends it). A look is one small request per host; the looks thin out,
+and the looks go on for a cause). Each is said once, as a `NetworkStall` event; the job
+goes on (Ctrl-C, `orch stop` or `job.hang_timeout` ends it). A look is one small request per host; the looks thin out,
 so a long run asks a handful of times in all.
 
 A pair refused at once (gloo tries 4 times in about a second, then init_process_group
