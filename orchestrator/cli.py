@@ -17,6 +17,8 @@ from orchestrator.ssh import lazyimport
 from orchestrator.ui.console import (
     STDOUT_CLOSED,
     guard_std_streams,
+    new_command,
+    note_interrupt,
     stop_interrupting,
     warnings_to_console,
 )
@@ -112,12 +114,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def interrupt_on_termination() -> None:
     """SIGTERM and SIGHUP (a closed terminal) act like Ctrl-C: the job is stopped, not
     orphaned. A signal ignored when orch started stays ignored: `nohup orch up` must
-    outlive its terminal."""
+    outlive its terminal. Each is noted as the command's interruption, so that a closed
+    stdout does not interrupt what it does about it (ui/console.py); a hang-up after the
+    first interruption is not one more: the terminal closing mid-stop ends no stop."""
     def handler(signum: int, frame: FrameType | None) -> None:
+        if not note_interrupt() and signum == signal.SIGHUP:
+            return
         raise KeyboardInterrupt
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) != signal.SIG_IGN:
             signal.signal(sig, handler)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:   # not a `cmd &`'s
+        signal.signal(signal.SIGINT, handler)
 
 
 def json_error(args: argparse.Namespace, message: str, code: int) -> int:
@@ -136,6 +144,7 @@ def json_error(args: argparse.Namespace, message: str, code: int) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    new_command()
     interrupt_on_termination()
     warnings_to_console()
     run: Callable[[argparse.Namespace], int] = args.func
@@ -181,6 +190,9 @@ def main() -> NoReturn:
     except KeyboardInterrupt:   # stdout closed as the command returned: nothing to say
         stop_interrupting()
         code = EXIT_PIPE if STDOUT_CLOSED.is_set() else EXIT_INTERRUPTED
+    # the command is over: a Ctrl-C now, or a closed stdout's interrupt still pending,
+    # must not cut the process's end short with a traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     end_now(EXIT_PIPE if STDOUT_CLOSED.is_set() else code)
 
 

@@ -4,8 +4,10 @@ waiting for it; an interrupted `up` pulls nothing (a job that ends does)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ from orchestrator.errors import EXIT_INTERRUPTED, EXIT_OK
 from orchestrator.session.replies import Supervisor
 from orchestrator.session.session import Session
 from orchestrator.session.state import HostState, JobState
+from orchestrator.ui import console
 from orchestrator.wire import protocol, timeouts
 
 SUP = Supervisor(1, 1, None, 2, "run", 0.0)   # a launched host's supervisor
@@ -176,3 +179,77 @@ def test_ctrl_c_pulls_nothing(tmp_path: Path, capsys, monkeypatch, presses: int)
         assert code == EXIT_OK, err
         assert hosts.requests("stop") == [] and hosts.requests("pull_manifest") == [
             (0, "pull_manifest")], hosts.log
+
+
+class PipedHosts(Hosts):
+    """`orch up | tee log` and one Ctrl-C, which reaches tee too: the pipe's reader
+    (`reader`, the read end) is closed when the first stop reaches a host, and each
+    host's graceful stop sends a rank's last line, which finds it closed, then answers
+    0.3 s after that (a stop takes its time)."""
+
+    def __init__(self, reader: int) -> None:
+        super().__init__(presses=1)
+        self.reader: int | None = reader
+
+    def stop(self, chan: FakeChannel, msg: dict) -> None:
+        with self.lock:
+            if self.reader is not None:
+                os.close(self.reader)
+                self.reader = None
+        pushed = chan.push
+
+        def push(frame: bytes) -> None:
+            if b'"id"' in frame:   # the stop's reply
+                rank = 2 * chan.host.index   # its first rank
+                pushed(protocol.output(rank, b"rank %d: terminated\n" % rank))
+                deadline = time.monotonic() + 30
+                while not console.STDOUT_CLOSED.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.3)
+            pushed(frame)
+        chan.push = push   # type: ignore[method-assign]
+        super().stop(chan, msg)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_pipe_closed_by_the_ctrl_c_does_not_cut_the_stop_short(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    """The Ctrl-C's stop runs to its end on every host although the rank lines written
+    during it find stdout closed: that closed pipe is no second interrupt (it ended the
+    stop half done, orch exited without a word, and the job ran on)."""
+    r, w = os.pipe()
+    raw = open(w, "wb", buffering=0)  # noqa: SIM115 (closed in the finally below)
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(
+        console._Guarded(raw, is_stdout=True), write_through=True))
+    monkeypatch.setattr(console, "_INTERRUPTING", threading.Event())
+    console._INTERRUPTING.set()
+    hosts = PipedHosts(reader=r)
+
+    @contextlib.contextmanager
+    def orch_handlers() -> Iterator[None]:   # the `orch` command's own, not Python's
+        saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM,
+                                                         signal.SIGHUP)}
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        cli.interrupt_on_termination()
+        try:
+            yield
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+    monkeypatch.setattr(sys.modules[__name__], "sigint_raises", orch_handlers)
+    console.new_command()
+    try:
+        with contextlib.suppress(KeyboardInterrupt):   # cli() makes it 141
+            run_up(tmp_path, monkeypatch, hosts)
+        closed = console.STDOUT_CLOSED.is_set()
+    finally:
+        console.stop_interrupting()
+        console.STDOUT_CLOSED.clear()
+        raw.close()
+    assert closed   # the rank's last line found the pipe closed
+    # one graceful stop per host, and no kill: the closed pipe was no second Ctrl-C
+    assert sorted(hosts.requests("stop")) == [(0, "stop", timeouts.INTERRUPT_GRACE),
+                                              (1, "stop", timeouts.INTERRUPT_GRACE)], hosts.log
+    stopped = sorted(e[:3] for e in hosts.log if e[1] == "stopped")
+    assert stopped == [(0, "stopped", timeouts.INTERRUPT_GRACE),
+                       (1, "stopped", timeouts.INTERRUPT_GRACE)], hosts.log

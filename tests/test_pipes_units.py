@@ -4,6 +4,8 @@ interrupted once, and the CLI answers 141 without a word."""
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import os
 import threading
 import time
@@ -23,6 +25,7 @@ def closed_pipe() -> Iterator[BinaryIO]:
     os.close(r)
     console.STDOUT_CLOSED.clear()
     console._INTERRUPTING.set()
+    console.new_command()
     with open(w, "wb", buffering=0) as f:
         yield f
     console.stop_interrupting()
@@ -53,6 +56,39 @@ def test_the_main_thread_writing_is_interrupted_at_once(closed_pipe: BinaryIO) -
     with pytest.raises(KeyboardInterrupt):
         out.write(b"a table\n")
     assert console.STDOUT_CLOSED.is_set()
+
+
+def test_no_second_interrupt_after_a_signal_s(closed_pipe: BinaryIO) -> None:
+    """Ctrl-C reached orch and the pipe's reader together (`orch up | tee`): the signal
+    interrupted the command, and the rank lines written during the stop it started find
+    the pipe closed. That is no second interrupt: the stop must run to its end."""
+    assert console.note_interrupt()   # the signal's handler (cli.interrupt_on_termination)
+    out = console._Guarded(closed_pipe, is_stdout=True)
+    th = threading.Thread(target=out.write, args=(b"[r0 host] terminated\n",))
+    th.start()
+    th.join()
+    out.write(b"the main thread's line\n")   # nor raised here
+    time.sleep(0.3)   # a pending interrupt would land here
+    assert console.STDOUT_CLOSED.is_set()
+
+
+def test_eio_is_a_terminal_gone_and_other_errors_are_raised(closed_pipe: BinaryIO) -> None:
+    """A hung-up terminal answers EIO: nothing written is read again, as with EPIPE.
+    A full disk (ENOSPC) is not a reader gone: raised as it was."""
+    class Failing(io.RawIOBase):
+        def __init__(self, code: int) -> None:
+            self.code = code
+
+        def write(self, data: object) -> int:
+            raise OSError(self.code, os.strerror(self.code))
+
+        def fileno(self) -> int:   # pointed at /dev/null once gone
+            return closed_pipe.fileno()
+    with pytest.raises(OSError, match="No space"):
+        console._Guarded(Failing(errno.ENOSPC), is_stdout=True).write(b"x")  # type: ignore[arg-type]
+    assert not console.STDOUT_CLOSED.is_set()
+    tty = console._Guarded(Failing(errno.EIO), is_stdout=False)  # type: ignore[arg-type]
+    assert tty.write(b"x") == 1 and tty.gone
 
 
 def test_a_closed_stderr_only_goes_quiet(closed_pipe: BinaryIO) -> None:

@@ -3,10 +3,13 @@
 `orch status | grep running` work as with any CLI."""
 from __future__ import annotations
 
+import _thread
 import ctypes
+import errno
 import io
 import logging
 import os
+import signal
 import sys
 import threading
 from typing import Any, BinaryIO
@@ -77,16 +80,23 @@ class _Guarded(io.BufferedIOBase):
         if not self.gone:
             try:
                 self.raw.write(data)
-            except BrokenPipeError:
-                self._gone()
+            except OSError as e:
+                self._failed(e)
         return len(data)
 
     def flush(self) -> None:
         if not self.gone:
             try:
                 self.raw.flush()
-            except BrokenPipeError:
-                self._gone()
+            except OSError as e:
+                self._failed(e)
+
+    def _failed(self, e: OSError) -> None:
+        """EPIPE: the reader left; EIO: the terminal hung up (its window closed). Either
+        way nothing written here is read again. Anything else is raised as it was."""
+        if e.errno not in (errno.EPIPE, errno.EIO):
+            raise e
+        self._gone()
 
     def writable(self) -> bool:
         return True
@@ -110,23 +120,55 @@ class _Guarded(io.BufferedIOBase):
 
 
 _INTERRUPTING = threading.Event()   # set while the command runs (guard_std_streams)
+# Set by the first interruption, a signal's (note_interrupt) or a closed stdout's: what
+# the command does about it (`orch up`'s stop on every host) must run to its end. The
+# reader of a pipe is often interrupted with orch (Ctrl-C reaches `orch up | tee`'s whole
+# process group), and a rank's last line written during the stop then found the pipe
+# closed: a second interrupt ended the stop half done and left the job running.
+_INTERRUPTED = threading.Event()
+_ONCE = threading.Lock()
+
+
+def note_interrupt() -> bool:
+    """The command is being interrupted (a signal's handler calls this); True the first
+    time. A closed stdout interrupts nothing after it."""
+    with _ONCE:
+        first = not _INTERRUPTED.is_set()
+        _INTERRUPTED.set()
+    return first
+
+
+def new_command() -> None:
+    """A command starts: not interrupted yet (a test runs many in one process)."""
+    _INTERRUPTED.clear()
 
 
 def interrupt_main() -> None:
-    """KeyboardInterrupt in the main thread: raised here when this is it; otherwise
-    delivered at its next bytecode (its waits are short: 0.1-0.2 s). Not through
-    SIGINT, which a background job may have ignored."""
+    """KeyboardInterrupt in the main thread, once per command, and never after a
+    signal's: raised here when this is it; otherwise delivered at its next bytecode (its
+    waits are short: 0.1-0.2 s), as a simulated SIGINT where Python handles SIGINT, and
+    else as an exception set in its state (a background job's SIGINT is ignored)."""
+    if not note_interrupt():
+        return
     main = threading.main_thread()
     if threading.current_thread() is main:
         raise KeyboardInterrupt
-    if main.ident is not None and _INTERRUPTING.is_set():
+    if not _INTERRUPTING.is_set():
+        return
+    if callable(signal.getsignal(signal.SIGINT)):
+        # a simulated SIGINT, run by the main thread's own handler. An exception set
+        # with PyThreadState_SetAsyncExc can land in a thread the main thread is just
+        # starting (its state still carries the main thread's id) and be lost there.
+        _thread.interrupt_main(signal.SIGINT)
+    elif main.ident is not None:   # SIGINT ignored (`orch up &` in a script)
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main.ident),
                                                    ctypes.py_object(KeyboardInterrupt))
 
 
 def stop_interrupting() -> None:
     """The command is over (called in the main thread): no interrupt from now on, and
-    one still pending is dropped, so that the process's end runs whole."""
+    one still pending is dropped, so that the process's end runs whole (a simulated
+    SIGINT still pending is the caller's: `orch` ignores SIGINT from here on)."""
     _INTERRUPTING.clear()
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
 
@@ -135,6 +177,7 @@ def guard_std_streams() -> None:
     """sys.stdout and sys.stderr through _Guarded (the `orch` command only: a test's
     captured streams are left alone)."""
     _INTERRUPTING.set()
+    new_command()
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         try:
