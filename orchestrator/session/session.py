@@ -168,8 +168,8 @@ class Session:
         connect.check_local_files(hosts)
         connect.check_fd_limit(len(hosts))
         bastions = connect.Bastions()   # one connection per bastion, shared by its hosts
-        base_dir = self.cluster.base_dir
-        return (lambda h: connect.connect(h, config, base_dir, bastions)), bastions.seal
+        base_dir, count = self.cluster.base_dir, len(self.cluster.hosts)
+        return (lambda h: connect.connect(h, config, base_dir, bastions, count)), bastions.seal
 
     def _start(self, host: Host, transport: Transport) -> Link:
         """The host's agent over its new connection."""

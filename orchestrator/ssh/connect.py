@@ -205,9 +205,21 @@ def _step(t: paramiko.Transport | None) -> str:
 # paramiko's transport thread wakes whenever its socket's timeout (0.1 s) passes, to see
 # whether it was closed and whether a keepalive is due: 300 idle hosts made 3,000 wake-ups
 # a second, each taking the GIL from the threads with work (half the controller's system
-# time, measured at 300 hosts). Once a second is enough for the keepalive (every
-# KEEPALIVE s) and a rekey; our own close wakes the thread at once (wake).
+# time, measured at 300 hosts). While connecting, once a second (the banner's and the
+# key exchange's timeouts are checked at a wake); once logged in, once a keepalive period
+# (`idle`): nothing else is due on an idle connection (a rekey starts at the next packet
+# read), and our own close wakes the thread at once (wake).
 IDLE_WAKE_S = 1.0
+
+
+def idle(t: paramiko.Transport, period: float) -> None:
+    """A logged-in connection's keepalive every `period` (timeouts.keepalive: fewer per
+    connection as there are more hosts), its thread woken only that often: 1,000 hosts
+    woke the controller 1,000 times a second at IDLE_WAKE_S, 100 times at 10 s. An idle
+    connection sends a packet within twice the period (a wake may come just before the
+    keepalive is due); one that reads a packet sooner is not idle."""
+    t.set_keepalive(int(period))
+    t.sock.settimeout(period)   # a bastion's channel too: its close wakes its reader
 
 
 def wake(t: paramiko.Transport) -> None:
@@ -294,7 +306,7 @@ def open_client(target: Target, sock: Any) -> _Client:
             look_for_keys=not target.identity_files, allow_agent=True,
             timeout=target.timeout, banner_timeout=target.timeout, auth_timeout=target.timeout,
             sock=sock, transport_factory=_transport_factory(made, target.timeout))
-        client.live_transport().set_keepalive(int(timeouts.KEEPALIVE))
+        idle(client.live_transport(), target.keepalive)
         return client
     except BaseException as exc:
         step = _step(made[0] if made else None)
@@ -475,11 +487,12 @@ class Bastions:
 # ---------------------------------------------------------------- every host
 
 def connect(host: Host, config: paramiko.SSHConfig, base_dir: Path,
-            bastions: Bastions | None = None) -> Transport:
-    """One host's connection; `bastions` shares bastion connections between hosts."""
+            bastions: Bastions | None = None, hosts: int = 1) -> Transport:
+    """One host's connection; `bastions` shares bastion connections between hosts;
+    `hosts`: how many the command connects to (each one's keepalive period)."""
     if host.connection == "local":
         return LocalTransport(host, cwd=str(base_dir))
-    target = resolve_target(host, config)
+    target = replace(resolve_target(host, config), keepalive=timeouts.keepalive(hosts))
     own = bastions is None
     hops = Bastions() if bastions is None else bastions
     try:

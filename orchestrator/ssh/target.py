@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestrator.wire import timeouts
+
 
 @dataclass(frozen=True)
 class Target:
@@ -18,6 +20,7 @@ class Target:
     timeout: float
     jumps: tuple[Target, ...] = ()   # bastions, first hop first
     name: str = ""                     # as written (a bastion's `user@host:port`)
+    keepalive: float = timeouts.KEEPALIVE   # its period once logged in (timeouts.keepalive)
 
     @property
     def address(self) -> str:

@@ -4,10 +4,14 @@ The agent's bundle carries this module too (stdlib only, Python 3.8).
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 
-KEEPALIVE = 5.0             # SSH keepalive on every connection
+KEEPALIVE = 5.0             # SSH keepalive on an idle connection, the shortest (keepalive(hosts))
+KEEPALIVE_MAX = 15.0        # ... and the longest: an idle connection still sends a packet
+                            # within twice this, under the shortest NAT/firewall idle timeouts (60 s)
+KEEPALIVE_RATE = 100.0      # keepalive wake-ups a second the controller takes for all hosts together
 AGENT_START = 60.0          # from opening the session to the agent's hello (login shell, python)
 PREFLIGHT = 60.0            # preflight's reply (at least 3x ssh.connect_timeout)
 # ... plus this per host of the command: every login's handshake runs on this machine's
@@ -68,6 +72,15 @@ def heartbeat(hosts: int) -> float:
     controller and is decrypted there only to learn nothing changed, so all of them
     together come at most HEARTBEAT_RATE times a second (1,000 hosts: every 10 s)."""
     return min(HEARTBEAT_MAX, max(HEARTBEAT, hosts / HEARTBEAT_RATE))
+
+
+def keepalive(hosts: int) -> float:
+    """How often each of `hosts` SSH connections wakes its transport thread, and sends a
+    keepalive when nothing else went out meanwhile: whole seconds, all connections
+    together at most KEEPALIVE_RATE wake-ups a second up to 1,500 hosts (1,000: every
+    10 s). The keepalive only keeps an idle connection's NAT and firewall state and lets
+    TCP see a dead peer; a lost host is found by the heartbeat (host_lost), not by it."""
+    return min(KEEPALIVE_MAX, max(KEEPALIVE, float(math.ceil(hosts / KEEPALIVE_RATE))))
 
 
 def host_lost(hosts: int) -> float:
