@@ -307,3 +307,31 @@ def test_the_agent_reads_the_kernels_failed_connects(tmp_path: Path) -> None:
     after = agent_net.attempt_fails([me])
     assert after is not None and after >= before + 1, (before, after)
     assert agent_net.attempt_fails([2 ** 22 + 7]) is None   # no such process
+
+
+def test_a_cause_not_found_is_not_said_while_the_job_prints(tmp_path: Path) -> None:
+    """The count is the whole host's: another program's refused connects grow it while
+    the job trains (the shipped demo said "the cause is not found" between two epochs
+    beside a busy machine). While a rank printed since the last look, a check that finds
+    every host answering says nothing; once the job is quiet, the same is said. A pair
+    found is said whether the job prints or not (the ranks' own warnings are lines)."""
+    from orchestrator.watch.netwatch import NetWatch
+    fleet = Fleet(tmp_path, 3)
+    printed = [True]
+    said: list[ev.Event] = []
+    watch = NetWatch(fleet.s, fleet.started, lambda: False, said.append, ("10.1.0.5", 29500),
+                     lambda since: printed[0])
+    watch.look(10, rendezvous=False)
+    for at in (20, 40):
+        fleet.fails[1] += 7
+        watch.look(at, rendezvous=at == 40)   # the rendezvous look: every host joined
+    assert [e for e in said if "failed TCP" in e.text] == [], said   # type: ignore[attr-defined]
+    printed[0] = False
+    fleet.fails[1] += 7
+    watch.look(80, rendezvous=False)
+    assert len(said) == 1 and "the cause is not found" in said[0].text, said   # type: ignore[attr-defined]
+    printed[0] = True
+    fleet.refuse = {(1, 0)}
+    fleet.fails[1] += 7
+    watch.look(160, rendezvous=False)
+    assert len(said) == 2 and "10.0.0.9 -> 10.0.0.8" in said[1].text, said   # type: ignore[attr-defined]

@@ -18,8 +18,9 @@ the host's ranks started (`grown`) and no connection waits, that host checks the
 REACH_PEERS hosts on a port the OS picks (each listens once, as at preflight),
 REACH_FROM hosts at most per look, and the pairs it cannot connect are named with the
 cause (refused, unreachable, no answer); if all answer, only what was seen is said (once,
-and the looks go on for a cause). Each is said once, as a `NetworkStall` event; the job
-goes on (Ctrl-C, `orch stop` or `job.hang_timeout` ends it). A look is one small request per host; the looks thin out,
+and only while no rank printed since the last look; the looks go on for a cause). Each
+is said once, as a `NetworkStall` event; the job goes on (Ctrl-C, `orch stop` or
+`job.hang_timeout` ends it). A look is one small request per host; the looks thin out,
 so a long run asks a handful of times in all.
 
 A pair refused at once (gloo tries 4 times in about a second, then init_process_group
@@ -94,9 +95,14 @@ class NetWatch:
     """The looks, in a thread of their own: the follow loop never waits on them."""
 
     def __init__(self, session: Session, started: set[int], failed: Callable[[], bool],
-                 emit: ev.Emit, master: tuple[str, int]) -> None:
+                 emit: ev.Emit, master: tuple[str, int],
+                 moving: Callable[[float], bool] = lambda since: False) -> None:
         self.session, self.started, self.failed, self.emit = session, started, failed, emit
         self.master = master
+        # whether any rank printed (or touched its heartbeat) after a time.monotonic():
+        # a job that moves is not stalled on its network, whatever the host's count does
+        self.moving = moving
+        self.last_look = time.monotonic()
         self.done = threading.Event()
         self.said_late = self.said_waits = self.said_fails = False
         self.said_unfound = False   # failed connects said once without a cause found
@@ -144,12 +150,17 @@ class NetWatch:
             waits = self.reach(grown)
             # a pair found is said once and ends the looks; "not found" (every host
             # answered the check: a node refused while host 0 still started, say) is
-            # said once, and the looks go on: a firewall that comes later is still named
-            if waits or not self.said_unfound:
+            # said once, and the looks go on: a firewall that comes later is still named.
+            # Not found is said only while no rank printed since the last look: the count
+            # is the whole host's, and a job that prints is not held by its network
+            # (the shipped demo said it between two epochs beside a busy machine).
+            quiet = not self.moving(self.last_look)
+            if waits or (quiet and not self.said_unfound):
                 labels = {i: cluster.hosts[i].label for i in grown}
                 text = fails_text(grown, labels, waits) + (f"\n{text}" if text else "")
+                self.said_unfound = self.said_unfound or not waits
             self.said_fails = bool(waits)
-            self.said_unfound = True
+        self.last_look = time.monotonic()
         if text and not self.done.is_set() and not self.failed():
             self.emit(ev.NetworkStall(time.time(), late, waits, text))
 
