@@ -290,6 +290,35 @@ def test_why_nothing_was_kept_is_said(tmp_path: Path) -> None:
     assert keeper.nothing_kept() == "no round of the keeper ended well: localhost: not connected"
 
 
+def test_a_kept_copy_that_cannot_be_listed_is_not_nothing_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An earlier attempt's copy in a folder this user cannot list (root reads anything,
+    so the listing's error is made here) is said as such, with the fix; not "matched no
+    file", which would send the user to their globs."""
+    from types import SimpleNamespace
+
+    from orchestrator.session.keeper import Keeper
+
+    cluster = load(inventory(tmp_path, "  checkpoint: [output/ckpt.pt]\n"))
+    keeper = Keeper(SimpleNamespace(links={}, records={}), cluster)  # type: ignore[arg-type]
+    keeper.rounds = 3
+    hidden = keeper.root / "output"
+    hidden.mkdir(parents=True)
+    (hidden / "ckpt.pt").write_bytes(b"kept")
+    assert keeper.nothing_kept() is None   # listed: a copy is held from before
+    real = os.scandir
+
+    def refused(path: object = ".") -> object:
+        if os.fspath(path) == str(hidden):   # type: ignore[arg-type]
+            raise PermissionError(13, "Permission denied", str(hidden))
+        return real(path)   # type: ignore[arg-type]
+    monkeypatch.setattr(os, "scandir", refused)
+    why = keeper.nothing_kept()
+    assert why == (f"this machine's copy of the kept checkpoints cannot be read: {hidden}: "
+                   f"Permission denied (give your user access to it: `chmod -R u+rwX "
+                   f"{keeper.root}`)"), why
+
+
 def test_exact_receiver_drops_bytes_other_than_listed(tmp_path: Path) -> None:
     """A file rewritten between the listing and the send (even to the same size, its
     bytes whole and verified in transit) is not kept by the keeper's receiver; `orch

@@ -200,8 +200,15 @@ class Keeper:
         """None when a checkpoint is held (this attempt's, or one kept before it); else
         why there is none, in words for the restart line."""
         with self.lock:
-            if self.held or self.kept_before():
+            if self.held:
                 return None
+            found, unread = self.kept_before()
+            if found:
+                return None
+            if unread is not None:   # an earlier attempt's copy may be there, unseen
+                return (f"this machine's copy of the kept checkpoints cannot be read: "
+                        f"{unread.filename}: {unread.strerror or unread} (give your user "
+                        f"access to it: `chmod -R u+rwX {shlex.quote(str(self.root))}`)")
             host = self.cluster.host_of(0).label
             if self.fresh:
                 names = ", ".join(sorted(self.fresh)[:3])
@@ -214,10 +221,17 @@ class Keeper:
                         f"matched no file on {host}")
             return "no complete copy was taken before the failure"
 
-    def kept_before(self) -> bool:
-        """Any kept file on this side from an earlier attempt (the controller's copy)."""
-        root = self.root
-        return root.is_dir() and any(f.is_file() for f in root.rglob("*"))
+    def kept_before(self) -> tuple[bool, OSError | None]:
+        """Whether a kept file from an earlier attempt is on this side (the controller's
+        copy), and the first folder of it that could not be listed: a listing's error
+        is not "nothing kept" (pathlib's glob would pass over it without a word)."""
+        errors: list[OSError] = []
+        if not self.root.is_dir():
+            return False, None
+        for folder, _, files in os.walk(self.root, onerror=errors.append):
+            if any(os.path.isfile(os.path.join(folder, f)) for f in files):
+                return True, None
+        return False, errors[0] if errors else None
 
     def latest(self) -> dict[str, str]:
         """What it holds: {path relative to the job folder: sha256}, complete files only."""
