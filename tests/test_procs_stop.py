@@ -4,6 +4,7 @@ tree (setsid, its parent gone) is still found and ended; another job's or anothe
 part's processes are never touched."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,8 +16,10 @@ from typing import Any
 
 import pytest
 
-from orchestrator.agent import paths, procs
-from orchestrator.agent.common import job_paths, write_atomic
+from orchestrator.agent import paths, procs, supervisor
+from orchestrator.agent.common import job_paths, read_json, write_atomic
+from orchestrator.agent.launch import job_folders
+from orchestrator.wire import timeouts
 
 # two children that outlive their shell's SIGTERM only as long as sleep does
 TREE = "sleep 60 & sleep 60 & wait; :"
@@ -247,3 +250,176 @@ def test_a_stop_cut_short_is_no_verified_stop(tmp_path: Path, started: Started) 
     assert not procs.stopped_clean(p)
     assert procs.job_running(p)
     procs.signal_all([orphan], signal.SIGKILL)
+
+
+# ------------------------------------------------- a real supervisor: a child subreaper
+
+# torchrun's stand-in: a daemon that called setsid, its parent (a subshell) gone at once,
+# then a rank that lives (`exec sleep`) or ends with a code
+DAEMON = '(setsid {daemon} & echo $! > "$D"); '
+READY = 'until [ -e "$D.ready" ]; do sleep 0.02; done; '   # its traps are set: torchrun may end
+
+
+def run_supervised(p: dict[str, Any], started: Started, script: str,
+                   daemon: str = "sleep 60") -> tuple[dict[str, Any], int]:
+    """A real supervisor (agent/supervisor.py, double-forked from this process, a
+    subreaper) whose torchrun is `sh -c DAEMON + script` with the job's marker; its
+    record and the daemon's pid, once the daemon runs."""
+    job_folders(p["jd"])
+    write_atomic(p["jd"], "run/launch.json", b"{}")
+    pidfile = Path(p["job"]) / "daemon.pid"
+    env = {"ORCH_JOB_DIR": p["job"], "D": str(pidfile)}
+    argv = ["sh", "-c", DAEMON.format(daemon=daemon) + script]
+
+    def body(p: dict[str, Any], spec: dict[str, Any], wfd: int) -> None:
+        def start() -> tuple[int, Any]:
+            pid = supervisor.spawn(argv, {**os.environ, **env})
+            return pid, lambda: supervisor.wait_for(pid)
+        supervisor.run_supervisor(p, spec, wfd, "supervisor", "run/torchrun.log", start)
+    sup = supervisor.start_detached(body, p, {"run_id": "r1"}, "supervisor")["supervisor"]
+    started.adopt([sup["pid"], sup["torchrun_pid"]])
+    text = wait_for_text(pidfile)
+    daemon_pid = int(text)
+    started.adopt([daemon_pid])
+    return sup, daemon_pid
+
+
+def wait_for_text(path: Path, timeout: float = 10.0, whole: bool = True) -> str:
+    """path's text once it is there (and `whole`: ends with a newline)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            text = path.read_text()
+            if text.endswith("\n") or not whole:
+                return text
+        time.sleep(0.02)
+    raise AssertionError(f"{path} never written")
+
+
+def no_scan(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every marker scan from now on, logged."""
+    scans: list[str] = []
+    real = procs.marked_pids
+
+    def scan(job_dir: str) -> list[Any]:
+        scans.append(job_dir)
+        return real(job_dir)
+    monkeypatch.setattr(procs, "marked_pids", scan)
+    return scans
+
+
+def parent(pid: int) -> int:
+    fields = procs.stat_fields(pid)
+    assert fields is not None, f"{pid} is gone"
+    return int(fields[1])
+
+
+def test_a_daemon_is_found_through_the_subreaper_without_a_scan(
+        tmp_path: Path, started: Started, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's setsid'd double-forked daemon is reparented to the supervisor, not to
+    init: the stop finds and ends it in the supervisor's tree, reads no process's
+    environment, and is verified by the supervisor's own last word (reaped)."""
+    p = job(tmp_path)
+    sup, daemon = run_supervised(p, started, "exec sleep 60")
+    assert sup["subreaper"] is True
+    execed(daemon, b"sleep")
+    assert parent(daemon) == sup["pid"]   # adopted by the subreaper
+    session = [procs.stat_fields(x) or ["?"] * 4 for x in (daemon, sup["pid"])]
+    assert session[0][3] != session[1][3]   # it called setsid
+    ticks = {x: procs.proc_start_time(x) for x in (sup["pid"], sup["torchrun_pid"], daemon)}
+    scans = no_scan(monkeypatch)
+    report = procs.stop(p["job"], 10.0)
+    assert report["left"] == [] and report["found"] == 3 and report["killed"] == 0, report
+    assert scans == [], scans
+    assert all(gone(x, t, timeout=0) for x, t in ticks.items())
+    done = read_json(p["jd"], "run/host.exit")
+    assert done["reaped"] is True and done["pid"] == sup["pid"], done
+    assert procs.stopped_clean(p) and not procs.job_running(p) and scans == []
+    again = procs.stop(p["job"], 10.0)   # idempotent, and still no scan
+    assert again["found"] == 0 and again["left"] == [] and scans == [], again
+
+
+def test_the_job_ends_with_its_ranks_then_what_they_left_is_stopped(
+        tmp_path: Path, started: Started, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun ended by itself (code 3), leaving a daemon: the host's end is recorded at
+    once; the supervisor then gives the daemon SIGTERM, reaps it once it ended, and says
+    that nothing is left. The next `up`'s check needs no scan."""
+    monkeypatch.setattr(timeouts, "LEFTOVER_GRACE", 120.0)   # (the forked supervisor's too)
+    p = job(tmp_path)
+    mark = Path(p["job"]) / "daemon"
+    # the daemon notes its SIGTERM, then waits for this test's word to end
+    sup, daemon = run_supervised(p, started, READY + "exit 3", daemon=(
+        "sh -c 'trap \"touch $D.term\" TERM; touch $D.ready; "
+        "while [ ! -e $D.go ]; do sleep 0.05; done'"))
+    ticks = procs.proc_start_time(daemon)
+    wait_for_text(mark.with_suffix(".pid.term"), timeout=15, whole=False)
+    first = read_json(p["jd"], "run/host.exit")
+    assert first["code"] == 3 and "reaped" not in first, first
+    assert procs.proc_start_time(daemon) == ticks   # the job ended; its leftover not yet
+    assert procs.job_running(p)   # (its supervisor lives: no second copy beside it)
+    mark.with_suffix(".pid.go").touch()
+    last = wait_for_json(p, lambda d: d.get("reaped") is True)
+    assert last["code"] == 3 and last["time"] == first["time"], last
+    assert gone(daemon, ticks) and gone(sup["pid"], sup["start_ticks"])
+    scans = no_scan(monkeypatch)
+    assert not procs.job_running(p) and scans == []
+
+
+def test_a_leftover_that_ignores_sigterm_gets_sigkill(
+        tmp_path: Path, started: Started, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(timeouts, "LEFTOVER_GRACE", 0.3)   # (the forked supervisor's too)
+    p = job(tmp_path)
+    sup, daemon = run_supervised(p, started, READY + "exit 0",
+                                 daemon="sh -c 'trap \"\" TERM; touch $D.ready; exec sleep 60'")
+    ticks = procs.proc_start_time(daemon)
+    done = wait_for_json(p, lambda d: d.get("reaped") is True)
+    assert done["code"] == 0 and gone(daemon, ticks) and gone(sup["pid"], sup["start_ticks"])
+
+
+def wait_for_json(p: dict[str, Any], ok: Any, timeout: float = 15.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = read_json(p["jd"], "run/host.exit")
+        if isinstance(got, dict) and ok(got):
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"run/host.exit never came as expected: {got!r}")
+
+
+def test_without_its_supervisor_the_marker_scan_finds_the_daemon(
+        tmp_path: Path, started: Started, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor was killed (the OOM killer): its tree went to init, and nothing
+    says that it was left empty. The stop falls back to the marker scan and ends it."""
+    p = job(tmp_path)
+    sup, daemon = run_supervised(p, started, "exec sleep 60")
+    execed(daemon, b"sleep")
+    os.kill(sup["pid"], signal.SIGKILL)
+    assert gone(sup["pid"], sup["start_ticks"])
+    ticks = procs.proc_start_time(daemon)
+    scans = no_scan(monkeypatch)
+    assert procs.job_running(p) and scans == [p["job"]]   # an `up` would scan, and refuse
+    report = procs.stop(p["job"], 10.0)
+    assert report["left"] == [] and report["found"] == 2, report   # the daemon, the rank
+    assert len(scans) >= 2 and gone(daemon, ticks, timeout=0)
+
+
+def test_a_supervisor_killed_during_the_stop_hands_over_to_the_scan(
+        tmp_path: Path, started: Started, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor dies as the stop begins: it cannot say its tree was left empty, so
+    the stop goes on from what it knew with the marker scan, and still ends the daemon
+    (which ignores SIGTERM: it gets SIGKILL at the grace)."""
+    p = job(tmp_path)
+    sup, daemon = run_supervised(p, started, "exec sleep 60",
+                                 daemon="sh -c 'trap \"\" TERM; exec sleep 60'")
+    execed(daemon, b"sleep")
+    ticks = procs.proc_start_time(daemon)
+    real_mark = procs.mark_stop
+
+    def mark_and_kill(q: dict[str, Any], when: float, grace: float | None = None) -> None:
+        real_mark(q, when, grace)
+        os.kill(sup["pid"], signal.SIGKILL)
+    monkeypatch.setattr(procs, "mark_stop", mark_and_kill)
+    scans = no_scan(monkeypatch)
+    report = procs.stop(p["job"], 1.0)
+    assert report["left"] == [] and report["killed"] >= 1, report
+    assert scans and gone(daemon, ticks, timeout=0)

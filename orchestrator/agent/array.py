@@ -2,9 +2,10 @@
 at most `slots` at once; each task's state lives in run/task-<i>.start|.exit, its output in
 logs/task-<i>.log and output/task-<i>/.
 
-The runner is the job's supervisor (run/supervisor.json, with itself as `torchrun_pid`):
-`stop` SIGKILLs it first, so no queued task starts after a stop began, then ends every
-task by the ORCH_JOB_DIR marker they all carry. Stdlib only, Python 3.8.
+The runner is the job's supervisor (run/supervisor.json, with itself as `torchrun_pid`),
+a subreaper like the job's: `stop` sends it SIGUSR1 first (SIGKILL without a subreaper),
+so no queued task starts after a stop began, then ends every task, found in the runner's
+tree (or by the ORCH_JOB_DIR marker they all carry). Stdlib only, Python 3.8.
 """
 from __future__ import annotations
 
@@ -68,6 +69,10 @@ class Runner:
             except OSError:
                 pass
 
+    def hold(self, signum: int, frame: Any) -> None:
+        """SIGUSR1, a stop's: nothing more starts; the stop signals the running tasks."""
+        self.queue.clear()
+
     def start(self, task: dict[str, Any]) -> None:
         i, slot = task["i"], self.free.pop()
         env = dict(self.env, ORCH_TASK=str(i), ORCH_TASK_ARGS=task["args"],
@@ -126,6 +131,7 @@ def runner(p: dict[str, Any], spec: dict[str, Any], wfd: int) -> None:
 
         def wait() -> int:
             signal.signal(signal.SIGTERM, run.stop_queue)
+            signal.signal(signal.SIGUSR1, run.hold)
             return run.loop()
         return os.getpid(), wait
     run_supervisor(p, spec, wfd, "array runner", "run/runner.log", start)

@@ -5,12 +5,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import time
 
 from orchestrator.agent import paths
 from orchestrator.agent.common import job_paths, read_json, write_atomic
+
+# (re-exported: the process primitives moved to pids.py, their callers still say procs.)
+from orchestrator.agent.pids import Exits as Exits
+from orchestrator.agent.pids import proc_start_time as proc_start_time
+from orchestrator.agent.pids import stat_fields as stat_fields
 from orchestrator.wire import timeouts
 
 MYPY = False
@@ -24,26 +28,6 @@ PART_MARKER = "ORCH_JOB_PART"  # and which host's part of it (hosts sharing one 
 STOP_FILE = "run/stop.json"   # when this host received a stop, by its own clock
 ENVIRON_READ = 32768          # most environments are a few KiB: one read holds them
 TREE_MAX = 65536              # processes a stop takes from the known tree (a fork bomb's cap)
-
-
-def stat_fields(pid: int | str) -> list[str] | None:
-    """/proc/<pid>/stat after the command name (which may hold spaces and parentheses):
-    [0] is field 3 (the state), [1] the parent, [2] the process group, [19] the start
-    time. None when the process is gone."""
-    try:
-        with open("/proc/%s/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def proc_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat: tells a live pid from a recycled one. None for a
-    zombie: a container's init may never reap our double-forked supervisor."""
-    fields = stat_fields(pid)
-    if fields is None or fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
 
 
 def child_of(pid: int, parent: int) -> bool:
@@ -187,9 +171,10 @@ def job_running(p: dict[str, Any]) -> bool:
 
     The marker scan reads every process's environment (on a fake cluster of N hosts on
     one machine, N agents each read all N hosts' processes: seconds of CPU at 128). It
-    is skipped when the last run ended by itself: torchrun ended after its ranks, no stop
-    came, and no recorded rank lives (the ranks' own records, run/rank-<r>.pid); and
-    when a stop of the last run ended verified (stopped_clean): the `up` after a stop."""
+    is skipped when the last run ended by itself: its supervisor, a subreaper, ended with
+    nothing of its tree left (reaped), and no recorded rank lives (the ranks' own
+    records, run/rank-<r>.pid); and when a stop of the last run ended verified
+    (stopped_clean): the `up` after a stop."""
     if supervisor_alive(p):
         return True
     alive = ranks_alive(p)
@@ -231,12 +216,14 @@ def recorded_pids(p: dict[str, Any], first: bool = False) -> list[int] | None:
 
 
 def ended_by_itself(p: dict[str, Any]) -> bool:
-    """Never launched here, or the last run's supervisor recorded torchrun's end
-    (host.exit) and no stop was received during it."""
+    """Never launched here, or the last run's supervisor ended with nothing of its tree
+    left (reaped). torchrun's end alone (host.exit) says nothing of a daemon a rank left
+    behind: an older agent's supervisor, or one killed before its tree was empty, is
+    followed by a scan; a stop may have come (its own record says what it verified)."""
     jd = p["jd"]
     if jd.lstat("run/launch.json") is None:   # (run/ itself is made by preflight's claim)
         return True
-    return jd.lstat("run/host.exit") is not None and jd.lstat(STOP_FILE) is None
+    return reaped(p)
 
 
 def launch_id(p: dict[str, Any]) -> list[int] | None:
@@ -401,106 +388,171 @@ def scan(job_dir: str, sup: dict[str, Any] | None) -> list[int]:
     return left
 
 
-class Exits:
-    """The watched processes' ends as pidfds (Linux 5.3, Python 3.9): a stop sleeps until
-    one of them ends, instead of reading each one's /proc/<pid>/stat 20 to 100 times a
-    second. With 300 hosts' agents stopping at once on one machine, those reads were
-    cores' worth of CPU, taken from the very processes being waited for. Without a
-    pidfd for every watched process it sleeps `poll` seconds, as before."""
-
-    def __init__(self) -> None:
-        self.fds = {}   # type: dict[int, int]
-        self.poller = getattr(select, "poll", lambda: None)()
-
-    def __enter__(self) -> Exits:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for pid in list(self.fds):
-            self.drop(pid)
-
-    def sleep(self, watch: dict[int, int | None], most: float, poll: float) -> None:
-        for pid in [p for p in self.fds if p not in watch]:   # ended: its fd reads ready
-            self.drop(pid)
-        for pid, ticks in watch.items():
-            if pid not in self.fds:
-                self.open(pid, ticks)
-        if self.poller is None or any(p not in self.fds for p in watch):
-            time.sleep(poll)
-            return
-        self.poller.poll(most * 1000)
-
-    def open(self, pid: int, ticks: int | None) -> None:
-        opener = getattr(os, "pidfd_open", None)
-        if opener is None or self.poller is None:
-            return
-        try:
-            fd = opener(pid)
-        except OSError:   # ended already, or no pidfd in this kernel
-            return
-        if proc_start_time(pid) != ticks:   # ended before the open: the pid is not its own
-            os.close(fd)
-            return
-        self.fds[pid] = fd
-        self.poller.register(fd, select.POLLIN)
-
-    def drop(self, pid: int) -> None:
-        fd = self.fds.pop(pid)
-        if self.poller is not None:
-            self.poller.unregister(fd)
-        os.close(fd)
-
-
 def stop(job_dir: str, grace: float) -> dict[str, Any]:
     """SIGTERM every process of the job, wait up to grace, SIGKILL the rest, verify.
     Runs in a thread of its own that the agent waits for: a stop runs to the end even
     if the controller (and so the connection) goes away.
 
-    The known tree (known_tree) is signalled at once: no scan of every process's
-    environment stands between the stop and its signals. One marker scan after the tree
-    has ended finds what left it (a child that called setsid and lost its parent, an
-    orphan of an earlier run) and verifies that nothing is left: one scan instead of two
-    in the usual stop. A process outside the tree gets its SIGTERM when that scan finds
-    it: after the tree ended, or at half the grace if the tree takes longer."""
+    A live supervisor that is a child subreaper (supervisor.become_subreaper) holds every
+    process of its run in its tree, whatever called setsid or lost its parent: the stop
+    signals that tree and waits for the supervisor's end, whose record says that nothing
+    was left (reaped): no process's environment is read (stop_subtree). Without one (it
+    was killed, an older agent started it, the kernel has no subreapers) the stop signals
+    the known tree and scans for the marker (stop_scanning). After a run whose supervisor
+    ended so, nothing of it can be left: there is nothing to stop."""
     p = job_paths(job_dir)
     sup = supervisor_alive(p)
     t0 = time.time()
     launch = launch_id(p)
-    tree = known_tree(p, sup)
-    torchrun: int | None = sup.get("torchrun_pid") if sup else None
-    if torchrun not in tree:   # (a child of the supervisor: its warm one has no marker)
-        torchrun = None
-    seen = list(tree)
-
-    def found(pids: list[int]) -> None:
-        if not seen:
-            mark_stop(p, t0)
-        seen.extend(pids)
-        signal_all(pids, signal.SIGTERM)
-    if tree:
-        mark_stop(p, t0)
-    # torchrun itself has nothing to save, and its own SIGTERM shutdown takes seconds;
-    # the ranks (the user's code) get SIGTERM from us directly and the full grace.
-    signal_all([torchrun] if torchrun is not None else [], signal.SIGKILL)
-    signal_all([x for x in tree if x != torchrun], signal.SIGTERM)
-    left = wait_gone(p["job"], sup, t0 + grace, tree, found, t0 + grace / 2)
-    killed = list(left)
-    if left:   # else wait_gone's last scan has just verified that nothing is left
-        signal_all(left, signal.SIGKILL)
-        left = wait_gone(p["job"], sup, time.time() + timeouts.STOP_VERIFY, left,
-                         lambda pids: signal_all(pids, signal.SIGKILL))
+    if sup is None and reaped(p) and recorded_pids(p) == []:
+        return {"found": 0, "killed": 0, "left": [], "seconds": round(time.time() - t0, 3)}
+    if sup is not None and sup.get("subreaper") is True:
+        seen, killed, left = stop_subtree(p, sup, t0, grace)
+    else:
+        seen, killed, left = stop_scanning(p, sup, t0, grace)
     if seen and not left:
         mark_verified(p, t0, launch)
     return {"found": len(seen), "killed": len(killed), "left": left,
             "seconds": round(time.time() - t0, 3)}
 
 
-def mark_stop(p: dict[str, Any], when: float) -> None:
+def stop_scanning(p: dict[str, Any], sup: dict[str, Any] | None, t0: float,
+                  grace: float) -> tuple[list[int], list[int], list[Any]]:
+    """The stop without a subreaper: the known tree (known_tree) is signalled at once, so
+    no scan of every process's environment stands between the stop and its signals; one
+    marker scan after the tree has ended finds what left it (a child that called setsid
+    and lost its parent, an orphan of an earlier run) and verifies that nothing is left.
+    A process outside the tree gets its SIGTERM when that scan finds it: after the tree
+    ended, or at half the grace if the tree takes longer. (seen, killed, left)"""
+    tree = known_tree(p, sup)
+    torchrun: int | None = sup.get("torchrun_pid") if sup else None
+    if torchrun not in tree:   # (a child of the supervisor: its warm one has no marker)
+        torchrun = None
+    if tree:
+        mark_stop(p, t0, grace)
+    # torchrun itself has nothing to save, and its own SIGTERM shutdown takes seconds;
+    # the ranks (the user's code) get SIGTERM from us directly and the full grace.
+    signal_all([torchrun] if torchrun is not None else [], signal.SIGKILL)
+    signal_all([x for x in tree if x != torchrun], signal.SIGTERM)
+    seen = list(tree)
+    killed, left = finish_scanning(p, sup, t0, t0 + grace, tree, seen)
+    return seen, killed, left
+
+
+def finish_scanning(p: dict[str, Any], sup: dict[str, Any] | None, t0: float, kill_at: float,
+                    known: list[int], seen: list[int]) -> tuple[list[int], list[Any]]:
+    """Wait for `known` to end, scan for what else carries the marker (SIGTERM to what it
+    finds), SIGKILL at kill_at what is left, verify. (killed, left)"""
+    def found(pids: list[int]) -> None:
+        if not seen:
+            mark_stop(p, t0, kill_at - t0)
+        seen.extend(pids)
+        signal_all(pids, signal.SIGTERM)
+    left = wait_gone(p["job"], sup, kill_at, known, found, t0 + (kill_at - t0) / 2)
+    killed = list(left)
+    if left:   # else wait_gone's last scan has just verified that nothing is left
+        signal_all(left, signal.SIGKILL)
+        left = wait_gone(p["job"], sup, time.time() + timeouts.STOP_VERIFY, left,
+                         lambda pids: signal_all(pids, signal.SIGKILL))
+    return killed, left
+
+
+def subtree(root: int) -> list[int]:
+    """root's descendants now, this user's and alive (a zombie has ended; another user's
+    process is not ours to signal, nor what it started): each one's children files. Under
+    a subreaper the whole of what root started, however far it went (setsid, a double
+    fork): an orphan's new parent is root, not init."""
+    out: list[int] = []
+    todo, seen = children(root), set()  # type: list[int], set[int]
+    while todo and len(seen) < TREE_MAX:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        if own(pid) and proc_start_time(pid) is not None:
+            out.append(pid)
+            todo.extend(children(pid))
+    return sorted(out)
+
+
+def reaped(p: dict[str, Any], sup: dict[str, Any] | None = None) -> bool:
+    """The run's supervisor, a subreaper, ended with nothing of its tree left: its last
+    word in run/host.exit (`reaped`, with its pid and start time, which must be the
+    supervisor record's: not an earlier run's file). Then no process of that run lives
+    anywhere, and none of the job can start before the next launch."""
+    rec = sup if sup is not None else read_json(p["jd"], "run/supervisor.json")
+    done = read_json(p["jd"], "run/host.exit")
+    return isinstance(rec, dict) and isinstance(done, dict) and done.get("reaped") is True \
+        and isinstance(rec.get("pid"), int) and done.get("pid") == rec["pid"] \
+        and done.get("start_ticks") == rec.get("start_ticks")
+
+
+def stop_subtree(p: dict[str, Any], sup: dict[str, Any], t0: float,
+                 grace: float) -> tuple[list[int], list[int], list[Any]]:
+    """The stop through a subreaper supervisor: its tree signalled (torchrun SIGKILLed,
+    the rest SIGTERMed, SIGKILL at the grace), then its end awaited: it reaps its tree
+    and ends once nothing is left, saying so (reaped). The supervisor itself is not
+    signalled (an array's runner, which is its own torchrun, gets SIGUSR1: no task
+    starts after; its tasks get SIGTERM from here, once). Should it end without that
+    word (killed meanwhile), or not end in time, the marker scan takes over from what
+    is known. (seen, killed, left)"""
+    root = sup["pid"]
+    tree = subtree(root)
+    mark_stop(p, t0, grace)
+    torchrun = sup.get("torchrun_pid")
+    signal_all([root] if torchrun == root else [], signal.SIGUSR1)
+    signal_all([torchrun] if torchrun in tree else [], signal.SIGKILL)
+    signal_all([x for x in tree if x != torchrun], signal.SIGTERM)
+    seen, killed = [root] + tree, []  # type: list[int], list[int]
+    if await_reaped(p, sup, t0 + grace, seen, killed):
+        return seen, killed, []
+    live = supervisor_alive(p)
+    known = [x for x in seen if proc_start_time(x) is not None]
+    more, left = finish_scanning(p, live, t0, max(t0 + grace, time.time()), known, seen)
+    return seen, sorted(set(killed) | set(more)), left
+
+
+def await_reaped(p: dict[str, Any], sup: dict[str, Any], kill_at: float, seen: list[int],
+                 killed: list[int]) -> bool:
+    """Wait, on pidfds, for the supervisor's end; True once it ended saying that nothing
+    was left. What the known part of its tree ended, its tree is looked at again for what
+    is new (a rank's child started in its SIGTERM handler): SIGTERM to it, or SIGKILL
+    past kill_at, when the whole tree gets SIGKILL; `seen` and `killed` grow."""
+    root, ticks = sup["pid"], sup.get("start_ticks")
+    watch = {x: proc_start_time(x) for x in seen}
+    sig, end = signal.SIGTERM, kill_at + timeouts.STOP_VERIFY
+    with Exits() as exits:
+        while proc_start_time(root) == ticks:
+            now = time.time()
+            if sig == signal.SIGTERM and now >= kill_at:
+                sig, end = signal.SIGKILL, now + timeouts.STOP_VERIFY
+                tree = subtree(root)
+                killed.extend(tree)
+                signal_all(tree, signal.SIGKILL)
+                watch.update((x, proc_start_time(x)) for x in tree)
+            elif now >= end:
+                return False
+            watch = {x: t for x, t in watch.items() if t is not None and proc_start_time(x) == t}
+            if set(watch) <= {root}:
+                fresh = [x for x in subtree(root) if x not in seen]
+                seen.extend(fresh)
+                killed.extend(fresh if sig == signal.SIGKILL else [])
+                signal_all(fresh, sig)
+                watch.update((x, proc_start_time(x)) for x in fresh)
+            watch[root] = ticks
+            due = kill_at if sig == signal.SIGTERM else end
+            exits.sleep(watch, max(0.0, due - time.time()), 0.05)
+    return reaped(p, sup)
+
+
+def mark_stop(p: dict[str, Any], when: float, grace: float | None = None) -> None:
     """Record the stop before any signal: a rank that exits after this moment was ended
-    by orch (or by torchrun reacting to it) and is never reported as the job's cause.
+    by orch (or by torchrun reacting to it) and is never reported as the job's cause;
+    its grace tells the supervisor when the stop's SIGKILL is due (supervisor.drain).
     A full disk must not keep the stop from happening."""
+    rec = {"time": when} if grace is None else {"time": when, "grace": grace}
     with contextlib.suppress(OSError):
-        write_atomic(p["jd"], STOP_FILE, json.dumps({"time": when}).encode(), 0o644)
+        write_atomic(p["jd"], STOP_FILE, json.dumps(rec).encode(), 0o644)
 
 
 def mark_verified(p: dict[str, Any], when: float, launch: list[int] | None) -> None:

@@ -1,7 +1,14 @@
 """A detached supervisor's life, for the job (launch.py, warm.py) and a job array's runner
 (array.py): double fork + setsid so that a dropped connection or the agent's end does not
 touch it, torchrun started without subprocess, the record and run/host.exit written
-whatever happens. Stdlib only, Python 3.8."""
+whatever happens. Stdlib only, Python 3.8.
+
+The supervisor is a child subreaper (Linux 3.4): whatever its run starts that loses its
+parent (a daemon, a setsid'd double fork) becomes its child, never init's, so its tree
+is the whole run and a stop needs no look at every process on the host (procs.stop).
+The job ends when torchrun ends (run/host.exit, as before); what a rank left behind then
+is stopped (SIGTERM, LEFTOVER_GRACE, SIGKILL) and reaped, and once nothing of the tree is
+left the supervisor says so in host.exit (`reaped`) and ends (drain)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +17,9 @@ import signal
 import sys
 import time
 
-from orchestrator.agent.common import AgentError, write_atomic
-from orchestrator.agent.procs import proc_start_time
+from orchestrator.agent.common import AgentError, read_json, write_atomic
+from orchestrator.agent.procs import STOP_FILE, proc_start_time, signal_all, subtree
+from orchestrator.wire import timeouts
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
@@ -28,18 +36,109 @@ def claim_fds(job: str) -> tuple[int, ...]:
     return tuple(fd for _, fd in getattr(gpus, "HELD", {}).get(job, ()))
 
 
+PR_SET_CHILD_SUBREAPER = 36   # prctl(2), Linux 3.4
+SUBREAPER = False   # this process (a supervisor) is one, and can see its tree
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper: an orphan of its tree is reparented to it.
+    True only when the kernel took it and each process's children can be listed
+    (/proc/<pid>/task/<tid>/children, CONFIG_PROC_CHILDREN): the tree is then the run.
+    Before anything of the run starts, so nothing can have left it already."""
+    global SUBREAPER
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        me = os.getpid()
+        SUBREAPER = libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0 and \
+            os.path.exists("/proc/%d/task/%d/children" % (me, me))
+    except (ImportError, OSError, AttributeError):   # not Linux, or no libc to ask
+        SUBREAPER = False
+    return SUBREAPER
+
+
 def detach(body: Callable[[], None]) -> None:
     """Double fork + setsid: body() runs in a grandchild, in a session of its own (a
-    dropped connection does not end it), and must not return; the middle child is reaped."""
+    dropped connection does not end it), a subreaper, and must not return; the middle
+    child is reaped."""
     child = os.fork()
     if child == 0:
         try:
             os.setsid()
             if os.fork() == 0:
+                become_subreaper()
                 body()
         finally:
             os._exit(0)
     os.waitpid(child, 0)
+
+
+def wait_for(pid: int) -> int:
+    """pid's exit code (-signal when killed), reaping every other child meanwhile: the
+    orphans a subreaper adopts must not stay zombies for the job's life."""
+    while True:
+        got, status = os.waitpid(-1, 0)   # (an interrupted wait is retried: PEP 475)
+        if got == pid:
+            return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def reap_ended() -> bool:
+    """Reap every child that has ended; True when no child is left at all."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if pid == 0:
+            return False
+
+
+def left_behind() -> list[int]:
+    """This user's live processes of the tree, what ended reaped; [] when the tree holds
+    none (another user's process, a rank's sudo, is not ours to end, as in a stop)."""
+    return [] if reap_ended() else subtree(os.getpid())
+
+
+def wait_empty(deadline: float) -> bool:
+    """Until nothing is left_behind (True) or the deadline. Sleeps on SIGCHLD (blocked,
+    so none is lost between a look and the sleep): the last of a tree to end is always
+    a child of ours, its children ended or adopted; a look each half second besides."""
+    while left_behind():
+        rest = deadline - time.time()
+        if rest <= 0:
+            return False
+        signal.sigtimedwait([signal.SIGCHLD], min(rest, 0.5))
+    return True
+
+
+def drain(jd: JobDir, began: float) -> bool:
+    """After torchrun's end: stop what the run left behind and reap it; True once nothing
+    is left. A stop received during this run (run/stop.json, from `began` on) signals the
+    tree itself, its ranks with its own grace: this only waits, and SIGKILLs past that
+    grace should the stopping agent be gone. Otherwise the ranks ended by themselves,
+    and what they left (a daemon, a server) gets SIGTERM, LEFTOVER_GRACE, SIGKILL."""
+    # torchrun is gone: a signal forwarded to its pid now could reach a recycled one; a
+    # stop does not signal the supervisor (an array runner's SIGUSR1 has nothing to hold)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+    left = left_behind()
+    if not left:
+        return True
+    stop = read_json(jd, STOP_FILE)
+    when = stop.get("time") if isinstance(stop, dict) else None
+    if isinstance(when, (int, float)) and when >= began:
+        grace = stop.get("grace")
+        kill_at = when + (grace if isinstance(grace, (int, float)) else timeouts.STOP_GRACE) \
+            + timeouts.STOP_VERIFY
+    else:
+        sys.stderr.write("orch: the ranks ended; stopping what they left: %s\n" % left)
+        signal_all(left, signal.SIGTERM)
+        kill_at = time.time() + timeouts.LEFTOVER_GRACE
+    if wait_empty(kill_at):
+        return True
+    signal_all(left_behind(), signal.SIGKILL)
+    return wait_empty(time.time() + timeouts.STOP_VERIFY)
 
 
 def start_detached(body: Callable[[dict[str, Any], dict[str, Any], int], None],
@@ -90,6 +189,7 @@ def run_supervisor(p: dict[str, Any], spec: dict[str, Any], wfd: int, what: str,
     how to wait for the exit code; the record goes to run/supervisor.json and wfd (the
     launch reply); run/host.exit is written whatever happened. Never returns."""
     jd = p["jd"]
+    began = time.time()
     detach_stdio(jd, log_rel)
     # the agent ignores SIGINT and SIGHUP; an ignored signal survives exec, and the
     # user's code must get the defaults
@@ -102,7 +202,8 @@ def run_supervisor(p: dict[str, Any], spec: dict[str, Any], wfd: int, what: str,
         worker_pid, wait = start()
         me = os.getpid()
         info = {"pid": me, "pgid": os.getpgid(0), "start_ticks": proc_start_time(me),
-                "torchrun_pid": worker_pid, "run_id": spec["run_id"], "started": time.time()}
+                "torchrun_pid": worker_pid, "run_id": spec["run_id"], "started": time.time(),
+                "subreaper": SUBREAPER}
         write_atomic(jd, "run/supervisor.json", json.dumps(info).encode())
         os.write(wfd, json.dumps(info).encode())
         os.close(wfd)
@@ -113,9 +214,17 @@ def run_supervisor(p: dict[str, Any], spec: dict[str, Any], wfd: int, what: str,
             os.write(wfd, json.dumps({"error": repr(e)}).encode())
         except OSError:
             pass
+    end = {"code": code, "time": time.time()}
+    if not (SUBREAPER and left_behind() == []):   # the job's end is said at once
+        write_end(jd, what, end)
+    if SUBREAPER and drain(jd, began):
+        me = os.getpid()
+        write_end(jd, what, dict(end, reaped=True, pid=me, start_ticks=proc_start_time(me)))
+    os._exit(0)
+
+
+def write_end(jd: JobDir, what: str, end: dict[str, Any]) -> None:
     try:
-        write_atomic(jd, "run/host.exit", json.dumps({"code": code, "time": time.time()}).encode(),
-                     0o644)
+        write_atomic(jd, "run/host.exit", json.dumps(end).encode(), 0o644)
     except OSError as e:
         sys.stderr.write("orch %s: cannot write host.exit: %s\n" % (what, e))
-    os._exit(0)

@@ -24,7 +24,6 @@ from orchestrator.agent import supervisor
 from orchestrator.agent.common import AgentError, job_paths
 from orchestrator.agent.paths import write_all
 from orchestrator.agent.procs import MARKER
-from orchestrator.agent.rankexec import wait_code
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
@@ -199,7 +198,7 @@ def waiting(p: dict[str, Any], python: str, env: dict[str, str], go_r: int, rec_
         def wait() -> int:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, lambda s, f: os.kill(torchrun, s))
-            return wait_code(torchrun)
+            return supervisor.wait_for(torchrun)
         return torchrun, wait
     supervisor.run_supervisor(p, spec, rec_w, "supervisor", "run/torchrun.log", begin)
 
