@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from orchestrator.api.outcomes import StopResult
 from orchestrator.commands.stop import summary
 from orchestrator.session.stopper import StopReport
@@ -56,3 +58,22 @@ def test_pull_says_whose_host_it_is() -> None:
     assert whose(b, 2) == "rank 2's host" and whose(a, None) == "rank 0's host"
     assert whose(b, None) == "ranks 2-3"
     assert run_start(None, a) is None
+
+
+def test_a_stop_late_past_the_shared_bound_is_named_with_the_bound() -> None:
+    """Every host's stop reply is awaited against one deadline: the last host's wait is
+    what is left of it, and its error names the whole bound, not that remainder."""
+    import time
+    from types import SimpleNamespace
+
+    from orchestrator.errors import HostError
+    from orchestrator.remote.link import Link, Pending
+    from orchestrator.session.stopper import answer
+
+    link = SimpleNamespace(name="h1")
+    link.wait = lambda p, timeout, bound=None: Link.wait(link, p, timeout, bound)  # type: ignore[arg-type]
+    with pytest.raises(HostError, match=r"^h1: no answer to `stop` within 12 s$"):
+        answer(link, Pending("stop"), time.monotonic() + 0.05, 12.0)  # type: ignore[arg-type]
+    done = Pending("stop", body={"found": 0})
+    done.done.set()
+    assert answer(link, done, time.monotonic() - 1, 12.0) == {"found": 0}  # type: ignore[arg-type]

@@ -471,9 +471,12 @@ class Link:
                 self.streams[id] = stream
         return id, p
 
-    def wait(self, p: Pending, timeout: float | None) -> Body:
+    def wait(self, p: Pending, timeout: float | None, bound: float | None = None) -> Body:
+        """The reply; HostError when none came within `timeout`, said as `bound` seconds
+        where the wait is what was left of a bound shared with other hosts."""
         if not p.done.wait(timeout):
-            raise HostError(f"{self.name}: no answer to `{p.command}` within {timeout:g} s",
+            said = bound if bound is not None else timeout
+            raise HostError(f"{self.name}: no answer to `{p.command}` within {said:g} s",
                             hint="check that the host is still reachable")
         if p.error is not None:
             raise p.error

@@ -5,7 +5,6 @@ import time
 from dataclasses import dataclass
 
 from orchestrator.config.inventory import Cluster
-from orchestrator.errors import HostError
 from orchestrator.remote.fanout import GroupResult
 from orchestrator.remote.link import Body, Link, Pending
 from orchestrator.wire import timeouts
@@ -36,10 +35,7 @@ def report(r: Body) -> StopReport:
 
 def answer(link: Link, pending: Pending, deadline: float, bound: float) -> Body:
     """The stop's reply by the deadline they all share; a late one is named with the bound."""
-    if not pending.done.wait(max(0.0, deadline - time.monotonic())):
-        raise HostError(f"{link.name}: no answer to `stop` within {bound:g} s",
-                        hint="check that the host is still reachable")
-    return link.wait(pending, 0)
+    return link.wait(pending, max(0.0, deadline - time.monotonic()), bound)
 
 
 def stop_all(cluster: Cluster, links: dict[int, Link], dirs: dict[int, str],
