@@ -72,7 +72,7 @@ def test_a_stop_late_past_the_shared_bound_is_named_with_the_bound() -> None:
 
     link = SimpleNamespace(name="h1")
     link.wait = lambda p, timeout, bound=None: Link.wait(link, p, timeout, bound)  # type: ignore[arg-type]
-    with pytest.raises(HostError, match=r"^h1: no answer to `stop` within 12 s$"):
+    with pytest.raises(HostError, match=r"^h1: no answer to `stop` within 12 s\n"):
         answer(link, Pending("stop"), time.monotonic() + 0.05, 12.0)  # type: ignore[arg-type]
     done = Pending("stop", body={"found": 0})
     done.done.set()
