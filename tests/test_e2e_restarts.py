@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ if mode == "fail-first" and rank == 1 and attempt == 0:
     sys.exit(3)
 if mode == "always-1" and rank == 1:
     sys.exit(4)
-if mode == "sleep-first" and attempt == 0:
+if mode == "sleep-first-two" and attempt < 2:
     time.sleep(300)
 if mode == "sleep":
     time.sleep(300)
@@ -130,10 +131,15 @@ def kill_host(cluster: SshdCluster, index: int, name: str) -> None:
     wait_until(lambda: not any(pid_alive(p) for p in doomed), 10, "the host's processes end")
 
 
-def test_a_lost_host_is_replaced_by_the_spare_which_takes_its_ranks(
+def test_a_lost_host_is_replaced_by_the_spare_then_min_hosts_goes_on_with_fewer(
         cluster3: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
-    inv = inventory(cluster3, tmp_path, "spare", "sleep-first", spare=True, job={"restarts": 1})
+    """One run, two lost hosts. Host 1 dies: the spare (host 2), made ready beside the
+    first attempt, takes its ranks. Then the spare dies too: no spare is left, and
+    `job.min_hosts: 1` lets the run go on with host 0 alone (world size 1), to its end."""
+    inv = inventory(cluster3, tmp_path, "spare", "sleep-first-two", spare=True,
+                    job={"restarts": 2, "min_hosts": 1})
     jobs.add(inv, cluster3.hosts, "spare")
+    a, b, c = (h.address for h in cluster3.hosts)
     run = jobs.start(tmp_path, "up", str(inv), "--no-pull")
     run.wait_for(r"rank 1 attempt 0", timeout=120)
     spare_code = cluster3.hosts[2].remote_dir / "spare" / "code" / "job.py"
@@ -142,36 +148,20 @@ def test_a_lost_host_is_replaced_by_the_spare_which_takes_its_ranks(
     assert spare_code.exists() and not (spare_code.parent.parent / "logs" / "rank-1.log").exists()
     t0 = time.monotonic()
     kill_host(cluster3, 1, "spare")
-    code = run.finish(180)
-    text = run.text()
-    assert code == 0, text
-    b, c = cluster3.hosts[1].address, cluster3.hosts[2].address
-    assert f"hosts: {cluster3.hosts[0].address}, {c}" in text
+    run.wait_for(rf"\[r1 {re.escape(c)}\] rank 1 attempt 1 world 2", timeout=180)
+    print(f"\nfrom the host's death to the spare's rank 1: {time.monotonic() - t0:.1f} s")
     log = cluster3.hosts[2].remote_dir / "spare" / "logs" / "rank-1.log"
     assert "rank 1 attempt 1 world 2" in log.read_text()
-    print(f"\nfrom the host's death to the restarted job's end: {time.monotonic() - t0:.1f} s")
-    assert_nothing_left([cluster3.hosts[0], cluster3.hosts[2]], "spare")
-    assert b   # the dead host's sshd stays down: the module's cluster is stopped at its end
-
-
-def test_with_no_spare_min_hosts_lets_the_run_go_on_with_fewer_hosts(
-        cluster3: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
-    """Runs after the spare test: host 1 (index 1) is dead; hosts 0 and 2 remain."""
-    entries_hosts = [cluster3.hosts[0], cluster3.hosts[2]]
-    write_job(tmp_path, JOB)
-    entries = [{"address": h.address, "procs": 1, "remote_dir": str(h.remote_dir)}
-               for h in entries_hosts]
-    inv = cluster3.write_inventory(tmp_path / "shrink.yaml", hosts=[], extra_hosts=entries,
-                                   name="shrink", top={"job": {
-                                       "entrypoint": "job.py", "args": ["sleep-first"],
-                                       "restarts": 1, "min_hosts": 1}})
-    jobs.add(inv, entries_hosts, "shrink")
-    run = jobs.start(tmp_path, "up", str(inv), "--no-pull")
-    run.wait_for(r"rank 1 attempt 0", timeout=120)
-    # host 2 dies the way host 1 did (its sshd too: the next preflight cannot reach it)
-    kill_host(cluster3, 2, "shrink")
+    # the spare dies the way host 1 did (its sshd too: the next preflight cannot reach it)
+    kill_host(cluster3, 2, "spare")
     code = run.finish(180)
     text = run.text()
     assert code == 0, text
-    assert f"hosts: {cluster3.hosts[0].address}" in text
-    assert "rank 0 attempt 1 world 1" in text
+    shown = [ln.split("; no checkpoint")[0] for ln in run.err if ln.startswith("restart ")]
+    a, b, c = (re.escape(h) for h in (a, b, c))
+    assert len(shown) == 2, text
+    assert re.fullmatch(rf"restart 1 of 2 in 2 s after: host {b} .*; hosts: {a}, {c}", shown[0])
+    assert re.fullmatch(rf"restart 2 of 2 in 4 s after: host {c} .*; hosts: {a}", shown[1])
+    assert "rank 0 attempt 2 world 1" in text
+    assert_nothing_left([cluster3.hosts[0]], "spare")
+    # the dead hosts' sshds stay down: the module's cluster is stopped at its end
