@@ -164,6 +164,14 @@ def remote_files(host: FakeHost, name: str) -> set[str]:
             if p.is_file() and not p.name.startswith(".orch")}
 
 
+def up_counting_sessions(hosts: Sequence[FakeHost], cwd: Path,
+                         inv: Path) -> tuple[subprocess.CompletedProcess, dict[str, int]]:
+    """`orch up` and the SSH sessions it opened on each host."""
+    done: list[subprocess.CompletedProcess] = []
+    sessions = sessions_of(hosts, lambda: done.append(orch(cwd, "up", str(inv))))
+    return done[0], sessions
+
+
 @pytest.mark.ssh
 def test_second_up_sends_only_changed_files(sshd_cluster: SshdCluster, tmp_path: Path,
                                             jobs: Jobs) -> None:
@@ -174,8 +182,9 @@ def test_second_up_sends_only_changed_files(sshd_cluster: SshdCluster, tmp_path:
         code_paths=["pkg"], top={"code": {"paths": ["pkg"], "exclude": ["*.pyc", "__pycache__"]}})
     jobs.add(inv, hosts, name)
     kept = {"pkg/main.py", "pkg/a.py", "pkg/b.py", "pkg/notes.txt", "pkg/sub/c.py", "pkg/sub/d.txt"}
-    first = orch(tmp_path, "up", str(inv))
+    first, sessions = up_counting_sessions(hosts, tmp_path, inv)
     assert first.returncode == 0, first.stderr
+    assert sessions == {hosts[0].address: 1}, "a first up: one SSH session on its host"
     report = json.loads((tmp_path / ".orch" / name / "last_sync.json").read_text())
     assert set(report) == {h.address for h in hosts}
     for h in hosts:
@@ -184,8 +193,11 @@ def test_second_up_sends_only_changed_files(sshd_cluster: SshdCluster, tmp_path:
 
     (tmp_path / "pkg/b.py").write_text("B = 2  # changed\n")
     (tmp_path / "pkg/sub/d.txt").unlink()
-    second = orch(tmp_path, "up", str(inv))
+    second, sessions = up_counting_sessions(hosts, tmp_path, inv)
     assert second.returncode == 0, second.stderr
+    # the repeat up of test_one_session_per_host_per_command, with a file to send and one
+    # to delete: still one session (preflight, sync, launch, follow)
+    assert sessions == {hosts[0].address: 1}, "a repeat up: one SSH session on its host"
     report = json.loads((tmp_path / ".orch" / name / "last_sync.json").read_text())
     for h in hosts:
         code = report[h.address]["code"]
@@ -346,10 +358,11 @@ def test_broken_inventory_through_cli(stem: str, tmp_path: Path) -> None:
 @pytest.mark.ssh
 def test_one_session_per_host_per_command(sshd_cluster: SshdCluster, tmp_path: Path,
                                           jobs: Jobs) -> None:
-    """orch up (preflight, sync, launch, follow) = 1 session per host, a repeat up = 1,
-    stop, status, logs and exec = 1 each (up with setup: test_e2e_setupexec.py). Two
-    hosts: each command's one session is per host, and `logs --rank 1` touches only
-    rank 1's host (a third host was a torchrun more for each up, proving nothing more)."""
+    """orch up (preflight, sync, launch, follow) = 1 session per host, stop, status, logs
+    and exec = 1 each (a repeat up: test_second_up_sends_only_changed_files, whose second
+    up is one; up with setup: test_e2e_setupexec.py). Two hosts: each command's one
+    session is per host, and `logs --rank 1` touches only rank 1's host (a third host was
+    a torchrun more for each up, proving nothing more; a repeat up here, two more)."""
     hosts, name = sshd_cluster.hosts[:2], "e2e-sessions"
     write_job(tmp_path, QUICK_JOB)
     inv = sshd_cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, name=name)
@@ -365,7 +378,6 @@ def test_one_session_per_host_per_command(sshd_cluster: SshdCluster, tmp_path: P
     assert sessions_of(hosts, lambda: subprocess.run(
         [*ssh_cmd(sshd_cluster), hosts[0].address, "true"], check=True, timeout=30)) == {
         h.address: int(i == 0) for i, h in enumerate(hosts)}
-    assert sessions_of(hosts, ok("up", str(inv))) == ones
     assert sessions_of(hosts, ok("up", str(inv))) == ones
     assert sessions_of(hosts, ok("status", "-c", str(inv))) == ones
     assert sessions_of(hosts, ok("logs", "-c", str(inv))) == ones
