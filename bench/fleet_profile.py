@@ -8,6 +8,7 @@ and name, numbers dropped). Prints per command: the process's CPU, the threads b
 and the functions with the most cumulative and own time.
 
     .venv/bin/python bench/fleet_profile.py --hosts 300 [--top 25] [--trees OLD .]
+        [--hold 30 [--keepalive-hosts 1000]]   (an idle session's wake-ups by thread kind)
     .venv/bin/python bench/fleet_profile.py one VERB INVENTORY   (what each command runs)
 """
 from __future__ import annotations
@@ -45,13 +46,15 @@ from scale import SLEEPER, wait_started
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def thread_cost() -> tuple[float, float, int, int]:
-    """This thread's (user s, system s, voluntary, involuntary context switches)."""
+def thread_cost() -> tuple[float, float, float, int, int]:
+    """This thread's (CPU s, user s, system s, voluntary, involuntary context switches).
+    The CPU is the kernel's exact count (CLOCK_THREAD_CPUTIME_ID); user and system are in
+    clock ticks (10 ms), so a short thread's show 0 and only their sums over many mean much."""
     stat = Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()
     status = Path("/proc/thread-self/status").read_text()
     vol = int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
     inv = int(re.search(r"^nonvoluntary_ctxt_switches:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
-    return int(stat[11]) / TICK, int(stat[12]) / TICK, vol, inv
+    return time.thread_time(), int(stat[11]) / TICK, int(stat[12]) / TICK, vol, inv
 
 
 def kind_of(t: threading.Thread) -> str:
@@ -61,7 +64,7 @@ def kind_of(t: threading.Thread) -> str:
 def one(verb: str, inventory: str, top: int) -> None:
     """Run one orch command in this process with every thread profiled; print the figures."""
     profiles: list[cProfile.Profile] = []
-    kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0, 0])
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0, 0])
     lock = threading.Lock()
     inner = threading.Thread._bootstrap_inner   # type: ignore[attr-defined]
 
@@ -108,9 +111,10 @@ def one(verb: str, inventory: str, top: int) -> None:
     print(f"### {verb}: exit {code}, {wall:.2f} s, cpu {r.ru_utime:.2f} user + "
           f"{r.ru_stime:.2f} sys, rss {r.ru_maxrss / 1024:.0f} MiB, "
           f"wake-ups {r.ru_nvcsw} voluntary + {r.ru_nivcsw} involuntary")
-    print("threads by kind: count, user s, sys s, voluntary, involuntary switches")
-    for name, k in sorted(kinds.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
-        print(f"  {name:50s} {k[0]:5d} {k[1]:7.2f} {k[2]:7.2f} {k[3]:9d} {k[4]:8d}")
+    print("threads by kind: count, CPU s (exact), user s, sys s (in ticks), voluntary, "
+          "involuntary switches")
+    for name, k in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {name:50s} {k[0]:5d} {k[1]:7.3f} {k[2]:7.2f} {k[3]:7.2f} {k[4]:9d} {k[5]:8d}")
     out = io.StringIO()
     pstats.Stats(main, stream=out).sort_stats("tottime").print_stats(top)
     print("main thread alone:" + out.getvalue().split("   ncalls", 1)[-1].join(["\n   ncalls", ""]))
@@ -127,6 +131,55 @@ def one(verb: str, inventory: str, top: int) -> None:
     os._exit(0)
 
 
+def _threads() -> dict[str, list[int]]:
+    """Each live thread kind's [count, voluntary context switches so far]."""
+    kinds: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for t in threading.enumerate():
+        try:
+            status = Path(f"/proc/self/task/{t.native_id}/status").read_text()
+        except OSError:   # ended meanwhile
+            continue
+        vol = re.search(r"^voluntary_ctxt_switches:\s+(\d+)", status, re.M)
+        k = kinds["fan-out" if isinstance(t, threading._DummyThread)   # type: ignore[attr-defined]
+                  else kind_of(t)]
+        k[0] += 1
+        k[1] += int(vol.group(1)) if vol else 0
+    return kinds
+
+
+def hold(inventory: str, seconds: float) -> None:
+    """An open session left idle for `seconds`: what each thread kind costs while nothing
+    happens (the transports' keepalive wakes; the link readers wait on their channels).
+    FLEET_KEEPALIVE_HOSTS=N: each connection's keepalive period as with N hosts."""
+    from orchestrator.config.inventory import load
+    from orchestrator.session.session import Session
+    from orchestrator.wire import timeouts
+    as_hosts = int(os.environ.get("FLEET_KEEPALIVE_HOSTS") or 0)
+    if as_hosts and hasattr(timeouts, "keepalive"):
+        period = timeouts.keepalive(as_hosts)
+        timeouts.keepalive = lambda hosts: period   # type: ignore[attr-defined]
+    cluster = load(inventory)
+    session = Session(cluster).open()
+    try:
+        time.sleep(3)   # the logins' last packets
+        before, r0 = _threads(), resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(seconds)
+        after, r1 = _threads(), resource.getrusage(resource.RUSAGE_SELF)
+    finally:
+        session.close()
+    hosts = len(session.links)
+    print(f"### hold {seconds:g} s, {hosts} hosts open (keepalive as with "
+          f"{as_hosts or len(cluster.hosts)}): cpu {r1.ru_utime - r0.ru_utime:.3f} user + "
+          f"{r1.ru_stime - r0.ru_stime:.3f} sys, wake-ups {r1.ru_nvcsw - r0.ru_nvcsw} "
+          f"voluntary + {r1.ru_nivcsw - r0.ru_nivcsw} involuntary")
+    print("threads by kind: count, voluntary switches in the hold, per thread a second")
+    for name, (count, vol) in sorted(after.items(), key=lambda kv: -kv[1][1]):
+        woke = vol - before.get(name, [0, 0])[1]
+        print(f"  {name:50s} {count:5d} {woke:9d} {woke / max(1, count) / seconds:8.3f}")
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hosts", type=int, default=300)
@@ -139,8 +192,15 @@ def main() -> None:
                     help="no profiler: each `orch` command's CPU, RSS, threads, fds (wait4)")
     ap.add_argument("--switch", nargs="+", default=[""], metavar="S",
                     help="sys.setswitchinterval values to compare ('': what `orch` sets)")
+    ap.add_argument("--hold", type=float, default=0, metavar="S",
+                    help="also hold an idle session open for S seconds: each thread kind's "
+                         "wake-ups (after `up`, before `status`)")
+    ap.add_argument("--keepalive-hosts", type=int, default=0, metavar="N",
+                    help="in --hold: each connection's keepalive period as with N hosts")
     if sys.argv[1:2] == ["one"]:
         one(sys.argv[2], sys.argv[3], int(os.environ.get("FLEET_TOP", "25")))
+    if sys.argv[1:2] == ["hold"]:
+        hold(sys.argv[3], float(sys.argv[2]))
     args = ap.parse_args()
     compile_orch()
     with bed_cluster(args.hosts, [args.shell], wide=True) as beds:
@@ -169,6 +229,11 @@ def main() -> None:
                                cwd=inv.parent, check=False)
                 if verb == "up" and not wait_started(bed, timeout=300):
                     print("not every rank started")
+                if verb == "up" and args.hold:
+                    print(f"load {' '.join(f'{v:.1f}' for v in os.getloadavg())}", flush=True)
+                    subprocess.run([str(VENV_PY), __file__, "hold", str(args.hold), str(inv)],
+                                   env=dict(env, FLEET_KEEPALIVE_HOSTS=str(args.keepalive_hosts)),
+                                   cwd=inv.parent, check=False)
             kill_pids(bed.left_over())
 
 
