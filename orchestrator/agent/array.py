@@ -57,6 +57,7 @@ class Runner:
         self.free = list(range(spec["slots"]))[::-1]
         self.running: dict[int, Any] = {}          # pid -> (task index, slot)
         self.failed = 0
+        self.held = False   # a stop came (hold)
         self.env = dict(os.environ)
         self.env.update(spec["env"])
 
@@ -70,8 +71,11 @@ class Runner:
                 pass
 
     def hold(self, signum: int, frame: Any) -> None:
-        """SIGUSR1, a stop's: nothing more starts; the stop signals the running tasks."""
+        """SIGUSR1, a stop's: nothing more starts; the stop signals the running tasks, and
+        their ends are not recorded: a task a stop ended reads `stopped`, as it did when
+        the stop killed the runner first."""
         self.queue.clear()
+        self.held = True
 
     def start(self, task: dict[str, Any]) -> None:
         i, slot = task["i"], self.free.pop()
@@ -108,6 +112,8 @@ class Runner:
         if pid not in self.running:
             return
         i, slot = self.running.pop(pid)
+        if self.held:
+            return
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         self.failed += code != 0
         self.free.append(slot)
