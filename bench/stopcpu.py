@@ -30,9 +30,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator.agent import procs, supervisor  # noqa: E402
-from orchestrator.agent.common import job_paths, write_atomic  # noqa: E402
-from orchestrator.agent.launch import job_folders  # noqa: E402
+from orchestrator.agent import procs, supervisor
+from orchestrator.agent.common import job_paths, write_atomic
+from orchestrator.agent.launch import job_folders
 
 
 def idle(n: int) -> list[int]:
@@ -42,7 +42,7 @@ def idle(n: int) -> list[int]:
 
 def launch(root: Path, i: int, ranks: int) -> dict[str, Any]:
     """A real supervisor whose torchrun runs `ranks` sleeps and leaves a daemon."""
-    job = root / ("job%d" % i)
+    job = root / f"job{i}"
     (job / "run").mkdir(parents=True)
     p = job_paths(str(job))
     job_folders(p["jd"])
@@ -61,6 +61,11 @@ def launch(root: Path, i: int, ranks: int) -> dict[str, Any]:
     while len(procs.subtree(sup["pid"])) < ranks + 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     return p
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
 
 
 def cpu() -> float:
@@ -88,23 +93,23 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="orch-stopcpu-") as tmp:
             results: dict[str, list[tuple[float, float]]] = {"scan": [], "subtree": []}
-            print("load average before: %s" % open("/proc/loadavg").read().split()[:3])
+            print(f"load average before: {loadavg()}")
             for i in range(args.stops):
                 for mode in results:
                     p = launch(Path(tmp) / mode, i, args.ranks)
                     c, w, report = one_stop(p, mode)
                     if report["left"] or report["found"] < args.ranks + 3:
-                        raise SystemExit("%s stop %d: %r" % (mode, i, report))
+                        raise SystemExit(f"{mode} stop {i}: {report!r}")
                     results[mode].append((c, w))
             procs_now = sum(1 for n in os.listdir("/proc") if n.isdigit())
-            print("processes on the machine: %d (%d idle added); %d stops per mode"
-                  % (procs_now, args.extra, args.stops))
+            print(f"processes on the machine: {procs_now} ({args.extra} idle added); "
+                  f"{args.stops} stops per mode")
             for mode, got in results.items():
                 cpus, walls = [c * 1000 for c, _ in got], [w * 1000 for _, w in got]
-                print("%-8s CPU per stop: median %.1f ms (min %.1f, max %.1f); wall median %.0f ms"
-                      % (mode, statistics.median(cpus), min(cpus), max(cpus),
-                         statistics.median(walls)))
-            print("load average after: %s" % open("/proc/loadavg").read().split()[:3])
+                print(f"{mode:<8} CPU per stop: median {statistics.median(cpus):.1f} ms "
+                      f"(min {min(cpus):.1f}, max {max(cpus):.1f}); "
+                      f"wall median {statistics.median(walls):.0f} ms")
+            print(f"load average after: {loadavg()}")
     finally:
         for pid in extra:
             os.kill(pid, signal.SIGKILL)
