@@ -1,5 +1,5 @@
-"""Recovery: a real training run (worker.train, torch over gloo) on 4 hosts in network
-namespaces with real sshd, `job.restarts: 2` and one spare, faulted mid-epoch; against
+"""Recovery: a real training run (worker.train, torch over gloo) on 4 hosts (--hosts) in
+network namespaces with real sshd, `job.restarts: 2` and one spare, faulted mid-epoch; against
 an unfaulted run of the same seed and epochs, and against pdsh + torchrun, which loses
 the run.
 
@@ -35,11 +35,13 @@ injected the same way; the figure is how the run ends (failed, or still hung at 
 and that nothing restarts it: the run is lost until someone types a command.
 
     flock /tmp/orch-sshd.lock .venv/bin/python bench/recovery.py
-        [--faults cut kill stop] [--epochs 5] [--no-baseline] [--cap 120] [--quick]
+        [--faults cut kill stop] [--epochs 5] [--no-baseline] [--cap 120] [--hosts 4] [--quick]
 
---quick: the `kill` fault only, 3 epochs, one unfaulted run, no baseline (the smoke
-test's run), on half the training data (epochs of 125 steps, about 2 s each when the
-machine is idle: the demo data, its push and the training cost half). The fault also
+--hosts N: the job's hosts (default 4; the spare is one more). --quick: the `kill` fault
+only, 3 epochs, one unfaulted run, no baseline (the smoke test's run), on 2 hosts + the
+spare and a quarter of the training data (epochs of 125 steps, about 2 s each when the
+machine is idle; half the torch starts of 4 hosts: a lost host's restart on the spare
+needs one host that stays, not three). The fault also
 waits for the copy kept off host 0 to hold the checkpoint of the epoch before
 (`.orch/<name>/checkpoints/`, renamed into place only when whole), rather than trusting
 half an epoch to be longer than the keeper's round and settle time (1.5 s): the run
@@ -86,13 +88,14 @@ from sshd_cluster import pid_alive
 FAULTS = ("cut", "kill", "crash", "stop")
 LOST_HOST = 0                # cut, kill: rank 0's host, where the checkpoint was written
 FAULTED_RANK = 1             # crash, stop: a rank other than 0, its host stays
-SPARE = 4                    # the spare's index in the bench's hosts: rank 0 after a loss
+HOSTS = 4                    # the job's hosts; the spare is the next: rank 0 after a loss
+QUICK_HOSTS = 2              # --quick: host 0 lost, host 1 stays, the spare takes rank 0
 HANG_TIMEOUT = 15            # job.hang_timeout for the `stop` fault, seconds
 TARGET_FIRST_STEP = 30.0     # host loss -> first step of the restarted run, seconds
 TARGET_REDONE = 1.0          # work lost: at most one checkpoint interval (epochs)
 TARGET_ACC_POINTS = 1.0      # final accuracy within this many points of the unfaulted run
 TRAIN_PER_CLASS = 2000       # demo data: 4 classes; 2000 training images each: 250 steps
-QUICK_PER_CLASS = 1000       # --quick: 125 steps an epoch, still longer than the keeper's lag
+QUICK_PER_CLASS = 500        # --quick, 2 ranks: 125 steps an epoch, longer than the keeper's lag
 BATCH = 8                    # of 8 per rank and epoch, an epoch of seconds here
 VAL_PER_CLASS = 250          # 1000 validation images: an image is 0.1 point of accuracy
 
@@ -298,6 +301,7 @@ class Bed:
     per_class: int = TRAIN_PER_CLASS
     logs: Path | None = None         # each run's lines go to recovery-<run>.log there
     wait_kept: bool = False          # a host fault also waits for the checkpoint kept off it
+    n_hosts: int = HOSTS             # the job's hosts; the spare, when there is one, is next
     sshds: list[int] = field(default_factory=list)
 
     def keep_log(self, name: str, run: Reader) -> None:
@@ -372,8 +376,8 @@ def metrics_of(net: BenchHosts, name: str, host: int = 0) -> str:
 def reference(bed: Bed, k: int) -> dict[str, Any]:
     """The unfaulted run (the k-th): the same job, seed and epochs."""
     name = f"rec-ref{k}"
-    with hosts(bed, f"ref{k}", 4) as net:
-        inv = bed.inventory(net, name, 4, spare=False)
+    with hosts(bed, f"ref{k}", bed.n_hosts) as net:
+        inv = bed.inventory(net, name, bed.n_hosts, spare=False)
         t0 = time.monotonic()
         run = orch_up(net, inv)
         code = run.finish(900)
@@ -428,8 +432,8 @@ def faulted(bed: Bed, fault: str) -> dict[str, Any]:
     job: dict[str, Any] = {"restarts": 2}
     if fault == "stop":
         job["hang_timeout"] = HANG_TIMEOUT
-    with hosts(bed, fault, 5) as net:
-        inv = bed.inventory(net, name, 4, spare=True, job=job)
+    with hosts(bed, fault, bed.n_hosts + 1) as net:
+        inv = bed.inventory(net, name, bed.n_hosts, spare=True, job=job)
         run = orch_up(net, inv)
         ready: Callable[[str], bool] = mid_epoch
         if bed.wait_kept and fault in ("cut", "kill"):
@@ -448,7 +452,7 @@ def faulted(bed: Bed, fault: str) -> dict[str, Any]:
             kill_pids_sig(rank_pids(net, FAULTED_RANK, FAULTED_RANK), signal.SIGCONT)
         tl = timeline(run.lines, t_fault)
         try:
-            csv = metrics_of(net, name, SPARE if fault in ("cut", "kill") else 0)
+            csv = metrics_of(net, name, bed.n_hosts if fault in ("cut", "kill") else 0)
             accs = column(csv, "val_acc")
         except (OSError, ValueError, IndexError):
             csv, accs = "", [float("nan")]
@@ -471,7 +475,8 @@ def faulted(bed: Bed, fault: str) -> dict[str, Any]:
 
 def baseline(bed: Bed, cap: float) -> dict[str, Any]:
     """pdsh + torchrun, the same job and the `kill` fault: how the run ends."""
-    with hosts(bed, "base", 4) as net:
+    n = bed.n_hosts
+    with hosts(bed, "base", n) as net:
         d = bed.work / "base"
         if not (d / "worker").exists():
             shutil.copytree(REPO / "worker", d / "worker",
@@ -480,10 +485,10 @@ def baseline(bed: Bed, cap: float) -> dict[str, Any]:
         # the node rank from the address: 10.251.<i>.2 is host i
         remote = (f"h=%h; t=${{h%.*}}; R=${{t##*.}}; cd {d} && OMP_NUM_THREADS=1 "
                   f"GLOO_SOCKET_IFNAME={net.ifname} {VENV_PY} -m torch.distributed.run "
-                  f"--nnodes 4 --node-rank $R --nproc-per-node 1 --master-addr {master} "
+                  f"--nnodes {n} --node-rank $R --nproc-per-node 1 --master-addr {master} "
                   f"--master-port 29500 -m worker.train --data-dir {bed.shards} "
                   f"--output-dir {d}/out$R " + " ".join(bed.job_args()))
-        argv = ["pdsh", "-S", "-R", "ssh", "-f", "4", "-l", "root",
+        argv = ["pdsh", "-S", "-R", "ssh", "-f", str(n), "-l", "root",
                 "-w", ",".join(h.address for h in net.hosts), remote]
         env = dict(orch_env(), PDSH_SSH_ARGS_APPEND=(
             f"-i {net.client_key} -o UserKnownHostsFile={net.known_hosts} "
@@ -520,12 +525,12 @@ def baseline(bed: Bed, cap: float) -> dict[str, Any]:
 # ---------------------------------------------------------------- main
 
 def make_data(bed: Bed, net_for_split: Path) -> None:
-    """Demo data (4 classes, small) and its shards for 4 ranks, packed at 32 px."""
+    """Demo data (4 classes, small) and its shards for the job's ranks, packed at 32 px."""
     subprocess.run([str(VENV_PY), "-m", "worker.demo_data", "--out", str(bed.data),
                     "--classes", "4", "--train-per-class", str(bed.per_class),
                     "--val-per-class", str(VAL_PER_CLASS), "--seed", "0"], check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL)
-    doc = {"name": "split", "hosts": [{"address": f"10.251.{i}.2"} for i in range(4)],
+    doc = {"name": "split", "hosts": [{"address": f"10.251.{i}.2"} for i in range(bed.n_hosts)],
            "python": str(VENV_PY),
            "data": {"source": str(bed.data), "shards": str(bed.shards)},
            "job": {"entrypoint": "worker.train"}}
@@ -568,11 +573,14 @@ def main() -> None:
     ap.add_argument("--train-per-class", type=int,
                     help="demo images per class (4 classes) to train on: the epoch's length "
                          f"(default {TRAIN_PER_CLASS}; --quick: {QUICK_PER_CLASS})")
+    ap.add_argument("--hosts", type=int, default=HOSTS,
+                    help=f"the job's hosts, a rank each (the spare is one more; "
+                         f"--quick: {QUICK_HOSTS})")
     ap.add_argument("--cap", type=float, default=120.0,
                     help="the baseline's wait for its end after the fault, seconds")
     ap.add_argument("--quick", action="store_true",
                     help="the kill fault only, 3 epochs, one unfaulted run, no baseline, "
-                         f"{QUICK_PER_CLASS} images per class")
+                         f"{QUICK_HOSTS} hosts, {QUICK_PER_CLASS} images per class")
     ap.add_argument("--json", type=Path,
                     help="where the raw results go (default: bench/out/recovery.json)")
     args = ap.parse_args()
@@ -582,20 +590,23 @@ def main() -> None:
         args.faults, args.epochs, args.no_baseline = ["kill"], 3, True
         args.reference_runs = 1
         args.train_per_class = args.train_per_class or QUICK_PER_CLASS
+        args.hosts = QUICK_HOSTS
     if args.epochs < 3:
         raise SystemExit("--epochs must be at least 3 (a fault in epoch 2, then a restart)")
+    if args.hosts < 2:
+        raise SystemExit("--hosts must be at least 2 (host 0 lost, rank 1 faulted on host 1)")
     compile_orch()
     work = Path(tempfile.mkdtemp(prefix="orch-recovery-"))
     bed = Bed(work, work / "data", work / "shards", args.epochs,
               args.train_per_class or TRAIN_PER_CLASS, args.json.parent if args.json else OUT_DIR,
-              wait_kept=args.quick)
+              wait_kept=args.quick, n_hosts=args.hosts)
     rows: list[list[object]] = []
     result: dict[str, Any] = {"epochs": args.epochs, "faults": [], "baseline": None}
     t0 = time.monotonic()
     ok = True
     try:
         make_data(bed, work / "split.yaml")
-        print(f"  data: {4 * bed.per_class} training images made and packed for 4 ranks in "
+        print(f"  data: {4 * bed.per_class} training images made and packed for {bed.n_hosts} ranks in "
               f"{time.monotonic() - t0:.1f} s", flush=True)
         refs = [reference(bed, k) for k in range(1, args.reference_runs + 1)]
         ref = result["reference"] = refs[0]
@@ -637,8 +648,9 @@ def main() -> None:
         clean = not alive and not procs and not spaces
         shutil.rmtree(work, ignore_errors=True)
     load = os.getloadavg()
-    print(f"\nrecovery: 4 hosts + 1 spare in network namespaces, real sshd, worker.train "
-          f"(lenet, gloo), {args.epochs} epochs of {-(-bed.per_class // BATCH)} steps, "
+    steps = -(-4 * bed.per_class // bed.n_hosts // BATCH)   # 4 classes over the ranks
+    print(f"\nrecovery: {bed.n_hosts} hosts + 1 spare in network namespaces, real sshd, worker.train "
+          f"(lenet, gloo), {args.epochs} epochs of {steps} steps, "
           f"checkpoint every epoch, job.restarts 2 "
           f"({time.monotonic() - t0:.0f} s; load average {load[0]:.2f} {load[1]:.2f} "
           f"{load[2]:.2f}, {os.cpu_count()} cores)")
