@@ -314,6 +314,14 @@ def parent(pid: int) -> int:
     return int(fields[1])
 
 
+def adopted(pid: int, reaper: int, timeout: float = 10.0) -> None:
+    """pid's parent becomes the subreaper (once the subshell that started it ended)."""
+    deadline = time.monotonic() + timeout
+    while parent(pid) != reaper and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert parent(pid) == reaper, (pid, parent(pid), reaper)
+
+
 def test_a_daemon_is_found_through_the_subreaper_without_a_scan(
         tmp_path: Path, started: Started, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank's setsid'd double-forked daemon is reparented to the supervisor, not to
@@ -323,7 +331,7 @@ def test_a_daemon_is_found_through_the_subreaper_without_a_scan(
     sup, daemon = run_supervised(p, started, "exec sleep 60")
     assert sup["subreaper"] is True
     execed(daemon, b"sleep")
-    assert parent(daemon) == sup["pid"]   # adopted by the subreaper
+    adopted(daemon, sup["pid"])
     session = [procs.stat_fields(x) or ["?"] * 4 for x in (daemon, sup["pid"])]
     assert session[0][3] != session[1][3]   # it called setsid
     ticks = {x: procs.proc_start_time(x) for x in (sup["pid"], sup["torchrun_pid"], daemon)}
