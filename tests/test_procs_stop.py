@@ -401,6 +401,7 @@ def test_without_its_supervisor_the_marker_scan_finds_the_daemon(
     p = job(tmp_path)
     sup, daemon = run_supervised(p, started, "exec sleep 60")
     execed(daemon, b"sleep")
+    adopted(daemon, sup["pid"])   # (the subshell between them has ended)
     os.kill(sup["pid"], signal.SIGKILL)
     assert gone(sup["pid"], sup["start_ticks"])
     ticks = procs.proc_start_time(daemon)
