@@ -432,3 +432,18 @@ def test_a_supervisor_killed_during_the_stop_hands_over_to_the_scan(
     report = procs.stop(p["job"], 1.0)
     assert report["left"] == [] and report["killed"] >= 1, report
     assert scans and gone(daemon, ticks, timeout=0)
+
+
+def test_the_jobs_processes_for_a_network_look_are_the_subreapers_tree(
+        tmp_path: Path, started: Started, monkeypatch: pytest.MonkeyPatch) -> None:
+    """net_waits (agent/network.py) asks for the job's processes on every look: the
+    supervisor's tree, the daemon in it, without reading any environment; the marker's
+    without a subreaper."""
+    p = job(tmp_path)
+    sup, daemon = run_supervised(p, started, "exec sleep 60")
+    adopted(daemon, sup["pid"])
+    scans = no_scan(monkeypatch)
+    assert procs.job_pids(p, sup) == sorted([sup["torchrun_pid"], daemon]) and scans == []
+    assert sorted(procs.job_pids(p, dict(sup, subreaper=False))) == \
+        sorted([sup["torchrun_pid"], daemon]) and scans == [p["job"]]
+    assert procs.stop(p["job"], 10.0)["left"] == []

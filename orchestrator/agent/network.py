@@ -332,12 +332,8 @@ def run_waits(req: Request) -> dict[str, Any]:
     from orchestrator.agent.common import job_paths
     from orchestrator.wire.protocol import MAX_NET_WAITS
     p = job_paths(req.args["job_dir"])
-    pids = procs.marked_pids(p["job"])
     sup = procs.supervisor_alive(p)
-    torchrun = sup.get("torchrun_pid") if sup else None
-    if sup and isinstance(torchrun, int) and torchrun not in pids and \
-            procs.child_of(torchrun, sup["pid"]):
-        pids.append(torchrun)   # a warm-started torchrun has no marker of its own
+    pids = procs.job_pids(p, sup)
     fails = attempt_fails(pids + ([sup["pid"]] if sup and isinstance(sup.get("pid"), int)
                                   else []))
     owner = {}   # type: dict[str, int]

@@ -457,6 +457,20 @@ def finish_scanning(p: dict[str, Any], sup: dict[str, Any] | None, t0: float, ki
     return killed, left
 
 
+def job_pids(p: dict[str, Any], sup: dict[str, Any] | None) -> list[int]:
+    """The job's processes now, but its supervisor: a subreaper's tree (no process's
+    environment read), else those with the marker and a warm-started torchrun (which has
+    no marker of its own)."""
+    if sup is not None and sup.get("subreaper") is True:
+        return subtree(sup["pid"])
+    pids: list[int] = marked_pids(p["job"])
+    torchrun = sup.get("torchrun_pid") if sup else None
+    if sup and isinstance(torchrun, int) and torchrun not in pids and \
+            child_of(torchrun, sup["pid"]):
+        pids.append(torchrun)
+    return pids
+
+
 def subtree(root: int) -> list[int]:
     """root's descendants now, this user's and alive (a zombie has ended; another user's
     process is not ours to signal, nor what it started): each one's children files. Under
