@@ -462,7 +462,7 @@ def job_pids(p: dict[str, Any], sup: dict[str, Any] | None) -> list[int]:
     environment read), else those with the marker and a warm-started torchrun (which has
     no marker of its own)."""
     if sup is not None and sup.get("subreaper") is True:
-        return subtree(sup["pid"])
+        return subtree(sup["pid"], sup.get("start_ticks"))
     pids: list[int] = marked_pids(p["job"])
     torchrun = sup.get("torchrun_pid") if sup else None
     if sup and isinstance(torchrun, int) and torchrun not in pids and \
@@ -471,13 +471,16 @@ def job_pids(p: dict[str, Any], sup: dict[str, Any] | None) -> list[int]:
     return pids
 
 
-def subtree(root: int) -> list[int]:
+def subtree(root: int, ticks: int | None = None) -> list[int]:
     """root's descendants now, this user's and alive (a zombie has ended; another user's
     process is not ours to signal, nor what it started): each one's children files. Under
     a subreaper the whole of what root started, however far it went (setsid, a double
-    fork): an orphan's new parent is root, not init."""
+    fork): an orphan's new parent is root, not init. With root's start time: nothing when
+    root is not that process after its children were read (ended, its pid recycled)."""
     out: list[int] = []
     todo, seen = children(root), set()  # type: list[int], set[int]
+    if ticks is not None and proc_start_time(root) != ticks:
+        return []
     while todo and len(seen) < TREE_MAX:
         pid = todo.pop()
         if pid in seen:
@@ -511,7 +514,7 @@ def stop_subtree(p: dict[str, Any], sup: dict[str, Any], t0: float,
     word (killed meanwhile), or not end in time, the marker scan takes over from what
     is known. (seen, killed, left)"""
     root = sup["pid"]
-    tree = subtree(root)
+    tree = subtree(root, sup.get("start_ticks"))
     mark_stop(p, t0, grace)
     torchrun = sup.get("torchrun_pid")
     signal_all([root] if torchrun == root else [], signal.SIGUSR1)
@@ -540,7 +543,7 @@ def await_reaped(p: dict[str, Any], sup: dict[str, Any], kill_at: float, seen: l
             now = time.time()
             if sig == signal.SIGTERM and now >= kill_at:
                 sig, end = signal.SIGKILL, now + timeouts.STOP_VERIFY
-                tree = subtree(root)
+                tree = subtree(root, ticks)
                 killed.extend(tree)
                 signal_all(tree, signal.SIGKILL)
                 watch.update((x, proc_start_time(x)) for x in tree)
@@ -548,7 +551,7 @@ def await_reaped(p: dict[str, Any], sup: dict[str, Any], kill_at: float, seen: l
                 return False
             watch = {x: t for x, t in watch.items() if t is not None and proc_start_time(x) == t}
             if set(watch) <= {root}:
-                fresh = [x for x in subtree(root) if x not in seen]
+                fresh = [x for x in subtree(root, ticks) if x not in seen]
                 seen.extend(fresh)
                 killed.extend(fresh if sig == signal.SIGKILL else [])
                 signal_all(fresh, sig)
