@@ -5,6 +5,7 @@ import copy
 import math
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers import spawn_ranks
+from helpers import spawn_ranks, stop_fork_server
 from worker import compression as C
 
 SIZE_TO_BINARIZE = 100
@@ -410,10 +411,20 @@ def _worker(rank: int, world: int, port: int) -> None:
     os._exit(0)
 
 
+@pytest.fixture(scope="module")
+def rank_modules() -> Iterator[tuple[str, ...]]:
+    """What the ranks of both runs need, imported once in a fork server that each rank is
+    forked from (spawned, each of the 5 ranks imported torch and torch._dynamo itself:
+    ~6 s of CPU apiece). Each rank still makes its own process group and model from its
+    seed, as a spawned one did. The server ends with the module."""
+    yield ("torch", "torch._dynamo", "torch.distributed", __name__)
+    stop_fork_server()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
-def test_hooks_in_multiprocess_gloo_run(world: int) -> None:
-    spawn_ranks(_worker, world, SPAWN_TIMEOUT_S)
+def test_hooks_in_multiprocess_gloo_run(world: int, rank_modules: tuple[str, ...]) -> None:
+    spawn_ranks(_worker, world, SPAWN_TIMEOUT_S, preload=rank_modules)
 
 
 # ---------------------------------------------------------------------------
