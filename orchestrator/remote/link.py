@@ -501,18 +501,31 @@ class Link:
 
     def close(self, wait: float = timeouts.CLOSE) -> None:
         """End the agent: its stdin closes, it finishes a running stop, then exits."""
+        if self.close_input():
+            self.finish(wait)
+
+    def close_input(self) -> bool:
+        """The agent's stdin closed (it ends once a running stop finished); False when
+        there is nothing left to wait for (no agent: its channel is closed now)."""
         if self.chan is None:
-            return
+            return False
         if self.boot is not None and self.boot.is_alive():
             # the host never read its bundle (no agent runs there): closing its stdin
             # would wait behind the blocked write; closing the channel ends both
             self.chan.close()
-            return
-        if self.dead:
-            wait = 0.0
+            return False
         try:
             self.chan.close_stdin()
-            if wait:
+        except Exception:  # closing is best effort: the host may be gone
+            pass
+        return True
+
+    def finish(self, wait: float) -> None:
+        """After close_input: the agent's end waited for (at most `wait`, not at all on a
+        dead link), then its channel closed."""
+        assert self.chan is not None
+        try:
+            if wait and not self.dead:
                 self.chan.wait_exit(wait)
         except Exception:  # closing is best effort: the host may be gone
             pass

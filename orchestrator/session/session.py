@@ -7,7 +7,9 @@ the outcome; nothing here parses arguments, and messages go through `ui`.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -189,12 +191,21 @@ class Session:
             GroupResult(failed=self.failed).raise_failures(self.cluster.hosts, what)
 
     def close(self) -> None:
-        """Close every agent's stdin, give them a moment to end, close the connections:
-        all hosts at once (one after the other, 128 connections took a quarter second;
-        in waves of fan_out's 256, 300 hosts took two agents' ends)."""
-        links = self.links
-        fan_out(tuple(link.host for link in links.values()), lambda h: end_link(links[h.index]),
-                limit=max(1, len(links)))
+        """Close every agent's stdin, then wait for their ends by one deadline they share,
+        then close the connections: the waits overlap (one after the other, 128 agents'
+        ends took a quarter second; in waves of fan_out's 256, 300 hosts took two), and
+        no thread per host (a thread each made 1,000 at once at 1,000 hosts)."""
+        links = list(self.links.values())
+        try:
+            ending = [link for link in links if link.close_input()]
+            deadline = time.monotonic() + timeouts.CLOSE
+            for link in ending:
+                with contextlib.suppress(Exception):   # best effort: the host may be gone
+                    link.finish(max(0.0, deadline - time.monotonic()))
+        finally:
+            for link in links:
+                with contextlib.suppress(Exception):
+                    link.transport.close()
         for th in self.releasing:
             th.join(timeouts.CLOSE + 1)
 
