@@ -1,8 +1,9 @@
 """Hosts whose job folder is one folder (NFS home folders, a bind mount, the same path)
 over real SSH: found at preflight, one job folder with a part per host (run/<part>/),
 code pushed once per folder, setup once per folder (or per host), and stop, status,
-logs and pull as on private folders. A stop of one host's part leaves the other's
-processes alone (on this machine, both hosts' processes share ORCH_JOB_DIR)."""
+logs and pull as on private folders; shared and private folders in one job. A stop of
+one host's part leaves the other's processes alone (on this machine, both hosts'
+processes share ORCH_JOB_DIR)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Jobs, assert_nothing_left, last_sync, orch, wait_until, write_job
+from helpers import Jobs, assert_nothing_left, job_pids, last_sync, orch, wait_until, write_job
 from orchestrator.config.inventory import host_part
 from sshd_cluster import SshdCluster, pids_with_env
 
@@ -117,32 +118,14 @@ def test_setup_once_per_host(sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jo
     assert (shared / name / "setup-count").read_text() == "ran\nran\n"
     for h in (a, b):
         assert (shared / name / "logs" / f"setup-{host_part(h.address)}.log").exists()
-    wait_until(lambda: all(r["state"] == "exited 0" for r in status(tmp_path, inv)["ranks"]),
-               60, "both ranks to exit 0")
-    assert_nothing_left([Shared(a.address, shared)], name, wait=20)
-
-
-# ---------------------------------------------------------------- mixed
-
-
-def test_shared_and_private_hosts_mixed(sshd_cluster: SshdCluster, tmp_path: Path,
-                                        jobs: Jobs) -> None:
-    a, b, c = sshd_cluster.hosts[:3]
-    shared, name = tmp_path / "orch", "mixed"
-    inv = write(sshd_cluster, tmp_path / "cluster.yaml",
-                [entry(a, shared), entry(b, shared), entry(c, c.remote_dir)], name)
-    jobs.add(inv, [Shared(a.address, shared), c], name)
-    dry = orch(tmp_path, "up", str(inv), "--dry-run")
-    assert dry.returncode == 0 and "found at preflight" in dry.stdout, dry.stdout
-    up = orch(tmp_path, "up", str(inv), timeout=180)
-    assert up.returncode == 0, up.stdout + up.stderr
-    sync = last_sync(tmp_path, name)
-    assert sync[a.address]["shared_with"] == [b.address], sync
-    assert sync[b.address] == {"pushed_by": a.address}
-    assert sync[c.address]["code"]["sent"] == ["job.py"], sync
-    assert "shared_with" not in sync[c.address]
-    assert [r["state"] for r in status(tmp_path, inv)["ranks"]] == ["exited 0"] * 6
-    assert (c.remote_dir / name / "run" / host_part(c.address)).is_dir()
+    # the job's end is seen here (no process of it left: its supervisors have written the
+    # ranks' records; a look over /proc every 0.5 s), then `orch status` reads it: polling
+    # status was an orch run (two logins) after another until then
+    folder = [Shared(a.address, shared)]
+    wait_until(lambda: not any(job_pids(folder, name).values()), 60, "the job to end", step=0.5)
+    assert_nothing_left(folder, name)
+    wait_until(lambda: [r["state"] for r in status(tmp_path, inv)["ranks"]] == ["exited 0"] * 2,
+               30, "both ranks to exit 0", step=2)
 
 
 # ---------------------------------------------------------------- two jobs, stop one part
@@ -153,26 +136,43 @@ def test_two_jobs_in_one_shared_folder_and_a_stop_of_one_part(
     """Two long jobs in one shared folder of hosts a and b. A second up of the first is
     refused while it runs; a stop of b's part of the first leaves a's part and the other
     job alone; a stop of the first job leaves the second running. (One pair of jobs
-    serves both claims: a job of its own for the part's stop was two more torchruns.)"""
-    a, b = sshd_cluster.hosts[:2]
+    serves both claims: a job of its own for the part's stop was two more torchruns.)
+    The second job also has host c, with a folder of its own: shared and private folders
+    in one job (found at preflight, pushed once to the shared one and to c's), which was
+    a 3-host job of its own (three torchruns; here, one more)."""
+    a, b, c = sshd_cluster.hosts[:3]
     shared = tmp_path / "orch"
     invs = {}
-    for name, procs in (("first", 2), ("second", 1)):
-        inv = write(sshd_cluster, tmp_path / name / "cluster.yaml",
-                    [entry(a, shared, procs), entry(b, shared, procs)], name, args=("600",))
-        jobs.add(inv, [Shared(a.address, shared)], name)
+    for name, entries in (("first", [entry(a, shared), entry(b, shared)]),
+                          ("second", [entry(a, shared, 1), entry(b, shared, 1),
+                                      entry(c, c.remote_dir, 1)])):
+        inv = write(sshd_cluster, tmp_path / name / "cluster.yaml", entries, name, args=("600",))
+        jobs.add(inv, [Shared(a.address, shared)] + [c] * (name == "second"), name)
+        if name == "second":
+            dry = orch(inv.parent, "up", str(inv), "--dry-run")
+            assert dry.returncode == 0 and "found at preflight" in dry.stdout, dry.stdout
         up = orch(inv.parent, "up", str(inv), "--detach", timeout=180)
         assert up.returncode == 0, up.stdout + up.stderr
         invs[name] = inv
-    first = invs["first"]
+    first, second = invs["first"], invs["second"]
+    sync = last_sync(second.parent, "second")
+    assert sync[a.address]["shared_with"] == [b.address], sync
+    assert sync[b.address] == {"pushed_by": a.address}, sync
+    assert sync[c.address]["code"]["sent"] == ["job.py"], sync
+    assert "shared_with" not in sync[c.address], sync
+    assert (c.remote_dir / "second" / "run" / host_part(c.address)).is_dir()
 
     def both_run(name: str) -> bool:
-        return all(part_pids(shared, name, h.address) for h in (a, b))
+        on_c = name != "second" or pids_with_env(f"ORCH_JOB_DIR={c.remote_dir / name}")
+        return bool(on_c) and all(part_pids(shared, name, h.address) for h in (a, b))
     wait_until(lambda: len(part_pids(shared, "first", a.address)) >= 2
-               and len(part_pids(shared, "first", b.address)) >= 2, 60, "ranks of both parts")
-    wait_until(lambda: both_run("second"), 60, "second's ranks on both hosts")
+               and len(part_pids(shared, "first", b.address)) >= 2, 60, "ranks of both parts",
+               step=0.25)
+    wait_until(lambda: both_run("second"), 60, "second's ranks on its three hosts", step=0.25)
     doc = status(first.parent, first)
     assert [r["state"] for r in doc["ranks"]] == ["running"] * 4, doc
+    doc = status(second.parent, second)
+    assert [r["state"] for r in doc["ranks"]] == ["running"] * 3, doc
     busy = orch(first.parent, "up", str(first), timeout=120)
     assert busy.returncode == 2 and "already running" in busy.stderr, busy.stderr
 
@@ -189,9 +189,9 @@ def test_two_jobs_in_one_shared_folder_and_a_stop_of_one_part(
     assert stop.returncode == 0, stop.stderr
     assert_nothing_left([Shared(a.address, shared)], "first")
     assert both_run("second"), "the other job runs on"
-    stop = orch(invs["second"].parent, "stop", str(invs["second"]), "--grace", "1")
+    stop = orch(second.parent, "stop", str(second), "--grace", "1")
     assert stop.returncode == 0, stop.stderr
-    assert_nothing_left([Shared(a.address, shared)], "second")
+    assert_nothing_left([Shared(a.address, shared), c], "second")
 
 
 # ---------------------------------------------------------------- a bind mount
