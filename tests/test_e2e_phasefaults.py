@@ -320,7 +320,8 @@ def test_stop_killed_mid_stop(sshd_cluster: SshdCluster, tmp_path: Path, jobs: J
     assert code == 0, rows
     for r in rows:   # the truth: a rank reads running exactly while its process lives
         assert (r["state"] == "running") == (r["pid"] in alive[r["host"]]), (r, alive)
-    # torchrun and the supervisor are gone, the ranks are not: no second copy beside them
+    # torchrun is gone, the ranks are not (nor their supervisor, which waits for them to
+    # end): no second copy beside them
     up = orch(tmp_path, "up", str(inv), "--detach")
     assert up.returncode == 2 and "is already running on" in up.stderr, up.stdout + up.stderr
     assert job_pids(hosts, name) == alive, "a second copy started beside the stopping one"
