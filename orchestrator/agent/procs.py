@@ -164,10 +164,10 @@ def supervisor_alive(p: dict[str, Any]) -> dict[str, Any] | None:
 
 def job_running(p: dict[str, Any]) -> bool:
     """The job's supervisor lives, or one of its ranks, or any process with the job's
-    marker does: after a stop that was cut short (its `orch stop` killed), torchrun and
-    the supervisor are gone while ranks wait out their grace; a new launch beside them
-    would be a second copy (and the unfinished stop, still running on the host, would
-    kill it).
+    marker does: after a stop that was cut short (its `orch stop` killed), ranks wait out
+    their grace (their supervisor, a subreaper, waits for them; an older one, or one
+    killed, is gone); a new launch beside them would be a second copy (and the
+    unfinished stop, still running on the host, would kill it).
 
     The marker scan reads every process's environment (on a fake cluster of N hosts on
     one machine, N agents each read all N hosts' processes: seconds of CPU at 128). It
