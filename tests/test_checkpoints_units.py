@@ -7,6 +7,7 @@ import hashlib
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -308,10 +309,10 @@ def test_a_kept_copy_that_cannot_be_listed_is_not_nothing_kept(
     assert keeper.nothing_kept() is None   # listed: a copy is held from before
     real = os.scandir
 
-    def refused(path: object = ".") -> object:
-        if os.fspath(path) == str(hidden):   # type: ignore[arg-type]
+    def refused(path: str = ".") -> Any:
+        if os.fspath(path) == str(hidden):
             raise PermissionError(13, "Permission denied", str(hidden))
-        return real(path)   # type: ignore[arg-type]
+        return real(path)
     monkeypatch.setattr(os, "scandir", refused)
     why = keeper.nothing_kept()
     assert why == (f"this machine's copy of the kept checkpoints cannot be read: {hidden}: "

@@ -207,7 +207,7 @@ class PipedHosts(Hosts):
                     time.sleep(0.01)
                 time.sleep(0.3)
             pushed(frame)
-        chan.push = push   # type: ignore[method-assign]
+        chan.push = push   # type: ignore[method-assign,assignment]
         super().stop(chan, msg)
 
 
@@ -220,7 +220,7 @@ def test_a_pipe_closed_by_the_ctrl_c_does_not_cut_the_stop_short(
     r, w = os.pipe()
     raw = open(w, "wb", buffering=0)  # noqa: SIM115 (closed in the finally below)
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(
-        console._Guarded(raw, is_stdout=True), write_through=True))
+        console._Guarded(raw, is_stdout=True), write_through=True))  # type: ignore[type-var]
     monkeypatch.setattr(console, "_INTERRUPTING", threading.Event())
     console._INTERRUPTING.set()
     hosts = PipedHosts(reader=r)
