@@ -27,6 +27,7 @@ import yaml
 
 from helpers import (
     ORCH,
+    agents_of,
     assert_nothing_left,
     file_sha,
     job_pids,
@@ -35,6 +36,7 @@ from helpers import (
     orch,
     rank_pids,
     wait_until,
+    wait_until_gone,
     write_job,
 )
 from netns_hosts import NsHost, NsHosts
@@ -80,12 +82,14 @@ def orch_cmd(net: NsHosts, cwd: Path, *args: str) -> subprocess.CompletedProcess
     return orch(cwd, *args, run=net.run_in_client)
 
 
-def up_once_the_cut_up_is_gone(net: NsHosts, cwd: Path, inv: Path,
-                               silent: str) -> subprocess.CompletedProcess:
+def up_once_the_cut_up_is_gone(net: NsHosts, cwd: Path, inv: Path, silent: NsHost,
+                               name: str) -> subprocess.CompletedProcess:
     """The next `orch up --detach` once the stalled one's agent on the silent host has
     ended: it keeps the job folder's lock until its receive stream gives up (RECEIVE_IDLE
     without bytes), and until then preflight refuses a new `up`, naming that host and
-    the cut `up` (not "already running": no process of the job lives)."""
+    the cut `up` (not "already running": no process of the job lives). After a refusal
+    the next try waits for that agent to end (its flock ends with it), where a try every
+    2 s was a whole `orch up` each."""
     deadline = time.monotonic() + timeouts.RECEIVE_IDLE + 60
     while True:
         again = orch_cmd(net, cwd, "up", "--detach", str(inv))
@@ -93,9 +97,13 @@ def up_once_the_cut_up_is_gone(net: NsHosts, cwd: Path, inv: Path,
         if "another `orch up` of it holds its job folder" not in said \
                 or time.monotonic() > deadline:
             return again
-        assert again.returncode == 2 and f"job folder on {silent}:" in said, said
+        assert again.returncode == 2 and f"job folder on {silent.address}:" in said, said
         assert f"gives up after {timeouts.RECEIVE_IDLE:g} s without data" in said, said
-        time.sleep(2)
+        holders = agents_of([silent.remote_dir / name])
+        if not holders:   # not seen (gone meanwhile, or not by argv): try again in 2 s
+            time.sleep(2)
+        left = wait_until_gone(holders, max(1.0, deadline - time.monotonic()))
+        assert not left, f"the cut up's agent on {silent.address} did not end: {left}"
 
 
 def write_inventory(net: NsHosts, base: Path, name: str, data: Dataset | None = None) -> Path:
@@ -236,7 +244,7 @@ def test_a_push_to_a_host_that_goes_silent_ends_and_resumes(
     real_names_are_whole(silent, name, want[1])
     assert len(landed) < len(want[1]), "every file had landed before the fault"
 
-    again = up_once_the_cut_up_is_gone(net, tmp_path, inv, silent.address)
+    again = up_once_the_cut_up_is_gone(net, tmp_path, inv, silent, name)
     try:
         assert again.returncode == 0, again.stderr
         report_sync = last_sync(tmp_path, name)
