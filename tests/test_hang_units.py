@@ -39,7 +39,7 @@ from orchestrator.watch.hang import (
     reason,
     threads,
 )
-from orchestrator.watch.monitor import hang_event
+from orchestrator.watch.monitor import Monitor, hang_event
 from orchestrator.wire import protocol
 
 
@@ -112,7 +112,7 @@ def test_ranks_that_went_quiet_a_moment_later_do_not_go_on() -> None:
     clock = FakeClock()
     watch = HangWatch(8, range(3), now=clock)
     for r in range(3):
-        watch.start(r)
+        watch.progress(r)
     clock.t += 0.3
     watch.progress(2)
     clock.t += 7.8
@@ -134,34 +134,86 @@ def test_an_exited_rank_is_not_watched_and_unknown_ranks_are_ignored() -> None:
     assert watch.check() is None
 
 
-def test_a_rank_is_watched_from_its_start_not_from_the_launch() -> None:
-    """torchrun's own start (torch's import, the rendezvous) is no rank's silence: on a
-    loaded host it took most of a 20 s hang_timeout before any rank ran."""
+def test_a_rank_is_watched_from_its_first_progress_not_its_start_or_the_launch() -> None:
+    """torchrun's own start and the rank's (its `import torch` and init_process_group,
+    without a line) are no silence: beside a CPU burner a rank's silent torch import alone
+    took 21-25 s, past a 20 s hang_timeout, and the job was called hung in its imports."""
     clock = FakeClock()
     watch = HangWatch(20, range(2), now=clock)
-    clock.t += 15
-    watch.start(0)
-    watch.start(1)
+    clock.t += 60          # torchrun's start, then the ranks' silent imports
+    assert watch.check() is None
+    watch.progress(0)
+    watch.progress(1)
     clock.t += 19.9
-    assert watch.check() is None   # 34.9 s after the launch, 19.9 s after the start
+    assert watch.check() is None   # 79.9 s after the launch, 19.9 s after the first lines
     clock.t += 0.1
     hang = watch.check()
     assert hang is not None and hang.idle == (0, 1) and hang.seconds == pytest.approx(20)
 
 
-def test_started_ranks_waiting_for_one_not_started_yet_are_no_hang() -> None:
-    """Host 0's ranks wait in init_process_group for host 1's, whose torchrun is still
-    importing torch: no hang until the ranks not started have had NOT_STARTED_S."""
+def test_the_monitor_starts_no_ranks_clock_at_its_pid(tmp_path: Path) -> None:
+    """The rank's pid comes before its python has imported anything: the monitor passes
+    on its lines and heartbeats to the watch, not its start."""
+    clock = FakeClock()
+    cluster = cluster3(tmp_path)
+    mon = Monitor(cluster=cluster, state=SimpleNamespace())  # type: ignore[arg-type]  # a test double
+    mon.hang = HangWatch(20, range(cluster.world_size), now=clock)
+    for h in cluster.hosts:
+        for r in h.ranks:
+            mon.rank_start(h.index, r, 1000 + r)
+    clock.t += 60          # every rank's silent import torch and init_process_group
+    assert mon.hang.check() is None
+    for h in cluster.hosts:
+        for r in h.ranks:   # a line from some, a heartbeat from the others
+            if r % 2:
+                mon.lines(h.index, r, [b"epoch 0"])
+            else:
+                mon.rank_progress(h.index, [r])
+    clock.t += 20
+    hang = mon.hang.check()
+    assert hang is not None and hang.idle == tuple(range(cluster.world_size))
+
+
+def test_a_heartbeat_is_a_first_progress_too() -> None:
+    clock = FakeClock()
+    watch = HangWatch(20, range(2), now=clock)
+    clock.t += 30
+    watch.progress(0, heartbeat=True)
+    watch.progress(1, heartbeat=True)
+    clock.t += 20
+    hang = watch.check()
+    assert hang is not None and hang.idle == (0, 1) and hang.seconds == pytest.approx(20)
+
+
+def test_ranks_that_went_on_waiting_for_one_without_progress_yet_are_no_hang() -> None:
+    """Host 0's ranks printed and wait in init_process_group for host 1's, whose torchrun or
+    whose ranks' imports are still under way: no hang until the ranks without progress have
+    had NOT_STARTED_S from the launch."""
     clock = FakeClock()
     watch = HangWatch(20, range(4), now=clock)
-    watch.start(0)
-    watch.start(1)
+    watch.progress(0)
+    watch.progress(1)
     clock.t += hang_mod.NOT_STARTED_S - 1
     assert watch.check() is None
     clock.t += 1
     hang = watch.check()
     assert hang is not None and hang.idle == (0, 1, 2, 3) and hang.everyone
     assert hang.seconds == pytest.approx(hang_mod.NOT_STARTED_S)
+
+
+def test_a_rank_printing_before_its_silent_import_is_no_hang_while_others_start() -> None:
+    """A script that prints its config on rank 0, then imports torch without a line: rank 0
+    is watched from that line, but the others have not started: no hang."""
+    clock = FakeClock()
+    watch = HangWatch(20, range(3), now=clock)
+    watch.progress(0)
+    clock.t += 60
+    assert watch.check() is None
+    for r in range(3):
+        watch.progress(r)
+    clock.t += 20
+    hang = watch.check()
+    assert hang is not None and hang.idle == (0, 1, 2)
 
 
 def test_a_rank_that_never_starts_is_a_hang_after_the_longer_bound() -> None:

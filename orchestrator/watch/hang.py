@@ -2,7 +2,7 @@
 
 A rank makes progress when a line of its output arrives or when its host reports that it
 touched its heartbeat file (agent/follow.py). `HangWatch` keeps each running rank's last
-progress on an injectable clock, from the rank's start (`NOT_STARTED_S` below);
+progress on an injectable clock, from the rank's first (`NOT_STARTED_S` below);
 `check()` returns the `Hang` once every rank has gone `timeout` seconds without it, or
 once one rank that keeps a heartbeat (it touched its file before) has, while others went
 on. A rank's silence alone is no hang: many scripts print on rank 0 only, and a quiet
@@ -52,40 +52,34 @@ class Hang:
     timeout: float
 
 
-# A rank is watched from its start (its pid reported, or its first line): before it,
-# torchrun imports torch and meets the other hosts, seconds to a minute on a loaded host,
-# and a job still starting is not hung (nor is there a rank's stack to take). A rank that
-# never starts, a torchrun wedged before its ranks, is hung only after this long (or the
-# timeout, the longer); torchrun's own rendezvous timeout may end it first.
+# A rank is watched from its first progress (a line, or a touch of its heartbeat), not
+# from its process's start: before it, torchrun imports torch and meets the other hosts,
+# and the rank's own script imports torch (3-4 s of CPU, tens of seconds on a loaded
+# host) and joins the group, often without a line. A job still starting is not
+# hung. A rank with no progress yet is hung only this long after the launch (or the
+# timeout, the longer): a torchrun wedged before its ranks, a rank stuck in its imports,
+# or a script that prints on rank 0 only and keeps no heartbeat (its silent ranks hold a
+# hang of every rank back until then); torchrun's own rendezvous timeout may end it first.
 NOT_STARTED_S = 300.0
 
 
 class HangWatch:
-    """Each started rank's last progress on `now` (a monotonic clock; tests pass a fake),
-    and since when the ranks not started yet have been waited for (the launch)."""
+    """Each rank's last progress on `now` (a monotonic clock; tests pass a fake), and
+    since when the ranks without any yet have been waited for (the launch)."""
 
     def __init__(self, timeout: float, ranks: Iterable[int],
                  now: Callable[[], float] = time.monotonic) -> None:
         self.timeout, self.now, self.lock = timeout, now, threading.Lock()
         self.launched = now()
-        self.waiting = set(ranks)        # not started yet
+        self.waiting = set(ranks)        # no progress yet
         self.last: dict[int, float] = {}
         self.beating: set[int] = set()   # ranks that touched their heartbeat file
 
-    def start(self, rank: int) -> None:
-        """The rank's process runs: from now on its own progress is watched."""
-        with self.lock:
-            self._start(rank)
-
-    def _start(self, rank: int) -> None:
-        if rank in self.waiting:
-            self.waiting.discard(rank)
-            self.last[rank] = self.now()
-
     def progress(self, rank: int, heartbeat: bool = False) -> None:
+        """A line of the rank's output, or (`heartbeat`) a touch of its file."""
         with self.lock:
-            self._start(rank)
-            if rank in self.last:
+            if rank in self.waiting or rank in self.last:   # not an ended or unknown rank
+                self.waiting.discard(rank)
                 self.last[rank] = self.now()
                 if heartbeat:
                     self.beating.add(rank)

@@ -79,9 +79,7 @@ class Monitor(LineSink):
                 self.hang.progress(rank, heartbeat=True)
 
     def rank_start(self, host: int, rank: int, pid: int) -> None:
-        self.started.add(rank)
-        if self.hang is not None:
-            self.hang.start(rank)
+        self.started.add(rank)   # the hang watch waits for its first progress (hang.py)
         self.emit(ev.RankStarted(time.time(), rank, self.label(host), pid))
 
     def rank_exit(self, host: int, rank: int, code: int, when: float,
