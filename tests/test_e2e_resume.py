@@ -6,7 +6,7 @@ snapshot.pt, dies mid-run: the spare takes its rank, the kept snapshot is put ba
 every job folder of the new run, and both ranks resume from the same epoch.
 
 The kill does not race the training: as soon as rank 0's log (read on its host, not
-through orch's stream) shows its save of epoch 5, the test SIGSTOPs rank 1, which holds
+through orch's stream) shows its save of epoch 2, the test SIGSTOPs rank 1, which holds
 rank 0 at its next allreduce (never inside a save), waits for that snapshot to be kept,
 kills rank 0's host, then SIGCONTs rank 1. So the first attempt cannot end before the
 kill, and the run needs only a few epochs past it.
@@ -35,9 +35,11 @@ from test_e2e_restarts import kill_host
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
 FIRST_OCTET = 80
-# training is held from the save of epoch SAVED on (the docstring); the epochs past it
-# cover the one or two rank 0 may run while the test reads that line and stops rank 1
-SAVED, EPOCHS, SAVE_EVERY = 5, "12", "5"
+# training is held from the save of epoch SAVED on (the docstring); the 7 epochs past it
+# cover the one or two rank 0 may run while the test reads that line and stops rank 1.
+# The first save that has progress to keep (2, not 0: the restart must skip epochs);
+# each epoch before it is one the first attempt trains only to be killed
+SAVED, EPOCHS, SAVE_EVERY = 2, "9", "2"
 TUTORIAL = """\
 import os
 import sys
