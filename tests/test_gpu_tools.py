@@ -51,38 +51,50 @@ def test_make_gpu_check_without_cuda_says_so_and_exits_0() -> None:
     assert r.stdout.count("\n") == 1  # that one line: nothing was run
 
 
-@pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
-def test_gpu_check_without_cuda_writes_no_report(tmp_path: Path) -> None:
+@pytest.mark.slow  # starts Python with torch (the probe) in a subprocess
+def test_gpu_check_without_cuda_writes_no_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """main in this process, choose_python's answer read on its way: one probe (a torch
+    import, ~4 s of CPU) where the script and choose_python each made one. The script
+    as a process: test_make_gpu_check_without_cuda_says_so_and_exits_0."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")   # the probe's Python inherits it
+    chosen: list[tuple[str | None, dict[str, Any], list[str]]] = []
+    choose = gpu_check.choose_python
+
+    def spy(python: str | None) -> tuple[str | None, dict[str, Any], list[str]]:
+        chosen.append(choose(python))
+        return chosen[-1]
+    monkeypatch.setattr(gpu_check, "choose_python", spy)
     out = tmp_path / "gpu.md"
-    r = run([sys.executable, "bench/gpu_check.py", "--python", sys.executable, "--out", str(out)],
-            NO_CUDA)
-    assert r.returncode == 0, r.stderr
-    assert f"{sys.executable}: torch {torch.__version__}, CUDA not available" in r.stdout
+    assert gpu_check.main(["--python", sys.executable, "--out", str(out)]) == 0
+    said = f"{sys.executable}: torch {torch.__version__}, CUDA not available"
+    assert chosen == [(None, {}, [said])]   # no Python, and what it saw named
+    assert said in capsys.readouterr().out
     assert not out.exists()
 
 
-@pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
-def test_gpu_bench_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What torch says without a GPU (CUDA_VISIBLE_DEVICES= in a new process): in this
+    process, where a new one only imported torch again (~4 s of CPU) to read it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_gpu_bench_without_cuda_says_so_and_exits_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    no_cuda(monkeypatch)
     out = tmp_path / "bench.md"
-    r = run([sys.executable, "bench/gpu.py", "--out", str(out)], NO_CUDA)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("no CUDA GPU: skipping bench/gpu.py")
+    assert bench_gpu.main(["--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("no CUDA GPU: skipping bench/gpu.py")
     assert not out.exists()
 
 
-@pytest.mark.slow  # starts Python with torch in a subprocess
-def test_gpu_loader_bench_without_cuda_says_so_and_exits_0() -> None:
-    r = run([sys.executable, "bench/gpu_loader.py", "--batches", "3"], NO_CUDA)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("no CUDA GPU: skipping bench/gpu_loader.py")
+def test_gpu_loader_bench_without_cuda_says_so_and_exits_0(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import gpu_loader
 
-
-@pytest.mark.slow  # starts Python with torch (and make, pytest) in a subprocess
-def test_choose_python_finds_no_cuda_and_names_what_it_saw(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    python, info, seen = gpu_check.choose_python(sys.executable)
-    assert python is None and info == {}
-    assert seen == [f"{sys.executable}: torch {torch.__version__}, CUDA not available"]
+    no_cuda(monkeypatch)
+    assert gpu_loader.main(["--batches", "3"]) == 0
+    assert capsys.readouterr().out.startswith("no CUDA GPU: skipping bench/gpu_loader.py")
 
 
 def test_probe_lists_missing_modules(tmp_path: Path) -> None:
