@@ -241,13 +241,16 @@ def test_nccl_without_a_gpu_is_refused_with_the_fix(single, monkeypatch: pytest.
 
 
 @pytest.mark.slow   # trains
-def test_plain_python_run_without_torchrun_env(procs: Procs, shard_root: Path, tmp_path: Path) -> None:
-    log = tmp_path / "log"
-    p = procs.start(["-m", "worker.train", *FAST, "--epochs", "2", "--resume", "--data-dir",
-                     str(shard_root), "--output-dir", str(tmp_path / "out")], log)
-    assert p.wait(120) == 0, log.read_text()
-    text = log.read_text()
-    assert "1 process(es), backend none" in text and "Traceback" not in text
+def test_plain_python_run_without_torchrun_env(single, shard_root: Path, tmp_path: Path,
+                                               capsys) -> None:
+    """In this process (`single`: no torchrun variables), where a new one imported torch
+    and torch._dynamo again (~6 s of CPU); `python -m worker.train` as a plain process
+    of its own is test_sigterm_ends_one_process_quietly's."""
+    rc = train.main([*FAST, "--epochs", "2", "--resume", "--data-dir", str(shard_root),
+                     "--output-dir", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    assert "1 process(es), backend none" in out and "Traceback" not in out + err
     rows = metrics.read_rows(tmp_path / "out" / "metrics.csv")
     assert [r["grad_bytes"] for r in rows] == ["0", "0"]  # one process sends nothing
 
@@ -300,14 +303,15 @@ def test_hogwild_two_processes_learn_the_demo(procs: Procs, tmp_path: Path) -> N
     assert "2 process(es)" in log.read_text() and (out / "metrics.png").is_file()
 
 
-@pytest.mark.slow   # starts the training program
-def test_hogwild_data_error_is_one_line(procs: Procs, tmp_path: Path) -> None:
-    log = tmp_path / "log"
-    p = procs.start(["-m", "worker.hogwild", "--data-dir", str(tmp_path / "nope"),
-                     "--output-dir", str(tmp_path / "out")], log)
-    assert p.wait(60) == 2
-    text = log.read_text()
-    assert "error: shard folder" in text and "Traceback" not in text
+def test_hogwild_data_error_is_one_line(single, tmp_path: Path, capsys) -> None:
+    """In this process: the error comes before any training process is started, and a
+    new process only imported torch again (~4 s of CPU); worker.hogwild's exit with
+    main's code as a process of its own is the two tests below."""
+    rc = hogwild.main(["--data-dir", str(tmp_path / "nope"), "--output-dir",
+                       str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.startswith("error: shard folder") and err.count("\n") == 1, err
+    assert "Traceback" not in out + err
 
 
 # ---------------------------------------------------------------- SIGTERM
@@ -323,6 +327,7 @@ def test_sigterm_ends_one_process_quietly(procs: Procs, shard_root: Path, tmp_pa
     assert p.wait(30) == -signal.SIGTERM  # ended by the signal, as the caller asked
     text = log.read_text()
     assert "rank 0 stopped by SIGTERM" in text and "Traceback" not in text, text
+    assert "1 process(es), backend none" in text   # a plain process: no torchrun variables
     deadline = time.monotonic() + 60  # its data-loader process follows it
     while procs.alive() and time.monotonic() < deadline:
         time.sleep(0.2)
