@@ -6,7 +6,10 @@ hang_timeout + 10 s, orch exits 1, and nothing of the job is left.
 Only the sleeping rank's job imports torch: what the others prove is orch's (a stopped
 rank's state, output and heartbeats, the ranks' stacks), so their ranks wait for each
 other on files instead of a process group, and start in a blink instead of 3-4 s of
-CPU each (torchrun, the real launcher, still imports it on every host)."""
+CPU each (torchrun, the real launcher, still imports it on every host). That job runs on
+two hosts, so a hang's stacks are gathered across hosts and the culprit named with its
+host; the others need one host of three ranks (a rank stopped, or quiet, while two
+others are elsewhere), one torchrun instead of two."""
 from __future__ import annotations
 
 import json
@@ -22,30 +25,23 @@ from helpers import Jobs, Running, assert_nothing_left, part_dir, write_job
 from sshd_cluster import SshdCluster
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
-# hang_timeout: above what precedes a rank's first line (torchrun's start, the rank's
-# python) on a busy machine; from its first line, the job's start prints (below)
+# hang_timeout: a rank is watched from its first line (hang.py), so this is above the
+# jobs' longest quiet stretch by design (a step's wait for the others, a line's way to orch)
+# on a machine at load 25, with room; their silent starts (a torch import took 12-25 s
+# there) do not count
 TIMEOUT = 20.0
 START = 240       # seconds: an up's start (preflight, push, torch imports) at load 12
 
 JOB = """\
-import os, sys, threading, time
+import os, sys, time
 rank, mode = int(os.environ["RANK"]), os.environ["MODE"]
 world = int(os.environ["WORLD_SIZE"])
 if mode == "sleep":   # the job whose ranks wait in gloo's all_reduce: the one that imports torch
-    print("rank %d importing torch" % rank, flush=True)
-    started = threading.Event()
-
-    def starting():
-        # torch's import and the rendezvous print nothing, for longer than hang_timeout on
-        # a busy machine (a start is no hang here): a line each second until the group is up
-        while not started.wait(1.0):
-            print("rank %d starting" % rank, flush=True)
-
-    threading.Thread(target=starting, daemon=True).start()
+    # silent, as most scripts are, through torch's import and the rendezvous: longer than
+    # hang_timeout on a busy machine, and no hang (a rank is watched from its first line)
     import torch
     import torch.distributed as dist
     dist.init_process_group("gloo")
-    started.set()
 print("rank %d ready" % rank, flush=True)
 
 
@@ -97,13 +93,15 @@ for i in range(10 ** 6):
 """
 
 
-def start(cluster: SshdCluster, tmp_path: Path, jobs: Jobs, name: str,
-          env: dict[str, str], *extra: str) -> tuple[list, Running]:
-    """3 ranks on 2 hosts (ranks 0, 1 on the first, rank 2 on the second)."""
-    hosts = cluster.hosts[:2]
+def start(cluster: SshdCluster, tmp_path: Path, jobs: Jobs, name: str, env: dict[str, str],
+          procs: list[int], *extra: str, top: dict | None = None) -> tuple[list, Running]:
+    """3 ranks: on 2 hosts with procs [2, 1] (ranks 0, 1 on the first, rank 2 on the
+    second), or on one host with [3]."""
+    hosts = cluster.hosts[:len(procs)]
     write_job(tmp_path, JOB)
-    inv = cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, procs=[2, 1],
-                                  name=name, env={**env, "BARRIER": barrier_dir(tmp_path)})
+    inv = cluster.write_inventory(tmp_path / "cluster.yaml", hosts=hosts, procs=procs,
+                                  name=name, env={**env, "BARRIER": barrier_dir(tmp_path)},
+                                  top=top)
     jobs.add(inv, hosts, name)
     return hosts, jobs.start(tmp_path, "up", str(inv), "--no-pull", *extra)
 
@@ -138,17 +136,17 @@ def rank_pid(host: object, name: str, rank: int) -> int:
 def test_a_stopped_rank_is_named(sshd_cluster: SshdCluster, tmp_path: Path,
                                  jobs: Jobs) -> None:
     name = "hang-stop"
-    hosts, up = start(sshd_cluster, tmp_path, jobs, name, {"MODE": "steps"},
+    hosts, up = start(sshd_cluster, tmp_path, jobs, name, {"MODE": "steps"}, [3],
                       "--hang-timeout", str(TIMEOUT))
     up.wait_for(r"\] rank 2 step 3$", timeout=START)
-    os.kill(rank_pid(hosts[1], name, 2), signal.SIGSTOP)
+    os.kill(rank_pid(hosts[0], name, 2), signal.SIGSTOP)
     stopped = time.monotonic()
     named = wait_err(up, r"root cause rank 2 on host", TIMEOUT + 30)
     code = up.finish(timeout=60)
     report = "\n".join(up.err)
     assert code == 1, up.text()
     assert named - stopped <= TIMEOUT + 10, f"named after {named - stopped:.1f} s\n{report}"
-    assert re.search(rf"root cause rank 2 on host {re.escape(hosts[1].address)} \(local rank 0\): "
+    assert re.search(rf"root cause rank 2 on host {re.escape(hosts[0].address)} \(local rank 2\): "
                      r"stopped \(SIGSTOP", report), report
     assert "root cause rank 0" not in report and "root cause rank 1" not in report, report
     assert_nothing_left(hosts, name, wait=10)
@@ -159,7 +157,7 @@ def test_a_stopped_rank_is_named(sshd_cluster: SshdCluster, tmp_path: Path,
 def test_a_rank_asleep_in_its_step_is_named_while_the_others_wait_in_all_reduce(
         sshd_cluster: SshdCluster, tmp_path: Path, jobs: Jobs) -> None:
     name = "hang-sleep"
-    hosts, up = start(sshd_cluster, tmp_path, jobs, name, {"MODE": "sleep"},
+    hosts, up = start(sshd_cluster, tmp_path, jobs, name, {"MODE": "sleep"}, [2, 1],
                       "--hang-timeout", str(TIMEOUT))
     up.wait_for(r"\] rank 2 step 4$", timeout=START)
     asleep = time.monotonic()   # rank 2 sleeps in step 5 from about now
@@ -189,16 +187,9 @@ def test_a_quiet_rank_whose_heartbeat_moves_is_no_hang(
     The control: its heartbeat stops after 2 s, and rank 1 is named."""
     name = "quiet-" + ("beat" if touch else "still")
     quiet = TIMEOUT + 6
-    hosts = sshd_cluster.hosts[:2]
-    write_job(tmp_path, JOB)
-    inv = sshd_cluster.write_inventory(
-        tmp_path / "cluster.yaml", hosts=hosts, procs=[2, 1], name=name,
-        env={"MODE": "quiet", "QUIET_S": str(quiet), "TOUCH_S": str(quiet if touch else 2),
-             "BARRIER": barrier_dir(tmp_path)})
-    text = inv.read_text().replace("job:\n", f"job:\n  hang_timeout: {TIMEOUT:g}\n", 1)
-    inv.write_text(text)
-    jobs.add(inv, hosts, name)
-    up = jobs.start(tmp_path, "up", str(inv), "--no-pull")
+    env = {"MODE": "quiet", "QUIET_S": str(quiet), "TOUCH_S": str(quiet if touch else 2)}
+    hosts, up = start(sshd_cluster, tmp_path, jobs, name, env, [3],
+                      top={"job": {"hang_timeout": TIMEOUT}})
     code = up.finish(timeout=START)
     report = "\n".join(up.err)
     if touch:
