@@ -1,5 +1,5 @@
-"""Recovery: a real training run (worker.train, torch over gloo) on 4 hosts (--hosts) in
-network namespaces with real sshd, `job.restarts: 2` and one spare, faulted mid-epoch; against
+"""Recovery: a real training run (worker.train, torch over gloo) on 4 hosts in network
+namespaces with real sshd, `job.restarts: 2` and one spare, faulted mid-epoch; against
 an unfaulted run of the same seed and epochs, and against pdsh + torchrun, which loses
 the run.
 
