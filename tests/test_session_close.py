@@ -36,9 +36,8 @@ class Stubborn(FakeChannel):
         return None
 
 
-def test_close_waits_by_one_deadline_without_a_thread_per_host(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(timeouts, "CLOSE", 0.3)
+def _open(tmp_path: Path) -> tuple[Session, list[tuple[str, int, float]], list[FakeTransport]]:
+    """A session over HOSTS fake hosts whose channels log each close and wait."""
     log: list[tuple[str, int, float]] = []
     transports: list[FakeTransport] = []
 
@@ -47,7 +46,13 @@ def test_close_waits_by_one_deadline_without_a_thread_per_host(
         t.channel = Stubborn(host, log)
         transports.append(t)
         return t
-    session = Session(load(_inventory(tmp_path)), connector=connector).open()
+    return Session(load(_inventory(tmp_path)), connector=connector).open(), log, transports
+
+
+def test_close_waits_by_one_deadline_without_a_thread_per_host(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(timeouts, "CLOSE", 0.3)
+    session, log, transports = _open(tmp_path)
     assert len(session.links) == HOSTS
     started: list[object] = []
     start_raw, thread_start = _thread.start_new_thread, threading.Thread.start
@@ -76,15 +81,7 @@ def test_close_waits_by_one_deadline_without_a_thread_per_host(
 
 def test_a_dead_link_is_not_waited_for_and_still_closed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    log: list[tuple[str, int, float]] = []
-    transports: list[FakeTransport] = []
-
-    def connector(host: Host) -> FakeTransport:
-        t = FakeTransport(host, {})
-        t.channel = Stubborn(host, log)
-        transports.append(t)
-        return t
-    session = Session(load(_inventory(tmp_path)), connector=connector).open()
+    session, log, transports = _open(tmp_path)
     for link in session.links.values():
         link.lost("gone")
     session.close()
