@@ -225,13 +225,7 @@ def test_the_up_after_a_verified_stop_scans_nothing(
     started.escapee({"ORCH_JOB_DIR": p["job"]})
     report = procs.stop(p["job"], 10.0)
     assert report["left"] == [] and procs.stopped_clean(p), report
-    scans: list[str] = []
-    real = procs.marked_pids
-
-    def scan(job_dir: str) -> list[Any]:
-        scans.append(job_dir)
-        return real(job_dir)
-    monkeypatch.setattr(procs, "marked_pids", scan)
+    scans = no_scan(monkeypatch)
     assert not procs.job_running(p) and scans == []
     write_atomic(p["jd"], "run/launch.json", b"{}")   # a launch since: its processes
     orphan = started.escapee({"ORCH_JOB_DIR": p["job"]})   # (one that lost its records)
