@@ -54,7 +54,7 @@ class Monitor(LineSink):
     tails: dict[int, deque[bytes]] = field(default_factory=dict)
     clocks: Clocks | None = None
     hang: HangWatch | None = None     # job.hang_timeout set: each rank's last progress
-    last_line: float = 0.0   # time.monotonic() of any rank's last line or heartbeat
+    last_progress: float = 0.0   # time.monotonic() of any rank's last line or heartbeat
 
     def label(self, host: int) -> str:
         return self.cluster.hosts[host].label
@@ -63,7 +63,7 @@ class Monitor(LineSink):
         now, label = time.time(), self.label(host)
         self.tails.setdefault(rank, deque(maxlen=TAIL_KEEP)).extend(texts[-TAIL_KEEP:])
         self.started.add(rank)
-        self.last_line = time.monotonic()
+        self.last_progress = time.monotonic()
         ev.emit_all(self.emit, [ev.RankLine(now, rank, label, "out", text) for text in texts])
         if self.hang is not None:
             self.hang.progress(rank)
@@ -73,7 +73,7 @@ class Monitor(LineSink):
 
     def rank_progress(self, host: int, ranks: list[int]) -> None:
         """The host saw these ranks touch their heartbeat files."""
-        self.last_line = time.monotonic()
+        self.last_progress = time.monotonic()
         if self.hang is not None:
             for rank in ranks:
                 self.hang.progress(rank, heartbeat=True)
@@ -181,7 +181,7 @@ def watch(session: Session, state: JobState, emit: ev.Emit,
     # a network hang said while it lasts (netwatch.py); only watching: not looked for
     net = NetWatch(session, mon.started, mon.failed, record,
                    (state.master_addr, state.master_port),
-                   lambda since: mon.last_line > since) if decide else None
+                   lambda since: mon.last_progress > since) if decide else None
     try:
         finished = follow(streams, mon, tail, heartbeats=mon.hang is not None)
         if net is not None:
