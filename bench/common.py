@@ -433,13 +433,44 @@ class Beds:
     clean: bool = False
 
 
+INOTIFY_INSTANCES = Path("/proc/sys/fs/inotify/max_user_instances")
+
+
+@contextmanager
+def inotify_room(hosts: int) -> Iterator[None]:
+    """Room for one inotify instance per fake host's follow (agent/notify.py), all run
+    by one user here: a real host runs one follow, well within the default 128 per
+    user; 1,000 fake hosts would spend them and their follows would poll instead. Raised
+    for the run (root only) and set back after."""
+    try:
+        before = int(INOTIFY_INSTANCES.read_text())
+        wanted = 2 * hosts + 256
+        if before < wanted:
+            INOTIFY_INSTANCES.write_text(str(wanted))
+    except (OSError, ValueError):   # not root, or no such setting: the follows may poll
+        yield
+        return
+    try:
+        yield
+    finally:
+        if before < wanted:
+            INOTIFY_INSTANCES.write_text(str(before))
+
+
 @contextmanager
 def bed_cluster(n: int, shells: Sequence[str], first_octet: int = 2,
                 wide: bool = False) -> Iterator[Beds]:
     """An n-host cluster whose sshd also reads the plain user's ~/.ssh/authorized_keys,
     the stand-in torchrun, and the asked login shells ("root", "plain"). On the way out,
     interrupted too: every process naming this run's folders is killed, the plain user's
-    key and folders removed, and the check that nothing is left printed (beds.clean)."""
+    key and folders removed, and the check that nothing is left printed (beds.clean).
+    Each host's follow gets its inotify instance (inotify_room)."""
+    with inotify_room(n), hosts_bed(n, shells, first_octet, wide) as beds:
+        yield beds
+
+
+@contextmanager
+def hosts_bed(n: int, shells: Sequence[str], first_octet: int, wide: bool) -> Iterator[Beds]:
     standin = Path(tempfile.mkdtemp(prefix="orch-bench-standin-"))
     sshds: list[int] = []
     needles = [str(standin), f"orchscale-{os.getpid()}", f"orchscale{os.getpid()}x"]

@@ -23,6 +23,7 @@ open descriptors seen (/proc, every 0.1 s):
             up's wall and CPU beside it)
 
     .venv/bin/python bench/fleet.py --hosts 64 300 [--shells plain root] [--reps 1]
+        [--measures up running failfast]
 
 Every sshd, job process and file it made is gone at the end (checked and printed).
 """
@@ -302,7 +303,11 @@ def report(series: list[Series], started: float) -> None:
 
 # ---------------------------------------------------------------- main
 
-def run_series(beds: Beds, shell: str, n: int, reps: int, work: Path) -> Series:
+MEASURES = {"up": measure_up, "running": measure_running, "failfast": measure_failfast}
+
+
+def run_series(beds: Beds, shell: str, n: int, reps: int, work: Path,
+               measures: list[str]) -> Series:
     sh = beds.shells[shell]
     print(f"\n== {n} hosts, {shell} shell ({sh.user}), stand-in torchrun", flush=True)
     bed = Bed(beds.cluster, beds.cluster.hosts[:n], sh, beds.python, work / f"{shell}{n}",
@@ -310,9 +315,8 @@ def run_series(beds: Beds, shell: str, n: int, reps: int, work: Path) -> Series:
     s = Series(shell, n)
     for rep in range(reps):
         print(f" rep {rep + 1}", flush=True)
-        measure_up(bed, s)
-        measure_running(bed, s)
-        measure_failfast(bed, s)
+        for name in measures:
+            MEASURES[name](bed, s)
     return s
 
 
@@ -322,6 +326,8 @@ def main() -> None:
                     help="host counts, each a prefix of one cluster (1000: about 30 minutes)")
     ap.add_argument("--shells", nargs="+", default=["plain"], choices=["plain", "root"])
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--measures", nargs="+", default=list(MEASURES), choices=list(MEASURES),
+                    help="up; running (status, logs, stop of one job); failfast")
     ap.add_argument("--nofile", type=int, default=1024,
                     help="the controller's soft open-file limit (a login session's default)")
     args = ap.parse_args()
@@ -334,7 +340,7 @@ def main() -> None:
         work = beds.cluster.root.parent / "work"
         for n in sorted(args.hosts):
             for shell in args.shells:
-                series.append(run_series(beds, shell, n, args.reps, work))
+                series.append(run_series(beds, shell, n, args.reps, work, args.measures))
     report(series, started)
     if not beds.clean:
         sys.exit(1)

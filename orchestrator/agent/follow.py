@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 
+from orchestrator.agent import notify
 from orchestrator.agent.common import AgentError, job_paths, read_json
 from orchestrator.agent.procs import stop_time, supervisor_alive
 from orchestrator.wire import protocol, timeouts
@@ -235,10 +236,12 @@ class SupervisorEnd:
         self.fd: int | None = None
         self.tried = self.ended = False
 
-    def watch(self, p: dict[str, Any]) -> None:
-        if self.tried:
+    def watch(self, p: dict[str, Any], last: bool = True) -> None:
+        """Open the supervisor's pidfd if it runs. `last`: every rank ended, so no
+        supervisor now means none will come (a watched follow also asks before that)."""
+        if self.tried or self.fd is not None:
             return
-        self.tried = True
+        self.tried = last
         sup = supervisor_alive(p)
         opener = getattr(os, "pidfd_open", None)
         if sup is None or opener is None:
@@ -252,16 +255,17 @@ class SupervisorEnd:
             return
         self.fd = fd
 
-    def sleep(self, seconds: float) -> None:
-        """Up to `seconds`, less when the supervisor ends; `ended` says it did (once:
-        then the records are read, and the sleeps are plain again)."""
+    def sleep(self, seconds: float, also: int | None = None) -> None:
+        """Up to `seconds`, less when the supervisor ends (or `also` is readable);
+        `ended` says it did (once: then the records are read, and the sleeps are plain
+        again)."""
         self.ended = False
-        if self.fd is None:
-            time.sleep(seconds)
+        fds = [fd for fd in (self.fd, also) if fd is not None]
+        if not fds:
+            time.sleep(max(0.0, seconds))
             return
-        import select
-        if select.select([self.fd], [], [], seconds)[0]:
-            self.ended = True
+        if self.fd in notify.wait(fds, seconds):
+            self.ended = self.tried = True
             self.close()
 
     def close(self) -> None:
@@ -279,6 +283,10 @@ class Heartbeats:
         self.rundir, self.ranks = rundir, ranks
         self.seen = {}   # type: dict[int, int]
         self.checked = 0.0
+
+    def next_look(self) -> float:
+        """Seconds until touched() looks again."""
+        return self.checked + timeouts.HEARTBEAT_POLL - time.monotonic()
 
     def touched(self) -> list[int]:
         now = time.monotonic()
@@ -324,9 +332,10 @@ def run(req: Request) -> None:
     beats = Heartbeats(rundir, a["ranks"]) if a.get("heartbeats") and mode == "events" \
         else None
     end = SupervisorEnd()
+    quiet = Quiet(p, rundir, end)
     try:
         while True:
-            records = rundir.changed() or end.ended
+            records = rundir.changed() or end.ended or quiet.records()
             if records and mode == "events" and len(started) < len(logs):
                 send_starts(send, p, logs, started, unit)
             busy = sum(emit(send, log) for log in logs)
@@ -342,12 +351,85 @@ def run(req: Request) -> None:
             if touched:
                 send(protocol.event("progress", ranks=touched))
             if not busy:
-                # 50 ms while output flows; 200 ms after a quiet second (a long quiet job
-                # should not cost the host CPU; exits are still seen within 0.2 s)
-                end.sleep(0.05 if idle < 20 else 0.2)
+                quiet.wait(idle, beat if mode == "events" else None, beats)
     finally:
         rundir.close()
         end.close()
+        quiet.close()
+
+
+class Quiet:
+    """How a follow waits after a pass that found nothing new.
+
+    Watched (notify.watch over logs/ and run/, where inotify can be had): until a rank
+    writes, a heartbeat is touched, a record lands, the supervisor ends, or the next beat
+    is due; an idle follow costs its host nothing. Passes stay at least GAP apart, so a
+    rank that prints without pause costs what the 50 ms poll did.
+
+    Polled (no inotify): 50 ms for a quiet second while output flows, then 200 ms (exits
+    are still seen within 0.2 s)."""
+
+    GAP = 0.05
+    LONGEST = 5.0   # a watched wait with no beat to send (raw-follow): a backstop only
+
+    def __init__(self, p: dict[str, Any], rundir: RunDir, end: SupervisorEnd) -> None:
+        self.p, self.rundir, self.end = p, rundir, end
+        self.watch = None   # type: notify.Watch | None
+        self.tried = self.run_changed = False
+        self.woke = 0.0
+        self.beat_event = -1.0   # when a heartbeat was touched that no look has seen
+
+    def records(self) -> bool:
+        """A record may have landed in run/ since the last pass (read them again)."""
+        changed, self.run_changed = self.run_changed, False
+        return changed
+
+    def wait(self, idle: int, beat: Beat | None, beats: Heartbeats | None) -> None:
+        """`beat`: the events' beat (its period bounds the wait), None in other modes."""
+        if not self.tried:   # at the first wait: a snapshot never gets here
+            self.tried = True
+            self.watch = watch_job(self.p["jd"], self.rundir.fd)
+            if self.watch is not None:
+                self.end.watch(self.p, last=False)   # a killed supervisor, seen at once
+        if self.watch is None:
+            self.end.sleep(0.05 if idle < 20 else 0.2)
+            return
+        since = time.monotonic() - self.woke
+        if since < self.GAP:
+            time.sleep(self.GAP - since)
+        timeout = beat.remaining() if beat is not None else self.LONGEST
+        if beats is not None and self.beat_event > beats.checked:
+            timeout = min(timeout, beats.next_look())
+        self.end.sleep(timeout, self.watch.fd)
+        self.woke = time.monotonic()
+        folders, names = self.watch.drain()
+        self.run_changed = RUN in folders
+        if self.run_changed and self.end.fd is None:
+            self.end.watch(self.p, last=False)   # the supervisor's record came since
+        if any(n.startswith("heartbeat-") for n in names) and self.beat_event <= (
+                beats.checked if beats is not None else 0.0):
+            self.beat_event = self.woke
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+
+
+RUN, LOGS = 0, 1   # the watched folders, in notify.watch's order
+
+
+def watch_job(jd: JobDir, run_fd: int | None) -> notify.Watch | None:
+    """A watch over run/ (this host's) and logs/, or None (then the follow polls)."""
+    if run_fd is None:
+        return None
+    try:
+        logs_fd = jd.open_dir("logs")
+    except OSError:
+        return None
+    try:
+        return notify.watch([run_fd, logs_fd])   # a watch outlives the descriptor
+    finally:
+        os.close(logs_fd)
 
 
 class Beat:
@@ -360,6 +442,10 @@ class Beat:
         self.period = period
         spread = int.from_bytes(os.urandom(2), "big") / 65536.0   # random: no import
         self.last = time.monotonic() - spread * period
+
+    def remaining(self) -> float:
+        """Seconds until a beat is due if nothing is sent meanwhile."""
+        return self.last + self.period - time.monotonic()
 
     def due(self, send: Send, sent: bool) -> None:
         """After each poll; `sent`: this poll sent frames already."""

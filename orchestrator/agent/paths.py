@@ -14,7 +14,6 @@ Stdlib only, Python 3.8 (the agent's bundle carries it, see bundle.py).
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shlex
 import stat
@@ -51,6 +50,7 @@ def part_name(name: str) -> str:
     tmp = "%s%s%d" % (name, PART, os.getpid())
     if len(os.fsencode(tmp)) <= 255:
         return tmp
+    import hashlib  # here: its OpenSSL costs ~5 ms at every agent start, for names this long
     return "%s%d-%s" % (PART, os.getpid(), hashlib.sha256(os.fsencode(name)).hexdigest()[:16])
 
 
