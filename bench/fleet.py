@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import hostmem
 from common import (
     ORCH,
     Bed,
@@ -82,6 +83,8 @@ class Cost:
     fds: int = 0
     fd_limit: int = 0   # the process's own soft open-file limit, last read while it ran
     said_stopped: float = float("nan")   # wall time orch said every host was stopped
+    # seconds from the command's start to each of orch up's step lines (MARKS)
+    marks: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,6 +102,8 @@ class Series:
     n: int
     samples: list[Sample] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # "orch"/"pdsh" -> kind -> (processes per host, PSS MiB per host) while a job runs
+    memory: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
 
     def fail(self, what: str, r: Run) -> None:
         note = f"{what} failed (exit {r.returncode}): {r.tail(600)}"
@@ -173,12 +178,17 @@ def measured(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 900,
         th.join()
     run = Run(seconds, proc.returncode, outs.get("out", b"").decode(errors="replace"),
               outs.get("err", b"").decode(errors="replace"))
+    t_wall = time.time() - seconds
+    marks = {k: round(said[k] - t_wall, 2) for k in MARKS if k in said}
     return run, Cost(seconds, proc.returncode, usage.ru_utime, usage.ru_stime,
                      usage.ru_maxrss / 1024, got["threads"], got["fds"], got["fd_limit"],
-                     said.get("stopped", float("nan")))
+                     said.get("stopped", float("nan")), marks)
 
 
-SAID = {"stopped": "stopped the job on every host"}   # orch up's line after a verified stop
+# orch up's line after a verified stop; the step lines, whose times say where `up` went
+MARKS = {"preflight": "preflight: ", "network": "network: ", "synced": "sync ",
+         "started": "started job", "finished": "finished: "}
+SAID = {"stopped": "stopped the job on every host", **MARKS}
 
 
 def read_err(f, outs: dict[str, bytes], said: dict[str, float]) -> None:
@@ -206,6 +216,9 @@ def show(label: str, c: Cost, base: float = float("nan")) -> None:
     print(f"  {label}: {c.seconds:.2f} s{vs}, cpu {c.user:.2f} user + {c.system:.2f} sys, "
           f"rss {c.rss_mib:.0f} MiB, {c.threads} threads, {c.fds} fds "
           f"(soft limit {c.fd_limit or 'unlimited'})", flush=True)
+    if c.marks:
+        print("    steps (s from the start): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in c.marks.items()), flush=True)
 
 
 # ---------------------------------------------------------------- the measures
@@ -262,6 +275,34 @@ def measure_failfast(bed: Bed, s: Series) -> None:
     show(f"failfast (stopped {said:.2f} s after the exit, orch ended {after:.2f} s after it)", c)
 
 
+def measure_memory(bed: Bed, s: Series) -> None:
+    """Memory per host while a sleeping job runs: under `orch up` (attached), then
+    under pdsh + torchrun (bench/hostmem.py)."""
+    inv = bed.inventory(f"mem{bed.n}", SLEEPER)
+    proc = subprocess.Popen([str(ORCH), "up", "-c", str(inv)], env=orch_env(), cwd=inv.parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=limit_files)
+    low = hostmem.mem_available_mib()
+    try:
+        s.memory["orch"] = hostmem.orch_memory(bed, proc)
+        low = min(low, hostmem.mem_available_mib())
+    except RuntimeError as e:
+        s.notes.append(str(e))
+    finally:
+        orch(inv, "stop")
+        proc.wait(300)
+    d = bed.pdsh_dir(SLEEPER)
+    try:
+        s.memory["pdsh"] = hostmem.pdsh_memory(
+            bed, bed.torchrun_remote(d, free_port([bed.hosts[0].address], 29500, 29900)))
+    except RuntimeError as e:
+        s.notes.append(str(e))
+    for side, kinds in s.memory.items():
+        print(f"  memory per host under {side}: " + ", ".join(
+            f"{k} {n:.2f} x {m:.2f} MiB" for k, (n, m) in kinds.items()), flush=True)
+    print(f"  MemAvailable at its lowest under orch: {low:.0f} MiB", flush=True)
+
+
 # ---------------------------------------------------------------- report
 
 HEADERS = ["hosts", "shell", "command", "orch s", "baseline s", "ratio", "user s", "sys s",
@@ -296,14 +337,15 @@ def report(series: list[Series], started: float) -> None:
     for s in series:
         for note in s.notes:
             print(f"note ({s.shell}, {s.n} hosts): {note[:300]}")
-    data = [{"shell": s.shell, "hosts": s.n, "notes": s.notes,
+    data = [{"shell": s.shell, "hosts": s.n, "notes": s.notes, "memory": s.memory,
              "samples": [asdict(x) for x in s.samples]} for s in series]
     print(f"raw samples: {save_json('fleet.json', data)}")
 
 
 # ---------------------------------------------------------------- main
 
-MEASURES = {"up": measure_up, "running": measure_running, "failfast": measure_failfast}
+MEASURES = {"up": measure_up, "running": measure_running, "failfast": measure_failfast,
+            "memory": measure_memory}
 
 
 def run_series(beds: Beds, shell: str, n: int, reps: int, work: Path,
@@ -327,7 +369,8 @@ def main() -> None:
     ap.add_argument("--shells", nargs="+", default=["plain"], choices=["plain", "root"])
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--measures", nargs="+", default=list(MEASURES), choices=list(MEASURES),
-                    help="up; running (status, logs, stop of one job); failfast")
+                    help="up; running (status, logs, stop of one job); failfast; memory "
+                         "(per host while a job runs, orch and pdsh)")
     ap.add_argument("--nofile", type=int, default=1024,
                     help="the controller's soft open-file limit (a login session's default)")
     args = ap.parse_args()
