@@ -363,20 +363,22 @@ class Quiet:
 
     Watched (notify.watch over logs/ and run/, where inotify can be had): until a rank
     writes, a heartbeat is touched, a record lands, the supervisor ends, or the next beat
-    is due; an idle follow costs its host nothing. Passes stay at least GAP apart, so a
-    rank that prints without pause costs what the 50 ms poll did.
+    is due; an idle follow costs its host nothing. Passes stay at least GAP apart while
+    output flows, QUIET_GAP otherwise, so a rank that prints without pause, or a storm
+    of record changes (a stop), costs no more than the poll did.
 
     Polled (no inotify): 50 ms for a quiet second while output flows, then 200 ms (exits
     are still seen within 0.2 s)."""
 
-    GAP = 0.05
+    GAP = 0.05         # between two passes while output flows (and for a second after)
+    QUIET_GAP = 0.2    # otherwise: a storm of changes (a stop) costs what the poll did
     LONGEST = 5.0   # a watched wait with no beat to send (raw-follow): a backstop only
 
     def __init__(self, p: dict[str, Any], rundir: RunDir, end: SupervisorEnd) -> None:
         self.p, self.rundir, self.end = p, rundir, end
         self.watch = None   # type: notify.Watch | None
         self.tried = self.run_changed = False
-        self.woke = 0.0
+        self.woke = self.flowing = 0.0
         self.beat_event = -1.0   # when a heartbeat was touched that no look has seen
 
     def records(self) -> bool:
@@ -394,9 +396,12 @@ class Quiet:
         if self.watch is None:
             self.end.sleep(0.05 if idle < 20 else 0.2)
             return
-        since = time.monotonic() - self.woke
-        if since < self.GAP:
-            time.sleep(self.GAP - since)
+        now = time.monotonic()
+        if idle <= 1:   # the pass before this one sent output
+            self.flowing = now + 1.0
+        gap = self.GAP if now < self.flowing else self.QUIET_GAP
+        if now - self.woke < gap:
+            time.sleep(gap - (now - self.woke))
         timeout = beat.remaining() if beat is not None else self.LONGEST
         if beats is not None and self.beat_event > beats.checked:
             timeout = min(timeout, beats.next_look())
