@@ -10,6 +10,7 @@ bastion (`Bastions`), each hop's host key checked under the host's policy.
 from __future__ import annotations
 
 import contextlib
+import encodings.idna  # noqa: F401  (why: see open_socket)
 import logging
 import os
 import random
@@ -248,6 +249,9 @@ def _transport_factory(made: list[paramiko.Transport], timeout: float
 
 
 def open_socket(target: Target) -> socket.socket:
+    """A TCP connection to the host. getaddrinfo encodes the name with the `idna` codec,
+    whose module is imported at its first use: imported with this module instead, or
+    the first wave of connects (256 threads) queues on that import's lock."""
     try:
         sock = socket.create_connection((target.hostname, target.port), timeout=target.timeout)
     except OSError as exc:
