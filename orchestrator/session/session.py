@@ -28,7 +28,13 @@ from orchestrator.remote.transport import Transport
 from orchestrator.session import gpuclaims, setupstep, shellcmd
 from orchestrator.session import state as job_state
 from orchestrator.session.launch import launch_all, new_run_id, warm_env, warm_start
-from orchestrator.session.preflight import Checked, PreflightReport, check_host, preflight
+from orchestrator.session.preflight import (
+    Checked,
+    PreflightReport,
+    asks_net,
+    check_host,
+    preflight,
+)
 from orchestrator.session.replies import CommandReply, HostStacks, StatusReply, Supervisor
 from orchestrator.session.shelloutput import HostOutput, Printer
 from orchestrator.session.stopper import StopReport, stop_all
@@ -260,11 +266,12 @@ class Session:
         early: Checked = GroupResult()
         lock = threading.Lock()
         warm = warm_start(self.cluster) and self.warm
+        net = asks_net(self.cluster)
 
         def check(h: Host, link: Link) -> None:
             try:
                 got = check_host(self.cluster, link, warm_env(self.cluster, h, self.run_id)
-                                 if warm else None, self.run_id, self.expect(h))
+                                 if warm else None, self.run_id, self.expect(h), net)
                 with lock:
                     early.ok[h.index] = got
             except Exception as exc:  # collected: judged with every other host's
