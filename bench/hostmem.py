@@ -111,15 +111,8 @@ def pdsh_memory(bed: Bed, remote: str, timeout: float = 600) -> dict[str, tuple[
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
-        kill_pids([pid for pid, _, _, _ in processes(uid)
-                   if "job.py" in _args(pid) or "torch.distributed.run" in _args(pid)])
-
-
-def _args(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return ""
+        kill_pids([pid for pid, _, _, args in processes(uid)
+                   if "job.py" in args or "torch.distributed.run" in args])
 
 
 def orch_memory(bed: Bed, start: subprocess.Popen, timeout: float = 600) -> dict[str, tuple[float, float]]:

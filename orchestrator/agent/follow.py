@@ -411,8 +411,8 @@ class Quiet:
         self.run_changed = RUN in folders
         if self.run_changed and self.end.fd is None:
             self.end.watch(self.p, last=False)   # the supervisor's record came since
-        if any(n.startswith("heartbeat-") for n in names) and self.beat_event <= (
-                beats.checked if beats is not None else 0.0):
+        if beats is not None and self.beat_event <= beats.checked and any(
+                n.startswith("heartbeat-") for n in names):
             self.beat_event = self.woke
 
     def close(self) -> None:

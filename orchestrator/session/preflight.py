@@ -114,16 +114,16 @@ Expected = dict[str, list[LocalFile]]   # {"code"|"data": what the push will mak
 
 
 def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
-               nonce: str = "", expect: Expected | None = None,
-               net: bool | None = None) -> tuple[HostInfo, PreflightReply]:
+               nonce: str = "", expect: Expected | None = None, *,
+               net: bool) -> tuple[HostInfo, PreflightReply]:
     """One request: the checks and the folders' manifests (sent as parts). `warm`: the
     ranks' environment: a host whose own checks pass starts torchrun warm at once
     (agent/warm.py), before its reply. `nonce`: the host leaves this preflight's marker
     in its job folder, or finds another host's there (shared_groups). `expect`: the
     files this host's folders will get; a folder that holds exactly them answers with
-    their token instead of its entries (manifests_of). `net`: whether the hosts' networks
-    are asked for (asks_net: the same for every host, so a caller of many computes it
-    once; it looks at every host: asked per host, 1,000 hosts parsed a million addresses)."""
+    their token instead of its entries (manifests_of). `net`: asks_net(cluster), computed
+    once by the caller: it looks at every host (asked per host, 1,000 hosts parsed a
+    million addresses)."""
     host = link.host
     sent = time.time()
     extra: PreflightArgs = {"warm": {"env": warm}} if warm is not None else {}
@@ -138,7 +138,7 @@ def check_host(cluster: Cluster, link: Link, warm: dict[str, str] | None = None,
         extra["share"] = {"nonce": nonce, "index": host.index}
     if host.gpu_want is not None:
         extra["gpus"] = host.gpu_want
-    if asks_net(cluster) if net is None else net:
+    if net:
         extra["net"] = network.preflight_args(cluster, host, nonce)
     _, pending = link.submit("preflight", job_dir=job_dir(cluster, host),
                              master_port=cluster.job.master_port or 0,

@@ -271,7 +271,7 @@ class Session:
         def check(h: Host, link: Link) -> None:
             try:
                 got = check_host(self.cluster, link, warm_env(self.cluster, h, self.run_id)
-                                 if warm else None, self.run_id, self.expect(h), net)
+                                 if warm else None, self.run_id, self.expect(h), net=net)
                 with lock:
                     early.ok[h.index] = got
             except Exception as exc:  # collected: judged with every other host's
