@@ -116,6 +116,7 @@ def test_orch_stop_from_elsewhere_ends_the_run_with_no_restart(
     text = run.text()
     assert code == 1, text
     assert "stopped with `orch stop`: no restart" in text and "restart 1" not in text
+    assert "job 'stopme' failed" not in text, text   # the stop is said as a stop
     assert_nothing_left(cluster3.hosts, "stopme")
 
 

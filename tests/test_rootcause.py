@@ -261,3 +261,22 @@ def test_a_host_that_ended_well_is_released_and_not_stopped_later(tmp_path, caps
     closed = transports[1].channel.stdin_closed_at
     assert closed is not None and len(stop_at) == 1 and closed < stop_at[0], \
         "host 1's agent was kept until the end"
+
+
+def test_an_orch_stop_from_elsewhere_is_said_as_a_stop_not_a_failure(tmp_path) -> None:
+    """torchrun killed by another command's `orch stop` before its ranks reported (one
+    host): the cause is the stop, and no line calls the job failed."""
+    from orchestrator.commands.uprender import cause_text
+    from orchestrator.watch import events as ev
+    cluster = parse(INVENTORY, tmp_path / "cluster.yaml")
+    stop = ev.RootCause(0.0, "host", host="localhost#0", host_code=-9, user_stop=True,
+                        host_log="run/host-0/torchrun.log")
+    text = cause_text(cluster, stop)
+    assert "was stopped by `orch stop`" in text and "ended with -9 after the stop" in text
+    assert "failed" not in text and "before its ranks" not in text, text
+    assert stop.summary() == "it was stopped by `orch stop`"
+    unknown = ev.RootCause(0.0, "unknown", user_stop=True)
+    assert "failed" not in cause_text(cluster, unknown)
+    failed = ev.RootCause(0.0, "host", host="localhost#0", host_code=-9,
+                          host_log="run/host-0/torchrun.log")
+    assert "failed" in cause_text(cluster, failed) and "before its ranks" in cause_text(cluster, failed)

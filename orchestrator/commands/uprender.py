@@ -294,6 +294,8 @@ def stop_summary(cluster: Cluster, e: ev.Stopped) -> str:
 
 
 def cause_text(cluster: Cluster, v: ev.RootCause) -> str:
+    if v.user_stop and v.kind in ("host", "unknown"):
+        return stopped_text(cluster, v)
     if v.kind == "silent":
         return silent_text(cluster, v)
     if v.kind == "host":
@@ -317,6 +319,15 @@ def cause_text(cluster: Cluster, v: ev.RootCause) -> str:
         lines.append("also failed after it: "
                      + escape(", ".join(f.describe() for f in v.later[:8])) + more)
     return "\n".join(lines)
+
+
+def stopped_text(cluster: Cluster, v: ev.RootCause) -> str:
+    """An `orch stop` from another command ended the job: no rank failed on its own (a
+    rank's exit after its host got the stop is never a cause, watch/rootcause.py), so
+    torchrun's end under the stop is said as what it is, not as a failure."""
+    ended = (f": torchrun on host {escape(v.host)} ended with {v.host_code} after the stop"
+             if v.kind == "host" else "")
+    return f"[bold]job '{escape(cluster.name)}' was stopped by `orch stop`[/]{ended}"
 
 
 def silent_text(cluster: Cluster, v: ev.RootCause) -> str:

@@ -251,6 +251,8 @@ class RootCause(Event):
         if self.failures:
             f = self.failures[0]
             return f"rank {f.rank} on {f.host} failed ({signal_name(f.code)})"
+        if self.user_stop:   # no rank failed on its own: each ended under the stop
+            return "it was stopped by `orch stop`"
         if self.silent:
             return f"host {', '.join(sorted(self.silent))} went silent"
         if self.lost:
