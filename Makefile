@@ -10,7 +10,7 @@ APT_PKGS := openssh-server openssh-client rsync pdsh iproute2 procps iptables ch
 # (both in __pycache__/, which git ignores). Without it `make test-fast` is 10 s longer.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install lock system-deps test test-fast test-stress check docs demo bench gpu-check clean
+.PHONY: install lock system-deps test test-scale test-fast test-stress check docs demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -54,6 +54,12 @@ TEST_WORKERS ?= 3
 test: install system-deps
 	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
 	  --durations=40 $(TEST_ARGS)
+
+# The scale tier: orch at 300 hosts, one sshd each (tests/test_scale.py; `up`, `status`,
+# `stop`, under a login session's 1,024 open files). Alone, since its 300 hosts share the
+# machine's cores; CI runs it after `make test` (.ci/run). Time: docs/development.md.
+test-scale: install system-deps
+	$(VPY) -m pytest -m scale --durations=10 tests/test_scale.py $(TEST_ARGS)
 
 # The unit tests only: no sshd, no training, a quarter of the fuzz documents; in 4
 # pytest-xdist workers even on 2 cores: their time is mostly each worker's start (torch's
