@@ -366,8 +366,10 @@ class Bed:
     def n(self) -> int:
         return len(self.hosts)
 
-    def inventory(self, name: str, source: str | Path, env: dict | None = None) -> Path:
-        """A job folder on this machine with its script, and its cluster.yaml."""
+    def inventory(self, name: str, source: str | Path, env: dict | None = None,
+                  procs: int = 1) -> Path:
+        """A job folder on this machine with its script, and its cluster.yaml (procs:
+        ranks per host)."""
         work = self.work / name
         work.mkdir(parents=True, exist_ok=True)
         write_script(work / "job.py", source)
@@ -375,7 +377,7 @@ class Bed:
         for i, h in enumerate(self.hosts):
             d = self.remote / f"host{i}"
             prepare_remote(d, self.shell)
-            entries.append({"address": h.address, "procs": 1, "remote_dir": str(d)})
+            entries.append({"address": h.address, "procs": procs, "remote_dir": str(d)})
         self.dirs = [f"{e['remote_dir']}/{name}" for e in entries]
         return self.cluster.write_inventory(
             work / "cluster.yaml", hosts=self.hosts, name=name, entrypoint="job.py",
@@ -399,10 +401,10 @@ class Bed:
         return ["pdsh", "-R", "ssh", "-f", str(max(256, self.n)), "-l", self.shell.user,
                 "-w", ",".join(h.address for h in self.hosts), remote]
 
-    def torchrun_remote(self, d: Path, port: int, env: str = "") -> str:
+    def torchrun_remote(self, d: Path, port: int, env: str = "", procs: int = 1) -> str:
         """run_dist.sh style: the node rank from the address (127.0.0.<first + rank>, or
         a wide cluster's 127.0.<1 + rank // 250>.<1 + rank % 250>); env: `K=V ...` put
-        before the command."""
+        before the command; procs: ranks per host."""
         if not self.hosts[0].address.startswith("127.0.0."):
             rank = "h=%h; b=${h##*.}; a=${h%.*}; a=${a##*.}; R=$(( (a - 1) * 250 + b - 1 ))"
         else:
@@ -410,7 +412,7 @@ class Bed:
             rank = f"h=%h; R=$(( ${{h##*.}} - {first} ))"
         return (f"{rank}; cd {d} && {env + ' ' if env else ''}"
                 f"{self.python} -m torch.distributed.run --nnodes {self.n} --node-rank $R "
-                f"--nproc-per-node 1 --master-addr {self.hosts[0].address} "
+                f"--nproc-per-node {procs} --master-addr {self.hosts[0].address} "
                 f"--master-port {port} job.py")
 
 

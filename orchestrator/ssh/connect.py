@@ -223,6 +223,24 @@ def idle(t: paramiko.Transport, period: float) -> None:
     t.sock.settimeout(period)   # a bastion's channel too: its close wakes its reader
 
 
+# What a host may send that this machine has not read yet: paramiko keeps a channel's
+# incoming bytes up to its window, and when the printer falls behind (a slow terminal,
+# `| less`, a flood of rank lines: bench/linerate.py) every host's window fills, 2 MiB
+# each by default: 2 GiB at 1,000 hosts. Past that the host's sshd waits, then the
+# agent's write, and the rest stays in the rank's log file on the host, read when the
+# printer catches up. The window is paramiko's 2 MiB (what a pull over a long link needs)
+# up to 128 hosts, then smaller per host, so that all of them hold at most
+# WINDOW_BUDGET, and never below WINDOW_MIN.
+WINDOW_MAX = 2 << 20
+WINDOW_MIN = 256 << 10
+WINDOW_BUDGET = 256 << 20
+
+
+def window(hosts: int) -> int:
+    """The receive window of each of `hosts` connections' channels, in bytes."""
+    return max(WINDOW_MIN, min(WINDOW_MAX, WINDOW_BUDGET // max(1, hosts)))
+
+
 def wake(t: paramiko.Transport) -> None:
     """Shut the socket down under a transport about to be closed: its thread, asleep in
     recv() for up to IDLE_WAKE_S, sees the end now and exits (closing the descriptor
@@ -310,7 +328,9 @@ def open_client(target: Target, sock: Any) -> _Client:
             look_for_keys=not target.identity_files, allow_agent=True,
             timeout=target.timeout, banner_timeout=target.timeout, auth_timeout=target.timeout,
             sock=sock, transport_factory=_transport_factory(made, target.timeout))
-        idle(client.live_transport(), target.keepalive)
+        live = client.live_transport()
+        idle(live, target.keepalive)
+        live.default_window_size = target.window   # every channel opened on it
         return client
     except BaseException as exc:
         step = _step(made[0] if made else None)
@@ -493,10 +513,11 @@ class Bastions:
 def connect(host: Host, config: paramiko.SSHConfig, base_dir: Path,
             bastions: Bastions | None = None, hosts: int = 1) -> Transport:
     """One host's connection; `bastions` shares bastion connections between hosts;
-    `hosts`: how many the command connects to (each one's keepalive period)."""
+    `hosts`: how many the command connects to (each one's keepalive period and window)."""
     if host.connection == "local":
         return LocalTransport(host, cwd=str(base_dir))
-    target = replace(resolve_target(host, config), keepalive=timeouts.keepalive(hosts))
+    target = replace(resolve_target(host, config), keepalive=timeouts.keepalive(hosts),
+                     window=window(hosts))
     own = bastions is None
     hops = Bastions() if bastions is None else bastions
     try:

@@ -21,6 +21,7 @@ class Target:
     jumps: tuple[Target, ...] = ()   # bastions, first hop first
     name: str = ""                     # as written (a bastion's `user@host:port`)
     keepalive: float = timeouts.KEEPALIVE   # its period once logged in (timeouts.keepalive)
+    window: int = 2 << 20   # what a channel may send before we read it (connect.window)
 
     @property
     def address(self) -> str:
