@@ -98,6 +98,10 @@ class StubLink:
         self.last_seen = last_seen
         self.fields: dict[str, Any] = {}
         self.lost_why: list[str] = []
+        self.handing = False   # a frame of it still being handed on (Link.heard)
+
+    def heard(self) -> float:
+        return timeouts.CLOCK.now() if self.handing else self.last_seen
 
     def follow(self, sink: Any, **fields: Any) -> None:
         self.fields = fields
@@ -236,3 +240,63 @@ def test_the_watchdog_at_300_hosts_waits_their_bound_on_a_fake_clock(monkeypatch
         dog.join(10)
     assert rec.lost == [(0, "no answer for 25 s")] and links[0].lost_why == ["no answer for 25 s"]
     assert streams[0].done and not any(s.done for i, s in streams.items() if i)
+
+
+def test_a_host_whose_frame_is_still_being_printed_is_not_lost(monkeypatch) -> None:
+    """The printer fell behind: host 0's reader has been inside one of its frames for
+    longer than the bound. Its host talked; we are slow: not lost. Once the frame is
+    handed on and the host says nothing more for the bound, it is."""
+    clock = FakeClock(start=1000.0)
+    monkeypatch.setattr(timeouts, "CLOCK", clock)
+    links = {i: StubLink(1000.0) for i in range(4)}
+    links[0].handing = True
+    streams, rec, stop = streams_of(links), Lost(), threading.Event()
+    dog = threading.Thread(target=watchdog, args=(streams, Tracker(streams, rec), stop),  # type: ignore[arg-type]  # a test double
+                           daemon=True)
+    dog.start()
+    clock.wait_for_checks(1)
+    try:
+        for _ in range(1, int(40.0 / TICK)):
+            clock.step(TICK)
+            for link in list(links.values())[1:]:
+                link.last_seen = clock.now()
+        assert rec.lost == []
+        links[0].last_seen, links[0].handing = clock.now(), False
+        for _ in range(int(16.0 / TICK)):
+            clock.step(TICK)
+            for link in list(links.values())[1:]:
+                link.last_seen = clock.now()
+    finally:
+        stop.set()
+        dog.join(10)
+    assert rec.lost == [(0, "no answer for 15 s")]
+
+
+def test_a_link_is_heard_while_its_reader_is_inside_a_frame(tmp_path: Path, monkeypatch) -> None:
+    """A real agent's reply, its handing on held up (a printer behind): heard() is now,
+    however old the frame; once handed on, heard() is the frame's arrival again."""
+    link = started(tmp_path)
+    inside, release = threading.Event(), threading.Event()
+    dispatch = link._dispatch
+
+    def slow(kind: bytes, payload: Any) -> None:
+        inside.set()
+        release.wait(30)
+        dispatch(kind, payload)
+    monkeypatch.setattr(link, "_dispatch", slow)
+    try:
+        _, pending = link.submit("status", job_dir=str(tmp_path / "nojob"), ranks=[0])
+        assert inside.wait(30)
+        arrived = link.last_seen
+        time.sleep(0.3)
+        assert link.handing and link.heard() - arrived >= 0.3
+        release.set()
+        try:
+            link.wait(pending, 30)
+        except OrchError:   # no such job: its answer is all this test needs
+            pass
+        wait_until(lambda: not link.handing, 10, "the frame handed on")
+        assert link.heard() == link.last_seen
+    finally:
+        release.set()
+        link.close()

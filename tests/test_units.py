@@ -253,6 +253,9 @@ class StubLink:
         self.last_seen = last_seen
         self.lost_why: list[str] = []
 
+    def heard(self) -> float:
+        return self.last_seen
+
     def lost(self, why: str) -> None:
         self.lost_why.append(why)
 

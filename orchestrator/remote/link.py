@@ -196,6 +196,7 @@ class Link:
         # which then never reads a frame's stamp in its future)
         self.last_seen = timeouts.CLOCK.now()
         self.last_heard = time.time()       # the same moment on the wall clock (root cause)
+        self.handing = False                # a frame of this host is being handed on (heard)
 
     # ------------------------------------------------------------ start
 
@@ -242,7 +243,11 @@ class Link:
                 if got is None:
                     return self._fail(HostError(f"{self.name}: the agent's connection ended"))
                 self.last_seen, self.last_heard = timeouts.CLOCK.now(), time.time()
-                self._dispatch(*got)
+                self.handing = True
+                try:
+                    self._dispatch(*got)
+                finally:
+                    self.handing = False
         except protocol.ProtocolError as e:
             self._fail(HostError(f"{self.name}: the agent sent something orch does not "
                                  f"accept: {e}", hint="the host's agent may be broken; "
@@ -251,6 +256,18 @@ class Link:
             self._fail(e)
         except Exception as e:  # a closed channel, a socket error: the host is gone
             self._fail(HostError(f"{self.name}: connection lost: {e}"))
+
+    def heard(self) -> float:
+        """When this host last spoke, on the watchdogs' clock: now while one of its frames
+        is still being handed on, or more of its bytes wait unread here. A printer that
+        falls behind (a flood of rank lines, a slow terminal) holds this link's reader
+        inside a frame for as long as it is behind; the host, still talking, is not the
+        one that went silent (bench/linerate.py: two healthy hosts of 50 were called
+        lost that way, and the job stopped)."""
+        chan = self.chan
+        if self.handing or (chan is not None and chan.ready()):
+            return timeouts.CLOCK.now()
+        return self.last_seen
 
     def _hello(self, reader: protocol.FrameReader) -> None:
         try:

@@ -55,6 +55,10 @@ class Channel(ABC):
     def settimeout(self, timeout: float | None) -> None:  # noqa: B027
         """How long read() may wait; None: forever (a follow that heartbeats)."""
 
+    def ready(self) -> bool:
+        """Whether bytes the host sent wait here unread (a seam without a buffer: never)."""
+        return False
+
     @abstractmethod
     def stderr_tail(self) -> bytes:
         """The last bytes (at most STDERR_KEEP) the command wrote to stderr so far."""

@@ -63,6 +63,9 @@ class SSHChannel(Channel):
             err += self.chan.recv_stderr(CHUNK)
         return Result(code, bytes(out), bytes(err))
 
+    def ready(self) -> bool:
+        return self.chan.recv_ready()
+
     def stderr_tail(self) -> bytes:
         err = bytearray()
         while self.chan.recv_stderr_ready() and len(err) < 4 * STDERR_KEEP:

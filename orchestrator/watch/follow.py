@@ -104,7 +104,7 @@ def watchdog(streams: dict[int, HostStream], tracker: Tracker, stop: threading.E
     clock, hosts = timeouts.CLOCK, len(streams)
     silence = Silence(timeouts.host_lost(hosts), timeouts.heartbeat(hosts), clock.now())
     while not clock.wait(stop, TICK):
-        seen = {i: s.link.last_seen for i, s in streams.items() if not s.done}
+        seen = {i: s.link.heard() for i, s in streams.items() if not s.done}
         for index, why in silence.look(clock.now(), seen):
             tracker.host_lost(index, why)
             streams[index].link.lost(why)   # the closing `orch up` does not wait for its agent
