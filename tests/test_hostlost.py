@@ -216,17 +216,25 @@ def test_a_small_job_loses_its_silent_hosts_at_the_bound(hosts: int) -> None:
 
 # ---------------------------------------------------------------- the watchdog thread
 
+def watched(links: dict[int, StubLink], clock: FakeClock
+            ) -> tuple[dict[int, HostStream], Lost, threading.Event, threading.Thread]:
+    """The host-lost watchdog over links, started on the fake clock (its first check
+    waited for): the streams, what it found lost, its stop, its thread."""
+    streams, rec, stop = streams_of(links), Lost(), threading.Event()
+    dog = threading.Thread(target=watchdog, args=(streams, Tracker(streams, rec), stop),  # type: ignore[arg-type]  # a test double
+                           daemon=True)
+    dog.start()
+    clock.wait_for_checks(1)
+    return streams, rec, stop, dog
+
+
 def test_the_watchdog_at_300_hosts_waits_their_bound_on_a_fake_clock(monkeypatch) -> None:
     """300 hosts beat every 3 s; host 0 goes silent: lost after 25 s (not the 15 s of a
     small job), once, its link told; nobody else."""
     clock = FakeClock(start=1000.0)
     monkeypatch.setattr(timeouts, "CLOCK", clock)
     links = {i: StubLink(1000.0) for i in range(300)}
-    streams, rec, stop = streams_of(links), Lost(), threading.Event()
-    dog = threading.Thread(target=watchdog, args=(streams, Tracker(streams, rec), stop),  # type: ignore[arg-type]  # a test double
-                           daemon=True)
-    dog.start()
-    clock.wait_for_checks(1)
+    streams, rec, stop, dog = watched(links, clock)
     try:
         for n in range(1, int(25.0 / TICK) + 3):
             clock.step(TICK)
@@ -250,11 +258,7 @@ def test_a_host_whose_frame_is_still_being_printed_is_not_lost(monkeypatch) -> N
     monkeypatch.setattr(timeouts, "CLOCK", clock)
     links = {i: StubLink(1000.0) for i in range(4)}
     links[0].handing = True
-    streams, rec, stop = streams_of(links), Lost(), threading.Event()
-    dog = threading.Thread(target=watchdog, args=(streams, Tracker(streams, rec), stop),  # type: ignore[arg-type]  # a test double
-                           daemon=True)
-    dog.start()
-    clock.wait_for_checks(1)
+    _, rec, stop, dog = watched(links, clock)
     try:
         for _ in range(1, int(40.0 / TICK)):
             clock.step(TICK)
