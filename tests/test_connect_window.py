@@ -23,12 +23,16 @@ def test_the_window_shrinks_past_128_hosts_within_the_budget(hosts: int, size: i
     assert hosts * connect.window(hosts) <= max(connect.WINDOW_BUDGET, hosts * connect.WINDOW_MIN)
 
 
-def buffered_while_unread(link: SSHTransport) -> tuple[int, bytes]:
-    """A command writes SENT bytes that nobody reads for 2 s: what this process then
-    holds of them, and all of them once read."""
+def buffered_while_unread(link: SSHTransport, window: int) -> tuple[int, bytes]:
+    """A command writes SENT bytes that nobody reads: what this process holds of them
+    once half the window has come and a second more has passed (a loaded machine may be
+    slow to fill it; an unbounded buffer would keep growing), and all of them once read."""
     chan = link.open(["head", "-c", str(SENT), "/dev/zero"], 30)
     assert isinstance(chan, SSHChannel)
-    time.sleep(2)
+    deadline = time.monotonic() + 60
+    while len(chan.chan.in_buffer) <= window // 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)
     held = len(chan.chan.in_buffer)
     got = bytearray()
     while len(got) < SENT:
@@ -48,7 +52,7 @@ def test_unread_output_is_held_up_to_the_window_and_none_is_lost(
         link = connect.connect(host, sshconfig.ssh_config(), tmp_path, hosts=hosts)
         assert isinstance(link, SSHTransport)
         try:
-            held, got = buffered_while_unread(link)
+            held, got = buffered_while_unread(link, connect.window(hosts))
         finally:
             link.close()
         assert got == bytes(SENT), f"{len(got)} of {SENT} bytes came back at {hosts} hosts"
