@@ -42,9 +42,11 @@ from orchestrator.ssh.faults import (
     dropped_before_banner,
     explain_lost,
 )
+from orchestrator.ssh.knownhosts import IndexedHostKeys
 from orchestrator.ssh.sshconfig import resolve_target
 from orchestrator.ssh.sshtransport import (
     AcceptNewPolicy,
+    DeadlinePacketizer,
     HostKeyRefused,
     SSHTransport,
     StrictPolicy,
@@ -253,7 +255,7 @@ def wake(t: paramiko.Transport) -> None:
 def _transport_factory(made: list[paramiko.Transport], timeout: float
                        ) -> Callable[..., paramiko.Transport]:
     def factory(sock: Any, **kwargs: Any) -> paramiko.Transport:
-        t = paramiko.Transport(sock, **kwargs)
+        t = paramiko.Transport(sock, packetizer_class=DeadlinePacketizer, **kwargs)
         # the key exchange gets the user's connect timeout too: paramiko's own 15 s ended
         # 200 logins at once on 2 cores with an EOFError, told as "closed" by sshd
         t.handshake_timeout = timeout
@@ -294,8 +296,7 @@ def known_host_keys(path: str) -> paramiko.HostKeys:
     with _known_lock:
         cached = _known.get(path)
         if cached is None or cached[0] != data:
-            keys = paramiko.HostKeys()
-            keys.load(path)
+            keys = IndexedHostKeys(path)
             cached = _known[path] = (data, keys)
         return cached[1]
 
