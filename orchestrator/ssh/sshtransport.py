@@ -118,7 +118,12 @@ class SSHTransport(Transport):
         if transport is None or not transport.is_active():
             raise HostError(f"{self.host.label}: the SSH connection was lost")
         chan = transport.open_session(timeout=timeout or timeouts.OPEN_SESSION)
-        chan.exec_command(remote_command(argv))
+        # `exec`: the login shell sshd runs the command in becomes the command instead of
+        # waiting beside it for the whole session (sh and dash do not do that by
+        # themselves): one process less on every host for every command, and what the
+        # channel's end signals is the agent itself. Any shell has `exec`; a missing
+        # program still ends 127 with "not found" (Link._no_agent)
+        chan.exec_command("exec " + remote_command(argv))
         return SSHChannel(chan, timeout)
 
     def tunnel(self, port: int, timeout: float) -> Stream:
