@@ -20,6 +20,7 @@ from orchestrator.api.jobs import cluster_of
 from orchestrator.api.outcomes import ArrayUpResult
 from orchestrator.arrays import plan as array_plan
 from orchestrator.commands.common import console, emit_json, hint_cmd, inventory_path, plural
+from orchestrator.config.hostranges import fold
 from orchestrator.config.hostselect import narrow
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_OK, UsageError
@@ -234,16 +235,8 @@ class UpView(launching.UpProgress):
 
     def synced(self, cluster: Cluster, reports: launching.SyncReports,
                shared: dict[int, list[str]]) -> None:
-        """One line per job folder (at most 16, or those that got files or are shared):
-        hosts that share one are named together."""
-        for i, parts in sorted(reports.items()):
-            others = shared.get(i, [])
-            note = f" (job folder shared with {', '.join(others)}: pushed once)" if others else ""
-            bits = [f"{k} {plural(r.files, 'file')} {r.bytes} B sent, {r.deleted} deleted"
-                    for k, r in parts.items()]
-            if len(cluster.hosts) <= 16 or any(r.files for r in parts.values()) or others:
-                console.print(f"sync {cluster.hosts[i].label}{note}: "
-                              + ("; ".join(bits) or "nothing to push"), markup=False)
+        for line in sync_lines(cluster, reports, shared):
+            console.print(line, markup=False)
 
     def python_missing(self, host: Host, python: str) -> None:
         console.print(f"{escape(host.label)}: python {escape(python)} "
@@ -264,3 +257,36 @@ class UpView(launching.UpProgress):
         if covered:
             console.print(f"setup: {plural(covered, 'host')} share a job folder with a host "
                           "that ran it (setup.once_per: filesystem)", markup=False)
+
+
+SYNC_LINES_MAX = 16   # past this many lines, the rest is one sum
+
+
+def sync_lines(cluster: Cluster, reports: launching.SyncReports,
+               shared: dict[int, list[str]]) -> list[str]:
+    """What the push did, a line per job folder up to 16 hosts; past that, only the
+    hosts that got files or share a folder, those whose lines read the same as one
+    (`sync 127.0.1.[1-300]: code 1 file 57 B sent, 0 deleted`), and past 16 lines one
+    sum: a first push to 1,000 hosts was 1,000 lines."""
+    alike: dict[str, list[int]] = {}
+    lines: list[tuple[list[int], str]] = []
+    for i, parts in sorted(reports.items()):
+        others = shared.get(i, [])
+        text = "; ".join(f"{k} {plural(r.files, 'file')} {r.bytes} B sent, {r.deleted} deleted"
+                         for k, r in parts.items()) or "nothing to push"
+        if len(cluster.hosts) <= SYNC_LINES_MAX or others:
+            note = f" (job folder shared with {', '.join(others)}: pushed once)" if others else ""
+            lines.append(([i], f"sync {cluster.hosts[i].label}{note}: {text}"))
+        elif any(r.files for r in parts.values()):
+            alike.setdefault(text, []).append(i)
+    lines += [(m, f"sync {fold([cluster.hosts[i].label for i in m])}: {text}")
+              for text, m in alike.items()]
+    lines.sort()
+    if len(lines) <= SYNC_LINES_MAX:
+        return [line for _, line in lines]
+    rest = [r for members, _ in lines[SYNC_LINES_MAX - 1:] for i in members
+            for r in reports[i].values()]
+    hosts = sum(len(members) for members, _ in lines[SYNC_LINES_MAX - 1:])
+    return [line for _, line in lines[:SYNC_LINES_MAX - 1]] + [
+        f"sync: {plural(hosts, 'host')} more got {plural(sum(r.files for r in rest), 'file')}, "
+        f"{sum(r.bytes for r in rest)} B in all"]
