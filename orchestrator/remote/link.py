@@ -208,7 +208,7 @@ class Link:
         self.chan = self.transport.open(argv, timeout)
         self.chan.settimeout(None)   # the reader thread waits; callers time out on events
         threading.Thread(target=self._read, daemon=True, name=f"link-{self.name}").start()
-        # written beside: the bundle (~170 KiB with its bytecode) is more than a pipe
+        # written beside: the bundle (~340 KB with its bytecode) is more than a pipe
         # holds, and a login shell that never reads its stdin must not block us here
         self.boot = threading.Thread(target=self._write_boot, daemon=True,
                                      name=f"boot-{self.name}")
