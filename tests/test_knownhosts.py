@@ -80,27 +80,3 @@ def test_plain_names_are_found_without_a_scan(tmp_path: Path, monkeypatch: pytes
     assert all(keys.check(n, key) for n in names)
     assert calls == []
 
-
-def test_the_key_exchange_deadline_needs_no_thread() -> None:
-    """DeadlinePacketizer (ssh/sshtransport.py): paramiko's handshake timer was a thread
-    per connection; the deadline is read where paramiko reads the timer's flag."""
-    import socket
-    import threading
-    import time
-
-    from orchestrator.ssh.sshtransport import DeadlinePacketizer
-    a, b = socket.socketpair()
-    try:
-        p = DeadlinePacketizer(a)
-        assert not p.handshake_timed_out()   # not started: never timed out
-        before = threading.active_count()
-        p.start_handshake(0.05)
-        assert threading.active_count() == before
-        assert not p.handshake_timed_out()
-        time.sleep(0.06)
-        assert p.handshake_timed_out()
-        p.complete_handshake()
-        assert not p.handshake_timed_out()
-    finally:
-        a.close()
-        b.close()

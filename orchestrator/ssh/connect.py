@@ -46,8 +46,8 @@ from orchestrator.ssh.knownhosts import IndexedHostKeys
 from orchestrator.ssh.sshconfig import resolve_target
 from orchestrator.ssh.sshtransport import (
     AcceptNewPolicy,
-    DeadlinePacketizer,
     HostKeyRefused,
+    QuietPacketizer,
     SSHTransport,
     StrictPolicy,
 )
@@ -255,7 +255,7 @@ def wake(t: paramiko.Transport) -> None:
 def _transport_factory(made: list[paramiko.Transport], timeout: float
                        ) -> Callable[..., paramiko.Transport]:
     def factory(sock: Any, **kwargs: Any) -> paramiko.Transport:
-        t = paramiko.Transport(sock, packetizer_class=DeadlinePacketizer, **kwargs)
+        t = paramiko.Transport(sock, packetizer_class=QuietPacketizer, **kwargs)
         # the key exchange gets the user's connect timeout too: paramiko's own 15 s ended
         # 200 logins at once on 2 cores with an EOFError, told as "closed" by sshd
         t.handshake_timeout = timeout
