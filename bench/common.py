@@ -23,7 +23,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the fake cluster lives beside the tests
 
-from sshd_cluster import FakeHost, SshdCluster, free_port, pid_alive  # noqa: E402
+from sshd_cluster import FakeHost, SshdCluster, free_port, loopback, pid_alive  # noqa: E402
 
 VENV = REPO / ".venv"
 VENV_PY = VENV / "bin" / "python"
@@ -136,8 +136,9 @@ def fake_cluster(n: int, root: Path | None = None, first_octet: int = 2,
     wide: on 127.0.1.1 and on (wide_address) instead of 127.0.0.<first_octet>..."""
     with tempfile.TemporaryDirectory(prefix="orch-bench-") as tmp:
         base = Path(root) if root else Path(tmp)
-        addresses = [wide_address(i) if wide else f"127.0.0.{first_octet + i}"
-                     for i in range(n)]
+        # the addresses sshd binds: in a pytest-xdist worker (a test that uses this bed)
+        # those are the worker's own, not 127.0.0.x (sshd_cluster.loopback)
+        addresses = [wide_address(i) if wide else loopback(first_octet + i) for i in range(n)]
         kind = WideCluster if wide else SshdCluster
         cluster = kind(base / "cluster", n, port=free_port(addresses),
                        first_octet=first_octet, sshd_options=sshd_options)

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from common import Bed, bed_cluster, remote_base
 
 pytestmark = pytest.mark.ssh
+FIRST_OCTET = 230   # apart from the other clusters' addresses (their FIRST_OCTET)
 
 
 def parent_comm(pid: int) -> str:
@@ -25,7 +26,7 @@ def parent_comm(pid: int) -> str:
 
 
 def test_the_agent_is_the_sessions_own_process() -> None:
-    with bed_cluster(1, ["plain"], first_octet=3) as beds:
+    with bed_cluster(1, ["plain"], first_octet=FIRST_OCTET) as beds:
         sh = beds.shells["plain"]
         bed = Bed(beds.cluster, beds.cluster.hosts, sh, beds.python,
                   beds.cluster.root.parent / "work", remote_base(beds.cluster, sh) / "shell")
