@@ -3,7 +3,7 @@
 paramiko's `HostKeys.lookup` compares the name with every line, and so does its `load`
 for every line it reads (to drop a name already known with that key): each host's
 connect scanned the whole file, O(hosts x lines) of CPU for one command, and the load
-O(lines^2). Here plain names (`host`, `[host]:port`) go through a dict; a hashed line
+O(lines^2). Here names go through a dict, as written; a hashed line
 (`|1|salt|hash`, OpenSSH's HashKnownHosts) can only be told by hashing the name with its
 salt, so those lines are still tried one by one, as paramiko does.
 
@@ -57,10 +57,10 @@ class IndexedHostKeys(paramiko.HostKeys):
             self._by_name, self._hashed, done = {}, [], 0
         for i in range(done, len(entries)):
             for name in entries[i].hostnames:
+                # by its very text too: paramiko matches a hashed name asked as written
+                self._by_name.setdefault(name, []).append(i)
                 if name.startswith("|1|"):
                     self._hashed.append(i)
-                else:
-                    self._by_name.setdefault(name, []).append(i)
         self._seen = (id(entries), len(entries))
 
     def _lines_of(self, hostname: str) -> list[Any]:
