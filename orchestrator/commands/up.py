@@ -284,9 +284,9 @@ def sync_lines(cluster: Cluster, reports: launching.SyncReports,
     lines.sort()
     if len(lines) <= SYNC_LINES_MAX:
         return [line for _, line in lines]
-    rest = [r for members, _ in lines[SYNC_LINES_MAX - 1:] for i in members
-            for r in reports[i].values()]
-    hosts = sum(len(members) for members, _ in lines[SYNC_LINES_MAX - 1:])
-    return [line for _, line in lines[:SYNC_LINES_MAX - 1]] + [
-        f"sync: {plural(hosts, 'host')} more got {plural(sum(r.files for r in rest), 'file')}, "
+    shown, summed = lines[:SYNC_LINES_MAX - 1], lines[SYNC_LINES_MAX - 1:]
+    hosts = [i for members, _ in summed for i in members]
+    rest = [r for i in hosts for r in reports[i].values()]
+    return [line for _, line in shown] + [
+        f"sync: {plural(len(hosts), 'host')} more got {plural(sum(r.files for r in rest), 'file')}, "
         f"{sum(r.bytes for r in rest)} B in all"]
