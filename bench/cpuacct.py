@@ -7,7 +7,7 @@ not depend on the machine's load, unlike wall time. Records are in 1/100 s and e
 down to its tick, so many short processes read a little low (at most 10 ms each).
 
 `Accounting()` is on only while its `with` block runs; `kinds()` sorts the records of one
-command into kinds (login shell, agent, supervisor, torchrun, per-rank wrapper, job...)
+command into kinds (login shell, agent, supervisor, torchrun, job...)
 by their place in the process tree. Used by bench/scale.py (--cpu).
 """
 from __future__ import annotations
@@ -126,7 +126,7 @@ def python_depth(p: Proc, by_pid: dict[int, Proc]) -> tuple[int, bool]:
 
 
 ORCH_KINDS = {(0, False): "agent", (1, False): "agent fork", (0, True): "supervisor",
-              (1, True): "torchrun", (2, True): "rank wrapper", (3, True): "job"}
+              (1, True): "torchrun", (2, True): "job", (3, True): "job"}
 PDSH_KINDS = {(0, False): "torchrun", (1, False): "job"}
 
 

@@ -5,7 +5,7 @@ On a real cluster each host has its own memory; on the fake one every host's pro
 share this machine's, so the per-host sum times the host count is what 1,000 hosts need
 here. Counted: PSS (each shared page split between the processes that map it) from
 /proc/PID/smaps_rollup of every process of the bed's user (sshd's session process, the
-login shell, the agent, supervisor, torchrun, the rank wrapper and the rank), and under
+login shell, the agent, supervisor, torchrun and the rank), and under
 pdsh its ssh clients too (on this machine, one per host).
 
     used by bench/fleet.py (`--measures memory`)
@@ -28,8 +28,7 @@ KINDS = (
     ("agent", lambda comm, args, ppid: "orch-agent" in args),
     ("torchrun", lambda comm, args, ppid: "orch-warm-torchrun" in args
      or "torch.distributed.run" in args or "orch-launcher" in args),
-    ("rank wrapper", lambda comm, args, ppid: "rankexec.py" in args),
-    ("rank", lambda comm, args, ppid: "_orch_rank" in args or "job.py" in args),
+    ("rank", lambda comm, args, ppid: "rankexec.py" in args or "job.py" in args),
     ("sshd", lambda comm, args, ppid: comm == "sshd"),
 )
 

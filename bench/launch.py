@@ -10,14 +10,14 @@ timeline says where the time goes, from the command's start:
   first line   orch: its first line (preflight); pdsh prints nothing of its own
   go           orch: the first host's supervisor handed torchrun its go (run/supervisor.json)
   started      orch: `started job ...` (every host launched)
-  wrapper      orch: the first rank wrapper started its rank (run/rank-<r>.pid)
+  rank start   orch: torchrun started the first rank (run/rank-<r>.pid, its launcher)
   rank runs    the first rank's own clock at its first line (the job's code began)
   rank seen    that line reaching the command's output (orch: through the agent's follow)
   imported     the last rank done importing torch
   joined       the last rank through init_process_group
   rank ends    the last rank's own clock at its last line (after destroy_process_group:
                what is left is its interpreter's end)
-  rank exited  orch: the last rank wrapper saw its rank's exit (run/rank-<r>.exit)
+  rank exited  orch: the last rank ended (run/rank-<r>.exit, its launcher)
   torchrun     the last host's torchrun exited (orch: the supervisor's run/host.exit;
                pdsh: the remote shell's clock right after torchrun, `torchrun-exit`)
   end          the command returned
@@ -59,7 +59,7 @@ from common import (
 
 JOB = REPO / "bench" / "jobs" / "firstline.py"
 MASTER = "127.0.0.2"
-MARKS = ("first line", "go", "started", "wrapper", "rank runs", "rank seen", "imported", "joined",
+MARKS = ("first line", "go", "started", "rank start", "rank runs", "rank seen", "imported", "joined",
          "rank ends", "rank exited", "torchrun", "end")
 STAMP = re.compile(r"(first-line|imported|joined|end|torchrun-exit) (?:rank|node)=\d+ t=(\d+\.\d+)")
 LAST = {"imported": "imported", "joined": "joined", "end": "rank ends", "torchrun-exit": "torchrun"}
@@ -188,7 +188,7 @@ def run_orch(inventory: Path, hosts: list, repo: Path | None = None) -> Timed:
     name = yaml.safe_load(inventory.read_text())["name"]
     records = [p for h in hosts for p in (h.remote_dir / name / "run").glob("*/*")]
     for mark_name, pattern, key, pick in (("go", "supervisor.json", "started", min),
-                                          ("wrapper", "rank-*.pid", "time", min),
+                                          ("rank start", "rank-*.pid", "time", min),
                                           ("rank exited", "rank-*.exit", "time", max),
                                           ("torchrun", "host.exit", "time", max)):
         times = [json.loads(p.read_text())[key] for p in records if p.match(pattern)]

@@ -219,17 +219,15 @@ class BenchHosts(NsHosts):
 
 
 def rank_pids(net: BenchHosts, i: int, rank: int) -> list[int]:
-    """The training process of one rank on host i: RANK=<rank> in its environment, and
-    not orch's per-rank wrapper (rankexec.py, its parent, which only waits)."""
+    """The training process of one rank on host i: RANK=<rank> in its environment."""
     want = f"\0RANK={rank}\0".encode()
     found = []
     for pid in net.ns_pids(i):
         try:
             env = b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if want in env and b"rankexec" not in cmd:
+        if want in env:
             found.append(pid)
     return found
 

@@ -15,11 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers import wait_until
 from orchestrator.agent import follow as agent_follow
+from orchestrator.agent import rankexec
 from orchestrator.agent import stacks as agent_stacks
 from orchestrator.agent.paths import JobDir
 from orchestrator.agent.procs import proc_start_time, stat_fields
-from orchestrator.agent.rankexec import BOOT
 from orchestrator.commands.up import with_hang_timeout
 from orchestrator.commands.uprender import hang_text
 from orchestrator.config.inventory import Cluster, load
@@ -237,15 +238,16 @@ Current thread 0x00007f0000000002 (most recent call first):
   File "/venv/torch/distributed/c10d_logger.py", line 75 in wrapper
   File "/job/code/job.py", line 14 in train_step
   File "/job/code/job.py", line 30 in <module>
-  File "<string>", line 16 in _orch_rank
-  File "<string>", line 17 in <module>
+  File "/job/run/host-h0/rankexec.py", line 76 in _orch_rank
+  File "/job/run/host-h0/rankexec.py", line 80 in <module>
 """
 
 DUMP_ASLEEP = """\
 Current thread 0x00007f0000000002 (most recent call first):
   File "/job/code/job.py", line 11 in train_step
   File "/job/code/job.py", line 30 in <module>
-  File "<string>", line 17 in <module>
+  File "/job/run/host-127.0.0.1/rankexec.py", line 76 in _orch_rank
+  File "/job/run/host-127.0.0.1/rankexec.py", line 80 in <module>
 """
 
 
@@ -324,7 +326,7 @@ def test_the_report_names_the_culprit_with_its_stack(tmp_path: Path) -> None:
     assert "no rank made progress (output or heartbeat) for 12 s (hang_timeout 10 s)" in text
     assert "root cause rank 2 on host 127.0.0.1 (local rank 0): in train_step" in text
     assert 'File "/job/code/job.py", line 11 in train_step' in text
-    assert "_orch_rank" not in text and '"<string>"' not in text   # orch's own frames
+    assert "_orch_rank" not in text and "rankexec.py" not in text   # orch's own frames
     assert "NCCL flight recorder dump: 127.0.0.1: /j/run/host-127.0.0.1/nccl-trace-rank-2" in text
     assert "--rank 2`" in text
     none = hang_text(cluster, hang_event(cluster, HangReport(hang(), {}, culprits(hang(), {}))))
@@ -424,15 +426,15 @@ waiting_here()
 
 
 def rank_process(tmp_path: Path, rank: int) -> subprocess.Popen:
-    """A rank as rankexec starts it: BOOT, its stack file's descriptor, its pid record."""
+    """A rank as torchrun starts it under orch (run/rankexec.py, then the script), and
+    its pid record (the launcher's)."""
     run = tmp_path / "job" / "run"
     (tmp_path / f"r{rank}.py").write_text(CHILD)
-    fd = os.open(run / f"stack-{rank}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    proc = subprocess.Popen([sys.executable, "-u", "-c", BOOT, str(fd), "script",
-                             str(tmp_path / f"r{rank}.py")], pass_fds=(fd,),
-                            stdout=subprocess.PIPE)
-    os.close(fd)
-    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    proc = subprocess.Popen([sys.executable, "-u", rankexec.__file__, str(tmp_path / "job"),
+                             "script", str(tmp_path / f"r{rank}.py")],
+                            env=dict(os.environ, RANK=str(rank)))
+    log = tmp_path / "job" / "logs" / f"rank-{rank}.log"
+    wait_until(lambda: log.exists() and log.read_bytes() == b"ready\n", 30, "the rank ready")
     (run / f"rank-{rank}.pid").write_text(json.dumps(
         {"pid": proc.pid, "start_ticks": proc_start_time(proc.pid), "time": time.time()}))
     return proc
@@ -465,9 +467,10 @@ def test_the_host_takes_each_ranks_stack_or_says_why_not(tmp_path: Path) -> None
     assert by_rank[2]["state"] == "gone"
     assert by_rank[3]["state"] == "no answer" and procs[2].returncode == -signal.SIGKILL
     log0 = (tmp_path / "job" / "logs" / "rank-0.log").read_text()
-    assert log0.startswith("orch: hang: test; the stack of rank 0 (pid ") and "in waiting_here" in log0
+    assert log0.startswith("ready\norch: hang: test; the stack of rank 0 (pid ")
+    assert "in waiting_here" in log0
     log1 = (tmp_path / "job" / "logs" / "rank-1.log").read_text()
-    assert log1 == f"orch: hang: test; rank 1 (pid {procs[1].pid}) gave no stack: stopped\n"
+    assert log1 == f"ready\norch: hang: test; rank 1 (pid {procs[1].pid}) gave no stack: stopped\n"
     assert procs[0].returncode == -signal.SIGKILL   # SIGUSR2 did not end it
 
 

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 
 from helpers import snapshot, stray_pids, wait_until
-from orchestrator.agent import preflight, procs, warm
+from orchestrator.agent import launcher, preflight, procs, warm
 from orchestrator.agent.common import job_paths, read_json, write_atomic
 from orchestrator.agent.launch import job_folders
 from sshd_cluster import _read_stat, pid_alive
@@ -49,8 +50,11 @@ EARLY = "import sys; print('EARLY import output', file=sys.stderr, flush=True)\n
 # an import that does not end while a test lasts: only the supervisor's death can end it
 SLOW = ("import os, time\nopen(os.environ['STANDIN_IMPORTING'], 'w').close()\n"
         "time.sleep(600)\n")
-# only the warm launcher (`python -c BOOT orch-warm-torchrun <job>`) cannot import torch
-WARM_BROKEN = ("import sys\nif 'orch-warm-torchrun' in sys.argv:\n"
+# only the first launcher (the warm one) cannot import torch: the cold one, started after
+# it ended, can
+WARM_BROKEN = ("import os\nflag = os.environ['STANDIN_RELEASE'] + '.tried'\n"
+               "if not os.path.exists(flag):\n"
+               "    open(flag, 'w').close()\n"
                "    raise ImportError('no torch for the warm launcher')\n")
 ALL_BROKEN = "raise RuntimeError('torch is broken on this host')\n"
 # each refused connect of the process that imports it, a line in <release file>.refused
@@ -232,11 +236,13 @@ def test_spec_not_the_warm_one_starts_cold(tmp_path: Path, started: list[int],
     started.append(record["torchrun_pid"])
     got = job.go_line()
     assert record["torchrun_pid"] != waiting.launcher
-    assert cmdline(record["torchrun_pid"]) == spec["argv"]
     assert not pid_alive(waiting.launcher)
     assert got["argv"] == ARGS and got["cwd"] == job.code and got["marker"] == str(job.path)
-    # a cold torchrun carries the marker itself
-    assert environ(record["torchrun_pid"])["ORCH_JOB_DIR"] == str(job.path)
+    if differs == "env":   # torchrun: a launcher started now, handed the go at once
+        assert cmdline(record["torchrun_pid"])[-2:] == [warm.TAG, str(job.path)]
+    else:   # not torchrun: started as it is, carrying the marker itself
+        assert cmdline(record["torchrun_pid"]) == spec["argv"]
+        assert environ(record["torchrun_pid"])["ORCH_JOB_DIR"] == str(job.path)
     job.release()
     assert job.host_exit()["code"] == 4
     all_gone([supervisor, record["torchrun_pid"]])
@@ -260,7 +266,7 @@ def test_launcher_gone_before_go_starts_cold(tmp_path: Path, started: list[int],
         # /proc/<pid>/cmdline is set up a moment later (empty until then); the stand-in
         # prints GO only once it runs, past its exec
         assert job.go_line()["marker"] == str(job.path)
-        assert cmdline(record["torchrun_pid"]) == TORCHRUN + ARGS
+        assert cmdline(record["torchrun_pid"])[-2:] == [warm.TAG, str(job.path)]
         job.release()
         assert job.host_exit()["code"] == 3
     else:   # the cold torchrun's own error is what the user reads
@@ -294,6 +300,74 @@ def test_import_failing_after_the_go_fails_the_job(tmp_path: Path, started: list
     assert "torch broke half way" in job.log()
     all_gone([supervisor, waiting.launcher], timeout=30)
     assert not stray_pids([job.path], wait=2)
+
+
+# torchrun's way of starting ranks: Popen bound by name at its import (as torch's
+# subprocess_handler does); rank 0 ends 3, rank 1 is killed by SIGKILL, rank 2 (no RANK:
+# not a rank) ends 0; each is reaped a second after its end, so a record written at the
+# reap would be a second late
+RANKS_RUN = """\
+import json, os, sys, time
+from subprocess import Popen
+if __name__ == "__main__":
+    code = ["import sys; sys.exit(3)", "import os; os.kill(os.getpid(), 9)", "pass"]
+    procs = [Popen([sys.executable, "-c", c], env=dict(os.environ, **({"RANK": str(r)}
+             if r < 2 else {}))) for r, c in enumerate(code)]
+    time.sleep(1.0)
+    reaped = [(p.pid, p.wait(), time.time()) for p in procs]
+    print("REAPED " + json.dumps(reaped), flush=True)
+    sys.exit(1)
+"""
+
+
+def test_the_launcher_records_each_ranks_pid_and_end(tmp_path: Path,
+                                                     started: list[int]) -> None:
+    job = Job(tmp_path)
+    job.run_py.write_text(RANKS_RUN)
+    waiting = start(job, started)
+    supervisor = parent_of(waiting.launcher)
+    record = waiting.go(job.spec())["supervisor"]
+    assert job.host_exit(timeout=30)["code"] == 1, job.log()
+    line = wait_until(lambda: [x for x in job.log().splitlines() if x.startswith("REAPED ")],
+                      10, "the stand-in's REAPED line")
+    assert isinstance(line, list)
+    reaped = json.loads(line[0][7:])
+    for rank, (pid, code, reaped_at) in enumerate(reaped[:2]):
+        pid_record = read_json(job.p["jd"], f"run/rank-{rank}.pid")
+        assert pid_record["pid"] == pid, pid_record
+        assert isinstance(pid_record["start_ticks"], int), pid_record
+        end = read_json(job.p["jd"], f"run/rank-{rank}.exit")
+        assert end["code"] == code == (3, -9)[rank], (end, code)
+        # the end's time, not the reap's (a second later)
+        assert pid_record["time"] <= end["time"] < reaped_at - 0.5, (pid_record, end, reaped_at)
+    assert not (job.path / "run" / "rank-2.pid").exists()   # no RANK: not a rank
+    assert [n for n in os.listdir(job.path / "run") if ".orch-part-" in n] == []
+    all_gone([supervisor, record["torchrun_pid"]])
+
+
+def test_a_rank_reaped_first_is_recorded_with_the_code_torchrun_read(tmp_path: Path) -> None:
+    """torchrun's own wait may reap the rank before the record's waitid looks: the code
+    is then the one torchrun's Popen read."""
+    run = tmp_path / "run"
+    run.mkdir()
+    records = launcher.RankRecords()
+    records.open({"ORCH_JOB_DIR": str(tmp_path)})
+    proc = subprocess.Popen([PY, "-c", "import sys; sys.exit(5)"])
+    assert proc.wait(30) == 5
+    records.wait(proc, 7)
+    got = json.loads((run / "rank-7.exit").read_text())
+    assert got["code"] == 5 and abs(got["time"] - time.time()) < 30, got
+    os.close(records.run)
+
+
+def test_the_records_are_not_written_through_a_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "run").symlink_to(victim)
+    records = launcher.RankRecords()
+    records.open({"ORCH_JOB_DIR": str(tmp_path / "job")})
+    assert records.run == -1 and os.listdir(victim) == []
 
 
 HOLDER = """\

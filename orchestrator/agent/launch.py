@@ -44,7 +44,7 @@ def clean_run_dir(p: dict[str, Any]) -> None:
 
 
 def rankexec_source() -> bytes:
-    """The per-rank wrapper, from the bundle this agent was started from (or the file)."""
+    """The ranks' start, from the bundle this agent was started from (or the file)."""
     loader: Any = rankexec.__loader__   # a file or zip loader: both have get_source
     source: str = loader.get_source(rankexec.__name__)
     return source.encode()

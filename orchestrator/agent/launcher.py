@@ -14,6 +14,15 @@ to the log, and once it returned ends without the interpreter's teardown (`end_n
 not node 0 of several, which serves torchrun's store: `hosts_store`).
 The end of the socket without a go (the job was not started after all) ends it at
 once, even mid-import, having run nothing.
+
+It also writes each rank's records in run/<part>/ (`RankRecords`): rank-<r>.pid as
+torchrun starts the rank, rank-<r>.exit (code, time) the moment it ends. torchrun's
+process is the ranks' parent, so it alone can read a rank's exit status; a thread per rank
+waits with waitid(WNOWAIT), which leaves the rank for torchrun to reap, and the time is
+the end's, not torchrun's next look (up to 0.1 s later): the first failure across hosts
+is decided on those times. torchrun starts ranks through subprocess.Popen, which is
+replaced by a subclass before torch.distributed.run is imported (torch binds the name at
+its import).
 """
 import os
 import sys
@@ -28,6 +37,7 @@ EARLY_MAX = 1 << 20   # what the import printed before the go, copied to the log
 # (this source runs alone in the job's python: wire/timeouts.py is not there)
 STORE_WAIT = 30.0
 STORE_POLL = 0.02     # a refused connect: microseconds, however many nodes probe
+RECORD_WAIT = 5.0     # the longest wait for a rank's exit record at torchrun's end
 
 
 def receive(sock):
@@ -79,9 +89,10 @@ def wait_for_go(sock):
 def import_failed(sock, got, exc):
     # type: (Any, dict[str, Any], BaseException) -> None
     """torch's import failed. Before the go, this process ends and the supervisor, whose
-    go then finds the socket shut, starts torchrun cold. A go already handed over made
-    this process the job's torchrun: it must not end 0 (a job that ran nothing would read
-    as a success), so the cause goes to the log and it ends 1."""
+    go then finds the socket shut, starts torchrun cold (a launcher again, handed the go
+    at once). A go already handed over made this process the job's torchrun: it must not
+    end 0 (a job that ran nothing would read as a success), so the cause goes to the log,
+    with its traceback as a cold torchrun's would be, and it ends 1."""
     import socket
     try:
         sock.shutdown(socket.SHUT_RDWR)   # a go not yet sent fails at the supervisor now
@@ -89,7 +100,9 @@ def import_failed(sock, got, exc):
         pass
     if got["ready"].wait(2.0):   # the go came before the shut: it reads it, or the end
         log = got["go"][1][0]
-        text = "orch: the warm torchrun could not import torch.distributed.run: %r\n" % (exc,)
+        import traceback
+        text = ("orch: torchrun could not import torch.distributed.run: %r\n%s"
+                % (exc, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))))
         try:
             os.write(log, text.encode("utf-8", "backslashreplace"))
         except OSError:
@@ -119,6 +132,8 @@ def main():
     sock = socket.socket(fileno=3)
     if sys.path and sys.path[0] == "":   # -c: the start folder, not code/ (set at the go)
         sys.path.pop(0)
+    ranks = RankRecords()
+    ranks.hook()   # before torch's import, which binds subprocess.Popen
     got = wait_for_go(sock)
     try:
         import torch.distributed.run  # noqa: F401  (the warm part)
@@ -133,6 +148,7 @@ def main():
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    ranks.open(os.environ)
     os.fchdir(code)
     os.close(code)
     sys.path.insert(0, os.getcwd())   # what `python -m` puts first
@@ -145,13 +161,138 @@ def main():
     # another exception (a failed rank's ChildFailedError) goes on up: python's own end,
     # its traceback in the log, exit 1, as a cold torchrun's
     try:
-        runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+        try:
+            runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+        finally:
+            ranks.settle(RECORD_WAIT)   # every rank's exit record written before the end
     except SystemExit as e:
         if (e.code is not None and not isinstance(e.code, int)) or hosts_store(args):
             raise   # python's own end (a message: printed, exit 1), as a cold torchrun's
         end_now(e.code or 0)
     if not hosts_store(args):
         end_now(0)
+
+
+class RankRecords:
+    """run/<part>/rank-<r>.pid and .exit, written by the ranks' parent (this process)."""
+
+    def __init__(self):
+        # type: () -> None
+        self.run = -1          # run/<part>/, opened at the go
+        self.waiters = []      # type: list[Any]
+
+    def hook(self):
+        # type: () -> None
+        """subprocess.Popen replaced by a subclass that tells this object of each child."""
+        import subprocess
+        records = self
+
+        class RankPopen(subprocess.Popen):  # type: ignore[type-arg]
+            def __init__(self, *args, **kwargs):
+                # type: (*Any, **Any) -> None
+                super().__init__(*args, **kwargs)
+                records.started(self, kwargs.get("env"))
+        subprocess.Popen = RankPopen  # type: ignore[misc]
+
+    def open(self, env):
+        # type: (Any) -> None
+        """The job's run/<part>/ (ORCH_JOB_DIR, ORCH_JOB_PART), reached without a link."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+        try:
+            job = os.open(env["ORCH_JOB_DIR"], flags)
+            try:
+                run = os.open("run", flags, dir_fd=job)
+            finally:
+                os.close(job)
+            part = env.get("ORCH_JOB_PART")
+            if part:
+                try:
+                    self.run = os.open(part, flags, dir_fd=run)
+                finally:
+                    os.close(run)
+            else:
+                self.run = run
+        except (KeyError, OSError) as e:
+            sys.stderr.write("orch: the ranks' pid and exit records cannot be written: %r\n"
+                             % (e,))
+
+    def started(self, proc, env):
+        # type: (Any, Any) -> None
+        """A child with RANK in its environment is a rank: its pid now, its end watched."""
+        if self.run < 0 or not env or "RANK" not in env:
+            return
+        import threading
+        import time
+        rank = int(env["RANK"])
+        self.write("rank-%d.pid" % rank, '{"pid": %d, "start_ticks": %s, "time": %r}'
+                   % (proc.pid, start_ticks(proc.pid) or "null", time.time()))
+        waiter = threading.Thread(target=self.wait, args=(proc, rank), daemon=True)
+        waiter.start()
+        self.waiters.append(waiter)
+
+    def wait(self, proc, rank):
+        # type: (Any, int) -> None
+        """Until the rank ends; its code (a signal as minus its number) and the time."""
+        import time
+        code = None   # type: int | None
+        try:
+            end = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+            when = time.time()
+            if end is not None:   # (None only with WNOHANG)
+                code = end.si_status if end.si_code == os.CLD_EXITED else -end.si_status
+        except ChildProcessError:   # torchrun reaped it first: its Popen has the code
+            when = time.time()
+            code = reaped_code(proc, when + RECORD_WAIT)
+        if code is None:
+            return
+        self.write("rank-%d.exit" % rank, '{"code": %d, "time": %r}' % (code, when))
+
+    def write(self, name, text):
+        # type: (str, str) -> None
+        """Written beside (O_EXCL, no link followed) and renamed over the record."""
+        tmp = "%s.orch-part-%d" % (name, os.getpid())
+        try:
+            try:
+                os.unlink(tmp, dir_fd=self.run)
+            except FileNotFoundError:
+                pass
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644,
+                         dir_fd=self.run)
+            try:
+                os.write(fd, text.encode())
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=self.run, dst_dir_fd=self.run)
+        except OSError as e:
+            sys.stderr.write("orch: cannot write run/%s: %r\n" % (name, e))
+
+    def settle(self, limit):
+        # type: (float) -> None
+        """The waiters' records written (torchrun returned: its ranks have ended)."""
+        import time
+        end = time.monotonic() + limit
+        for waiter in self.waiters:
+            waiter.join(max(0.0, end - time.monotonic()))
+
+
+def reaped_code(proc, deadline):
+    # type: (Any, float) -> int | None
+    """The code torchrun's Popen read when it reaped the rank (set just after)."""
+    import time
+    while proc.returncode is None and time.time() < deadline:
+        time.sleep(0.001)
+    code = proc.returncode   # type: int | None
+    return code
+
+
+def start_ticks(pid):
+    # type: (int) -> int | None
+    """Field 22 of /proc/<pid>/stat: tells a live pid from a recycled one."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def option(args, flag, default):

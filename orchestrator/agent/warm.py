@@ -193,7 +193,7 @@ def waiting(p: dict[str, Any], python: str, env: dict[str, str], go_r: int, rec_
     warm = matches(spec, python, env)
 
     def begin() -> tuple[int, Any]:
-        torchrun = pid if warm and hand_over(sock, spec) else cold(pid, spec)
+        torchrun = pid if warm and hand_over(sock, spec) else cold(pid, spec, p["job"])
 
         def wait() -> int:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -265,8 +265,31 @@ def hand_over(sock: Any, spec: dict[str, Any]) -> bool:
         os.close(code)
 
 
-def cold(pid: int, spec: dict[str, Any]) -> int:
-    """torchrun started as before warm starts: the warm one gone, or not this job's."""
+def cold(pid: int, spec: dict[str, Any], job: str) -> int:
+    """torchrun started now: the warm one gone, or not this job's. A launcher again,
+    handed the go at once (it writes the ranks' pid and exit records: launcher.py);
+    torchrun itself only when that one cannot take the go either (its python does not
+    start: torchrun then says why in the log)."""
+    end(pid)
+    argv, env = spec["argv"], dict(os.environ, **spec["env"])
+    if argv[1:3] != ["-m", "torch.distributed.run"]:
+        return supervisor.spawn(argv, env)
+    try:
+        launcher, sock = spawn_launcher(job, argv[0], {k: v for k, v in env.items()
+                                                       if k != MARKER})
+    except OSError:
+        return supervisor.spawn(argv, env)
+    try:
+        if hand_over(sock, spec):
+            return launcher
+    finally:
+        sock.close()
+    end(launcher)
+    return supervisor.spawn(argv, env)
+
+
+def end(pid: int) -> None:
+    """A launcher that will not run the job: killed and reaped."""
     try:
         os.kill(pid, signal.SIGKILL)
     except OSError:
@@ -275,4 +298,3 @@ def cold(pid: int, spec: dict[str, Any]) -> int:
         os.waitpid(pid, 0)
     except ChildProcessError:
         pass
-    return supervisor.spawn(spec["argv"], dict(os.environ, **spec["env"]))

@@ -61,9 +61,10 @@ def torchrun_argv(cluster: Cluster, host: Host, python: str, job_dir: str,
         "--master-addr", addr, "--master-port", str(port),
         "--max-restarts", str(job.max_restarts),
         "--log-dir", f"{job_dir}/run/{host.part}/torchrun",
-        # the per-rank wrapper runs isolated and without site (-I -S): a third of the
-        # interpreter's start, once per rank; the rank itself starts as torchrun would
-        "--no-python", python, "-I", "-S",
+        # every rank's python starts on orch's rank start, which then runs the user's
+        # module or script (agent/rankexec.py); PYTHON_EXEC, torchrun's own choice of the
+        # ranks' interpreter, is kept
+        "--no-python", dict(job.env).get("PYTHON_EXEC") or python, "-u",
         f"{job_dir}/run/{host.part}/rankexec.py", job_dir, kind, job.entrypoint, *job.args,
     ]
 

@@ -276,9 +276,10 @@ def places(stacks: dict[int, RankStack]) -> list[str]:
 
 
 def user_frames(frames: tuple[Frame, ...]) -> list[Frame]:
-    """Without the outermost frames of orch's rank start (rankexec.BOOT) and runpy."""
+    """Without the outermost frames of orch's rank start (run/<part>/rankexec.py) and
+    runpy."""
     out = list(frames)
-    while out and (out[-1].file == "<string>" or "runpy" in out[-1].file):
+    while out and (out[-1].file.endswith("/rankexec.py") or "runpy" in out[-1].file):
         out.pop()
     return out or list(frames)
 
