@@ -47,6 +47,15 @@ def start(folder: Path, kind: str, target: str, *args: str, rank: int = 0, part:
                           capture_output=True, timeout=60)
 
 
+def same_view(got: dict, folder: Path, *argv: str) -> None:
+    """What the rank's code saw of itself is what `python -u <argv>` shows in code/."""
+    plain = subprocess.run([sys.executable, "-u", *argv], cwd=folder / "code",
+                           capture_output=True, stdin=subprocess.DEVNULL, check=True)
+    want = json.loads(plain.stdout)
+    for key in ("names", "argv", "path0", "file", "loader", "name", "spec"):
+        assert got[key] == want[key], (key, got[key], want[key])
+
+
 def test_a_script_rank_sees_what_python_script_would_show_it(tmp_path: Path) -> None:
     folder = job(tmp_path, part="host-a")
     script = folder / "code" / "show.py"
@@ -54,11 +63,7 @@ def test_a_script_rank_sees_what_python_script_would_show_it(tmp_path: Path) -> 
     res = start(folder, "script", "show.py", "--lr", "0.1", rank=3, part="host-a")
     assert res.returncode == 0 and res.stdout == b"" and res.stderr == b"", res
     got = json.loads((folder / "logs" / "rank-3.log").read_text())
-    plain = subprocess.run([sys.executable, "-u", "show.py", "--lr", "0.1"], cwd=folder / "code",
-                           capture_output=True, stdin=subprocess.DEVNULL, check=True)
-    want = json.loads(plain.stdout)
-    for key in ("names", "argv", "path0", "file", "loader", "name", "spec"):
-        assert got[key] == want[key], (key, got[key], want[key])
+    same_view(got, folder, "show.py", "--lr", "0.1")
     assert got["stdin"] == ""   # /dev/null, not what torchrun's stdin held
     assert got["heartbeat"] == str(folder / "run" / "host-a" / "heartbeat-3")
     assert (folder / "run" / "host-a" / "heartbeat-3").exists()
@@ -73,12 +78,8 @@ def test_a_module_rank_runs_as_python_m_would(tmp_path: Path) -> None:
     (pkg / "main.py").write_text(SHOW)
     res = start(folder, "module", "trainer.main", "x")
     assert res.returncode == 0, res
-    got = json.loads((folder / "logs" / "rank-0.log").read_text())
-    plain = subprocess.run([sys.executable, "-u", "-m", "trainer.main", "x"], cwd=folder / "code",
-                           capture_output=True, stdin=subprocess.DEVNULL, check=True)
-    want = json.loads(plain.stdout)
-    for key in ("names", "argv", "path0", "file", "loader", "name", "spec"):
-        assert got[key] == want[key], (key, got[key], want[key])
+    same_view(json.loads((folder / "logs" / "rank-0.log").read_text()), folder,
+              "-m", "trainer.main", "x")
 
 
 def test_a_failing_rank_ends_with_its_own_code_and_traceback_in_its_log(tmp_path: Path) -> None:
