@@ -345,6 +345,49 @@ def test_the_launcher_records_each_ranks_pid_and_end(tmp_path: Path,
     all_gone([supervisor, record["torchrun_pid"]])
 
 
+# rank 0 runs on, rank 1 ends 3 at once; torchrun reaps neither (the stop's SIGKILL
+# finds rank 1 a zombie, its record already written)
+ORPHANS_RUN = """\
+import os, sys, time
+from subprocess import Popen
+if __name__ == "__main__":
+    code = ["import time; time.sleep(120)", "import sys; sys.exit(3)"]
+    procs = [Popen([sys.executable, "-c", c], env=dict(os.environ, RANK=str(r)))
+             for r, c in enumerate(code)]
+    time.sleep(120)
+"""
+
+
+def test_ranks_that_outlive_torchrun_are_recorded_by_the_supervisor(
+        tmp_path: Path, started: list[int]) -> None:
+    """A stop SIGKILLs torchrun and SIGTERMs the ranks (agent/procs.py): a rank then ends
+    as the supervisor's child (a subreaper), which writes its exit record; a record the
+    launcher wrote already stays as it was."""
+    job = Job(tmp_path)
+    job.run_py.write_text(ORPHANS_RUN)
+    waiting = start(job, started)
+    supervisor = parent_of(waiting.launcher)
+    record = waiting.go(job.spec())["supervisor"]
+    wait_until(lambda: all(read_json(job.p["jd"], f"run/rank-{r}.pid") for r in (0, 1)), 30,
+               "the ranks' pid records")
+    rank0 = read_json(job.p["jd"], "run/rank-0.pid")
+    first = wait_until(lambda: read_json(job.p["jd"], "run/rank-1.exit"), 30,
+                       "rank 1's exit record, by the launcher")
+    assert isinstance(first, dict) and first["code"] == 3
+    killed_at = time.time()
+    os.kill(record["torchrun_pid"], signal.SIGKILL)
+    os.kill(rank0["pid"], signal.SIGTERM)
+    end = job.host_exit(timeout=30)
+    assert end["code"] == -signal.SIGKILL
+    got = wait_until(lambda: read_json(job.p["jd"], "run/rank-0.exit"), 30,
+                     "rank 0's exit record, by the supervisor")
+    assert isinstance(got, dict) and got["code"] == -signal.SIGTERM, got
+    assert got["time"] >= killed_at - 1, (got, killed_at)
+    assert read_json(job.p["jd"], "run/rank-1.exit") == first   # not written again
+    all_gone([supervisor, record["torchrun_pid"]], timeout=30)
+    assert not stray_pids([job.path], wait=2)
+
+
 def test_a_rank_reaped_first_is_recorded_with_the_code_torchrun_read(tmp_path: Path) -> None:
     """torchrun's own wait may reap the rank before the record's waitid looks: the code
     is then the one torchrun's Popen read."""

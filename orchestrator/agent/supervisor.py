@@ -88,24 +88,75 @@ def detach(body: Callable[[], None]) -> None:
     os.waitpid(child, 0)
 
 
+# the children reaped besides torchrun, (pid, code, time): a rank among them lost its
+# torchrun first (a stop SIGKILLs torchrun; a crash), so its exit record is written here
+REAPED = []   # type: list[tuple[int, int, float]]
+
+
+def exit_code(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
 def wait_for(pid: int) -> int:
     """pid's exit code (-signal when killed), reaping every other child meanwhile: the
     orphans a subreaper adopts must not stay zombies for the job's life."""
     while True:
         got, status = os.waitpid(-1, 0)   # (an interrupted wait is retried: PEP 475)
         if got == pid:
-            return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            return exit_code(status)
+        REAPED.append((got, exit_code(status), time.time()))
 
 
 def reap_ended() -> bool:
     """Reap every child that has ended; True when no child is left at all."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return True
         if pid == 0:
             return False
+        REAPED.append((pid, exit_code(status), time.time()))
+
+
+def record_orphan_ranks(jd: JobDir) -> None:
+    """The exit records of the ranks reaped here: torchrun's process (agent/launcher.py)
+    writes them as each rank ends, but a rank that outlived it (a stop SIGKILLs torchrun
+    and SIGTERMs the ranks) became this subreaper's child. A rank whose record this run
+    already has (written after its pid record) is left as it is."""
+    if not REAPED:
+        return
+    ranks = rank_pids(jd)
+    for pid, code, when in REAPED:
+        if pid not in ranks:
+            continue
+        rank, started = ranks[pid]
+        done = read_json(jd, "run/rank-%d.exit" % rank)
+        if isinstance(done, dict) and isinstance(done.get("time"), (int, float)) \
+                and done["time"] >= started:
+            continue
+        try:
+            write_atomic(jd, "run/rank-%d.exit" % rank,
+                         json.dumps({"code": code, "time": when}).encode(), 0o644)
+        except (OSError, AgentError) as e:
+            sys.stderr.write("orch supervisor: cannot write rank %d's exit: %s\n" % (rank, e))
+    del REAPED[:]
+
+
+def rank_pids(jd: JobDir) -> dict[int, tuple[int, float]]:
+    """{pid: (rank, its start's time)} from this run's run/rank-<r>.pid records."""
+    try:
+        with jd.dirfd("run") as fd:
+            names = [n for n in os.listdir(fd) if n.startswith("rank-") and n.endswith(".pid")]
+    except (OSError, AgentError):
+        return {}
+    out = {}
+    for name in names:
+        rec = read_json(jd, "run/" + name)
+        rank = name[len("rank-"):-len(".pid")]
+        if isinstance(rec, dict) and isinstance(rec.get("pid"), int) and rank.isdigit():
+            out[rec["pid"]] = (int(rank), float(rec.get("time") or 0))
+    return out
 
 
 def left_behind() -> list[int]:
@@ -114,15 +165,18 @@ def left_behind() -> list[int]:
     return [] if reap_ended() else subtree(os.getpid())
 
 
-def wait_empty(deadline: float) -> bool:
+def wait_empty(jd: JobDir, deadline: float) -> bool:
     """Until nothing is left_behind (True) or the deadline. Sleeps on SIGCHLD (blocked,
     so none is lost between a look and the sleep): the last of a tree to end is always
-    a child of ours, its children ended or adopted; a look each half second besides."""
+    a child of ours, its children ended or adopted; a look each half second besides.
+    The ranks reaped meanwhile get their exit records at once."""
     while left_behind():
+        record_orphan_ranks(jd)
         rest = deadline - time.time()
         if rest <= 0:
             return False
         signal.sigtimedwait([signal.SIGCHLD], min(rest, 0.5))
+    record_orphan_ranks(jd)
     return True
 
 
@@ -138,6 +192,7 @@ def drain(jd: JobDir, began: float) -> bool:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
     left = left_behind()
+    record_orphan_ranks(jd)
     if not left:
         return True
     stop = read_json(jd, STOP_FILE)
@@ -150,10 +205,10 @@ def drain(jd: JobDir, began: float) -> bool:
         sys.stderr.write("orch: the ranks ended; stopping what they left: %s\n" % left)
         signal_all(left, signal.SIGTERM)
         kill_at = time.time() + timeouts.LEFTOVER_GRACE
-    if wait_empty(kill_at):
+    if wait_empty(jd, kill_at):
         return True
     signal_all(left_behind(), signal.SIGKILL)
-    return wait_empty(time.time() + timeouts.STOP_VERIFY)
+    return wait_empty(jd, time.time() + timeouts.STOP_VERIFY)
 
 
 def start_detached(body: Callable[[dict[str, Any], dict[str, Any], int], None],
@@ -230,7 +285,9 @@ def run_supervisor(p: dict[str, Any], spec: dict[str, Any], wfd: int, what: str,
         except OSError:
             pass
     end = {"code": code, "time": time.time()}
-    if not (SUBREAPER and left_behind() == []):   # the job's end is said at once
+    done = SUBREAPER and left_behind() == []
+    record_orphan_ranks(jd)   # before host.exit: a follow reads them first
+    if not done:   # the job's end is said at once
         write_end(jd, what, end)
     if SUBREAPER and drain(jd, began):
         me = os.getpid()
