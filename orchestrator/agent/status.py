@@ -82,7 +82,8 @@ def rank_status(p: dict[str, Any], rank: int, local_rank: int,
     elif pid and proc_start_time(pid["pid"]) == pid.get("start_ticks"):
         info["state"] = "running"
     elif pid:
-        info["state"] = "lost"      # vanished without an exit code (e.g. the wrapper was killed)
+        info["state"] = "lost"      # vanished without an exit code (e.g. torchrun and the
+        # supervisor were both killed before its end)
     elif sup:
         info["state"] = "starting"
     else:   # no launch ever reached this folder (an `up` killed before it): not "lost"
