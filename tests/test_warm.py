@@ -403,6 +403,26 @@ def test_a_rank_reaped_first_is_recorded_with_the_code_torchrun_read(tmp_path: P
     os.close(records.run)
 
 
+def test_the_hook_records_ranks_and_never_fails_torchruns_popen(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The Popen torchrun gets is a working one whatever the records meet (here a RANK
+    that is no number: said on stderr, nothing recorded)."""
+    (tmp_path / "run").mkdir()
+    monkeypatch.setattr(subprocess, "Popen", subprocess.Popen)   # put back at the end
+    records = launcher.RankRecords()
+    records.hook()
+    records.open({"ORCH_JOB_DIR": str(tmp_path)})
+    odd = subprocess.Popen([PY, "-c", "pass"], env=dict(os.environ, RANK="x"))
+    rank = subprocess.Popen([PY, "-c", "import sys; sys.exit(6)"], env=dict(os.environ, RANK="4"))
+    assert odd.wait(30) == 0 and rank.wait(30) == 6
+    records.settle(10)
+    assert "records: ValueError" in capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "rank-4.exit").read_text())["code"] == 6
+    assert sorted(os.listdir(tmp_path / "run")) == ["rank-4.exit", "rank-4.pid"]
+    os.close(records.run)
+
+
 def test_the_records_are_not_written_through_a_link(tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.mkdir()

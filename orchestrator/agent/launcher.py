@@ -191,7 +191,10 @@ class RankRecords:
             def __init__(self, *args, **kwargs):
                 # type: (*Any, **Any) -> None
                 super().__init__(*args, **kwargs)
-                records.started(self, kwargs.get("env"))
+                try:   # the child runs: torchrun must get its Popen whatever happens here
+                    records.started(self, kwargs.get("env"))
+                except Exception as e:
+                    sys.stderr.write("orch: pid %d's records: %r\n" % (self.pid, e))
         subprocess.Popen = RankPopen  # type: ignore[misc]
 
     def open(self, env):
