@@ -31,7 +31,6 @@ STACK_SIGNAL = _signal.SIGUSR2   # what agent/stacks.py sends for a rank's stack
 
 def _orch_rank():
     # type: () -> None
-    import _signal
     import faulthandler
     import os
     import sys
@@ -57,7 +56,7 @@ def _orch_rank():
     os.close(os.open("heartbeat-%d" % rank, write | os.O_TRUNC, 0o644, dir_fd=run))
     stack = os.open("stack-%d" % rank, write | os.O_TRUNC | os.O_APPEND, 0o644, dir_fd=run)
     os.close(run)
-    faulthandler.register(_signal.SIGUSR2, stack, all_threads=True, chain=False)
+    faulthandler.register(STACK_SIGNAL, stack, all_threads=True, chain=False)
     os.environ["ORCH_HEARTBEAT"] = os.path.join(job, "run", part, "heartbeat-%d" % rank)
     # the inventory's `python:` as this host runs it (what runs the rank): a rank that
     # starts a helper script uses the job's interpreter, not the first python on PATH

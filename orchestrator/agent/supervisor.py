@@ -91,6 +91,8 @@ def detach(body: Callable[[], None]) -> None:
 # the children reaped besides torchrun, (pid, code, time): a rank among them lost its
 # torchrun first (a stop SIGKILLs torchrun; a crash), so its exit record is written here
 REAPED = []   # type: list[tuple[int, int, float]]
+# [{pid: (rank, its start's time)}], read once after torchrun's end: it starts no more
+RANK_PIDS = []   # type: list[dict[int, tuple[int, float]]]
 
 
 def exit_code(status: int) -> int:
@@ -126,7 +128,9 @@ def record_orphan_ranks(jd: JobDir) -> None:
     already has (written after its pid record) is left as it is."""
     if not REAPED:
         return
-    ranks = rank_pids(jd)
+    if not RANK_PIDS:
+        RANK_PIDS.append(rank_pids(jd))
+    ranks = RANK_PIDS[0]
     for pid, code, when in REAPED:
         if pid not in ranks:
             continue

@@ -176,9 +176,8 @@ def waiting(p: dict[str, Any], python: str, env: dict[str, str], go_r: int, rec_
         signal.signal(sig, signal.SIG_DFL)
     # not yet a process of the job: the marker (which `stop` and the "already running"
     # check look for) comes with the go; everything the import may read is there now
-    early = {k: v for k, v in env.items() if k != MARKER}
     try:
-        pid, sock = spawn_launcher(p["job"], python, dict(os.environ, **early))
+        pid, sock = spawn_launcher(p["job"], python, unmarked(dict(os.environ, **env)))
     except OSError as e:
         write_all(rec_w, json.dumps({"error": str(e)}).encode() + b"\n")
         os._exit(0)
@@ -201,6 +200,12 @@ def waiting(p: dict[str, Any], python: str, env: dict[str, str], go_r: int, rec_
             return supervisor.wait_for(torchrun)
         return torchrun, wait
     supervisor.run_supervisor(p, spec, rec_w, "supervisor", "run/torchrun.log", begin)
+
+
+def unmarked(env: dict[str, str]) -> dict[str, str]:
+    """A launcher's environment before its go: not a process of the job yet, so without
+    the marker (which `stop` and the "already running" check look for)."""
+    return {k: v for k, v in env.items() if k != MARKER}
 
 
 def spawn_launcher(job: str, python: str, env: dict[str, str]) -> tuple[int, Any]:
@@ -275,8 +280,7 @@ def cold(pid: int, spec: dict[str, Any], job: str) -> int:
     if argv[1:3] != ["-m", "torch.distributed.run"]:
         return supervisor.spawn(argv, env)
     try:
-        launcher, sock = spawn_launcher(job, argv[0], {k: v for k, v in env.items()
-                                                       if k != MARKER})
+        launcher, sock = spawn_launcher(job, argv[0], unmarked(env))
     except OSError:
         return supervisor.spawn(argv, env)
     try:
