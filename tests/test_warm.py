@@ -207,6 +207,26 @@ def test_no_marker_before_go_and_cancel_ends_both(tmp_path: Path, started: list[
     assert not stray_pids([job.path])
 
 
+def test_the_agents_end_kills_a_warm_torchrun_itself(tmp_path: Path,
+                                                     started: list[int]) -> None:
+    """An `up` that failed on another host closes this agent and waits for its end: the
+    warm torchrun is killed by then, even when its supervisor is slow to run (stopped
+    here: on a loaded host it may be scheduled late)."""
+    job = Job(tmp_path, torch_init=SLOW)
+    waiting = start(job, started)
+    supervisor = parent_of(waiting.launcher)
+    os.kill(supervisor, signal.SIGSTOP)
+    try:
+        warm.WAITING[str(job.path)] = waiting
+        warm.end_all()
+        assert warm.WAITING == {}
+        wait_until(lambda: not pid_alive(waiting.launcher), 5, "the warm torchrun's end")
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
+    all_gone([supervisor, waiting.launcher], timeout=30)
+    assert not stray_pids([job.path])
+
+
 def test_supervisor_killed_mid_import_ends_the_launcher(tmp_path: Path,
                                                         started: list[int]) -> None:
     job = Job(tmp_path, torch_init=SLOW)

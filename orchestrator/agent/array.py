@@ -10,7 +10,6 @@ tree (or by the ORCH_JOB_DIR marker they all carry). Stdlib only, Python 3.8.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import signal
 import time
@@ -21,7 +20,7 @@ from orchestrator.agent.follow import open_log, rank_exit, tail_offset
 from orchestrator.agent.launch import ALREADY_RUNNING, job_folders
 from orchestrator.agent.procs import job_running, proc_start_time, supervisor_alive
 from orchestrator.agent.supervisor import run_supervisor, start_detached
-from orchestrator.wire import protocol
+from orchestrator.wire import jsonc, protocol
 
 LINE_CAP = 4096          # bytes of one metrics.csv line sent back
 TAIL_READ = 64 << 10     # how far back from the end the last row is looked for
@@ -44,7 +43,7 @@ def run_launch(req: Any) -> dict[str, Any]:
     if job_running(p):
         raise AgentError(ALREADY_RUNNING, protocol.USAGE)
     clean(p, spec["tasks"])
-    write_atomic(p["jd"], "run/launch.json", json.dumps(spec).encode(), 0o600)
+    write_atomic(p["jd"], "run/launch.json", jsonc.dumps(spec).encode(), 0o600)
     return start_detached(runner, p, spec, "array runner")
 
 
@@ -99,7 +98,7 @@ class Runner:
                 os._exit(127)
         os.close(log)
         self.running[pid] = (i, slot)
-        write_atomic(self.jd, "run/task-%d.start" % i, json.dumps(
+        write_atomic(self.jd, "run/task-%d.start" % i, jsonc.dumps(
             {"pid": pid, "start_ticks": proc_start_time(pid), "time": time.time(),
              "slot": slot}).encode(), 0o644)
 
@@ -118,7 +117,7 @@ class Runner:
         self.failed += code != 0
         self.free.append(slot)
         write_atomic(self.jd, "run/task-%d.exit" % i,
-                     json.dumps({"code": code, "time": time.time()}).encode(), 0o644)
+                     jsonc.dumps({"code": code, "time": time.time()}).encode(), 0o644)
 
     def loop(self) -> int:
         while self.queue or self.running:

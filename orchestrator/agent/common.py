@@ -2,11 +2,10 @@
 followed inside it, agent/paths.py), its JSON state files, atomic writes, AgentError."""
 from __future__ import annotations
 
-import json
 import os
 
 from orchestrator.agent.paths import JobDir
-from orchestrator.wire import protocol
+from orchestrator.wire import jsonc, protocol
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
@@ -42,7 +41,7 @@ def read_json(jd: JobDir, rel: str) -> Any:
     """A JSON state file of the job, None when missing, unreadable, a link or too big."""
     try:
         data = jd.read(rel, STATE_CAP)
-        return json.loads(data.decode()) if data is not None else None
+        return jsonc.loads(data.decode()) if data is not None else None
     except (OSError, ValueError):
         return None
 

@@ -13,11 +13,10 @@ Python 3.8; docs/explanation/security.md says what this promises, and against wh
 from __future__ import annotations
 
 import errno
-import json
 import os
 import time
 
-from orchestrator.wire import timeouts
+from orchestrator.wire import jsonc, timeouts
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
@@ -336,7 +335,7 @@ def read_info(path: str, uid: int) -> dict[str, str]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
             return {}
-        doc = json.loads(os.read(fd, HOLDER_CAP).decode(errors="replace") or "{}")
+        doc = jsonc.loads(os.read(fd, HOLDER_CAP).decode(errors="replace") or "{}")
     except (OSError, ValueError):
         return {}
     finally:
@@ -384,7 +383,7 @@ def new_claim(folder: str, uuid: str, who: dict[str, Any]) -> tuple[int, str]:
                        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             os.fchmod(info, 0o644)   # readable by all, whatever this user's umask
-            os.write(info, json.dumps(who).encode())
+            os.write(info, jsonc.dumps(who).encode())
         finally:
             os.close(info)
     except OSError:   # the lock is the claim: without its .info the job shows as "?"

@@ -2,13 +2,12 @@
 exit. A dropped connection, or the agent's end, does not touch it."""
 from __future__ import annotations
 
-import json
 import os
 
 from orchestrator.agent import rankexec, warm
 from orchestrator.agent.common import AgentError, job_paths, write_atomic
 from orchestrator.agent.procs import LOCKED, job_running
-from orchestrator.wire import protocol
+from orchestrator.wire import jsonc, protocol
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
@@ -64,7 +63,7 @@ def run(req: Request) -> dict[str, Any]:
             raise AgentError(ALREADY_RUNNING, protocol.USAGE)
         clean_run_dir(p)
         jd = p["jd"]
-        write_atomic(jd, "run/launch.json", json.dumps(spec).encode(), 0o600)
+        write_atomic(jd, "run/launch.json", jsonc.dumps(spec).encode(), 0o600)
         write_atomic(jd, "run/rankexec.py", rankexec_source(), 0o644)
         for r in spec["ranks"]:
             os.close(jd.open_for_write("logs/rank-%d.log" % r))   # emptied; a link is refused

@@ -22,7 +22,6 @@ Stdlib only, Python 3.8 (the agent's bundle carries it).
 from __future__ import annotations
 
 import hashlib
-import json
 import marshal
 import os
 import stat
@@ -34,7 +33,7 @@ from orchestrator.agent.paths import (
     open_file_at,
     split_rel,
 )
-from orchestrator.wire import protocol
+from orchestrator.wire import jsonc, protocol
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
@@ -99,7 +98,7 @@ class Ledger:
     def load(self) -> None:
         try:
             raw = self.jd.read(self.path, LEDGER_CAP)
-            doc = json.loads(raw.decode()) if raw is not None else None
+            doc = jsonc.loads(raw.decode()) if raw is not None else None
         except (ValueError, UnicodeDecodeError):
             doc = None   # damaged: as if there were none (nothing is deleted)
         if isinstance(doc, dict) and doc.get("version") == VERSION and \
@@ -116,7 +115,7 @@ class Ledger:
         (an older orch's)."""
         for line in journal.splitlines():
             try:
-                got = json.loads(line.decode())
+                got = jsonc.loads(line.decode())
             except (ValueError, UnicodeDecodeError):
                 continue   # the torn last line of a killed receiver
             pairs = got if isinstance(got, list) and got and isinstance(got[0], list) else [got]
@@ -136,7 +135,7 @@ class Ledger:
         if wrote:
             doc = {"version": VERSION, "files": self.files}
             self.jd.unlink(self.sig_path)   # never a signature of another ledger than this one
-            self.jd.write_file(self.path, json.dumps(doc, separators=(",", ":")).encode(), 0o644)
+            self.jd.write_file(self.path, jsonc.dumps(doc, separators=(",", ":")).encode(), 0o644)
             self.dirty, self.found = False, True
             self.write_sig()
         if self.journal_fd is not None:
@@ -165,7 +164,7 @@ class Ledger:
         self.dirty = self.dirty or bool(placed)
         if self.journal_fd is not None and placed and journal:   # one line: json's C encoder
             pairs = [[rel, files[rel]] for rel, _, _ in placed]
-            data = (json.dumps(pairs, separators=(",", ":")) + "\n").encode()
+            data = (jsonc.dumps(pairs, separators=(",", ":")) + "\n").encode()
             while data:
                 data = data[os.write(self.journal_fd, data):]
 

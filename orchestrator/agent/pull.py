@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import stat as st_mod
 import time
@@ -24,7 +23,7 @@ from orchestrator.agent.common import AgentError
 from orchestrator.agent.ledger import LEDGER_CAP, sha256_fd, stat_key
 from orchestrator.agent.paths import DIR_FLAGS, JobDir, UnsafePath
 from orchestrator.agent.procs import STOP_FILE, open_for_writing
-from orchestrator.wire import globs, protocol
+from orchestrator.wire import globs, jsonc, protocol
 
 OUTPUT = "output"
 DIGESTS = {"output": "run/output-digests.json", "code": "run/code-pull-digests.json",
@@ -119,7 +118,7 @@ def list_path(jd: JobDir, path: str, found: dict[str, Any], notes: Notes,
 def load_digests(jd: JobDir, folder: str = OUTPUT) -> dict[str, Any]:
     try:
         raw = jd.read(DIGESTS[folder], LEDGER_CAP)
-        doc = json.loads(raw.decode()) if raw is not None else {}
+        doc = jsonc.loads(raw.decode()) if raw is not None else {}
     except (OSError, ValueError):
         return {}
     if not isinstance(doc, dict):
@@ -130,7 +129,7 @@ def load_digests(jd: JobDir, folder: str = OUTPUT) -> dict[str, Any]:
 
 def save_digests(jd: JobDir, cache: dict[str, Any], folder: str = OUTPUT) -> None:
     with contextlib.suppress(OSError):   # a cache: the next pull hashes again
-        jd.write_file(DIGESTS[folder], json.dumps(cache).encode())
+        jd.write_file(DIGESTS[folder], jsonc.dumps(cache).encode())
 
 
 def digest_of(jd: JobDir, rel: str, cache: dict[str, Any], folder: str = OUTPUT,

@@ -8,7 +8,6 @@ end of the agent's stdin (the controller is gone, or Ctrl-C) end it and its chil
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
@@ -20,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from orchestrator.agent.common import AgentError, job_paths, read_json, write_atomic
 from orchestrator.agent.procs import stat_fields
-from orchestrator.wire import protocol, timeouts
+from orchestrator.wire import jsonc, protocol, timeouts
 
 CHUNK = protocol.MAX_OUTPUT
 SETUP_LOG = "logs/setup.log"
@@ -244,7 +243,7 @@ def run_setup(req: Any) -> Dict[str, Any]:
         os.close(log_fd)
     if code == 0:
         state = {"fingerprint": a["fingerprint"], "time": time.time(), "shell": sh}
-        write_atomic(jd, state_rel, json.dumps(state).encode(), 0o644)
+        write_atomic(jd, state_rel, jsonc.dumps(state).encode(), 0o644)
     return {
         "skipped": False,
         "code": code,

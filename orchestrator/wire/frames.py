@@ -19,8 +19,9 @@ buffer more than a fixed amount.
 """
 from __future__ import annotations
 
-import json
 import struct
+
+from orchestrator.wire import jsonc
 
 MYPY = False
 if MYPY:   # annotations only: typing's import is ~9 ms of CPU at every agent start
@@ -58,7 +59,7 @@ def frame(kind: bytes, payload: bytes) -> bytes:
 def message(t: str, **fields: Any) -> bytes:
     """A JSON frame of message type t."""
     fields["t"] = t
-    return frame(JSON, json.dumps(fields).encode())
+    return frame(JSON, jsonc.dumps(fields).encode())
 
 
 def output(rank: int, data: bytes, partial: bool = False) -> bytes:
@@ -181,7 +182,7 @@ def decode(got: tuple[bytes, bytes | bytearray], what: str) -> dict[str, Any]:
     if kind != JSON:
         raise ProtocolError("%s: expected a JSON frame, got kind %r" % (what, kind))
     try:
-        obj = json.loads(payload.decode("utf-8"))
+        obj = jsonc.loads(payload.decode("utf-8"))
     except ValueError as e:
         raise ProtocolError("%s: not JSON (%s)" % (what, e)) from e
     if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):

@@ -1,0 +1,128 @@
+"""wire/jsonc: the agent's JSON gives what `json` gives, on every Python the agent runs on,
+and the agent's start loads neither `json` nor `re`, `enum` or `signal`'s enums."""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.wire import jsonc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+scalars = (st.none() | st.booleans() | st.integers() | st.text()
+           | st.floats(allow_nan=True, allow_infinity=True))
+values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=4)
+                      | st.dictionaries(st.text(), kids, max_size=4), max_leaves=20)
+
+
+def same(a: object, b: object) -> bool:
+    """Equal, NaN equal to NaN, -0.0 told from 0.0 (repr keeps both apart)."""
+    return repr(a) == repr(b) or (isinstance(a, float) and isinstance(b, float)
+                                  and math.isnan(a) and math.isnan(b))
+
+
+@settings(max_examples=300, deadline=None)
+@given(values)
+def test_dumps_writes_the_bytes_json_writes(value: object) -> None:
+    assert jsonc.dumps(value) == json.dumps(value)
+    assert jsonc.dumps(value, separators=(",", ":")) == json.dumps(value, separators=(",", ":"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(values, st.sampled_from(["", " ", "\n", " \t\r\n"]))
+def test_loads_reads_what_json_reads(value: object, pad: str) -> None:
+    text = pad + json.dumps(value) + pad
+    assert repr(jsonc.loads(text)) == repr(json.loads(text)) or same(
+        jsonc.loads(text), json.loads(text))
+
+
+@pytest.mark.parametrize("bad", ["", "  ", "{", "[1,]", "1 2", "nul", '"\x01"', '{"a" 1}',
+                                 "[1] x", '"\\x"', "{'a': 1}", "\ufeff1"])
+def test_loads_refuses_what_json_refuses(bad: str) -> None:
+    with pytest.raises(ValueError):
+        json.loads(bad)
+    with pytest.raises(ValueError):
+        jsonc.loads(bad)
+
+
+def test_dumps_refuses_what_json_refuses() -> None:
+    loop: list[object] = []
+    loop.append(loop)
+    with pytest.raises(ValueError, match="Circular"):
+        jsonc.dumps(loop)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        jsonc.dumps({"a": object()})
+    with pytest.raises(TypeError):
+        jsonc.dumps({(1, 2): 1})
+
+
+def test_the_c_codec_is_the_one_in_use() -> None:
+    """Else every test above compares json with itself."""
+    assert jsonc._C is not None
+
+
+CHECK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from orchestrator.wire import jsonc
+assert jsonc._C is not None, "no C codec"
+assert "re" not in sys.modules, "re loaded"
+import json
+for v in [{"a": [1, 2.5, float("nan"), "\\u00e9\\x00\\ud800", None, True]}, "x\\u2028", 1e300,
+          {"k": {"n": -0.0}}, 10 ** 30, []]:
+    assert jsonc.dumps(v) == json.dumps(v), v
+    assert repr(jsonc.loads(" " + json.dumps(v) + "\\n")) == repr(json.loads(json.dumps(v)))
+for bad in ["", "[1,]", "1 2", '"\\x01"']:
+    try:
+        jsonc.loads(bad)
+    except ValueError:
+        continue
+    raise AssertionError("not refused: %r" % bad)
+print("ok")
+"""
+
+
+def interpreters() -> list[str]:
+    """Every CPython 3.8+ on this machine (pyenv's, the system's)."""
+    found = glob.glob(os.path.expanduser("~/.pyenv/versions/3.*/bin/python3"))
+    found += glob.glob("/usr/bin/python3.[0-9]*")
+    minor = [re.search(r"3\.(\d+)", p) for p in found]
+    return sorted({p for p, m in zip(found, minor) if m and int(m.group(1)) >= 8
+                   and not p.endswith("-config") and os.access(p, os.X_OK)})
+
+
+@pytest.mark.parametrize("python", interpreters() or [sys.executable])
+def test_the_codec_on_every_python_the_agent_runs_on(python: str) -> None:
+    got = subprocess.run([python, "-S", "-c", CHECK, str(ROOT)], capture_output=True,
+                         text=True, timeout=60)
+    assert got.stdout.strip() == "ok", got.stderr
+
+
+START = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import orchestrator.agent.main
+for m in ("status", "follow", "launch", "procs", "supervisor", "stacks"):
+    __import__("orchestrator.agent." + m)
+print(" ".join(sorted(m for m in ("re", "enum", "json", "typing", "shlex", "fnmatch", "signal",
+                                   "subprocess", "hashlib") if m in sys.modules)))
+"""
+
+
+def test_the_agent_start_loads_no_re_enum_or_json() -> None:
+    """The modules of a status, a follow, a launch, a stop and the supervisor: `re` and
+    `enum` are about 1.2 MiB and 8-10 ms in each agent and supervisor on every host."""
+    got = subprocess.run([sys.executable, "-S", "-c", START, str(ROOT)], capture_output=True,
+                         text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == ""
