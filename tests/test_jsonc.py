@@ -47,6 +47,14 @@ def test_loads_reads_what_json_reads(value: object, pad: str) -> None:
         jsonc.loads(text), json.loads(text))
 
 
+@settings(max_examples=200, deadline=None)
+@given(values, st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-32-le"]))
+def test_loads_reads_bytes_as_json_reads_them(value: object, encoding: str) -> None:
+    data = json.dumps(value, ensure_ascii=False).encode(encoding, "surrogatepass")
+    assert same(jsonc.loads(data), json.loads(data)) or repr(jsonc.loads(data)) == repr(
+        json.loads(data))
+
+
 @pytest.mark.parametrize("bad", ["", "  ", "{", "[1,]", "1 2", "nul", '"\x01"', '{"a" 1}',
                                  "[1] x", '"\\x"', "{'a': 1}", "\ufeff1"])
 def test_loads_refuses_what_json_refuses(bad: str) -> None:
@@ -115,8 +123,9 @@ sys.path.insert(0, sys.argv[1])
 import orchestrator.agent.main
 for m in ("status", "follow", "launch", "procs", "supervisor", "stacks", "pull"):
     __import__("orchestrator.agent." + m)
-from orchestrator.wire import globs
+from orchestrator.wire import globs, jsonc
 assert globs.matches_any(["**/metrics*.csv", "**/*.jsonl"], "a/b/metrics-0.csv")
+assert jsonc.loads(b'{"go": [1]}') == {"go": [1]}   # the warm start's pipes carry bytes
 print(" ".join(sorted(m for m in ("re", "enum", "json", "typing", "shlex", "fnmatch", "signal",
                                    "subprocess") if m in sys.modules)))
 """

@@ -70,7 +70,11 @@ def dumps(obj: Any, separators: tuple[str, str] = (", ", ": ")) -> str:
 
 
 def loads(text: str | bytes | bytearray) -> Any:
-    """json.loads(text): one value, whitespace around it allowed; ValueError otherwise."""
+    """json.loads(text): one value, whitespace around it allowed; ValueError otherwise.
+    Bytes are UTF-8 (a BOM allowed), as json reads them; UTF-16 and -32, which json also
+    detects, go to json itself."""
+    if _C is not None and not isinstance(text, str) and _utf8(text):
+        text = bytes(text).decode("utf-8-sig", "surrogatepass")
     if _C is None or not isinstance(text, str):
         return _json_module().loads(text)
     start = len(text) - len(text.lstrip(_WHITESPACE))
@@ -81,6 +85,12 @@ def loads(text: str | bytes | bytearray) -> Any:
     if end != len(text.rstrip(_WHITESPACE)):
         raise ValueError("Extra data: char %d" % end)
     return obj
+
+
+def _utf8(data: bytes | bytearray) -> bool:
+    """Not what json.detect_encoding reads as UTF-16 or -32: a NUL among the first four
+    bytes, or a UTF-16/32 BOM."""
+    return 0 not in data[:4] and not data.startswith((b"\xff\xfe", b"\xfe\xff"))
 
 
 def _json_module() -> Any:
