@@ -121,8 +121,12 @@ START = """
 import sys
 sys.path.insert(0, sys.argv[1])
 import orchestrator.agent.main
-for m in ("status", "follow", "launch", "procs", "supervisor", "stacks", "pull"):
+for m in ("preflight", "status", "follow", "launch", "procs", "supervisor", "stacks"):
     __import__("orchestrator.agent." + m)
+# what a preflight loads before its prewarm forks the job's supervisor
+assert "orchestrator.agent.files" not in sys.modules, "files.py (hashlib) before the prewarm"
+assert sys.modules["orchestrator.agent.preflight"].torch_version() is not None
+__import__("orchestrator.agent.pull")
 from orchestrator.wire import globs, jsonc
 assert globs.matches_any(["**/metrics*.csv", "**/*.jsonl"], "a/b/metrics-0.csv")
 assert jsonc.loads(b'{"go": [1]}') == {"go": [1]}   # the warm start's pipes carry bytes
@@ -132,9 +136,10 @@ print(" ".join(sorted(m for m in ("re", "enum", "json", "typing", "shlex", "fnma
 
 
 def test_the_agent_start_loads_no_re_enum_or_json() -> None:
-    """The modules of a status, a follow, a launch, a stop, the curves' pull and the
-    supervisor: `re` and `enum` are about 1.2 MiB and 8-10 ms in each agent and
-    supervisor on every host, `typing` 11 ms more."""
+    """The modules of a preflight (up to the prewarm, which forks the job's supervisor),
+    a status, a follow, a launch, a stop, the curves' pull and the supervisor: `re` and
+    `enum` are about 1.2 MiB and 8-10 ms in each agent and supervisor on every host,
+    `typing` 11 ms more."""
     got = subprocess.run([sys.executable, "-S", "-c", START, str(ROOT)], capture_output=True,
                          text=True, timeout=60)
     assert got.returncode == 0, got.stderr
@@ -147,3 +152,20 @@ def test_a_star_pattern_matches_what_fnmatch_matches(pattern: str, name: str) ->
     """wire/globs.star_match: the curves' globs matched without `re`."""
     import fnmatch
     assert globs.star_match(pattern, name) == fnmatch.fnmatchcase(name, pattern)
+
+
+def test_torchs_dist_info_found_as_glob_finds_it(tmp_path: Path) -> None:
+    """agent/preflight.dist_infos: glob.glob's answer for `torch-*.dist-info`, without
+    glob's `re` in the agent (and in the supervisor it forks)."""
+    from orchestrator.agent import preflight
+    for name in ("torch-2.14.1.dist-info", "torch-1.0.dist-info", "torchvision-0.29.dist-info",
+                 "torch-2.0.egg-info", "torch.dist-info", "xtorch-1.dist-info", "[torch-3.dist-info"):
+        (tmp_path / name).mkdir()
+    folder = tmp_path / "a [b]"   # glob would read the brackets as a pattern
+    folder.mkdir()
+    (folder / "torch-9.dist-info").mkdir()
+    want = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "torch-*.dist-info")))
+    assert preflight.dist_infos(str(tmp_path), "torch") == want == [
+        "torch-1.0.dist-info", "torch-2.14.1.dist-info"]
+    assert preflight.dist_infos(str(folder), "torch") == ["torch-9.dist-info"]
+    assert preflight.dist_infos(str(tmp_path / "missing"), "torch") == []

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from orchestrator.agent import files, gpus, paths, procs
+from orchestrator.agent import gpus, paths, procs
 from orchestrator.agent.common import job_paths
 from orchestrator.agent.paths import UnsafePath
 from orchestrator.agent.procs import job_running
@@ -35,7 +35,6 @@ def gpu_count() -> int:
 def torch_version() -> str | None:
     """torch's version from its dist-info folder name: no import (seconds), no
     importlib.metadata scan. The agent runs with -S, so the site folders are computed."""
-    import glob
     import site
     dirs = site.getsitepackages() + [site.getusersitepackages()] + sys.path
     venv = os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))
@@ -43,14 +42,25 @@ def torch_version() -> str | None:
         dirs.insert(0, os.path.join(venv, "lib", "python%d.%d" % sys.version_info[:2],
                                     "site-packages"))
     for d in dirs:
-        for info in sorted(glob.glob(os.path.join(d, "torch-*.dist-info"))):
-            return os.path.basename(info)[len("torch-"):-len(".dist-info")]
+        for info in dist_infos(d, "torch"):
+            return info[len("torch-"):-len(".dist-info")]
     site.main()   # unusual layouts (eggs, .pth paths): let importlib.metadata search
     try:
         from importlib.metadata import version
         return version("torch")
     except Exception:  # not installed, or no importlib.metadata (Python < 3.8)
         return None
+
+
+def dist_infos(folder: str, name: str) -> list[str]:
+    """The `<name>-*.dist-info` entries of folder, sorted, as glob.glob finds them; by
+    listdir: glob's `re` and `enum` would stay in this agent and in the job's supervisor
+    it forks (about 1.2 MiB each, on every host, for the run's length)."""
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(e for e in entries if e.startswith(name + "-") and e.endswith(".dist-info"))
 
 
 def port_free(port: int) -> bool:
@@ -183,6 +193,9 @@ def run(req: Request) -> dict[str, Any]:
         if "gpu_ids" in report:
             env.update(gpus.visible_env(report["gpu_ids"]))
         warm.prewarm(p, a["job_dir"], env)
+    # imported after the prewarm: the supervisor it forks does not hold files.py's
+    # hashlib (OpenSSL's, ~0.6 MiB) for the run's length
+    from orchestrator.agent import files
     for folder in a["folders"]:
         if folder not in ("code", "data"):
             raise ValueError("unknown folder %r" % folder)
