@@ -18,7 +18,7 @@ from orchestrator.agent.common import AgentError, job_paths, read_json, write_at
 from orchestrator.agent.follow import open_log, rank_exit, tail_offset
 from orchestrator.agent.launch import ALREADY_RUNNING, job_folders
 from orchestrator.agent.procs import job_running, proc_start_time, supervisor_alive
-from orchestrator.agent.supervisor import run_supervisor, start_detached
+from orchestrator.agent.supervisor import exit_code, run_supervisor, start_detached
 from orchestrator.wire import jsonc, protocol
 
 MYPY = False
@@ -116,7 +116,7 @@ class Runner:
         i, slot = self.running.pop(pid)
         if self.held:
             return
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        code = exit_code(status)
         self.failed += code != 0
         self.free.append(slot)
         write_atomic(self.jd, "run/task-%d.exit" % i,
