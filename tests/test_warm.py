@@ -28,6 +28,7 @@ from helpers import snapshot, stray_pids, wait_until
 from orchestrator.agent import launcher, preflight, procs, warm
 from orchestrator.agent.common import job_paths, read_json, write_atomic
 from orchestrator.agent.launch import job_folders
+from orchestrator.wire import timeouts
 from sshd_cluster import _read_stat, pid_alive
 
 PY = sys.executable
@@ -405,6 +406,38 @@ def test_ranks_that_outlive_torchrun_are_recorded_by_the_supervisor(
     assert got["time"] >= killed_at - 1, (got, killed_at)
     assert read_json(job.p["jd"], "run/rank-1.exit") == first   # not written again
     all_gone([supervisor, record["torchrun_pid"]], timeout=30)
+    assert not stray_pids([job.path], wait=2)
+
+
+LEAVER_RUN = """\
+import os, sys, time
+from subprocess import Popen
+if __name__ == "__main__":
+    # a rank that leaves a daemon behind (setsid, double fork), then ends well
+    leave = "import os, time; os.setsid(); os.fork() and os._exit(0); time.sleep(120)"
+    Popen([sys.executable, "-c", leave], env=dict(os.environ, RANK="0")).wait()
+"""
+
+
+def test_a_stderr_the_fork_closed_does_not_end_the_supervisor(
+        tmp_path: Path, started: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor says on its stderr that it stops what the ranks left. It is forked
+    from the agent, whose sys.stderr here writes to a descriptor the fork closes: the
+    line goes to descriptor 2 (the log) and the supervisor still stops the daemon and
+    says in host.exit that nothing is left."""
+    monkeypatch.setattr(timeouts, "LEFTOVER_GRACE", 0.5)   # (the forked supervisor's too)
+    fd = os.open(tmp_path / "agent-stderr", os.O_WRONLY | os.O_CREAT, 0o600)
+    monkeypatch.setattr(sys, "stderr", os.fdopen(fd, "w", buffering=1))   # as stderr is
+    job = Job(tmp_path)
+    job.run_py.write_text(LEAVER_RUN)
+    waiting = start(job, started)
+    supervisor = parent_of(waiting.launcher)
+    waiting.go(job.spec())
+    done = wait_until(lambda: (read_json(job.p["jd"], "run/host.exit") or {}).get("reaped"),
+                      30, "host.exit saying that nothing is left")
+    assert done is True
+    assert "stopping what they left" in job.log(), job.log()
+    all_gone([supervisor, waiting.launcher], timeout=30)
     assert not stray_pids([job.path], wait=2)
 
 

@@ -96,6 +96,17 @@ REAPED = []   # type: list[tuple[int, int, float]]
 RANK_PIDS = []   # type: list[dict[int, tuple[int, float]]]
 
 
+def say(message: str) -> None:
+    """A line on the supervisor's stderr, the log (detach_stdio): straight to descriptor 2,
+    never raising. sys.stderr may be no longer usable in a forked process (one whose
+    stderr object wrote to a descriptor closed since), and a full disk must not end the
+    supervisor before it has stopped what the ranks left and said so in host.exit."""
+    try:
+        os.write(2, message.encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
 def exit_code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
@@ -144,7 +155,7 @@ def record_orphan_ranks(jd: JobDir) -> None:
             write_atomic(jd, "run/rank-%d.exit" % rank,
                          jsonc.dumps({"code": code, "time": when}).encode(), 0o644)
         except (OSError, AgentError) as e:
-            sys.stderr.write("orch supervisor: cannot write rank %d's exit: %s\n" % (rank, e))
+            say("orch supervisor: cannot write rank %d's exit: %s\n" % (rank, e))
     del REAPED[:]
 
 
@@ -207,7 +218,7 @@ def drain(jd: JobDir, began: float) -> bool:
         kill_at = when + (grace if isinstance(grace, (int, float)) else timeouts.STOP_GRACE) \
             + timeouts.STOP_VERIFY
     else:
-        sys.stderr.write("orch: the ranks ended; stopping what they left: %s\n" % left)
+        say("orch: the ranks ended; stopping what they left: %s\n" % left)
         signal_all(left, signal.SIGTERM)
         kill_at = time.time() + timeouts.LEFTOVER_GRACE
     if wait_empty(jd, kill_at):
@@ -284,7 +295,7 @@ def run_supervisor(p: dict[str, Any], spec: dict[str, Any], wfd: int, what: str,
         os.close(wfd)
         code = wait()
     except BaseException as e:  # anything here must still leave host.exit behind
-        sys.stderr.write("orch %s: %r\n" % (what, e))
+        say("orch %s: %r\n" % (what, e))
         try:
             os.write(wfd, jsonc.dumps({"error": repr(e)}).encode())
         except OSError:
@@ -304,4 +315,4 @@ def write_end(jd: JobDir, what: str, end: dict[str, Any]) -> None:
     try:
         write_atomic(jd, "run/host.exit", jsonc.dumps(end).encode(), 0o644)
     except OSError as e:
-        sys.stderr.write("orch %s: cannot write host.exit: %s\n" % (what, e))
+        say("orch %s: cannot write host.exit: %s\n" % (what, e))
