@@ -119,18 +119,22 @@ def later(seconds: float, fn: Callable[[], None]) -> threading.Timer:
     return timer
 
 
-def session_factory(handlers: dict[str, Callable[[FakeChannel, dict], None]],
-                    down: int | None = None) -> Callable[..., Any]:
-    """`open_session` for the commands (monkeypatched in): in-process agents answering
-    with `handlers`; host `down` cannot be reached."""
+def session_maker(handlers: dict[str, Callable[[FakeChannel, dict], None]],
+                  down: int | None = None,
+                  asked: list[str] | None = None) -> Callable[..., Session]:
+    """`new_session` for the commands (monkeypatched into api.jobs, which every call
+    opens its sessions through): in-process agents answering with `handlers`; host
+    `down` cannot be reached; `asked` gets each host's label as it is connected to."""
     def connector(host: Any) -> FakeTransport:
+        if asked is not None:
+            asked.append(host.label)
         if host.index == down:
             raise HostError(f"{host.label}: connection refused")
         return FakeTransport(host, handlers)
 
-    def open_session(cluster: Any, state: Any = None, hosts: Any = None) -> Session:
-        return Session(cluster, state, connector=connector).open(hosts)
-    return open_session
+    def new_session(cluster: Any, state: Any = None) -> Session:
+        return Session(cluster, state, connector=connector)
+    return new_session
 
 
 # ---------------------------------------------------------------- a whole fake cluster

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fake_agent import session_factory
+from fake_agent import session_maker
 from orchestrator import api, cli
 from orchestrator.api import jobs as api_jobs
 from orchestrator.api.outcomes import document
@@ -156,8 +156,8 @@ def two_hosts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     path.write_text(TWO_HOSTS)
 
     def use(down: int | None = None) -> None:
-        factory = session_factory({"status": status_reply, "stop": stop_reply}, down)
-        monkeypatch.setattr(api_jobs, "open_session", factory)
+        factory = session_maker({"status": status_reply, "stop": stop_reply}, down)
+        monkeypatch.setattr(api_jobs, "new_session", factory)
     return path, use
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fake_agent import session_factory
+from fake_agent import session_maker
 from orchestrator.agent import procs as host_procs
 from orchestrator.agent import status as host_status
 from orchestrator.agent.common import job_paths
@@ -47,8 +47,7 @@ def use_hosts(monkeypatch: pytest.MonkeyPatch, ranks: dict[int, dict] | None,
         chan.push(protocol.reply(msg["id"], {"supervisor": sup, "host_exit": None,
                                              "time": time.time(), "ranks": rows}))
 
-    open_session = session_factory({"status": status}, down)
-    monkeypatch.setattr(api_jobs, "open_session", open_session)   # every call's, open_job's too
+    monkeypatch.setattr(api_jobs, "new_session", session_maker({"status": status}, down))
     return seen
 
 

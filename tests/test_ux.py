@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from fake_agent import session_factory
+from fake_agent import session_maker
 from helpers import orch_in_process
 from orchestrator.agent import launch as host_launch
 from orchestrator.agent import procs as host_procs
@@ -119,7 +119,7 @@ RAW = {0: {"state": "exited", "code": 0}, 1: {"state": "exited", "code": 3},
        2: {"state": "exited", "code": -15}, 3: {"state": "stopped", "code": -15}}
 
 
-def fake_session_factory(tmp_path: Path, last_line: str, down: int | None, raw: bool = False,
+def fake_sessions(tmp_path: Path, last_line: str, down: int | None, raw: bool = False,
                          codes: dict[int, int] | None = None):
     """open_session for commands: in-process agents; host `down` cannot be reached.
     `raw`: each rank as RAW says, its log 10 + rank bytes long; `codes`: the ranks that
@@ -135,7 +135,7 @@ def fake_session_factory(tmp_path: Path, last_line: str, down: int | None, raw: 
         chan.push(protocol.reply(msg["id"], {"supervisor": None, "host_exit": None,
                                              "time": time.time(), "ranks": ranks}))
 
-    return session_factory({"status": status}, down)
+    return session_maker({"status": status}, down)
 
 
 def state_of(cluster) -> JobState:
@@ -157,8 +157,8 @@ def fake_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     def use(last_line: str = "", down: int | None = None, raw: bool = False,
             codes: dict[int, int] | None = None) -> None:
         # every api call opens its sessions through api.jobs (open_job too)
-        monkeypatch.setattr(api_jobs, "open_session",
-                            fake_session_factory(tmp_path, last_line, down, raw, codes))
+        monkeypatch.setattr(api_jobs, "new_session",
+                            fake_sessions(tmp_path, last_line, down, raw, codes))
     return cluster, use
 
 
@@ -367,7 +367,7 @@ def test_logs_follow_ended_by_sigterm_says_one_line(tmp_path: Path, monkeypatch:
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """SIGTERM (Ctrl-C) ends `orch logs -f`: the connections orch closes itself are not
     reported as lost hosts (three warnings, the host named twice, before): one line."""
-    from fake_agent import session_factory as factory
+    from fake_agent import session_maker as factory
     from orchestrator import cli
     (tmp_path / "cluster.yaml").write_text(INVENTORY)
     monkeypatch.chdir(tmp_path)
@@ -376,7 +376,7 @@ def test_logs_follow_ended_by_sigterm_says_one_line(tmp_path: Path, monkeypatch:
     def follow(chan, msg: dict) -> None:   # a line per rank, then the job runs on
         for r in msg["ranks"]:
             chan.push(protocol.output(r, b"rank %d up\n" % r))
-    monkeypatch.setattr(api_jobs, "open_session", factory({"follow": follow}))
+    monkeypatch.setattr(api_jobs, "new_session", factory({"follow": follow}))
     from orchestrator.commands import logs
     from orchestrator.watch.follow import PrefixPrinter
     shown: list[int] = []

@@ -50,10 +50,16 @@ def run_cluster(inventory: Inventory) -> Cluster:
     return job_state.run_cluster(cluster, st)
 
 
+def new_session(cluster: Cluster, state: job_state.JobState | None = None) -> Session:
+    """A session of `cluster` not yet connected: every call's sessions start here (the
+    tests' in-process hosts come in through it)."""
+    return Session(cluster, state)
+
+
 def open_session(cluster: Cluster, state: job_state.JobState | None = None,
                  hosts: tuple[Host, ...] | None = None) -> Session:
     """A session with every host's (or `hosts`') agent started; the caller closes it."""
-    session = Session(cluster, state)
+    session = new_session(cluster, state)
     try:
         return session.open(hosts)
     except BaseException:

@@ -19,15 +19,17 @@ from orchestrator.api.outcomes import (
 )
 from orchestrator.arrays import plan
 from orchestrator.arrays import results as array_results
-from orchestrator.config.inventory import Cluster
+from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import UsageError
 from orchestrator.remote.fanout import GroupResult
+from orchestrator.remote.link import Link
 from orchestrator.session import state as job_state
 from orchestrator.session.network import PlanDoc
 from orchestrator.session.replies import GpuReply, RankReply, StatusReply
 from orchestrator.session.session import Session
 from orchestrator.session.state import JobState
 from orchestrator.ui.wording import hint_cmd
+from orchestrator.watch import curvefetch
 from orchestrator.watch.events import runtime_of, state_text
 
 
@@ -58,8 +60,31 @@ def status(inventory: jobs.Inventory) -> Status:
     """`orch status` of a distributed job: every rank, and every GPU of its hosts with
     `gpus:` (whose it is). With no saved state the hosts are asked at the inventory's job
     folders; "not started" (UsageError) when none holds a trace of a run. A job array's
-    tasks: `array_status`."""
-    return next(watch(inventory, rounds=1))
+    tasks: `array_status`.
+
+    One visit per host (Session.visit): log in, ask, fetch its metrics files, let go;
+    at most VISIT_LIMIT hosts' agents are alive at once beside the job."""
+    cluster = jobs.run_cluster(inventory)
+    if cluster.job.array is not None:
+        raise jobs.kind_error(cluster, "a job array", "array_status")
+    st = jobs.saved_state(cluster)
+    session = jobs.new_session(cluster, st)
+    fetch = metrics_round(session, st)
+
+    def ask(h: Host, link: Link) -> StatusReply:
+        reply = session.status_on(h, link)
+        if fetch is not None:
+            fetch.host(h, link)
+        return reply
+    try:
+        result = session.visit(ask)
+    finally:
+        if fetch is not None:
+            fetch.save()
+    if st is None:
+        jobs.require_a_run(session, result)
+    return with_latest(session.cluster, status_of(session, st, result), fetched=fetch is not None
+                       or st is None)
 
 
 def watch(inventory: jobs.Inventory, every: float = 2.0,
@@ -86,23 +111,36 @@ def watch(inventory: jobs.Inventory, every: float = 2.0,
         session.close()
 
 
+def metrics_round(session: Session, st: JobState | None) -> curvefetch.Round | None:
+    """A fetch round of the job's metrics files into this run's outputs/<name>/; None
+    when there is no run to fetch for, or that folder holds an earlier run's files:
+    `orch status` moves nothing (the pull or the attached run sets them aside, and says
+    so) and shows no stale metric."""
+    from orchestrator.api import pulling
+    if st is None or pulling.earlier_run(session.cluster, st) is not None:
+        return None
+    pulling.adopt(session.cluster, st)
+    return curvefetch.Round(session)
+
+
 def with_metrics(session: Session, st: JobState | None, status: Status) -> Status:
     """Each rank's latest metric values from the job's own files: one fetch round of
-    them on the open links (into this run's outputs/<name>/), then the local copies read.
-    A file whose rank is not known counts as its host's first rank's."""
-    from orchestrator.api import pulling
-    from orchestrator.watch import curvefetch, curves
-    if st is not None and pulling.earlier_run(session.cluster, st) is not None:
-        # outputs/<name>/ holds an earlier run's files: `orch status` moves nothing (the
-        # pull or the attached run sets them aside, and says so) and shows no stale metric
-        return status
-    if st is not None:
-        pulling.adopt(session.cluster, st)
-        curvefetch.once(session)
-    latest = curves.latest(curves.read_curves(session.cluster))
+    them on the open links, then the local copies read."""
+    fetch = metrics_round(session, st)
+    if fetch is not None:
+        curvefetch.once(session, fetch.notes)
+    return with_latest(session.cluster, status, fetched=fetch is not None or st is None)
+
+
+def with_latest(cluster: Cluster, status: Status, fetched: bool) -> Status:
+    """Each rank's latest metric values from the local copies of its files (none when
+    they hold an earlier run's: `fetched` is False). A file whose rank is not known
+    counts as its host's first rank's."""
+    from orchestrator.watch import curves
+    latest = curves.latest(curves.read_curves(cluster)) if fetched else {}
     if not latest:
         return status
-    first = {h.label: h.ranks.start for h in session.cluster.hosts if len(h.ranks)}
+    first = {h.label: h.ranks.start for h in cluster.hosts if len(h.ranks)}
 
     def of(r: RankStatus) -> dict[str, float]:
         got = dict(latest.get((r.host, None), {})) if first.get(r.host) == r.rank else {}
@@ -231,7 +269,6 @@ def results_of(session: Session, rec: plan.ArrayRecord) -> Results:
     fetched = plan.host_results(session, rec)
     rows = array_results.result_rows(rec, array_results.status_rows(cluster, rec, status), fetched)
     from orchestrator.api import pulling
-    from orchestrator.watch import curvefetch
     st = job_state.load(cluster)
     aside = pulling.own_outputs(cluster, st, new_run=False) if st is not None else None
     curvefetch.once(session)   # each task's metrics files, for its curve

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_USAGE, DataError, HostError, OrchError
@@ -39,6 +39,11 @@ from orchestrator.session.replies import CommandReply, HostStacks, StatusReply, 
 from orchestrator.session.shelloutput import HostOutput, Printer
 from orchestrator.session.stopper import StopReport, stop_all
 from orchestrator.wire import timeouts
+
+T = TypeVar("T")
+# hosts `visit` has logged in to at once: its agents, sshd sessions and logins are alive
+# together beside the job; the CPU the hosts share is kept busy well before that many
+VISIT_LIMIT = 128
 
 
 @dataclass
@@ -158,14 +163,50 @@ class Session:
                 seal()
         for i, link in result.ok.items():
             self.records[i].link = link
-        for i, exc in result.failed.items():
+        self._unreached(result.failed)
+        return self
+
+    def _unreached(self, failed: dict[int, BaseException]) -> None:
+        """The hosts that could not be reached, recorded; a mistake on this machine (exit
+        2), the same for every host, raised."""
+        for i, exc in failed.items():
             self.records[i].error = exc
-        local = [e for e in result.failed.values()
+        local = [e for e in failed.values()
                  if isinstance(e, OrchError) and e.exit_code == EXIT_USAGE]
         if local:
             self.close()
             raise local[0]
-        return self
+
+    def visit(self, fn: Callable[[Host, Link], T], limit: int = VISIT_LIMIT) -> GroupResult[T]:
+        """A one-shot question of every host, `limit` hosts at a time: log in, start the
+        agent, fn(host, link), let the agent go. Every host's agent stays alive only for
+        its own turn: `status` of 1,000 hosts holds at most `limit` agents and logins at
+        once beside the job, not 1,000 (which ran a 24 GB machine out of memory). Hosts
+        not reached are the session's `failed`; fn's failures are the result's."""
+        opener, seal = (self.connector, None) if self.connector else self._ssh(self.cluster.hosts)
+        bundle()
+        answered: GroupResult[T] = GroupResult()
+        lock = threading.Lock()
+
+        def one(h: Host) -> None:
+            link = self._start(h, opener(h))   # raising: not reached
+            try:
+                value = fn(h, link)
+                with lock:
+                    answered.ok[h.index] = value
+            except Exception as exc:  # collected: the host was reached, it did not answer
+                with lock:
+                    answered.failed[h.index] = exc
+            finally:
+                with contextlib.suppress(Exception):   # best effort: the host may be gone
+                    end_link(link)
+        try:
+            reached = fan_out(self.cluster.hosts, one, limit=limit)
+        finally:
+            if seal is not None:
+                seal()
+        self._unreached(reached.failed)
+        return answered
 
     def _ssh(self, hosts: tuple[Host, ...]) -> tuple[Callable[[Host], Transport], Callable[[], None]]:
         """A connector over SSH, and what ends its bastions' sharing. connect.py is imported
@@ -375,10 +416,14 @@ class Session:
     def status(self) -> GroupResult[StatusReply]:
         links = self.links
         hosts = tuple(h for h in self.cluster.hosts if h.index in links)
-        # hosts with GPUs: every GPU's facts and holder too (the GPU view)
-        return fan_out(hosts, lambda h: StatusReply.of(links[h.index].request(
+        return fan_out(hosts, lambda h: self.status_on(h, links[h.index]))
+
+    def status_on(self, h: Host, link: Link) -> StatusReply:
+        """One host's `status`; a host with GPUs also says every GPU's facts and holder
+        (the GPU view)."""
+        return StatusReply.of(link.request(
             "status", timeouts.STATUS, job_dir=self.records[h.index].job_dir,
-            ranks=list(h.ranks), **({"gpus": True} if h.gpus else {}))))
+            ranks=list(h.ranks), **({"gpus": True} if h.gpus else {})))
 
     def stacks(self, reason: str) -> GroupResult[HostStacks]:
         """A hang: every rank's Python stack, or why it has none (agent/stacks.py); the

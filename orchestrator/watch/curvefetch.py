@@ -24,6 +24,7 @@ from orchestrator.files.localfiles import DigestCache
 from orchestrator.files.pull import Listing, PullReport, Receiver, manifest, plan, receive
 from orchestrator.files.pulldest import Dest
 from orchestrator.remote.fanout import fan_out
+from orchestrator.remote.link import Link
 from orchestrator.session.session import Session
 from orchestrator.watch import curves
 
@@ -79,9 +80,10 @@ def within_round(fetch: Listing) -> Listing:
 
 
 def fetch_host(session: Session, host: Host, cache: DigestCache,
-               notes: curves.Notes) -> int:
-    """One host's metrics files into their local copy; the number of files fetched."""
-    link = session.links.get(host.index)
+               notes: curves.Notes, link: Link | None = None) -> int:
+    """One host's metrics files into their local copy, on `link` (default: the
+    session's open one); the number of files fetched."""
+    link = link or session.links.get(host.index)
     if link is None:
         raise HostError(f"{host.label}: not connected")
     job_dir = session.records[host.index].job_dir
@@ -105,21 +107,45 @@ def fetch_host(session: Session, host: Host, cache: DigestCache,
     return report.files
 
 
+class Round:
+    """One round, host by host: on the session's open links (`once`), or each host on
+    the link of its turn (`Session.visit`, a one-shot `status`). A host that fails is a
+    note; `save` keeps the digests learned."""
+
+    def __init__(self, session: Session, notes: curves.Notes | None = None) -> None:
+        self.session = session
+        self.notes = notes if notes is not None else curves.Notes()
+        self.cache = DigestCache(session.cluster.state_dir / "curve-digests.bin")
+        self.files = 0
+        self.lock = threading.Lock()
+
+    def host(self, host: Host, link: Link | None = None) -> None:
+        if not len(host.ranks):   # a spare runs no rank
+            return
+        try:
+            got = fetch_host(self.session, host, self.cache, self.notes, link)
+        except Exception as exc:  # a note: the status or the run goes on
+            text = str(exc)
+            self.notes.add(text if text.startswith(host.label + ":") else f"{host.label}: {text}",
+                           say=False)
+            return
+        with self.lock:
+            self.files += got
+
+    def save(self) -> None:
+        self.cache.save()
+
+
 def once(session: Session, notes: curves.Notes | None = None) -> int:
     """One round from every rank's host of the session, in parallel; the files fetched.
     A host that fails is a note."""
-    noted = notes if notes is not None else curves.Notes()
-    cache = DigestCache(session.cluster.state_dir / "curve-digests.bin")
+    this = Round(session, notes)
     hosts = tuple(h for h in fetched_hosts(session.cluster) if h.index in session.links)
     try:
-        got = fan_out(hosts, lambda h: fetch_host(session, h, cache, noted))
+        fan_out(hosts, this.host)
     finally:
-        cache.save()
-    for index, exc in got.failed.items():
-        text = str(exc)
-        label = session.cluster.hosts[index].label
-        noted.add(text if text.startswith(label + ":") else f"{label}: {text}", say=False)
-    return sum(got.ok.values())
+        this.save()
+    return this.files
 
 
 class CurveFetch:

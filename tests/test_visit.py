@@ -1,0 +1,78 @@
+"""Session.visit over in-process fake agents: a one-shot question of every host (`orch
+status`) holds at most `limit` agents at once, lets every one go, and tells a host not
+reached (the session's `failed`) from one that did not answer (the result's)."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from fake_agent import FakeTransport
+from orchestrator.config.inventory import parse
+from orchestrator.errors import HostError
+from orchestrator.session.session import Session
+from orchestrator.wire import protocol
+
+HOSTS = 40
+
+
+def inventory(tmp_path: Path):
+    hosts = "\n".join(f"  - {{address: 127.0.2.{i + 1}, connection: local, remote_dir: /r{i}}}"
+                      for i in range(HOSTS))
+    return parse(f"name: many\nhosts:\n{hosts}\njob: {{entrypoint: job.py}}\n",
+                 tmp_path / "cluster.yaml")
+
+
+class Counted:
+    """A connector whose transports count how many hosts are held at once."""
+
+    def __init__(self, handlers: dict, down: int) -> None:
+        self.handlers, self.down = handlers, down
+        self.lock = threading.Lock()
+        self.alive = self.peak = 0
+        self.made: list[FakeTransport] = []
+
+    def __call__(self, host) -> FakeTransport:
+        if host.index == self.down:
+            raise HostError(f"{host.label}: connection refused")
+        transport = FakeTransport(host, self.handlers)
+        counted = self
+        plain_close = transport.close
+
+        def close() -> None:
+            if not transport.closed_once:
+                transport.closed_once = True
+                with counted.lock:
+                    counted.alive -= 1
+            plain_close()
+        transport.closed_once = False   # type: ignore[attr-defined]
+        transport.close = close         # type: ignore[method-assign]
+        with self.lock:
+            self.alive += 1
+            self.peak = max(self.peak, self.alive)
+            self.made.append(transport)
+        return transport
+
+
+def status(chan, msg: dict) -> None:
+    if chan.host.index == 7:   # reached, but its agent cannot answer
+        chan.push(protocol.error(msg["id"], protocol.HOST, "no such job folder"))
+        return
+    time.sleep(0.02)   # a host's answer takes a while: the turns overlap
+    chan.push(protocol.reply(msg["id"], {"supervisor": None, "host_exit": None,
+                                         "time": time.time(), "ranks": []}))
+
+
+def test_visit_holds_at_most_limit_hosts_and_lets_every_one_go(tmp_path: Path) -> None:
+    cluster = inventory(tmp_path)
+    connector = Counted({"status": status}, down=3)
+    session = Session(cluster, connector=connector)
+    result = session.visit(session.status_on, limit=8)
+    assert 2 <= connector.peak <= 8, connector.peak   # overlapping, and never past the limit
+    assert sorted(result.ok) == [i for i in range(HOSTS) if i not in (3, 7)]
+    assert list(result.failed) == [7] and "no such job folder" in str(result.failed[7])
+    assert list(session.failed) == [3] and "connection refused" in str(session.failed[3])
+    assert connector.alive == 0 and len(connector.made) == HOSTS - 1
+    assert all(t.channel.stdin_closed_at is not None for t in connector.made)   # each agent ended
+    assert session.links == {}   # nothing left for close()
+    session.close()
