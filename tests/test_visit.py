@@ -36,16 +36,14 @@ class Counted:
         if host.index == self.down:
             raise HostError(f"{host.label}: connection refused")
         transport = FakeTransport(host, self.handlers)
-        counted = self
-        plain_close = transport.close
+        plain_close, closed = transport.close, threading.Event()
 
         def close() -> None:
-            if not transport.closed_once:
-                transport.closed_once = True
-                with counted.lock:
-                    counted.alive -= 1
+            if not closed.is_set():
+                closed.set()
+                with self.lock:
+                    self.alive -= 1
             plain_close()
-        transport.closed_once = False   # type: ignore[attr-defined]
         transport.close = close         # type: ignore[method-assign]
         with self.lock:
             self.alive += 1

@@ -9,8 +9,8 @@ from typing import TypedDict
 from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.files.shards import resplit_size
+from orchestrator.remote.ask import ask_all
 from orchestrator.remote.bundle import host_python
-from orchestrator.remote.fanout import fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import remote_command
 from orchestrator.session import netprobe, network
@@ -109,13 +109,6 @@ def launch_spec(cluster: Cluster, host: Host, info: HostInfo, addr: str, port: i
     }
 
 
-def launch_host(link: Link, job_dir: str, spec: LaunchSpec) -> Supervisor:
-    """The agent starts the supervisor (detached: a dropped connection leaves it
-    running) and replies with its pid, pgid, torchrun's pid and start time."""
-    return Supervisor.of(link.request("launch", timeouts.LAUNCH, job_dir=job_dir,
-                                      spec=spec)["supervisor"])
-
-
 def warm_start(cluster: Cluster) -> bool:
     """torchrun may start warm at preflight unless `setup:` can still change the python
     or torch, the job is an array (its runner starts one torchrun per task), or
@@ -144,8 +137,13 @@ def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport, r
              for h in cluster.hosts}
     if plan is not None:
         network.save(cluster, run_id, plan)
-    result = fan_out(cluster.hosts, lambda h: launch_host(
-        links[h.index], pre.hosts[h.index].job_dir, specs[h.index]))
+    # every host's launch sent before any reply is awaited (ask_all): in a fan-out's
+    # waves the last of 1,000 hosts started its ranks 30 s after the first, and a rank
+    # that failed meanwhile was seen only once all had started
+    result = ask_all({h.index: links[h.index] for h in cluster.hosts}, "launch",
+                     lambda i: {"job_dir": pre.hosts[i].job_dir, "spec": specs[i]},
+                     timeouts.scaled(timeouts.LAUNCH, len(cluster.hosts)),
+                     lambda body: Supervisor.of(body["supervisor"]))
     result.raise_failures(cluster.hosts, "to start")
     return run_id, result.ok
 

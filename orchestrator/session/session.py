@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import EXIT_USAGE, DataError, HostError, OrchError
@@ -21,6 +21,7 @@ from orchestrator.files.localfiles import DigestCache, LocalFile, Pushable
 from orchestrator.files.pull import PullReport, ReceiveProgress
 from orchestrator.files.pull import pull as pull_files
 from orchestrator.files.sync import Same, SyncReport, push
+from orchestrator.remote.ask import ask_all
 from orchestrator.remote.bundle import bundle
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
@@ -414,16 +415,20 @@ class Session:
         return stop_all(self.cluster, links, self.dirs(), grace)
 
     def status(self) -> GroupResult[StatusReply]:
+        """`status` of every host with an open link, all asked at once (ask_all)."""
         links = self.links
-        hosts = tuple(h for h in self.cluster.hosts if h.index in links)
-        return fan_out(hosts, lambda h: self.status_on(h, links[h.index]))
+        return ask_all({h.index: links[h.index] for h in self.cluster.hosts if h.index in links},
+                       "status", lambda i: self._status_fields(self.cluster.hosts[i]),
+                       timeouts.STATUS, StatusReply.of)
 
     def status_on(self, h: Host, link: Link) -> StatusReply:
-        """One host's `status`; a host with GPUs also says every GPU's facts and holder
-        (the GPU view)."""
-        return StatusReply.of(link.request(
-            "status", timeouts.STATUS, job_dir=self.records[h.index].job_dir,
-            ranks=list(h.ranks), **({"gpus": True} if h.gpus else {})))
+        """One host's `status`."""
+        return StatusReply.of(link.request("status", timeouts.STATUS, **self._status_fields(h)))
+
+    def _status_fields(self, h: Host) -> dict[str, Any]:
+        # a host with GPUs also says every GPU's facts and holder (the GPU view)
+        return dict(job_dir=self.records[h.index].job_dir, ranks=list(h.ranks),
+                    **({"gpus": True} if h.gpus else {}))
 
     def stacks(self, reason: str) -> GroupResult[HostStacks]:
         """A hang: every rank's Python stack, or why it has none (agent/stacks.py); the
