@@ -1,4 +1,4 @@
-"""Session.visit over in-process fake agents: a one-shot question of every host (`orch
+"""Over in-process fake agents: Session.visit, a one-shot question of every host (`orch
 status`) holds at most `limit` agents at once, lets every one go, and tells a host not
 reached (the session's `failed`) from one that did not answer (the result's)."""
 from __future__ import annotations
@@ -74,3 +74,38 @@ def test_visit_holds_at_most_limit_hosts_and_lets_every_one_go(tmp_path: Path) -
     assert all(t.channel.stdin_closed_at is not None for t in connector.made)   # each agent ended
     assert session.links == {}   # nothing left for close()
     session.close()
+
+
+def test_a_launch_reaches_every_host_before_any_reply_is_awaited(tmp_path: Path) -> None:
+    """300 hosts, more than a fan-out's 256 threads: every host holds its launch reply
+    until all 300 launches have arrived. In waves, the last 44 would be sent only once
+    the first 256 had answered, and none ever would."""
+    from orchestrator.session.preflight import HostInfo, PreflightReport
+    hosts = "\n".join(f"  - {{address: 127.0.{2 + i // 250}.{1 + i % 250}, connection: local, "
+                      f"remote_dir: /r{i}}}" for i in range(300))
+    cluster = parse(f"name: wide\nhosts:\n{hosts}\njob: {{entrypoint: job.py}}\n",
+                    tmp_path / "cluster.yaml")
+    arrived: list = []
+    lock, everyone = threading.Lock(), threading.Event()
+
+    def launch(chan, msg: dict) -> None:
+        def answer() -> None:
+            everyone.wait(20)
+            chan.push(protocol.reply(msg["id"], {"supervisor": {
+                "pid": 10, "pgid": 10, "start_ticks": None, "torchrun_pid": 11,
+                "run_id": msg["spec"]["run_id"], "started": time.time()}}))
+        with lock:
+            arrived.append(chan.host.index)
+            if len(arrived) == len(cluster.hosts):
+                everyone.set()
+        threading.Thread(target=answer, daemon=True).start()
+    session = Session(cluster, connector=lambda h: FakeTransport(h, {"launch": launch})).open()
+    try:
+        infos = {h.index: HostInfo(f"/r{h.index}/wide", "/usr/bin/python3", "2.0", 0, 0.0,
+                                   False, "", {}) for h in cluster.hosts}
+        t0 = time.monotonic()
+        _, supervisors = session.launch(PreflightReport(infos, 29500))
+        assert time.monotonic() - t0 < 15 and everyone.is_set()
+    finally:
+        session.close()
+    assert sorted(supervisors) == list(range(300)) and sorted(arrived) == list(range(300))
