@@ -1,6 +1,7 @@
 """Over in-process fake agents: Session.visit, a one-shot question of every host (`orch
 status`) holds at most `limit` agents at once, lets every one go, and tells a host not
-reached (the session's `failed`) from one that did not answer (the result's)."""
+reached (the session's `failed`) from one that did not answer (the result's); a launch
+goes to every host before any reply is awaited (ask_all)."""
 from __future__ import annotations
 
 import threading
