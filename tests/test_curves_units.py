@@ -9,12 +9,13 @@ import builtins
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fake_agent import FakeTransport
+from fake_agent import FakeTransport, later
 from orchestrator.config.inventory import Cluster, parse
 from orchestrator.files.pull import Entry
 from orchestrator.session.session import Session
@@ -327,3 +328,46 @@ def test_a_hosts_listing_is_capped_in_files_and_each_round_in_bytes(monkeypatch)
     monkeypatch.setattr(curvefetch, "MAX_ROUND", 25)
     assert list(curvefetch.within_round(got)) == ["m0.jsonl", "m1.jsonl"]   # the rest next round
     assert list(curvefetch.within_round({"big": Entry(100, digest)})) == ["big"]  # always one
+
+
+def test_a_round_starts_no_thread_for_a_host_with_nothing_listed(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """Every host's listing is asked before any is read; only a host whose listing
+    names a file gets a fetch thread (at 1,000 hosts: not 1,000 threads every round)."""
+    a = remote_out(tmp_path, "alpha")
+    remote_out(tmp_path, "beta")
+    threaded: list[list[str]] = []
+    from orchestrator.remote.fanout import fan_out as real
+
+    def counted(hosts, fn):   # type: ignore[no-untyped-def]
+        threaded.append([h.label for h in hosts])
+        return real(hosts, fn)
+    monkeypatch.setattr(curvefetch, "fan_out", counted)
+    with session(tmp_path, agent_handlers()) as s:
+        assert curvefetch.once(s) == 0 and threaded == [[]]
+        worker_csv(a / "metrics.csv", 1)
+        assert curvefetch.once(s) == 1 and threaded[-1] == ["alpha"]
+
+
+def test_a_host_let_go_gets_its_last_look_in_the_background(tmp_path: Path) -> None:
+    """release() returns at once; the last look at the host (its rows written as its
+    ranks ended) runs in the release's thread, and the fetch's final stop waits for it."""
+    a = remote_out(tmp_path, "alpha")
+    worker_csv(a / "metrics.csv", 2)
+    handlers = agent_handlers()
+    slow = handlers["pull_manifest"]
+
+    def late(chan, msg: dict) -> None:   # the host takes a while to list
+        later(0.5, lambda: slow(chan, msg))
+    handlers["pull_manifest"] = late
+    with session(tmp_path, handlers) as s:
+        fetch = curvefetch.CurveFetch(s, interval=3600)
+        fetch.done.set()   # no rounds of its own: only the last look and the final one
+        s.before_release.append(fetch.last_look)
+        t0 = time.monotonic()
+        s.release(0)
+        assert time.monotonic() - t0 < 0.3 and fetch.looking == 1
+        fetch.stop(final=True)
+        assert fetch.looking == 0 and fetch.version == 1
+    local = curves.outputs_dir(s.cluster) / "metrics.csv"
+    assert local.read_bytes() == (a / "metrics.csv").read_bytes()

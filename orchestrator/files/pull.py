@@ -333,8 +333,18 @@ def manifest(link: Link, job_dir: str, paths: list[str],
              **fields: Any) -> tuple[ManifestReply, Listing]:
     """The host's listing, checked; `fields`: the request's optional ones (folder, globs,
     settle)."""
-    _, asked = link.submit("pull_manifest", job_dir=job_dir, paths=paths, **fields)
-    reply = ManifestReply.of(link.wait(asked, timeouts.PULL_MANIFEST))
+    return manifest_of(link, ask_manifest(link, job_dir, paths, **fields))
+
+
+def ask_manifest(link: Link, job_dir: str, paths: list[str], **fields: Any) -> Pending:
+    """The listing asked for; `manifest_of` reads it (many hosts asked before any is read)."""
+    return link.submit("pull_manifest", job_dir=job_dir, paths=paths, **fields)[1]
+
+
+def manifest_of(link: Link, asked: Pending, timeout: float = timeouts.PULL_MANIFEST,
+                bound: float | None = None) -> tuple[ManifestReply, Listing]:
+    """The listing `asked` of the host, checked, within `timeout` (said as `bound`)."""
+    reply = ManifestReply.of(link.wait(asked, timeout, bound))
     remote: Listing = {}
     for part in asked.parts:   # each checked by protocol.manifest_files: [int, str]
         remote.update((rel, Entry(size, digest)) for rel, (size, digest) in part["files"].items())

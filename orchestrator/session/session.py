@@ -120,9 +120,11 @@ class Session:
         self.waiting = waiting   # `up --wait`: GPUs are queued for
         self.attempts = list(attempts or [])   # the run's restarts so far (its state keeps them)
         self.pinned: set[int] = set()   # hosts release() leaves open (a checkpoint keeper host)
-        # called with a host's index before release() closes its link: the last look at
-        # it (the curves' fetch takes the rows a rank wrote as it ended); never raises
-        self.before_release: list[Callable[[int], None]] = []
+        # called with a host's index as release() lets it go; what it returns runs on the
+        # host's link in the release's own thread before the link is closed: the last
+        # look at it (the curves' fetch takes the rows a rank wrote as it ended); neither
+        # raises
+        self.before_release: list[Callable[[int], Callable[[Link], None] | None]] = []
         self.warm = warm   # torchrun started warm at preflight (not on a spare: it runs nothing)
         # what each host's folders will hold, when known before preflight (a call that
         # waits for the local list): a folder that holds exactly that is not listed back
@@ -264,10 +266,16 @@ class Session:
         link = self.records[index].link
         if link is None or index in self.pinned:
             return
-        for hook in self.before_release:
-            hook(index)
         self.records[index].link = None
-        th = threading.Thread(target=end_link, args=(link,), daemon=True)
+        looks = [look for look in (hook(index) for hook in self.before_release) if look]
+
+        def last(link: Link) -> None:
+            # the last look in this thread, not the caller's: 1,000 hosts ending together
+            # were 1,000 round trips one after the other in the monitor's loop
+            for look in looks:
+                look(link)
+            end_link(link)
+        th = threading.Thread(target=last, args=(link,), daemon=True)
         th.start()
         self.releasing.append(th)
 

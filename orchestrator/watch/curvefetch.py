@@ -17,16 +17,28 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from typing import Callable
 
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.errors import HostError
 from orchestrator.files.localfiles import DigestCache
-from orchestrator.files.pull import Listing, PullReport, Receiver, manifest, plan, receive
+from orchestrator.files.pull import (
+    Listing,
+    ManifestReply,
+    PullReport,
+    Receiver,
+    ask_manifest,
+    manifest_of,
+    plan,
+    receive,
+)
 from orchestrator.files.pulldest import Dest
 from orchestrator.remote.fanout import fan_out
-from orchestrator.remote.link import Link
+from orchestrator.remote.link import Link, Pending
 from orchestrator.session.session import Session
 from orchestrator.watch import curves
+from orchestrator.wire import timeouts
 
 INTERVAL = 2.0            # seconds between rounds: an epoch's row shows within about that
 ROUND_HOSTS = 100.0       # hosts asked a second at most, past 200 hosts (round_interval)
@@ -86,9 +98,19 @@ def fetch_host(session: Session, host: Host, cache: DigestCache,
     link = link or session.links.get(host.index)
     if link is None:
         raise HostError(f"{host.label}: not connected")
-    job_dir = session.records[host.index].job_dir
-    reply, remote = manifest(link, job_dir, [], globs=list(curves.GLOBS),
-                             max_size=curves.MAX_EVENTS)   # the host hashes no bigger file
+    asked = ask_manifest(link, session.records[host.index].job_dir, [], **listing())
+    return fetch_listed(session, host, link, manifest_of(link, asked), cache, notes)
+
+
+def listing() -> dict[str, object]:
+    """The listing's request: the files curves reads; the host hashes no bigger file."""
+    return {"globs": list(curves.GLOBS), "max_size": curves.MAX_EVENTS}
+
+
+def fetch_listed(session: Session, host: Host, link: Link, listed: tuple[ManifestReply, Listing],
+                 cache: DigestCache, notes: curves.Notes) -> int:
+    """The files of a host's listing that are new or changed here, fetched."""
+    reply, remote = listed
     for skip in reply.skipped[:3]:   # too big, a link: named by the host
         where = f"{host.label}: output/{skip.path[:300]}"
         notes.add(f"{where}: {skip.why[:200]}", where)
@@ -101,7 +123,7 @@ def fetch_host(session: Session, host: Host, cache: DigestCache,
         if not fetch:
             return 0
         report = PullReport(link.name, "output", dest.show(""))
-        receive(link, job_dir, Receiver(dest, fetch, cache, report, None))
+        receive(link, session.records[host.index].job_dir, Receiver(dest, fetch, cache, report, None))
     for failed in report.failed[:3]:
         notes.add(f"{host.label}: output/{failed['p']}: {failed['why']}", say=False)
     return report.files
@@ -120,29 +142,59 @@ class Round:
         self.lock = threading.Lock()
 
     def host(self, host: Host, link: Link | None = None) -> None:
-        if not len(host.ranks):   # a spare runs no rank
-            return
+        if len(host.ranks):   # a spare runs no rank
+            self.run(host, lambda: fetch_host(self.session, host, self.cache, self.notes, link))
+
+    def run(self, host: Host, fetch: Callable[[], int]) -> None:
+        """fetch() for one host: its files counted, its failure a note."""
         try:
-            got = fetch_host(self.session, host, self.cache, self.notes, link)
+            got = fetch()
         except Exception as exc:  # a note: the status or the run goes on
-            text = str(exc)
-            self.notes.add(text if text.startswith(host.label + ":") else f"{host.label}: {text}",
-                           say=False)
+            self.failed(host, exc)
             return
         with self.lock:
             self.files += got
+
+    def failed(self, host: Host, exc: BaseException) -> None:
+        text = str(exc)
+        self.notes.add(text if text.startswith(host.label + ":") else f"{host.label}: {text}",
+                       say=False)
 
     def save(self) -> None:
         self.cache.save()
 
 
 def once(session: Session, notes: curves.Notes | None = None) -> int:
-    """One round from every rank's host of the session, in parallel; the files fetched.
-    A host that fails is a note."""
-    this = Round(session, notes)
-    hosts = tuple(h for h in fetched_hosts(session.cluster) if h.index in session.links)
+    """One round from every rank's host of the session; the files fetched. Every host's
+    listing is asked before any is read (no thread per host: at 1,000 hosts a round was
+    1,000 threads every 10 s for listings that mostly say nothing changed); only the
+    hosts with files to fetch get a thread. A host that fails is a note."""
+    this, links = Round(session, notes), session.links   # as they are now: a host let go
+    hosts = [h for h in fetched_hosts(session.cluster) if h.index in links]  # keeps its own
+    asked: dict[int, Pending] = {}
+    for h in hosts:
+        try:
+            asked[h.index] = ask_manifest(links[h.index],
+                                          session.records[h.index].job_dir, [], **listing())
+        except Exception as exc:  # its link is gone: a note
+            this.failed(h, exc)
+    deadline = time.monotonic() + timeouts.PULL_MANIFEST
+    listed: dict[int, tuple[ManifestReply, Listing]] = {}
+    for h in hosts:
+        if h.index not in asked:
+            continue
+        try:
+            listed[h.index] = manifest_of(links[h.index], asked[h.index],
+                                          max(0.0, deadline - time.monotonic()),
+                                          timeouts.PULL_MANIFEST)
+        except Exception as exc:  # lost, or no answer in time: a note
+            this.failed(h, exc)
+    # a listing with no file and nothing skipped needs no thread (most hosts, most rounds)
+    changed = tuple(h for h in hosts if h.index in listed and
+                    (listed[h.index][1] or listed[h.index][0].skipped))
     try:
-        fan_out(hosts, this.host)
+        fan_out(changed, lambda h: this.run(h, lambda: fetch_listed(
+            session, h, links[h.index], listed[h.index], this.cache, this.notes)))
     finally:
         this.save()
     return this.files
@@ -157,7 +209,8 @@ class CurveFetch:
         self.session = session
         self.interval = interval if interval is not None else round_interval(
             len(fetched_hosts(session.cluster)))
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
+        self.looking = 0   # last looks under way (hosts being let go)
         self.version = 0
         self.rounds = 0
         self.notes: list[str] = []
@@ -180,6 +233,8 @@ class CurveFetch:
         if self.thread is not None:
             self.thread.join(timeout)
         if final and (self.thread is None or not self.thread.is_alive()):
+            with self.lock:   # the hosts let go last: their rows too
+                self.lock.wait_for(lambda: not self.looking, timeouts.LAST_LOOKS)
             self.round()
 
     def _run(self) -> None:
@@ -187,22 +242,31 @@ class CurveFetch:
             self.round()
             self.done.wait(self.interval)
 
-    def last_look(self, index: int) -> None:
-        """A host about to be let go (its ranks ended well): the rows they wrote last."""
+    def last_look(self, index: int) -> Callable[[Link], None] | None:
+        """A host about to be let go (its ranks ended well): the rows they wrote last, on
+        its link, in the release's thread. Counted from now: `stop` waits for the looks
+        under way."""
         host = self.session.cluster.hosts[index]
         if not len(host.ranks):
-            return
-        notes = curves.Notes()
-        cache = DigestCache(self.session.cluster.state_dir / "curve-digests.bin")
-        try:
-            files = fetch_host(self.session, host, cache, notes)
-            cache.save()
-        except Exception as e:   # in the monitor's thread: its last rows are missed, nothing else
-            notes.add(f"{host.label}: {e}", say=False)
-            files = 0
+            return None
         with self.lock:
-            self.version += bool(files)
-            self.notes += list(notes)[:curves.MAX_NOTES]
+            self.looking += 1
+
+        def look(link: Link) -> None:
+            notes, files = curves.Notes(), 0
+            try:
+                cache = DigestCache(self.session.cluster.state_dir / "curve-digests.bin")
+                files = fetch_host(self.session, host, cache, notes, link)
+                cache.save()
+            except Exception as e:   # its last rows are missed, nothing else
+                notes.add(f"{host.label}: {e}", say=False)
+            finally:
+                with self.lock:
+                    self.version += bool(files)
+                    self.notes += list(notes)[:curves.MAX_NOTES]
+                    self.looking -= 1
+                    self.lock.notify_all()
+        return look
 
     def round(self) -> int:
         notes = curves.Notes()

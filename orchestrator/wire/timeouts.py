@@ -32,6 +32,7 @@ INTERRUPT_GRACE = 10.0      # SIGTERM -> SIGKILL after Ctrl-C
 STOP_GRACE = 10.0           # `orch stop`'s default --grace
 DRAIN = 5.0                 # after a stop: how long the last lines and exit codes may take
 CLOSE = 1.0             # waiting for an agent to end after its stdin was closed
+LAST_LOOKS = 30.0           # at a run's end: the curves' last looks at the hosts let go
 OPEN_SESSION = 30.0          # opening one SSH session (exec channel)
 PULL_MANIFEST = 600.0       # a pull's manifest (the host may hash big new checkpoints)
 PULL_IDLE = 60.0            # a pull's stream: no frame for this long and the host is lost
