@@ -110,3 +110,33 @@ def test_a_launch_reaches_every_host_before_any_reply_is_awaited(tmp_path: Path)
     finally:
         session.close()
     assert sorted(supervisors) == list(range(300)) and sorted(arrived) == list(range(300))
+
+
+def test_hosts_let_go_take_their_last_looks_a_few_at_a_time(tmp_path: Path) -> None:
+    """release() returns at once for every host; their last looks run in the background,
+    LOOKS_AT_ONCE at most together (all of them at once loaded every host together)."""
+    from orchestrator.session import session as session_mod
+    cluster = inventory(tmp_path)
+    session = Session(cluster, connector=lambda h: FakeTransport(h, {})).open()
+    lock, now, peak, done = threading.Lock(), [0], [0], []
+
+    def hook(index: int):   # type: ignore[no-untyped-def]
+        def look(link) -> None:   # type: ignore[no-untyped-def]
+            with lock:
+                now[0] += 1
+                peak[0] = max(peak[0], now[0])
+            time.sleep(0.05)
+            with lock:
+                now[0] -= 1
+                done.append(index)
+        return look
+    session.before_release.append(hook)
+    t0 = time.monotonic()
+    for i in range(HOSTS):
+        session.release(i)
+    assert time.monotonic() - t0 < 1.0 and session.links == {}
+    session.close()
+    for th in session.releasing:
+        th.join(10)
+    assert sorted(done) == list(range(HOSTS))
+    assert 2 <= peak[0] <= session_mod.LOOKS_AT_ONCE, peak
