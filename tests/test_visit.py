@@ -140,3 +140,24 @@ def test_hosts_let_go_take_their_last_looks_a_few_at_a_time(tmp_path: Path) -> N
         th.join(10)
     assert sorted(done) == list(range(HOSTS))
     assert 2 <= peak[0] <= session_mod.LOOKS_AT_ONCE, peak
+
+
+def test_close_waits_for_hosts_let_go_by_one_deadline(tmp_path: Path) -> None:
+    """Hosts let go whose last looks hang: close() waits for them all by one deadline
+    (about CLOSE + 1 s), not that long for each in turn."""
+    cluster = inventory(tmp_path)
+    session = Session(cluster, connector=lambda h: FakeTransport(h, {})).open()
+    hung = threading.Event()
+
+    def hook(index: int):   # type: ignore[no-untyped-def]
+        def look(link) -> None:   # type: ignore[no-untyped-def]
+            hung.wait(30)
+        return look
+    session.before_release.append(hook)
+    for i in range(10):
+        session.release(i)
+    t0 = time.monotonic()
+    session.close()
+    took = time.monotonic() - t0
+    hung.set()
+    assert took < 4.0, took

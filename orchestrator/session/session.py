@@ -258,8 +258,11 @@ class Session:
             for link in links:
                 with contextlib.suppress(Exception):
                     link.transport.close()
+        # hosts let go: by one deadline they share (each waited for in turn, 1,000 of them
+        # behind a hung host's last look would have been a second each)
+        deadline = time.monotonic() + timeouts.CLOSE + 1
         for th in self.releasing:
-            th.join(timeouts.CLOSE + 1)
+            th.join(max(0.0, deadline - time.monotonic()))
 
     def release(self, index: int) -> None:
         """Close one host's agent now, in the background: a host whose part of the job

@@ -91,15 +91,15 @@ def within_round(fetch: Listing) -> Listing:
     return out
 
 
-def fetch_host(session: Session, host: Host, cache: DigestCache,
-               notes: curves.Notes, link: Link | None = None) -> int:
+def fetch_host(session: Session, host: Host, cache: DigestCache, notes: curves.Notes,
+               link: Link | None = None, timeout: float = timeouts.PULL_MANIFEST) -> int:
     """One host's metrics files into their local copy, on `link` (default: the
-    session's open one); the number of files fetched."""
+    session's open one), its listing within `timeout`; the number of files fetched."""
     link = link or session.links.get(host.index)
     if link is None:
         raise HostError(f"{host.label}: not connected")
     asked = ask_manifest(link, session.records[host.index].job_dir, [], **listing())
-    return fetch_listed(session, host, link, manifest_of(link, asked), cache, notes)
+    return fetch_listed(session, host, link, manifest_of(link, asked, timeout), cache, notes)
 
 
 def listing() -> dict[str, object]:
@@ -256,7 +256,8 @@ class CurveFetch:
             notes, files = curves.Notes(), 0
             try:
                 cache = DigestCache(self.session.cluster.state_dir / "curve-digests.bin")
-                files = fetch_host(self.session, host, cache, notes, link)
+                # a hung host holds one of the few looks at once: not for long
+                files = fetch_host(self.session, host, cache, notes, link, timeouts.LAST_LOOKS)
                 cache.save()
             except Exception as e:   # its last rows are missed, nothing else
                 notes.add(f"{host.label}: {e}", say=False)
