@@ -452,10 +452,10 @@ class Session:
         """A hang: every rank's Python stack, or why it has none (agent/stacks.py); the
         hosts also append them to each rank's log."""
         links = self.links
-        hosts = tuple(h for h in self.cluster.hosts if h.index in links)
-        return fan_out(hosts, lambda h: HostStacks.of(links[h.index].request(
-            "stacks", timeouts.STACKS, job_dir=self.records[h.index].job_dir,
-            ranks=list(h.ranks), reason=reason)))
+        return ask_all({h.index: links[h.index] for h in self.cluster.hosts if h.index in links},
+                       "stacks", lambda i: {"job_dir": self.records[i].job_dir, "reason": reason,
+                                            "ranks": list(self.cluster.hosts[i].ranks)},
+                       timeouts.STACKS, HostStacks.of)
 
     def failure_files(self, rank: int) -> tuple[str, tuple[str, ...]]:
         """torchrun's error file of a failed rank ("" when there is none or no answer), and
