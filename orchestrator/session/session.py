@@ -434,9 +434,7 @@ class Session:
 
     def status(self) -> GroupResult[StatusReply]:
         """`status` of every host with an open link, all asked at once (ask_all)."""
-        links = self.links
-        return ask_all({h.index: links[h.index] for h in self.cluster.hosts if h.index in links},
-                       "status", lambda i: self._status_fields(self.cluster.hosts[i]),
+        return ask_all(self.links, "status", lambda i: self._status_fields(self.cluster.hosts[i]),
                        timeouts.STATUS, StatusReply.of)
 
     def status_on(self, h: Host, link: Link) -> StatusReply:
@@ -451,9 +449,7 @@ class Session:
     def stacks(self, reason: str) -> GroupResult[HostStacks]:
         """A hang: every rank's Python stack, or why it has none (agent/stacks.py); the
         hosts also append them to each rank's log."""
-        links = self.links
-        return ask_all({h.index: links[h.index] for h in self.cluster.hosts if h.index in links},
-                       "stacks", lambda i: {"job_dir": self.records[i].job_dir, "reason": reason,
+        return ask_all(self.links, "stacks", lambda i: {"job_dir": self.records[i].job_dir, "reason": reason,
                                             "ranks": list(self.cluster.hosts[i].ranks)},
                        timeouts.STACKS, HostStacks.of)
 

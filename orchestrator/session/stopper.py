@@ -37,6 +37,5 @@ def stop_all(cluster: Cluster, links: dict[int, Link], dirs: dict[int, str],
              grace: float) -> GroupResult[StopReport]:
     """Every reachable host at once (ask_all: each stop is sent before any reply is
     waited for). A host that fails is reported; the rest still stop."""
-    reachable = {h.index: links[h.index] for h in cluster.hosts if h.index in links}
-    return ask_all(reachable, "stop", lambda i: {"job_dir": dirs[i], "grace": grace},
+    return ask_all(links, "stop", lambda i: {"job_dir": dirs[i], "grace": grace},
                    grace + timeouts.STOP_EXTRA, report)

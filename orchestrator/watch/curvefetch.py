@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Callable
 
 from orchestrator.config.inventory import Cluster, Host
@@ -34,8 +33,9 @@ from orchestrator.files.pull import (
     receive,
 )
 from orchestrator.files.pulldest import Dest
+from orchestrator.remote.ask import gather
 from orchestrator.remote.fanout import fan_out
-from orchestrator.remote.link import Link, Pending
+from orchestrator.remote.link import Link
 from orchestrator.session.session import Session
 from orchestrator.watch import curves
 from orchestrator.wire import timeouts
@@ -171,24 +171,12 @@ def once(session: Session, notes: curves.Notes | None = None) -> int:
     hosts with files to fetch get a thread. A host that fails is a note."""
     this, links = Round(session, notes), session.links   # as they are now: a host let go
     hosts = [h for h in fetched_hosts(session.cluster) if h.index in links]  # keeps its own
-    asked: dict[int, Pending] = {}
-    for h in hosts:
-        try:
-            asked[h.index] = ask_manifest(links[h.index],
-                                          session.records[h.index].job_dir, [], **listing())
-        except Exception as exc:  # its link is gone: a note
-            this.failed(h, exc)
-    deadline = time.monotonic() + timeouts.PULL_MANIFEST
-    listed: dict[int, tuple[ManifestReply, Listing]] = {}
-    for h in hosts:
-        if h.index not in asked:
-            continue
-        try:
-            listed[h.index] = manifest_of(links[h.index], asked[h.index],
-                                          max(0.0, deadline - time.monotonic()),
-                                          timeouts.PULL_MANIFEST)
-        except Exception as exc:  # lost, or no answer in time: a note
-            this.failed(h, exc)
+    got = gather({h.index: links[h.index] for h in hosts},
+                 lambda i, link: ask_manifest(link, session.records[i].job_dir, [], **listing()),
+                 manifest_of, timeouts.PULL_MANIFEST)
+    for i, exc in got.failed.items():   # lost, or no answer in time: a note
+        this.failed(session.cluster.hosts[i], exc)
+    listed = got.ok
     # a listing with no file and nothing skipped needs no thread (most hosts, most rounds)
     changed = tuple(h for h in hosts if h.index in listed and
                     (listed[h.index][1] or listed[h.index][0].skipped))
