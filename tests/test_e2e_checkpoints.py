@@ -100,7 +100,10 @@ def test_keeper_fetches_new_checkpoints_and_restore_moves_them(
             wanted = kept / f"epoch-{n}.pt"
             wait_until((out0 / "checkpoints" / f"epoch-{n}.pt").exists, 60,
                        f"rank 0 to save epoch-{n}.pt (a loaded host starts it late)")
-            wait_until(wanted.exists, 0.5 + 1 + 4,
+            # kept: the file here and the keeper's record of it, which its round writes
+            # just after the file's rename (the file alone raced the record under load)
+            wait_until(lambda wanted=wanted: wanted.exists() and f"output/checkpoints/{wanted.name}"
+                       in keeper.latest(), 0.5 + 1 + 4,
                        f"{wanted.name} to be kept ({keeper.last_error}, {keeper.fresh})")
             assert (kept / f"epoch-{n}.pt").read_bytes() == (out0 / "checkpoints" / f"epoch-{n}.pt").read_bytes()
         assert set(keeper.latest()) == {"output/checkpoints/epoch-1.pt", "output/checkpoints/epoch-2.pt"}
