@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -102,8 +103,7 @@ def test_keeper_fetches_new_checkpoints_and_restore_moves_them(
                        f"rank 0 to save epoch-{n}.pt (a loaded host starts it late)")
             # kept: the file here and the keeper's record of it, which its round writes
             # just after the file's rename (the file alone raced the record under load)
-            wait_until(lambda wanted=wanted: wanted.exists() and f"output/checkpoints/{wanted.name}"
-                       in keeper.latest(), 0.5 + 1 + 4,
+            wait_until(partial(is_kept, wanted, keeper), 0.5 + 1 + 4,
                        f"{wanted.name} to be kept ({keeper.last_error}, {keeper.fresh})")
             assert (kept / f"epoch-{n}.pt").read_bytes() == (out0 / "checkpoints" / f"epoch-{n}.pt").read_bytes()
         assert set(keeper.latest()) == {"output/checkpoints/epoch-1.pt", "output/checkpoints/epoch-2.pt"}
@@ -220,3 +220,7 @@ def test_tutorial_snapshot_in_code_survives_and_code_sync_keeps_it(
     assert "resumed at 2 on 0" in up.stdout, up.stdout
     assert (code1 / "snapshot.pt").read_bytes() == kept.read_bytes(), "the code sync touched it"
     assert_nothing_left(hosts, name)
+
+
+def is_kept(path: Path, keeper: Keeper) -> bool:
+    return path.exists() and f"output/checkpoints/{path.name}" in keeper.latest()
