@@ -106,6 +106,32 @@ def test_root_cause_is_earliest_failure_after_clock_correction() -> None:
     assert mon.failed()
 
 
+class ExitThatLetsAnotherIn:
+    """A rank's exit read by the main loop while a link's reader thread records the next
+    one: reading `code` records rank 99's exit, as a thread switch there would."""
+
+    def __init__(self, mon: Monitor) -> None:
+        self.mon, self.after_stop = mon, False
+
+    @property
+    def code(self) -> int:
+        if 99 not in self.mon.exits:
+            self.mon.rank_exit(0, 99, 0, 101.0)
+        return 0
+
+
+def test_a_rank_exit_recorded_while_the_main_loop_reads_the_exits_breaks_nothing() -> None:
+    """The links' reader threads add exits while `failed()`/`user_stopped()` read them:
+    the readers see a copy ("dictionary changed size during iteration" at 300 hosts)."""
+    for ask in (Monitor.failed, Monitor.user_stopped):
+        mon = bare_monitor({0: 0.0})
+        mon.rank_exit(0, 1, 0, 100.0)
+        mon.exits[2] = ExitThatLetsAnotherIn(mon)   # type: ignore[assignment]  # a test double
+        mon.rank_exit(0, 3, 0, 100.5)
+        assert ask(mon) is False
+        assert 99 in mon.exits
+
+
 def test_signal_kill_loses_ties_to_real_exit_codes() -> None:
     mon = bare_monitor({0: 0.0})
     mon.rank_exit(0, 1, -15, 50.0)

@@ -53,7 +53,8 @@ class ArrayMonitor(LineSink):
         self.wake.set()
 
     def failures(self) -> list[int]:
-        return sorted(t for t, c in self.exits.items() if c != 0)
+        # copied at once: the links' reader threads add to it while the main loop reads
+        return sorted(t for t, c in self.exits.copy().items() if c != 0)
 
 
 def said(job: str) -> ev.Emit:
@@ -96,7 +97,7 @@ def attach_array(session: Session, rec: ArrayRecord, fail_fast: bool) -> int:
         fail_fast_stop(session, mon, finished)
     failed, n = mon.failures(), len(rec.host)
     if mon.lost or failed or len(mon.exits) < n:
-        done = sum(c == 0 for c in mon.exits.values())
+        done = sum(c == 0 for c in mon.exits.copy().values())
         console.print(f"[bold red]job array '{cluster.name}'[/]: {done} of {n} tasks exited 0; "
                       f"failed: {', '.join(map(str, failed[:20])) or 'none'}"
                       + (" ..." if len(failed) > 20 else "")

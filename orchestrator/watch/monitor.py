@@ -110,12 +110,18 @@ class Monitor(LineSink):
         """The job was stopped by someone else (`orch stop`), so a restart must not undo
         it: a rank, or a host's torchrun, ended with a failure after its host received a
         stop (on a host alone, torchrun's end, killed first, may come before any rank's)."""
-        return not self.lost and (any(e.after_stop for e in self.exits.values() if e.code)
+        return not self.lost and (any(e.after_stop for e in self.exits_now() if e.code)
                                   or bool(self.stopped_hosts))
 
     def failed(self) -> bool:
-        return bool(self.lost) or any(e.code != 0 for e in self.exits.values()) or any(
-            code != 0 for code in self.host_codes.values())
+        return bool(self.lost) or any(e.code != 0 for e in self.exits_now()) or any(
+            code != 0 for code in self.host_codes.copy().values())
+
+    def exits_now(self) -> list[Exit]:
+        """The exits so far, copied at once: the links' reader threads add to them while
+        the main loop reads (a generator over the dict itself failed with "dictionary
+        changed size during iteration" at 300 hosts)."""
+        return list(self.exits.copy().values())
 
     def host_clocks(self) -> dict[int, HostClock]:
         """Each host's measured clock; the preflight offset where none was measured."""
@@ -300,7 +306,7 @@ def not_compared(session: Session, mon: Monitor) -> set[int]:
     """The hosts whose clocks the verdict does not read: lost, or no failed rank of their
     own (rootcause.candidates compares only those exits). Two rounds to every host were
     seconds at 300 hosts, after the stop and before the stop was said."""
-    failed = {e.host for e in mon.exits.values() if e.code != 0 and not e.after_stop}
+    failed = {e.host for e in mon.exits_now() if e.code != 0 and not e.after_stop}
     return set(mon.lost) | (set(session.links) - failed)
 
 
