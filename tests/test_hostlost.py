@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from helpers import FakeClock, wait_until
 from orchestrator.agent.follow import Beat
 from orchestrator.errors import OrchError
+from orchestrator.watch.clock import Clocks
 from orchestrator.watch.follow import HostStream, Tracker, follow, watchdog
 from orchestrator.watch.hostlost import ON_TIME, TICK, Silence
 from orchestrator.wire import protocol, timeouts
@@ -30,6 +32,41 @@ def test_the_period_and_the_bound_grow_with_the_hosts(hosts: int, period: float,
     assert bound >= max(timeouts.HOST_LOST, 5 * period)
     # the clock samples slow down alike: 5 s each up to 100 hosts, 50 s at 1,000
     assert timeouts.clock_period(hosts) == timeouts.CLOCK_PERIOD * period
+
+
+class ClockLink:
+    """A link whose host answers a `clock` request at once; counts them."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def submit(self, command: str) -> tuple[int, SimpleNamespace]:
+        assert command == "clock"
+        self.asked += 1
+        done = threading.Event()
+        done.set()
+        return self.asked, SimpleNamespace(done=done, error=None, body={"time": time.time()},
+                                           received=time.time())
+
+
+@pytest.mark.parametrize("hosts, rounds", [(50, 5), (100, 5), (200, 2), (1000, 1)])
+def test_the_first_clock_samples_are_fewer_for_many_hosts(
+        hosts: int, rounds: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five quick rounds up to 100 hosts; past that at most CLOCK_BURST requests in all,
+    and later (five rounds to 1,000 hosts were 5,000 requests while the ranks start)."""
+    monkeypatch.setattr(timeouts, "CLOCK_FIRST", 0.0)   # no wait: the rounds are counted
+    links = {i: ClockLink() for i in range(hosts)}
+    clocks = Clocks(links).start()   # type: ignore[arg-type]  # a test double
+    try:
+        wait_until(lambda: all(link.asked >= rounds for link in links.values()), 20,
+                   "the first clock samples")
+        time.sleep(0.5)   # a round more would be asked now (the period is 5 s or more)
+    finally:
+        clocks.close()
+    assert {link.asked for link in links.values()} == {rounds}
+    monkeypatch.undo()
+    after, _ = timeouts.clock_first(hosts)
+    assert after == timeouts.CLOCK_FIRST * timeouts.heartbeat(hosts)   # 2 s; 20 s at 1,000
 
 
 def test_all_hosts_together_beat_at_most_the_rate_up_to_a_thousand() -> None:

@@ -90,15 +90,17 @@ class Clocks:
                 with self.lock:
                     self.hosts[i].add(t0, pending.body["time"], pending.received)
 
-    def start(self, first: int = 5) -> Clocks:
-        """`first` quick samples after CLOCK_FIRST seconds (the best of them is usually
-        tight; not at once, where they would compete with every host's job starting),
-        then one every timeouts.clock_period seconds, in the background (slower for many
-        hosts). A failure is judged with fresh samples (`measure` in watch.fail_fast)."""
+    def start(self) -> Clocks:
+        """A few quick samples after a few seconds (timeouts.clock_first: the best of them
+        is usually tight; not at once, where they would compete with every host's job
+        starting), then one every timeouts.clock_period seconds, in the background (both
+        fewer for many hosts). A failure is judged with fresh samples (`measure` in
+        watch.fail_fast)."""
         every = timeouts.clock_period(len(self.links))
+        after, first = timeouts.clock_first(len(self.links))
 
         def loop() -> None:
-            if self.closed.wait(timeouts.CLOCK_FIRST):
+            if self.closed.wait(after):
                 return
             for _ in range(first):
                 if self.closed.is_set():

@@ -39,6 +39,8 @@ PULL_IDLE = 60.0            # a pull's stream: no frame for this long and the ho
 PULL_AGE = 15.0             # after a pull: the host lists the files older than the run (a note)
 CLOCK_REPLY = 2.0           # a `clock` sample's reply; a later one is not a useful sample
 CLOCK_FIRST = 2.0           # the first clock samples of a followed job, after its start
+                            # (later past 100 hosts: clock_first())
+CLOCK_BURST = 500           # clock requests the first samples send in all, at most 5 each
 CLOCK_PERIOD = 5.0          # a new clock sample per host this often while a job is watched
                             # (slower past 100 hosts: clock_period())
 SETUP = 6 * 3600.0          # one host's `setup:` (pip installs can be long)
@@ -89,6 +91,17 @@ def host_lost(hosts: int) -> float:
     period, then LOST_BEATS more for each second the period grew (25 s at 300 hosts,
     60 s at 1,000: five periods and more), so a slower beat is never mistaken for loss."""
     return HOST_LOST + LOST_BEATS * (heartbeat(hosts) - HEARTBEAT)
+
+
+def clock_first(hosts: int) -> tuple[float, int]:
+    """When a watched job's first clock samples are taken (seconds after its start) and
+    how many rounds of them, back to back: 5 rounds after CLOCK_FIRST up to 100 hosts;
+    past that later, as the heartbeat, and fewer, CLOCK_BURST requests in all (1,000
+    hosts: one round after 20 s). Five rounds at once to 1,000 hosts were 5,000
+    requests in the job's first seconds, while its ranks start on the hosts' cores (and
+    a crash then is stopped beside them); a failure is judged with fresh samples of its
+    own hosts anyway."""
+    return CLOCK_FIRST * heartbeat(hosts) / HEARTBEAT, max(1, min(5, CLOCK_BURST // max(1, hosts)))
 
 
 def clock_period(hosts: int) -> float:
