@@ -11,15 +11,18 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
 from fake_agent import FakeTransport, later
+from helpers import wait_until
 from orchestrator.config.inventory import Cluster, parse
 from orchestrator.files.pull import Entry
+from orchestrator.remote.link import HostDone
 from orchestrator.session.session import Session
 from orchestrator.watch import curvefetch, curves
+from test_protocol import Collect, started
 from test_pull import agent_handlers
 from worker import metrics as worker_metrics
 
@@ -371,3 +374,53 @@ def test_a_host_let_go_gets_its_last_look_in_the_background(tmp_path: Path) -> N
         assert fetch.looking == 0 and fetch.version == 1
     local = curves.outputs_dir(s.cluster) / "metrics.csv"
     assert local.read_bytes() == (a / "metrics.csv").read_bytes()
+
+
+def test_a_host_whose_done_counted_no_curves_file_gets_no_last_look(tmp_path: Path) -> None:
+    """The follow's `done` counts the curves' files there (HostDone.curves): a host with
+    none is let go without a listing (1,000 of them ended a job on 1,000 hosts); one
+    with files gets its look."""
+    handlers = agent_handlers()
+    listing, asked = handlers["pull_manifest"], []
+
+    def counted(chan, msg: dict) -> None:
+        asked.append(chan.host.index)
+        listing(chan, msg)
+    handlers["pull_manifest"] = counted
+    with session(tmp_path, handlers) as s:
+        fetch = curvefetch.CurveFetch(s, interval=3600)
+        fetch.done.set()   # no rounds of its own: only the last looks
+        s.before_release.append(fetch.last_look)
+        s.links[0].ended = HostDone(0, curves=0)
+        s.links[1].ended = HostDone(0, curves=2)
+        s.release(0)
+        s.release(1)
+        fetch.stop(final=True)
+    assert asked == [1]
+
+
+def ended(sink: Collect) -> Callable[[], bool]:
+    return lambda: bool(sink.done or sink.lost)
+
+
+def test_a_real_agents_done_counts_the_files_the_curves_globs_match(tmp_path: Path) -> None:
+    """Over pipes, a real agent's follow of a job that never ran: its `done` counts the
+    matching files under output/ and the links a listing would name; without `curves`
+    asked, no count."""
+    out = tmp_path / "output"
+    (out / "sub").mkdir(parents=True)
+    worker_csv(out / "metrics.csv", 1)
+    (out / "sub" / "rank-1.jsonl").write_text('{"step": 1}\n')
+    (out / "notes.txt").write_text("not a curve\n")
+    (out / "events.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    link = started(tmp_path)
+    try:
+        got = []
+        for extra in ({"curves": list(curves.GLOBS)}, {}):
+            sink = Collect()
+            link.follow(sink, job_dir=str(tmp_path), ranks=[0], tail=-1, mode="events", **extra)
+            wait_until(ended(sink), 30, "the follow's end")
+            got.append(sink.done[0].curves)
+    finally:
+        link.close()
+    assert got == [3, None]

@@ -179,7 +179,8 @@ def send_starts(send: Send, p: dict[str, Any], logs: list[Any], started: set[Any
             send(protocol.event("start", rank=log.rank, pid=pid["pid"]))
 
 
-def finish(send: Send, p: dict[str, Any], logs: list[Any], mode: str) -> None:
+def finish(send: Send, p: dict[str, Any], logs: list[Any], mode: str,
+           curves: list[str] | None = None) -> None:
     for log in logs:
         emit(send, log, final=True)
     if mode == "events":
@@ -187,9 +188,24 @@ def finish(send: Send, p: dict[str, Any], logs: list[Any], mode: str) -> None:
         fields = {"code": done.get("code"), "time": done.get("time"), "lost": bool(done.get("lost"))}
         if after_stop(p, done.get("time")):
             fields["after_stop"] = True
+        if curves is not None:
+            fields.update(curves_count(p, curves))
         send(protocol.event("done", **fields))
     else:
         send(protocol.event("done", code=None, snapshot=True))
+
+
+def curves_count(p: dict[str, Any], rests: list[str]) -> dict[str, Any]:
+    """{"curves": n}: the files under output/ the follow's `curves` globs match, so that
+    the controller's last look at a host let go is skipped where there are none (1,000
+    listings at the end of a job on 1,000 hosts); {} when they cannot be counted (the
+    controller then looks, as without the count)."""
+    # imported here: a follow without `curves` never loads it
+    try:
+        from orchestrator.agent import pull
+        return {"curves": min(pull.count_globs(p["jd"], rests), protocol.MAX_PULL_FILES)}
+    except Exception:  # a count is a hint: the host's end is said without it
+        return {}
 
 
 class RunDir:
@@ -342,7 +358,7 @@ def run(req: Request) -> None:
             idle = 0 if busy else idle + 1
             if mode in ("raw", "snapshot") or (records and send_exits(
                     send, p, logs, reported, mode == "events", unit)):
-                return finish(send, p, logs, mode)
+                return finish(send, p, logs, mode, a.get("curves"))
             if mode == "events" and len(reported) == len(logs):
                 end.watch(p)   # every rank ended: the host's end is torchrun's, soon
             if mode == "events":

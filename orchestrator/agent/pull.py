@@ -176,15 +176,28 @@ def list_all(req: Any, jd: JobDir, folder: str, notes: Notes) -> dict[str, Any]:
     found: dict[str, Any] = {}
     rests = req.args.get("globs")
     if rests is not None:
-        for top in sorted({globs.root(rest) for rest in rests}):   # each folder walked once
-            list_path(jd, top, found, notes, folder, must=False)
-        return {rel: None for rel in found if globs.matches_any(rests, rel)}
+        return list_globs(jd, rests, folder, notes)
     for path in req.args["paths"] or [""]:
         if path and protocol.pull_path_problem(path):
             raise AgentError("cannot pull %r: %s" % (path, protocol.pull_path_problem(path)),
                              protocol.USAGE)
         list_path(jd, path, found, notes, folder)
     return found
+
+
+def list_globs(jd: JobDir, rests: list[str], folder: str, notes: Notes) -> dict[str, Any]:
+    """{rel: None} of the files under <folder>/ the globs match (links and others noted)."""
+    found: dict[str, Any] = {}
+    for top in sorted({globs.root(rest) for rest in rests}):   # each folder walked once
+        list_path(jd, top, found, notes, folder, must=False)
+    return {rel: None for rel in found if globs.matches_any(rests, rel)}
+
+
+def count_globs(jd: JobDir, rests: list[str]) -> int:
+    """How many entries under output/ the globs match, files and what a listing would
+    name as skipped alike (a follow's `done` says so: no listing for none)."""
+    notes = Notes(lambda rel: globs.matches_any(rests, rel))
+    return len(list_globs(jd, rests, OUTPUT, notes)) + notes.count
 
 
 # What this agent learned of the keeper's files, by path (it lives as long as the command:

@@ -74,18 +74,21 @@ def pull_part(kind: str, body: Mapping[str, Any]) -> PullPart:
 class HostDone:
     """A followed host's `done` event: its host exit code (None when the supervisor
     vanished: `lost`), on the host's clock `time`; `snapshot`: a one-shot read ended;
-    `after_stop`: it ended after the host received a stop (the stop's doing)."""
+    `after_stop`: it ended after the host received a stop (the stop's doing); `curves`:
+    the files under output/ the follow's `curves` globs matched (None: not asked)."""
 
     code: int | None
     time: float | None = None
     lost: bool = False
     snapshot: bool = False
     after_stop: bool = False
+    curves: int | None = None
 
     @classmethod
     def of(cls, event: Mapping[str, Any]) -> HostDone:   # checked by protocol.EVENTS
         return cls(event["code"], event.get("time"), bool(event.get("lost")),
-                   bool(event.get("snapshot")), bool(event.get("after_stop")))
+                   bool(event.get("snapshot")), bool(event.get("after_stop")),
+                   event.get("curves"))
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,7 @@ class Link:
         self.ids = itertools.count(1)
         self.sink: Any = None               # follow events go here (see follow.Sink)
         self.follow_id: int | None = None
+        self.ended: HostDone | None = None   # the follow's `done`, once it came
         self.follow_ranks: frozenset[int] = frozenset()
         self.streams: dict[int, Stream] = {}   # request id -> what the host streams for it
         self.hello: Hello | None = None
@@ -443,7 +447,8 @@ class Link:
                 progress(self.host.index, sorted(set(msg["ranks"])))
         elif t == "done":
             fid, self.follow_id = self.follow_id, None
-            self.sink.host_done(self.host.index, HostDone.of(msg))
+            self.ended = HostDone.of(msg)   # before the sink hears it: a release reads it
+            self.sink.host_done(self.host.index, self.ended)
             if fid is not None:
                 with self.plock:
                     self.pending.pop(fid, None)

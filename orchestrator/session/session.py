@@ -271,8 +271,9 @@ class Session:
         link = self.records[index].link
         if link is None or index in self.pinned:
             return
-        self.records[index].link = None
+        # asked while the host is still the session's: a hook reads its link (its `done`)
         looks = [look for look in (hook(index) for hook in self.before_release) if look]
+        self.records[index].link = None
 
         def last(link: Link) -> None:
             # the last look in this thread, not the caller's: 1,000 hosts ending together

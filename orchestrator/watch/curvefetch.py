@@ -10,7 +10,8 @@ still being appended to comes back as the bytes it held when sent (the readers d
 last line cut short). Capped: a file over its kind's size, more than `curves.MAX_FILES`
 files a host, more than MAX_ROUND bytes a round from a host; what is left out is a note.
 A host let go as its ranks end well (Session.release) gets one last round
-first. Nothing local is ever deleted. A failed round (host lost, the folder held by an
+first, unless its follow's `done` counted no file there (`Link.ended.curves`).
+Nothing local is ever deleted. A failed round (host lost, the folder held by an
 `orch pull`) is recorded and tried again; nothing is raised into the caller.
 """
 from __future__ import annotations
@@ -235,8 +236,10 @@ class CurveFetch:
         its link, in the release's thread. Counted from now: `stop` waits for the looks
         under way."""
         host = self.session.cluster.hosts[index]
-        if not len(host.ranks):
-            return None
+        link = self.session.links.get(index)
+        ended = link.ended if link is not None else None
+        if not len(host.ranks) or (ended is not None and ended.curves == 0):
+            return None   # a spare; a host whose `done` counted no curves' file there
         with self.lock:
             self.looking += 1
 

@@ -112,16 +112,19 @@ def watchdog(streams: dict[int, HostStream], tracker: Tracker, stop: threading.E
 
 def follow(streams: dict[int, HostStream], sink: Sink, tail: int = -1,
            mode: str = "events", unit: str | None = None,
-           heartbeats: bool = False) -> Callable[[], bool]:
+           heartbeats: bool = False, curves: tuple[str, ...] = ()) -> Callable[[], bool]:
     """Start following every host; returns `finished()`, true once every host is done.
     mode "events" follows until the job ends; "snapshot" prints what is there and stops.
     unit "task": a job array's tasks (their numbers stand where ranks do).
     heartbeats: the hosts report the ranks that touched their heartbeat file (a sink's
-    `rank_progress(host, ranks)`), for the hang watch."""
+    `rank_progress(host, ranks)`), for the hang watch. curves: globs under output/ whose
+    files each host counts in its `done` (`Link.ended.curves`: the curves' last look)."""
     tracker, stop = Tracker(streams, sink), threading.Event()
-    extra: dict[str, str | bool | float] = {"unit": unit} if unit else {}   # only when set
+    extra: dict[str, str | bool | float | list[str]] = {"unit": unit} if unit else {}
     if heartbeats:
         extra["heartbeats"] = True
+    if curves and mode == "events":
+        extra["curves"] = list(curves)
     if mode == "events":   # the only mode that beats; slower for many hosts
         extra["beat"] = timeouts.heartbeat(len(streams))
     for index, s in streams.items():

@@ -25,6 +25,7 @@ from orchestrator.remote.link import HostDone
 from orchestrator.session.session import Session
 from orchestrator.session.state import JobState
 from orchestrator.session.stopper import StopReport
+from orchestrator.watch import curves
 from orchestrator.watch import events as ev
 from orchestrator.watch.clock import Clocks, HostClock
 from orchestrator.watch.follow import TAIL_KEEP, HostStream, LineSink, follow
@@ -189,7 +190,8 @@ def watch(session: Session, state: JobState, emit: ev.Emit,
                    (state.master_addr, state.master_port),
                    lambda since: mon.last_progress > since) if decide else None
     try:
-        finished = follow(streams, mon, tail, heartbeats=mon.hang is not None)
+        finished = follow(streams, mon, tail, heartbeats=mon.hang is not None,
+                          curves=curves.GLOBS if decide else ())
         if net is not None:
             net.start()
         if not decide:

@@ -196,8 +196,10 @@ REQUESTS: dict[str, dict[str, Any]] = {
     # heartbeats: also watch each rank's heartbeat file (run/heartbeat-<r>) and send a
     # `progress` event naming the ranks whose file was touched since the last one;
     # beat: the `beat` event's period in seconds (timeouts.heartbeat: slower for many hosts)
+    # curves (mode "events"): the `done` event says how many files under output/ these
+    # globs match (the curves' files: no last listing of a host that has none)
     "follow": {"job_dir": str, "ranks": [int], "tail": int, "mode": str, "?unit": str,
-               "?heartbeats": bool, "?beat": beat_period},
+               "?heartbeats": bool, "?beat": beat_period, "?curves": glob_list},
     "status": {"job_dir": str, "ranks": [int], "?first_local": int,
                "?gpus": bool},   # gpus: every GPU's facts and holder too (the GPU view)
     "stop": {"job_dir": str, "grace": NUM},
@@ -351,7 +353,7 @@ EVENTS: dict[str, dict[str, Any]] = {
     "exit": {"rank": int, "code": OPT_INT, "time": NUM, "?after_stop": bool},
     "start": {"rank": int, "pid": int},                   # a rank's process is there
     "done": {"code": OPT_INT, "?time": OPT_NUM, "?lost": bool, "?snapshot": bool,
-             "?after_stop": bool},
+             "?after_stop": bool, "?curves": int},
     "beat": {"?time": NUM},   # after a follow's `beat` seconds without a frame (host clock)
     "progress": {"ranks": [int]},             # these ranks touched their heartbeat file
 }
