@@ -424,3 +424,26 @@ def test_a_real_agents_done_counts_the_files_the_curves_globs_match(tmp_path: Pa
     finally:
         link.close()
     assert got == [3, None]
+
+
+def test_a_fetch_of_a_job_just_launched_waits_its_interval_before_the_first_round(
+        tmp_path: Path) -> None:
+    """`start(wait_first=True)` (a run's attempt, an array: just launched, nothing
+    written yet): no listing until the interval passed or the final round; `start()`
+    (the dashboard on a running job): a round at once."""
+    handlers = agent_handlers()
+    listing, asked = handlers["pull_manifest"], []
+
+    def counted(chan, msg: dict) -> None:
+        asked.append(chan.host.index)
+        listing(chan, msg)
+    handlers["pull_manifest"] = counted
+    with session(tmp_path, handlers) as s:
+        fetch = curvefetch.CurveFetch(s, interval=3600).start(wait_first=True)
+        time.sleep(0.5)
+        assert asked == []
+        fetch.stop(final=True)
+        assert sorted(asked) == [0, 1] and fetch.rounds == 1
+        now = curvefetch.CurveFetch(s, interval=3600).start()
+        wait_until(lambda: len(asked) == 4, 10, "a round at once")
+        now.stop()

@@ -353,7 +353,7 @@ class Run:
             self.aside = pulling.own_outputs(session.cluster, st, new_run=True)
         else:   # a restart: the same run's folder, its earlier attempts' files kept
             pulling.adopt(session.cluster, st)
-        return CurveFetch(session).start()
+        return CurveFetch(session).start(wait_first=True)   # just launched: nothing yet
 
     def chosen(self, host: str, line: str) -> None:
         """`checkpoint_to: host`: where this attempt keeps its checkpoints, said."""

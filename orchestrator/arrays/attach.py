@@ -83,7 +83,8 @@ def attach_array(session: Session, rec: ArrayRecord, fail_fast: bool) -> int:
     streams = {h.index: HostStream(session.links[h.index], session.records[h.index].job_dir,
                                    rec.tasks_of(h.index)) for h in cluster.hosts}
     finished = follow(streams, mon, unit="task")
-    fetch = CurveFetch(session).start()   # the tasks' curves, live (the results fetch the rest)
+    # the tasks' curves, live (the results fetch the rest); just launched: nothing yet
+    fetch = CurveFetch(session).start(wait_first=True)
     try:
         while not finished() and not (fail_fast and (mon.failures() or mon.lost)):
             mon.wake.wait(0.2)

@@ -205,9 +205,14 @@ class CurveFetch:
         self.notes: list[str] = []
         self.done = threading.Event()
         self.thread: threading.Thread | None = None
+        self.wait_first = False
 
-    def start(self) -> CurveFetch:
+    def start(self, wait_first: bool = False) -> CurveFetch:
+        """The rounds, in a thread. `wait_first`: the first after `interval`, not at once
+        (a job just launched has written nothing yet: at 1,000 hosts, 1,000 listings
+        while its ranks start, and a crash's stop beside them)."""
         self.done.clear()
+        self.wait_first = wait_first
         self.session.before_release.append(self.last_look)
         self.thread = threading.Thread(target=self._run, daemon=True, name="curve-fetch")
         self.thread.start()
@@ -227,6 +232,8 @@ class CurveFetch:
             self.round()
 
     def _run(self) -> None:
+        if self.wait_first and self.done.wait(self.interval):
+            return
         while not self.done.is_set():
             self.round()
             self.done.wait(self.interval)
