@@ -31,12 +31,15 @@ from orchestrator.remote.transport import (
 )
 from orchestrator.wire import timeouts
 
-READ_AHEAD = 64 << 10   # bytes one recv may take for the packets after the one asked for
+# bytes one recv may take for the packets after the one asked for: most packets the
+# hosts send are small (a frame, a window adjust), and a bigger one is read at its size
+# (each recv allocates what it may take, then shrinks to what came: kept small)
+READ_AHEAD = 4 << 10
 
 
 class ReadAhead:
     """The connection's socket as a packetizer reads it: one recv takes what the kernel
-    holds (up to READ_AHEAD) and the next reads are served from it. paramiko reads each
+    holds (up to READ_AHEAD, 4 KiB) and the next reads are served from it. paramiko reads each
     packet in two exact-size recvs (its first block, then the rest), each a poll and a
     recv with the GIL let go and taken again: at 1,000 hosts, hundreds of thousands of
     system calls and thread switches for packets that had arrived together. Everything
