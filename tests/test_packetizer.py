@@ -11,7 +11,7 @@ import pytest
 from paramiko.message import Message
 from paramiko.packet import Packetizer
 
-from orchestrator.ssh.sshtransport import QuietPacketizer
+from orchestrator.ssh.sshtransport import READ_AHEAD, QuietPacketizer
 
 
 @pytest.fixture
@@ -82,20 +82,22 @@ class Counted:
 
 
 def test_packets_that_arrived_together_are_read_in_one_recv() -> None:
-    """paramiko reads each packet in two exact-size recvs; 50 packets in the socket at
-    once are read, in order and whole, in one (a poll and a recv each, with the GIL let
-    go: hundreds of thousands at 1,000 hosts). The end still reads as paramiko's EOF."""
+    """paramiko reads each packet in two exact-size recvs; 30 packets in the socket at
+    once (within READ_AHEAD) are read, in order and whole, in one (a poll and a recv
+    each, with the GIL let go: hundreds of thousands at 1,000 hosts). The end still
+    reads as paramiko's EOF."""
     a, b = socket.socketpair()
     counted = Counted(a)
     try:
         writer, reader = Packetizer(b), QuietPacketizer(counted)  # type: ignore[arg-type]
         sent = []
-        for i in range(50):
+        for i in range(30):
             m = Message()
             m.add_byte(bytes([94]))   # MSG_CHANNEL_DATA's number: any will do unencrypted
-            m.add_string(b"x" * (i * 37 % 300))
+            m.add_string(b"x" * (i * 37 % 100))
             writer.send_message(m)
             sent.append(m.asbytes())
+        assert len(a.recv(READ_AHEAD, socket.MSG_PEEK)) < READ_AHEAD   # all there, in one
         got = [reader.read_message() for _ in sent]
         assert [bytes([t]) + m.asbytes() for t, m in got] == sent
         assert counted.recvs == 1, counted.recvs
