@@ -18,12 +18,15 @@ open descriptors seen (/proc, every 0.1 s):
   logs      `orch logs --rank 0` of it                 (no baseline)
   stop      `orch stop`, every process checked gone   vs  pdsh -f N true
   failfast  `orch up` of a job whose rank 1 exits 3 s after starting: seconds from that
-            exit to orch's line that every host is stopped (verified), and to orch's
+            exit to orch's line that every host is stopped (verified; of it, orch's own
+            count from its decision to stop, on that line), and to orch's
             end (the curves' last round, rank 0's pull, every agent closed; the whole
             up's wall and CPU beside it)
+  failfast-running  the same, rank 1 exiting 3 s after every rank started (a crash in
+            a running job, not amid 1,000 ranks starting on 2 cores)
 
     .venv/bin/python bench/fleet.py --hosts 64 300 [--shells plain root] [--reps 1]
-        [--measures up running failfast]
+        [--measures up running failfast failfast-running]
 
 Every sshd, job process and file it made is gone at the end (checked and printed).
 """
@@ -33,6 +36,7 @@ import argparse
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import threading
@@ -55,6 +59,7 @@ from common import (
     median,
     orch_env,
     pdsh_env,
+    prepare_remote,
     remote_base,
     save_json,
 )
@@ -64,6 +69,23 @@ CRASH = """\
 import os, time
 print("started", flush=True)
 if os.environ["RANK"] == "1":
+    time.sleep(3)
+    print("crash_at", repr(time.time()), flush=True)
+    os._exit(1)
+time.sleep(600)
+"""
+
+# fail-fast in a running job: every rank marks its start in a folder all the fake hosts
+# see; rank 1 exits 3 s after the last rank started (the job is up on every host, as a
+# crash in training is), not while 999 others still start on the same 2 cores
+CRASH_RUNNING = """\
+import os, time
+D = {started!r}
+open(os.path.join(D, os.environ["RANK"]), "w").close()
+print("started", flush=True)
+if os.environ["RANK"] == "1":
+    while len(os.listdir(D)) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.5)
     time.sleep(3)
     print("crash_at", repr(time.time()), flush=True)
     os._exit(1)
@@ -94,6 +116,7 @@ class Sample:
     base: float = float("nan")   # the baseline's wall seconds
     extra: float = float("nan")  # failfast: seconds from the rank's exit to every host stopped
     end: float = float("nan")    # failfast: seconds from the rank's exit to orch's end
+    stop: float = float("nan")   # failfast: orch's decision to stop -> every host stopped
 
 
 @dataclass
@@ -261,7 +284,21 @@ def measure_running(bed: Bed, s: Series) -> None:
 
 
 def measure_failfast(bed: Bed, s: Series) -> None:
-    inv = bed.inventory(f"crash{bed.n}", CRASH)
+    failfast(bed, s, "failfast", bed.inventory(f"crash{bed.n}", CRASH))
+
+
+def measure_failfast_running(bed: Bed, s: Series) -> None:
+    started = bed.remote / f"started{bed.n}"
+    shutil.rmtree(started, ignore_errors=True)
+    prepare_remote(started, bed.shell)
+    try:
+        failfast(bed, s, "failfast-running",
+                 bed.inventory(f"crashrun{bed.n}", CRASH_RUNNING.format(started=str(started))))
+    finally:
+        shutil.rmtree(started, ignore_errors=True)
+
+
+def failfast(bed: Bed, s: Series, measure: str, inv: Path) -> None:
     o, c = orch(inv, "up")
     ended = time.time()
     left = bed.left_over()
@@ -271,8 +308,13 @@ def measure_failfast(bed: Bed, s: Series) -> None:
         s.fail(f"orch up with a rank's exit (left {len(left)})", o)
         kill_pids(left)
     said = c.said_stopped - float(m.group(1)) if m else float("nan")
-    s.samples.append(Sample("failfast", c, extra=said, end=after))
-    show(f"failfast (stopped {said:.2f} s after the exit, orch ended {after:.2f} s after it)", c)
+    # orch's own count, from its decision to stop to every host stopped: the rest of
+    # `said` is the exit's way to the controller (the rank, its host's agent, sshd)
+    own = re.search(r"stopped the job on every host in (\d+\.\d+) s", o.stderr)
+    stop = float(own.group(1)) if own else float("nan")
+    s.samples.append(Sample(measure, c, extra=said, end=after, stop=stop))
+    show(f"{measure} (stopped {said:.2f} s after the exit, of which the stop {stop:.1f} s; "
+         f"orch ended {after:.2f} s after it)", c)
 
 
 def measure_memory(bed: Bed, s: Series) -> None:
@@ -306,7 +348,8 @@ def measure_memory(bed: Bed, s: Series) -> None:
 # ---------------------------------------------------------------- report
 
 HEADERS = ["hosts", "shell", "command", "orch s", "baseline s", "ratio", "user s", "sys s",
-           "RSS MiB", "threads", "fds", "exit -> stopped s", "exit -> end s"]
+           "RSS MiB", "threads", "fds", "exit -> stopped s", "of it orch's stop s",
+           "exit -> end s"]
 
 
 def mid(got: list[Sample], f: Callable[[Sample], float]) -> float:
@@ -317,7 +360,7 @@ def mid(got: list[Sample], f: Callable[[Sample], float]) -> float:
 def rows(series: list[Series]) -> list[list]:
     out = []
     for s in series:
-        for measure in ("up", "status", "logs", "stop", "failfast"):
+        for measure in ("up", "status", "logs", "stop", "failfast", "failfast-running"):
             got = [x for x in s.samples if x.measure == measure]
             if not got:
                 continue
@@ -326,7 +369,7 @@ def rows(series: list[Series]) -> list[list]:
                         mid(got, lambda x: x.orch.user), mid(got, lambda x: x.orch.system),
                         max(x.orch.rss_mib for x in got), max(x.orch.threads for x in got),
                         max(x.orch.fds for x in got), mid(got, lambda x: x.extra),
-                        mid(got, lambda x: x.end)])
+                        mid(got, lambda x: x.stop), mid(got, lambda x: x.end)])
     return out
 
 
@@ -345,7 +388,7 @@ def report(series: list[Series], started: float) -> None:
 # ---------------------------------------------------------------- main
 
 MEASURES = {"up": measure_up, "running": measure_running, "failfast": measure_failfast,
-            "memory": measure_memory}
+            "failfast-running": measure_failfast_running, "memory": measure_memory}
 
 
 def run_series(beds: Beds, shell: str, n: int, reps: int, work: Path,
@@ -369,7 +412,8 @@ def main() -> None:
     ap.add_argument("--shells", nargs="+", default=["plain"], choices=["plain", "root"])
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--measures", nargs="+", default=list(MEASURES), choices=list(MEASURES),
-                    help="up; running (status, logs, stop of one job); failfast; memory "
+                    help="up; running (status, logs, stop of one job); failfast; "
+                         "failfast-running (the crash once every rank started); memory "
                          "(per host while a job runs, orch and pdsh)")
     ap.add_argument("--nofile", type=int, default=1024,
                     help="the controller's soft open-file limit (a login session's default)")

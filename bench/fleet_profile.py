@@ -41,7 +41,7 @@ from common import (
     remote_base,
 )
 from fleet import SSH, measured
-from scale import SLEEPER, wait_started
+from scale import HELLO, SLEEPER, wait_started
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -100,7 +100,8 @@ def one(verb: str, inventory: str, top: int) -> None:
     main = cProfile.Profile(time.thread_time)
     t0 = time.perf_counter()
     main.enable()
-    code = cli([verb, *(["--detach"] if verb == "up" else []), "-c", inventory])
+    detach = ["--detach"] if verb == "up" and not os.environ.get("FLEET_ATTACHED") else []
+    code = cli([verb, *detach, "-c", inventory])
     main.disable()
     wall = time.perf_counter() - t0
     kinds["main"] = [1, *thread_cost()]
@@ -121,6 +122,8 @@ def one(verb: str, inventory: str, top: int) -> None:
     stats = pstats.Stats(main)
     for p in profiles:
         stats.add(p)
+    if os.environ.get("FLEET_DUMP"):   # for pstats afterwards: callers, callees
+        stats.dump_stats(os.environ["FLEET_DUMP"])
     for order in ("cumulative", "tottime"):
         out = io.StringIO()
         stats.stream = out   # type: ignore[attr-defined]
@@ -195,6 +198,8 @@ def main() -> None:
     ap.add_argument("--hold", type=float, default=0, metavar="S",
                     help="also hold an idle session open for S seconds: each thread kind's "
                          "wake-ups (after `up`, before `status`)")
+    ap.add_argument("--attached", action="store_true",
+                    help="`orch up` followed to its end (a one-line job), not --detach")
     ap.add_argument("--keepalive-hosts", type=int, default=0, metavar="N",
                     help="in --hold: each connection's keepalive period as with N hosts")
     if sys.argv[1:2] == ["one"]:
@@ -208,16 +213,17 @@ def main() -> None:
         work = beds.cluster.root.parent / "work"
         bed = Bed(beds.cluster, beds.cluster.hosts, sh, beds.python, work,
                   remote_base(beds.cluster, sh) / "prof", ssh=dict(SSH))
-        inv = bed.inventory("prof", SLEEPER)
+        inv = bed.inventory("prof", HELLO if args.attached else SLEEPER)
         for tree, switch in [(t, w) for t in args.trees for w in args.switch]:
             print(f"\n##### orchestrator from {tree}, switch interval {switch or 'default'}",
                   flush=True)
             env = dict(orch_env(), FLEET_TOP=str(args.top), PYTHONPATH=str(tree),
-                       FLEET_SWITCH=switch)
-            for verb in ("up", "status", "stop"):
+                       FLEET_SWITCH=switch, FLEET_ATTACHED="1" if args.attached else "")
+            for verb in ("up",) if args.attached else ("up", "status", "stop"):
                 print(f"load {' '.join(f'{v:.1f}' for v in os.getloadavg())}", flush=True)
                 if args.plain:   # the `orch` command as a user runs it, its cost by wait4
-                    o, c = measured([str(ORCH), verb, *(["--detach"] if verb == "up" else []),
+                    detach = ["--detach"] if verb == "up" and not args.attached else []
+                    o, c = measured([str(ORCH), verb, *detach,
                                      "-c", str(inv)], env=env, cwd=inv.parent)
                     print(f"### {verb}: exit {c.code}, {c.seconds:.2f} s, cpu {c.user:.2f} user"
                           f" + {c.system:.2f} sys, rss {c.rss_mib:.0f} MiB, {c.threads} "
@@ -227,7 +233,7 @@ def main() -> None:
                     continue
                 subprocess.run([str(VENV_PY), __file__, "one", verb, str(inv)], env=env,
                                cwd=inv.parent, check=False)
-                if verb == "up" and not wait_started(bed, timeout=300):
+                if verb == "up" and not args.attached and not wait_started(bed, timeout=300):
                     print("not every rank started")
                 if verb == "up" and args.hold:
                     print(f"load {' '.join(f'{v:.1f}' for v in os.getloadavg())}", flush=True)
