@@ -376,10 +376,8 @@ def test_a_host_let_go_gets_its_last_look_in_the_background(tmp_path: Path) -> N
     assert local.read_bytes() == (a / "metrics.csv").read_bytes()
 
 
-def test_a_host_whose_done_counted_no_curves_file_gets_no_last_look(tmp_path: Path) -> None:
-    """The follow's `done` counts the curves' files there (HostDone.curves): a host with
-    none is let go without a listing (1,000 of them ended a job on 1,000 hosts); one
-    with files gets its look."""
+def listings_counted() -> tuple[dict, list[int]]:
+    """The fake agents' handlers, each listing (`pull_manifest`) recorded by host index."""
     handlers = agent_handlers()
     listing, asked = handlers["pull_manifest"], []
 
@@ -387,6 +385,14 @@ def test_a_host_whose_done_counted_no_curves_file_gets_no_last_look(tmp_path: Pa
         asked.append(chan.host.index)
         listing(chan, msg)
     handlers["pull_manifest"] = counted
+    return handlers, asked
+
+
+def test_a_host_whose_done_counted_no_curves_file_gets_no_last_look(tmp_path: Path) -> None:
+    """The follow's `done` counts the curves' files there (HostDone.curves): a host with
+    none is let go without a listing (1,000 of them ended a job on 1,000 hosts); one
+    with files gets its look."""
+    handlers, asked = listings_counted()
     with session(tmp_path, handlers) as s:
         fetch = curvefetch.CurveFetch(s, interval=3600)
         fetch.done.set()   # no rounds of its own: only the last looks
@@ -431,13 +437,7 @@ def test_a_fetch_of_a_job_just_launched_waits_its_interval_before_the_first_roun
     """`start(wait_first=True)` (a run's attempt, an array: just launched, nothing
     written yet): no listing until the interval passed or the final round; `start()`
     (the dashboard on a running job): a round at once."""
-    handlers = agent_handlers()
-    listing, asked = handlers["pull_manifest"], []
-
-    def counted(chan, msg: dict) -> None:
-        asked.append(chan.host.index)
-        listing(chan, msg)
-    handlers["pull_manifest"] = counted
+    handlers, asked = listings_counted()
     with session(tmp_path, handlers) as s:
         fetch = curvefetch.CurveFetch(s, interval=3600).start(wait_first=True)
         time.sleep(0.5)
