@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-import fake_agent
 from fake_agent import FakeChannel, FakeTransport
 from orchestrator.agent import paths, procs
 from orchestrator.agent.paths import JobDir
@@ -51,18 +50,11 @@ class Folders:
             chan.push(protocol.reply(msg["id"], body))
 
         def unshare(chan: FakeChannel, msg: dict) -> None:
-            chan.push(protocol.reply(msg["id"], {"removed": self.unshare(msg, msg["nonce"])}))
-
-        def launch(chan: FakeChannel, msg: dict) -> None:
-            if "unshare" in msg:
-                self.unshare(msg, msg["unshare"])
-            fake_agent.launch(chan, msg)
-        return {"preflight": preflight, "unshare": unshare, "launch": launch}
-
-    def unshare(self, msg: dict, nonce: str) -> bool:
-        folder = msg["job_dir"].rsplit("/", 1)[0]
-        with self.lock:
-            return self.markers.pop((folder, nonce), None) is not None
+            folder = msg["job_dir"].rsplit("/", 1)[0]
+            with self.lock:
+                removed = self.markers.pop((folder, msg["nonce"]), None) is not None
+            chan.push(protocol.reply(msg["id"], {"removed": removed}))
+        return {"preflight": preflight, "unshare": unshare}
 
 
 def preflighted(tmp_path: Path, text: str = INVENTORY):
@@ -86,24 +78,6 @@ def test_hosts_are_grouped_by_the_marker_they_found(tmp_path: Path) -> None:
         session.close()   # every host was asked to remove the marker
         assert all(any(m["t"] == "unshare" and m["nonce"] == session.run_id
                        for m in t.channel.requests) for t in transports.values())
-        assert folders.markers == {}, "the markers are removed"
-    finally:
-        session.close()
-
-
-def test_a_launch_removes_the_markers_itself_and_close_asks_nothing_more(
-        tmp_path: Path) -> None:
-    """Each host's launch carries the preflight's nonce and removes its marker there: no
-    `unshare` request of its own (1,000 requests and replies less an `up` of 1,000 hosts)."""
-    _cluster, session, pre, folders, transports = preflighted(tmp_path)
-    try:
-        assert folders.markers
-        session.launch(pre)
-        session.close()
-        for t in transports.values():
-            assert [m["t"] for m in t.channel.requests if m["t"] == "unshare"] == []
-            assert [m.get("unshare") for m in t.channel.requests
-                    if m["t"] == "launch"] == [session.run_id]
         assert folders.markers == {}, "the markers are removed"
     finally:
         session.close()

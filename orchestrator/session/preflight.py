@@ -259,15 +259,17 @@ def preflight(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseEx
     """Check every host whose agent runs; report every failing host together (connection
     failures included), so that one bad host never hides another. `checked`: hosts
     already checked (check_host, as each agent came up); the others are checked now.
-    The share markers (`nonce`) stay: the session removes them, with the launch or at
-    its close, whatever the verdict (Session.markers)."""
-    return judge(cluster, links, failed, done, checked, nonce, waiting)
+    Every host has answered: the share markers are removed, whatever the verdict."""
+    try:
+        return judge(cluster, links, failed, done, checked, nonce, waiting)
+    finally:
+        if nonce:
+            unshare(cluster, links, nonce)
 
 
 def unshare(cluster: Cluster, links: dict[int, Link], nonce: str) -> None:
     """The marker's removal, sent and not waited for: the agent serves it before the
-    next request (or before it ends), and one of the hosts sharing it removes it. A
-    launch removes it itself (its `unshare`): this is for a session that launched none."""
+    next request (or before it ends), and one of the hosts sharing it removes it."""
     for link in links.values():
         try:
             link.submit("unshare", job_dir=job_dir(cluster, link.host), nonce=nonce)
