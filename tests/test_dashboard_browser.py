@@ -177,6 +177,37 @@ def test_the_page_in_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, b
     assert not [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
 
 
+def test_a_rank_picked_while_the_poll_asks_shows_each_line_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, browser: Any) -> None:
+    """Picking a rank polls its log at once, beside the page's own poll: with the first
+    answer slow, both are in flight from the same cursor, and the later one's lines were
+    shown a second time (CI: the search then never matched "rank 2 up" alone)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+    from orchestrator.dashboard.board import Board
+    Running(monkeypatch)
+    path = inventory(tmp_path)
+    api.up(path)
+    log = Board.log
+
+    def slow(self: Board, rank: int, after: int = 0, **kw: Any) -> Any:
+        if rank == 2 and after == 0:
+            time.sleep(1.5)   # longer than the page's poll period: the next poll asks too
+        return log(self, rank, after, **kw)
+    monkeypatch.setattr(Board, "log", slow)
+    opened = page.open_for_job(path)
+    try:
+        browser.get(opened.url)
+        until(browser, lambda d: len(cells(d, 1)) == 6)
+        Select(browser.find_element(By.ID, "log-rank")).select_by_value("2")
+        until(browser, lambda d: "rank 2 up" in d.find_element(By.ID, "log-view").text)
+        time.sleep(3.5)   # every poll in flight has answered
+        text = browser.find_element(By.ID, "log-view").text
+        assert text.count("rank 2 up") == 1, text
+    finally:
+        opened.close()
+
+
 def test_a_job_arrays_curves_per_task_in_chromium(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   browser: Any) -> None:
     """A job array: its tasks and groups over folds; every task's curve on one chart, one

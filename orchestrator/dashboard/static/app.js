@@ -131,7 +131,11 @@
   }
   function pollLog() {
     var rank = currentRank(), entry = logs[rank] || (logs[rank] = {lines: [], after: 0});
-    return get("api/log?rank=" + rank + "&after=" + entry.after).then(function (got) {
+    var from = entry.after;
+    return get("api/log?rank=" + rank + "&after=" + from).then(function (got) {
+      // two polls of one rank in flight (a rank picked while the poll loop asked): the
+      // later answer holds the same lines again; only the one from where we are counts
+      if (entry.after !== from) return;
       if (got.lines.length) {
         entry.lines = entry.lines.concat(got.lines).slice(-MAX_LINES);
         entry.after = got.next;
