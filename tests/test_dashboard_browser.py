@@ -184,6 +184,7 @@ def test_a_rank_picked_while_the_poll_asks_shows_each_line_once(
     shown a second time (CI: the search then never matched "rank 2 up" alone)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
+
     from orchestrator.dashboard.board import Board
     Running(monkeypatch)
     path = inventory(tmp_path)
