@@ -450,8 +450,9 @@ class Session:
     def stacks(self, reason: str) -> GroupResult[HostStacks]:
         """A hang: every rank's Python stack, or why it has none (agent/stacks.py); the
         hosts also append them to each rank's log."""
-        return ask_all(self.links, "stacks", lambda i: {"job_dir": self.records[i].job_dir, "reason": reason,
-                                            "ranks": list(self.cluster.hosts[i].ranks)},
+        return ask_all(self.links, "stacks",
+                       lambda i: {"job_dir": self.records[i].job_dir, "reason": reason,
+                                  "ranks": list(self.cluster.hosts[i].ranks)},
                        timeouts.STACKS, HostStacks.of)
 
     def failure_files(self, rank: int) -> tuple[str, tuple[str, ...]]:

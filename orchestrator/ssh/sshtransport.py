@@ -39,7 +39,7 @@ READ_AHEAD = 4 << 10
 
 class ReadAhead:
     """The connection's socket as a packetizer reads it: one recv takes what the kernel
-    holds (up to READ_AHEAD, 4 KiB) and the next reads are served from it. paramiko reads each
+    holds (up to READ_AHEAD) and the next reads are served from it. paramiko reads each
     packet in two exact-size recvs (its first block, then the rest), each a poll and a
     recv with the GIL let go and taken again: at 1,000 hosts, hundreds of thousands of
     system calls and thread switches for packets that had arrived together. Everything

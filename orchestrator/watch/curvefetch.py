@@ -205,16 +205,15 @@ class CurveFetch:
         self.notes: list[str] = []
         self.done = threading.Event()
         self.thread: threading.Thread | None = None
-        self.wait_first = False
 
     def start(self, wait_first: bool = False) -> CurveFetch:
         """The rounds, in a thread. `wait_first`: the first after `interval`, not at once
         (a job just launched has written nothing yet: at 1,000 hosts, 1,000 listings
         while its ranks start, and a crash's stop beside them)."""
         self.done.clear()
-        self.wait_first = wait_first
         self.session.before_release.append(self.last_look)
-        self.thread = threading.Thread(target=self._run, daemon=True, name="curve-fetch")
+        self.thread = threading.Thread(target=self._run, args=(wait_first,), daemon=True,
+                                       name="curve-fetch")
         self.thread.start()
         return self
 
@@ -231,8 +230,8 @@ class CurveFetch:
                 self.lock.wait_for(lambda: not self.looking, timeouts.LAST_LOOKS)
             self.round()
 
-    def _run(self) -> None:
-        if self.wait_first and self.done.wait(self.interval):
+    def _run(self, wait_first: bool) -> None:
+        if wait_first and self.done.wait(self.interval):
             return
         while not self.done.is_set():
             self.round()
@@ -243,7 +242,9 @@ class CurveFetch:
         its link, in the release's thread. Counted from now: `stop` waits for the looks
         under way."""
         host = self.session.cluster.hosts[index]
-        link = self.session.links.get(index)
+        # its own record, not `session.links`: that builds a dict of every host's link,
+        # once per release (1,000 times at the end of a 1,000-host job)
+        link = self.session.records[index].link
         ended = link.ended if link is not None else None
         if not len(host.ranks) or (ended is not None and ended.curves == 0):
             return None   # a spare; a host whose `done` counted no curves' file there
