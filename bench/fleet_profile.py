@@ -68,9 +68,12 @@ def one(verb: str, inventory: str, top: int) -> None:
     lock = threading.Lock()
     inner = threading.Thread._bootstrap_inner   # type: ignore[attr-defined]
 
+    bare = bool(os.environ.get("FLEET_BARE"))   # threads' CPU by kind, no profiler
+
     def profiled(kind: Callable[[], str], run: Callable[[], object]) -> None:
         p = cProfile.Profile(time.thread_time)   # CPU, not the waits
-        p.enable()
+        if not bare:
+            p.enable()
         try:
             run()
         finally:
@@ -99,7 +102,8 @@ def one(verb: str, inventory: str, top: int) -> None:
     sys.setswitchinterval(float(os.environ.get("FLEET_SWITCH") or ours))
     main = cProfile.Profile(time.thread_time)
     t0 = time.perf_counter()
-    main.enable()
+    if not bare:
+        main.enable()
     detach = ["--detach"] if verb == "up" and not os.environ.get("FLEET_ATTACHED") else []
     code = cli([verb, *detach, "-c", inventory])
     main.disable()
@@ -116,6 +120,9 @@ def one(verb: str, inventory: str, top: int) -> None:
           "involuntary switches")
     for name, k in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
         print(f"  {name:50s} {k[0]:5d} {k[1]:7.3f} {k[2]:7.2f} {k[3]:7.2f} {k[4]:9d} {k[5]:8d}")
+    if bare:
+        sys.stdout.flush()
+        os._exit(0)
     out = io.StringIO()
     pstats.Stats(main, stream=out).sort_stats("tottime").print_stats(top)
     print("main thread alone:" + out.getvalue().split("   ncalls", 1)[-1].join(["\n   ncalls", ""]))

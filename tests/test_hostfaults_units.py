@@ -152,6 +152,47 @@ def test_a_host_that_keeps_taking_data_is_not_stalled(tmp_path: Path,
         assert stall.fired and chan.closed, "a silent host was never given up"
 
 
+class QuietLink:
+    """What a Stall reads of a link: its last frame's time, its transport to close."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.last_seen = name, timeouts.CLOCK.now()
+        self.transport = self
+        self.closed = threading.Event()
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_many_pushes_are_watched_by_one_thread_that_ends_with_the_last(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """50 pushes at once are one watchdog thread, not 50; the silent one of them is given
+    up after PUSH_IDLE alone (the others, still sending, are kept); the thread ends
+    with the last push."""
+    clock = FakeClock()
+    monkeypatch.setattr(timeouts, "CLOCK", clock)
+    before = {t.ident for t in threading.enumerate()}
+    links = [QuietLink(f"h{i}") for i in range(50)]
+    stalls = [sync.Stall(link) for link in links]   # type: ignore[arg-type]
+    for s in stalls:
+        s.__enter__()
+    watcher = stalls[0].thread
+    assert all(s.thread is watcher for s in stalls)
+    new = [t for t in threading.enumerate() if t.ident not in before]
+    assert [t.name for t in new] == ["push-stall"], new
+    clock.wait_for_checks(1)
+    for _ in range(4):
+        clock.step(0.4 * timeouts.PUSH_IDLE, watcher.is_alive)
+        for s in stalls[1:]:
+            s.sent = clock.now()   # what a send that returned records
+    assert stalls[0].fired and links[0].closed.is_set(), "the silent push was kept"
+    assert not any(s.fired or link.closed.is_set() for s, link in zip(stalls[1:], links[1:]))
+    for s in stalls:
+        s.__exit__(None, None, None)
+    watcher.join(10)
+    assert not watcher.is_alive(), "the watch outlived the last push"
+
+
 # ---------------------------------------------------------------- the agent's side
 
 def stream_frames(name: str, data: bytes) -> bytes:

@@ -293,24 +293,25 @@ class Stall:
     """A push's watchdog: when the host takes no byte and sends no frame for `idle`
     seconds (sshd frozen, link cut: TCP itself may wait a quarter of an hour), the
     host's connection is closed, which ends a send blocked on the SSH window and the
-    wait for the reply. progress: a send returned, or any frame from the host."""
+    wait for the reply. progress: a send returned, or any frame from the host. Every
+    push's Stall is looked at by one thread (StallWatch)."""
+
+    thread: threading.Thread   # the watch's, from __enter__ on (a test waits on it)
 
     def __init__(self, link: Link, idle: float | None = None) -> None:
         self.link, self.idle = link, timeouts.PUSH_IDLE if idle is None else idle
         self.clock = timeouts.CLOCK
         self.sent = self.clock.now()
-        self.fired = False
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True,
-                                       name=f"push-stall-{link.name}")
+        self.fired = False            # set under WATCH.lock, before the close
+        self.closed = threading.Event()   # the fired close has returned
 
     def __enter__(self) -> Stall:
-        self.thread.start()
+        self.thread = WATCH.add(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.done.set()
-        self.thread.join()
+        if WATCH.remove(self):   # fired: its close has begun; it ends before the push does
+            self.closed.wait()
 
     def send(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
@@ -321,15 +322,13 @@ class Stall:
     def quiet(self) -> float:
         return self.clock.now() - max(self.sent, self.link.last_seen)
 
-    def _watch(self) -> None:
-        while not self.clock.wait(self.done, min(0.5, self.idle / 4)):
-            if self.quiet() > self.idle:
-                self.fired = True
-                try:
-                    self.link.transport.close()   # unblocks the sender and the reader
-                except Exception:  # closing is best effort; the host is gone either way
-                    pass
-                return
+    def fire(self) -> None:
+        try:
+            self.link.transport.close()   # unblocks the sender and the reader
+        except Exception:  # closing is best effort; the host is gone either way
+            pass
+        finally:
+            self.closed.set()
 
     def error(self, dest: str) -> HostError:
         return HostError(f"{self.link.name}: the push to {dest} stalled: the host took no "
@@ -337,6 +336,58 @@ class Stall:
                          "is down); nothing was started on any host",
                          hint=f"once the host answers again, run `{hint_cmd(None, 'up')}`: the "
                               "files that landed are kept, only the rest is sent")
+
+
+class StallWatch:
+    """One thread for every push's Stall: a thread each was 1,000 threads at 1,000 hosts,
+    each waking twice a second for the whole push. The thread runs while a push does and
+    ends with the last one; it waits on a push's own clock (timeouts.CLOCK as the Stall
+    began: a test's fake one)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stalls: set[Stall] = set()
+        self.thread: threading.Thread | None = None
+        self.wake = threading.Event()   # the last push ended: the thread ends now
+
+    def add(self, stall: Stall) -> threading.Thread:
+        with self.lock:
+            self.stalls.add(stall)
+            if self.thread is None:
+                self.wake.clear()
+                self.thread = threading.Thread(target=self._run, daemon=True,
+                                               name="push-stall")
+                self.thread.start()
+            return self.thread
+
+    def remove(self, stall: Stall) -> bool:
+        """Watched no more; True when it fired (its close may still be running)."""
+        with self.lock:
+            self.stalls.discard(stall)
+            if not self.stalls:
+                self.wake.set()
+            return stall.fired
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                if not self.stalls:
+                    self.thread = None
+                    return
+                self.wake.clear()   # set by a push that ended while another began
+                clock = next(iter(self.stalls)).clock
+                step = min(min(0.5, s.idle / 4) for s in self.stalls)
+            clock.wait(self.wake, step)
+            with self.lock:
+                due = [s for s in self.stalls if s.quiet() > s.idle]
+                for s in due:
+                    s.fired = True
+                    self.stalls.discard(s)
+            for s in due:
+                s.fire()
+
+
+WATCH = StallWatch()
 
 
 def push(link: Link, dest: str, local: list[LocalFile] | Feed,
