@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from orchestrator.agent import rankexec, warm
+from orchestrator.agent import preflight, rankexec, warm
 from orchestrator.agent.common import AgentError, job_paths, write_atomic
 from orchestrator.agent.procs import LOCKED, job_running
 from orchestrator.wire import jsonc, protocol
@@ -55,6 +55,8 @@ def run(req: Request) -> dict[str, Any]:
     spec holds the job's env (secrets): it is kept in run/launch.json, mode 0600."""
     spec = req.args["spec"]
     p = job_paths(req.args["job_dir"])
+    if req.args.get("unshare"):   # every host answered its preflight: the marker is done
+        preflight.unshare(p, req.args["unshare"])
     waiting = warm.take(p["job"])
     try:
         # this agent's preflight found it not running and holds its lock since: no other

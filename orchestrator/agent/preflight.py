@@ -154,9 +154,12 @@ def sweep_markers(jd: Any) -> None:
 
 def run_unshare(req: Request) -> dict[str, Any]:
     """Every host has answered its preflight: the marker has done its work."""
-    p = job_paths(req.args["job_dir"])
-    nonce = req.args["nonce"]
-    return {"removed": nonce.isalnum() and p["jd"].unlink(SHARE + nonce)}
+    return {"removed": unshare(job_paths(req.args["job_dir"]), req.args["nonce"])}
+
+
+def unshare(p: dict[str, Any], nonce: str) -> bool:
+    """This preflight's marker removed (by `unshare`, or by the launch that follows)."""
+    return nonce.isalnum() and bool(p["jd"].unlink(SHARE + nonce))
 
 
 def run(req: Request) -> dict[str, Any]:

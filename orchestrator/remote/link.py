@@ -479,6 +479,27 @@ class Link:
         self.send(protocol.request(command, id, **fields))
         return id, p
 
+    def try_submit(self, command: str, **fields: Any) -> bool:
+        """Send a request only if it goes at once: not behind another writer (one stuck
+        on a host that stopped reading holds the write lock), not into a full window, not
+        before the agent runs. False: not sent. For a last word at a close, which must
+        never wait on a busy or frozen host (Ctrl-C during a push)."""
+        if self.chan is None or self.dead or (self.boot is not None and self.boot.is_alive()):
+            return False
+        if not self.wlock.acquire(blocking=False):
+            return False
+        try:
+            id, _ = self._register(command)
+            data = protocol.request(command, id, **fields)
+            if self.dead or not self.chan.room(len(data)):
+                with self.plock:
+                    self.pending.pop(id, None)
+                return False
+            self.chan.write(data)
+            return True
+        finally:
+            self.wlock.release()
+
     def _register(self, command: str, stream: Stream | None = None) -> tuple[int, Pending]:
         """A request's id and Pending, in place before it is sent: its reply may be read first."""
         if self.dead:

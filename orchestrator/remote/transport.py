@@ -59,6 +59,11 @@ class Channel(ABC):
         """Whether bytes the host sent wait here unread (a seam without a buffer: never)."""
         return False
 
+    def room(self, n: int) -> bool:
+        """Whether n bytes written now go without waiting for the host to read (a seam
+        that cannot tell: yes)."""
+        return True
+
     @abstractmethod
     def stderr_tail(self) -> bytes:
         """The last bytes (at most STDERR_KEEP) the command wrote to stderr so far."""

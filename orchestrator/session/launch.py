@@ -127,9 +127,10 @@ def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
-def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport, run_id: str
-               ) -> tuple[str, dict[int, Supervisor]]:
-    """Start torchrun on every host in parallel; raise naming every host that failed."""
+def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport, run_id: str,
+               unshare: bool = False) -> tuple[str, dict[int, Supervisor]]:
+    """Start torchrun on every host in parallel; raise naming every host that failed.
+    `unshare`: each host also removes the share marker its preflight left (run_id)."""
     addr = run_master(cluster, pre)
     plan: network.NetPlan | None = pre.network
     specs = {h.index: launch_spec(cluster, h, pre.hosts[h.index], addr, pre.master_port, run_id,
@@ -141,7 +142,8 @@ def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport, r
     # waves the last of 1,000 hosts started its ranks 30 s after the first, and a rank
     # that failed meanwhile was seen only once all had started
     result = ask_all({h.index: links[h.index] for h in cluster.hosts}, "launch",
-                     lambda i: {"job_dir": pre.hosts[i].job_dir, "spec": specs[i]},
+                     lambda i: {"job_dir": pre.hosts[i].job_dir, "spec": specs[i],
+                                **({"unshare": run_id} if unshare else {})},
                      timeouts.scaled(timeouts.LAUNCH, len(cluster.hosts)),
                      lambda body: Supervisor.of(body["supervisor"]))
     result.raise_failures(cluster.hosts, "to start")

@@ -259,20 +259,20 @@ def preflight(cluster: Cluster, links: dict[int, Link], failed: dict[int, BaseEx
     """Check every host whose agent runs; report every failing host together (connection
     failures included), so that one bad host never hides another. `checked`: hosts
     already checked (check_host, as each agent came up); the others are checked now.
-    Every host has answered: the share markers are removed, whatever the verdict."""
-    try:
-        return judge(cluster, links, failed, done, checked, nonce, waiting)
-    finally:
-        if nonce:
-            unshare(cluster, links, nonce)
+    The share markers (`nonce`) stay: the session removes them, with the launch or at
+    its close, whatever the verdict (Session.markers)."""
+    return judge(cluster, links, failed, done, checked, nonce, waiting)
 
 
 def unshare(cluster: Cluster, links: dict[int, Link], nonce: str) -> None:
-    """The marker's removal, sent and not waited for: the agent serves it before the
-    next request (or before it ends), and one of the hosts sharing it removes it."""
+    """The marker's removal, sent and not waited for: the agent serves it before it
+    ends, and one of the hosts sharing it removes it. A launch removes it itself (its
+    `unshare`): this is for a session that launched none, at its close. Sent only where
+    it goes at once (Link.try_submit): a close never waits behind a push stuck on a
+    frozen host; a marker left so goes with a later preflight's sweep (an hour old)."""
     for link in links.values():
         try:
-            link.submit("unshare", job_dir=job_dir(cluster, link.host), nonce=nonce)
+            link.try_submit("unshare", job_dir=job_dir(cluster, link.host), nonce=nonce)
         except Exception:  # a lost host: its marker goes with a later preflight's sweep
             pass
 

@@ -35,6 +35,7 @@ from orchestrator.session.preflight import (
     asks_net,
     check_host,
     preflight,
+    unshare,
 )
 from orchestrator.session.replies import CommandReply, HostStacks, StatusReply, Supervisor
 from orchestrator.session.shelloutput import HostOutput, Printer
@@ -114,6 +115,9 @@ class Session:
         inventory); unit tests pass an in-process fake. The keywords: see below."""
         self.cluster, self.connector = cluster, connector
         self.run_id = new_run_id()   # known before preflight: a warm start's environment
+        # a preflight left its share markers (the nonce, run_id) on the hosts: removed by
+        # the launch's own request, else at close (1,000 `unshare` requests less an `up`)
+        self.markers = False
         dirs, parts = job_state.job_dirs(cluster, state), job_state.job_parts(cluster, state)
         self.records = {h.index: HostRecord(h, dirs[h.index], parts[h.index])
                         for h in cluster.hosts}
@@ -248,6 +252,9 @@ class Session:
         ends took a quarter second; in waves of fan_out's 256, 300 hosts took two), and
         no thread per host (a thread each made 1,000 at once at 1,000 hosts)."""
         links = list(self.links.values())
+        if self.markers:   # no launch took them: preflight's markers go now
+            self.markers = False
+            unshare(self.cluster, self.links, self.run_id)
         try:
             ending = [link for link in links if link.close_input()]
             deadline = time.monotonic() + timeouts.CLOSE
@@ -300,6 +307,7 @@ class Session:
 
     def preflight(self, done: Callable[[], None] | None = None,
                   checked: Checked | None = None) -> PreflightReport:
+        self.markers = True
         pre = preflight(self.cluster, self.links, self.failed, done, checked, self.run_id,
                         self.waiting)
         for i, info in pre.hosts.items():
@@ -417,7 +425,9 @@ class Session:
         """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts
         that did start are stopped again before the error is reported."""
         try:
-            return launch_all(self.cluster, self.links, pre, self.run_id)
+            got = launch_all(self.cluster, self.links, pre, self.run_id, self.markers)
+            self.markers = False   # each host's launch removed its marker
+            return got
         except BaseException:
             self.stop(0)
             raise

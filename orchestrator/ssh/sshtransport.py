@@ -131,6 +131,10 @@ class SSHChannel(Channel):
     def close_stdin(self) -> None:
         self.chan.shutdown_write()
 
+    def room(self, n: int) -> bool:
+        # SSH's window: what the host has said it will take; past it a write waits
+        return not self.chan.closed and self.chan.out_window_size >= n
+
     def settimeout(self, timeout: float | None) -> None:
         self.chan.settimeout(timeout)
 

@@ -191,8 +191,9 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "unshare": {"job_dir": str, "nonce": str},        # remove that marker
     "manifest": {"root": str},
     "receive": {"root": str},
+    # unshare: the nonce of the marker this host's preflight left, removed first
     "launch": {"job_dir": str, "spec": {"run_id": str, "ranks": [int], "argv": [str],
-                                        "env": dict}},
+                                        "env": dict}, "?unshare": str},
     # heartbeats: also watch each rank's heartbeat file (run/heartbeat-<r>) and send a
     # `progress` event naming the ranks whose file was touched since the last one;
     # beat: the `beat` event's period in seconds (timeouts.heartbeat: slower for many hosts)
