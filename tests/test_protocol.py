@@ -10,6 +10,7 @@ exactly as it runs under sshd.
 """
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import subprocess
@@ -23,7 +24,7 @@ import pytest
 from helpers import wait_until
 from orchestrator.config.inventory import parse
 from orchestrator.errors import HostError, OrchError
-from orchestrator.remote.bundle import agent_argv, agent_stdin, bundle
+from orchestrator.remote.bundle import AS_SOURCE, agent_argv, agent_stdin, bundle, sources
 from orchestrator.remote.link import HostDone, Link
 from orchestrator.remote.transport import LocalTransport
 from orchestrator.watch.follow import HostStream, LineSink, follow
@@ -128,21 +129,73 @@ def test_schemas_name_the_field_and_refuse_wrong_types() -> None:
 def test_bundle_is_deterministic_and_holds_the_host_package() -> None:
     import zipfile
     data, digest = bundle()
+    src, src_digest = sources()
     bundle.cache_clear()
-    assert bundle() == (data, digest)
+    sources.cache_clear()
+    assert bundle() == (data, digest) and sources() == (src, src_digest)
     names = zipfile.ZipFile(io.BytesIO(data)).namelist()
-    assert "orchestrator/wire/protocol.py" in names and "orchestrator/agent/main.py" in names
-    assert "orchestrator/wire/frames.py" in names   # protocol.py imports it on the host
-    assert "orchestrator/agent/rankexec.py" in names
+    assert "orchestrator/wire/protocol.pyc" in names and "orchestrator/agent/main.pyc" in names
+    assert "orchestrator/wire/frames.pyc" in names   # protocol.py imports it on the host
+    # given as text to the user's python: sent to every host
+    assert "orchestrator/agent/rankexec.py" in names and "orchestrator/agent/launcher.py" in names
+    assert not [n for n in names if n.endswith(".py") and n not in AS_SOURCE]
     assert not [n for n in names if not n.startswith("orchestrator/")]
+    z = zipfile.ZipFile(io.BytesIO(data))
+    assert z.read("orchestrator/SOURCES").decode() == src_digest
+    shipped = zipfile.ZipFile(io.BytesIO(src)).namelist()
+    assert sorted(n + "c" for n in shipped) == sorted(n for n in names if n.endswith(".pyc"))
+    assert len(data) < 0.75 * (len(data) + len(src)), "the sources are most of the bundle"
+
+
+def other_pythons() -> list[str]:
+    """CPythons 3.8+ on this machine whose bytecode is not this one's."""
+    from test_jsonc import interpreters
+    return [p for p in interpreters() if subprocess.run(
+        [p, "-c", "import importlib.util,sys;sys.stdout.buffer.write(importlib.util.MAGIC_NUMBER)"],
+        capture_output=True, timeout=30).stdout != importlib.util.MAGIC_NUMBER]
+
+
+def test_an_agent_on_this_python_asks_for_no_sources() -> None:
+    """The same bytecode: the hello is the agent's first frame; no sources are read."""
+    proc = subprocess.run(agent_argv(sys.executable), input=agent_stdin(), capture_output=True,
+                          timeout=30)
+    r = reader(proc.stdout)
+    assert r.skip_to_magic() == 0
+    assert r.read_json("hello")["version"] == bundle()[1]
+
+
+@pytest.mark.parametrize("python", other_pythons()[-2:] or ["none"])
+def test_an_agent_on_another_python_asks_for_the_sources_and_starts(tmp_path: Path,
+                                                                     python: str) -> None:
+    """A host whose Python has other bytecode asks for the sources (a `sources` frame
+    before the hello), checks them against the bundle's digest, compiles them, and
+    starts; a link serves the ask (two of this machine's other CPythons)."""
+    if python == "none":
+        pytest.skip("no CPython 3.8+ with other bytecode on this machine")
+    proc = subprocess.run(agent_argv(python), input=agent_stdin() + sources()[0],
+                          capture_output=True, timeout=60)
+    r = reader(proc.stdout)
+    assert r.skip_to_magic() == 0 and r.read_json("ask") == {"t": "sources"}
+    assert r.skip_to_magic() == 0
+    assert r.read_json("hello")["version"] == bundle()[1], proc.stderr
+    bad = bytearray(sources()[0])
+    bad[100] ^= 1   # one bit of the sources changed on the way: refused, nothing runs
+    proc = subprocess.run(agent_argv(python), input=agent_stdin() + bytes(bad),
+                          capture_output=True, timeout=60)
+    assert b"the sources sent are not the bundle's" in proc.stderr and proc.returncode != 0
+    link = started(tmp_path, python)
+    try:
+        assert link.hello is not None and link.request("clock", 10)["time"] > 0
+    finally:
+        link.close(5)
 
 
 def test_host_code_parses_as_python_38() -> None:
     """The hosts need only Python 3.8: no newer syntax in what the bundle carries."""
     import ast
 
-    from orchestrator.remote.bundle import bundle_files
-    shipped = [(name, data) for name, data in bundle_files() if name.endswith(".py")]
+    from orchestrator.remote.bundle import source_files
+    shipped = [(name, data) for name, data in source_files() if name.endswith(".py")]
     assert len(shipped) > 15
     for path, data in shipped:
         tree = ast.parse(data, path, feature_version=(3, 8))

@@ -10,6 +10,8 @@ import zlib
 from _frozen_importlib_external import MAGIC_NUMBER  # (already loaded: costs nothing)
 from importlib.machinery import ModuleSpec
 
+AGENT_MAGIC = b"\x00\x7fORCH-AGENT\x00"   # wire/frames.MAGIC (the bundle is not loaded yet)
+
 MYPY = False
 if MYPY:   # names for the type comments, never imported when the agent starts
     import types  # noqa: F401
@@ -54,9 +56,17 @@ class Bundle:
         # type: (bytes) -> None
         self.files = unzip(data)
         self.sha256 = sha256(data).hexdigest()
-        # the controller's Python compiled each module too: its bytecode is ours
+        # the controller's Python compiled each module: its bytecode is ours, or the
+        # sources are asked for (add_sources)
         self.compiled = ("orchestrator/MAGIC" in self.files
                          and self.read("orchestrator/MAGIC") == MAGIC_NUMBER)
+
+    def add_sources(self, data):
+        # type: (bytes) -> None
+        """The sources' zip, which the bundle names by its sha256."""
+        if sha256(data).hexdigest().encode() != self.read("orchestrator/SOURCES"):
+            raise SystemExit("orch agent: the sources sent are not the bundle's")
+        self.files.update(unzip(data))
 
     def read(self, name):
         # type: (str) -> bytes
@@ -69,7 +79,7 @@ class Bundle:
         # (the path is None only for a name not in the bundle: find_spec filters those)
         base = name.replace(".", "/")
         for path, package in ((base + "/__init__.py", True), (base + ".py", False)):
-            if path in self.files:
+            if path in self.files or path + "c" in self.files:
                 return path, package
         return None, False
 
@@ -96,12 +106,25 @@ class Bundle:
         exec(code, module.__dict__)
 
     def get_source(self, name):
-        # type: (str) -> str
-        return self.read(self._path(name)[0]).decode("utf-8")
+        # type: (str) -> str | None
+        where = self._path(name)[0]   # (None, as loaders say, where only its bytecode came)
+        return self.read(where).decode("utf-8") if where in self.files else None
+
+
+def ask_sources(size):
+    # type: (int) -> bytes
+    """The sources' zip, asked of the controller by a frame before the hello."""
+    ask = b'{"t":"sources"}'
+    out = sys.stdout.buffer
+    out.write(AGENT_MAGIC + struct.pack(">cI", b"J", len(ask)) + ask)
+    out.flush()
+    return sys.stdin.buffer.read(size)
 
 
 bundle = Bundle(sys.stdin.buffer.read(int(sys.argv[2])))
+if not bundle.compiled:   # another Python's bytecode: compiled here from the sources
+    bundle.add_sources(ask_sources(int(sys.argv[3])))
 sys.meta_path.insert(0, bundle)   # before sys.path: the bundle wins over any orchestrator there
 from orchestrator.agent.main import main  # noqa: E402
 
-main(bundle.sha256, sys.argv[3:])
+main(bundle.sha256, sys.argv[4:])

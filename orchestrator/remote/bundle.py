@@ -1,9 +1,12 @@
 """The agent as the controller sends it: one zip of the packages orchestrator/agent/ and
-orchestrator/wire/ as they are, built deterministically; its sha256 is the agent's version.
+orchestrator/wire/ compiled by this Python, built deterministically; its sha256 is the
+agent's version. Their sources are a second zip, sent only to a host that asks for them.
 
 On the host, BOOT (on the command line) runs the loader (agent/boot.py, the first bytes
-on stdin), which reads the zip (the next bytes) and imports it from memory. What stdin
-carries after that is the agent's frames. Nothing is installed or written to run it.
+on stdin), which reads the zip (the next bytes) and imports it from memory; where its
+Python has other bytecode, it asks for the sources first (a `sources` frame before the
+hello, answered by the sources' zip on stdin). What stdin carries after that is the
+agent's frames. Nothing is installed or written to run it.
 """
 from __future__ import annotations
 
@@ -27,18 +30,34 @@ LOADER = (PACKAGE / "agent" / "boot.py").read_bytes()
 EPOCH = (1980, 1, 1, 0, 0, 0)   # zip's earliest date: the same bytes on every build
 
 
-def bundle_files() -> list[tuple[str, bytes]]:
-    """(name in the zip, content), sorted; the package's __init__ is an empty stand-in
-    (the real one belongs to the controller). Each module also comes compiled by this
-    Python (`<name>.pyc`: its code object, marshalled; `orchestrator/MAGIC` says for
-    which bytecode): a host whose Python has the same bytecode loads that instead of
-    compiling the source, ~20 ms of CPU less at every agent start (most of its start)."""
+# given as text to another interpreter (the user's python, whatever its bytecode): the
+# warm torchrun's launcher, a rank's start; every host gets these sources
+AS_SOURCE = ("orchestrator/agent/launcher.py", "orchestrator/agent/rankexec.py")
+
+
+def source_files() -> list[tuple[str, bytes]]:
+    """(name in the zip, source), sorted: the packages that travel; the package's
+    __init__ is an empty stand-in (the real one belongs to the controller)."""
     files = [("orchestrator/__init__.py", b"")]
     for package in SHIPPED:
         for path in sorted((PACKAGE / package).rglob("*.py")):
             files.append((path.relative_to(PACKAGE.parent).as_posix(), path.read_bytes()))
+    return files
+
+
+def bundle_files() -> list[tuple[str, bytes]]:
+    """(name in the zip, content), sorted: each module compiled by this Python
+    (`<name>.pyc`: its code object, marshalled; `orchestrator/MAGIC` says for which
+    bytecode), the sources of AS_SOURCE, and `orchestrator/SOURCES`: the sha256 of
+    sources()' zip. A host whose Python has the same bytecode loads the compiled code,
+    ~20 ms of CPU less at every agent start (most of its start); one with other
+    bytecode asks for the sources (agent/boot.py), which only it is sent: they were a
+    third of the bundle's bytes, sent to every host at every command."""
+    files = source_files()
     compiled = [(name + "c", compiled_code(name, data)) for name, data in files]
-    return sorted(files + compiled + [("orchestrator/MAGIC", importlib.util.MAGIC_NUMBER)])
+    kept = [(name, data) for name, data in files if name in AS_SOURCE]
+    return sorted(compiled + kept + [("orchestrator/MAGIC", importlib.util.MAGIC_NUMBER),
+                                     ("orchestrator/SOURCES", sources()[1].encode())])
 
 
 def compiled_code(name: str, source: bytes) -> bytes:
@@ -54,12 +73,11 @@ def compiled_code(name: str, source: bytes) -> bytes:
     return marshal.dumps(code, 2)
 
 
-@functools.lru_cache(maxsize=1)
-def bundle() -> tuple[bytes, str]:
+def zipped(files: list[tuple[str, bytes]]) -> tuple[bytes, str]:
     """(zip bytes, sha256 hex): the same files give the same bytes."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
-        for name, data in bundle_files():
+        for name, data in files:
             info = zipfile.ZipInfo(name, EPOCH)
             info.compress_type = zipfile.ZIP_DEFLATED
             info.external_attr = 0o644 << 16
@@ -67,6 +85,19 @@ def bundle() -> tuple[bytes, str]:
             z.writestr(info, data, compresslevel=6)
     data = buf.getvalue()
     return data, hashlib.sha256(data).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def bundle() -> tuple[bytes, str]:
+    """(zip bytes, sha256 hex) of what every host is sent: its digest is the agent's
+    version, and names the sources' digest too."""
+    return zipped(bundle_files())
+
+
+@functools.lru_cache(maxsize=1)
+def sources() -> tuple[bytes, str]:
+    """(zip bytes, sha256 hex) of the sources, for a host that asks (other bytecode)."""
+    return zipped(sorted(source_files()))
 
 
 # `python:` may not exist yet when setup makes it (a venv): the agent then runs with the
@@ -96,7 +127,8 @@ def agent_argv(python: str, label: str = "", fallback: bool = False, part: str =
     (the job dir) is only there so that `ps` shows which job an agent serves. `part`:
     this host's part of the job folder (run/<part>/, agent/paths.PART)."""
     data, _ = bundle()
-    argv = [python, "-S", "-c", BOOT, str(len(LOADER)), str(len(data)), "orch-agent"]
+    argv = [python, "-S", "-c", BOOT, str(len(LOADER)), str(len(data)), str(len(sources()[0])),
+            "orch-agent"]
     if label:
         argv.append(label)
     if part:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from orchestrator.errors import HostError, OrchError, for_category
-from orchestrator.remote.bundle import agent_argv, agent_stdin, bundle, host_python
+from orchestrator.remote.bundle import agent_argv, agent_stdin, bundle, host_python, sources
 from orchestrator.remote.transport import Channel, Transport
 from orchestrator.wire import protocol, timeouts
 
@@ -237,6 +237,13 @@ class Link:
         except Exception:  # the channel is gone: the reader reports why
             pass
 
+    def _write_sources(self) -> None:
+        """The sources' zip, asked for once by the loader after it read the bundle (the
+        boot's write has returned or is about to: the lock waits for it)."""
+        assert self.chan is not None
+        with self.wlock:
+            self.chan.write(sources()[0])
+
     def _read(self) -> None:
         assert self.chan is not None
         reader = protocol.FrameReader(self.chan.read, caps=CAPS_IN)
@@ -276,8 +283,12 @@ class Link:
     def _hello(self, reader: protocol.FrameReader) -> None:
         try:
             reader.skip_to_magic()
-            hello = protocol.check(reader.read_json("the agent's hello"),
-                                   {"version": str}, "hello")
+            first = reader.read_json("the agent's hello")
+            if first.get("t") == "sources":   # its Python has other bytecode than ours
+                self._write_sources()
+                reader.skip_to_magic()
+                first = reader.read_json("the agent's hello")
+            hello = protocol.check(first, {"version": str}, "hello")
         except protocol.Garbage as g:
             raise self._no_agent(g) from None
         except EOFError:
