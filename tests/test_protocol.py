@@ -483,3 +483,27 @@ def test_parts_beyond_the_cap_are_refused(tmp_path: Path) -> None:
         link.request("manifest", 10, root="/data")
     assert str(err.value).startswith("localhost:") and "`manifest`" in str(err.value)
     link.close(0)
+
+
+def test_a_glob_list_found_good_is_known_and_a_bad_one_still_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The curves' globs, sent at every follow and listing, are checked once; a list
+    with a bad glob is refused every time; the known lists are capped."""
+    from orchestrator.wire import globs
+    monkeypatch.setattr(protocol, "GLOBS_OK", set())
+    checked: list[str] = []
+    real = globs.problem
+
+    def problem(glob: str) -> str:
+        checked.append(glob)
+        return real(glob)
+    monkeypatch.setattr(globs, "problem", problem)
+    good = ["**/metrics*.csv", "**/*.jsonl"]
+    for _ in range(5):
+        assert protocol.glob_list(list(good)) is None
+    assert checked == ["output/**/metrics*.csv", "output/**/*.jsonl"]
+    for _ in range(2):
+        assert "not a plain relative path" in (protocol.glob_list(good + ["../x"]) or "")
+    for i in range(protocol.GLOBS_KNOWN + 10):
+        assert protocol.glob_list([f"run{i}/*.csv"]) is None
+    assert len(protocol.GLOBS_OK) == protocol.GLOBS_KNOWN

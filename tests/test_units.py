@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import shlex
+import threading
 import types
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from orchestrator.files.sync import plan
 from orchestrator.remote.link import HostDone, Link
 from orchestrator.remote.transport import remote_command
 from orchestrator.watch.follow import HostStream, LineSink, Tracker
-from orchestrator.watch.monitor import Monitor, signal_name
+from orchestrator.watch.monitor import Monitor, follow_to_end, signal_name
 from orchestrator.watch.rootcause import verdict
 from orchestrator.wire import protocol
 
@@ -319,3 +320,30 @@ def test_host_lost_watchdog_on_a_fake_clock(monkeypatch) -> None:
     why = f"no answer for {timeouts.HOST_LOST:.0f} s"
     assert rec.calls == [("lost", why)] and links[0].lost_why == [why], (rec.calls, links[0].lost_why)
     assert streams[0].done and not streams[1].done and links[1].lost_why == []
+
+
+def test_hosts_that_ended_together_are_released_after_one_look_at_the_failures() -> None:
+    """1,000 hosts whose ranks all ended well in one wake of the loop: each is let go
+    (rank 0's kept for the pull), with one look at the failures, not one per host (each
+    look reads every exit: a million reads at 1,000 hosts)."""
+    class Mon:
+        hang = None
+
+        def __init__(self) -> None:
+            self.host_codes = {i: 0 for i in range(1000)}
+            self.wake, self.looks = threading.Event(), 0
+            self.wake.set()
+
+        def failed(self) -> bool:
+            self.looks += 1
+            return False
+
+    released: list[int] = []
+    session = types.SimpleNamespace(
+        cluster=types.SimpleNamespace(host_of=lambda rank: types.SimpleNamespace(index=0)),
+        release=released.append)
+    rounds = iter([False, True])
+    mon = Mon()
+    assert follow_to_end(session, mon, lambda: next(rounds)) is None  # type: ignore[arg-type]
+    assert released == list(range(1, 1000))
+    assert mon.looks <= 3, mon.looks

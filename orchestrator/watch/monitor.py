@@ -242,12 +242,17 @@ def follow_to_end(session: Session, mon: Monitor, finished: Callable[[], bool]
     """Until every host is done, a failure, or a hang: a host whose ranks all ended well
     is let go at once (rank 0's is kept: its output/ is pulled afterwards)."""
     keep = session.cluster.host_of(0).index
+    released = {keep}
     while not finished() and not mon.failed():
         mon.wake.wait(0.2)
         mon.wake.clear()
-        for i, code in list(mon.host_codes.items()):
-            if code == 0 and i != keep and not mon.failed():
+        # failed() once a wake, not once a host (it reads every exit: at 1,000 hosts that
+        # was a million reads a wake as the hosts ended)
+        ended = [i for i, code in list(mon.host_codes.items()) if code == 0 and i not in released]
+        if ended and not mon.failed():
+            for i in ended:
                 session.release(i)
+            released.update(ended)
         hang = mon.hang.check() if mon.hang is not None else None
         if hang is not None:
             found = ev.HangSuspected(time.time(), hang.idle, hang.seconds, reason(hang), hang)
