@@ -9,6 +9,13 @@ and the functions with the most cumulative and own time.
 
     .venv/bin/python bench/fleet_profile.py --hosts 300 [--top 25] [--trees OLD .]
         [--hold 30 [--keepalive-hosts 1000]]   (an idle session's wake-ups by thread kind)
+    FLEET_BARE=1 ...   each thread kind's CPU without the profiler (which costs more in
+        Python-heavy threads than in those that wait on sockets: its shares mislead)
+    FLEET_WAITS=1 ...  also every Event.wait and Condition.wait counted by caller and timeout
+    FLEET_DUMP=FILE ...   the merged profile, for pstats
+    FLEET_PERF=FILE ...   the command under `perf record` too (FILE.up, ...: `perf report -i`)
+    FLEET_GC_TYPES=1 ...  at each full garbage collection, what the heap holds, by type
+    (every run prints the garbage collector's runs and wall time by generation)
     .venv/bin/python bench/fleet_profile.py one VERB INVENTORY   (what each command runs)
 """
 from __future__ import annotations
@@ -25,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable
 
@@ -61,6 +68,47 @@ def kind_of(t: threading.Thread) -> str:
     return f"{type(t).__name__}:{re.sub(r'[0-9]+', '#', t.name)}"
 
 
+def gc_time() -> dict[int, list[float]]:
+    """The cyclic garbage collector's runs and their wall time, by generation."""
+    import gc
+    out: dict[int, list[float]] = defaultdict(lambda: [0, 0.0])
+    began: list[float] = [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            if info["generation"] == 2 and os.environ.get("FLEET_GC_TYPES"):
+                kinds = Counter(type(o).__qualname__ for o in gc.get_objects())
+                print(f"gen2 collection: {sum(kinds.values())} objects: " + ", ".join(
+                    f"{k} {n}" for k, n in kinds.most_common(12)), flush=True)
+            began[0] = time.perf_counter()
+        else:
+            out[info["generation"]][0] += 1
+            out[info["generation"]][1] += time.perf_counter() - began[0]
+    gc.callbacks.append(timed)
+    return out
+
+
+def count_waits() -> Counter[tuple[str, object]]:
+    """Every Event.wait and Condition.wait of the run counted by its caller (the first
+    frame outside threading.py) and timeout: who polls, and how often."""
+    counts: Counter[tuple[str, object]] = Counter()
+    lock = threading.Lock()
+
+    def counted(real: Callable[..., bool]) -> Callable[..., bool]:
+        def wait(self: object, timeout: float | None = None) -> bool:
+            f = sys._getframe(1)
+            while f.f_code.co_filename == threading.__file__:
+                f = f.f_back   # type: ignore[assignment]
+            key = (f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{f.f_lineno}", timeout)
+            with lock:
+                counts[key] += 1
+            return real(self, timeout)
+        return wait
+    threading.Event.wait = counted(threading.Event.wait)   # type: ignore[method-assign]
+    threading.Condition.wait = counted(threading.Condition.wait)   # type: ignore[method-assign]
+    return counts
+
+
 def one(verb: str, inventory: str, top: int) -> None:
     """Run one orch command in this process with every thread profiled; print the figures."""
     profiles: list[cProfile.Profile] = []
@@ -69,6 +117,8 @@ def one(verb: str, inventory: str, top: int) -> None:
     inner = threading.Thread._bootstrap_inner   # type: ignore[attr-defined]
 
     bare = bool(os.environ.get("FLEET_BARE"))   # threads' CPU by kind, no profiler
+    waits = count_waits() if os.environ.get("FLEET_WAITS") else None
+    collected = gc_time()
 
     def profiled(kind: Callable[[], str], run: Callable[[], object]) -> None:
         p = cProfile.Profile(time.thread_time)   # CPU, not the waits
@@ -120,6 +170,12 @@ def one(verb: str, inventory: str, top: int) -> None:
           "involuntary switches")
     for name, k in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
         print(f"  {name:50s} {k[0]:5d} {k[1]:7.3f} {k[2]:7.2f} {k[3]:7.2f} {k[4]:9d} {k[5]:8d}")
+    print("garbage collections by generation: count, seconds: " + ", ".join(
+        f"gen{g} {n} {t:.3f}" for g, (n, t) in sorted(collected.items())))
+    if waits is not None:
+        print("waits by caller (Event.wait and Condition.wait): calls, timeout")
+        for (where, timeout), n in waits.most_common(20):
+            print(f"  {n:8d}  {timeout!s:>6}  {where}")
     if bare:
         sys.stdout.flush()
         os._exit(0)
@@ -238,7 +294,9 @@ def main() -> None:
                     if not o.ok:
                         print(o.tail(600))
                     continue
-                subprocess.run([str(VENV_PY), __file__, "one", verb, str(inv)], env=env,
+                perf = os.environ.get("FLEET_PERF")   # a perf record of the command too
+                wrap = ["perf", "record", "-F", "499", "-o", f"{perf}.{verb}", "--"] if perf else []
+                subprocess.run([*wrap, str(VENV_PY), __file__, "one", verb, str(inv)], env=env,
                                cwd=inv.parent, check=False)
                 if verb == "up" and not args.attached and not wait_started(bed, timeout=300):
                     print("not every rank started")
