@@ -295,7 +295,7 @@ def main() -> None:
                         print(o.tail(600))
                     continue
                 perf = os.environ.get("FLEET_PERF")   # a perf record of the command too
-                wrap = ["perf", "record", "-F", "499", "-o", f"{perf}.{verb}", "--"] if perf else []
+                wrap = ["perf", "record", "-g", "-F", "499", "-o", f"{perf}.{verb}", "--"] if perf else []
                 subprocess.run([*wrap, str(VENV_PY), __file__, "one", verb, str(inv)], env=env,
                                cwd=inv.parent, check=False)
                 if verb == "up" and not args.attached and not wait_started(bed, timeout=300):
