@@ -107,3 +107,55 @@ def test_packets_that_arrived_together_are_read_in_one_recv() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_packet_goes_out_in_one_write_and_a_full_socket_still_waits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A socket with a timeout polls before each send (the GIL let go twice); its
+    descriptor is non-blocking, so a packet goes out in one write. When the socket's
+    buffer is full, the write says so and the socket's own send waits for room: nothing
+    is lost or sent twice. A closed socket is never written to by its old number."""
+    import os
+
+    from orchestrator.ssh import sshtransport
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    writes: list[int] = []
+    real_write, ours = os.write, a.fileno()
+
+    def write(fd: int, data: bytes) -> int:
+        if fd == ours:   # (the test's own output may write too)
+            writes.append(fd)
+        return real_write(fd, data)
+    monkeypatch.setattr(os, "write", write)   # the one sshtransport calls
+    try:
+        sock = sshtransport.ReadAhead(a)
+        writer, reader = QuietPacketizer(a), Packetizer(b)
+        m = Message()
+        m.add_byte(bytes([94]))
+        m.add_string(b"hello")
+        writer.send_message(m)
+        assert writes == [ours]
+        assert reader.read_message()[1].asbytes() == m.asbytes()[1:]
+        big = os.urandom(4 << 20)   # far past both sockets' buffers
+        got = bytearray()
+
+        def drain() -> None:
+            time.sleep(0.3)   # meanwhile the buffer fills: the sender waits in send
+            while len(got) < len(big):
+                got.extend(b.recv(1 << 20))
+        reading = threading.Thread(target=drain)
+        reading.start()
+        view = memoryview(big)
+        while view:   # as paramiko's write_all does
+            view = view[sock.send(bytes(view[:1 << 20])):]
+        reading.join(30)
+        assert bytes(got) == big
+        written = len(writes)
+        a.close()
+        with pytest.raises(OSError):
+            sock.send(b"x")
+        assert len(writes) == written, "a closed socket's number was written to"
+    finally:
+        a.close()
+        b.close()
