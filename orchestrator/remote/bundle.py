@@ -35,14 +35,16 @@ EPOCH = (1980, 1, 1, 0, 0, 0)   # zip's earliest date: the same bytes on every b
 AS_SOURCE = ("orchestrator/agent/launcher.py", "orchestrator/agent/rankexec.py")
 
 
-def source_files() -> list[tuple[str, bytes]]:
+@functools.lru_cache(maxsize=1)
+def source_files() -> tuple[tuple[str, bytes], ...]:
     """(name in the zip, source), sorted: the packages that travel; the package's
-    __init__ is an empty stand-in (the real one belongs to the controller)."""
+    __init__ is an empty stand-in (the real one belongs to the controller). Read once:
+    the bundle compiles them and the sources' zip holds them."""
     files = [("orchestrator/__init__.py", b"")]
     for package in SHIPPED:
         for path in sorted((PACKAGE / package).rglob("*.py")):
             files.append((path.relative_to(PACKAGE.parent).as_posix(), path.read_bytes()))
-    return files
+    return tuple(files)
 
 
 def bundle_files() -> list[tuple[str, bytes]]:

@@ -49,6 +49,7 @@ class ReadAhead:
 
     def __init__(self, sock: Any) -> None:
         self.sock, self.buf, self.pos = sock, b"", 0
+        self.is_socket = isinstance(sock, socket.socket)   # not a bastion's channel
 
     def recv(self, n: int) -> bytes:
         if self.pos >= len(self.buf):
@@ -65,7 +66,7 @@ class ReadAhead:
         # let go and taken again twice. Its descriptor is non-blocking, so a write either
         # goes at once or says the buffer is full, with the GIL let go once; only then
         # does the socket's own send wait. (fileno is -1 once the socket is closed.)
-        fd = self.sock.fileno() if isinstance(self.sock, socket.socket) else -1
+        fd = self.sock.fileno() if self.is_socket else -1
         if fd >= 0 and self.sock.gettimeout() is not None:
             try:
                 return os.write(fd, data)
