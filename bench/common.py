@@ -41,6 +41,7 @@ class Run:
     returncode: int
     stdout: str
     stderr: str
+    machine: float = float("nan")   # the machine's busy CPU seconds meanwhile, where measured
 
     @property
     def ok(self) -> bool:

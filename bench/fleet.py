@@ -107,6 +107,9 @@ class Cost:
     said_stopped: float = float("nan")   # wall time orch said every host was stopped
     # seconds from the command's start to each of orch up's step lines (MARKS)
     marks: dict[str, float] = field(default_factory=dict)
+    # CPU seconds the whole machine was busy meanwhile (/proc/stat): the command and
+    # everything it made the hosts do, on the cores they share
+    machine: float = float("nan")
 
 
 @dataclass
@@ -176,7 +179,7 @@ def measured(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 900,
     """Run cmd to its end: the run, and its cost (wait4's rusage: exact CPU and RSS);
     limit: under the login session's open-file limit (orch; pdsh keeps the bench's own:
     it holds three pipes per host)."""
-    t0 = time.perf_counter()
+    t0, busy0 = time.perf_counter(), machine_busy()
     said: dict[str, float] = {}   # the wall time each SAID text first came on stderr
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -194,7 +197,7 @@ def measured(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 900,
     timer.start()
     _, status, usage = os.wait4(proc.pid, 0)
     timer.cancel()
-    seconds = time.perf_counter() - t0
+    seconds, busy = time.perf_counter() - t0, machine_busy() - busy0
     proc.returncode = os.waitstatus_to_exitcode(status)
     stop.set()
     for th in (*readers, poll):
@@ -205,7 +208,14 @@ def measured(cmd: list[str], *, env: dict, cwd: Path, timeout: float = 900,
     marks = {k: round(said[k] - t_wall, 2) for k in MARKS if k in said}
     return run, Cost(seconds, proc.returncode, usage.ru_utime, usage.ru_stime,
                      usage.ru_maxrss / 1024, got["threads"], got["fds"], got["fd_limit"],
-                     said.get("stopped", float("nan")), marks)
+                     said.get("stopped", float("nan")), marks, busy)
+
+
+def machine_busy() -> float:
+    """CPU seconds this machine's cores were busy since boot (/proc/stat's first line:
+    every field but idle and iowait; guest time is inside user's already)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
 
 
 # orch up's line after a verified stop; the step lines, whose times say where `up` went
@@ -230,15 +240,18 @@ def orch(inv: Path, verb: str, *extra: str) -> tuple[Run, Cost]:
 
 
 def pdsh(bed: Bed, remote: str) -> Run:
-    return measured(bed.pdsh_argv(remote), env=pdsh_env(bed.cluster), cwd=Path.cwd(),
-                    limit=False)[0]
+    run, cost = measured(bed.pdsh_argv(remote), env=pdsh_env(bed.cluster), cwd=Path.cwd(),
+                         limit=False)
+    run.machine = cost.machine
+    return run
 
 
 def show(label: str, c: Cost, base: float = float("nan")) -> None:
     vs = f" (baseline {base:.2f} s)" if base == base else ""
     print(f"  {label}: {c.seconds:.2f} s{vs}, cpu {c.user:.2f} user + {c.system:.2f} sys, "
           f"rss {c.rss_mib:.0f} MiB, {c.threads} threads, {c.fds} fds "
-          f"(soft limit {c.fd_limit or 'unlimited'})", flush=True)
+          f"(soft limit {c.fd_limit or 'unlimited'}), the machine's cpu {c.machine:.1f} s",
+          flush=True)
     if c.marks:
         print("    steps (s from the start): "
               + ", ".join(f"{k} {v:.1f}" for k, v in c.marks.items()), flush=True)
@@ -256,6 +269,7 @@ def measure_up(bed: Bed, s: Series) -> None:
         s.fail("orch up", o)
     s.samples.append(Sample("up", c, p.seconds if job_ok(bed, p) else float("nan")))
     show("up", c, p.seconds)
+    print(f"    the machine's cpu under the baseline: {p.machine:.1f} s", flush=True)
 
 
 def measure_running(bed: Bed, s: Series) -> None:

@@ -425,13 +425,25 @@ time.sleep(60)
 """
 
 
-def test_the_agent_names_a_rank_connection_that_gets_no_answer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["sock_diag", "proc"])
+def test_the_agent_names_a_rank_connection_that_gets_no_answer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str) -> None:
     """A rank whose SYN is dropped (here: a listener whose backlog is full, as a firewall
     that drops it) is SYN_SENT with its SYN sent again: `net_waits` names it with its
-    rank, the address and the port; a process of another job is not looked at."""
+    rank, the address and the port; a process of another job is not looked at. The
+    kernel's sock_diag answers, or /proc/net/tcp where it cannot; either way the
+    namespace the job's two processes share is looked at once a look."""
     import os
     import socket
     import sys
+
+    from orchestrator.agent import sockdiag
+    real, looks = sockdiag.sockets, []
+
+    def counted(state: int) -> list[sockdiag.Socket] | None:
+        looks.append(state)
+        return real(state) if source == "sock_diag" else None
+    monkeypatch.setattr(sockdiag, "sockets", counted)
     job = tmp_path / "job"
     (job / "run").mkdir(parents=True)
     listener = socket.socket()
@@ -452,11 +464,13 @@ def test_the_agent_names_a_rank_connection_that_gets_no_answer(tmp_path: Path) -
 
     req = SimpleNamespace(args={"job_dir": str(job)})
     got: list[dict[str, Any]] = []
+    asked = 0
     try:
         deadline = time.monotonic() + 30
         while not got and time.monotonic() < deadline:
             time.sleep(0.3)
             got = agent_net.run_waits(req)["waits"]   # type: ignore[arg-type]
+            asked += 1
     finally:
         for p in procs:
             p.kill()
@@ -468,6 +482,60 @@ def test_the_agent_names_a_rank_connection_that_gets_no_answer(tmp_path: Path) -
     assert {(w["addr"], w["port"], w["pid"]) for w in got} == {("127.0.0.1", port, procs[1].pid)}
     assert all(w["tries"] >= 1 for w in got), got
     assert all(p.poll() is not None for p in procs)
+    assert looks == [sockdiag.TCP_SYN_SENT] * asked   # one per look, not one per process
+
+
+def test_sock_diag_names_the_same_waiting_connections_as_proc() -> None:
+    """IPv4 and IPv6 connections whose SYNs are dropped (listeners with a full backlog),
+    among 400 open ones: the kernel's sock_diag answer is /proc/net/tcp{,6}'s, field by
+    field (inode, local and remote address, port, the SYN's tries); a truncated or short
+    netlink answer is cut off, not misread."""
+    import os
+    import socket
+
+    from orchestrator.agent import sockdiag
+    held: list[socket.socket] = []
+    try:
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen(256)
+        held.append(server)
+        for _ in range(200):
+            held.append(socket.create_connection(server.getsockname()))
+            held.append(server.accept()[0])
+        families = [(socket.AF_INET, "127.0.0.1")]
+        if socket.has_ipv6:
+            families.append((socket.AF_INET6, "::1"))
+        for family, addr in families:
+            full = socket.socket(family)
+            try:
+                full.bind((addr, 0))
+            except OSError:
+                continue
+            full.listen(0)
+            held.append(full)
+            for _ in range(3):
+                s = socket.socket(family)
+                s.setblocking(False)
+                s.connect_ex((addr, full.getsockname()[1]))
+                held.append(s)
+        owner = dict.fromkeys(agent_net.socket_inodes(os.getpid()), os.getpid())
+        deadline, fields = time.monotonic() + 10, ("inode", "local", "addr", "port", "tries")
+        diag: list[tuple[Any, ...]] = []
+        proc: list[tuple[Any, ...]] = [()]
+        while time.monotonic() < deadline and (not diag or diag != proc):
+            time.sleep(0.3)   # the first SYN is sent again after a second
+            diag = sorted(tuple(w[k] for k in fields) for w in agent_net.own_syn_sent(owner) or [])
+            proc = sorted(tuple(w[k] for k in fields)
+                          for w in agent_net.proc_syn_sent(os.getpid(), owner))
+        assert diag and diag == proc, (diag, proc)
+        assert len(diag) >= 2 and {d[2] for d in diag} <= {"127.0.0.1", "::1"}, diag
+    finally:
+        for s in held:
+            s.close()
+    head = sockdiag._HDR.pack(16 + 8, 20, 0, 1, 0) + b"\0" * 8
+    assert sockdiag.messages(head + head[:10]) == [(20, b"\0" * 8)]   # the cut one dropped
+    assert sockdiag.parse(b"\0" * 8) is None
 
 
 def test_proc_net_addresses_are_decoded() -> None:

@@ -341,7 +341,7 @@ def run_waits(req: Request) -> dict[str, Any]:
         owner.update(dict.fromkeys(socket_inodes(pid), pid))
     waits = []   # type: list[dict[str, Any]]
     seen = set()   # type: set[str]
-    for pid in sorted(set(owner.values())):
+    for pid in one_per_namespace(sorted(set(owner.values()))):
         for w in syn_sent(pid, owner, seen):
             del w["inode"]
             w["rank"] = rank_of(w["pid"])
@@ -406,9 +406,58 @@ def socket_inodes(pid: int) -> list[str]:
     return out
 
 
+def one_per_namespace(pids: list[int]) -> list[int]:
+    """The first of pids in each network namespace: processes that share one see the
+    same sockets, and each look at a namespace's table costs the whole table."""
+    out, seen = [], set()   # type: list[int], set[str]
+    for pid in pids:
+        try:
+            ns = os.readlink("/proc/%d/ns/net" % pid)
+        except OSError:
+            continue
+        if ns not in seen:
+            seen.add(ns)
+            out.append(pid)
+    return out
+
+
 def syn_sent(pid: int, owner: dict[str, int], seen: set[str]) -> list[dict[str, Any]]:
     """pid's network namespace's waiting connections that a process of the job owns;
-    `seen`: inodes already reported (processes that share a namespace list the same)."""
+    `seen`: inodes already reported (processes that share a namespace list the same).
+    In the agent's own namespace the kernel is asked for the SYN_SENT sockets alone
+    (sockdiag); elsewhere, or where it cannot answer, /proc/<pid>/net/tcp{,6} is read."""
+    found = own_syn_sent(owner) if same_namespace(pid) else None
+    if found is None:
+        found = proc_syn_sent(pid, owner)
+    out = []   # type: list[dict[str, Any]]
+    for w in found:
+        if w["inode"] not in seen:
+            seen.add(w["inode"])
+            out.append(w)
+    return out
+
+
+def same_namespace(pid: int) -> bool:
+    try:
+        return os.readlink("/proc/%d/ns/net" % pid) == os.readlink("/proc/self/ns/net")
+    except OSError:
+        return False
+
+
+def own_syn_sent(owner: dict[str, int]) -> list[dict[str, Any]] | None:
+    """This namespace's SYN_SENT sockets of the job sent again at least once, from
+    sock_diag; None where the kernel does not answer it."""
+    from orchestrator.agent import sockdiag
+    got = sockdiag.sockets(sockdiag.TCP_SYN_SENT)
+    if got is None:
+        return None
+    return [{"inode": str(inode), "pid": owner[str(inode)], "local": local, "addr": addr,
+             "port": port, "tries": tries}
+            for inode, local, addr, port, tries in got if str(inode) in owner and tries >= 1]
+
+
+def proc_syn_sent(pid: int, owner: dict[str, int]) -> list[dict[str, Any]]:
+    """pid's namespace's waiting connections of the job, from /proc/<pid>/net/tcp{,6}."""
     out = []   # type: list[dict[str, Any]]
     for name in ("tcp", "tcp6"):
         try:
@@ -418,8 +467,7 @@ def syn_sent(pid: int, owner: dict[str, int], seen: set[str]) -> list[dict[str, 
             continue
         for line in lines:
             w = waiting(line.split(), owner)
-            if w is not None and w["inode"] not in seen:
-                seen.add(w["inode"])
+            if w is not None:
                 out.append(w)
     return out
 
