@@ -341,8 +341,9 @@ def run_waits(req: Request) -> dict[str, Any]:
         owner.update(dict.fromkeys(socket_inodes(pid), pid))
     waits = []   # type: list[dict[str, Any]]
     seen = set()   # type: set[str]
-    for pid in one_per_namespace(sorted(set(owner.values()))):
-        for w in syn_sent(pid, owner, seen):
+    mine = namespace("self")
+    for ns, pid in namespaces(sorted(set(owner.values()))).items():
+        for w in syn_sent(pid, owner, seen, ns == mine):
             del w["inode"]
             w["rank"] = rank_of(w["pid"])
             waits.append(w)
@@ -358,11 +359,8 @@ def attempt_fails(pids: list[int]) -> int | None:
     when none is readable. Counts since the namespace began: the controller compares."""
     total, seen = None, set()   # type: int | None, set[str]
     for pid in pids:
-        try:
-            ns = os.readlink("/proc/%d/ns/net" % pid)
-        except OSError:
-            continue
-        if ns in seen:
+        ns = namespace(pid)
+        if ns is None or ns in seen:
             continue
         n = snmp_attempt_fails("/proc/%d/net/snmp" % pid)
         if n is not None:
@@ -406,27 +404,33 @@ def socket_inodes(pid: int) -> list[str]:
     return out
 
 
-def one_per_namespace(pids: list[int]) -> list[int]:
-    """The first of pids in each network namespace: processes that share one see the
-    same sockets, and each look at a namespace's table costs the whole table."""
-    out, seen = [], set()   # type: list[int], set[str]
+def namespace(pid: int | str) -> str | None:
+    """The network namespace pid lives in (its /proc link, "self": this agent's); None
+    once the process is gone."""
+    try:
+        return os.readlink("/proc/%s/ns/net" % pid)
+    except OSError:
+        return None
+
+
+def namespaces(pids: list[int]) -> dict[str, int]:
+    """Each network namespace of pids -> the first of them in it: processes that share
+    one see the same sockets, and each look at a namespace's table costs the whole table."""
+    out = {}   # type: dict[str, int]
     for pid in pids:
-        try:
-            ns = os.readlink("/proc/%d/ns/net" % pid)
-        except OSError:
-            continue
-        if ns not in seen:
-            seen.add(ns)
-            out.append(pid)
+        ns = namespace(pid)
+        if ns is not None:
+            out.setdefault(ns, pid)
     return out
 
 
-def syn_sent(pid: int, owner: dict[str, int], seen: set[str]) -> list[dict[str, Any]]:
+def syn_sent(pid: int, owner: dict[str, int], seen: set[str], own: bool
+             ) -> list[dict[str, Any]]:
     """pid's network namespace's waiting connections that a process of the job owns;
     `seen`: inodes already reported (processes that share a namespace list the same).
-    In the agent's own namespace the kernel is asked for the SYN_SENT sockets alone
-    (sockdiag); elsewhere, or where it cannot answer, /proc/<pid>/net/tcp{,6} is read."""
-    found = own_syn_sent(owner) if same_namespace(pid) else None
+    In the agent's own namespace (`own`) the kernel is asked for the SYN_SENT sockets
+    alone (sockdiag); elsewhere, or where it cannot answer, /proc/<pid>/net/tcp{,6}."""
+    found = own_syn_sent(owner) if own else None
     if found is None:
         found = proc_syn_sent(pid, owner)
     out = []   # type: list[dict[str, Any]]
@@ -435,13 +439,6 @@ def syn_sent(pid: int, owner: dict[str, int], seen: set[str]) -> list[dict[str, 
             seen.add(w["inode"])
             out.append(w)
     return out
-
-
-def same_namespace(pid: int) -> bool:
-    try:
-        return os.readlink("/proc/%d/ns/net" % pid) == os.readlink("/proc/self/ns/net")
-    except OSError:
-        return False
 
 
 def own_syn_sent(owner: dict[str, int]) -> list[dict[str, Any]] | None:
