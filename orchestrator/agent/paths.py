@@ -251,9 +251,16 @@ class JobDir:
         return self._fd
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        # A request's JobDir ends with the request, and its descriptor with it: the agent
+        # of an attached `up` serves a listing every half second for the job's whole
+        # life (the checkpoint keeper), and one descriptor left per request ran it out
+        # of them (a login's 1,024) within minutes; every record read failed after.
+        self.close()
 
     # ------------------------------------------------------------ folders
 
