@@ -385,3 +385,30 @@ def test_a_file_is_written_beside_under_a_name_that_fits() -> None:
     tmp, other = part_name(long), part_name("y" * 255)
     assert len(os.fsencode(tmp)) <= 255 and PART in tmp and tmp != other
     assert part_name("\udcff" * 255).startswith(PART)   # bytes count, not characters
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_held_folder_is_gone_through_and_closes_with_its_jobdir(tmp_path: Path) -> None:
+    """hold("run"): every record of run/ is read and written through one descriptor kept
+    open (no walk from the job folder each time: a moved job folder is still reached
+    through it), a link in it is still refused, and close() (or the JobDir's end) closes
+    it with the job folder's own."""
+    (tmp_path / "job" / "run").mkdir(parents=True)
+    before = open_fds()
+    jd = JobDir(str(tmp_path / "job"))
+    jd.hold("run")
+    jd.write_file("run/host.exit", b'{"code": 0}')
+    (tmp_path / "job").rename(tmp_path / "moved")   # a walk from the path would fail now
+    assert jd.read("run/host.exit", 100) == b'{"code": 0}'
+    os.symlink("/etc/passwd", tmp_path / "moved" / "run" / "link")
+    with pytest.raises(UnsafePath):
+        jd.read("run/link", 100)
+    assert len(open_fds() - before) == 2   # the job folder and run/
+    jd.release("run")
+    assert len(open_fds() - before) == 1
+    jd.hold("run")
+    del jd   # a request's JobDir ends with it: nothing of it stays open
+    assert open_fds() == before

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -336,7 +337,9 @@ def test_a_daemon_is_found_through_the_subreaper_without_a_scan(
     assert all(gone(x, t, timeout=0) for x, t in ticks.items())
     done = read_json(p["jd"], "run/host.exit")
     assert done["reaped"] is True and done["pid"] == sup["pid"], done
-    assert procs.stopped_clean(p) and not procs.job_running(p) and scans == []
+    # the supervisor's word is the proof: the stop writes no second record of it
+    assert procs.reaped(p) and not procs.stopped_clean(p)
+    assert not procs.job_running(p) and scans == []
     again = procs.stop(p["job"], 10.0)   # idempotent, and still no scan
     assert again["found"] == 0 and again["left"] == [] and scans == [], again
 
@@ -365,6 +368,34 @@ def test_the_job_ends_with_its_ranks_then_what_they_left_is_stopped(
     assert gone(daemon, ticks) and gone(sup["pid"], sup["start_ticks"])
     scans = no_scan(monkeypatch)
     assert not procs.job_running(p) and scans == []
+
+
+def test_during_a_stop_the_host_end_is_said_once_when_the_tree_is_empty(
+        tmp_path: Path, started: Started) -> None:
+    """A stop SIGKILLs torchrun while the ranks' SIGTERM handlers still run: the stopping
+    agent waits for the supervisor's last word, so the host's end is written once, with
+    `reaped` (no first record at torchrun's end: on 1,000 hosts stopping at once, a
+    second file made and a follow woken on each is seconds of the shared cores)."""
+    p = job(tmp_path)
+    sup, daemon = run_supervised(p, started, "exec sleep 60", daemon=(
+        "sh -c 'trap \"sleep 0.8; exit 0\" TERM; touch $D.ready; "
+        "while true; do sleep 0.05; done'"))
+    wait_for_text(Path(p["job"]) / "daemon.pid.ready", whole=False)
+    ticks = procs.proc_start_time(daemon)
+    seen: list[Any] = []
+    report: dict[str, Any] = {}
+    stopper = threading.Thread(target=lambda: report.update(procs.stop(p["job"], 10.0)))
+    stopper.start()
+    while stopper.is_alive():
+        seen.append(read_json(p["jd"], "run/host.exit"))
+        time.sleep(0.01)
+    stopper.join()
+    assert report["left"] == [] and report["found"] >= 3, report
+    ends = [x for x in seen if x is not None]
+    assert all(x.get("reaped") is True for x in ends), ends
+    done = read_json(p["jd"], "run/host.exit")
+    assert done["reaped"] is True and done["code"] == -signal.SIGKILL, done
+    assert gone(daemon, ticks, timeout=0) and gone(sup["pid"], sup["start_ticks"], timeout=0)
 
 
 def test_a_leftover_that_ignores_sigterm_gets_sigkill(

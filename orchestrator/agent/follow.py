@@ -218,11 +218,11 @@ class RunDir:
     RECENT_NS, EVERY = 100_000_000, 1.0
 
     def __init__(self, jd: JobDir) -> None:
-        try:
-            self.fd: int | None = jd.open_dir("run")
+        try:   # held by the JobDir: every record is read through it, not by a walk
+            self.fd: int | None = jd.hold("run")
         except OSError:   # not launched here: every poll reads the records
             self.fd = None
-        self.mtime, self.checked = -1, 0.0
+        self.jd, self.mtime, self.checked = jd, -1, 0.0
 
     def changed(self) -> bool:
         if self.fd is None:
@@ -235,9 +235,10 @@ class RunDir:
             self.checked = now
         return fresh
 
+
     def close(self) -> None:
         if self.fd is not None:
-            os.close(self.fd)
+            self.jd.release("run")
             self.fd = None
 
 

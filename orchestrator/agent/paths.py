@@ -223,6 +223,7 @@ class JobDir:
         self.part = HOST_PART
         self.path = os.path.join(self.parent, name)
         self._fd: int | None = None
+        self._held = {}   # type: dict[str, int]   # (hold) mapped folder -> its descriptor
 
     def map(self, rel: str) -> str:
         """rel with run/ turned into this host's part, run/<part>/ (shared names and the
@@ -251,7 +252,26 @@ class JobDir:
         return self._fd
 
     def close(self) -> None:
+        held, self._held = getattr(self, "_held", {}), {}
         fd, self._fd = getattr(self, "_fd", None), None
+        for f in [*held.values(), fd]:
+            if f is not None:
+                os.close(f)
+
+    def hold(self, rel: str) -> int:
+        """Keep folder rel's descriptor open for this JobDir's life (until close) and go
+        through it for every path inside rel: no walk from the job folder for each
+        record. For a reader of many records in one folder (a follow's run/, a stop);
+        a folder replaced meanwhile is not followed to its new self. FileNotFoundError
+        if it is missing."""
+        rel = self.map(rel)
+        if rel not in self._held:
+            self._held[rel] = self.open_dir(rel, mapped=True)
+        return self._held[rel]
+
+    def release(self, rel: str) -> None:
+        """Close what hold(rel) kept open; paths inside rel are walked to again."""
+        fd = self._held.pop(self.map(rel), None)
         if fd is not None:
             os.close(fd)
 
@@ -286,6 +306,10 @@ class JobDir:
 
     @contextmanager
     def dirfd(self, rel: str = "", create: bool = False, mapped: bool = False) -> Iterator[int]:
+        held = self._held.get(rel if mapped else self.map(rel))
+        if held is not None:   # (hold): the caller must not close it
+            yield held
+            return
         fd = self.open_dir(rel, create, mapped)
         try:
             yield fd

@@ -11,11 +11,21 @@ import time
 def stat_fields(pid: int | str) -> list[str] | None:
     """/proc/<pid>/stat after the command name (which may hold spaces and parentheses):
     [0] is field 3 (the state), [1] the parent, [2] the process group, [19] the start
-    time. None when the process is gone."""
+    time. None when the process is gone. Read with os.open: a stop reads a few dozen of
+    these on every host at once, and a text file object cost twice the CPU of the read."""
     try:
-        with open("/proc/%s/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        fd = os.open("/proc/%s/stat" % pid, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        return data.rsplit(b")", 1)[1].decode("ascii", "replace").split()
+    except IndexError:
         return None
 
 

@@ -400,18 +400,23 @@ def stop(job_dir: str, grace: float) -> dict[str, Any]:
     was left (reaped): no process's environment is read (stop_subtree). Without one (it
     was killed, an older agent started it, the kernel has no subreapers) the stop signals
     the known tree and scans for the marker (stop_scanning). After a run whose supervisor
-    ended so, nothing of it can be left: there is nothing to stop."""
+    ended so, nothing of it can be left: there is nothing to stop. A stop verified
+    otherwise is recorded as such (mark_verified): the supervisor's word already says it
+    for the `up` that follows (ended_by_itself), at one file fewer a host."""
     p = job_paths(job_dir)
+    with contextlib.suppress(OSError):   # its records read and written without a walk
+        p["jd"].hold("run")
     sup = supervisor_alive(p)
     t0 = time.time()
     launch = launch_id(p)
     if sup is None and reaped(p) and recorded_pids(p) == []:
         return {"found": 0, "killed": 0, "left": [], "seconds": round(time.time() - t0, 3)}
+    said = False   # the supervisor's own last word (reaped) verified the stop
     if sup is not None and sup.get("subreaper") is True:
-        seen, killed, left = stop_subtree(p, sup, t0, grace)
+        seen, killed, left, said = stop_subtree(p, sup, t0, grace)
     else:
         seen, killed, left = stop_scanning(p, sup, t0, grace)
-    if seen and not left:
+    if seen and not left and not said:   # (said: a second record would say it again)
         mark_verified(p, t0, launch)
     return {"found": len(seen), "killed": len(killed), "left": left,
             "seconds": round(time.time() - t0, 3)}
@@ -506,14 +511,14 @@ def reaped(p: dict[str, Any], sup: dict[str, Any] | None = None) -> bool:
 
 
 def stop_subtree(p: dict[str, Any], sup: dict[str, Any], t0: float,
-                 grace: float) -> tuple[list[int], list[int], list[Any]]:
+                 grace: float) -> tuple[list[int], list[int], list[Any], bool]:
     """The stop through a subreaper supervisor: its tree signalled (torchrun SIGKILLed,
     the rest SIGTERMed, SIGKILL at the grace), then its end awaited: it reaps its tree
     and ends once nothing is left, saying so (reaped). The supervisor itself is not
     signalled (an array's runner, which is its own torchrun, gets SIGUSR1: no task
     starts after; its tasks get SIGTERM from here, once). Should it end without that
     word (killed meanwhile), or not end in time, the marker scan takes over from what
-    is known. (seen, killed, left)"""
+    is known. (seen, killed, left, whether the supervisor's word verified the stop)"""
     root = sup["pid"]
     tree = subtree(root, sup.get("start_ticks"))
     mark_stop(p, t0, grace)
@@ -523,11 +528,11 @@ def stop_subtree(p: dict[str, Any], sup: dict[str, Any], t0: float,
     signal_all([x for x in tree if x != torchrun], signal.SIGTERM)
     seen, killed = [root] + tree, []  # type: list[int], list[int]
     if await_reaped(p, sup, t0 + grace, seen, killed):
-        return seen, killed, []
+        return seen, killed, [], True
     live = supervisor_alive(p)
     known = [x for x in seen if proc_start_time(x) is not None]
     more, left = finish_scanning(p, live, t0, max(t0 + grace, time.time()), known, seen)
-    return seen, sorted(set(killed) | set(more)), left
+    return seen, sorted(set(killed) | set(more)), left, False
 
 
 def await_reaped(p: dict[str, Any], sup: dict[str, Any], kill_at: float, seen: list[int],

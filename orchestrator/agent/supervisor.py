@@ -211,12 +211,11 @@ def drain(jd: JobDir, began: float) -> bool:
     record_orphan_ranks(jd)
     if not left:
         return True
-    stop = read_json(jd, STOP_FILE)
-    when = stop.get("time") if isinstance(stop, dict) else None
-    if isinstance(when, (int, float)) and when >= began:
+    stop = stop_since(jd, began)
+    if stop is not None:
         grace = stop.get("grace")
-        kill_at = when + (grace if isinstance(grace, (int, float)) else timeouts.STOP_GRACE) \
-            + timeouts.STOP_VERIFY
+        kill_at = stop["time"] + (grace if isinstance(grace, (int, float)) else
+                                  timeouts.STOP_GRACE) + timeouts.STOP_VERIFY
     else:
         say("orch: the ranks ended; stopping what they left: %s\n" % left)
         signal_all(left, signal.SIGTERM)
@@ -225,6 +224,13 @@ def drain(jd: JobDir, began: float) -> bool:
         return True
     signal_all(left_behind(), signal.SIGKILL)
     return wait_empty(jd, time.time() + timeouts.STOP_VERIFY)
+
+
+def stop_since(jd: JobDir, began: float) -> dict[str, Any] | None:
+    """The record of a stop received during this run (run/stop.json, from `began` on)."""
+    stop = read_json(jd, STOP_FILE)
+    when = stop.get("time") if isinstance(stop, dict) else None
+    return stop if isinstance(when, (int, float)) and when >= began else None
 
 
 def start_detached(body: Callable[[dict[str, Any], dict[str, Any], int], None],
@@ -303,11 +309,17 @@ def run_supervisor(p: dict[str, Any], spec: dict[str, Any], wfd: int, what: str,
     end = {"code": code, "time": time.time()}
     done = SUBREAPER and left_behind() == []
     record_orphan_ranks(jd)   # before host.exit: a follow reads them first
-    if not done:   # the job's end is said at once
+    # the job's end is said at once, unless the tree is empty (said reaped, now) or a
+    # stop is under way: the stopping agent waits for the last word, and on 1,000 hosts
+    # that stop at once a second host.exit each (a file made, a follow woken) is seconds
+    early = not done and not (SUBREAPER and stop_since(jd, began) is not None)
+    if early:
         write_end(jd, what, end)
     if SUBREAPER and drain(jd, began):
         me = os.getpid()
         write_end(jd, what, dict(end, reaped=True, pid=me, start_ticks=proc_start_time(me)))
+    elif not early and not done:   # the stop's SIGKILL did not empty the tree: said as is
+        write_end(jd, what, end)
     os._exit(0)
 
 
