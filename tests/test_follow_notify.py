@@ -52,11 +52,38 @@ def test_a_watch_names_the_folder_and_file_that_changed(tmp_path: Path) -> None:
         w.close()
 
 
-def test_a_watch_is_none_without_inotify(monkeypatch) -> None:
-    """No inotify (here: ctypes cannot load libc): None, and the follow polls as before."""
-    import ctypes
-    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: (_ for _ in ()).throw(OSError("no libc")))
-    assert notify.watch([0]) is None
+def test_a_watch_is_none_without_inotify(monkeypatch, tmp_path: Path) -> None:
+    """No inotify (here: libc has no such function): None, and the follow polls as
+    before. The same folder is watched once libc has it."""
+    from orchestrator.agent import libc
+
+    def missing(name: str) -> Any:
+        raise OSError(f"{name}: no such function")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(libc, "function", missing)
+            assert notify.watch([fd]) is None
+        got = notify.watch([fd])
+        assert got is not None
+        got.close()
+    finally:
+        os.close(fd)
+
+
+def test_a_watch_and_a_subreaper_import_no_ctypes_package(tmp_path: Path) -> None:
+    """libc is called through _ctypes: ctypes' package is 5 ms of CPU at each import, on
+    every host at every follow's start (and every launch's supervisor)."""
+    code = ("import os, sys\n"
+            "from orchestrator.agent import notify, supervisor\n"
+            f"fd = os.open({str(tmp_path)!r}, os.O_RDONLY | os.O_DIRECTORY)\n"
+            "assert notify.watch([fd]) is not None\n"
+            "assert supervisor.become_subreaper()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ctypes'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 class Sent:

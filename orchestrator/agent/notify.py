@@ -6,9 +6,10 @@ is more than the cores have, and on a real host it is a wake-up for nothing. Wit
 watch on both folders the follow sleeps until a rank writes a line, touches its
 heartbeat, or a record (pid, exit, host.exit) lands by its rename.
 
-The stdlib has no inotify binding: this goes through ctypes (about 5 ms of CPU, once per
-follow). The folders are watched through the descriptors the agent opened without
-following a link (/proc/self/fd/N). Anything missing (not Linux, no ctypes, the user's
+The stdlib has no inotify binding: this calls libc through _ctypes (agent/libc.py; the
+import of ctypes' package was 5 ms of CPU at every follow's start). The folders are
+watched through the descriptors the agent opened without following a link
+(/proc/self/fd/N). Anything missing (not Linux, no _ctypes, the user's
 fs.inotify.max_user_instances spent) leaves `watch()` None, and the follow polls as
 before. Stdlib only, Python 3.8.
 """
@@ -73,9 +74,8 @@ def parse(data: bytes, wds: dict[int, int], folders: set[int], names: set[str]) 
 def watch(dir_fds: list[int]) -> Watch | None:
     """A watch over the open folders `dir_fds`, or None where inotify cannot be had."""
     try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        init, add = libc.inotify_init1, libc.inotify_add_watch
+        from orchestrator.agent import libc
+        init, add = libc.function("inotify_init1"), libc.function("inotify_add_watch")
     except (ImportError, OSError, AttributeError):
         return None
     fd = init(os.O_NONBLOCK | os.O_CLOEXEC)

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+from orchestrator.agent import libc
 from orchestrator.agent.common import AgentError, read_json, write_atomic
 from orchestrator.agent.procs import STOP_FILE, proc_start_time, signal_all, subtree
 from orchestrator.wire import jsonc, timeouts
@@ -49,28 +50,11 @@ def become_subreaper() -> bool:
     global SUBREAPER
     try:
         me = os.getpid()
-        SUBREAPER = libc_prctl()(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0 and \
+        SUBREAPER = libc.function("prctl")(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0 and \
             os.path.exists("/proc/%d/task/%d/children" % (me, me))
     except (ImportError, OSError, AttributeError):   # not Linux, or no libc to ask
         SUBREAPER = False
     return SUBREAPER
-
-
-def libc_prctl() -> Callable[..., int]:
-    """libc's prctl from _ctypes, the C module ctypes is built on: ctypes' own package
-    (struct, its many types) costs about 4 ms more CPU, at every launch on every host;
-    these are the names ctypes itself uses to call a C function returning an int."""
-    import _ctypes
-
-    class CInt(_ctypes._SimpleCData):  # type: ignore[type-arg]  # ctypes.c_int
-        _type_ = "i"
-
-    class Prctl(_ctypes.CFuncPtr):   # a cdecl function returning an int
-        _flags_ = _ctypes.FUNCFLAG_CDECL
-        _restype_ = CInt
-    libc = _ctypes.dlopen(None)  # type: ignore[arg-type]  # (None: this process's own)
-    fn: Callable[..., int] = Prctl(_ctypes.dlsym(libc, "prctl"))
-    return fn
 
 
 def detach(body: Callable[[], None]) -> None:
