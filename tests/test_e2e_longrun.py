@@ -72,6 +72,7 @@ def test_a_long_run_leaves_no_descriptor_open_on_its_hosts(
     for h in hosts:
         (job_dir(h, name) / "output" / "stop").touch()
     assert up.finish(60) == 0, up.text()
-    wait_until(lambda: kept.read_bytes() == (out0 / "ckpt.pt").read_bytes(), 10,
-               "the keeper host's copy of rank 0's last checkpoint")
+    # a version rank 0 wrote, whole (the last one may be left out: a file written within
+    # the keeper's settle time of its last round is not copied half-written)
+    assert kept.read_bytes().isdigit() and int(kept.read_bytes()) <= int((out0 / "ckpt.pt").read_bytes())
     assert_nothing_left(hosts, name)

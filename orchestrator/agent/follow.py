@@ -235,7 +235,6 @@ class RunDir:
             self.checked = now
         return fresh
 
-
     def close(self) -> None:
         if self.fd is not None:
             self.jd.release("run")
