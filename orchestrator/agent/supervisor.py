@@ -180,12 +180,13 @@ def wait_empty(jd: JobDir, deadline: float) -> bool:
     return True
 
 
-def drain(jd: JobDir, began: float) -> bool:
+def drain(jd: JobDir, began: float, stop: dict[str, Any] | None = None) -> bool:
     """After torchrun's end: stop what the run left behind and reap it; True once nothing
-    is left. A stop received during this run (run/stop.json, from `began` on) signals the
-    tree itself, its ranks with its own grace: this only waits, and SIGKILLs past that
-    grace should the stopping agent be gone. Otherwise the ranks ended by themselves,
-    and what they left (a daemon, a server) gets SIGTERM, LEFTOVER_GRACE, SIGKILL."""
+    is left. A stop received during this run (run/stop.json, from `began` on; `stop`: its
+    record, read already) signals the tree itself, its ranks with its own grace: this
+    only waits, and SIGKILLs past that grace should the stopping agent be gone. Otherwise
+    the ranks ended by themselves, and what they left (a daemon, a server) gets SIGTERM,
+    LEFTOVER_GRACE, SIGKILL."""
     # torchrun is gone: a signal forwarded to its pid now could reach a recycled one; a
     # stop does not signal the supervisor (an array runner's SIGUSR1 has nothing to hold)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
@@ -195,7 +196,8 @@ def drain(jd: JobDir, began: float) -> bool:
     record_orphan_ranks(jd)
     if not left:
         return True
-    stop = stop_since(jd, began)
+    if stop is None:   # none yet when torchrun ended: one may have come since
+        stop = stop_since(jd, began)
     if stop is not None:
         grace = stop.get("grace")
         kill_at = stop["time"] + (grace if isinstance(grace, (int, float)) else
@@ -296,10 +298,11 @@ def run_supervisor(p: dict[str, Any], spec: dict[str, Any], wfd: int, what: str,
     # the job's end is said at once, unless the tree is empty (said reaped, now) or a
     # stop is under way: the stopping agent waits for the last word, and on 1,000 hosts
     # that stop at once a second host.exit each (a file made, a follow woken) is seconds
-    early = not done and not (SUBREAPER and stop_since(jd, began) is not None)
+    stop = stop_since(jd, began) if SUBREAPER and not done else None
+    early = not done and stop is None
     if early:
         write_end(jd, what, end)
-    if SUBREAPER and drain(jd, began):
+    if SUBREAPER and drain(jd, began, stop):
         me = os.getpid()
         write_end(jd, what, dict(end, reaped=True, pid=me, start_ticks=proc_start_time(me)))
     elif not early and not done:   # the stop's SIGKILL did not empty the tree: said as is
