@@ -136,6 +136,7 @@ class StubLink:
         self.fields: dict[str, Any] = {}
         self.lost_why: list[str] = []
         self.handing = False   # a frame of it still being handed on (Link.heard)
+        self.sink: Any = None   # no follow begun at a launch (remote/early.py)
 
     def heard(self) -> float:
         return timeouts.CLOCK.now() if self.handing else self.last_seen

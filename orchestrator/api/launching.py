@@ -35,6 +35,7 @@ from orchestrator.files.shards import (
 )
 from orchestrator.files.splitdata import SplitResult
 from orchestrator.files.sync import SyncReport
+from orchestrator.remote.early import Begun
 from orchestrator.remote.fanout import fan_out
 from orchestrator.session import gpuclaims
 from orchestrator.session import state as job_state
@@ -174,14 +175,16 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
           setup: bool = False, wait: bool = False, progress: UpProgress | None = None,
           attempts: list[Attempt] | None = None,
           before_launch: Callable[[Session, PreflightReport], None] | None = None,
-          restart: bool = False) -> Iterator[Started]:
+          restart: bool = False, begin_follows: bool = False) -> Iterator[Started]:
     """Every step up to the start on every host; the session closes when the block ends.
     `hosts`, `exclude`, `wait`: as `up`'s (a loaded Cluster may come narrowed already).
     `attempts`: the restarts so far of this run (api/healing.py), kept in its state.
     `before_launch`: called with the session and preflight once every host is ready,
     just before the start (a restart puts the kept checkpoints back there). `restart`: an
     attempt of a run that started and stopped the last one itself: the hosts it leaves
-    out (lost ones among them, which may not even answer a connect) are not asked."""
+    out (lost ones among them, which may not even answer a connect) are not asked.
+    `begin_follows`: the caller watches the job (`monitor.watch`): each host's follow
+    begins as its launch is answered, not once every host has started."""
     cluster = narrow(jobs.cluster_of(inventory), hosts, exclude)
     shown = progress or UpProgress()
     if not restart:
@@ -225,7 +228,8 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
             pre = setup_and_check(session, files, pre, setup, shown)
             if before_launch is not None:
                 before_launch(session, pre)
-            started = launch_array(session, pre) if cluster.job.array else launch(session, pre)
+            started = launch_array(session, pre) if cluster.job.array else \
+                launch(session, pre, follows(cluster) if begin_follows else None)
         except GroupError as err:
             err.reached = True   # every host passed preflight: a step failed on one it reached
             raise
@@ -349,11 +353,18 @@ def refuse_running_elsewhere(cluster: Cluster) -> None:
                               "or give this job another name")
 
 
-def launch(session: Session, pre: PreflightReport) -> Started:
-    cluster = session.cluster
-    run_id, sups = session.launch(pre)
+def follows(cluster: Cluster) -> Begun:
+    """The follows of monitor.watch, begun at the launch; imported only now, after the
+    logins (`orch up` imports before its first login only what the start needs)."""
+    from orchestrator.watch.monitor import begun_follows
+    return begun_follows(cluster)
+
+
+def launch(session: Session, pre: PreflightReport, begin: Begun | None = None) -> Started:
+    cluster, sent = session.cluster, time.time()
+    run_id, sups = session.launch(pre, begin)
     st = job_state.new_state(cluster, run_id, run_master(cluster, pre),
-                             pre.master_port, pre.hosts, sups, session.attempts)
+                             pre.master_port, pre.hosts, sups, session.attempts, sent)
     job_state.save(cluster, st)
     result = UpResult(job=cluster.name, run_id=st.run_id, world_size=cluster.world_size,
                       master_addr=st.master_addr, master_port=st.master_port,
@@ -363,9 +374,9 @@ def launch(session: Session, pre: PreflightReport) -> Started:
 
 
 def launch_array(session: Session, pre: PreflightReport) -> Started:
-    cluster = session.cluster
+    cluster, sent = session.cluster, time.time()
     rec, sups = array_plan.start(session, pre)
-    st = job_state.new_state(cluster, rec.run_id, "-", 0, pre.hosts, sups)
+    st = job_state.new_state(cluster, rec.run_id, "-", 0, pre.hosts, sups, started=sent)
     job_state.save(cluster, st)
     array_plan.save(cluster, rec)
     result = ArrayUpResult(job=cluster.name, run_id=rec.run_id, tasks=len(rec.host),

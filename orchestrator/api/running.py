@@ -280,7 +280,8 @@ class Run:
         t0 = time.monotonic()
         with launching.start(cluster, setup=opts.setup, wait=opts.wait, progress=self.view(),
                              attempts=plan.attempts, restart=plan.attempt > 0,
-                             before_launch=before if keep else None) as got:
+                             before_launch=before if keep else None,
+                             begin_follows=True) as got:
             cluster, st = got.session.cluster, got.state
             self.emit(ev.Started(time.time(), cluster.name, st.run_id, tuple(
                 ev.StartedHost(h.label, h.job_dir, tuple(h.ranks)) for h in st.hosts),

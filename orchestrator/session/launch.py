@@ -4,14 +4,15 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import replace
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from orchestrator.config.hostranges import fold
 from orchestrator.config.inventory import Cluster, Host
 from orchestrator.files.shards import resplit_size
-from orchestrator.remote.ask import ask_all
+from orchestrator.remote.ask import gather
 from orchestrator.remote.bundle import host_python
-from orchestrator.remote.link import Link
+from orchestrator.remote.early import Begun
+from orchestrator.remote.link import Link, Pending
 from orchestrator.remote.transport import remote_command
 from orchestrator.session import netprobe, network
 from orchestrator.session.preflight import HostInfo, PreflightReport, job_dir
@@ -128,9 +129,12 @@ def new_run_id() -> str:
 
 
 def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport, run_id: str,
-               unshare: bool = False) -> tuple[str, dict[int, Supervisor]]:
+               unshare: bool = False, begin: Begun | None = None
+               ) -> tuple[str, dict[int, Supervisor]]:
     """Start torchrun on every host in parallel; raise naming every host that failed.
-    `unshare`: each host also removes the share marker its preflight left (run_id)."""
+    `unshare`: each host also removes the share marker its preflight left (run_id).
+    `begin`: an attached run's follows, each begun as its host's launch is answered
+    (remote/early.py); dropped when the launch fails anywhere."""
     addr = run_master(cluster, pre)
     plan: network.NetPlan | None = pre.network
     specs = {h.index: launch_spec(cluster, h, pre.hosts[h.index], addr, pre.master_port, run_id,
@@ -138,15 +142,29 @@ def launch_all(cluster: Cluster, links: dict[int, Link], pre: PreflightReport, r
              for h in cluster.hosts}
     if plan is not None:
         network.save(cluster, run_id, plan)
-    # every host's launch sent before any reply is awaited (ask_all): in a fan-out's
+
+    def fields(i: int) -> dict[str, Any]:
+        return {"job_dir": pre.hosts[i].job_dir, "spec": specs[i],
+                **({"unshare": run_id} if unshare else {})}
+
+    def read(link: Link, pending: Pending, wait: float, bound: float) -> Supervisor:
+        sup = Supervisor.of(link.wait(pending, wait, bound)["supervisor"])
+        if begin is not None:
+            i = link.host.index
+            begin(i, link, pre.hosts[i].job_dir, list(cluster.hosts[i].ranks))
+        return sup
+    # every host's launch sent before any reply is awaited (gather): in a fan-out's
     # waves the last of 1,000 hosts started its ranks 30 s after the first, and a rank
     # that failed meanwhile was seen only once all had started
-    result = ask_all({h.index: links[h.index] for h in cluster.hosts}, "launch",
-                     lambda i: {"job_dir": pre.hosts[i].job_dir, "spec": specs[i],
-                                **({"unshare": run_id} if unshare else {})},
-                     timeouts.scaled(timeouts.LAUNCH, len(cluster.hosts)),
-                     lambda body: Supervisor.of(body["supervisor"]))
-    result.raise_failures(cluster.hosts, "to start")
+    try:
+        result = gather({h.index: links[h.index] for h in cluster.hosts},
+                        lambda i, link: link.submit("launch", **fields(i))[1],
+                        read, timeouts.scaled(timeouts.LAUNCH, len(cluster.hosts)))
+        result.raise_failures(cluster.hosts, "to start")
+    except BaseException:
+        if begin is not None:
+            begin.drop()   # the hosts that started are stopped now: nothing may wait
+        raise
     return run_id, result.ok
 
 

@@ -23,6 +23,7 @@ from orchestrator.files.pull import pull as pull_files
 from orchestrator.files.sync import Same, SyncReport, push
 from orchestrator.remote.ask import ask_all
 from orchestrator.remote.bundle import bundle
+from orchestrator.remote.early import Begun
 from orchestrator.remote.fanout import GroupResult, fan_out
 from orchestrator.remote.link import Link
 from orchestrator.remote.transport import Transport
@@ -421,11 +422,13 @@ class Session:
             env=setupstep.command_env(self.cluster, self.records[i].job_dir)))
         return shellcmd.wait_all(running, None, failed)
 
-    def launch(self, pre: PreflightReport) -> tuple[str, dict[int, Supervisor]]:
+    def launch(self, pre: PreflightReport, begin: Begun | None = None
+               ) -> tuple[str, dict[int, Supervisor]]:
         """All hosts or none: if one host fails to start (or Ctrl-C comes now), the hosts
-        that did start are stopped again before the error is reported."""
+        that did start are stopped again before the error is reported. `begin`: an
+        attached run's follows, begun as each host is started (launch_all)."""
         try:
-            got = launch_all(self.cluster, self.links, pre, self.run_id, self.markers)
+            got = launch_all(self.cluster, self.links, pre, self.run_id, self.markers, begin)
             self.markers = False   # each host's launch removed its marker
             return got
         except BaseException:

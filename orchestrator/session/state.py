@@ -201,11 +201,15 @@ class HostFacts(Protocol):
 
 def new_state(cluster: Cluster, run_id: str, addr: str, port: int,
               infos: Mapping[int, HostFacts], supervisors: Mapping[int, Supervisor],
-              attempts: list[Attempt] | None = None) -> JobState:
+              attempts: list[Attempt] | None = None, started: float | None = None
+              ) -> JobState:
+    """`started`: when the launch was sent (a rank may end before every host answered
+    it, and its runtime counts from there); now by default."""
     hosts = [HostState(h.index, h.label, infos[h.index].job_dir, list(h.ranks),
                        infos[h.index].clock_offset, supervisors[h.index],
                        None if h.gpu_ids is None else list(h.gpu_ids)) for h in cluster.hosts]
-    return JobState(cluster.name, run_id, str(cluster.path), time.time(), cluster.world_size,
+    return JobState(cluster.name, run_id, str(cluster.path),
+                    time.time() if started is None else started, cluster.world_size,
                     addr, port, hosts, cluster.selection, list(attempts or []))
 
 

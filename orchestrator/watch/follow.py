@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Protocol
 
 from orchestrator.errors import OrchError
+from orchestrator.remote.early import early_of
 from orchestrator.remote.link import HostDone, Link
 from orchestrator.ui.termsafe import for_terminal, visible
 from orchestrator.watch.hostlost import TICK, Silence
@@ -110,6 +111,20 @@ def watchdog(streams: dict[int, HostStream], tracker: Tracker, stop: threading.E
             streams[index].link.lost(why)   # the closing `orch up` does not wait for its agent
 
 
+def fields(hosts: int, mode: str = "events", unit: str | None = None, heartbeats: bool = False,
+           curves: tuple[str, ...] = ()) -> dict[str, str | bool | float | list[str]]:
+    """What a follow asks of each host besides its folder and ranks (see `follow`); an
+    attached run's follows begun at the launch (remote/early.py) ask the same."""
+    extra: dict[str, str | bool | float | list[str]] = {"unit": unit} if unit else {}
+    if heartbeats:
+        extra["heartbeats"] = True
+    if curves and mode == "events":
+        extra["curves"] = list(curves)
+    if mode == "events":   # the only mode that beats; slower for many hosts
+        extra["beat"] = timeouts.heartbeat(hosts)
+    return {"tail": -1, "mode": mode, **extra}
+
+
 def follow(streams: dict[int, HostStream], sink: Sink, tail: int = -1,
            mode: str = "events", unit: str | None = None,
            heartbeats: bool = False, curves: tuple[str, ...] = ()) -> Callable[[], bool]:
@@ -118,20 +133,19 @@ def follow(streams: dict[int, HostStream], sink: Sink, tail: int = -1,
     unit "task": a job array's tasks (their numbers stand where ranks do).
     heartbeats: the hosts report the ranks that touched their heartbeat file (a sink's
     `rank_progress(host, ranks)`), for the hang watch. curves: globs under output/ whose
-    files each host counts in its `done` (`Link.ended.curves`: the curves' last look)."""
+    files each host counts in its `done` (`Link.ended.curves`: the curves' last look).
+    A host whose follow began at its launch (remote/early.py) is not asked again: what
+    it sent so far reaches the sink first."""
     tracker, stop = Tracker(streams, sink), threading.Event()
-    extra: dict[str, str | bool | float | list[str]] = {"unit": unit} if unit else {}
-    if heartbeats:
-        extra["heartbeats"] = True
-    if curves and mode == "events":
-        extra["curves"] = list(curves)
-    if mode == "events":   # the only mode that beats; slower for many hosts
-        extra["beat"] = timeouts.heartbeat(len(streams))
+    extra = dict(fields(len(streams), mode, unit, heartbeats, curves), tail=tail)
     for index, s in streams.items():
         s.link.last_seen = timeouts.CLOCK.now()
+        early = early_of(s.link)
+        if early is not None:
+            early.attach(tracker)
+            continue
         try:
-            s.link.follow(tracker, job_dir=s.job_dir, ranks=list(s.ranks), tail=tail, mode=mode,
-                          **extra)
+            s.link.follow(tracker, job_dir=s.job_dir, ranks=list(s.ranks), **extra)
         except OrchError as e:
             tracker.host_lost(index, e.message)
     if mode == "events":

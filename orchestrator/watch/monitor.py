@@ -20,6 +20,7 @@ from types import FrameType
 
 from orchestrator.config.inventory import Cluster
 from orchestrator.errors import EXIT_JOB_FAILED, EXIT_OK
+from orchestrator.remote.early import Begun
 from orchestrator.remote.fanout import GroupResult
 from orchestrator.remote.link import HostDone
 from orchestrator.session.session import Session
@@ -29,6 +30,7 @@ from orchestrator.watch import curves
 from orchestrator.watch import events as ev
 from orchestrator.watch.clock import Clocks, HostClock
 from orchestrator.watch.follow import TAIL_KEEP, HostStream, LineSink, follow
+from orchestrator.watch.follow import fields as follow_fields
 from orchestrator.watch.hang import HangReport, HangWatch, culprits, rank_stacks, reason
 from orchestrator.watch.netwatch import NetWatch, refused
 from orchestrator.watch.rootcause import Exit, Failure, Verdict, verdict
@@ -163,6 +165,12 @@ class Recorder:
         ev.emit_all(self.emit, events)   # lines only: nothing to record
 
 
+def begun_follows(cluster: Cluster) -> Begun:
+    """The follows `watch(decide=True)` asks for, to begin at each host's launch."""
+    return Begun(follow_fields(len(cluster.hosts), heartbeats=bool(cluster.job.hang_timeout),
+                               curves=curves.GLOBS), len(cluster.hosts))
+
+
 def watch(session: Session, state: JobState, emit: ev.Emit,
           on_monitor: Callable[[Monitor], None] | None = None, decide: bool = True,
           tail: int = -1) -> Outcome:
@@ -190,6 +198,7 @@ def watch(session: Session, state: JobState, emit: ev.Emit,
                    (state.master_addr, state.master_port),
                    lambda since: mon.last_progress > since) if decide else None
     try:
+        # follows begun at the launch asked the same (begun_follows)
         finished = follow(streams, mon, tail, heartbeats=mon.hang is not None,
                           curves=curves.GLOBS if decide else ())
         if net is not None:
