@@ -8,6 +8,8 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -447,3 +449,18 @@ def test_a_fetch_of_a_job_just_launched_waits_its_interval_before_the_first_roun
         now = curvefetch.CurveFetch(s, interval=3600).start()
         wait_until(lambda: len(asked) == 4, 10, "a round at once")
         now.stop()
+
+
+def test_a_follows_count_of_the_curves_loads_no_hashlib(tmp_path: Path) -> None:
+    """The count at a host's end walks output/ without pull.py: its hashlib (OpenSSL) was
+    ~5 ms of CPU on every host, all at once when a job of 1,000 hosts stopped."""
+    (tmp_path / "output").mkdir()
+    worker_csv(tmp_path / "output" / "metrics.csv", 1)
+    code = ("import sys\n"
+            "from orchestrator.agent import follow\n"
+            f"p = follow.job_paths({str(tmp_path)!r})\n"
+            f"print(follow.curves_count(p, {list(curves.GLOBS)!r}), 'hashlib' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["{'curves':", "1}", "False"], out.stdout

@@ -200,10 +200,11 @@ def curves_count(p: dict[str, Any], rests: list[str]) -> dict[str, Any]:
     the controller's last look at a host let go is skipped where there are none (1,000
     listings at the end of a job on 1,000 hosts); {} when they cannot be counted (the
     controller then looks, as without the count)."""
-    # imported here: a follow without `curves` never loads it
+    # imported here: a follow without `curves` never loads it (one with them did so at
+    # its start); not pull.py, whose hashlib is ~5 ms of CPU on every host at the end
     try:
-        from orchestrator.agent import pull
-        return {"curves": min(pull.count_globs(p["jd"], rests), protocol.MAX_PULL_FILES)}
+        from orchestrator.agent import listing
+        return {"curves": min(listing.count_globs(p["jd"], rests), protocol.MAX_PULL_FILES)}
     except Exception:  # a count is a hint: the host's end is said without it
         return {}
 
@@ -349,6 +350,10 @@ def run(req: Request) -> None:
         else None
     end = SupervisorEnd()
     quiet = Quiet(p, rundir, end)
+    if a.get("curves") is not None:
+        # loaded now, at the follow's start: not at the host's end, when every host of a
+        # stopped job counts at once
+        from orchestrator.agent import listing  # noqa: F401
     try:
         while True:
             records = rundir.changed() or end.ended or quiet.records()
