@@ -91,6 +91,16 @@ def test_a_failed_launch_drops_what_was_kept_and_frees_a_waiting_reader() -> Non
     assert early.kept == []
 
 
+def test_a_drop_once_watched_changes_nothing() -> None:
+    """The launch's context drops its follows when it closes, watched or not."""
+    early, sink = Early(cap=4), Calls()
+    early.attach(sink)
+    early.drop()
+    early.output(0, 0, False, b"after the drop\n")
+    early.output(0, 0, False, b"and past the cap\n")
+    assert [c[2] for c in sink.calls] == [b"after the drop\n", b"and past the cap\n"]
+
+
 def test_the_cap_is_shared_by_the_hosts_with_a_floor() -> None:
     assert cap_per_host(4) == TOTAL_CAP // 4
     assert cap_per_host(1000) == MIN_CAP

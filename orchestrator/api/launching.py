@@ -193,6 +193,7 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
     # request reaches a host before the list is complete. With `gpus: all` the world
     # size is known once the GPUs are claimed, and the shards are checked then
     listing = None if counted_at_preflight(cluster) else Listing(cluster, shown)
+    begun: Begun | None = None
     session = Session(cluster, attempts=attempts,
                       expected=listing.first if listing else None,
                       waiting=gpuclaims.Waiting(shown.gpu_wait) if wait else None)
@@ -228,13 +229,18 @@ def start(inventory: jobs.Inventory, *, hosts: str | None = None, exclude: str |
             pre = setup_and_check(session, files, pre, setup, shown)
             if before_launch is not None:
                 before_launch(session, pre)
-            started = launch_array(session, pre) if cluster.job.array else \
-                launch(session, pre, follows(cluster) if begin_follows else None)
+            if cluster.job.array:
+                started = launch_array(session, pre)
+            else:
+                begun = follows(cluster) if begin_follows else None
+                started = launch(session, pre, begun)
         except GroupError as err:
             err.reached = True   # every host passed preflight: a step failed on one it reached
             raise
         yield started
     finally:
+        if begun is not None:   # never watched (the caller failed first): no reader waits
+            begun.drop()
         session.close()
 
 
