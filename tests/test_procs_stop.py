@@ -398,6 +398,35 @@ def test_during_a_stop_the_host_end_is_said_once_when_the_tree_is_empty(
     assert gone(daemon, ticks, timeout=0) and gone(sup["pid"], sup["start_ticks"], timeout=0)
 
 
+def test_a_stop_sigkill_cannot_finish_says_the_host_end_once_without_reaped(
+        tmp_path: Path, started: Started, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even SIGKILL leaves the supervisor's tree non-empty (a process stuck in the kernel,
+    stood in for by one its look keeps finding): the host's end is written once, after
+    the stop's SIGKILL and its wait, without `reaped`, and the supervisor still ends."""
+    monkeypatch.setattr(timeouts, "STOP_VERIFY", 0.3)   # (the forked supervisor's too)
+    monkeypatch.setattr(timeouts, "STOP_WORD_MARGIN", 1.5)   # (a loaded machine)
+    stuck = started.escapee({})   # not the job's: only the supervisor's look names it
+    monkeypatch.setattr(supervisor, "left_behind", lambda: [stuck])
+    p = job(tmp_path)
+    sup, _ = run_supervised(p, started, "exec sleep 60")
+    inodes: set[int] = set()
+    stopper = threading.Thread(target=procs.stop, args=(p["job"], 0.2))
+    stopper.start()
+    end = Path(p["job"]) / "run" / "host.exit"
+    while stopper.is_alive() or not gone(sup["pid"], sup["start_ticks"], timeout=0):
+        with contextlib.suppress(OSError):
+            inodes.add(os.stat(end).st_ino)
+        time.sleep(0.01)
+    stopper.join()
+    with contextlib.suppress(OSError):   # (written within the last sleep)
+        inodes.add(os.stat(end).st_ino)
+    done = read_json(p["jd"], "run/host.exit")
+    assert done is not None, "the supervisor was ended before its last word"
+    assert "reaped" not in done and done["code"] == -signal.SIGKILL, done
+    assert len(inodes) == 1, inodes   # said once: not also at torchrun's end
+    assert gone(stuck, started.pids[stuck], timeout=0)   # it did get the SIGKILL
+
+
 def test_a_leftover_that_ignores_sigterm_gets_sigkill(
         tmp_path: Path, started: Started, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(timeouts, "LEFTOVER_GRACE", 0.3)   # (the forked supervisor's too)

@@ -548,7 +548,12 @@ def await_reaped(p: dict[str, Any], sup: dict[str, Any], kill_at: float, seen: l
         while proc_start_time(root) == ticks:
             now = time.time()
             if sig == signal.SIGTERM and now >= kill_at:
-                sig, end = signal.SIGKILL, now + timeouts.STOP_VERIFY
+                # past the supervisor's own SIGKILL (STOP_VERIFY after this one) and its
+                # wait after it (supervisor.drain): its word, reaped or not, comes before
+                # this stop takes over, which kills the supervisor too. Only a tree that
+                # SIGKILL cannot empty (a process stuck in the kernel) waits that long
+                sig, end = signal.SIGKILL, now + 2 * timeouts.STOP_VERIFY + \
+                    timeouts.STOP_WORD_MARGIN
                 tree = subtree(root, ticks)
                 killed.extend(tree)
                 signal_all(tree, signal.SIGKILL)

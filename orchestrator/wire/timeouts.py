@@ -55,6 +55,7 @@ HEARTBEAT_RATE = 100.0      # heartbeats a second the controller takes from all 
 STACK_WAIT = 3.0            # a hang: how long the ranks have to write their stacks
 HEARTBEAT_POLL = 1.0        # how often a follow looks at the ranks' heartbeat files
 STOP_VERIFY = 5.0           # after SIGKILL: how long a stop waits for the kernel to reap
+STOP_WORD_MARGIN = 1.0      # a stopping agent waits this much past its supervisor's last word
 LEFTOVER_GRACE = 3.0        # the ranks ended by themselves: SIGTERM -> SIGKILL of what they left
 NVIDIA_SMI = 20.0           # preflight's `nvidia-smi -L`
 RECEIVE_IDLE = 30.0         # a receive stream: no byte from the controller for this long and
