@@ -13,7 +13,6 @@ waits behind a slow printer. A launch that fails drops what was kept and never w
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from orchestrator.errors import OrchError
@@ -115,5 +114,3 @@ def early_of(link: Link) -> Early | None:
     """The follow begun at this host's launch, when one was."""
     return link.sink if isinstance(link.sink, Early) else None
 
-
-Begin = Callable[[int, Link, str, list[int]], None]
