@@ -501,3 +501,25 @@ def test_the_jobs_processes_for_a_network_look_are_the_subreapers_tree(
     assert sorted(procs.job_pids(p, dict(sup, subreaper=False))) == \
         sorted([sup["torchrun_pid"], daemon]) and scans == [p["job"]]
     assert procs.stop(p["job"], 10.0)["left"] == []
+
+
+@pytest.mark.skipif(not hasattr(os, "O_TMPFILE"), reason="no O_TMPFILE here")
+def test_the_supervisor_writes_the_host_end_of_a_stop_into_its_spare(
+        tmp_path: Path, started: Started) -> None:
+    """The supervisor made run/host.exit's inode once the launch was answered
+    (agent/spares.py): the stop's host end is that inode, not a new one."""
+    p = job(tmp_path)
+    sup, _ = run_supervised(p, started, "exec sleep 60")
+    run = str(Path(p["job"]) / "run")
+    held = {}
+    for fd in os.listdir(f"/proc/{sup['pid']}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{sup['pid']}/fd/{fd}").startswith(run + "/#"):
+                held[fd] = os.stat(f"/proc/{sup['pid']}/fd/{fd}").st_ino
+    assert len(held) == 1, held   # unnamed (O_TMPFILE): "run/#<inode> (deleted)"
+    report = procs.stop(p["job"], 10.0)
+    assert report["left"] == [] and report["found"] >= 2, report
+    done = Path(run) / "host.exit"
+    assert read_json(p["jd"], "run/host.exit")["reaped"] is True
+    assert os.stat(done).st_ino in held.values()
+    assert not [n for n in os.listdir(run) if paths.PART in n]

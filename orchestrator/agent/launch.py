@@ -2,11 +2,12 @@
 exit. A dropped connection, or the agent's end, does not touch it."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 from orchestrator.agent import preflight, rankexec, warm
 from orchestrator.agent.common import AgentError, job_paths, write_atomic
-from orchestrator.agent.procs import LOCKED, job_running
+from orchestrator.agent.procs import LOCKED, STOP_FILE, job_running
 from orchestrator.wire import jsonc, protocol
 
 MYPY = False
@@ -73,8 +74,12 @@ def run(req: Request) -> dict[str, Any]:
             if waiting is not None:
                 waiting.cancel()
             waiting = warm.start(p, spec["argv"][0], spec["env"])
-        return waiting.go(spec)
+        started = waiting.go(spec)
     except BaseException:
         if waiting is not None:
             waiting.cancel()
         raise
+    # the stop's record, made now (agent/spares.py): a fail-fast comes to this agent
+    with contextlib.suppress(Exception):   # (a spare only saves time)
+        p["jd"].spare(STOP_FILE, 0o644)
+    return started

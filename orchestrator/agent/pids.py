@@ -47,6 +47,7 @@ class Exits:
 
     def __init__(self) -> None:
         self.fds = {}   # type: dict[int, int]
+        self.ended = set()   # type: set[int]   # pids whose pidfd the last sleep found ready
         self.poller = getattr(select, "poll", lambda: None)()
 
     def __enter__(self) -> Exits:
@@ -62,10 +63,24 @@ class Exits:
         for pid, ticks in watch.items():
             if pid not in self.fds:
                 self.open(pid, ticks)
-        if self.poller is None or any(p not in self.fds for p in watch):
+        if self.poller is None:
             time.sleep(poll)
             return
-        self.poller.poll(most * 1000)
+        if any(p not in self.fds for p in watch):   # then only a look at the pidfds
+            time.sleep(poll)
+            most = 0.0
+        ready = {fd for fd, _ in self.poller.poll(most * 1000)}
+        self.ended = {pid for pid, fd in self.fds.items() if fd in ready}
+
+    def alive(self, pid: int, ticks: int | None) -> bool:
+        """pid is still the process that started at `ticks`. Its pidfd, once held, tells
+        (an ended process's is ready at the last sleep) without a read of /proc/<pid>: a
+        stop's processes are reaped while it watches them, and a reap waits for every
+        reader of that pid's /proc entries to let go of them. A process that ends after
+        that sleep wakes the next one at once."""
+        if pid in self.fds:
+            return pid not in self.ended
+        return ticks is not None and proc_start_time(pid) == ticks
 
     def open(self, pid: int, ticks: int | None) -> None:
         opener = getattr(os, "pidfd_open", None)
@@ -82,6 +97,7 @@ class Exits:
         self.poller.register(fd, select.POLLIN)
 
     def drop(self, pid: int) -> None:
+        self.ended.discard(pid)
         fd = self.fds.pop(pid)
         if self.poller is not None:
             self.poller.unregister(fd)

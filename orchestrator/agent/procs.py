@@ -362,7 +362,7 @@ def wait_gone(job_dir: str, sup: dict[str, Any] | None, deadline: float,
     polls = 0
     with Exits() as exits:
         while True:
-            watch = {p: t for p, t in watch.items() if t is not None and proc_start_time(p) == t}
+            watch = {p: t for p, t in watch.items() if exits.alive(p, t)}
             if not watch or (scan_by is not None and time.time() >= scan_by):
                 scan_by = None
                 left = scan(job_dir, sup)
@@ -545,7 +545,7 @@ def await_reaped(p: dict[str, Any], sup: dict[str, Any], kill_at: float, seen: l
     watch = {x: proc_start_time(x) for x in seen}
     sig, end = signal.SIGTERM, kill_at + timeouts.STOP_VERIFY
     with Exits() as exits:
-        while proc_start_time(root) == ticks:
+        while exits.alive(root, ticks):
             now = time.time()
             if sig == signal.SIGTERM and now >= kill_at:
                 # past the supervisor's own SIGKILL (STOP_VERIFY after this one) and its
@@ -560,7 +560,7 @@ def await_reaped(p: dict[str, Any], sup: dict[str, Any], kill_at: float, seen: l
                 watch.update((x, proc_start_time(x)) for x in tree)
             elif now >= end:
                 return False
-            watch = {x: t for x, t in watch.items() if t is not None and proc_start_time(x) == t}
+            watch = {x: t for x, t in watch.items() if exits.alive(x, t)}
             if set(watch) <= {root}:
                 fresh = [x for x in subtree(root, ticks) if x not in seen]
                 seen.extend(fresh)

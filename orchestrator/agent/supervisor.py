@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from orchestrator.agent import libc
+from orchestrator.agent import libc, spares
 from orchestrator.agent.common import AgentError, read_json, write_atomic
 from orchestrator.agent.procs import STOP_FILE, proc_start_time, signal_all, subtree
 from orchestrator.wire import jsonc, timeouts
@@ -285,6 +285,7 @@ def run_supervisor(p: dict[str, Any], spec: dict[str, Any], wfd: int, what: str,
         write_atomic(jd, "run/supervisor.json", jsonc.dumps(info).encode())
         os.write(wfd, jsonc.dumps(info).encode())
         os.close(wfd)
+        make_spares(jd, spec)
         code = wait()
     except BaseException as e:  # anything here must still leave host.exit behind
         say("orch %s: %r\n" % (what, e))
@@ -308,6 +309,19 @@ def run_supervisor(p: dict[str, Any], spec: dict[str, Any], wfd: int, what: str,
     elif not early and not done:   # the stop's SIGKILL did not empty the tree: said as is
         write_end(jd, what, end)
     os._exit(0)
+
+
+def make_spares(jd: JobDir, spec: dict[str, Any]) -> None:
+    """The files a stop has this supervisor write, made now, after the launch's reply and
+    while the job starts (agent/spares.py): run/host.exit and each rank's exit (a stop
+    SIGKILLs torchrun, so the ranks' exits are written here). The agent's own spares,
+    copied by the fork, are not this process's to use."""
+    spares.drop_all()
+    try:
+        for rel in ["run/host.exit"] + ["run/rank-%d.exit" % r for r in spec.get("ranks", ())]:
+            jd.spare(rel, 0o644)
+    except Exception:  # a spare only saves time: the write makes its file without one
+        pass
 
 
 def write_end(jd: JobDir, what: str, end: dict[str, Any]) -> None:
