@@ -165,3 +165,62 @@ def follow_quietly(root: Path, log: Path, jd: Any, monkeypatch) -> None:
     assert not th.is_alive()
     kinds = [event(fr).get("t") for _, fr in sent.frames]
     assert kinds.count("exit") == 1 and kinds[-1] == "done"
+
+
+def test_a_stopped_hosts_follow_reads_the_stop_and_the_host_end_once(
+        tmp_path: Path, monkeypatch) -> None:
+    """Two ranks end after this host's stop, then the host: both exits and the host's end
+    are tagged after_stop from one read of run/stop.json, and the host's end is read once
+    it is there (the pass that finds it hands it to the `done`). 1,000 hosts stopping at
+    once each read these on the same cores."""
+    root = job(tmp_path)
+    for r in (0, 1):
+        (root / "logs" / f"rank-{r}.log").write_bytes(b"")
+    jd = job_paths(str(root))["jd"]
+    sup = subprocess.Popen(["sleep", "60"])   # the job's supervisor, alive
+    write_atomic(jd, "run/supervisor.json", json.dumps(
+        {"pid": sup.pid, "start_ticks": proc_start_time(sup.pid)}).encode())
+    try:
+        follow_a_stop(root, jd, monkeypatch)
+    finally:
+        sup.kill()
+        sup.wait()
+
+
+def follow_a_stop(root: Path, jd: Any, monkeypatch) -> None:
+    from orchestrator.agent import procs
+    reads: dict[str, int] = {}
+
+    def counting(module: Any) -> None:
+        real = module.read_json
+
+        def read(d: Any, rel: str) -> Any:
+            got = real(d, rel)
+            if got is not None:
+                reads[rel] = reads.get(rel, 0) + 1
+            return got
+        monkeypatch.setattr(module, "read_json", read)
+    counting(follow)
+    counting(procs)
+    sent = Sent()
+    req = types.SimpleNamespace(out=types.SimpleNamespace(send=sent.send), args={
+        "mode": "events", "job_dir": str(root), "ranks": [0, 1], "tail": 0, "beat": 30.0})
+    th = threading.Thread(target=follow.run, args=(req,), daemon=True)
+    stopped = time.time()
+    write_atomic(jd, procs.STOP_FILE, json.dumps({"time": stopped}).encode())
+    th.start()
+    time.sleep(0.5)   # the follow waits: its supervisor's pidfd is held
+    before = reads.get("run/supervisor.json", 0)
+    for r in (0, 1):
+        write_atomic(jd, f"run/rank-{r}.exit",
+                     json.dumps({"code": -15, "time": stopped + 0.1}).encode())
+        time.sleep(0.3)
+    write_atomic(jd, "run/host.exit", json.dumps({"code": -9, "time": stopped + 0.2}).encode())
+    sent.first(lambda fr: fr[:1] == b"J" and event(fr).get("t") == "done")
+    th.join(5)
+    assert not th.is_alive()
+    got = [event(fr) for _, fr in sent.frames if fr[:1] == b"J"]
+    assert [e["t"] for e in got] == ["exit", "exit", "done"], got
+    assert all(e.get("after_stop") is True for e in got), got
+    assert reads[procs.STOP_FILE] == 1 and reads["run/host.exit"] == 1, reads
+    assert reads.get("run/supervisor.json", 0) == before, reads   # its pidfd says it lives

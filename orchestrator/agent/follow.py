@@ -112,10 +112,12 @@ def rank_exit(p: dict[str, Any], rank: int, unit: str = "rank") -> dict[str, Any
     return ex if isinstance(ex, dict) and "code" in ex and "time" in ex else None
 
 
-def host_done(p: dict[str, Any]) -> Any:
-    """host.exit once the supervisor finished; {"code": None, "lost": True} when it vanished."""
+def host_done(p: dict[str, Any], end: SupervisorEnd | None = None) -> Any:
+    """host.exit once the supervisor finished; {"code": None, "lost": True} when it vanished.
+    `end`: the follow's pidfd of the supervisor, which says it lives without a read of
+    run/supervisor.json and /proc at each pass (a stop's passes, on every host at once)."""
     done = read_json(p["jd"], "run/host.exit")
-    if done is not None or supervisor_alive(p):
+    if done is not None or (end is not None and end.running()) or supervisor_alive(p):
         return done
     return read_json(p["jd"], "run/host.exit") or {"code": None, "lost": True}
 
@@ -144,14 +146,19 @@ def exit_event(p: dict[str, Any], rank: int, ex: dict[str, Any]) -> bytes:
 def after_stop(p: dict[str, Any], when: Any) -> bool:
     """`when` (this host's clock) came after this host received a stop during this run.
     torchrun's own end is tagged too: a stop kills torchrun first, so on a host alone
-    its end can arrive before any rank's exit, and it is the stop's doing either way."""
-    stopped = stop_time(p)
+    its end can arrive before any rank's exit, and it is the stop's doing either way.
+    The first stop's time, once read, is kept in p (a later stop of the run comes after
+    it): one read for the host's exits, not one each, when 1,000 hosts stop at once."""
+    stopped = p.get("stopped")
+    if stopped is None:
+        stopped = p["stopped"] = stop_time(p)
     return stopped is not None and isinstance(when, (int, float)) and when >= stopped
 
 
 def send_exits(send: Send, p: dict[str, Any], logs: list[Any], reported: set[Any],
-               events: bool, unit: str) -> bool:
-    """Report rank exits as they land; True once nothing more will come."""
+               events: bool, unit: str, end: SupervisorEnd | None = None) -> tuple[bool, Any]:
+    """Report rank exits as they land; (True once nothing more will come, the host's
+    end read for it: finish sends that one, without a second read)."""
     for log in logs:
         if log.rank in reported:
             continue
@@ -161,7 +168,8 @@ def send_exits(send: Send, p: dict[str, Any], logs: list[Any], reported: set[Any
             emit(send, log)
             if events:
                 send(exit_event(p, log.rank, ex))
-    return host_done(p) is not None or (not events and len(reported) == len(logs))
+    done = host_done(p, end)
+    return done is not None or (not events and len(reported) == len(logs)), done
 
 
 def send_starts(send: Send, p: dict[str, Any], logs: list[Any], started: set[Any],
@@ -180,11 +188,12 @@ def send_starts(send: Send, p: dict[str, Any], logs: list[Any], started: set[Any
 
 
 def finish(send: Send, p: dict[str, Any], logs: list[Any], mode: str,
-           curves: list[str] | None = None) -> None:
+           curves: list[str] | None = None, done: Any = None) -> None:
+    """The last lines, then `done` (the host's end: read now unless given)."""
     for log in logs:
         emit(send, log, final=True)
     if mode == "events":
-        done = host_done(p) or {"code": None}
+        done = (done if done is not None else host_done(p)) or {"code": None}
         fields = {"code": done.get("code"), "time": done.get("time"), "lost": bool(done.get("lost"))}
         if after_stop(p, done.get("time")):
             fields["after_stop"] = True
@@ -285,6 +294,11 @@ class SupervisorEnd:
             self.ended = self.tried = True
             self.close()
 
+    def running(self) -> bool:
+        """The supervisor lives, by its pidfd (not ready at the last sleep); False when
+        none is held (then the records and /proc tell)."""
+        return self.fd is not None and not self.ended
+
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
@@ -361,9 +375,12 @@ def run(req: Request) -> None:
                 send_starts(send, p, logs, started, unit)
             busy = sum(emit(send, log) for log in logs)
             idle = 0 if busy else idle + 1
-            if mode in ("raw", "snapshot") or (records and send_exits(
-                    send, p, logs, reported, mode == "events", unit)):
-                return finish(send, p, logs, mode, a.get("curves"))
+            if mode in ("raw", "snapshot"):
+                return finish(send, p, logs, mode)
+            over, done = send_exits(send, p, logs, reported, mode == "events", unit, end) \
+                if records else (False, None)
+            if over:
+                return finish(send, p, logs, mode, a.get("curves"), done)
             if mode == "events" and len(reported) == len(logs):
                 end.watch(p)   # every rank ended: the host's end is torchrun's, soon
             if mode == "events":
