@@ -395,6 +395,7 @@ def test_ranks_that_outlive_torchrun_are_recorded_by_the_supervisor(
     first = wait_until(lambda: read_json(job.p["jd"], "run/rank-1.exit"), 30,
                        "rank 1's exit record, by the launcher")
     assert isinstance(first, dict) and first["code"] == 3
+    spare_inodes = unnamed_in(supervisor, job.path / "run")   # run/host.exit's, rank 0's
     killed_at = time.time()
     os.kill(record["torchrun_pid"], signal.SIGKILL)
     os.kill(rank0["pid"], signal.SIGTERM)
@@ -404,9 +405,24 @@ def test_ranks_that_outlive_torchrun_are_recorded_by_the_supervisor(
                      "rank 0's exit record, by the supervisor")
     assert isinstance(got, dict) and got["code"] == -signal.SIGTERM, got
     assert got["time"] >= killed_at - 1, (got, killed_at)
+    # both written into the files the supervisor made after the launch (agent/spares.py)
+    if hasattr(os, "O_TMPFILE"):
+        assert len(spare_inodes) == 2, spare_inodes
+        for name in ("rank-0.exit", "host.exit"):
+            assert os.stat(job.path / "run" / name).st_ino in spare_inodes, name
     assert read_json(job.p["jd"], "run/rank-1.exit") == first   # not written again
     all_gone([supervisor, record["torchrun_pid"]], timeout=30)
     assert not stray_pids([job.path], wait=2)
+
+
+def unnamed_in(pid: int, folder: Path) -> set[int]:
+    """The inodes of the unnamed files (O_TMPFILE) process pid holds in folder."""
+    out, real = set(), os.path.realpath(folder)
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"{real}/#"):
+                out.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+    return out
 
 
 LEAVER_RUN = """\
