@@ -517,3 +517,14 @@ def sigint_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def unnamed_in(pid: int, folder: Path) -> set[int]:
+    """The inodes of the unnamed files (O_TMPFILE, agent/spares.py) process pid holds in
+    folder."""
+    out, real = set(), os.path.realpath(folder)
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"{real}/#"):
+                out.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+    return out

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from helpers import unnamed_in
 from orchestrator.agent import paths, procs, supervisor
 from orchestrator.agent.common import job_paths, read_json, write_atomic
 from orchestrator.agent.launch import job_folders
@@ -511,15 +512,11 @@ def test_the_supervisor_writes_the_host_end_of_a_stop_into_its_spare(
     p = job(tmp_path)
     sup, _ = run_supervised(p, started, "exec sleep 60")
     run = str(Path(p["job"]) / "run")
-    held = {}
-    for fd in os.listdir(f"/proc/{sup['pid']}/fd"):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{sup['pid']}/fd/{fd}").startswith(run + "/#"):
-                held[fd] = os.stat(f"/proc/{sup['pid']}/fd/{fd}").st_ino
+    held = unnamed_in(sup["pid"], Path(run))
     assert len(held) == 1, held   # unnamed (O_TMPFILE): "run/#<inode> (deleted)"
     report = procs.stop(p["job"], 10.0)
     assert report["left"] == [] and report["found"] >= 2, report
     done = Path(run) / "host.exit"
     assert read_json(p["jd"], "run/host.exit")["reaped"] is True
-    assert os.stat(done).st_ino in held.values()
+    assert os.stat(done).st_ino in held
     assert not [n for n in os.listdir(run) if paths.PART in n]

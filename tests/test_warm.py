@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from helpers import snapshot, stray_pids, wait_until
+from helpers import snapshot, stray_pids, unnamed_in, wait_until
 from orchestrator.agent import launcher, preflight, procs, warm
 from orchestrator.agent.common import job_paths, read_json, write_atomic
 from orchestrator.agent.launch import job_folders
@@ -413,16 +413,6 @@ def test_ranks_that_outlive_torchrun_are_recorded_by_the_supervisor(
     assert read_json(job.p["jd"], "run/rank-1.exit") == first   # not written again
     all_gone([supervisor, record["torchrun_pid"]], timeout=30)
     assert not stray_pids([job.path], wait=2)
-
-
-def unnamed_in(pid: int, folder: Path) -> set[int]:
-    """The inodes of the unnamed files (O_TMPFILE) process pid holds in folder."""
-    out, real = set(), os.path.realpath(folder)
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"{real}/#"):
-                out.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
-    return out
 
 
 LEAVER_RUN = """\
