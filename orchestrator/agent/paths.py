@@ -361,7 +361,7 @@ class JobDir:
             if st is not None and stat.S_ISLNK(st.st_mode):
                 raise link_refused(self.show(rel))
             tmp = part_name(name)
-            if spares.write(pfd, name, tmp, data, mode):   # (one made ahead: spare)
+            if spares.write(pfd, name, tmp, mode, lambda fd: write_all(fd, data)):   # spare
                 return
             fd = create_excl(pfd, tmp, mode)
             try:
