@@ -4,7 +4,10 @@ agent's side on loopback (its facts, the listeners' tokens, a probe that answers
 soon as the best address is known)."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from netns_cluster import ip as netns_ip
 from orchestrator.agent import network as agent_net
 from orchestrator.agent.warm import matches
 from orchestrator.config.inventory import parse
@@ -253,6 +257,56 @@ def test_the_agent_learns_its_network_and_answers_the_probe_with_its_token() -> 
     finally:
         assert agent_net.run_close(None) == {"closed": 1}   # type: ignore[arg-type]
     assert agent_net.connect(good, 1)["why"] == "refused"
+
+
+def test_an_interface_is_up_by_its_carrier_whatever_the_lagging_operstate_says(
+        tmp_path: Path) -> None:
+    """`operstate` lags the link by the kernel's link watch (Linux 6.9+ sysfs does not
+    sync it): a carrier is read first, operstate only where there is none."""
+    def sysfs(name: str, **files: str) -> None:
+        (tmp_path / name).mkdir()
+        for f, text in files.items():
+            (tmp_path / name / f).write_text(text + "\n")
+    sysfs("eth0", carrier="1", operstate="down")   # just up: the watch has not run yet
+    sysfs("eth1", carrier="0", operstate="up")     # its peer went down a moment ago
+    sysfs("eth2", operstate="down")                # administratively down: no carrier
+    sysfs("tun0", operstate="unknown")
+    got = {n: agent_net.link_state(n, str(tmp_path)) for n in ("eth0", "eth1", "eth2", "tun0",
+                                                                "gone")}
+    assert got == {"eth0": "up", "eth1": "down", "eth2": "down", "tun0": "unknown",
+                   "gone": "unknown"}
+
+
+def test_a_veth_is_up_at_once_and_down_once_its_peer_is(tmp_path: Path) -> None:
+    """On this kernel: a veth just set up is up for the agent at once (the test of the
+    hostname trap failed where operstate still said "down"), and down once its peer is."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2")
+    tag = os.getpid() % 100000
+    a, b = f"orch-va{tag}", f"orch-vb{tag}"
+    check = ("import sys; from orchestrator.agent import network as n; "
+             "print(n.interface_up(sys.argv[1]))")
+
+    def up_in(ns: str, dev: str) -> str:
+        argv = ["ip", "netns", "exec", ns, sys.executable, "-c", check, dev]
+        return subprocess.run(argv, capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent.parent).stdout.strip()
+    try:
+        for ns in (a, b):
+            netns_ip("netns", "add", ns)
+        netns_ip("link", "add", "v0", "netns", a, "type", "veth", "peer", "name", "v1",
+                 "netns", b)
+        netns_ip("link", "set", "v1", "up", ns=b)
+        netns_ip("link", "set", "v0", "up", ns=a)
+        assert up_in(a, "v0") == "True"
+        netns_ip("link", "set", "v1", "down", ns=b)
+        assert up_in(a, "v0") == "False"
+        netns_ip("link", "set", "v0", "down", ns=a)
+        assert up_in(a, "v0") == "False"
+    finally:
+        for ns in (a, b):
+            netns_ip("netns", "del", ns, check=False)
+    assert a not in netns_ip("netns", "list").stdout
 
 
 def test_a_probe_answers_once_the_best_address_is_known() -> None:

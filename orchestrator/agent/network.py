@@ -65,7 +65,7 @@ def interface_addrs() -> dict[str, list[str]]:
 
 
 def interface_up(name: str) -> bool:
-    """IFF_UP and an operstate that is not down (a veth whose peer is gone is down)."""
+    """IFF_UP and a link that is not down (a veth whose peer is gone is down)."""
     import fcntl
     s = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
     try:
@@ -75,12 +75,25 @@ def interface_up(name: str) -> bool:
         return False
     finally:
         s.close()
+    return bool(flags & IFF_UP) and link_state(name) != "down"
+
+
+def link_state(name: str, root: str = "/sys/class/net") -> str:
+    """"up", "down" or "unknown". `carrier` is the link now; `operstate` follows it
+    through the kernel's link watch, which may lag by a second or more (since Linux
+    6.9 sysfs no longer syncs it: an interface up for half a second read "down"), so
+    it is read only where `carrier` cannot be (an interface that is administratively
+    down, or a driver without one)."""
     try:
-        with open("/sys/class/net/%s/operstate" % name) as f:
-            state = f.read().strip()
+        with open("%s/%s/carrier" % (root, name)) as f:
+            return "up" if f.read().strip() == "1" else "down"
     except OSError:
-        state = "unknown"
-    return bool(flags & IFF_UP) and state != "down"
+        pass
+    try:
+        with open("%s/%s/operstate" % (root, name)) as f:
+            return "down" if f.read().strip() == "down" else "unknown"
+    except OSError:
+        return "unknown"
 
 
 def interfaces() -> list[dict[str, Any]]:
