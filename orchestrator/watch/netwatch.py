@@ -13,8 +13,9 @@ ranks started (`stalled`), unless waiting connections name the cause.
 A firewall that refuses (iptables REJECT, an ICMP unreachable) leaves no waiting socket:
 a rank whose store connection is refused tries again until torch's timeout. Each reply
 also carries the kernel's count of failed connects in the job's network namespace
-(Tcp: AttemptFails); where it grew by MIN_FAILS or more between two looks that found
-the host's ranks started (`grown`) and no connection waits, that host checks the next
+(Tcp: AttemptFails); where it grew at each look of a run of looks that found the
+host's ranks started, by MIN_FAILS or more in all (`grown`), and no connection waits,
+that host checks the next
 REACH_PEERS hosts on a port the OS picks (each listens once, as at preflight),
 REACH_FROM hosts at most per look, and the pairs it cannot connect are named with the
 cause (refused, unreachable, no answer); if all answer, only what was seen is said (once,
@@ -106,8 +107,9 @@ class NetWatch:
         self.done = threading.Event()
         self.said_late = self.said_waits = self.said_fails = False
         self.said_unfound = False   # failed connects said once without a cause found
-        # host -> its failed connects at the last look, and whether its ranks had started
-        self.fails: dict[int, tuple[int, bool]] = {}
+        # host -> its failed connects at the last look, whether its ranks had started,
+        # and how many the run of looks that each saw the count grow has added up
+        self.fails: dict[int, tuple[int, bool, int]] = {}
         self.t0 = time.monotonic()
         self.thread = threading.Thread(target=self.run, daemon=True, name="orch-netwatch")
 
@@ -167,7 +169,7 @@ class NetWatch:
     def ask(self, rendezvous: bool = False) -> tuple[tuple[ev.NetWait, ...], dict[int, int]]:
         """Every host's waiting connections, each peer named by the addresses the hosts
         hold (one held by several hosts, as docker0's, names none); and the hosts whose
-        failed connects grew since the last look, by how many."""
+        failed connects grew look after look, by how many (grown())."""
         s = self.session
         got = ask_waits(s)
         grown = self.grown(got, rendezvous)
@@ -184,11 +186,16 @@ class NetWatch:
         return tuple(out), grown
 
     def grown(self, got: dict[int, NetWaitsReply], rendezvous: bool) -> dict[int, int]:
-        """Hosts whose count of failed connects grew by MIN_FAILS or more since the last
-        look, counted only between two looks that each found every rank of the host
-        started: before, a node's launcher is refused by the store while host 0 still
-        imports torch, which is no fault. At the rendezvous look a host with no rank
-        started counts too: by then its refusals are one."""
+        """Hosts whose count of failed connects grew at each look of a run of looks, by
+        MIN_FAILS or more in all since the run began, counted only between two looks
+        that each found every rank of the host started: before, a node's launcher is
+        refused by the store while host 0 still imports torch, which is no fault. At the
+        rendezvous look a host with no rank started counts too: by then its refusals are
+        one. A run, not one gap between looks: torch's store client tries again with a
+        growing backoff, about two refusals between looks that double (a gap alone never
+        reached MIN_FAILS in half of the runs of a store refused at host 0). A look
+        without growth ends the run (another program's stray refusals never add up),
+        and so does a count returned here (the next check counts anew)."""
         out = {}
         for i, reply in got.items():
             now = reply.fails
@@ -197,10 +204,12 @@ class NetWatch:
             ranks = self.session.cluster.hosts[i].ranks
             up = all(r in self.started for r in ranks)
             late = rendezvous and not any(r in self.started for r in ranks)
-            before, was_up = self.fails.get(i, (None, False))
-            if before is not None and ((up and was_up) or late) and now - before >= MIN_FAILS:
-                out[i] = now - before
-            self.fails[i] = (now, up)
+            before, was_up, run = self.fails.get(i, (None, False, 0))
+            grew = now - before if before is not None and ((up and was_up) or late) else 0
+            run = run + grew if grew > 0 else 0
+            if run >= MIN_FAILS:
+                out[i], run = run, 0
+            self.fails[i] = (now, up, run)
         return out
 
     def reach(self, grown: dict[int, int]) -> tuple[ev.NetWait, ...]:
@@ -250,7 +259,7 @@ class NetWatch:
         return out
 
 
-MIN_FAILS = 3      # failed connects between two looks that start the check
+MIN_FAILS = 3      # failed connects over looks that each saw more that start the check
 REACH_FROM = 16    # hosts with failed connects checked in one look
 REACH_PEERS = 64   # hosts each of them is checked against (the next on the ring)
 PROBE_CAUSE = {"refused": "refused", "unreachable": "unreachable", "timeout": "no answer"}
@@ -262,7 +271,7 @@ def fails_text(grown: dict[int, int], labels: dict[int, str],
     unanswered with the cause and fix; else only what was seen (no pair invented)."""
     seen = ", ".join(f"{n} on {labels[i]}" for i, n in sorted(grown.items())[:SHOWN])
     more = f" (and {len(grown) - SHOWN} more hosts)" if len(grown) > SHOWN else ""
-    seen = (f"failed TCP connects since the last look: {seen}{more} (refused or "
+    seen = (f"failed TCP connects, more at each look: {seen}{more} (refused or "
             "unreachable, then tried again, so no connection waits)")
     if not found:
         return (f"network: {seen}; every host checked from there answered on a port the "
