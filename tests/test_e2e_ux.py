@@ -128,7 +128,12 @@ def test_identical_failures_on_three_hosts_are_one_block(
             in up.stderr.splitlines()), up.stderr
     assert up.stderr.count("connection refused") == 1 and "Traceback" not in up.stderr
 
+    # SHLVL=1: the setup's bash does not read ~/.bashrc again. The fake hosts share
+    # root's home, and its `pyenv init` (`pyenv rehash`) raced between the three hosts
+    # once in CI and printed on one of them, so their outputs differed; separate
+    # machines each have their own home
     inv = sshd_cluster.write_inventory(tmp_path / "grp.yaml", hosts=hosts, name=name,
+                                       env={"SHLVL": "1"},
                                        top={"setup": ["echo no such package >&2; exit 3"]})
     up = orch(tmp_path, "up", "-c", inv.name, timeout=180)
     assert up.returncode == 3, up.stderr
