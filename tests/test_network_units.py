@@ -261,8 +261,8 @@ def test_the_agent_learns_its_network_and_answers_the_probe_with_its_token() -> 
 
 def test_an_interface_is_up_by_its_carrier_whatever_the_lagging_operstate_says(
         tmp_path: Path) -> None:
-    """`operstate` lags the link by the kernel's link watch (Linux 6.9+ sysfs does not
-    sync it): a carrier is read first, operstate only where there is none."""
+    """`operstate` lags the link by the kernel's link watch (on Linux 6.18, for up to
+    a second): a carrier is read first, operstate only where there is none."""
     def sysfs(name: str, **files: str) -> None:
         (tmp_path / name).mkdir()
         for f, text in files.items():

@@ -80,9 +80,9 @@ def interface_up(name: str) -> bool:
 
 def link_state(name: str, root: str = "/sys/class/net") -> str:
     """"up", "down" or "unknown". `carrier` is the link now; `operstate` follows it
-    through the kernel's link watch, which may lag by a second or more (since Linux
-    6.9 sysfs no longer syncs it: an interface up for half a second read "down"), so
-    it is read only where `carrier` cannot be (an interface that is administratively
+    through the kernel's link watch, which may lag by a second or more (on Linux
+    6.18 sysfs read "down" for a veth up for half a second, while `ip link` said UP),
+    so it is read only where `carrier` cannot be (an interface that is administratively
     down, or a driver without one)."""
     try:
         with open("%s/%s/carrier" % (root, name)) as f:
