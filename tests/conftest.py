@@ -3,8 +3,10 @@ teardown; the markers. Helper functions are in tests/helpers.py."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +32,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # action in each child at exec.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # orch keeps the agent's bundle in the user's cache folder (remote/bundlecache.py):
+    # the tests' orch keeps it in this run's own folder (pytest-xdist's workers inherit
+    # it), never in the home folder, and the folder goes when the run ends
+    if "ORCH_CACHE_DIR" not in os.environ:
+        cache = tempfile.mkdtemp(prefix="orch-test-cache-")
+        os.environ["ORCH_CACHE_DIR"] = cache
+        config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
     config.addinivalue_line(
         "markers", "ssh: end-to-end test against the fake sshd cluster (slow)")
     config.addinivalue_line(

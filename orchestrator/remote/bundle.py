@@ -17,10 +17,12 @@ import io
 import marshal
 import os
 import posixpath
+import sys
 import zipfile
 from pathlib import Path
 
 from orchestrator.config.inventory import Host
+from orchestrator.remote import bundlecache
 
 PACKAGE = Path(__file__).parent.parent   # orchestrator/
 SHIPPED = ("agent", "wire")               # the packages that travel, whole (stdlib only)
@@ -92,8 +94,20 @@ def zipped(files: list[tuple[str, bytes]]) -> tuple[bytes, str]:
 @functools.lru_cache(maxsize=1)
 def bundle() -> tuple[bytes, str]:
     """(zip bytes, sha256 hex) of what every host is sent: its digest is the agent's
-    version, and names the sources' digest too."""
-    return zipped(bundle_files())
+    version, and names the sources' digest too. Kept between commands
+    (remote/bundlecache.py), under a key of all its bytes depend on."""
+    data = bundlecache.cached(build_key(), lambda: zipped(bundle_files())[0])
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def build_key() -> list[bytes]:
+    """What the bundle's bytes depend on: the shipped sources, this Python (bytecode and
+    marshal) and this module (how it builds)."""
+    parts = [b"orch-bundle", importlib.util.MAGIC_NUMBER, sys.version.encode(),
+             Path(__file__).read_bytes()]
+    for name, data in source_files():
+        parts += [name.encode(), data]
+    return parts
 
 
 @functools.lru_cache(maxsize=1)
