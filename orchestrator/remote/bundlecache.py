@@ -4,11 +4,12 @@ depend only on the shipped sources, this Python and the build itself: they are k
 the user's cache folder, one file per key, and read back when the key is the same.
 
 Where: `$ORCH_CACHE_DIR`, else `$XDG_CACHE_HOME/orch`, else `~/.cache/orch`, each
-only as an absolute path (`ORCH_CACHE_DIR=off` keeps nothing). The bundle is code every host runs, so a file is
-used only where nobody else could have written it: the folder and the file owned by this
-user, neither writable by group or others, the file a regular one (a link is not
-followed) under MAX_BYTES, and its first line the sha256 of the rest. Anything else, or
-any error, and the bundle is built as before (and kept, where the folder can be made so).
+only as an absolute path (`ORCH_CACHE_DIR=off` keeps nothing). The bundle is code every
+host runs, so a file is used only where nobody else could have written it: the folder
+and the file owned by this user, neither writable by group or others, the file a
+regular one (a link is not followed) under MAX_BYTES, and its first line the sha256 of
+the rest. Anything else, or any error, and the bundle is built as before (and kept,
+where the folder can be made so).
 """
 from __future__ import annotations
 

@@ -15,14 +15,13 @@ a rank whose store connection is refused tries again until torch's timeout. Each
 also carries the kernel's count of failed connects in the job's network namespace
 (Tcp: AttemptFails); where it grew at each look of a run of looks that found the
 host's ranks started, by MIN_FAILS or more in all (`grown`), and no connection waits,
-that host checks the next
-REACH_PEERS hosts on a port the OS picks (each listens once, as at preflight),
-REACH_FROM hosts at most per look, and the pairs it cannot connect are named with the
-cause (refused, unreachable, no answer); if all answer, only what was seen is said (once,
-and only while no rank printed since the last look; the looks go on for a cause). Each
-is said once, as a `NetworkStall` event; the job goes on (Ctrl-C, `orch stop` or
-`job.hang_timeout` ends it). A look is one small request per host; the looks thin out,
-so a long run asks a handful of times in all.
+that host checks the next REACH_PEERS hosts on a port the OS picks (each listens once,
+as at preflight), REACH_FROM hosts at most per look, and the pairs it cannot connect
+are named with the cause (refused, unreachable, no answer); if all answer, only what
+was seen is said (once, and only while no rank printed since the last look; the looks go
+on for a cause). Each is said once, as a `NetworkStall` event; the job goes on (Ctrl-C,
+`orch stop` or `job.hang_timeout` ends it). A look is one small request per host; the
+looks thin out, so a long run asks a handful of times in all.
 
 A pair refused at once (gloo tries 4 times in about a second, then init_process_group
 raises) ends the job instead: `refused` reads the root cause's last lines and names the
