@@ -3,6 +3,7 @@ where intact and private to this user, built again otherwise, the same bytes eit
 way."""
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -16,10 +17,11 @@ class Builds:
 
     def __init__(self, data: bytes = b"zip bytes\n\x00\xff") -> None:
         self.data, self.calls = data, 0
+        self.got = (data, hashlib.sha256(data).hexdigest())   # what cached() returns
 
-    def __call__(self) -> bytes:
+    def __call__(self) -> tuple[bytes, str]:
         self.calls += 1
-        return self.data
+        return self.got
 
 
 @pytest.fixture
@@ -37,14 +39,14 @@ def only_file(where: Path) -> Path:
 
 def test_a_bundle_is_built_once_then_read_back(cache: Path) -> None:
     build = Builds()
-    assert bundlecache.cached([b"a", b"b"], build) == build.data
-    assert bundlecache.cached([b"a", b"b"], build) == build.data
+    assert bundlecache.cached([b"a", b"b"], build) == build.got
+    assert bundlecache.cached([b"a", b"b"], build) == build.got
     assert build.calls == 1
     kept = only_file(cache)
     assert kept.stat().st_mode & 0o777 == 0o600 and cache.stat().st_mode & 0o777 == 0o700
     assert not [p for p in cache.iterdir() if p.name.startswith(".part-")]
-    assert bundlecache.cached([b"a", b"c"], build) == build.data and build.calls == 2
-    assert bundlecache.cached([b"ab"], build) == build.data and build.calls == 3   # not [a, b]
+    assert bundlecache.cached([b"a", b"c"], build) == build.got and build.calls == 2
+    assert bundlecache.cached([b"ab"], build) == build.got and build.calls == 3   # not [a, b]
 
 
 def test_a_changed_byte_is_built_again_and_mended(cache: Path) -> None:
@@ -54,10 +56,10 @@ def test_a_changed_byte_is_built_again_and_mended(cache: Path) -> None:
     raw = bytearray(kept.read_bytes())
     raw[-1] ^= 1
     kept.write_bytes(bytes(raw))
-    assert bundlecache.cached([b"k"], build) == build.data and build.calls == 2
-    assert bundlecache.cached([b"k"], build) == build.data and build.calls == 2
+    assert bundlecache.cached([b"k"], build) == build.got and build.calls == 2
+    assert bundlecache.cached([b"k"], build) == build.got and build.calls == 2
     kept.write_bytes(b"")   # truncated
-    assert bundlecache.cached([b"k"], build) == build.data and build.calls == 3
+    assert bundlecache.cached([b"k"], build) == build.got and build.calls == 3
 
 
 def test_a_file_or_folder_others_could_write_is_never_read(cache: Path) -> None:
@@ -65,7 +67,7 @@ def test_a_file_or_folder_others_could_write_is_never_read(cache: Path) -> None:
     bundlecache.cached([b"k"], build)
     kept = only_file(cache)
     kept.chmod(0o620)
-    assert bundlecache.cached([b"k"], build) == build.data and build.calls == 2
+    assert bundlecache.cached([b"k"], build) == build.got and build.calls == 2
     assert kept.stat().st_mode & 0o777 == 0o600   # written again, ours
     cache.chmod(0o777)
     bundlecache.cached([b"k"], build)
@@ -74,7 +76,7 @@ def test_a_file_or_folder_others_could_write_is_never_read(cache: Path) -> None:
     cache.chmod(0o700)
     if os.geteuid() == 0:   # a file of another user's, in our folder
         os.chown(kept, 65534, 65534)
-        assert bundlecache.cached([b"k"], build) == build.data and build.calls == 5
+        assert bundlecache.cached([b"k"], build) == build.got and build.calls == 5
         assert kept.stat().st_uid == 0
 
 
@@ -87,7 +89,7 @@ def test_a_link_is_not_followed_and_its_target_is_left_alone(cache: Path,
     target.write_bytes(kept.read_bytes())   # an intact cache file, behind a link
     kept.unlink()
     kept.symlink_to(target)
-    assert bundlecache.cached([b"k"], build) == build.data and build.calls == 2
+    assert bundlecache.cached([b"k"], build) == build.got and build.calls == 2
     assert not kept.is_symlink() and target.read_bytes().endswith(build.data)
 
 
@@ -95,7 +97,7 @@ def test_too_big_a_file_is_not_read(cache: Path, monkeypatch: pytest.MonkeyPatch
     build = Builds(b"x" * 100)
     bundlecache.cached([b"k"], build)
     monkeypatch.setattr(bundlecache, "MAX_BYTES", 50)
-    assert bundlecache.cached([b"k"], build) == build.data and build.calls == 2
+    assert bundlecache.cached([b"k"], build) == build.got and build.calls == 2
 
 
 def test_off_or_a_relative_folder_keeps_nothing(tmp_path: Path,

@@ -96,8 +96,7 @@ def bundle() -> tuple[bytes, str]:
     """(zip bytes, sha256 hex) of what every host is sent: its digest is the agent's
     version, and names the sources' digest too. Kept between commands
     (remote/bundlecache.py), under a key of all its bytes depend on."""
-    data = bundlecache.cached(build_key(), lambda: zipped(bundle_files())[0])
-    return data, hashlib.sha256(data).hexdigest()
+    return bundlecache.cached(build_key(), lambda: zipped(bundle_files()))
 
 
 def build_key() -> list[bytes]:

@@ -47,26 +47,29 @@ def key(parts: Iterable[bytes]) -> str:
     return h.hexdigest()
 
 
-def cached(parts: Iterable[bytes], build: Callable[[], bytes]) -> bytes:
-    """The bytes `build` makes for these key parts: read back where kept and intact,
-    else built (and kept where the folder is ours)."""
+def cached(parts: Iterable[bytes], build: Callable[[], tuple[bytes, str]]
+           ) -> tuple[bytes, str]:
+    """(bytes, their sha256 hex) that `build` makes for these key parts: read back where
+    kept and intact (the digest is the file's checked first line), else built (and kept
+    where the folder is ours)."""
     where = folder()
     if where is None:
         return build()
     path = where / f"{PREFIX}{key(parts)[:40]}.zip"
-    data = load(path)
-    if data is None:
-        data = build()
-        save(path, data)
-    return data
+    got = load(path)
+    if got is None:
+        got = build()
+        save(path, *got)
+    return got
 
 
 def private(st: os.stat_result) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
-def load(path: Path) -> bytes | None:
-    """The kept bytes, or None: no file, not ours, not private, too big, or not intact."""
+def load(path: Path) -> tuple[bytes, str] | None:
+    """The kept bytes and their sha256 hex, or None: no file, not ours, not private, too
+    big, or not intact."""
     try:
         if not private(os.stat(path.parent)):
             return None
@@ -84,11 +87,13 @@ def load(path: Path) -> bytes | None:
     finally:
         os.close(fd)
     head, _, data = raw.partition(b"\n")
-    return data if head == hashlib.sha256(data).hexdigest().encode() else None
+    digest = hashlib.sha256(data).hexdigest()
+    return (data, digest) if head == digest.encode() else None
 
 
-def save(path: Path, data: bytes) -> None:
-    """Kept under a private name, then renamed over `path`; nothing on any error."""
+def save(path: Path, data: bytes, digest: str) -> None:
+    """`data` under its sha256 hex `digest`, kept under a private name, then renamed over
+    `path`; nothing on any error."""
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not private(os.stat(path.parent)):
@@ -98,7 +103,7 @@ def save(path: Path, data: bytes) -> None:
         return
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(hashlib.sha256(data).hexdigest().encode() + b"\n" + data)
+            f.write(digest.encode() + b"\n" + data)
         os.replace(tmp, path)
     except OSError:
         try:
